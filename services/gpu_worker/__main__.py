@@ -1,0 +1,42 @@
+"""`python -m services.gpu_worker`: load the model, announce to the conductor, serve steps."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shared.config import (
+    add_address_flags, add_deployment_flags, advertised, deployment_from_args, env_address, resolve_addresses,
+)
+from shared.logs import setup_logging
+from shared.model import DeploymentError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.gpu_worker", description="mstar gpu worker: the model, paged KV pools and the step loop")
+    add_deployment_flags(parser)
+    add_address_flags(parser, ["conductor"])
+    parser.add_argument("--worker-id", default=os.environ.get("MSTAR_WORKER_ID", "worker-0"))
+    parser.add_argument("--bind-addr", default=None, help="where this worker pulls work (env MSTAR_WORKER_ADDR; default ipc in the run folder, one per worker id)")
+    parser.add_argument("--advertise-addr", default=os.environ.get("MSTAR_WORKER_ADVERTISE_ADDR"), help="address the conductor connects to, when the bind address is not reachable as-is")
+    args = parser.parse_args(argv)
+    log = setup_logging(f"gpu_worker:{args.worker_id}")
+    bind = args.bind_addr or os.environ.get("MSTAR_WORKER_ADDR") or env_address(f"gpu_worker_{args.worker_id}")
+
+    addrs = resolve_addresses(args, ["conductor"])
+    try:
+        from services.gpu_worker.worker import GpuWorker
+
+        worker = GpuWorker(deployment_from_args(args), bind, advertised(bind, args.advertise_addr), addrs["conductor"], args.worker_id)
+    except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
+        log.error("cannot start: %s", exc)
+        print(f"gpu_worker: cannot start: {exc}", file=sys.stderr)
+        return 2
+    log.info("ready at %s", bind)
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

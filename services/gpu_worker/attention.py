@@ -1,0 +1,139 @@
+"""Paged attention over FlashInfer's page layout, in torch (the CPU path).
+
+Pages are `[num_pages, 2, page_size, kv_heads, head_dim]` per layer; a request's KV is the
+pages in `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
+`kv_last_page_len[b]`. `AttnMetadata` is built once per step and shared by every layer,
+so layers do no Python work per request beyond one SDPA call per prefill chunk; all decode
+rows of a step go through one batched SDPA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """Query rows [q_start, q_end) of one request, at the end of its `kv_len` keys."""
+
+    q_start: int
+    q_end: int
+    pages: torch.Tensor  # int32 [n_pages]
+    kv_len: int
+    mask: torch.Tensor | None  # bool [q, kv_len] or None when plain causal (no cached rows)
+
+
+@dataclass
+class AttnMetadata:
+    slot_pages: torch.Tensor  # long [T]: page each new row is written to
+    slot_offsets: torch.Tensor  # long [T]: row inside that page
+    decode_rows: torch.Tensor | None = None  # long [B]: rows of T that are single-token decodes
+    decode_pages: torch.Tensor | None = None  # long [B, max_pages] (padded with page 0)
+    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_pages * page_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # FlashInfer-layout view of the same batch, for backends that take it directly.
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
+    """Query i of the last q_len rows of kv_len keys sees keys j <= kv_len - q_len + i."""
+    i = torch.arange(q_len).unsqueeze(1)
+    j = torch.arange(kv_len).unsqueeze(0)
+    return j <= (kv_len - q_len) + i
+
+
+def build_metadata(
+    rows: list[tuple[list[int], int, int, bool]], page_size: int
+) -> AttnMetadata:
+    """Build one step's metadata.
+
+    `rows` holds, per request in batch order: (its pages, rows already in KV before this
+    step, rows this step writes, is_decode). Decode requests must come first.
+    """
+    slot_pages: list[int] = []
+    slot_offsets: list[int] = []
+    indptr = [0]
+    indices: list[int] = []
+    last_lens: list[int] = []
+    decode_rows: list[int] = []
+    decode_pages: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    t = 0
+    for pages, cached, new, is_decode in rows:
+        for r in range(cached, cached + new):
+            slot_pages.append(pages[r // page_size])
+            slot_offsets.append(r % page_size)
+        kv_len = cached + new
+        n_pages = -(-kv_len // page_size)
+        used = pages[:n_pages]
+        indices.extend(used)
+        indptr.append(len(indices))
+        last_lens.append(kv_len - (n_pages - 1) * page_size)
+        if is_decode:
+            decode_rows.append(t)
+            decode_pages.append(used)
+            decode_lens.append(kv_len)
+        else:
+            mask = None if cached == 0 else bottom_right_causal_mask(new, kv_len)
+            prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
+        t += new
+    meta = AttnMetadata(
+        slot_pages=torch.tensor(slot_pages, dtype=torch.long),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long),
+        prefills=prefills,
+        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
+        kv_indices=torch.tensor(indices, dtype=torch.int32),
+        kv_last_page_len=torch.tensor(last_lens, dtype=torch.int32),
+    )
+    if decode_rows:
+        width = max(len(p) for p in decode_pages)
+        padded = torch.zeros(len(decode_pages), width, dtype=torch.long)
+        for b, p in enumerate(decode_pages):
+            padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor(decode_lens)
+        mask = torch.arange(width * page_size).unsqueeze(0) < lens.unsqueeze(1)
+        meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        meta.decode_pages = padded
+        meta.decode_mask = mask[:, None, None, :]
+    return meta
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
+    """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D]."""
+    cache[meta.slot_pages, 0, meta.slot_offsets] = k
+    cache[meta.slot_pages, 1, meta.slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv)."""
+    out = torch.empty_like(q)
+    page_size = cache.shape[2]
+    if meta.decode_rows is not None:
+        b, width = meta.decode_pages.shape
+        kv = cache[meta.decode_pages]  # [B, W, 2, ps, H, D]
+        h, d = kv.shape[-2], kv.shape[-1]
+        k = kv[:, :, 0].reshape(b, width * page_size, h, d).transpose(1, 2)
+        v = kv[:, :, 1].reshape(b, width * page_size, h, d).transpose(1, 2)
+        qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[meta.decode_rows] = o.squeeze(2)
+    for chunk in meta.prefills:
+        kv = cache[chunk.pages]  # [n, 2, ps, H, D]
+        h, d = kv.shape[-2], kv.shape[-1]
+        k = kv[:, 0].reshape(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        v = kv[:, 1].reshape(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+        if chunk.mask is None:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
+    return out

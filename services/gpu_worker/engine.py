@@ -1,0 +1,221 @@
+"""Continuous batching for decoder LMs: requests join the running batch between steps,
+and prefill chunks share a step with decode rows under a token budget.
+
+Admission reserves a request's whole footprint (see kv_manager), so a running request
+always finds its pages: nothing is ever preempted or recomputed. The decode loop never
+runs past its cap; the cap is kept on the sequence, so no per-step state resets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.gpu_worker.attention import build_metadata
+from services.gpu_worker.kv_manager import KVManager, LayoutViolation, RequestKV
+from services.gpu_worker.sampler import make_generator, sample
+from shared.frames import NewRequest, Output, RequestError, SamplingParams
+
+log = logging.getLogger("mstar.engine")
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    reply_to: str
+    sampling: SamplingParams
+    max_tokens: int
+    caps: dict[str, int]
+    prompt: list[int]
+    kv: RequestKV
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # rows of prompt + output already in KV
+    iters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt)
+        return (self.prompt[start:end] if end <= p else (self.prompt + self.output)[start:end])
+
+
+@dataclass
+class StepResult:
+    outputs: list[tuple[str, Output]] = field(default_factory=list)
+    errors: list[tuple[str, RequestError]] = field(default_factory=list)
+    finished: list[tuple[str, int, str]] = field(default_factory=list)  # id, pages, status
+
+
+class Engine:
+    def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *,
+                 eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int) -> None:
+        self.model = model
+        self.spec = spec
+        self.kv = kv
+        self.caches = caches[spec.pool]
+        self.label = spec.kv_labels[0].name
+        self.loop = spec.decode_loop
+        self.page_size = kv.pools[spec.pool].config.page_size
+        self.eos = set(eos_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seq_len = max_seq_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.ids: dict[str, Sequence] = {}
+
+    # -- intake ----------------------------------------------------------------------
+
+    def add(self, req: NewRequest, tensors: dict[str, np.ndarray]) -> None:
+        """Ingest and queue a request; raises ValueError on a request this worker refuses."""
+        if req.request_id in self.ids:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.max_tokens is None or req.max_tokens < 1:
+            raise ValueError("NewRequest reached the worker without max_tokens")
+        prompt = [int(t) for t in tensors["input_ids"].reshape(-1)]
+        kv = self.kv.ingest_request(req)
+        if not self.kv.fits_at_all(kv):
+            raise ValueError("footprint exceeds the pool")
+        seq = Sequence(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps),
+                       prompt, kv, make_generator(req.sampling.seed), iters={self.loop: 0})
+        self.ids[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> tuple[str, int] | None:
+        """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""
+        seq = self.ids.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        return seq.reply_to, self.kv.remove(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting and self._admissible())
+
+    def _admissible(self) -> bool:
+        return len(self.running) < self.max_num_seqs and self.kv.can_admit(self.waiting[0].kv)
+
+    # -- one step --------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        # Oldest first and never skipping the head: a large request is not starved by
+        # smaller ones arriving after it.
+        while self.waiting and self._admissible():
+            seq = self.waiting.popleft()
+            self.kv.admit(seq.kv)
+            self.running.append(seq)
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.max_batch_tokens
+        decodes = [s for s in self.running if s.num_computed >= len(s.prompt)]
+        prefills = [s for s in self.running if s.num_computed < len(s.prompt)]
+        batch = []
+        for s in decodes:
+            batch.append((s, 1))
+        budget -= len(decodes)
+        for s in prefills:
+            if budget <= 0:
+                break
+            n = min(len(s.prompt) - s.num_computed, budget)
+            batch.append((s, n))
+            budget -= n
+        return batch
+
+    def step(self) -> StepResult:
+        res = StepResult()
+        self._admit()
+        batch = self._schedule()
+        if not batch:
+            return res
+        try:
+            sampled = self._forward(batch)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(batch))
+            for seq, _ in batch:
+                self._fail(seq, 500, "internal error in the model step", error_id, res)
+            return res
+        for (seq, n), tok in zip(batch, sampled):
+            decode = seq.num_computed >= len(seq.prompt)
+            try:
+                self.kv.commit(seq.request_id, self.label, n, self.loop if decode else None)
+            except LayoutViolation as exc:
+                error_id = uuid.uuid4().hex[:12]
+                log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
+                self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)
+                continue
+            seq.num_computed += n
+            if decode:
+                seq.iters[self.loop] += 1
+            if tok is not None:
+                self._emit(seq, tok, res)
+        return res
+
+    def _forward(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
+        rows, ids, positions, sample_rows, sample_seqs = [], [], [], [], []
+        t = 0
+        for seq, n in batch:
+            pages = self.kv.reserve_rows(seq.request_id, self.label, n)
+            decode = seq.num_computed >= len(seq.prompt)
+            rows.append((pages, seq.num_computed, n, decode))
+            ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
+            positions.extend(range(seq.num_computed, seq.num_computed + n))
+            t += n
+            if seq.num_computed + n == seq.tokens_len:
+                sample_rows.append(t - 1)
+                sample_seqs.append(seq)
+        meta = build_metadata(rows, self.page_size)
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                self.caches, meta, torch.tensor(sample_rows, dtype=torch.long),
+            )
+            toks = sample(logits, [s.sampling for s in sample_seqs], [s.generator for s in sample_seqs])
+        by_seq = {id(s): tok for s, tok in zip(sample_seqs, toks)}
+        return [by_seq.get(id(seq)) for seq, _ in batch]
+
+    def _emit(self, seq: Sequence, tok: int, res: StepResult) -> None:
+        seq.output.append(tok)
+        finish = None
+        if tok in self.eos and not seq.sampling.ignore_eos:
+            finish = "stop"
+        elif len(seq.output) >= seq.max_tokens or seq.tokens_len >= self.max_seq_len:
+            finish = "length"
+        elif seq.iters[self.loop] >= seq.caps.get(self.loop, 0):
+            finish = "length"  # the loop's cap is reached: never run it further
+        res.outputs.append((seq.reply_to, Output(seq.request_id, [tok], finish, len(seq.prompt), len(seq.output))))
+        if finish is not None:
+            ran_to_caps = seq.iters[self.loop] >= seq.caps.get(self.loop, 0)
+            self._finish(seq, ran_to_caps, "ok", res)
+
+    def _finish(self, seq: Sequence, ran_to_caps: bool, status: str, res: StepResult) -> None:
+        self.running.remove(seq)
+        del self.ids[seq.request_id]
+        res.finished.append((seq.request_id, self.kv.remove(seq.request_id, ran_to_caps), status))
+
+    def _fail(self, seq: Sequence, status: int, message: str, error_id: str, res: StepResult) -> None:
+        if seq.request_id not in self.ids:
+            return
+        res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, "internal_error", None, error_id)))
+        self._finish(seq, False, "error", res)
+
+    def fail_all(self, status: int, message: str, error_type: str) -> StepResult:
+        """End every request (used at shutdown); pages all return to the pools."""
+        res = StepResult()
+        for seq in list(self.running) + list(self.waiting):
+            _, pages = self.abort(seq.request_id)
+            res.finished.append((seq.request_id, pages, "error"))
+            res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, error_type)))
+        return res

@@ -1,0 +1,240 @@
+"""The KV manager: pages of each pool, each request's per-label page lists and footprints.
+
+`ingest_request` is the only way in (from a `NewRequest`); it computes every label's
+footprint once. Admission reserves the footprint, so a request that keeps to its layout
+can never find the pool empty mid-run and nothing ever needs preempting. `_alloc` serves
+a page past the footprint (never corrupting another request) but logs it once per request
+and label and counts it: that is a model bug the layout contract exists to catch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from shared.frames import NewRequest, PoolStats
+from shared.layout import KVLabel, KVReqConfig, LabelLayout, PagedKVConfig, label_footprint
+
+log = logging.getLogger("mstar.kv")
+
+
+class LayoutViolation(Exception):
+    """Under MSTAR_KV_DEBUG_ASSERTS=1, a commit that does not match the declared layout."""
+
+
+def debug_asserts_enabled() -> bool:
+    return os.environ.get("MSTAR_KV_DEBUG_ASSERTS", "0") not in ("", "0", "false")
+
+
+@dataclass
+class LabelState:
+    label: KVLabel
+    layout: LabelLayout
+    footprint: int
+    page_size: int
+    pages: list[int] = field(default_factory=list)
+    rows: int = 0  # rows committed (label positions 0..rows-1)
+    first_page: int = 0  # label page index of pages[0] (pages before it were released)
+    peak_pages: int = 0
+    overrun_logged: bool = False
+    span_cursor: int = 0  # which span the next commit continues (debug asserts)
+    span_done: int = 0  # rows of that span already committed
+    loop_commits: dict[str, int] = field(default_factory=dict)
+
+    def page_for_row(self, row: int) -> int:
+        return self.pages[row // self.page_size - self.first_page]
+
+
+@dataclass
+class RequestKV:
+    request_id: str
+    caps: dict[str, int]
+    configs: dict[str, KVReqConfig]
+    labels: dict[str, LabelState]
+
+    def footprint(self, pool: str) -> int:
+        return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)
+
+
+class Pool:
+    def __init__(self, config: PagedKVConfig) -> None:
+        self.config = config
+        # Pop from the end: low page ids go out first, which keeps tests readable.
+        self.free: list[int] = list(range(config.num_pages - 1, -1, -1))
+        self.reserved = 0
+
+    @property
+    def used(self) -> int:
+        return self.config.num_pages - len(self.free)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.config.name, self.config.num_pages, len(self.free), self.reserved)
+
+
+class KVManager:
+    def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...]) -> None:
+        self.pools = {name: Pool(cfg) for name, cfg in pools.items()}
+        self.labels = {lab.name: lab for lab in labels}
+        self.requests: dict[str, RequestKV] = {}
+        self.footprint_overruns = 0
+        self.debug = debug_asserts_enabled()
+
+    # -- intake -------------------------------------------------------------------------
+
+    def ingest_request(self, req: NewRequest) -> RequestKV:
+        """Compute each label's footprint once, from the layout and the clamped caps."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already in the KV manager")
+        states: dict[str, LabelState] = {}
+        for name, layout in req.kv_layout.items():
+            lab = self.labels.get(name)
+            if lab is None:
+                raise ValueError(f"layout names undeclared KV label {name!r}")
+            page_size = self.pools[lab.pool].config.page_size
+            fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
+            states[name] = LabelState(lab, layout, fp, page_size)
+        kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
+        for pool, cfg in kv.configs.items():
+            for name, fp in cfg.footprints.items():
+                if name in states and states[name].footprint != fp:
+                    raise ValueError(f"label {name!r}: conductor footprint {fp} != worker footprint {states[name].footprint}")
+        return kv
+
+    def can_admit(self, kv: RequestKV) -> bool:
+        return all(len(p.free) - p.reserved >= kv.footprint(name) for name, p in self.pools.items())
+
+    def fits_at_all(self, kv: RequestKV) -> bool:
+        return all(kv.footprint(name) <= p.config.num_pages for name, p in self.pools.items())
+
+    def admit(self, kv: RequestKV) -> None:
+        """Reserve the footprint: what this request may take later is set aside now."""
+        for name, pool in self.pools.items():
+            pool.reserved += kv.footprint(name)
+        self.requests[kv.request_id] = kv
+        self._check_conservation()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def reserve_rows(self, request_id: str, label: str, n: int) -> list[int]:
+        """Make sure pages exist for the next `n` rows; returns the label's live pages.
+
+        Rows are written by the forward before `commit` advances the count, so pages are
+        taken here, one `_alloc` per page boundary crossed."""
+        kv = self.requests[request_id]
+        st = kv.labels[label]
+        need = -(-(st.rows + n) // st.page_size) - st.first_page
+        while len(st.pages) < need:
+            st.pages.append(self._alloc(kv, st))
+        st.peak_pages = max(st.peak_pages, len(st.pages))
+        return st.pages
+
+    def _alloc(self, kv: RequestKV, st: LabelState) -> int:
+        pool = self.pools[st.label.pool]
+        held = len(st.pages) + 1
+        if held > st.footprint:
+            if not st.overrun_logged:
+                st.overrun_logged = True
+                self.footprint_overruns += 1
+                log.error(
+                    "KV footprint overrun: request %s label %r takes page %d past its footprint of %d "
+                    "(layout under-states what it writes; page served anyway)",
+                    kv.request_id, st.label.name, held, st.footprint,
+                )
+        else:
+            pool.reserved -= 1  # this page was set aside at admission
+        if not pool.free:
+            raise MemoryError(f"pool {pool.config.name!r} has no free page")
+        return pool.free.pop()
+
+    def commit(self, request_id: str, label: str, n: int, loop: str | None = None) -> None:
+        """Advance the label by `n` rows written this step; `loop` names the loop when the
+        rows are growth (None while committing spans). Then apply window retention."""
+        kv = self.requests[request_id]
+        st = kv.labels[label]
+        if self.debug:
+            self._check_commit(kv, st, n, loop)
+        st.rows += n
+        if st.label.window is not None:
+            self._retain(kv, st)
+        if self.debug:
+            self._check_conservation()
+
+    def _check_commit(self, kv: RequestKV, st: LabelState, n: int, loop: str | None) -> None:
+        spans = st.layout.spans
+        if loop is None:
+            # Span commits continue the declared spans in order; a chunk may be part of one.
+            while st.span_cursor < len(spans) and spans[st.span_cursor].length == st.span_done:
+                st.span_cursor, st.span_done = st.span_cursor + 1, 0
+            if st.span_cursor >= len(spans):
+                raise LayoutViolation(f"label {st.label.name!r} commits {n} span rows past its declared spans")
+            left = spans[st.span_cursor].length - st.span_done
+            if n > left:
+                raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span {st.span_cursor} ({left} left)")
+            st.span_done += n
+            return
+        done = st.span_cursor >= len(spans) or (st.span_cursor == len(spans) - 1 and st.span_done == spans[-1].length)
+        if not done:
+            raise LayoutViolation(f"label {st.label.name!r} grows on {loop!r} before its spans are committed")
+        want = st.layout.growth.get(loop, 0)
+        if n != want:
+            raise LayoutViolation(f"label {st.label.name!r} commits {n} rows on {loop!r}; its layout grows {want} per iteration")
+        count = st.loop_commits.get(loop, 0) + 1
+        if count > kv.caps.get(loop, 0):
+            raise LayoutViolation(f"label {st.label.name!r} runs {loop!r} past its cap {kv.caps.get(loop, 0)}")
+        st.loop_commits[loop] = count
+
+    def _retain(self, kv: RequestKV, st: LabelState) -> None:
+        """Release pages wholly behind the window; drop them from the label's page list so
+        the footprint check compares live pages with the windowed footprint."""
+        keep_from = max(0, st.rows - st.label.window)
+        first_kept = keep_from // st.page_size
+        pool = self.pools[st.label.pool]
+        while st.first_page < first_kept and st.pages:
+            pool.free.append(st.pages.pop(0))
+            st.first_page += 1
+            pool.reserved += 1  # the freed page returns to this request's reservation
+
+    # -- removal -------------------------------------------------------------------------
+
+    def remove(self, request_id: str, ran_to_caps: bool = False) -> int:
+        """Return every page the request holds and its unused reservation; pages released."""
+        kv = self.requests.pop(request_id, None)
+        if kv is None:
+            return 0
+        released = 0
+        for st in kv.labels.values():
+            pool = self.pools[st.label.pool]
+            if self.debug and ran_to_caps and st.peak_pages < st.footprint:
+                log.error(
+                    "request %s label %r ran to its caps but held at most %d of its %d footprint pages (footprint not tight)",
+                    request_id, st.label.name, st.peak_pages, st.footprint,
+                )
+            pool.free.extend(st.pages)
+            released += len(st.pages)
+            pool.reserved -= max(0, st.footprint - len(st.pages))
+            st.pages.clear()
+        # A label that overran took pages beyond its reservation; never let reserved go negative.
+        for pool in self.pools.values():
+            pool.reserved = max(pool.reserved, 0)
+        self._check_conservation()
+        return released
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def stats(self) -> list[PoolStats]:
+        return [p.stats() for p in self.pools.values()]
+
+    def used_pages(self) -> int:
+        return sum(p.used for p in self.pools.values())
+
+    def _check_conservation(self) -> None:
+        if not self.debug:
+            return
+        for name, pool in self.pools.items():
+            owned = [pg for kv in self.requests.values() for st in kv.labels.values() if st.label.pool == name for pg in st.pages]
+            free = set(pool.free)
+            if len(free) != len(pool.free) or len(set(owned)) != len(owned) or free & set(owned):
+                raise AssertionError(f"pool {name!r}: a page is both free and owned, or owned twice")
+            if len(free) + len(owned) != pool.config.num_pages:
+                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(owned)} owned != {pool.config.num_pages}")

@@ -1,0 +1,160 @@
+"""Llama / Qwen2 / Qwen3 decoder in torch, attending over paged KV.
+
+Parameter names follow Hugging Face's checkpoints so `load_state_dict` takes a
+safetensors (or dequantized GGUF) state dict as-is. The family differences are config
+switches: Qwen2's q/k/v biases (`attention_bias` or model_type qwen2), Qwen3's per-head
+q/k RMSNorm, tied embeddings, explicit head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """HF's rotate_half RoPE, with cos/sin tables precomputed up to max positions."""
+
+    def __init__(self, head_dim: int, base: float, max_pos: int, scaling: dict | None) -> None:
+        super().__init__()
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+            raise NotImplementedError(f"rope_scaling {scaling} is not supported yet")
+        self.head_dim, self.base, self.max_pos = head_dim, base, max_pos
+        self.register_buffer("cos", torch.empty(max_pos, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_pos, head_dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables; also called after building on the meta device."""
+        if self.cos.is_meta:
+            return
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        freqs = torch.outer(torch.arange(self.max_pos, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, layer: int) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.heads = cfg["num_attention_heads"]
+        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.heads
+        self.layer = layer
+        qwen2 = cfg.get("model_type") == "qwen2"
+        bias = qwen2 or bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias and not qwen2)
+        self.qk_norm = cfg.get("model_type") == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttnMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        write_kv(cache, k, v, meta)
+        o = paged_attention(q, cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        bias = bool(cfg.get("mlp_bias", False))
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg.get('hidden_act')!r} is not supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, x, positions, rotary, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+
+class DecoderLM(nn.Module):
+    """`forward(input_ids [T], positions [T], kv_caches, meta, sample_rows)` -> logits
+    [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest)."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        self.rotary = Rotary(head_dim, float(cfg.get("rope_theta", 10000.0)), int(cfg.get("max_position_embeddings", 2048)), cfg.get("rope_scaling"))
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttnMetadata, sample_rows: torch.Tensor):
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, cache, meta)
+        x = self.model.norm(x[sample_rows])
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(x, w)

@@ -1,0 +1,217 @@
+"""Wire frames: one msgspec tagged union per socket direction (DESIGN.md section 2).
+
+A message is a multipart ZMQ message: frame 0 is the msgpack-encoded struct, frames 1..n
+are raw tensor buffers referenced by `TensorRef.index` (zero-copy both ways, never
+pickled). Decoding is strict: an unknown tag or a wrong type raises `msgspec.ValidationError`,
+which the receive helpers log with the peer and drop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from shared.layout import KVReqConfig, LabelLayout, PagedKVConfig
+
+HOT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class TensorRef(msgspec.Struct, array_like=True, frozen=True):
+    """A tensor carried as extra frame `index` of the same multipart message."""
+
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---- api -> data_worker -------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
+    """A validated client request, before tokenization."""
+
+    request_id: str
+    model: str
+    sampling: SamplingParams
+    reply_to: str
+    max_tokens: int | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    arrival_time: float = 0.0
+
+
+# ---- data_worker -> conductor -> gpu_worker -----------------------------------------
+
+
+class NewRequest(msgspec.Struct, tag="new_request", **HOT):
+    """The only frame that carries layouts, and the only path into `ingest_request`."""
+
+    request_id: str
+    model: str
+    input_tensors: dict[str, TensorRef]
+    sampling: SamplingParams
+    reply_to: str
+    prompt_len: int
+    max_tokens: int | None = None
+    kv_layout: dict[str, LabelLayout] = {}
+    loop_caps: dict[str, int] = {}
+    kv_configs: dict[str, KVReqConfig] = {}
+    arrival_time: float = 0.0
+
+    def without_layouts(self) -> NewRequest:
+        """The copy a data worker keeps after sending: layouts live only on the wire."""
+        return msgspec.structs.replace(self, kv_layout={})
+
+
+class Abort(msgspec.Struct, tag="abort", **HOT):
+    request_id: str
+    reason: str = "abort"
+
+
+# ---- gpu_worker / conductor / data_worker -> api ------------------------------------
+
+
+class Output(msgspec.Struct, **HOT):
+    """New tokens of one request in one step; `finish_reason` set on its last output."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):
+    """One frame per step and destination for all of its rows, not one per request."""
+
+    outputs: list[Output]
+
+
+class RequestError(msgspec.Struct, tag="request_error", **HOT):
+    """A request failed; `message` is safe to show the client, details are logged under
+    `error_id` by whoever raised it."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+    error_id: str | None = None
+
+
+# ---- gpu_worker -> conductor --------------------------------------------------------
+
+
+class PoolStats(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    total_pages: int
+    free_pages: int
+    reserved_pages: int = 0
+
+
+class WorkerReady(msgspec.Struct, tag="worker_ready", **HOT):
+    """A worker announces itself, its input address and its pools before any work."""
+
+    worker_id: str
+    address: str
+    pools: list[PagedKVConfig]
+
+
+class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
+    worker_id: str
+    pools: list[PoolStats]
+    running: int
+    waiting: int
+    footprint_overruns: int = 0
+
+
+class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):
+    worker_id: str
+    request_id: str
+    pages_released: int
+    status: str = "ok"
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", **HOT):
+    sender: str
+    time: float
+
+
+# ---- api <-> conductor control (DEALER/ROUTER) ---------------------------------------
+
+
+class StatusQuery(msgspec.Struct, tag="status_query", **HOT):
+    pass
+
+
+class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
+    ready_workers: int
+    workers: list[WorkerStats] = []
+    waiting: int = 0
+
+
+ToDataWorker = Union[GenerateRequest, Abort]
+ToConductor = Union[NewRequest, Abort, WorkerReady, WorkerStats, RequestFinished, Heartbeat]
+ToWorker = Union[NewRequest, Abort, Heartbeat]
+ToApi = Union[StepOutputs, RequestError, Heartbeat]
+ControlRequest = StatusQuery
+ControlReply = ClusterStatus
+
+
+class FrameCodec:
+    """Encode any frame; decode one socket direction's union strictly.
+
+    Tensors (numpy arrays or anything with `__array__` / `.numpy()`) go out as their own
+    buffers; on receipt they are numpy views over the ZMQ frames (no copy).
+    """
+
+    def __init__(self, union: Any) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: msgspec.Struct, tensors: list[np.ndarray] | None = None) -> list:
+        header = self._enc.encode(msg)
+        if not tensors:
+            return [header]
+        return [header, *(np.ascontiguousarray(t).data for t in tensors)]
+
+    def decode(self, frames: list) -> tuple[Any, list[memoryview]]:
+        msg = self._dec.decode(frames[0])
+        return msg, [memoryview(f) for f in frames[1:]]
+
+
+def pack_tensors(named: dict[str, Any]) -> tuple[dict[str, TensorRef], list[np.ndarray]]:
+    """Turn named tensors into refs + buffers for `FrameCodec.encode`."""
+    refs: dict[str, TensorRef] = {}
+    bufs: list[np.ndarray] = []
+    for name, t in named.items():
+        arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+        arr = np.ascontiguousarray(arr)
+        refs[name] = TensorRef(len(bufs) + 1, str(arr.dtype), tuple(arr.shape))
+        bufs.append(arr)
+    return refs, bufs
+
+
+def unpack_tensors(refs: dict[str, TensorRef], buffers: list[memoryview]) -> dict[str, np.ndarray]:
+    """Views over the received frames; raises ValueError on a ref that does not fit."""
+    out: dict[str, np.ndarray] = {}
+    for name, ref in refs.items():
+        if not 1 <= ref.index <= len(buffers):
+            raise ValueError(f"tensor {name!r} refers to missing frame {ref.index}")
+        arr = np.frombuffer(buffers[ref.index - 1], dtype=np.dtype(ref.dtype))
+        out[name] = arr.reshape(ref.shape)
+    return out

@@ -1,0 +1,176 @@
+"""KV layout types: what a request declares, before it runs, about the rows it will write.
+
+These are the contract of DESIGN.md section 3. Every type is a msgspec Struct so it travels
+in `NewRequest` as-is and is validated on construction (msgspec runs `__post_init__`
+on decode too), so a malformed layout fails at the boundary, not deep in the KV manager.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+
+class KVLabel(msgspec.Struct, frozen=True):
+    """One named stream of KV rows living in a paged pool.
+
+    `keys=True` lets `ids` spans of this label be keyed in the prefix cache; `window`
+    is a sliding window in rows (pages wholly behind it are released); `grows_on` names
+    the loop that appends rows to it.
+    """
+
+    name: str
+    pool: str
+    keys: bool = False
+    window: int | None = None
+    grows_on: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.pool:
+            raise ValueError("KVLabel needs a name and a pool")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"KVLabel {self.name!r}: window must be >= 1, got {self.window}")
+
+
+class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A run of committed rows. `ids` spans are keyable (the ids determine the KV);
+    `rows` spans are never keyed (their ids, if any, do not determine the KV)."""
+
+    kind: Literal["ids", "rows"]
+    length: int
+    token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            raise ValueError(f"Span length must be >= 0, got {self.length}")
+        if self.kind == "ids" and len(self.token_ids) != self.length:
+            raise ValueError("an ids span's length must equal its number of token ids")
+        if self.kind == "rows" and self.token_ids:
+            raise ValueError("a rows span carries no token ids")
+
+    @classmethod
+    def ids(cls, token_ids: list[int] | tuple[int, ...]) -> Span:
+        ids = tuple(int(t) for t in token_ids)
+        return cls("ids", len(ids), ids)
+
+    @classmethod
+    def rows(cls, n: int) -> Span:
+        return cls("rows", int(n))
+
+
+class LabelLayout(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one label of one request writes: committed spans in order, rows a
+    non-committing step writes (`scratch`), and rows appended per loop iteration."""
+
+    spans: tuple[Span, ...] = ()
+    scratch: int = 0
+    growth: dict[str, int] = {}
+
+    def __post_init__(self) -> None:
+        if self.scratch < 0:
+            raise ValueError(f"LabelLayout scratch must be >= 0, got {self.scratch}")
+        for loop, rows in self.growth.items():
+            if rows < 0:
+                raise ValueError(f"LabelLayout growth[{loop!r}] must be >= 0, got {rows}")
+
+    @property
+    def span_rows(self) -> int:
+        return sum(s.length for s in self.spans)
+
+    def check_loops(self, loops: set[str] | frozenset[str]) -> None:
+        """Refuse growth on a loop the model's graph does not have."""
+        unknown = sorted(set(self.growth) - set(loops))
+        if unknown:
+            raise ValueError(f"LabelLayout grows on unknown loop(s) {unknown}; known: {sorted(loops)}")
+
+
+class PagedKVConfig(msgspec.Struct, frozen=True):
+    """A paged KV pool: pages `[num_pages, 2, page_size, kv_heads, head_dim]` per layer."""
+
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "kv_heads", "head_dim", "page_size", "max_seq_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"PagedKVConfig {self.name!r}: {field} must be >= 1")
+        if self.num_pages < 0:
+            raise ValueError(f"PagedKVConfig {self.name!r}: num_pages must be >= 0")
+
+    @property
+    def bytes_per_page(self) -> int:
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return self.num_layers * 2 * self.page_size * self.kv_heads * self.head_dim * itemsize
+
+
+class KVReqConfig(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the conductor tells a worker about one pool for one request: the labels of
+    that pool the request opens (possibly none) and their footprints in pages."""
+
+    pool: str
+    page_size: int
+    footprints: dict[str, int] = {}
+
+    @property
+    def total_pages(self) -> int:
+        return sum(self.footprints.values())
+
+
+class ProcessPromptOutput(msgspec.Struct):
+    """What `process_prompt` returns: the model's input tensors, one layout per label the
+    request opens, and free-form metadata (e.g. prompt length for usage)."""
+
+    new_input_tensors: dict
+    kv_layout: dict[str, LabelLayout]
+    metadata: dict = {}
+
+
+def pages_in(start: int, end: int, page_size: int) -> int:
+    """Pages touched by rows [start, end)."""
+    if end <= start:
+        return 0
+    return math.ceil(end / page_size) - start // page_size
+
+
+def label_footprint(
+    layout: LabelLayout, caps: dict[str, int], page_size: int, window: int | None = None
+) -> int:
+    """The most pages a label can hold at once over a walk that runs every loop to its cap.
+
+    The walk commits each span, then `growth[l]` rows per iteration of each loop; after
+    every commit a non-committing step may write `scratch` rows past the end, and retention
+    then releases pages wholly behind the window. Without a window that peak is the formula
+    `ceil((spans + scratch + sum(growth * cap)) / page_size)`; with one it is the largest
+    count of pages from the first row kept before a commit to the end of its scratch.
+    """
+    grown = sum(rows * caps.get(loop, 0) for loop, rows in layout.growth.items())
+    total = layout.span_rows + grown
+    if window is None:
+        return math.ceil((total + layout.scratch) / page_size)
+    peak = 0
+    start = 0
+    for length in commit_sizes(layout, caps):
+        end = start + length
+        kept = max(0, start - window)
+        peak = max(peak, pages_in(kept, end + layout.scratch, page_size))
+        start = end
+    return peak
+
+
+def commit_sizes(layout: LabelLayout, caps: dict[str, int]):
+    """Yield the commit sizes of the walk that runs every loop to its cap, in order."""
+    for span in layout.spans:
+        if span.length:
+            yield span.length
+    for loop, rows in layout.growth.items():
+        if rows:
+            for _ in range(caps.get(loop, 0)):
+                yield rows

@@ -1,0 +1,113 @@
+"""The model interface every service sees (DESIGN.md section 3).
+
+A model is two halves: a `ModelSpec` (labels, pools, loops, `process_prompt`,
+`get_loop_caps`; no weights, cheap to build, so the data worker and the conductor can use
+it) and a torch module the gpu worker loads by the dotted path `torch_impl` names, so that
+`shared/` never imports a service.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+from shared.layout import KVLabel, KVReqConfig, LabelLayout, PagedKVConfig, ProcessPromptOutput, label_footprint
+
+
+class DeploymentError(Exception):
+    """The deployment cannot serve this model; the message says why, for the operator."""
+
+
+class ModelSpec(ABC):
+    #: dotted path "module:Class" of the torch implementation the gpu worker loads
+    torch_impl: str = ""
+
+    @property
+    @abstractmethod
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        """Every label the model's requests may open, declared once."""
+
+    @abstractmethod
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        """The paged pools the model needs, each sized to `num_pages`."""
+
+    @abstractmethod
+    def graph_loops(self) -> dict[str, int]:
+        """Each loop of the model's graph and its `max_iters`."""
+
+    @abstractmethod
+    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
+        """Input tensors and one `LabelLayout` per label this request opens."""
+
+    @abstractmethod
+    def get_loop_caps(self, max_tokens: int) -> dict[str, int]:
+        """Iterations the request's stop check allows for each loop."""
+
+    @abstractmethod
+    def bytes_per_page(self, page_size: int) -> int:
+        """KV bytes one page costs across all pools, to size pools from memory."""
+
+    # -- derived, shared by every model ------------------------------------------------
+
+    def label(self, name: str) -> KVLabel:
+        for lab in self.kv_labels:
+            if lab.name == name:
+                return lab
+        raise KeyError(name)
+
+    def validate(self, num_pages: int = 1) -> None:
+        """`_refuse_undeclared_pools` plus label sanity: run before any worker starts."""
+        pools = self.paged_pools(num_pages)
+        loops = self.graph_loops()
+        names = [lab.name for lab in self.kv_labels]
+        if len(set(names)) != len(names):
+            raise DeploymentError(f"model declares a KV label twice: {names}")
+        for lab in self.kv_labels:
+            if lab.pool not in pools:
+                raise DeploymentError(f"KV label {lab.name!r} lives in pool {lab.pool!r}, which the model does not declare (pools: {sorted(pools)})")
+            if lab.grows_on is not None and lab.grows_on not in loops:
+                raise DeploymentError(f"KV label {lab.name!r} grows on loop {lab.grows_on!r}, which the graph does not have (loops: {sorted(loops)})")
+        _refuse_undeclared_pools(pools, self.kv_labels)
+
+    def refuse_undeclared_labels(self, kv_layout: dict[str, LabelLayout]) -> None:
+        """Raise ValueError for a layout naming a label the model never declared."""
+        declared = {lab.name for lab in self.kv_labels}
+        unknown = sorted(set(kv_layout) - declared)
+        if unknown:
+            raise ValueError(f"layout names undeclared KV label(s) {unknown}; declared: {sorted(declared)}")
+        loops = set(self.graph_loops())
+        for layout in kv_layout.values():
+            layout.check_loops(loops)
+
+    def clamp_caps(self, caps: dict[str, int]) -> dict[str, int]:
+        """Clamp each cap to its loop's `max_iters`; unknown loops are a model bug."""
+        loops = self.graph_loops()
+        unknown = sorted(set(caps) - set(loops))
+        if unknown:
+            raise ValueError(f"get_loop_caps names unknown loop(s) {unknown}")
+        return {loop: max(0, min(int(n), loops[loop])) for loop, n in caps.items()}
+
+    def kv_configs(
+        self, kv_layout: dict[str, LabelLayout], caps: dict[str, int], pools: dict[str, PagedKVConfig]
+    ) -> dict[str, KVReqConfig]:
+        """A `KVReqConfig` for every declared pool, even one this layout leaves empty."""
+        out: dict[str, KVReqConfig] = {}
+        for name, pool in pools.items():
+            fps = {}
+            for label_name, layout in kv_layout.items():
+                lab = self.label(label_name)
+                if lab.pool == name:
+                    fps[label_name] = label_footprint(layout, caps, pool.page_size, lab.window)
+            out[name] = KVReqConfig(pool=name, page_size=pool.page_size, footprints=fps)
+        return out
+
+
+def _refuse_undeclared_pools(pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...]) -> None:
+    used = {lab.pool for lab in labels}
+    unused = sorted(set(pools) - used)
+    if unused:
+        raise DeploymentError(f"paged KV pool(s) {unused} are used by no KV label; declare a KVLabel for each pool or drop the pool")
+
+
+def pages_for(rows: int, page_size: int) -> int:
+    return math.ceil(rows / page_size)

