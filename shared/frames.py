@@ -8,7 +8,7 @@ which the receive helpers log with the peer and drop.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -164,10 +164,10 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
     waiting: int = 0
 
 
-ToDataWorker = Union[GenerateRequest, Abort]
-ToConductor = Union[NewRequest, Abort, WorkerReady, WorkerStats, RequestFinished, Heartbeat]
-ToWorker = Union[NewRequest, Abort, Heartbeat]
-ToApi = Union[StepOutputs, RequestError, Heartbeat]
+ToDataWorker = GenerateRequest | Abort
+ToConductor = NewRequest | Abort | WorkerReady | WorkerStats | RequestFinished | Heartbeat
+ToWorker = NewRequest | Abort | Heartbeat
+ToApi = StepOutputs | RequestError | Heartbeat
 ControlRequest = StatusQuery
 ControlReply = ClusterStatus
 

@@ -155,7 +155,7 @@ def label_footprint(
     total = layout.span_rows + grown
     if window is None:
         return math.ceil((total + layout.scratch) / page_size)
-    peak = 0
+    peak = pages_in(0, layout.scratch, page_size)  # a probe may run before any commit
     start = 0
     for length in commit_sizes(layout, caps):
         end = start + length

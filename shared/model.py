@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 
-from shared.layout import KVLabel, KVReqConfig, LabelLayout, PagedKVConfig, ProcessPromptOutput, label_footprint
+from shared.layout import (
+    KVLabel,
+    KVReqConfig,
+    LabelLayout,
+    PagedKVConfig,
+    ProcessPromptOutput,
+    label_footprint,
+)
 
 
 class DeploymentError(Exception):

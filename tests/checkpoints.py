@@ -66,5 +66,9 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
+    with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -7,20 +7,29 @@ import os
 import sys
 
 from shared.config import (
-    add_address_flags, add_deployment_flags, advertised, deployment_from_args, env_address, resolve_addresses,
+    add_address_flags,
+    add_deployment_flags,
+    advertised,
+    deployment_from_args,
+    env_address,
+    resolve_addresses,
 )
 from shared.logs import setup_logging
 from shared.model import DeploymentError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.gpu_worker", description="mstar gpu worker: the model, paged KV pools and the step loop")
     add_deployment_flags(parser)
     add_address_flags(parser, ["conductor"])
     parser.add_argument("--worker-id", default=os.environ.get("MSTAR_WORKER_ID", "worker-0"))
     parser.add_argument("--bind-addr", default=None, help="where this worker pulls work (env MSTAR_WORKER_ADDR; default ipc in the run folder, one per worker id)")
     parser.add_argument("--advertise-addr", default=os.environ.get("MSTAR_WORKER_ADVERTISE_ADDR"), help="address the conductor connects to, when the bind address is not reachable as-is")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     log = setup_logging(f"gpu_worker:{args.worker_id}")
     bind = args.bind_addr or os.environ.get("MSTAR_WORKER_ADDR") or env_address(f"gpu_worker_{args.worker_id}")
 

@@ -14,7 +14,13 @@ import os
 from dataclasses import dataclass, field
 
 from shared.frames import NewRequest, PoolStats
-from shared.layout import KVLabel, KVReqConfig, LabelLayout, PagedKVConfig, label_footprint
+from shared.layout import (
+    KVLabel,
+    KVReqConfig,
+    LabelLayout,
+    PagedKVConfig,
+    label_footprint,
+)
 
 log = logging.getLogger("mstar.kv")
 
@@ -40,6 +46,7 @@ class LabelState:
     overrun_logged: bool = False
     span_cursor: int = 0  # which span the next commit continues (debug asserts)
     span_done: int = 0  # rows of that span already committed
+    span_rows_done: int = 0
     loop_commits: dict[str, int] = field(default_factory=dict)
 
     def page_for_row(self, row: int) -> int:
@@ -95,7 +102,7 @@ class KVManager:
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
             states[name] = LabelState(lab, layout, fp, page_size)
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
-        for pool, cfg in kv.configs.items():
+        for cfg in kv.configs.values():
             for name, fp in cfg.footprints.items():
                 if name in states and states[name].footprint != fp:
                     raise ValueError(f"label {name!r}: conductor footprint {fp} != worker footprint {states[name].footprint}")
@@ -172,9 +179,9 @@ class KVManager:
             if n > left:
                 raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span {st.span_cursor} ({left} left)")
             st.span_done += n
+            st.span_rows_done += n
             return
-        done = st.span_cursor >= len(spans) or (st.span_cursor == len(spans) - 1 and st.span_done == spans[-1].length)
-        if not done:
+        if st.span_rows_done != st.layout.span_rows:
             raise LayoutViolation(f"label {st.label.name!r} grows on {loop!r} before its spans are committed")
         want = st.layout.growth.get(loop, 0)
         if n != want:
@@ -187,13 +194,28 @@ class KVManager:
     def _retain(self, kv: RequestKV, st: LabelState) -> None:
         """Release pages wholly behind the window; drop them from the label's page list so
         the footprint check compares live pages with the windowed footprint."""
-        keep_from = max(0, st.rows - st.label.window)
-        first_kept = keep_from // st.page_size
-        pool = self.pools[st.label.pool]
+        first_kept = max(0, st.rows - st.label.window) // st.page_size
         while st.first_page < first_kept and st.pages:
-            pool.free.append(st.pages.pop(0))
+            self._release(st, st.pages.pop(0))
             st.first_page += 1
-            pool.reserved += 1  # the freed page returns to this request's reservation
+
+    def drop_scratch(self, request_id: str, label: str) -> None:
+        """After a non-committing step wrote rows past the committed ones (a probe,
+        rejected drafts), return the pages that hold no committed row."""
+        st = self.requests[request_id].labels[label]
+        keep = -(-st.rows // st.page_size) - st.first_page
+        while len(st.pages) > keep:
+            self._release(st, st.pages.pop())
+        if self.debug:
+            self._check_conservation()
+
+    def _release(self, st: LabelState, page: int) -> None:
+        pool = self.pools[st.label.pool]
+        pool.free.append(page)
+        # A page within the footprint goes back to this request's reservation; one taken
+        # past it (an overrun) was never reserved.
+        if len(st.pages) < st.footprint:
+            pool.reserved += 1
 
     # -- removal -------------------------------------------------------------------------
 
@@ -204,19 +226,16 @@ class KVManager:
             return 0
         released = 0
         for st in kv.labels.values():
-            pool = self.pools[st.label.pool]
             if self.debug and ran_to_caps and st.peak_pages < st.footprint:
                 log.error(
                     "request %s label %r ran to its caps but held at most %d of its %d footprint pages (footprint not tight)",
                     request_id, st.label.name, st.peak_pages, st.footprint,
                 )
-            pool.free.extend(st.pages)
             released += len(st.pages)
-            pool.reserved -= max(0, st.footprint - len(st.pages))
-            st.pages.clear()
-        # A label that overran took pages beyond its reservation; never let reserved go negative.
-        for pool in self.pools.values():
-            pool.reserved = max(pool.reserved, 0)
+            while st.pages:
+                self._release(st, st.pages.pop())
+            # What the request never took of its footprint is unreserved too.
+            self.pools[st.label.pool].reserved -= st.footprint
         self._check_conservation()
         return released
 

@@ -22,8 +22,20 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.config import Deployment
 from shared.frames import (
-    Abort, FrameCodec, Heartbeat, NewRequest, RequestError, RequestFinished, SamplingParams, StepOutputs,
-    ToApi, ToWorker, WorkerReady, WorkerStats, pack_tensors, unpack_tensors,
+    Abort,
+    FrameCodec,
+    Heartbeat,
+    NewRequest,
+    RequestError,
+    RequestFinished,
+    SamplingParams,
+    StepOutputs,
+    ToApi,
+    ToWorker,
+    WorkerReady,
+    WorkerStats,
+    pack_tensors,
+    unpack_tensors,
 )
 from shared.model_source import ModelSource
 from shared.zmq_utils import cleanup_ipc

@@ -1,0 +1,56 @@
+"""`python -m services.conductor`: validate the deployment, then admit and route requests."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.aio import run_service
+from shared.config import (
+    add_address_flags,
+    add_deployment_flags,
+    deployment_from_args,
+    resolve_addresses,
+)
+from shared.logs import setup_logging
+from shared.model import DeploymentError, ModelSpec
+from shared.model_source import ModelSource
+
+ADDRESSES = ["conductor", "conductor_control"]
+
+
+def validate_deployment(model: str, page_size: int, max_seq_len: int) -> ModelSpec:
+    """Everything that can be refused before any worker starts: the model resolves, its
+    architecture is supported, and every paged pool is used by a declared label."""
+    spec = ModelSource(model).spec(page_size, max_seq_len)
+    spec.validate()
+    return spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.conductor", description="mstar conductor: deployment validation, loop caps, admission by KV footprint, routing")
+    add_deployment_flags(parser)
+    add_address_flags(parser, ADDRESSES)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = setup_logging("conductor")
+    d = deployment_from_args(args)
+    try:
+        spec = validate_deployment(d.model, d.page_size, d.max_seq_len)
+    except (DeploymentError, FileNotFoundError, ValueError) as exc:
+        log.error("deployment refused: %s", exc)
+        print(f"conductor: deployment refused: {exc}", file=sys.stderr)
+        return 2
+    from services.conductor.conductor import Conductor
+
+    addrs = resolve_addresses(args, ADDRESSES)
+    log.info("listening on %s (control %s)", addrs["conductor"], addrs["conductor_control"])
+    run_service(Conductor(d, spec, addrs).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The conductor: validates the deployment, sets each request's loop caps and KV configs,
+refuses what cannot fit, admits by footprint, picks a worker and routes aborts.
+
+Admission: the conductor tracks, per worker and pool, the pages it has promised (the sum
+of the footprints of requests dispatched there and not yet finished). A request is sent
+only to a worker whose unpromised pages cover its footprint; otherwise it waits in one
+FIFO queue. The queue is served strictly oldest first (a head that does not fit blocks
+the rest), so a large request is never starved by small ones behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared.config import Deployment
+from shared.frames import (
+    Abort,
+    ClusterStatus,
+    FrameCodec,
+    Heartbeat,
+    NewRequest,
+    RequestError,
+    RequestFinished,
+    StatusQuery,
+    ToConductor,
+    WorkerReady,
+    WorkerStats,
+)
+from shared.layout import PagedKVConfig
+from shared.model import ModelSpec
+from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
+
+log = logging.getLogger("mstar.conductor")
+
+TOMBSTONE_TTL_S = 60.0
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.error_type = status, message, param, error_type
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    address: str
+    pools: dict[str, PagedKVConfig]
+    promised: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> pages per pool
+    stats: WorkerStats | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def free(self, pool: str) -> int:
+        return self.pools[pool].num_pages - self.promised.get(pool, 0)
+
+    def fits(self, need: dict[str, int]) -> bool:
+        return all(self.free(p) >= n for p, n in need.items())
+
+
+def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfig]) -> NewRequest:
+    """Fill max_tokens, loop caps and KV configs, or raise `Refusal` naming the limit.
+
+    `pools` is a worker's actual pool set (sizes included)."""
+    try:
+        spec.refuse_undeclared_labels(req.kv_layout)
+    except ValueError as exc:
+        raise Refusal(500, str(exc), error_type="internal_error") from exc
+    max_seq_len = min(p.max_seq_len for p in pools.values())
+    loops = spec.graph_loops()
+    decode_iters = loops.get(getattr(spec, "decode_loop", "decode_loop"))
+    if req.prompt_len >= max_seq_len:
+        raise Refusal(400, f"prompt is {req.prompt_len} tokens; with at least 1 new token it exceeds max_seq_len {max_seq_len}", "prompt")
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        # The most the loop and the sequence limit allow for this prompt.
+        max_tokens = max_seq_len - req.prompt_len
+        if decode_iters is not None:
+            max_tokens = min(max_tokens, decode_iters + 1)
+        # ...and what the smallest pool can hold (one row per token, the last never written).
+        pool_rows = min(p.num_pages * p.page_size for p in pools.values())
+        max_tokens = max(1, min(max_tokens, pool_rows - req.prompt_len + 1))
+    if decode_iters is not None and max_tokens - 1 > decode_iters:
+        raise Refusal(400, f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}", "max_tokens")
+    if req.prompt_len + max_tokens > max_seq_len:
+        raise Refusal(400, f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} exceeds max_seq_len {max_seq_len}", "max_tokens")
+    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens))
+    configs = spec.kv_configs(req.kv_layout, caps, pools)
+    for name, cfg in configs.items():
+        if cfg.total_pages > pools[name].num_pages:
+            raise Refusal(400, f"the request needs {cfg.total_pages} KV pages of pool {name!r}, which holds {pools[name].num_pages} in all", "max_tokens")
+    return msgspec.structs.replace(req, max_tokens=max_tokens, loop_caps=caps, kv_configs=configs)
+
+
+class Conductor:
+    def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str]) -> None:
+        self.d = d
+        self.spec = spec
+        self.addrs = addrs
+        self.ctx = zmq.asyncio.Context()
+        self.pushers = Pushers(self.ctx)
+        self.codec = FrameCodec(ToConductor)
+        self.ctl_codec = FrameCodec(StatusQuery)
+        self.workers: dict[str, WorkerState] = {}
+        self.queue: deque[tuple[NewRequest, list]] = deque()
+        self.placement: dict[str, str] = {}  # request id -> worker id
+        self.tombstones: OrderedDict[str, float] = OrderedDict()
+
+    async def run(self) -> None:
+        pull = bind(self.ctx, zmq.PULL, self.addrs["conductor"])
+        router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
+        try:
+            await asyncio.gather(self._intake(pull), self._control(router))
+        finally:
+            pull.close(0)
+            router.close(0)
+            self.pushers.close()
+            cleanup_ipc(self.addrs["conductor"])
+            cleanup_ipc(self.addrs["conductor_control"])
+
+    # -- sockets -------------------------------------------------------------------------
+
+    async def _intake(self, pull: zmq.asyncio.Socket) -> None:
+        async for msg, bufs in recv_frames(pull, self.codec, "conductor intake"):
+            try:
+                await self._on(msg, bufs)
+            except Exception:
+                log.exception("error handling %s (dropped)", type(msg).__name__)
+
+    async def _control(self, router: zmq.asyncio.Socket) -> None:
+        while True:
+            ident, *frames = await router.recv_multipart()
+            try:
+                self.ctl_codec.decode(frames)
+            except Exception as exc:
+                log.error("bad control frame: %s", exc)
+                continue
+            await router.send_multipart([ident, self.codec.encode(self.status())[0]])
+
+    def status(self) -> ClusterStatus:
+        stats = [w.stats for w in self.workers.values() if w.stats is not None]
+        return ClusterStatus(len(self.workers), stats, len(self.queue))
+
+    # -- frames ----------------------------------------------------------------------------
+
+    async def _on(self, msg, bufs: list) -> None:
+        if isinstance(msg, NewRequest):
+            await self._new_request(msg, bufs)
+        elif isinstance(msg, Abort):
+            await self._abort(msg)
+        elif isinstance(msg, RequestFinished):
+            self._release(msg.worker_id, msg.request_id)
+            await self._drain_queue()
+        elif isinstance(msg, WorkerReady):
+            self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools})
+            log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
+            await self._drain_queue()
+        elif isinstance(msg, WorkerStats):
+            w = self.workers.get(msg.worker_id)
+            if w is not None:
+                w.stats, w.last_seen = msg, time.monotonic()
+        elif isinstance(msg, Heartbeat):
+            w = self.workers.get(msg.sender)
+            if w is not None:
+                w.last_seen = time.monotonic()
+
+    async def _new_request(self, req: NewRequest, bufs: list) -> None:
+        self._prune_tombstones()
+        if req.request_id in self.tombstones:
+            return  # the client left before the request got here
+        try:
+            if req.request_id in self.placement or any(r.request_id == req.request_id for r, _ in self.queue):
+                raise Refusal(409, f"request_id {req.request_id!r} is already running", "request_id")
+            pools = self._reference_pools()
+            if pools is None:
+                self.queue.append((req, bufs))  # no worker yet: plan once one announces itself
+                return
+            planned = plan_request(self.spec, req, pools)
+        except Refusal as r:
+            await self._refuse(req, r)
+            return
+        self.queue.append((planned, bufs))
+        await self._drain_queue()
+
+    def _reference_pools(self) -> dict[str, PagedKVConfig] | None:
+        if not self.workers:
+            return None
+        # Plan against the largest worker so a request any worker can hold is accepted.
+        return max(self.workers.values(), key=lambda w: sum(p.num_pages for p in w.pools.values())).pools
+
+    async def _refuse(self, req: NewRequest, r: Refusal) -> None:
+        error_id = None
+        message = r.message
+        if r.status >= 500:
+            error_id = uuid.uuid4().hex[:12]
+            log.error("request %s refused (error_id=%s): %s", req.request_id, error_id, r.message)
+            message = "internal error"
+        err = RequestError(req.request_id, r.status, message, r.error_type, r.param, error_id)
+        await self.pushers.send(req.reply_to, self.codec.encode(err))
+
+    async def _drain_queue(self) -> None:
+        while self.queue and self.workers:
+            req, bufs = self.queue[0]
+            if not req.loop_caps:  # queued before any worker existed
+                try:
+                    req = plan_request(self.spec, req, self._reference_pools())
+                except Refusal as r:
+                    self.queue.popleft()
+                    await self._refuse(req, r)
+                    continue
+                self.queue[0] = (req, bufs)
+            need = {name: cfg.total_pages for name, cfg in req.kv_configs.items()}
+            fitting = [w for w in self.workers.values() if w.fits(need)]
+            if not fitting:
+                return
+            # Most free pages first: spreads load and keeps room for large requests.
+            w = max(fitting, key=lambda w: sum(w.free(p) for p in need))
+            self.queue.popleft()
+            for pool, n in need.items():
+                w.promised[pool] = w.promised.get(pool, 0) + n
+            w.requests[req.request_id] = need
+            self.placement[req.request_id] = w.worker_id
+            await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
+
+    def _release(self, worker_id: str, request_id: str) -> None:
+        self.placement.pop(request_id, None)
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        need = w.requests.pop(request_id, None) or {}
+        for pool, n in need.items():
+            w.promised[pool] -= n
+
+    async def _abort(self, msg: Abort) -> None:
+        self.tombstones[msg.request_id] = time.monotonic()
+        for i, (req, _) in enumerate(self.queue):
+            if req.request_id == msg.request_id:
+                del self.queue[i]
+                return
+        worker_id = self.placement.get(msg.request_id)
+        if worker_id is not None and worker_id in self.workers:
+            await self.pushers.send(self.workers[worker_id].address, self.codec.encode(msg))
+
+    def _prune_tombstones(self) -> None:
+        now = time.monotonic()
+        while self.tombstones:
+            _, t = next(iter(self.tombstones.items()))
+            if now - t < TOMBSTONE_TTL_S:
+                break
+            self.tombstones.popitem(last=False)

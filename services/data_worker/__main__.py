@@ -1,0 +1,50 @@
+"""`python -m services.data_worker`: tokenize and lay out requests for the conductor."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.aio import run_service
+from shared.config import (
+    add_address_flags,
+    add_deployment_flags,
+    deployment_from_args,
+    resolve_addresses,
+)
+from shared.logs import setup_logging
+from shared.model import DeploymentError
+from shared.model_source import ModelSource
+
+ADDRESSES = ["data_worker", "conductor"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.data_worker", description="mstar data worker: tokenizer and process_prompt")
+    add_deployment_flags(parser)
+    add_address_flags(parser, ADDRESSES)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = setup_logging("data_worker")
+    d = deployment_from_args(args)
+    try:
+        source = ModelSource(d.model)
+        spec = source.spec(d.page_size, d.max_seq_len)
+        tokenizer = source.tokenizer
+    except (DeploymentError, FileNotFoundError, ValueError) as exc:
+        log.error("cannot start: %s", exc)
+        print(f"data_worker: cannot start: {exc}", file=sys.stderr)
+        return 2
+    from services.data_worker.data_worker import DataWorker
+
+    addrs = resolve_addresses(args, ADDRESSES)
+    log.info("listening on %s", addrs["data_worker"])
+    run_service(DataWorker(spec, tokenizer, addrs).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The data worker: tokenizes, runs the model's `process_prompt`, sends `NewRequest`.
+
+After sending, it keeps only `without_layouts()` copies (layouts live on the wire once,
+then in the KV manager), bounded to the most recent requests, for diagnostics.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+
+import zmq
+import zmq.asyncio
+
+from shared.frames import (
+    Abort,
+    FrameCodec,
+    GenerateRequest,
+    NewRequest,
+    RequestError,
+    ToDataWorker,
+    pack_tensors,
+)
+from shared.model import ModelSpec
+from shared.model_source import TokenizerBundle
+from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
+
+log = logging.getLogger("mstar.data_worker")
+
+KEEP_RECENT = 1024
+
+
+class DataWorker:
+    def __init__(self, spec: ModelSpec, tokenizer: TokenizerBundle, addrs: dict[str, str]) -> None:
+        self.spec = spec
+        self.tok = tokenizer
+        self.vocab_size = tokenizer.tokenizer.get_vocab_size()
+        self.addrs = addrs
+        self.ctx = zmq.asyncio.Context()
+        self.pushers = Pushers(self.ctx)
+        self.codec = FrameCodec(ToDataWorker)
+        self.recent: OrderedDict[str, NewRequest] = OrderedDict()
+
+    async def run(self) -> None:
+        pull = bind(self.ctx, zmq.PULL, self.addrs["data_worker"])
+        try:
+            async for msg, _ in recv_frames(pull, self.codec, "data worker intake"):
+                if isinstance(msg, Abort):
+                    await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg))
+                    continue
+                await self._handle(msg)
+        finally:
+            pull.close(0)
+            self.pushers.close()
+            cleanup_ipc(self.addrs["data_worker"])
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        """Token ids of the request; raises ValueError with a client-safe message."""
+        if req.input_ids is not None:
+            bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size}), got {bad[0]}")
+            ids = list(req.input_ids)
+        else:
+            ids = self.tok.tokenizer.encode(req.prompt or "").ids
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization")
+        return ids
+
+    async def _handle(self, req: GenerateRequest) -> None:
+        try:
+            ids = self.tokenize(req)
+        except ValueError as exc:
+            param = "input_ids" if req.input_ids is not None else "prompt"
+            await self._error(req, RequestError(req.request_id, 400, str(exc), "invalid_request_error", param))
+            return
+        try:
+            ppo = self.spec.process_prompt(ids)
+            refs, bufs = pack_tensors(ppo.new_input_tensors)
+            msg = NewRequest(
+                req.request_id, req.model, refs, req.sampling, req.reply_to, len(ids),
+                req.max_tokens, ppo.kv_layout, arrival_time=req.arrival_time,
+            )
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("process_prompt failed for %s (error_id=%s)", req.request_id, error_id)
+            await self._error(req, RequestError(req.request_id, 500, "internal error", "internal_error", None, error_id))
+            return
+        await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))
+        self.recent[req.request_id] = msg.without_layouts()
+        while len(self.recent) > KEEP_RECENT:
+            self.recent.popitem(last=False)
+
+    async def _error(self, req: GenerateRequest, err: RequestError) -> None:
+        await self.pushers.send(req.reply_to, self.codec.encode(err))

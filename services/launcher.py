@@ -1,0 +1,161 @@
+"""`mstar serve`: start the four services as child processes and supervise them.
+
+Order: the conductor first (it validates the deployment before any worker loads), then
+the gpu worker(s), the data worker and the api. `serve` returns only when stopped:
+SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period), and a
+child that dies at start makes the launcher stop the rest and exit non-zero with that
+child's error (its stderr is the launcher's). Children get PR_SET_PDEATHSIG, so even a
+SIGKILLed launcher leaves no child behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
+
+PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: deliver SIGTERM when the launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: int, api_flags: list[str]) -> list[Child]:
+    """The command line of every service, with ipc addresses in one run folder."""
+    py = [sys.executable, "-m"]
+    addr = {n: f"ipc://{os.path.join(run_dir, n)}.sock" for n in ("api", "data-worker", "conductor", "conductor-control")}
+    dflags = deployment_argv(d)
+    children = [Child("conductor", [*py, "services.conductor", *dflags, "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"]])]
+    for i in range(workers):
+        children.append(Child(f"gpu_worker-{i}", [
+            *py, "services.gpu_worker", *dflags, "--worker-id", f"worker-{i}",
+            "--bind-addr", f"ipc://{os.path.join(run_dir, f'gpu-worker-{i}')}.sock", "--conductor-addr", addr["conductor"],
+        ]))
+    children.append(Child("data_worker", [*py, "services.data_worker", *dflags, "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"]]))
+    children.append(Child("api", [
+        *py, "services.api", "--model", d.model, "--host", host, "--port", str(port), "--api-addr", addr["api"],
+        "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"],
+        "--conductor-control-addr", addr["conductor-control"], *api_flags,
+    ]))
+    return children
+
+
+class Launcher:
+    def __init__(self, children: list[Child], ready_url: str, run_dir: str, start_timeout: float) -> None:
+        self.children = children
+        self.ready_url = ready_url
+        self.run_dir = run_dir
+        self.start_timeout = start_timeout
+        self.stopping = False
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        env = dict(os.environ, MSTAR_RUN_DIR=self.run_dir)
+        try:
+            for child in self.children:
+                child.start(env)
+            code = self._wait_ready()
+            if code is not None:
+                return code
+            print(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}", file=sys.stderr, flush=True)
+            while not self.stopping:
+                dead = self._dead()
+                if dead is not None:
+                    print(f"mstar: {dead.name} exited with code {dead.poll()}; stopping", file=sys.stderr, flush=True)
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            self.stop()
+
+    def _dead(self) -> Child | None:
+        return next((c for c in self.children if c.poll() is not None), None)
+
+    def _wait_ready(self) -> int | None:
+        deadline = time.monotonic() + self.start_timeout
+        while not self.stopping:
+            dead = self._dead()
+            if dead is not None:
+                print(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above", file=sys.stderr, flush=True)
+                return 1
+            try:
+                with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return None
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                print(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        """SIGTERM every child (api first, so intake stops first), SIGKILL after the grace."""
+        for child in reversed(self.children):
+            if child.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mstar", description="mstar: a serving engine for generative models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)")
+    add_deployment_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP api binds (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
+    serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
+    args = parser.parse_args(argv)
+    d = deployment_from_args(args)
+    run_dir = tempfile.mkdtemp(prefix="mstar-")
+    children = plan_children(d, run_dir, args.host, args.port, args.workers, [])
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

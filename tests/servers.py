@@ -1,0 +1,101 @@
+"""Start real mstar processes for tests: free loopback ports, logs captured to a file,
+every process (and its children) gone at teardown."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("MSTAR_TORCH_THREADS", "1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+class MstarServer:
+    """`mstar serve` as a child process (the launcher starts the four services)."""
+
+    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port), *args]
+        self.env = test_env(**(env or {}))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240.0) -> MstarServer:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mstar serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"mstar serve not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        """Pids of the launcher's direct children."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.eE+-]+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", re.M)
+        vals = [float(v) for v in pat.findall(text)]
+        if not vals:
+            raise KeyError(f"{name}{labels} not in /metrics")
+        return sum(vals)
+
+    def wait_pages_free(self, timeout: float = 5.0) -> float:
+        """Used KV pages, once they reach zero (or after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        used = self.metric("mstar_kv_pages_used")
+        while used and time.monotonic() < deadline:
+            time.sleep(0.1)
+            used = self.metric("mstar_kv_pages_used")
+        return used
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
