@@ -22,11 +22,23 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(path: Path, vocab_size: int = 512) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> None:
+    """Byte-level BPE trained on CORPUS. Qwen2's pipeline (NFC + its split regex) for qwen
+    families, because transformers' Qwen2Tokenizer imposes it whatever tokenizer.json says."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if family.startswith("qwen"):
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
@@ -43,7 +55,7 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(path)
+    make_tokenizer(path, family=family)
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()

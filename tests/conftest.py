@@ -17,3 +17,32 @@ def llama_ckpt(tmp_path_factory):
 def qwen2_ckpt(tmp_path_factory):
     """Qwen2 with q/k/v biases and an untied lm_head."""
     return make_checkpoint(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_ckpt, tmp_path_factory):
+    from tests.servers import MstarServer
+
+    server = MstarServer(str(llama_ckpt), tmp_path_factory.mktemp("logs") / "llama.log", "--num-kv-pages", "256", "--page-size", "4").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen2_server(qwen2_ckpt, tmp_path_factory):
+    from tests.servers import MstarServer
+
+    server = MstarServer(str(qwen2_ckpt), tmp_path_factory.mktemp("logs") / "qwen2.log", "--num-kv-pages", "256").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def pages_back_to_zero(request):
+    """After every test that used a server, its pools' used pages are back to zero."""
+    yield
+    from tests.servers import MstarServer
+
+    for value in list(request.node.funcargs.values()):
+        if isinstance(value, MstarServer) and value.proc is not None and value.proc.poll() is None:
+            assert value.wait_pages_free() == 0, "KV pages left in use after the test"

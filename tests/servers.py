@@ -23,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def service_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MSTAR_TORCH_THREADS", "1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -39,7 +39,7 @@ class MstarServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port), *args]
-        self.env = test_env(**(env or {}))
+        self.env = service_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 240.0) -> MstarServer:

@@ -51,7 +51,7 @@ def test_paged_matches_dense():
     write_kv(cache, new_k, new_v, meta)
     out = paged_attention(q, cache, meta, d**-0.5)
     t = 0
-    for (cached, new, _), k, v in zip(shapes, full_k, full_v):
+    for (_, new, _), k, v in zip(shapes, full_k, full_v):
         ref = dense_attention(q[t : t + new], k, v, d**-0.5)
         torch.testing.assert_close(out[t : t + new], ref, rtol=1e-5, atol=1e-5)
         t += new

@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from shared.frames import (
-    Abort, FrameCodec, NewRequest, Output, SamplingParams, StepOutputs, ToApi, ToConductor, pack_tensors, unpack_tensors,
+    Abort,
+    FrameCodec,
+    NewRequest,
+    Output,
+    SamplingParams,
+    StepOutputs,
+    ToApi,
+    ToConductor,
+    pack_tensors,
+    unpack_tensors,
 )
 from shared.layout import LabelLayout, Span
 

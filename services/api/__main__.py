@@ -1,0 +1,90 @@
+"""`python -m services.api`: run the api service alone (the launcher runs it the same way).
+
+One process: uvicorn on uvloop (`uvicorn.Server.run`, as `uvicorn.run` does, via
+`ApiServer` for a clean drain). SIGINT/SIGTERM run uvicorn's shutdown, whose lifespan
+closes the ZMQ sockets (aborting live requests) and removes the bound ipc socket file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shared.config import add_address_flags, advertised, resolve_addresses
+from shared.zmq_utils import cleanup_ipc
+
+ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
+DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end with a 503
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.api.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
+
+    p = argparse.ArgumentParser(prog="python -m services.api", description="mstar api service: HTTP / SSE / WebSocket front door")
+    p.add_argument("--host", default=os.environ.get("MSTAR_API_HOST", "127.0.0.1"), help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")), help="HTTP port (env MSTAR_API_PORT; default 8000)")
+    p.add_argument("--model", default=os.environ.get("MSTAR_MODEL", ""), help="local Hugging Face folder, a .gguf file, or empty for the embedded default (env MSTAR_MODEL)")
+    add_address_flags(p, ADDRESSES)
+    p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None, help="the api address workers reply to (env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE, help=f"live requests per WebSocket; more get an error frame with status 429 (default {DEFAULT_WS_MAX_LIVE})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    from shared.logs import setup_logging
+
+    log = setup_logging("api")
+    addrs = resolve_addresses(args, ADDRESSES)
+    try:
+        reply_to = advertised(addrs["api"], args.api_advertise_addr)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.api.server import ApiServer
+    from services.api.settings import ApiSettings
+    from shared.model_source import ModelSource
+
+    try:
+        source = ModelSource(args.model)
+        tokenizer = source.tokenizer.tokenizer
+        settings = ApiSettings(
+            model_name=source.name,
+            api_addr=addrs["api"],
+            advertise_addr=reply_to,
+            data_worker_addr=addrs["data_worker"],
+            conductor_addr=addrs["conductor"],
+            control_addr=addrs["conductor_control"],
+            max_body_bytes=args.max_body_bytes,
+            ws_max_live=args.ws_max_live,
+        )
+    except Exception as exc:  # a bad --model or flag: say so in one line, no traceback
+        log.error("cannot start the api: %s", exc)
+        return 2
+
+    app = create_app(settings, tokenizer)
+    log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)", settings.model_name, args.host, args.port, settings.api_addr, reply_to)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        log_level="warning",
+        timeout_graceful_shutdown=DRAIN_S + 3.0,  # only reached if draining itself hangs
+    )
+    try:
+        ApiServer(config, app.state.api.backend, DRAIN_S).run()
+    finally:
+        cleanup_ipc(addrs["api"])  # also when uvicorn failed before its lifespan shutdown
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

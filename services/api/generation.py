@@ -1,0 +1,126 @@
+"""One submitted request as a client sees it: outputs in, delta / done events out.
+
+Shared by the non-streaming reply, the SSE stream and the WebSocket (and later the OpenAI
+routes), so text, usage, finish reasons, latency metrics and the final status count are
+computed in exactly one place whichever way the client asked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from services.api.backend import Aborted, RequestHandle
+from services.api.detokenize import IncrementalDetokenizer
+from services.api.errors import from_request_error, internal_error
+from services.api.events import DeltaEvent, DoneEvent, Usage
+from services.api.metrics import ApiMetrics, status_label
+from shared.frames import Output, RequestError
+
+
+class Generation:
+    """Drives one request's queue; counts it once in `mstar_requests_total`.
+
+    Owners call `close()` when they stop listening (finished or not): a request still live
+    then is aborted everywhere and counted as `abort`.
+    """
+
+    def __init__(
+        self,
+        handle: RequestHandle,
+        detokenizer: IncrementalDetokenizer,
+        metrics: ApiMetrics,
+        *,
+        client_id: str,
+        started: float,
+        prompt_tokens: int = 0,
+    ) -> None:
+        self.handle = handle
+        self.client_id = client_id
+        self._detok = detokenizer
+        self._metrics = metrics
+        self._started = started  # time.perf_counter() at arrival
+        self._last_token_at: float | None = None
+        self._prompt_tokens = prompt_tokens
+        self.finished = False
+        self._counted = False
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    def cancel(self) -> None:
+        """Abort the request; a consumer of `events()` then receives a done('abort')."""
+        if not self.finished:
+            self.handle.abort()
+
+    def close(self, label: str = "abort") -> None:
+        """The owner stops listening: abort if still live, and make sure it is counted
+        (as `label` if it was not counted yet: `abort`, or `error_5xx` after a bug)."""
+        if not self.finished:
+            self.finished = True
+            self.handle.abort()
+        self._count(label)
+
+    def _count(self, label: str) -> None:
+        if not self._counted:
+            self._counted = True
+            self._metrics.count(label)
+
+    def _done(self, finish_reason: str) -> DoneEvent:
+        self.finished = True
+        self._count(status_label(None, finish_reason))
+        usage = Usage(self._prompt_tokens, len(self._detok.token_ids))
+        return DoneEvent(self.client_id, self._detok.text, list(self._detok.token_ids), finish_reason, usage)
+
+    def _tokens_arrived(self, n: int) -> None:
+        now = time.perf_counter()
+        if self._last_token_at is None:
+            self._metrics.observe_ttft(now - self._started)
+        else:
+            self._metrics.observe_itl(now - self._last_token_at, n)
+        self._last_token_at = now
+
+    async def events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
+        """Deltas (one per output frame that adds text or ids), then one done.
+
+        Raises `ApiError` when the request fails (a `RequestError` from any peer).
+        """
+        detok = self._detok
+        handle = self.handle
+        while not self.finished:
+            item = await handle.get()
+            if type(item) is Output:
+                ids = item.token_ids
+                if item.prompt_tokens:
+                    self._prompt_tokens = item.prompt_tokens
+                text = ""
+                if ids:
+                    self._tokens_arrived(len(ids))
+                    text = detok.push(ids)
+                if item.finish_reason is not None:
+                    text += detok.finish()
+                    if text or ids:
+                        yield DeltaEvent(self.client_id, text, list(ids))
+                    yield self._done(item.finish_reason)
+                    return
+                if text or ids:
+                    yield DeltaEvent(self.client_id, text, list(ids))
+            elif type(item) is Aborted:
+                text = detok.finish()
+                if text:
+                    yield DeltaEvent(self.client_id, text, [])
+                yield self._done("abort")
+                return
+            elif type(item) is RequestError:
+                self.finished = True
+                err = from_request_error(item)
+                self._count(status_label(err.status))
+                raise err
+
+    async def collect(self) -> DoneEvent:
+        """Run to the end (the non-streaming reply)."""
+        async for event in self.events():
+            if type(event) is DoneEvent:
+                return event
+        raise internal_error(f"collecting {self.request_id}: its events ended without a done")

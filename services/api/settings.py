@@ -1,0 +1,46 @@
+"""What one api process is configured with, gathered in one frozen value.
+
+Kept apart from the command line so tests and the launcher can build an app directly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.config import advertised, env_address
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_WS_MAX_LIVE = 64
+
+
+class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
+    model_name: str  # the served name, put on every GenerateRequest
+    api_addr: str  # where this process binds its PULL for outputs
+    advertise_addr: str  # what peers use as reply_to (== api_addr unless it is 0.0.0.0)
+    data_worker_addr: str
+    conductor_addr: str
+    control_addr: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies / WS frames -> 413
+    ws_max_live: int = DEFAULT_WS_MAX_LIVE  # live requests per WebSocket; more -> 429
+    status_timeout_s: float = 1.0  # no ClusterStatus within this = not ready
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.ws_max_live < 1:
+            raise ValueError(f"ws_max_live must be >= 1, got {self.ws_max_live}")
+
+
+def settings_from_env(model_name: str, **overrides: object) -> ApiSettings:
+    """Settings from MSTAR_<NAME>_ADDR / the default ipc sockets, with overrides."""
+    api_addr = str(overrides.pop("api_addr", env_address("api")))
+    values: dict[str, object] = {
+        "model_name": model_name,
+        "api_addr": api_addr,
+        "advertise_addr": advertised(api_addr, None),
+        "data_worker_addr": env_address("data_worker"),
+        "conductor_addr": env_address("conductor"),
+        "control_addr": env_address("conductor_control"),
+    }
+    values.update(overrides)
+    return ApiSettings(**values)  # type: ignore[arg-type]

