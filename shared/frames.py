@@ -52,6 +52,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     prompt: str | None = None
     input_ids: list[int] | None = None
     arrival_time: float = 0.0
+    # False for a prompt rendered by a chat template, which already holds its specials.
+    add_special_tokens: bool = True
 
 
 # ---- data_worker -> conductor -> gpu_worker -----------------------------------------

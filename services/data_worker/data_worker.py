@@ -63,7 +63,7 @@ class DataWorker:
                 raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size}), got {bad[0]}")
             ids = list(req.input_ids)
         else:
-            ids = self.tok.tokenizer.encode(req.prompt or "").ids
+            ids = self.tok.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens).ids
         if not ids:
             raise ValueError("the prompt is empty after tokenization")
         return ids
