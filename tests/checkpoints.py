@@ -84,3 +84,14 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def with_architecture(src: Path, dst: Path, architecture: str) -> Path:
+    """A copy of checkpoint `src` that names another (plugin) architecture."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = [architecture]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -74,6 +74,16 @@ class MstarServer:
             raise KeyError(f"{name}{labels} not in /metrics")
         return sum(vals)
 
+    def wait_metric(self, name: str, want: float, timeout: float = 5.0) -> float:
+        """The metric's value once it equals `want` (metrics trail the workers by a few
+        hundred ms), or its last value after `timeout`."""
+        deadline = time.monotonic() + timeout
+        value = self.metric(name)
+        while value != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            value = self.metric(name)
+        return value
+
     def wait_pages_free(self, timeout: float = 5.0) -> float:
         """Used KV pages, once they reach zero (or after `timeout`)."""
         deadline = time.monotonic() + timeout

@@ -47,13 +47,23 @@ def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
     return j <= (kv_len - q_len) + i
 
 
-def build_metadata(
-    rows: list[tuple[list[int], int, int, bool]], page_size: int
-) -> AttnMetadata:
-    """Build one step's metadata.
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Key at absolute row k is visible to the query at row q when k <= q and, with a
+    sliding window W, k > q - W (transformers' convention: W keys including itself)."""
+    mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+    if window is not None:
+        mask &= k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - window
+    return mask
 
-    `rows` holds, per request in batch order: (its pages, rows already in KV before this
-    step, rows this step writes, is_decode). Decode requests must come first.
+
+def build_metadata(
+    rows: list[tuple[list[int], int, int, int, bool]], page_size: int, window: int | None = None
+) -> AttnMetadata:
+    """Build one step's metadata for one label.
+
+    `rows` holds, per request in batch order: (its live pages, the label page index of the
+    first of them (pages before it were released behind the window), rows already in KV
+    before this step, rows this step writes, is_decode). Decode requests come first.
     """
     slot_pages: list[int] = []
     slot_offsets: list[int] = []
@@ -62,14 +72,15 @@ def build_metadata(
     last_lens: list[int] = []
     decode_rows: list[int] = []
     decode_pages: list[list[int]] = []
-    decode_lens: list[int] = []
+    decode_info: list[tuple[int, int, int]] = []  # (first row held, rows held, query row)
     prefills: list[PrefillChunk] = []
     t = 0
-    for pages, cached, new, is_decode in rows:
+    for pages, first_page, cached, new, is_decode in rows:
         for r in range(cached, cached + new):
-            slot_pages.append(pages[r // page_size])
+            slot_pages.append(pages[r // page_size - first_page])
             slot_offsets.append(r % page_size)
-        kv_len = cached + new
+        first_row = first_page * page_size
+        kv_len = cached + new - first_row  # rows held in the live pages
         n_pages = -(-kv_len // page_size)
         used = pages[:n_pages]
         indices.extend(used)
@@ -78,9 +89,14 @@ def build_metadata(
         if is_decode:
             decode_rows.append(t)
             decode_pages.append(used)
-            decode_lens.append(kv_len)
+            decode_info.append((first_row, kv_len, cached))
         else:
-            mask = None if cached == 0 else bottom_right_causal_mask(new, kv_len)
+            if first_row == 0 and cached == 0 and window is None:
+                mask = None  # plain causal: torch's fast path
+            else:
+                q_pos = torch.arange(cached, cached + new)
+                k_pos = torch.arange(first_row, first_row + kv_len)
+                mask = window_mask(q_pos, k_pos, window)
             prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
         t += new
     meta = AttnMetadata(
@@ -96,8 +112,11 @@ def build_metadata(
         padded = torch.zeros(len(decode_pages), width, dtype=torch.long)
         for b, p in enumerate(decode_pages):
             padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor(decode_lens)
-        mask = torch.arange(width * page_size).unsqueeze(0) < lens.unsqueeze(1)
+        info = torch.tensor(decode_info)
+        j = torch.arange(width * page_size).unsqueeze(0)
+        mask = j < info[:, 1:2]  # only rows the live pages hold
+        if window is not None:
+            mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
         meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         meta.decode_pages = padded
         meta.decode_mask = mask[:, None, None, :]

@@ -60,10 +60,18 @@ class Engine:
         self.model = model
         self.spec = spec
         self.kv = kv
-        self.caches = caches[spec.pool]
-        self.label = spec.kv_labels[0].name
         self.loop = spec.decode_loop
-        self.page_size = kv.pools[spec.pool].config.page_size
+        self.labels = spec.kv_labels
+        self.windows = {lab.name: lab.window for lab in spec.kv_labels}
+        self.page_sizes = {lab.name: kv.pools[lab.pool].config.page_size for lab in spec.kv_labels}
+        # Layer i reads and writes label layer_labels[i], in its pool's i-th layer tensor.
+        self.layer_labels: list[str] = spec.layer_labels
+        taken: dict[str, int] = {}
+        self.layer_caches = []
+        for name in self.layer_labels:
+            pool = spec.label(name).pool
+            self.layer_caches.append(caches[pool][taken.get(pool, 0)])
+            taken[pool] = taken.get(pool, 0) + 1
         self.eos = set(eos_ids)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -150,7 +158,8 @@ class Engine:
         for (seq, n), tok in zip(batch, sampled):
             decode = seq.num_computed >= len(seq.prompt)
             try:
-                self.kv.commit(seq.request_id, self.label, n, self.loop if decode else None)
+                for lab in self.labels:
+                    self.kv.commit(seq.request_id, lab.name, n, lab.grows_on if decode else None)
             except LayoutViolation as exc:
                 error_id = uuid.uuid4().hex[:12]
                 log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
@@ -164,23 +173,26 @@ class Engine:
         return res
 
     def _forward(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
-        rows, ids, positions, sample_rows, sample_seqs = [], [], [], [], []
+        rows: dict[str, list] = {lab.name: [] for lab in self.labels}
+        ids, positions, sample_rows, sample_seqs = [], [], [], []
         t = 0
         for seq, n in batch:
-            pages = self.kv.reserve_rows(seq.request_id, self.label, n)
             decode = seq.num_computed >= len(seq.prompt)
-            rows.append((pages, seq.num_computed, n, decode))
+            for lab in self.labels:
+                pages = self.kv.reserve_rows(seq.request_id, lab.name, n)
+                first = seq.kv.labels[lab.name].first_page
+                rows[lab.name].append((pages, first, seq.num_computed, n, decode))
             ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
             positions.extend(range(seq.num_computed, seq.num_computed + n))
             t += n
             if seq.num_computed + n == seq.tokens_len:
                 sample_rows.append(t - 1)
                 sample_seqs.append(seq)
-        meta = build_metadata(rows, self.page_size)
+        metas = {name: build_metadata(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                self.caches, meta, torch.tensor(sample_rows, dtype=torch.long),
+                self.layer_caches, [metas[name] for name in self.layer_labels], torch.tensor(sample_rows, dtype=torch.long),
             )
             toks = sample(logits, [s.sampling for s in sample_seqs], [s.generator for s in sample_seqs])
         by_seq = {id(s): tok for s, tok in zip(sample_seqs, toks)}

@@ -116,8 +116,11 @@ class GpuWorker:
         ppo = self.spec.process_prompt(list(range(1, n + 1)))
         caps = self.spec.clamp_caps(self.spec.get_loop_caps(2))
         refs, _ = pack_tensors(ppo.new_input_tensors)
-        req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, ppo.kv_layout, caps,
-                         self.spec.kv_configs(ppo.kv_layout, caps, self.pools))
+        # Warm-up exercises the kernels, not the model's declarations (intake checks those).
+        declared = {lab.name for lab in self.spec.kv_labels}
+        layout = {name: lay for name, lay in ppo.kv_layout.items() if name in declared}
+        req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
+                         self.spec.kv_configs(layout, caps, self.pools))
         self.engine.add(req, ppo.new_input_tensors)
         while self.engine.has_work:
             self.engine.step()

@@ -1,5 +1,12 @@
-"""The decoder-only LM family (Llama, Qwen2, Qwen3): one pool, one keyed text label that
-grows a row per decode iteration."""
+"""The decoder-only LM family (Llama, Qwen2, Qwen3, Mistral).
+
+Full-attention layers keep their KV in pool "kv" under the keyed label "text"; sliding-
+window layers (Qwen2's `max_window_layers`, Mistral's `sliding_window`, or an explicit
+`layer_types`) keep theirs in pool "kv_window" under the windowed label "window", whose
+retention releases pages wholly behind the window. Both labels grow one row per decode
+iteration. A page holds every layer of its pool, so the two kinds get separate pools
+rather than wasting half of every page.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,31 @@ from shared.model import ModelSpec
 from shared.model_source import register_model
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_types(config: dict) -> list[str]:
+    """Each layer's attention kind, as transformers derives it."""
+    n = int(config["num_hidden_layers"])
+    if config.get("layer_types"):
+        types = list(config["layer_types"])
+    elif config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
+        first = int(config.get("max_window_layers", 0)) if config.get("model_type") in ("qwen2", "qwen3") else 0
+        types = [SLIDING if i >= first else FULL for i in range(n)]
+    else:
+        types = [FULL] * n
+    if len(types) != n or set(types) - {FULL, SLIDING}:
+        raise ValueError(f"unsupported layer_types {types}")
+    return types
 
 
 class DecoderLMSpec(ModelSpec):
     torch_impl = "services.gpu_worker.models.decoder_lm:DecoderLM"
     pool = "kv"
+    window_pool = "kv_window"
     decode_loop = "decode_loop"
+    #: how the window label's prompt rows are declared: its label is never keyed either way
+    window_span_kind = "ids"
 
     def __init__(self, config: dict, *, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> None:
         self.config = config
@@ -27,20 +53,29 @@ class DecoderLMSpec(ModelSpec):
         self.head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
         ctx = int(config.get("max_position_embeddings", 2048))
         self.max_seq_len = min(ctx, max_seq_len) if max_seq_len else ctx
-        window = config.get("sliding_window") if config.get("use_sliding_window") else None
-        self._labels = (KVLabel("text", self.pool, keys=True, window=window, grows_on=self.decode_loop),)
+        types = layer_types(config)
+        self.window = int(config["sliding_window"]) if SLIDING in types else None
+        labels = []
+        if FULL in types:
+            labels.append(KVLabel("text", self.pool, keys=True, grows_on=self.decode_loop))
+        if SLIDING in types:
+            labels.append(KVLabel("window", self.window_pool, keys=False, window=self.window, grows_on=self.decode_loop))
+        self._labels = tuple(labels)
+        #: the label (and so the pool) each layer's attention reads and writes
+        self.layer_labels = ["text" if t == FULL else "window" for t in types]
 
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]:
         return self._labels
 
     def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        return {
-            self.pool: PagedKVConfig(
-                self.pool, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
-                self.page_size, num_pages, self.max_seq_len,
+        pools = {}
+        for lab in self._labels:
+            layers = self.layer_labels.count(lab.name)
+            pools[lab.pool] = PagedKVConfig(
+                lab.pool, layers, self.kv_heads, self.head_dim, self.dtype, self.page_size, num_pages, self.max_seq_len
             )
-        }
+        return pools
 
     def graph_loops(self) -> dict[str, int]:
         # Prefill emits the first token, so at most max_seq_len - 1 decode iterations.
@@ -48,8 +83,12 @@ class DecoderLMSpec(ModelSpec):
 
     def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
         ids = np.asarray(token_ids, dtype=np.int32)
-        layout = LabelLayout(spans=(Span.ids(token_ids),), growth={self.decode_loop: 1})
-        return ProcessPromptOutput({"input_ids": ids}, {"text": layout}, {"prompt_len": len(token_ids)})
+        layouts = {}
+        for lab in self._labels:
+            keyed = lab.name == "text" or self.window_span_kind == "ids"
+            span = Span.ids(token_ids) if keyed else Span.rows(len(token_ids))
+            layouts[lab.name] = LabelLayout(spans=(span,), growth={self.decode_loop: 1})
+        return ProcessPromptOutput({"input_ids": ids}, layouts, {"prompt_len": len(token_ids)})
 
     def get_loop_caps(self, max_tokens: int) -> dict[str, int]:
         return {self.decode_loop: max(1, max_tokens - 1)}

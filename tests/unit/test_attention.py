@@ -9,12 +9,15 @@ import torch
 from services.gpu_worker.attention import bottom_right_causal_mask, build_metadata, paged_attention, write_kv
 
 
-def dense_attention(q, k, v, scale):
+def dense_attention(q, k, v, scale, window=None):
     """q [q, Hq, D] at the end of k/v [kv, Hkv, D]: plain softmax attention, GQA by repeat."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     mask = bottom_right_causal_mask(q.shape[0], k.shape[0])
+    if window is not None:
+        qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0]).unsqueeze(1)
+        mask &= torch.arange(k.shape[0]).unsqueeze(0) > qpos - window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -43,7 +46,7 @@ def test_paged_matches_dense():
         for r in range(cached):
             cache[pages[r // page_size], 0, r % page_size] = k[r]
             cache[pages[r // page_size], 1, r % page_size] = v[r]
-    rows = [(pages, cached, new, dec) for (cached, new, dec), pages in zip(shapes, pages_of)]
+    rows = [(pages, 0, cached, new, dec) for (cached, new, dec), pages in zip(shapes, pages_of)]
     meta = build_metadata(rows, page_size)
     new_k = torch.cat([k[c:] for (c, _, _), k in zip(shapes, full_k)])
     new_v = torch.cat([v[c:] for (c, _, _), v in zip(shapes, full_v)])
@@ -59,3 +62,33 @@ def test_paged_matches_dense():
     lens = [(meta.kv_indptr[i + 1] - meta.kv_indptr[i] - 1) * page_size + meta.kv_last_page_len[i] for i in range(len(shapes))]
     assert [int(x) for x in lens] == [c + n for c, n, _ in shapes]
     assert meta.kv_indices.dtype == torch.int32
+
+
+def test_windowed_paged_matches_dense_after_release():
+    """Sliding window: pages wholly behind the window are gone (first_page > 0), the
+    rest still attend exactly as dense attention with the window mask."""
+    torch.manual_seed(1)
+    page_size, hq, hkv, d, window = 4, 2, 1, 8, 6
+    cache = torch.zeros(32, 2, page_size, hkv, d)
+    shapes = [(17, 1, True), (10, 5, False)]
+    rows, full, t_new = [], [], []
+    free = list(range(32))
+    for cached, new, dec in shapes:
+        n = cached + new
+        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        full.append((k, v))
+        first_page = max(0, cached - window) // page_size
+        pages = [free.pop() for _ in range(-(-n // page_size) - first_page)]
+        for r in range(first_page * page_size, cached):
+            cache[pages[r // page_size - first_page], 0, r % page_size] = k[r]
+            cache[pages[r // page_size - first_page], 1, r % page_size] = v[r]
+        rows.append((pages, first_page, cached, new, dec))
+        t_new.append((k[cached:], v[cached:]))
+    meta = build_metadata(rows, page_size, window)
+    q = torch.randn(sum(n for _, n, _ in shapes), hq, d)
+    write_kv(cache, torch.cat([k for k, _ in t_new]), torch.cat([v for _, v in t_new]), meta)
+    out = paged_attention(q, cache, meta, d**-0.5)
+    t = 0
+    for (_, new, _), (k, v) in zip(shapes, full):
+        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
+        t += new

@@ -129,8 +129,9 @@ class Backbone(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """`forward(input_ids [T], positions [T], kv_caches, meta, sample_rows)` -> logits
-    [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest)."""
+    """`forward(input_ids [T], positions [T], kv_caches, metas, sample_rows)` -> logits
+    [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest).
+    `kv_caches[i]` and `metas[i]` are layer i's pool tensor and its label's metadata."""
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -151,9 +152,9 @@ class DecoderLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttnMetadata, sample_rows: torch.Tensor):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for layer, cache, meta in zip(self.model.layers, kv_caches, metas):
             x = layer(x, positions, self.rotary, cache, meta)
         x = self.model.norm(x[sample_rows])
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -1,0 +1,58 @@
+"""Test-only model families, loaded by every service through MSTAR_MODEL_PLUGINS.
+
+Each is the real decoder LM (same torch implementation, same weights) with one thing
+about its declarations changed, so the tests can drive the contract's failure paths
+through real processes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.layout import LabelLayout, PagedKVConfig, ProcessPromptOutput
+from shared.model_source import register_model
+from shared.models.decoder_lm import DecoderLMSpec
+
+
+class UnderstatedGrowthSpec(DecoderLMSpec):
+    """Declares no decode growth for prompts of odd length (a model bug): those requests
+    take pages past their footprint. Even-length prompts are declared correctly."""
+
+    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
+        out = super().process_prompt(token_ids)
+        if len(token_ids) % 2:
+            out.kv_layout = {name: msgspec.structs.replace(lay, growth={self.decode_loop: 0}) for name, lay in out.kv_layout.items()}
+        return out
+
+
+class GhostLabelSpec(DecoderLMSpec):
+    """Returns a layout for a label it never declared."""
+
+    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
+        out = super().process_prompt(token_ids)
+        out.kv_layout["ghost"] = LabelLayout(growth={self.decode_loop: 1})
+        return out
+
+
+class OrphanPoolSpec(DecoderLMSpec):
+    """Declares a paged pool that no label lives in."""
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        pools = super().paged_pools(num_pages)
+        pools["orphan"] = PagedKVConfig("orphan", 1, 1, 8, self.dtype, self.page_size, num_pages, self.max_seq_len)
+        return pools
+
+
+class RowsWindowSpec(DecoderLMSpec):
+    """Qwen2 with sliding-window layers whose window label declares its prompt as a
+    `rows` span (never keyed): two labels, one keyed ids, one rows and windowed."""
+
+    window_span_kind = "rows"
+
+
+for arch, cls in {
+    "UnderstatedGrowthLlamaForCausalLM": UnderstatedGrowthSpec,
+    "GhostLabelLlamaForCausalLM": GhostLabelSpec,
+    "OrphanPoolLlamaForCausalLM": OrphanPoolSpec,
+    "RowsWindowQwen2ForCausalLM": RowsWindowSpec,
+}.items():
+    register_model(arch, lambda config, _cls=cls, **kw: _cls(config, **kw))
