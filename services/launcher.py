@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
 
 PR_SET_PDEATHSIG = 1
-GRACE_S = 10.0
+GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
+STABLE_S = 30.0  # a child that lived this long is no longer crash-looping
+MAX_BACKOFF_S = 30.0
 
 
 def _die_with_parent() -> None:
@@ -41,9 +43,14 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0  # consecutive quick deaths, for the crash-loop back-off
+    restart_at: float | None = None
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        self.restart_at = None
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -92,14 +99,31 @@ class Launcher:
                 return code
             print(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}", file=sys.stderr, flush=True)
             while not self.stopping:
-                dead = self._dead()
-                if dead is not None:
-                    print(f"mstar: {dead.name} exited with code {dead.poll()}; stopping", file=sys.stderr, flush=True)
-                    return 1
-                time.sleep(0.2)
+                self._supervise(env)
+                time.sleep(0.1)
             return 0
         finally:
             self.stop()
+
+    def _supervise(self, env: dict[str, str]) -> None:
+        """Restart a child that died after start-up, backing off exponentially while it
+        keeps dying quickly (a crash loop is logged, not hidden, and not a busy loop)."""
+        now = time.monotonic()
+        for child in self.children:
+            code = child.poll()
+            if code is None:
+                if child.restarts and now - child.started_at > STABLE_S:
+                    child.restarts = 0
+                continue
+            if child.restart_at is None:
+                delay = min(MAX_BACKOFF_S, 0.5 * 2**child.restarts)
+                child.restarts += 1
+                child.restart_at = now + delay
+                kind = "crash loop: " if child.restarts > 3 else ""
+                print(f"mstar: {kind}{child.name} exited with code {code}; restarting in {delay:.1f}s (restart {child.restarts})",
+                      file=sys.stderr, flush=True)
+            elif now >= child.restart_at:
+                child.start(env)
 
     def _dead(self) -> Child | None:
         return next((c for c in self.children if c.poll() is not None), None)
@@ -124,19 +148,23 @@ class Launcher:
         return 0
 
     def stop(self) -> None:
-        """SIGTERM every child (api first, so intake stops first), SIGKILL after the grace."""
-        for child in reversed(self.children):
-            if child.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+        """Stop the api first (it refuses new requests with 503 and lets running ones
+        finish), then the other services; SIGKILL whatever outlives the grace period."""
+        front = [c for c in self.children if c.name == "api"]
+        rest = [c for c in self.children if c.name != "api"]
+        for group in (front, rest):
+            for child in group:
+                if child.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + GRACE_S
+            for child in group:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

@@ -122,15 +122,19 @@ class PoolStats(msgspec.Struct, array_like=True, frozen=True):
     name: str
     total_pages: int
     free_pages: int
-    reserved_pages: int = 0
+    reserved_pages: int = 0  # set aside for admitted requests' footprints, not yet taken
+    peak_used_pages: int = 0  # most pages in use at once since the worker started
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready", **HOT):
-    """A worker announces itself, its input address and its pools before any work."""
+    """A worker announces itself, its input address and its pools before any work, and
+    repeats it as its heartbeat, so a restarted conductor learns its workers again.
+    `incarnation` changes when the worker process restarts."""
 
     worker_id: str
     address: str
     pools: list[PagedKVConfig]
+    incarnation: str = ""
 
 
 class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):

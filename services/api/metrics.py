@@ -58,17 +58,27 @@ class ClusterCollector(Collector):
             return
         used: dict[str, int] = {}
         total: dict[str, int] = {}
+        reserved: dict[str, int] = {}
+        peak: dict[str, int] = {}
         for w in st.workers:
             for p in w.pools:
                 used[p.name] = used.get(p.name, 0) + (p.total_pages - p.free_pages)
                 total[p.name] = total.get(p.name, 0) + p.total_pages
+                reserved[p.name] = reserved.get(p.name, 0) + p.reserved_pages
+                peak[p.name] = max(peak.get(p.name, 0), p.peak_used_pages)
         g_used = GaugeMetricFamily("mstar_kv_pages_used", "KV pages in use, summed over workers", labels=["pool"])
         g_total = GaugeMetricFamily("mstar_kv_pages_total", "KV pages in each pool, summed over workers", labels=["pool"])
+        g_res = GaugeMetricFamily("mstar_kv_pages_reserved", "KV pages set aside for admitted footprints, not yet taken", labels=["pool"])
+        g_peak = GaugeMetricFamily("mstar_kv_pages_peak", "most KV pages in use at once on any one worker", labels=["pool"])
         for name in sorted(total):
             g_used.add_metric([name], used[name])
             g_total.add_metric([name], total[name])
+            g_res.add_metric([name], reserved[name])
+            g_peak.add_metric([name], peak[name])
         yield g_used
         yield g_total
+        yield g_res
+        yield g_peak
         yield GaugeMetricFamily("mstar_ready_workers", "workers that loaded the model and warmed up", value=st.ready_workers)
         yield GaugeMetricFamily("mstar_requests_running", "requests running on workers", value=sum(w.running for w in st.workers))
         yield GaugeMetricFamily(

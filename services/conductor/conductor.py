@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.config import Deployment
 from shared.frames import (
@@ -42,6 +44,8 @@ from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 log = logging.getLogger("mstar.conductor")
 
 TOMBSTONE_TTL_S = 60.0
+#: a worker silent this long (no heartbeat: SIGSTOPped, hung) is declared failed
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("MSTAR_HEARTBEAT_TIMEOUT", "5"))
 
 
 class Refusal(Exception):
@@ -55,10 +59,12 @@ class WorkerState:
     worker_id: str
     address: str
     pools: dict[str, PagedKVConfig]
+    incarnation: str = ""
     promised: dict[str, int] = field(default_factory=dict)
-    requests: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> pages per pool
+    requests: dict[str, tuple[dict[str, int], str]] = field(default_factory=dict)  # id -> (pages per pool, reply_to)
     stats: WorkerStats | None = None
     last_seen: float = field(default_factory=time.monotonic)
+    monitor: asyncio.Task | None = None
 
     def free(self, pool: str) -> int:
         return self.pools[pool].num_pages - self.promised.get(pool, 0)
@@ -114,12 +120,15 @@ class Conductor:
         self.queue: deque[tuple[NewRequest, list]] = deque()
         self.placement: dict[str, str] = {}  # request id -> worker id
         self.tombstones: OrderedDict[str, float] = OrderedDict()
+        # incarnation of a worker declared failed -> the requests it held, aborted on it if
+        # it ever speaks again (a SIGSTOPped worker resumed)
+        self.dead: OrderedDict[str, list[str]] = OrderedDict()
 
     async def run(self) -> None:
         pull = bind(self.ctx, zmq.PULL, self.addrs["conductor"])
         router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         try:
-            await asyncio.gather(self._intake(pull), self._control(router))
+            await asyncio.gather(self._intake(pull), self._control(router), self._watch_heartbeats())
         finally:
             pull.close(0)
             router.close(0)
@@ -161,9 +170,7 @@ class Conductor:
             self._release(msg.worker_id, msg.request_id)
             await self._drain_queue()
         elif isinstance(msg, WorkerReady):
-            self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools})
-            log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
-            await self._drain_queue()
+            await self._worker_ready(msg)
         elif isinstance(msg, WorkerStats):
             w = self.workers.get(msg.worker_id)
             if w is not None:
@@ -227,7 +234,7 @@ class Conductor:
             self.queue.popleft()
             for pool, n in need.items():
                 w.promised[pool] = w.promised.get(pool, 0) + n
-            w.requests[req.request_id] = need
+            w.requests[req.request_id] = (need, req.reply_to)
             self.placement[req.request_id] = w.worker_id
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
 
@@ -236,9 +243,72 @@ class Conductor:
         w = self.workers.get(worker_id)
         if w is None:
             return
-        need = w.requests.pop(request_id, None) or {}
+        need, _ = w.requests.pop(request_id, None) or ({}, "")
+        log.debug("request %s finished on %s", request_id, worker_id)
         for pool, n in need.items():
             w.promised[pool] -= n
+
+    # -- worker lifecycle ---------------------------------------------------------------
+
+    async def _worker_ready(self, msg: WorkerReady) -> None:
+        w = self.workers.get(msg.worker_id)
+        if w is not None and w.incarnation == msg.incarnation:
+            w.last_seen = time.monotonic()  # a heartbeat
+            return
+        if w is not None:
+            await self._worker_failed(w, "it restarted")
+        lost = self.dead.pop(msg.incarnation, None)
+        if lost:
+            # Declared failed, now speaking again: its old requests were failed already.
+            for rid in lost:
+                await self.pushers.send(msg.address, self.codec.encode(Abort(rid, "worker_failed")))
+        w = self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools}, msg.incarnation)
+        w.monitor = asyncio.ensure_future(self._watch_connection(w))
+        log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
+        await self._drain_queue()
+
+    async def _watch_connection(self, w: WorkerState) -> None:
+        """A worker process that dies closes its connection: fail it at once rather than
+        after the heartbeat timeout."""
+        mon = self.pushers.get(w.address).get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await mon.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    if self.workers.get(w.worker_id) is w:
+                        await self._worker_failed(w, "its connection closed")
+                    return
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            mon.close(0)
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 5)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if now - w.last_seen > HEARTBEAT_TIMEOUT_S:
+                    await self._worker_failed(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+
+    async def _worker_failed(self, w: WorkerState, reason: str) -> None:
+        """Fail every request the worker held (503 worker_failed), forget its bookkeeping;
+        the other workers and the queue go on."""
+        if self.workers.get(w.worker_id) is not w:
+            return
+        del self.workers[w.worker_id]
+        log.error("worker %s failed (%s); failing its %d request(s)", w.worker_id, reason, len(w.requests))
+        if w.monitor is not None and w.monitor is not asyncio.current_task():
+            w.monitor.cancel()
+        self.pushers.drop(w.address)
+        self.dead[w.incarnation] = list(w.requests)
+        while len(self.dead) > 64:
+            self.dead.popitem(last=False)
+        for rid, (_, reply_to) in w.requests.items():
+            self.placement.pop(rid, None)
+            err = RequestError(rid, 503, f"the worker serving this request failed ({reason}); it was not completed", "worker_failed")
+            await self.pushers.send(reply_to, self.codec.encode(err))
+        await self._drain_queue()
 
     async def _abort(self, msg: Abort) -> None:
         self.tombstones[msg.request_id] = time.monotonic()

@@ -71,13 +71,14 @@ class Pool:
         # Pop from the end: low page ids go out first, which keeps tests readable.
         self.free: list[int] = list(range(config.num_pages - 1, -1, -1))
         self.reserved = 0
+        self.peak_used = 0
 
     @property
     def used(self) -> int:
         return self.config.num_pages - len(self.free)
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.config.name, self.config.num_pages, len(self.free), self.reserved)
+        return PoolStats(self.config.name, self.config.num_pages, len(self.free), self.reserved, self.peak_used)
 
 
 class KVManager:
@@ -153,7 +154,9 @@ class KVManager:
             pool.reserved -= 1  # this page was set aside at admission
         if not pool.free:
             raise MemoryError(f"pool {pool.config.name!r} has no free page")
-        return pool.free.pop()
+        page = pool.free.pop()
+        pool.peak_used = max(pool.peak_used, pool.used)
+        return page
 
     def commit(self, request_id: str, label: str, n: int, loop: str | None = None) -> None:
         """Advance the label by `n` rows written this step; `loop` names the loop when the

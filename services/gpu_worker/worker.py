@@ -24,7 +24,6 @@ from shared.config import Deployment
 from shared.frames import (
     Abort,
     FrameCodec,
-    Heartbeat,
     NewRequest,
     RequestError,
     RequestFinished,
@@ -107,6 +106,7 @@ class GpuWorker:
         self.in_codec = FrameCodec(ToWorker)
         self.out_codec = FrameCodec(ToApi)
         self.running = True
+        self.incarnation = uuid.uuid4().hex
         self._last_stats: tuple | None = None
 
     def warm_up(self) -> None:
@@ -184,7 +184,8 @@ class GpuWorker:
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "running", False))
-        self._to_conductor(WorkerReady(self.worker_id, self.advertise_addr, list(self.pools.values())))
+        ready = WorkerReady(self.worker_id, self.advertise_addr, list(self.pools.values()), self.incarnation)
+        self._to_conductor(ready)
         self._stats(force=True)
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
@@ -205,7 +206,7 @@ class GpuWorker:
                 self._stats()
                 last_stats = now
             if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                self._to_conductor(Heartbeat(self.worker_id, time.time()))
+                self._to_conductor(ready)  # the heartbeat
                 last_beat = now
         self.shutdown()
 

@@ -1,0 +1,158 @@
+"""Admission by footprint, data-parallel workers, and a worker's failure failing only
+its own requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.checkpoints import make_checkpoint
+from tests.servers import MstarServer
+
+DEBUG = {"MSTAR_KV_DEBUG_ASSERTS": "1"}
+
+
+async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float]) -> None:
+    """Sample the gauges while the load runs: the most waiting and the most pages used."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+        while not stop.is_set():
+            text = (await client.get("/metrics")).text
+            for line in text.splitlines():
+                for name in ("mstar_requests_waiting", "mstar_kv_pages_used", "mstar_requests_running"):
+                    if line.startswith(name + " ") or line.startswith(name + "{"):
+                        seen[name] = max(seen.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
+            await asyncio.sleep(0.05)
+
+
+async def test_footprint_admission_on_a_48_page_pool(llama_ckpt, tmp_path):
+    """24 concurrent requests of 10 pages each on a 48-page pool: all finish with exactly
+    their tokens, some waited, pages never above the pool, no overrun."""
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "48", "--page-size", "16", env=DEBUG).start()
+    try:
+        seen: dict[str, float] = {}
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch(server, stop, seen))
+        # 100 prompt rows + 60 new tokens (59 written) = 159 rows = 10 pages of 16.
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            rs = await asyncio.gather(*(client.post("/generate", json={
+                "input_ids": [(7 * i + j) % 300 + 3 for j in range(100)], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            }) for i in range(24)))
+        stop.set()
+        await watcher
+        assert [r.status_code for r in rs] == [200] * 24
+        assert all(len(r.json()["token_ids"]) == 60 for r in rs)
+        assert seen["mstar_requests_waiting"] > 0, seen
+        assert seen["mstar_kv_pages_used"] <= 48
+        assert server.metric("mstar_kv_pages_peak") <= 48
+        assert server.metric("mstar_requests_running") <= 4  # 4 x 10 pages fit in 48, 5 do not
+        assert server.metric("mstar_kv_footprint_overruns_total") == 0
+        assert server.wait_pages_free() == 0 and server.metric("mstar_kv_pages_reserved") == 0
+    finally:
+        server.stop()
+
+
+def test_footprint_larger_than_the_pool_is_a_400(llama_ckpt, tmp_path):
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "8", "--page-size", "16").start()
+    try:
+        r = httpx.post(server.url + "/generate", json={"input_ids": [5] * 100, "max_tokens": 100}, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "the request needs 13 KV pages of pool 'kv', which holds 8 in all"
+        # Without max_tokens it gets what the pool can hold: 8 pages = 128 rows.
+        r = httpx.post(server.url + "/generate", json={"input_ids": [5] * 100, "ignore_eos": True, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 29
+    finally:
+        server.stop()
+
+
+def _worker_pids(server: MstarServer) -> dict[str, int]:
+    """worker id -> pid of the launcher's gpu worker children."""
+    pids = {}
+    for pid in server.children():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if b"services.gpu_worker" in argv:
+            pids[argv[argv.index(b"--worker-id") + 1].decode()] = pid
+    return pids
+
+
+def _wait_workers(server: MstarServer, n: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    ready = 0
+    while time.monotonic() < deadline:
+        ready = httpx.get(server.url + "/ready").json().get("ready_workers", 0)
+        if ready == n:
+            break
+        time.sleep(0.2)
+    return ready
+
+
+@pytest.fixture(scope="module")
+def slower_ckpt(tmp_path_factory):
+    """Big enough that 500 tokens take seconds, so a worker can be killed mid-request."""
+    return make_checkpoint(tmp_path_factory.mktemp("slow") / "llama", "llama", hidden_size=256, intermediate_size=768,
+                           num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+@pytest.fixture
+def two_workers(slower_ckpt, tmp_path):
+    server = MstarServer(str(slower_ckpt), tmp_path / "log.txt", "--num-kv-pages", "96", "--workers", "2",
+                         env={"MSTAR_LOG_LEVEL": "DEBUG"}).start()
+    _wait_workers(server, 2)
+    yield server
+    server.stop()
+
+
+async def test_requests_spread_over_two_workers(two_workers):
+    async with httpx.AsyncClient(base_url=two_workers.url, timeout=120) as client:
+        rs = await asyncio.gather(*(client.post("/generate", json={"prompt": "Hello world", "max_tokens": 30, "temperature": 0, "ignore_eos": True}) for _ in range(8)))
+    assert all(r.status_code == 200 for r in rs)
+    served = {}
+    for line in two_workers.log().splitlines():
+        if "finished on" in line:
+            served[line.rsplit(" ", 1)[1]] = True
+    assert set(served) == {"worker-0", "worker-1"}, "both workers served requests"
+
+
+async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
+    pids = _worker_pids(two_workers)
+    assert sorted(pids) == ["worker-0", "worker-1"]
+    started = asyncio.Semaphore(0)
+
+    async def stream(client, i):
+        events = []
+        async with client.stream("POST", "/generate", json={"prompt": f"Hello {i}", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                    if len(events) == 1:
+                        started.release()
+        return events
+
+    async with httpx.AsyncClient(base_url=two_workers.url, timeout=120) as client:
+        tasks = [asyncio.ensure_future(stream(client, i)) for i in range(4)]  # 2 per worker (33 pages each)
+        for _ in tasks:
+            await started.acquire()
+        t0 = time.monotonic()
+        os.kill(pids["worker-0"], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        failed_at = time.monotonic() - t0
+        # The survivor keeps serving while its peer restarts.
+        r = await client.post("/generate", json={"prompt": "after", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    last = [ev[-1] for ev in results]
+    failed = [e for e in last if e["type"] == "error"]
+    done = [e for e in last if e["type"] == "done"]
+    assert failed and done, last
+    assert len(failed) == 2 and len(done) == 2, last
+    assert all(e["error"]["type"] == "worker_failed" and e["status"] == 503 for e in failed)
+    assert all(len(e["token_ids"]) == 500 for e in done)
+    assert failed_at < 60
+    # The launcher restarts the worker and /ready returns to 200 with both workers.
+    assert _wait_workers(two_workers, 2) == 2
+    assert "gpu_worker-0 exited with code -9; restarting" in two_workers.log()
