@@ -56,6 +56,9 @@ def advertised(bind_address: str, advertise: str | None) -> str:
     return bind_address
 
 
+ADMISSION_MODES = ("footprint", "max-seq-len")
+
+
 class Deployment(msgspec.Struct, frozen=True):
     """What the conductor and the workers must agree on about the served model."""
 
@@ -67,8 +70,13 @@ class Deployment(msgspec.Struct, frozen=True):
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
     dtype: str = "float32"
+    #: "footprint" (mstar) or "max-seq-len": reserve max_seq_len rows per request, the
+    #: baseline a server without layouts must use to never preempt (for benchmarks)
+    admission: str = "footprint"
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_kv_pages < 0:
@@ -91,6 +99,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory-fraction", type=float, default=float(_env("kv_memory_fraction", str(d.kv_memory_fraction))), help="fraction of available memory for KV when --num-kv-pages is 0")
     parser.add_argument("--max-seq-len", type=int, default=int(_env("max_seq_len", "0")), help="prompt + output limit; 0 uses the model's context length")
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", str(d.max_num_seqs))), help="most requests in one batch")
+    parser.add_argument("--admission", choices=ADMISSION_MODES, default=_env("admission", "footprint"), help="admit by each request's footprint (default) or by a max_seq_len reservation (a baseline for benchmarks)")
     parser.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", str(d.max_batch_tokens))), help="token budget of one step (prefill chunks + decode rows)")
 
 
@@ -103,6 +112,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         max_seq_len=args.max_seq_len,
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,
+        admission=args.admission,
     )
 
 
@@ -116,4 +126,5 @@ def deployment_argv(d: Deployment) -> list[str]:
         "--max-seq-len", str(d.max_seq_len),
         "--max-num-seqs", str(d.max_num_seqs),
         "--max-batch-tokens", str(d.max_batch_tokens),
+        "--admission", d.admission,
     ]

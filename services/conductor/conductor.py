@@ -192,6 +192,9 @@ class Conductor:
                 self.queue.append((req, bufs))  # no worker yet: plan once one announces itself
                 return
             planned = plan_request(self.spec, req, pools)
+            for name, n in self._need(planned).items():
+                if n > pools[name].num_pages:
+                    raise Refusal(400, f"the request needs {n} KV pages of pool {name!r} under {self.d.admission} admission, which holds {pools[name].num_pages} in all", "max_tokens")
         except Refusal as r:
             await self._refuse(req, r)
             return
@@ -225,7 +228,7 @@ class Conductor:
                     await self._refuse(req, r)
                     continue
                 self.queue[0] = (req, bufs)
-            need = {name: cfg.total_pages for name, cfg in req.kv_configs.items()}
+            need = self._need(req)
             fitting = [w for w in self.workers.values() if w.fits(need)]
             if not fitting:
                 return
@@ -237,6 +240,17 @@ class Conductor:
             w.requests[req.request_id] = (need, req.reply_to)
             self.placement[req.request_id] = w.worker_id
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
+
+    def _need(self, req: NewRequest) -> dict[str, int]:
+        """Pages to promise per pool: the footprint, or under the max-seq-len baseline a
+        whole max_seq_len per label, as a server that cannot know footprints reserves."""
+        need = {name: cfg.total_pages for name, cfg in req.kv_configs.items()}
+        if self.d.admission == "max-seq-len":
+            pools = self._reference_pools() or {}
+            for name, cfg in req.kv_configs.items():
+                if name in pools:
+                    need[name] = max(need[name], -(-pools[name].max_seq_len // pools[name].page_size) * len(cfg.footprints))
+        return need
 
     def _release(self, worker_id: str, request_id: str) -> None:
         self.placement.pop(request_id, None)

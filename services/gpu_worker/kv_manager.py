@@ -29,6 +29,10 @@ class LayoutViolation(Exception):
     """Under MSTAR_KV_DEBUG_ASSERTS=1, a commit that does not match the declared layout."""
 
 
+def max_seq_len_pages(pool: PagedKVConfig) -> int:
+    return -(-pool.max_seq_len // pool.page_size)
+
+
 def debug_asserts_enabled() -> bool:
     return os.environ.get("MSTAR_KV_DEBUG_ASSERTS", "0") not in ("", "0", "false")
 
@@ -60,9 +64,14 @@ class RequestKV:
     caps: dict[str, int]
     configs: dict[str, KVReqConfig]
     labels: dict[str, LabelState]
+    #: pages reserved beyond the footprint per pool (only under max-seq-len admission)
+    extra: dict[str, int] = field(default_factory=dict)
 
     def footprint(self, pool: str) -> int:
         return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)
+
+    def reservation(self, pool: str) -> int:
+        return self.footprint(pool) + self.extra.get(pool, 0)
 
 
 class Pool:
@@ -82,8 +91,9 @@ class Pool:
 
 
 class KVManager:
-    def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...]) -> None:
+    def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...], reserve_max_seq_len: bool = False) -> None:
         self.pools = {name: Pool(cfg) for name, cfg in pools.items()}
+        self.reserve_max_seq_len = reserve_max_seq_len
         self.labels = {lab.name: lab for lab in labels}
         self.requests: dict[str, RequestKV] = {}
         self.footprint_overruns = 0
@@ -104,6 +114,9 @@ class KVManager:
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
             states[name] = LabelState(lab, layout, fp, page_size)
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
+        if self.reserve_max_seq_len:
+            kv.extra = {name: max(0, max_seq_len_pages(pool.config) * sum(1 for s in states.values() if s.label.pool == name) - kv.footprint(name))
+                        for name, pool in self.pools.items()}
         for cfg in kv.configs.values():
             for name, fp in cfg.footprints.items():
                 if name in states and states[name].footprint != fp:
@@ -111,15 +124,15 @@ class KVManager:
         return kv
 
     def can_admit(self, kv: RequestKV) -> bool:
-        return all(len(p.free) - p.reserved >= kv.footprint(name) for name, p in self.pools.items())
+        return all(len(p.free) - p.reserved >= kv.reservation(name) for name, p in self.pools.items())
 
     def fits_at_all(self, kv: RequestKV) -> bool:
-        return all(kv.footprint(name) <= p.config.num_pages for name, p in self.pools.items())
+        return all(kv.reservation(name) <= p.config.num_pages for name, p in self.pools.items())
 
     def admit(self, kv: RequestKV) -> None:
         """Reserve the footprint: what this request may take later is set aside now."""
         for name, pool in self.pools.items():
-            pool.reserved += kv.footprint(name)
+            pool.reserved += kv.reservation(name)
         self.requests[kv.request_id] = kv
         self._check_conservation()
 
@@ -244,6 +257,8 @@ class KVManager:
                 self._release(st, st.pages.pop())
             # What the request never took of its footprint is unreserved too.
             self.pools[st.label.pool].reserved -= st.footprint
+        for name, extra in kv.extra.items():
+            self.pools[name].reserved -= extra
         self._check_conservation()
         return released
 

@@ -85,7 +85,7 @@ class GpuWorker:
             name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype) for _ in range(p.num_layers)]
             for name, p in self.pools.items()
         }
-        self.kv = KVManager(self.pools, self.spec.kv_labels)
+        self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len")
         self.engine = Engine(
             self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
             max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
