@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -117,7 +118,7 @@ async def run_mode(server: Server, reqs: list[dict]) -> dict:
     tokens = sum(len(b.get("token_ids", [])) for b in bodies)
     running = [g["mstar_requests_running"] for _, g in samples]
     # Time-weighted mean of the sampled running count.
-    mean_running = sum(g["mstar_requests_running"] * (t2 - t1) for (t1, g), (t2, _) in zip(samples, samples[1:])) / max(
+    mean_running = sum(g["mstar_requests_running"] * (t2 - t1) for (t1, g), (t2, _) in itertools.pairwise(samples)) / max(
         1e-9, samples[-1][0] - samples[0][0])
     return {
         "requests": len(reqs),
