@@ -115,6 +115,14 @@ class RequestError(msgspec.Struct, tag="request_error", **HOT):
     error_id: str | None = None
 
 
+class Dispatched(msgspec.Struct, tag="dispatched", **HOT):
+    """The conductor placed the request on a worker: from here only that worker's failure
+    can lose it, so the api knows which requests a data worker or conductor crash took."""
+
+    request_id: str
+    worker_id: str
+
+
 # ---- gpu_worker -> conductor --------------------------------------------------------
 
 
@@ -173,7 +181,7 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
 ToDataWorker = GenerateRequest | Abort
 ToConductor = NewRequest | Abort | WorkerReady | WorkerStats | RequestFinished | Heartbeat
 ToWorker = NewRequest | Abort | Heartbeat
-ToApi = StepOutputs | RequestError | Heartbeat
+ToApi = StepOutputs | RequestError | Dispatched | Heartbeat
 ControlRequest = StatusQuery
 ControlReply = ClusterStatus
 

@@ -27,6 +27,7 @@ from shared.config import Deployment
 from shared.frames import (
     Abort,
     ClusterStatus,
+    Dispatched,
     FrameCodec,
     Heartbeat,
     NewRequest,
@@ -240,6 +241,7 @@ class Conductor:
             w.requests[req.request_id] = (need, req.reply_to)
             self.placement[req.request_id] = w.worker_id
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
+            await self.pushers.send(req.reply_to, self.codec.encode(Dispatched(req.request_id, w.worker_id)))
 
     def _need(self, req: NewRequest) -> dict[str, int]:
         """Pages to promise per pool: the footprint, or under the max-seq-len baseline a

@@ -206,7 +206,8 @@ class GpuWorker:
                 self._stats()
                 last_stats = now
             if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                self._to_conductor(ready)  # the heartbeat
+                self._to_conductor(ready)  # the heartbeat, with fresh stats for a conductor that just (re)met us
+                self._stats(force=True)
                 last_beat = now
         self.shutdown()
 
