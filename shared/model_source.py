@@ -36,6 +36,11 @@ class ModelSource:
             from shared.gguf_source import find_default_gguf
 
             self.kind, self.path, self.name = "gguf", find_default_gguf(), DEFAULT_MODEL_NAME
+        elif model == "null":  # the null model (no compute; bench/ measures serving overhead with it)
+            from shared.models import null_lm
+
+            self.kind, self.path, self.name = "null", null_lm.null_weights_dir(), "null"
+            self.__dict__.update(config=null_lm.null_config(), tokenizer=null_lm.null_tokenizer())  # the cached properties
         else:
             path = Path(model).expanduser()
             if path.is_dir():

@@ -1,0 +1,36 @@
+"""The null model's torch side (see shared/models/null_lm.py): no weights, no compute.
+
+Same forward signature as `DecoderLM`. It writes zero K/V rows into its one-layer pool (so
+the paged write path and its metadata run as for a real model) and returns logits that are
+0 everywhere but 1 at the next printable ASCII byte after each sampled row's input id.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.gpu_worker.attention import AttnMetadata, write_kv
+from shared.models.null_lm import FIRST_PRINTABLE, NUM_PRINTABLE
+
+
+class NullLM(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = int(cfg["vocab_size"])
+        self.kv_heads = int(cfg["num_key_value_heads"])
+        self.head_dim = int(cfg["head_dim"])
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"the null model takes no weights, got {sorted(state)[:5]}")
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
+        for cache, meta in zip(kv_caches, metas):
+            rows = torch.zeros(input_ids.shape[0], self.kv_heads, self.head_dim, dtype=cache.dtype)
+            write_kv(cache, rows, rows, meta)
+        nxt = FIRST_PRINTABLE + (input_ids[sample_rows] - FIRST_PRINTABLE + 1) % NUM_PRINTABLE
+        logits = torch.zeros(sample_rows.shape[0], self.vocab_size)
+        logits[torch.arange(sample_rows.shape[0]), nxt] = 1.0
+        return logits
