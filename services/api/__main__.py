@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None, help="the api address workers reply to (env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE, help=f"live requests per WebSocket; more get an error frame with status 429 (default {DEFAULT_WS_MAX_LIVE})")
+    # No default shown: the key must not appear in --help output or in `ps` via a default.
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health and /ready (env MSTAR_API_KEY)")
     return p
 
 
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         source = ModelSource(args.model)
-        tokenizer = source.tokenizer.tokenizer
+        tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
+        api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
         settings = ApiSettings(
             model_name=source.name,
             api_addr=addrs["api"],
@@ -64,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             control_addr=addrs["conductor_control"],
             max_body_bytes=args.max_body_bytes,
             ws_max_live=args.ws_max_live,
+            api_key=api_key or None,
         )
     except Exception as exc:  # a bad --model or flag: say so in one line, no traceback
         log.error("cannot start the api: %s", exc)
         return 2
 
     app = create_app(settings, tokenizer)
-    log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)", settings.model_name, args.host, args.port, settings.api_addr, reply_to)
+    log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)%s", settings.model_name, args.host, args.port, settings.api_addr, reply_to,
+             "; API key required" if settings.api_key else "")
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,105 +1,55 @@
 """The Starlette app: routes only; validation, streaming and ZMQ live in their modules.
 
-Routes: `POST /generate` (JSON or SSE), `/generate/ws` (WebSocket), `GET /health`,
-`GET /ready`, `GET /metrics`. Build it with `create_app(settings, tokenizer)`; the backend
-binds its socket in the lifespan (or at the first request if the lifespan did not run),
-and nothing else needs to be up for the app to start and answer 400s.
+Routes: `POST /generate` (JSON or SSE), `/generate/ws` (WebSocket), the OpenAI routes
+`GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`, and
+`GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings,
+tokenizer)`; the backend binds its socket in the lifespan (or at the first request if the
+lifespan did not run), and nothing else needs to be up for the app to start and answer
+400s. With `settings.api_key` set, `ApiKeyMiddleware` wraps everything.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
+from services.api import openai_routes
+from services.api.auth import ApiKeyMiddleware
+from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error
-from services.api.events import encode, response_from_done
-from services.api.generation import Generation
-from services.api.metrics import CONTENT_TYPE, status_label
+from services.api.metrics import CONTENT_TYPE
+from services.api.serving import Prepared, api_state, error_response, json_response, serve
 from services.api.settings import ApiSettings
 from services.api.state import ApiState
-from services.api.streaming import EventStream, watch_disconnect
-from services.api.validation import decode_json_object, parse_generate
+from services.api.streaming import EventStream, GenerateReply
+from services.api.validation import parse_generate
 from services.api.ws import WsSession
+from shared.model_source import TokenizerBundle
 
 log = logging.getLogger("mstar.api")
 
-JSON = "application/json"
+_state = api_state
 
 
-def json_response(obj: object, status: int = 200) -> Response:
-    return Response(encode(obj), status_code=status, media_type=JSON)  # type: ignore[arg-type]
-
-
-def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing anything past `limit` bytes (413) without reading it all."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body exceeds {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _state(request: Request | WebSocket) -> ApiState:
-    return request.app.state.api
+def _accept_generate(obj: dict[str, Any], state: ApiState) -> Prepared:
+    params = parse_generate(obj)
+    return Prepared(params, bool(params.stream), GenerateReply(params.request_id))
 
 
 async def generate(request: Request) -> Response | EventStream:
     """POST /generate: validate, submit, then one JSON reply or an SSE stream."""
-    started = time.perf_counter()
-    arrival = time.time()
-    state = _state(request)
-    gen: Generation | None = None
-    try:
-        body = await read_body(request, state.settings.max_body_bytes)
-        params = parse_generate(decode_json_object(body))
-        gen = await state.start_generation(params, client_id=params.request_id, started=started, arrival_time=arrival)
-    except ApiError as err:
-        state.metrics.count(status_label(err.status))
-        return error_response(err)
-    except Exception as exc:
-        state.metrics.count("error_5xx")
-        return error_response(internal_error("accepting a /generate request", exc))
-
-    watcher = watch_disconnect(request.receive, gen)
-    handed_over = False
-    try:
-        if not params.stream:
-            done = await gen.collect()
-            return json_response(response_from_done(done))
-        events = gen.events()
-        # Wait for the first event before answering, so a refusal from the conductor
-        # (a length limit, a footprint too large for the pool) is a real HTTP status.
-        first = await anext(events)
-        handed_over = True
-        return EventStream(gen, events, first, watcher)
-    except ApiError as err:
-        return error_response(err)
-    except Exception as exc:
-        gen.close("error_5xx")
-        return error_response(internal_error(f"serving {gen.request_id}", exc))
-    finally:
-        if not handed_over:
-            watcher.cancel()
-            gen.close()
+    return await serve(request, _accept_generate, "/generate")
 
 
 async def generate_ws(ws: WebSocket) -> None:
@@ -146,13 +96,35 @@ def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
     return guarded
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 in the usual error shape (clients parse one shape)."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return json_response(ApiError(exc.status_code, message).body(), exc.status_code, exc.headers)
+
+
 async def _unhandled(request: Request, exc: Exception) -> Response:
     return error_response(internal_error(f"serving {request.url.path}", exc))
 
 
-def create_app(settings: ApiSettings, tokenizer: Tokenizer, state: ApiState | None = None) -> Starlette:
-    """The api as an ASGI app; run it with uvicorn (see `services.api.__main__`)."""
-    api = state or ApiState(settings, tokenizer)
+def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle, state: ApiState | None = None) -> Starlette:
+    """The api as an ASGI app; run it with uvicorn (see `services.api.__main__`).
+
+    Given a `TokenizerBundle`, its chat template (with its BOS / EOS strings) serves
+    `/v1/chat/completions`; given a bare `Tokenizer`, chat is a 400 (no template).
+    """
+    if isinstance(tokenizer, TokenizerBundle):
+        template = None
+        if tokenizer.chat_template:
+            template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        api = state or ApiState(settings, tokenizer.tokenizer, chat_template=template)
+    else:
+        api = state or ApiState(settings, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -166,10 +138,15 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer, state: ApiState | No
     routes = [
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
+        Route("/v1/models", _guard(openai_routes.list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guard(openai_routes.get_model), methods=["GET"]),
+        Route("/v1/completions", openai_routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
         Route("/ready", _guard(ready), methods=["GET"]),
         Route("/metrics", _guard(metrics), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _unhandled})
+    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.api = api
     return app

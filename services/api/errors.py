@@ -3,7 +3,8 @@
 Every failure a client sees, from a validation 400 to a conductor's length refusal to a
 server bug, becomes an `ApiError` and then OpenAI's error object
 `{"error": {"message", "type", "param", "error_id"}}` (DESIGN.md section 7), so clients
-and the OpenAI routes handle one shape. Server-side failures (status >= 500) carry an
+and the OpenAI routes handle one shape. A few errors also carry OpenAI's `code`
+(`model_not_found`, `invalid_api_key`); the key is present only when there is one. Server-side failures (status >= 500) carry an
 `error_id` under which the details were logged; the body never carries internals.
 """
 
@@ -20,6 +21,7 @@ log = logging.getLogger("mstar.api")
 # The `type` field for each status we produce; OpenAI-style names where OpenAI has one.
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's type for a bad key (with code invalid_api_key)
     404: "not_found_error",
     409: "conflict_error",
     413: "request_too_large",
@@ -54,6 +56,7 @@ class ApiError(Exception):
         param: str | None = None,
         type: str | None = None,
         error_id: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -61,10 +64,14 @@ class ApiError(Exception):
         self.param = param
         self.type = type or error_type_for(status)
         self.error_id = error_id
+        self.code = code
 
     def error_object(self) -> dict[str, Any]:
         """The inner `error` object (also used inside SSE / WebSocket error events)."""
-        return {"message": self.message, "type": self.type, "param": self.param, "error_id": self.error_id}
+        obj: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "error_id": self.error_id}
+        if self.code is not None:
+            obj["code"] = self.code
+        return obj
 
     def body(self) -> dict[str, Any]:
         return {"error": self.error_object()}

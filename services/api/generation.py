@@ -1,20 +1,27 @@
 """One submitted request as a client sees it: outputs in, delta / done events out.
 
-Shared by the non-streaming reply, the SSE stream and the WebSocket (and later the OpenAI
-routes), so text, usage, finish reasons, latency metrics and the final status count are
+Shared by the non-streaming reply, the SSE stream, the WebSocket and the OpenAI routes, so
+text, stop strings, usage, finish reasons, latency metrics and the final status count are
 computed in exactly one place whichever way the client asked.
+
+Stop strings: text goes detokenizer -> `StopMatcher`, so no delta ever shows part of a
+stop string. At the first match the request is aborted upstream at once (its pages are
+freed while the client still reads), the text ends before the match, the finish reason
+is "stop", and `token_ids` / `completion_tokens` are the ids received up to then
+(including the one that completed the match, as vLLM reports them).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from services.api.backend import Aborted, RequestHandle
 from services.api.detokenize import IncrementalDetokenizer
 from services.api.errors import from_request_error, internal_error
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.metrics import ApiMetrics, status_label
+from services.api.stop import StopMatcher
 from shared.frames import Output, RequestError
 
 
@@ -34,10 +41,12 @@ class Generation:
         client_id: str,
         started: float,
         prompt_tokens: int = 0,
+        stop: Sequence[str] = (),
     ) -> None:
         self.handle = handle
         self.client_id = client_id
         self._detok = detokenizer
+        self._stop = StopMatcher(stop)
         self._metrics = metrics
         self._started = started  # time.perf_counter() at arrival
         self._last_token_at: float | None = None
@@ -71,7 +80,7 @@ class Generation:
         self.finished = True
         self._count(status_label(None, finish_reason))
         usage = Usage(self._prompt_tokens, len(self._detok.token_ids))
-        return DoneEvent(self.client_id, self._detok.text, list(self._detok.token_ids), finish_reason, usage)
+        return DoneEvent(self.client_id, self._stop.text, list(self._detok.token_ids), finish_reason, usage)
 
     def _tokens_arrived(self, n: int) -> None:
         now = time.perf_counter()
@@ -87,6 +96,7 @@ class Generation:
         Raises `ApiError` when the request fails (a `RequestError` from any peer).
         """
         detok = self._detok
+        stop = self._stop
         handle = self.handle
         while not self.finished:
             item = await handle.get()
@@ -94,12 +104,21 @@ class Generation:
                 ids = item.token_ids
                 if item.prompt_tokens:
                     self._prompt_tokens = item.prompt_tokens
-                text = ""
+                raw = ""
                 if ids:
                     self._tokens_arrived(len(ids))
-                    text = detok.push(ids)
+                    raw = detok.push(ids)
                 if item.finish_reason is not None:
-                    text += detok.finish()
+                    raw += detok.finish()
+                text = stop.push(raw)
+                if stop.matched is not None:
+                    if item.finish_reason is None:
+                        handle.abort("stop")  # free its pages now, not at max_tokens
+                    yield DeltaEvent(self.client_id, text, list(ids))
+                    yield self._done("stop")
+                    return
+                if item.finish_reason is not None:
+                    text += stop.flush()
                     if text or ids:
                         yield DeltaEvent(self.client_id, text, list(ids))
                     yield self._done(item.finish_reason)
@@ -107,7 +126,8 @@ class Generation:
                 if text or ids:
                     yield DeltaEvent(self.client_id, text, list(ids))
             elif type(item) is Aborted:
-                text = detok.finish()
+                text = stop.push(detok.finish())
+                text += stop.flush()
                 if text:
                     yield DeltaEvent(self.client_id, text, [])
                 yield self._done("abort")

@@ -23,12 +23,21 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies / WS frames -> 413
     ws_max_live: int = DEFAULT_WS_MAX_LIVE  # live requests per WebSocket; more -> 429
     status_timeout_s: float = 1.0  # no ClusterStatus within this = not ready
+    api_key: str | None = None  # set: every route but /health and /ready needs Bearer <key>
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.ws_max_live < 1:
             raise ValueError(f"ws_max_live must be >= 1, got {self.ws_max_live}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")
+
+    def __repr__(self) -> str:  # never print the key (settings end up in logs and tracebacks)
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        if fields["api_key"] is not None:
+            fields["api_key"] = "***"
+        return "ApiSettings(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
 
 def settings_from_env(model_name: str, **overrides: object) -> ApiSettings:

@@ -1,5 +1,5 @@
-"""The api's shared pieces (settings, tokenizer, backend, metrics) and the one way a
-validated request becomes a running `Generation`, used by every route."""
+"""The api's shared pieces (settings, tokenizer, chat template, backend, metrics) and the
+one way a validated request becomes a running `Generation`, used by every route."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from tokenizers import Tokenizer
 
 from services.api.backend import Backend
+from services.api.chat_template import ChatTemplate
 from services.api.detokenize import IncrementalDetokenizer
 from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
@@ -17,9 +18,18 @@ from shared.frames import GenerateRequest
 
 
 class ApiState:
-    def __init__(self, settings: ApiSettings, tokenizer: Tokenizer, backend: Backend | None = None, metrics: ApiMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: ApiSettings,
+        tokenizer: Tokenizer,
+        backend: Backend | None = None,
+        metrics: ApiMetrics | None = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # None: the model has none, chat is a 400
+        self.created = int(time.time())  # the model card's `created` in /v1/models
         self.metrics = metrics or ApiMetrics()
         self.backend = backend or Backend(
             api_addr=settings.api_addr,
@@ -41,6 +51,7 @@ class ApiState:
             prompt=params.prompt,
             input_ids=params.input_ids,
             arrival_time=time.time() if arrival_time is None else arrival_time,
+            add_special_tokens=params.add_special_tokens,
         )
         handle = await self.backend.submit(req)
         return Generation(
@@ -50,4 +61,5 @@ class ApiState:
             client_id=client_id,
             started=started,
             prompt_tokens=len(params.input_ids or ()),
+            stop=params.stop,
         )

@@ -1,4 +1,8 @@
-"""Server-Sent Events for `/generate` with `stream: true`, and disconnect detection.
+"""Server-Sent Events (`/generate` and the OpenAI routes with `stream: true`), and
+disconnect detection.
+
+What each event looks like on the wire is the route's `Reply` (`GenerateReply` here, the
+OpenAI ones in `openai_format.py`); this module only runs the stream.
 
 A client that goes away must abort its request everywhere (DESIGN.md section 4), also
 while we are only waiting for its first token. So a small task watches the ASGI receive
@@ -13,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
+import msgspec
 from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, internal_error
-from services.api.events import DeltaEvent, DoneEvent, error_event, sse_chunk
+from services.api.events import DeltaEvent, DoneEvent, error_event, response_from_done, sse_chunk
 from services.api.generation import Generation
 
 log = logging.getLogger("mstar.api")
@@ -37,6 +43,39 @@ async def _cancel_on_disconnect(receive: Receive, gen: Generation) -> None:
             return
 
 
+class Reply(Protocol):
+    """How one route answers: the JSON body of a non-streamed reply, and the SSE bytes of
+    each event, of a failure after the stream began, and of its end."""
+
+    def json(self, done: DoneEvent) -> msgspec.Struct: ...
+
+    def event(self, event: DeltaEvent | DoneEvent) -> bytes: ...
+
+    def error(self, err: ApiError) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+
+class GenerateReply:
+    """`/generate`: the `GenerateResponse` body; SSE `data:` lines of the delta / done /
+    error objects themselves (DESIGN.md section 7), nothing after the last."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+
+    def json(self, done: DoneEvent) -> msgspec.Struct:
+        return response_from_done(done)
+
+    def event(self, event: DeltaEvent | DoneEvent) -> bytes:
+        return sse_chunk(event)
+
+    def error(self, err: ApiError) -> bytes:
+        return sse_chunk(error_event(self.client_id, err))
+
+    def end(self) -> bytes:
+        return b""
+
+
 def watch_disconnect(receive: Receive, gen: Generation) -> asyncio.Task[None]:
     """Start the watcher; call only after the request body has been read."""
     return asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, gen), name=f"disconnect-{gen.request_id}")
@@ -49,31 +88,45 @@ class EventStream:
     answering, so an early refusal is a proper HTTP error instead of an SSE error event).
     """
 
-    def __init__(self, gen: Generation, events: AsyncIterator[DeltaEvent | DoneEvent], first: DeltaEvent | DoneEvent, watcher: asyncio.Task[None]) -> None:
+    def __init__(
+        self,
+        gen: Generation,
+        events: AsyncIterator[DeltaEvent | DoneEvent],
+        first: DeltaEvent | DoneEvent,
+        watcher: asyncio.Task[None],
+        reply: Reply | None = None,
+    ) -> None:
         self.gen = gen
         self.events = events
         self.first = first
         self.watcher = watcher
+        self.reply = reply or GenerateReply(gen.client_id)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
+        reply = self.reply
         try:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            await send({"type": "http.response.body", "body": sse_chunk(self.first), "more_body": True})
+            await self._body(send, reply.event(self.first))
             try:
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": sse_chunk(event), "more_body": True})
+                    await self._body(send, reply.event(event))
             except ApiError as err:
-                await send({"type": "http.response.body", "body": sse_chunk(error_event(gen.client_id, err)), "more_body": True})
+                await self._body(send, reply.error(err))
             except (OSError, asyncio.CancelledError):
                 raise
             except Exception as exc:
                 gen.close("error_5xx")
                 err = internal_error(f"streaming {gen.request_id}", exc)
-                await send({"type": "http.response.body", "body": sse_chunk(error_event(gen.client_id, err)), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await self._body(send, reply.error(err))
+            await send({"type": "http.response.body", "body": reply.end(), "more_body": False})
         except OSError:
             log.debug("client of %s went away mid-stream", gen.request_id)
         finally:
             self.watcher.cancel()
             gen.close()
+
+    @staticmethod
+    async def _body(send: Send, chunk: bytes) -> None:
+        if chunk:  # an event that shows nothing (an OpenAI delta with no text) sends nothing
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})

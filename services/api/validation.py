@@ -4,15 +4,16 @@ Everything a client sends goes through here before anything is submitted, so a b
 is a 400 naming the field and the limit, never a crash or a silently dropped field further
 down. The checks are strict on purpose: a bool is not an int, `"5"` is not a number, an
 unknown field is an error, and a field the engine cannot honour (`n` > 1, `logprobs`,
-`stop`, `best_of`, `tools`, penalties, ...) is refused rather than ignored.
+`best_of`, `tools`, penalties, ...) is refused rather than ignored.
 
 Length limits (prompt + max_tokens vs max_seq_len, max_tokens vs the decode loop's cap,
 footprint vs pool) are not checked here: only the conductor knows them, and its
 `RequestError` becomes the HTTP error.
 
 The pieces (`decode_json_object`, `check_fields`, `refuse_unsupported`,
-`parse_sampling`, `parse_max_tokens`, `parse_request_id`) are public so the OpenAI routes
-can build their own field set from the same checks and messages.
+`parse_sampling`, `parse_max_tokens`, `parse_stop`, `parse_request_id`) are public: the
+OpenAI routes (`openai_params.py`) build their field sets from these same checks and
+messages, so `/generate`, the WebSocket and `/v1/*` can never disagree on a field.
 
 `null` for an optional field means "not given" (OpenAI's convention).
 """
@@ -33,14 +34,17 @@ from shared.frames import SamplingParams
 INT32_MAX = 2**31 - 1  # ceiling for counts and token ids: keeps every frame encodable
 SEED_MAX = 2**63 - 1  # seeds must fit torch / numpy generators on every worker
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 512  # per stop string: bounds the per-delta hold-back scan
 
+SAMPLING_FIELDS: frozenset[str] = frozenset({"temperature", "top_p", "top_k", "seed", "ignore_eos"})
 GENERATE_FIELDS: frozenset[str] = frozenset(
-    {"prompt", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream", "request_id"}
+    {"prompt", "input_ids", "max_tokens", "stop", "stream", "request_id"} | SAMPLING_FIELDS
 )
 
 
 def _unset_or(*neutral: Any) -> Callable[[Any], bool]:
-    """Accept null or one of the values that ask for nothing (e.g. `n: 1`, `stop: []`)."""
+    """Accept null or one of the values that ask for nothing (e.g. `n: 1`, `tools: []`)."""
 
     def ok(value: Any) -> bool:
         return value is None or any(type(value) is type(n) and value == n for n in neutral)
@@ -56,10 +60,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logprobs": (_unset_or(False), "logprobs is not supported"),
     "top_logprobs": (_unset_or(0), "top_logprobs is not supported"),
     "prompt_logprobs": (_unset_or(0), "prompt_logprobs is not supported"),
-    "stop": (_unset_or([], ""), "stop is not supported (no stop sequences yet)"),
     "stop_token_ids": (_unset_or([]), "stop_token_ids is not supported"),
     "tools": (_unset_or([]), "tools is not supported"),
     "tool_choice": (_unset_or("none"), "tool_choice is not supported"),
+    "functions": (_unset_or([]), "functions is not supported"),
+    "function_call": (_unset_or("none"), "function_call is not supported"),
+    "parallel_tool_calls": (_unset_or(), "parallel_tool_calls is not supported (no tools)"),
     "presence_penalty": (_unset_or(0, 0.0), "presence_penalty is not supported"),
     "frequency_penalty": (_unset_or(0, 0.0), "frequency_penalty is not supported"),
     "repetition_penalty": (_unset_or(1, 1.0), "repetition_penalty is not supported"),
@@ -67,7 +73,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_tokens": (_unset_or(0), "min_tokens is not supported"),
     "logit_bias": (_unset_or({}), "logit_bias is not supported"),
     "echo": (_unset_or(False), "echo is not supported"),
-    "response_format": (_unset_or(), "response_format is not supported"),
+    "response_format": (_unset_or({"type": "text"}), 'response_format is not supported; only {"type": "text"}'),
+    "suffix": (_unset_or(""), "suffix is not supported"),
+    "stream_options": (_unset_or(), "stream_options is only supported on the /v1 routes"),
+    "modalities": (_unset_or(["text"]), 'modalities is not supported; only ["text"]'),
+    "audio": (_unset_or(), "audio output is not supported"),
+    "prediction": (_unset_or(), "prediction (predicted outputs) is not supported"),
+    "reasoning_effort": (_unset_or(), "reasoning_effort is not supported"),
+    "web_search_options": (_unset_or(), "web_search_options is not supported"),
+    "store": (_unset_or(False), "store is not supported"),
+    "metadata": (_unset_or({}), "metadata is not supported (it is only kept with store)"),
+    "service_tier": (_unset_or("auto", "default"), 'service_tier is not supported; only "auto" or "default"'),
 }
 
 
@@ -80,6 +96,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | None = None
     input_ids: list[int] | None = None
     stream: bool | None = None  # None: the route's default (false for HTTP, true for WS)
+    stop: list[str] = []  # stop strings, matched by the api on the detokenized text
+    add_special_tokens: bool = True  # False for a chat-templated prompt (it holds its specials)
 
 
 # ---- helpers -------------------------------------------------------------------------
@@ -141,10 +159,15 @@ def check_fields(obj: Mapping[str, Any], allowed: Iterable[str]) -> None:
             raise ApiError(400, f"unknown field {name!r}; allowed fields: {listed}", name)
 
 
-def refuse_unsupported(obj: Mapping[str, Any]) -> None:
-    """Fields the engine cannot honour are refused unless they ask for nothing."""
+def refuse_unsupported(obj: Mapping[str, Any], honoured: Iterable[str] = ()) -> None:
+    """Fields the engine cannot honour are refused unless they ask for nothing.
+
+    `honoured` names the fields of the table that the calling route does implement (the
+    OpenAI completions route honours `echo` and `stream_options`), so they are skipped.
+    """
+    skip = frozenset(honoured)
     for name, (neutral, message) in UNSUPPORTED_FIELDS.items():
-        if name in obj and not neutral(obj[name]):
+        if name in obj and name not in skip and not neutral(obj[name]):
             raise ApiError(400, f"{message}, got {json_repr(obj[name])}", name)
 
 
@@ -214,6 +237,31 @@ def parse_max_tokens(obj: Mapping[str, Any], name: str = "max_tokens") -> int | 
     return get_int(obj, name, minimum=1, maximum=INT32_MAX)
 
 
+def parse_stop(obj: Mapping[str, Any], name: str = "stop") -> list[str]:
+    """stop: null, a string, or a list of up to 4 strings; each 1-512 characters.
+
+    An empty string is refused rather than read as "no stop": it would match at once.
+    """
+    value = obj.get(name)
+    if value is None:
+        return []
+    requirement = f"a string or a list of up to {MAX_STOP} strings"
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise _bad(name, requirement, value)
+    if len(items) > MAX_STOP:
+        raise ApiError(400, f"{name} must have at most {MAX_STOP} strings, got {len(items)}", name)
+    for i, item in enumerate(items):
+        where = name if isinstance(value, str) else f"{name}[{i}]"
+        if not isinstance(item, str):
+            raise _bad(where, "a string", item)
+        if not item:
+            raise _bad(where, "a non-empty string", item)
+        if len(item) > MAX_STOP_CHARS:
+            raise ApiError(400, f"{where} must be at most {MAX_STOP_CHARS} characters, got {len(item)}", where)
+    return list(dict.fromkeys(items))
+
+
 def parse_request_id(obj: Mapping[str, Any], name: str = "request_id") -> str:
     """The client's id (1-128 chars of [A-Za-z0-9._:-]) or a fresh `gen-<uuid hex>`."""
     value = obj.get(name)
@@ -258,6 +306,7 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
     prompt, input_ids = parse_prompt(obj)
     max_tokens = parse_max_tokens(obj)
     sampling = parse_sampling(obj)
+    stop = parse_stop(obj)
     stream = get_bool(obj, "stream")
     request_id = parse_request_id(obj)
     return GenerateParams(
@@ -267,4 +316,5 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
         prompt=prompt,
         input_ids=input_ids,
         stream=stream,
+        stop=stop,
     )

@@ -119,7 +119,15 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "best_of": 3}, "best_of > 1 is not supported; best_of must be 1, got 3", "best_of"),
         ({"prompt": "x", "logprobs": 1}, "logprobs is not supported, got 1", "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs is not supported, got true", "logprobs"),
-        ({"prompt": "x", "stop": ["\n"]}, 'stop is not supported (no stop sequences yet), got ["\\n"]', "stop"),
+        ({"prompt": "x", "stop": 5}, "stop must be a string or a list of up to 4 strings, got 5", "stop"),
+        ({"prompt": "x", "stop": ""}, 'stop must be a non-empty string, got ""', "stop"),
+        ({"prompt": "x", "stop": ["a", ""]}, 'stop[1] must be a non-empty string, got ""', "stop[1]"),
+        ({"prompt": "x", "stop": ["a", 1]}, "stop[1] must be a string, got 1", "stop[1]"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop must have at most 4 strings, got 5", "stop"),
+        ({"prompt": "x", "stop": ["y" * 513]}, "stop[0] must be at most 512 characters, got 513", "stop[0]"),
+        ({"prompt": "x", "stop_token_ids": [7]}, "stop_token_ids is not supported, got [7]", "stop_token_ids"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, 'response_format is not supported; only {"type": "text"}, got {"type":"json_object"}', "response_format"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]', "tools"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty is not supported, got 0.5", "presence_penalty"),
     ],
@@ -134,7 +142,15 @@ def test_refusals(body: dict, message: str, param: str) -> None:
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": False, "stop": [], "tools": [], "presence_penalty": 0.0})
+    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": False, "stop": [], "tools": [], "presence_penalty": 0.0,
+                    "response_format": {"type": "text"}})
+
+
+def test_stop_forms() -> None:
+    assert parse_generate({"prompt": "x", "stop": "\n"}).stop == ["\n"]
+    assert parse_generate({"prompt": "x", "stop": ["a", "bc", "a"]}).stop == ["a", "bc"]
+    assert parse_generate({"prompt": "x", "stop": []}).stop == []
+    assert parse_generate({"prompt": "x"}).stop == []
 
 
 def test_unknown_field_names_it() -> None:

@@ -1,0 +1,234 @@
+"""Request bodies of `/v1/completions` and `/v1/chat/completions` -> `GenerateParams`.
+
+Only the OpenAI-specific shapes are checked here (`model`, the forms of `prompt`,
+`messages`, `stream_options`, `echo`, `max_completion_tokens`); every field the routes
+share with `/generate` (sampling, `max_tokens`, `stop`, unknown and unsupported fields)
+goes through the same functions of `validation.py`, so a field is checked one way
+whichever route carries it. The rendering of `messages` is the chat template's job
+(`chat_template.py`); this module only checks their shape and makes them plain dicts.
+
+Choices (OpenAI's and vLLM's behaviour, see the README):
+- `model` may be omitted; given, it must be the served name, else 404 `model_not_found`.
+- `/v1/completions` without `max_tokens` gets 16 (OpenAI's documented default, also
+  vLLM's); chat without `max_tokens` / `max_completion_tokens` gets the most the engine
+  allows for the prompt, as `/generate` does.
+- `prompt` may be a string, a list of token ids, or a list holding one of those; batches
+  of several prompts are refused (400, param `prompt`).
+- `user` is accepted and not used (it only labels the end user for the provider).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from services.api.errors import ApiError
+from services.api.validation import (
+    INT32_MAX,
+    SAMPLING_FIELDS,
+    GenerateParams,
+    check_fields,
+    get_bool,
+    is_int,
+    json_repr,
+    parse_max_tokens,
+    parse_sampling,
+    parse_stop,
+    refuse_unsupported,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stream", "stream_options", "user"}) | SAMPLING_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "refusal"})
+
+
+class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated `/v1/*` request: what to generate and how to answer."""
+
+    params: GenerateParams
+    stream: bool = False
+    include_usage: bool = False  # streaming: a last chunk with usage and no choices
+    echo: bool = False  # completions: the prompt text comes first in the choice's text
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def check_model(obj: Mapping[str, Any], served: str) -> None:
+    """`model`: omitted, null, or the served name (else 404 model_not_found, as OpenAI)."""
+    model = obj.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {json_repr(model)}", "model")
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
+                       type="invalid_request_error", code="model_not_found")
+
+
+def parse_stream(obj: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage). `stream_options` is an object allowed only with stream."""
+    stream = bool(get_bool(obj, "stream"))
+    options = obj.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, f"stream_options must be an object, got {json_repr(options)}", "stream_options")
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise ApiError(400, f"unknown field {key!r} in stream_options; allowed fields: include_usage", f"stream_options.{key}")
+    include = options.get("include_usage")
+    if include is not None and type(include) is not bool:
+        raise ApiError(400, f"stream_options.include_usage must be a boolean, got {json_repr(include)}", "stream_options.include_usage")
+    return stream, bool(include)
+
+
+def parse_completion_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
+    """A string, a list of token ids, or a one-element list of either."""
+    value = obj.get("prompt")
+    requirement = "a string, a list of token ids, or a list holding one of those"
+    if value is None:
+        raise ApiError(400, f"prompt is required: {requirement}", "prompt")
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise ApiError(400, f"prompt holds {len(value)} prompts; only one prompt per request is supported", "prompt")
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, 'prompt must be a non-empty string, got ""', "prompt")
+        return value, None
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, f"prompt must be {requirement}, got {json_repr(value)}", "prompt")
+    for tok in value:
+        if not is_int(tok) or not 0 <= tok <= INT32_MAX:
+            raise ApiError(400, f"prompt token ids must be integers in [0, {INT32_MAX}], got {json_repr(tok)}", "prompt")
+    return None, list(value)
+
+
+def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
+    """Validate a `/v1/completions` body."""
+    check_fields(obj, COMPLETION_FIELDS)
+    refuse_unsupported(obj, honoured=("echo", "stream_options"))
+    check_model(obj, served)
+    prompt, input_ids = parse_completion_prompt(obj)
+    max_tokens = parse_max_tokens(obj)
+    echo = get_bool(obj, "echo")
+    stream, include_usage = parse_stream(obj)
+    params = GenerateParams(
+        request_id=completion_id(),
+        sampling=parse_sampling(obj),
+        max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        prompt=prompt,
+        input_ids=input_ids,
+        stream=stream,
+        stop=parse_stop(obj),
+    )
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(echo))
+
+
+def _message_text(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined with newlines (vLLM's
+    "string" content format); null is empty (an assistant turn may have none)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of text parts, got {json_repr(content)}", where)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise ApiError(400, f"{at} must be an object, got {json_repr(part)}", at)
+        kind = part.get("type")
+        if kind != "text":
+            raise ApiError(400, f'{at}.type {json_repr(kind)} is not supported; only "text" parts are', f"{at}.type")
+        for key in part:
+            if key not in ("type", "text"):
+                raise ApiError(400, f"unknown field {key!r} in a text part", f"{at}.{key}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ApiError(400, f"{at}.text must be a string, got {json_repr(text)}", f"{at}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_messages(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """`messages` as plain dicts {role, content[, name]} for the chat template."""
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, f"messages must be a non-empty list of message objects, got {json_repr(messages)}", "messages")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ApiError(400, f"{where} must be an object, got {json_repr(msg)}", where)
+        for key in msg:
+            if key not in MESSAGE_FIELDS:
+                raise ApiError(400, f"unknown field {key!r} in {where}; allowed fields: {', '.join(sorted(MESSAGE_FIELDS))}", f"{where}.{key}")
+        role = msg.get("role")
+        if role == "tool" or msg.get("tool_calls"):
+            raise ApiError(400, "tool messages and tool_calls are not supported (no tools)", f"{where}.role" if role == "tool" else f"{where}.tool_calls")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json_repr(role)}", f"{where}.role")
+        if msg.get("content") is None and role != "assistant":
+            raise ApiError(400, f"{where}.content is required for a {role} message", f"{where}.content")
+        entry: dict[str, Any] = {"role": role, "content": _message_text(msg.get("content"), f"{where}.content")}
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise ApiError(400, f"{where}.name must be a string, got {json_repr(name)}", f"{where}.name")
+            entry["name"] = name
+        out.append(entry)
+    return out
+
+
+def parse_chat_max_tokens(obj: Mapping[str, Any]) -> int | None:
+    """`max_completion_tokens` (OpenAI's current name) or `max_tokens` (deprecated alias);
+    both may be given only with the same value."""
+    new = parse_max_tokens(obj, "max_completion_tokens")
+    old = parse_max_tokens(obj, "max_tokens")
+    if new is not None and old is not None and new != old:
+        raise ApiError(400, f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; give one", "max_completion_tokens")
+    return new if new is not None else old
+
+
+def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list[dict[str, Any]]]:
+    """Validate a `/v1/chat/completions` body; the prompt is filled in by the caller from
+    the rendered template (see `with_prompt`)."""
+    check_fields(obj, CHAT_FIELDS)
+    refuse_unsupported(obj, honoured=("stream_options",))
+    check_model(obj, served)
+    messages = parse_messages(obj)
+    max_tokens = parse_chat_max_tokens(obj)
+    stream, include_usage = parse_stream(obj)
+    params = GenerateParams(
+        request_id=chat_completion_id(),
+        sampling=parse_sampling(obj),
+        max_tokens=max_tokens,
+        prompt=None,
+        stream=stream,
+        stop=parse_stop(obj),
+        add_special_tokens=False,
+    )
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage), messages
+
+
+def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
+    """The request with its rendered chat prompt (refused if the template rendered nothing)."""
+    if not prompt:
+        raise ApiError(400, "the chat template rendered an empty prompt for these messages", "messages")
+    return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))

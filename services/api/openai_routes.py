@@ -1,0 +1,69 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+They run on the same machinery as `/generate` (`serving.serve`: body limit, submission,
+disconnect aborts, SSE) and differ only in how a body is read (`openai_params.py`) and
+how the answer is shaped (`openai_format.py`). Chat prompts are the checkpoint's chat
+template rendered here (`chat_template.py`) and sent with `add_special_tokens=False`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.api.errors import ApiError
+from services.api.openai_format import ChatReply, CompletionReply
+from services.api.openai_params import check_model, parse_chat, parse_completion, with_prompt
+from services.api.serving import Prepared, api_state, json_response, serve
+from services.api.state import ApiState
+from services.api.streaming import EventStream
+
+OWNED_BY = "mstar"
+
+
+def _model_card(state: ApiState) -> dict[str, Any]:
+    return {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY}
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models: the one served model."""
+    return json_response({"object": "list", "data": [_model_card(api_state(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    """GET /v1/models/{model}: the served model, or 404 model_not_found."""
+    state = api_state(request)
+    check_model({"model": request.path_params["model"]}, state.settings.model_name)
+    return json_response(_model_card(state))
+
+
+def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
+    req = parse_completion(obj, state.settings.model_name)
+    params = req.params
+    echo = ""
+    if req.echo:
+        echo = params.prompt if params.prompt is not None else state.tokenizer.decode(params.input_ids or [], skip_special_tokens=False)
+    reply = CompletionReply(params.request_id, state.settings.model_name, int(time.time()), include_usage=req.include_usage, echo=echo)
+    return Prepared(params, req.stream, reply)
+
+
+def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
+    req, messages = parse_chat(obj, state.settings.model_name)
+    if state.chat_template is None:
+        raise ApiError(400, f"the model `{state.settings.model_name}` has no chat template; use /v1/completions with a formatted prompt", "messages")
+    req = with_prompt(req, state.chat_template.render(messages))
+    reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()), include_usage=req.include_usage)
+    return Prepared(req.params, req.stream, reply)
+
+
+async def completions(request: Request) -> Response | EventStream:
+    """POST /v1/completions."""
+    return await serve(request, _accept_completion, "/v1/completions")
+
+
+async def chat_completions(request: Request) -> Response | EventStream:
+    """POST /v1/chat/completions."""
+    return await serve(request, _accept_chat, "/v1/chat/completions")

@@ -1,0 +1,104 @@
+"""The life of one HTTP generation request, shared by `/generate` and the `/v1/*` routes.
+
+read the body (413 past the limit) -> the route's `accept` validates it into what to
+generate and how to answer (`Prepared`) -> submit -> one JSON reply, or an SSE stream
+whose status line waits for the first event (so a conductor refusal is a real 4xx).
+A disconnect watcher runs from submission on, so a client that goes away aborts its
+request everywhere whether it was waiting for JSON or reading a stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.websockets import WebSocket
+
+from services.api.errors import ApiError, internal_error
+from services.api.events import encode
+from services.api.generation import Generation
+from services.api.metrics import status_label
+from services.api.state import ApiState
+from services.api.streaming import EventStream, Reply, watch_disconnect
+from services.api.validation import GenerateParams, decode_json_object
+
+JSON = "application/json"
+
+
+class Prepared(NamedTuple):
+    """A validated request: what to generate, whether to stream, and how to answer."""
+
+    params: GenerateParams
+    stream: bool
+    reply: Reply
+
+
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(encode(obj), status_code=status, media_type=JSON, headers=headers)  # type: ignore[arg-type]
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing anything past `limit` bytes (413) without reading it all."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def api_state(conn: Request | WebSocket) -> ApiState:
+    return conn.app.state.api
+
+
+async def serve(request: Request, accept: Callable[[dict[str, Any], ApiState], Prepared], what: str) -> Response | EventStream:
+    """Run one request end to end; `what` names the route in logs."""
+    started = time.perf_counter()
+    arrival = time.time()
+    state = api_state(request)
+    gen: Generation | None = None
+    try:
+        body = await read_body(request, state.settings.max_body_bytes)
+        prepared = accept(decode_json_object(body), state)
+        params = prepared.params
+        gen = await state.start_generation(params, client_id=params.request_id, started=started, arrival_time=arrival)
+    except ApiError as err:
+        state.metrics.count(status_label(err.status))
+        return error_response(err)
+    except Exception as exc:
+        state.metrics.count("error_5xx")
+        return error_response(internal_error(f"accepting a {what} request", exc))
+
+    watcher = watch_disconnect(request.receive, gen)
+    handed_over = False
+    try:
+        if not prepared.stream:
+            done = await gen.collect()
+            return json_response(prepared.reply.json(done))
+        events = gen.events()
+        # Wait for the first event before answering, so a refusal from the conductor
+        # (a length limit, a footprint too large for the pool) is a real HTTP status.
+        first = await anext(events)
+        handed_over = True
+        return EventStream(gen, events, first, watcher, prepared.reply)
+    except ApiError as err:
+        return error_response(err)
+    except Exception as exc:
+        gen.close("error_5xx")
+        return error_response(internal_error(f"serving {gen.request_id}", exc))
+    finally:
+        if not handed_over:
+            watcher.cancel()
+            gen.close()

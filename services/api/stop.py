@@ -1,0 +1,79 @@
+"""Stop strings over streamed text: find the first match, never leak part of one.
+
+The engine knows nothing of stop strings (they are text, and text exists only here after
+detokenization), so the api checks them: every text delta goes through `StopMatcher.push`,
+which returns only text that can no longer become part of a stop string. Text that ends
+with a proper prefix of some stop string (`"\\n\\nUs"` for stop `"\\n\\nUser:"`) is held
+back until later text settles it: either the stop string completes (the match is found,
+everything from it on is dropped) or it does not (the held text is released).
+
+Why this is enough: if a stop string started in text already released, the released text
+would have ended with a proper prefix of it, and that suffix would have been held back.
+So a match always starts inside `held + new text`, and `str.find` over that finds it;
+the earliest match over all stop strings wins (OpenAI / vLLM semantics: the output is the
+text before the first occurrence of any of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopMatcher:
+    """Filters one request's text deltas; `matched` turns true at the first stop string."""
+
+    __slots__ = ("_held", "_parts", "_stops", "matched")
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self._stops = tuple(stops)
+        self._held = ""
+        self._parts: list[str] = []
+        self.matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text released so far (the deltas joined)."""
+        return "".join(self._parts)
+
+    def push(self, text: str) -> str:
+        """Add new text; return what may be shown now ('' while held or after a match)."""
+        if self.matched is not None or not text:
+            return ""
+        if not self._stops:
+            self._parts.append(text)
+            return text
+        buf = self._held + text
+        cut, which = -1, None
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i != -1 and (cut == -1 or i < cut):
+                cut, which = i, stop
+        if which is not None:
+            self.matched = which
+            self._held = ""
+            return self._release(buf[:cut])
+        keep = self._longest_partial(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return self._release(buf[: len(buf) - keep])
+
+    def flush(self) -> str:
+        """At the end of generation: the held text can no longer start a match."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else self._release(held)
+
+    def _release(self, text: str) -> str:
+        if text:
+            self._parts.append(text)
+        return text
+
+    def _longest_partial(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
