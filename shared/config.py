@@ -73,6 +73,7 @@ class Deployment(msgspec.Struct, frozen=True):
     #: "footprint" (mstar) or "max-seq-len": reserve max_seq_len rows per request, the
     #: baseline a server without layouts must use to never preempt (for benchmarks)
     admission: str = "footprint"
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_MODES:
@@ -100,6 +101,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=int(_env("max_seq_len", "0")), help="prompt + output limit; 0 uses the model's context length")
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", str(d.max_num_seqs))), help="most requests in one batch")
     parser.add_argument("--admission", choices=ADMISSION_MODES, default=_env("admission", "footprint"), help="admit by each request's footprint (default) or by a max_seq_len reservation (a baseline for benchmarks)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=_env("prefix_cache", "1") != "0", help="do not share KV pages of repeated prompt prefixes (env MSTAR_PREFIX_CACHE=0)")
     parser.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", str(d.max_batch_tokens))), help="token budget of one step (prefill chunks + decode rows)")
 
 
@@ -113,6 +115,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,
         admission=args.admission,
+        prefix_cache=args.prefix_cache,
     )
 
 
@@ -127,4 +130,5 @@ def deployment_argv(d: Deployment) -> list[str]:
         "--max-num-seqs", str(d.max_num_seqs),
         "--max-batch-tokens", str(d.max_batch_tokens),
         "--admission", d.admission,
+        *([] if d.prefix_cache else ["--no-prefix-cache"]),
     ]

@@ -132,6 +132,7 @@ class PoolStats(msgspec.Struct, array_like=True, frozen=True):
     free_pages: int
     reserved_pages: int = 0  # set aside for admitted requests' footprints, not yet taken
     peak_used_pages: int = 0  # most pages in use at once since the worker started
+    cached_pages: int = 0  # pages indexed in the prefix cache (held or evictable)
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready", **HOT):
@@ -151,6 +152,8 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     running: int
     waiting: int
     footprint_overruns: int = 0
+    prefix_queries: int = 0  # requests that looked up the prefix cache
+    prefix_hit_tokens: int = 0  # prompt rows they did not compute
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):

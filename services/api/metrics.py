@@ -84,6 +84,14 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "mstar_requests_waiting", "requests queued (conductor + workers)", value=st.waiting + sum(w.waiting for w in st.workers)
         )
+        yield CounterMetricFamily("mstar_prefix_cache_queries", "requests that looked up the prefix cache, summed over workers",
+                                  value=sum(w.prefix_queries for w in st.workers))
+        yield CounterMetricFamily("mstar_prefix_cache_hit_tokens", "prompt rows served from the prefix cache instead of computed",
+                                  value=sum(w.prefix_hit_tokens for w in st.workers))
+        cached = GaugeMetricFamily("mstar_prefix_cache_pages", "KV pages indexed in the prefix cache", labels=["pool"])
+        for name in sorted(total):
+            cached.add_metric([name], sum(p.cached_pages for w in st.workers for p in w.pools if p.name == name))
+        yield cached
         yield CounterMetricFamily(
             "mstar_kv_footprint_overruns",
             "pages taken past a label's footprint (bugs), summed over workers",

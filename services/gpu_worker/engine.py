@@ -122,7 +122,7 @@ class Engine:
         # smaller ones arriving after it.
         while self.waiting and self._admissible():
             seq = self.waiting.popleft()
-            self.kv.admit(seq.kv)
+            seq.num_computed = self.kv.admit(seq.kv)  # rows shared from the prefix cache
             self.running.append(seq)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:

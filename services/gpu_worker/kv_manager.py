@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from services.gpu_worker.prefix_cache import ROOT, PrefixIndex
 from shared.frames import NewRequest, PoolStats
 from shared.layout import (
     KVLabel,
@@ -53,6 +54,9 @@ class LabelState:
     span_rows_done: int = 0
     split_spans: bool = False  # a span committed in chunks (chunked prefill)
     loop_commits: dict[str, int] = field(default_factory=dict)
+    key_ids: tuple[int, ...] = ()  # ids of the leading ids spans, when the label is keyed
+    keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
+    key_parent: int = ROOT  # entry id the next keyed page chains from
 
     def page_for_row(self, row: int) -> int:
         return self.pages[row // self.page_size - self.first_page]
@@ -66,6 +70,9 @@ class RequestKV:
     labels: dict[str, LabelState]
     #: pages reserved beyond the footprint per pool (only under max-seq-len admission)
     extra: dict[str, int] = field(default_factory=dict)
+    #: prefix-cache matches planned by `can_admit`, attached by `admit`
+    hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    hit_rows: int = 0
 
     def footprint(self, pool: str) -> int:
         return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)
@@ -75,25 +82,63 @@ class RequestKV:
 
 
 class Pool:
+    """Pages of one pool: free, held (reference-counted: shared prefix pages have several
+    holders) or cached-but-evictable (indexed, held by nobody; allocatable)."""
+
     def __init__(self, config: PagedKVConfig) -> None:
         self.config = config
         # Pop from the end: low page ids go out first, which keeps tests readable.
         self.free: list[int] = list(range(config.num_pages - 1, -1, -1))
+        self.refs: dict[int, int] = {}
+        self.index = PrefixIndex()
         self.reserved = 0
         self.peak_used = 0
 
     @property
+    def available(self) -> int:
+        return len(self.free) + len(self.index.evictable)
+
+    @property
     def used(self) -> int:
-        return self.config.num_pages - len(self.free)
+        return self.config.num_pages - self.available
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.config.name, self.config.num_pages, len(self.free), self.reserved, self.peak_used)
+        return PoolStats(self.config.name, self.config.num_pages, self.available, self.reserved, self.peak_used, len(self.index))
+
+    def take(self) -> int:
+        """A free page, else the least recently used evictable cached one."""
+        page = self.free.pop() if self.free else self.index.evict_lru()
+        if page is None:
+            raise MemoryError(f"pool {self.config.name!r} has no free page")
+        self.refs[page] = 1
+        return page
+
+    def hold(self, page: int) -> None:
+        """One more holder of a cached page (a prefix hit)."""
+        if self.refs.get(page, 0) == 0:
+            del self.index.evictable[page]
+        self.refs[page] = self.refs.get(page, 0) + 1
+
+    def drop(self, page: int) -> None:
+        left = self.refs[page] - 1
+        if left:
+            self.refs[page] = left
+            return
+        del self.refs[page]
+        if self.index.is_indexed(page):
+            self.index.evictable[page] = None  # most recently released last
+        else:
+            self.free.append(page)
 
 
 class KVManager:
-    def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...], reserve_max_seq_len: bool = False) -> None:
+    def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...], reserve_max_seq_len: bool = False,
+                 prefix_cache: bool = True) -> None:
         self.pools = {name: Pool(cfg) for name, cfg in pools.items()}
         self.reserve_max_seq_len = reserve_max_seq_len
+        self.prefix_cache = prefix_cache
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
         self.labels = {lab.name: lab for lab in labels}
         self.requests: dict[str, RequestKV] = {}
         self.footprint_overruns = 0
@@ -112,7 +157,7 @@ class KVManager:
                 raise ValueError(f"layout names undeclared KV label {name!r}")
             page_size = self.pools[lab.pool].config.page_size
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
-            states[name] = LabelState(lab, layout, fp, page_size)
+            states[name] = LabelState(lab, layout, fp, page_size, key_ids=_leading_ids(layout) if lab.keys else ())
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
         if self.reserve_max_seq_len:
             kv.extra = {name: max(0, max_seq_len_pages(pool.config) * sum(1 for s in states.values() if s.label.pool == name) - kv.footprint(name))
@@ -124,17 +169,72 @@ class KVManager:
         return kv
 
     def can_admit(self, kv: RequestKV) -> bool:
-        return all(len(p.free) - p.reserved >= kv.reservation(name) for name, p in self.pools.items())
+        """Its reservation, less the pages it will share from the prefix cache, fits the
+        pages neither held nor reserved (cached pages it shares are not free for it)."""
+        self._plan_hits(kv)
+        for name, p in self.pools.items():
+            shared = [page for label, hits in kv.hits.items() if kv.labels[label].label.pool == name for _, page in hits]
+            revived = sum(1 for page in shared if p.refs.get(page, 0) == 0)
+            if p.available - revived - p.reserved < kv.reservation(name) - len(shared):
+                return False
+        return True
 
     def fits_at_all(self, kv: RequestKV) -> bool:
         return all(kv.reservation(name) <= p.config.num_pages for name, p in self.pools.items())
 
-    def admit(self, kv: RequestKV) -> None:
-        """Reserve the footprint: what this request may take later is set aside now."""
+    def _plan_hits(self, kv: RequestKV) -> None:
+        """Longest cached prefix every label of the request shares. Rows computed once feed
+        every label, so a label that cannot share (not keyed, a rows span) means no hit.
+        The last prompt row is always recomputed: its logits pick the first token."""
+        kv.hits, kv.hit_rows = {}, 0
+        if not self.prefix_cache or not kv.labels or not all(st.key_ids for st in kv.labels.values()):
+            return
+        matches = {}
+        for name, st in kv.labels.items():
+            ps = st.page_size
+            matches[name] = self.pools[st.label.pool].index.match(st.key_ids, ps, (st.layout.span_rows - 1) // ps)
+        rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
+        rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
+        if rows:
+            kv.hits = {n: m[: rows // kv.labels[n].page_size] for n, m in matches.items()}
+            kv.hit_rows = rows
+
+    def admit(self, kv: RequestKV) -> int:
+        """Reserve the footprint (what this request may take later is set aside now) and
+        attach its prefix-cache hits; returns the rows it need not compute."""
         for name, pool in self.pools.items():
             pool.reserved += kv.reservation(name)
         self.requests[kv.request_id] = kv
+        if any(st.key_ids for st in kv.labels.values()):
+            self.prefix_queries += 1
+        for name, hits in kv.hits.items():
+            st = kv.labels[name]
+            pool = self.pools[st.label.pool]
+            for entry, page in hits:
+                pool.hold(page)
+                st.pages.append(page)
+                pool.reserved -= 1  # a held page within the footprint is no longer reserved
+                st.key_parent = entry
+            st.keyed_pages = len(hits)
+            st.rows = kv.hit_rows
+            st.peak_pages = len(st.pages)
+            self._advance_spans(st, kv.hit_rows)
+        self.prefix_hit_tokens += kv.hit_rows
         self._check_conservation()
+        return kv.hit_rows
+
+    @staticmethod
+    def _advance_spans(st: LabelState, rows: int) -> None:
+        """Count shared rows as committed span rows, for the debug layout check."""
+        st.span_rows_done += rows
+        while rows:
+            left = st.layout.spans[st.span_cursor].length - st.span_done
+            step = min(left, rows)
+            st.span_done += step
+            rows -= step
+            st.split_spans |= 0 < step < st.layout.spans[st.span_cursor].length
+            if st.span_done == st.layout.spans[st.span_cursor].length and rows:
+                st.span_cursor, st.span_done = st.span_cursor + 1, 0
 
     # -- the step ----------------------------------------------------------------------
 
@@ -165,9 +265,7 @@ class KVManager:
                 )
         else:
             pool.reserved -= 1  # this page was set aside at admission
-        if not pool.free:
-            raise MemoryError(f"pool {pool.config.name!r} has no free page")
-        page = pool.free.pop()
+        page = pool.take()
         pool.peak_used = max(pool.peak_used, pool.used)
         return page
 
@@ -179,6 +277,8 @@ class KVManager:
         if self.debug:
             self._check_commit(kv, st, n, loop)
         st.rows += n
+        if st.key_ids and self.prefix_cache:
+            self._index_full_pages(st)
         if st.label.window is not None:
             self._retain(kv, st)
         if self.debug:
@@ -209,6 +309,15 @@ class KVManager:
             raise LayoutViolation(f"label {st.label.name!r} runs {loop!r} past its cap {kv.caps.get(loop, 0)}")
         st.loop_commits[loop] = count
 
+    def _index_full_pages(self, st: LabelState) -> None:
+        """Key every page that is now full of declared ids, chained from the first row."""
+        ps = st.page_size
+        index = self.pools[st.label.pool].index
+        while (st.keyed_pages + 1) * ps <= min(st.rows, len(st.key_ids)) and st.first_page == 0:
+            i = st.keyed_pages
+            st.key_parent = index.insert(st.key_parent, st.key_ids[i * ps : (i + 1) * ps], st.pages[i])
+            st.keyed_pages += 1
+
     def _retain(self, kv: RequestKV, st: LabelState) -> None:
         """Release pages wholly behind the window; drop them from the label's page list so
         the footprint check compares live pages with the windowed footprint."""
@@ -229,7 +338,7 @@ class KVManager:
 
     def _release(self, st: LabelState, page: int) -> None:
         pool = self.pools[st.label.pool]
-        pool.free.append(page)
+        pool.drop(page)
         # A page within the footprint goes back to this request's reservation; one taken
         # past it (an overrun) was never reserved.
         if len(st.pages) < st.footprint:
@@ -271,12 +380,30 @@ class KVManager:
         return sum(p.used for p in self.pools.values())
 
     def _check_conservation(self) -> None:
+        """Every page is exactly one of: free, cached-evictable, held; holders match refs."""
         if not self.debug:
             return
         for name, pool in self.pools.items():
-            owned = [pg for kv in self.requests.values() for st in kv.labels.values() if st.label.pool == name for pg in st.pages]
-            free = set(pool.free)
-            if len(free) != len(pool.free) or len(set(owned)) != len(owned) or free & set(owned):
-                raise AssertionError(f"pool {name!r}: a page is both free and owned, or owned twice")
-            if len(free) + len(owned) != pool.config.num_pages:
-                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(owned)} owned != {pool.config.num_pages}")
+            held: dict[int, int] = {}
+            for kv in self.requests.values():
+                for st in kv.labels.values():
+                    if st.label.pool == name:
+                        for pg in st.pages:
+                            held[pg] = held.get(pg, 0) + 1
+            free, cached = set(pool.free), set(pool.index.evictable)
+            if len(free) != len(pool.free) or free & cached or (free | cached) & set(held):
+                raise AssertionError(f"pool {name!r}: a page is both free (or cached) and owned")
+            if held != pool.refs:
+                raise AssertionError(f"pool {name!r}: page holders {held} != reference counts {pool.refs}")
+            if len(free) + len(cached) + len(held) != pool.config.num_pages:
+                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held != {pool.config.num_pages}")
+
+
+def _leading_ids(layout: LabelLayout) -> tuple[int, ...]:
+    """Token ids of the layout's leading `ids` spans: the part a prefix key can cover."""
+    ids: list[int] = []
+    for span in layout.spans:
+        if span.kind != "ids":
+            break
+        ids.extend(span.token_ids)
+    return tuple(ids)

@@ -85,7 +85,8 @@ class GpuWorker:
             name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype) for _ in range(p.num_layers)]
             for name, p in self.pools.items()
         }
-        self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len")
+        self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len",
+                            prefix_cache=d.prefix_cache)
         self.engine = Engine(
             self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
             max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
@@ -121,9 +122,13 @@ class GpuWorker:
         layout = {name: lay for name, lay in ppo.kv_layout.items() if name in declared}
         req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
                          self.spec.kv_configs(layout, caps, self.pools))
+        caching, self.kv.prefix_cache = self.kv.prefix_cache, False  # leave no trace in the cache or its counters
         self.engine.add(req, ppo.new_input_tensors)
         while self.engine.has_work:
             self.engine.step()
+        self.kv.prefix_cache, self.kv.prefix_queries = caching, 0
+        for pool in self.kv.pools.values():
+            pool.peak_used = 0
         assert self.kv.used_pages() == 0, "warm-up left pages behind"
 
     # -- wire ------------------------------------------------------------------------
@@ -176,10 +181,12 @@ class GpuWorker:
 
     def _stats(self, force: bool = False) -> None:
         pools = self.kv.stats()
-        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), self.kv.footprint_overruns)
+        kv = self.kv
+        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns, kv.prefix_queries)
         if force or key != self._last_stats:
             self._last_stats = key
-            self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting), self.kv.footprint_overruns))
+            self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting),
+                                           kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens))
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))

@@ -1,0 +1,106 @@
+"""The prefix cache in the KV manager: keyed ids spans share full pages by reference,
+rows spans never do, the last prompt row is always recomputed, and eviction takes only
+pages nobody holds (debug asserts check page conservation after every operation)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gpu_worker.kv_manager import KVManager
+from shared.frames import NewRequest, SamplingParams
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, Span
+
+PS = 4
+
+
+def _manager(pages: int, keys: bool = True) -> KVManager:
+    kv = KVManager({"kv": PagedKVConfig("kv", 1, 1, 1, "float32", PS, pages, 4096)}, (KVLabel("text", "kv", keys=keys, grows_on="decode_loop"),))
+    kv.debug = True
+    return kv
+
+
+def _run_prefill(kv: KVManager, rid: str, span: Span, max_tokens: int = 2):
+    layout = LabelLayout(spans=(span,), growth={"decode_loop": 1})
+    state = kv.ingest_request(NewRequest(rid, "", {}, SamplingParams(), "", span.length, max_tokens, {"text": layout}, {"decode_loop": max_tokens - 1}))
+    if not kv.can_admit(state):
+        return None
+    hit = kv.admit(state)
+    kv.reserve_rows(rid, "text", span.length - hit)
+    kv.commit(rid, "text", span.length - hit)
+    return hit
+
+
+def test_repeated_prompt_shares_full_pages_and_recomputes_the_last_row():
+    kv = _manager(64)
+    ids = list(range(100, 118))  # 18 rows: 4 full pages + 2 rows
+    assert _run_prefill(kv, "a", Span.ids(ids)) == 0
+    assert _run_prefill(kv, "b", Span.ids(ids)) == 16
+    a, b = kv.requests["a"].labels["text"].pages, kv.requests["b"].labels["text"].pages
+    assert a[:4] == b[:4] and a[4] != b[4]
+    assert all(kv.pools["kv"].refs[p] == 2 for p in a[:4])
+    # A prompt of exactly 4 pages shares 3: its last row must be computed for its logits.
+    assert _run_prefill(kv, "c", Span.ids(ids[:16])) == 12
+    for rid in "abc":
+        kv.remove(rid)
+    pool = kv.pools["kv"]
+    assert pool.used == 0 and pool.reserved == 0 and len(pool.index.evictable) == 4
+    assert kv.prefix_queries == 3 and kv.prefix_hit_tokens == 28
+
+
+def test_different_prefix_shares_nothing_after_the_divergence():
+    kv = _manager(64)
+    _run_prefill(kv, "a", Span.ids(list(range(100, 117))))
+    assert _run_prefill(kv, "b", Span.ids([*range(100, 108), 1, *range(109, 117)])) == 8
+
+
+def test_rows_spans_are_never_reused():
+    kv = _manager(64)
+    assert _run_prefill(kv, "a", Span.rows(17)) == 0
+    assert _run_prefill(kv, "b", Span.rows(17)) == 0
+    assert len(kv.pools["kv"].index) == 0
+
+
+def test_unkeyed_label_is_never_reused():
+    kv = _manager(64, keys=False)
+    _run_prefill(kv, "a", Span.ids(list(range(17))))
+    assert _run_prefill(kv, "b", Span.ids(list(range(17)))) == 0
+
+
+def test_eviction_under_a_small_pool_takes_only_pages_nobody_holds():
+    kv = _manager(8)
+    _run_prefill(kv, "held", Span.ids(list(range(100, 113))))  # 4 pages, 3 keyed, held
+    _run_prefill(kv, "gone", Span.ids(list(range(200, 209))))  # 3 pages, 2 keyed
+    kv.remove("gone")  # its 2 keyed pages become evictable, 1 free
+    pool = kv.pools["kv"]
+    held = list(kv.requests["held"].labels["text"].pages)
+    assert len(pool.index.evictable) == 2 and pool.available == 4
+    # A newcomer needing 4 pages must evict both cached pages, never a held one.
+    assert _run_prefill(kv, "new", Span.ids(list(range(300, 315)))) == 0
+    assert kv.requests["held"].labels["text"].pages == held
+    assert all(pool.refs[p] == 1 for p in held)
+    assert len(pool.index.evictable) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), pages=st.integers(6, 40))
+def test_random_traffic_conserves_pages(seed, pages):
+    """Random requests over a few shared prefixes on a small pool: the conservation check
+    (run after every admit/commit/remove) never fires and everything returns."""
+    rng = random.Random(seed)
+    kv = _manager(pages)
+    prefixes = [[rng.randint(0, 5) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    live: list[str] = []
+    for i in range(60):
+        if live and rng.random() < 0.4:
+            kv.remove(live.pop(rng.randrange(len(live))))
+            continue
+        ids = rng.choice(prefixes) + [rng.randint(0, 5) for _ in range(rng.randint(0, 6))]
+        if _run_prefill(kv, f"r{i}", Span.ids(ids)) is not None:
+            live.append(f"r{i}")
+    for rid in live:
+        kv.remove(rid)
+    pool = kv.pools["kv"]
+    assert pool.used == 0 and pool.reserved == 0 and not pool.refs
