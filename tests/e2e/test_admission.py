@@ -132,6 +132,7 @@ async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
                     events.append(json.loads(line[5:]))
                     if len(events) == 1:
                         started.release()
+        events[-1]["_ended_at"] = time.monotonic()
         return events
 
     async with httpx.AsyncClient(base_url=two_workers.url, timeout=120) as client:
@@ -153,6 +154,9 @@ async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
     assert all(e["error"]["type"] == "worker_failed" and e["status"] == 503 for e in failed)
     assert all(len(e["token_ids"]) == 500 for e in done)
     assert failed_at < 60
+    detected = max(e["_ended_at"] for e in failed) - t0
     # The launcher restarts the worker and /ready returns to 200 with both workers.
     assert _wait_workers(two_workers, 2) == 2
+    assert detected < 2.0
+    print(f"worker SIGKILL: its requests failed after {detected:.3f}s, both workers ready again after {time.monotonic() - t0:.2f}s")
     assert "gpu_worker-0 exited with code -9; restarting" in two_workers.log()

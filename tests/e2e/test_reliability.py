@@ -101,6 +101,7 @@ async def test_disconnect_storm_frees_every_page(load_server):
             break
         await asyncio.sleep(0.05)
     assert load_server.metric("mstar_kv_pages_used") == 0, "pages still held 1 s after the storm"
+    print(f"disconnect storm: pages back {time.monotonic() - dropped_at:.2f}s after the last drop")
     assert load_server.metric("mstar_requests_running") == 0 and load_server.metric("mstar_requests_waiting") == 0
     # The server still serves.
     r = httpx.post(load_server.url + "/generate", json={"prompt": "still here", "max_tokens": 3, "ignore_eos": True}, timeout=60)
@@ -167,6 +168,7 @@ async def test_sigstopped_worker_is_detected_by_heartbeats(llama_ckpt, tmp_path)
             detected = time.monotonic() - t0
         assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "worker_failed"
         assert detected < 10
+        print(f"SIGSTOPped worker detected after {detected:.2f}s (heartbeat timeout 2s)")
         deadline = time.monotonic() + 20
         while httpx.get(server.url + "/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
