@@ -273,3 +273,46 @@ def test_stop_strings_generate(llama_server):
     assert done["type"] == "done" and done["finish_reason"] == "stop" and done["text"] == want
     assert "".join(e["text"] for e in deltas) == want
     assert [t for e in deltas for t in e["token_ids"]] == done["token_ids"] == r["token_ids"]
+
+
+# ---- API key ---------------------------------------------------------------------------------
+
+
+def test_api_key_from_env(llama_ckpt, tmp_path):
+    """MSTAR_API_KEY through `mstar serve`: the openai client with the key works, without it
+    401; probes stay open; a WebSocket handshake without the key is refused with 401."""
+    import asyncio
+
+    import websockets
+
+    from tests.servers import MstarServer
+
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "64", env={"MSTAR_API_KEY": "k-123"}).start()
+    try:
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key="k-123", max_retries=0)
+        r = good.completions.create(model=llama_ckpt.name, prompt="Hello", max_tokens=3, extra_body={**GREEDY, **NO_EOS})
+        assert r.usage.completion_tokens == 3
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.models.list()
+        assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+        assert httpx.post(server.url + "/generate", json={"prompt": "x"}, timeout=10).status_code == 401
+        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(server.url + "/ready", timeout=10).status_code == 200
+
+        async def ws_status(headers: dict[str, str] | None) -> int:
+            try:
+                async with websockets.connect(server.url.replace("http://", "ws://") + "/generate/ws", additional_headers=headers) as ws:
+                    await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "hi", "max_tokens": 1}))
+                    assert json.loads(await ws.recv())["id"] == "a"
+                    return 101
+            except websockets.InvalidStatus as exc:
+                return exc.response.status_code
+
+        assert asyncio.run(ws_status(None)) == 401
+        assert asyncio.run(ws_status({"Authorization": "Bearer k-123"})) == 101
+        metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer k-123"}, timeout=10)
+        assert metrics.status_code == 200 and "mstar_kv_pages_total" in metrics.text
+    finally:
+        server.stop()
