@@ -275,6 +275,24 @@ def test_stop_strings_generate(llama_server):
     assert [t for e in deltas for t in e["token_ids"]] == done["token_ids"] == r["token_ids"]
 
 
+
+async def test_stop_strings_websocket(llama_server):
+    import asyncio
+
+    import websockets
+
+    body = {"prompt": "Hello world! Hello again,", "max_tokens": 60, **GREEDY, **NO_EOS}
+    full = generate(llama_server, **body)["text"]
+    stop = _pick_stop(full)
+    url = llama_server.url.replace("http://", "ws://") + "/generate/ws"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "s", **body, "stop": [stop]}))
+        text = ""
+        while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "delta":
+            text += frame["text"]
+    assert frame["type"] == "done" and frame["finish_reason"] == "stop"
+    assert text == frame["text"] == full[: full.find(stop)]
+
 # ---- API key ---------------------------------------------------------------------------------
 
 
