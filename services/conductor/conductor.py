@@ -66,6 +66,24 @@ class WorkerState:
     stats: WorkerStats | None = None
     last_seen: float = field(default_factory=time.monotonic)
     monitor: asyncio.Task | None = None
+    #: chain keys of prompt pages recently sent here: an estimate of its prefix cache
+    cached: OrderedDict = field(default_factory=OrderedDict)
+
+    def remember(self, keys: dict[str, list[int]]) -> None:
+        capacity = sum(p.num_pages for p in self.pools.values())
+        for chain in keys.values():
+            for k in chain:
+                self.cached[k] = None
+                self.cached.move_to_end(k)
+        while len(self.cached) > capacity:
+            self.cached.popitem(last=False)
+
+    def hit_pages(self, keys: dict[str, list[int]]) -> int:
+        """Leading pages every label would share here (0 if any label shares none)."""
+        if not keys:
+            return 0
+        n = min(next((i for i, k in enumerate(chain) if k not in self.cached), len(chain)) for chain in keys.values())
+        return n
 
     def free(self, pool: str) -> int:
         return self.pools[pool].num_pages - self.promised.get(pool, 0)
@@ -229,12 +247,22 @@ class Conductor:
                     await self._refuse(req, r)
                     continue
                 self.queue[0] = (req, bufs)
-            need = self._need(req)
-            fitting = [w for w in self.workers.values() if w.fits(need)]
-            if not fitting:
+            base = self._need(req)
+            keys = self._prefix_keys(req)
+            options = []
+            for w in self.workers.values():
+                # The pages it will share from this worker's prefix cache need no promise
+                # (an over-estimate only makes the worker queue it: it admits exactly).
+                hits = w.hit_pages(keys) if self.d.admission == "footprint" else 0
+                need = {pool: n - (hits if pool in keys else 0) for pool, n in base.items()}
+                if w.fits(need):
+                    options.append((hits, sum(w.free(p) for p in need), w, need))
+            if not options:
                 return
-            # Most free pages first: spreads load and keeps room for large requests.
-            w = max(fitting, key=lambda w: sum(w.free(p) for p in need))
+            # Most shared pages first (cache-aware routing), then most free pages: spreads
+            # load and keeps room for large requests.
+            _, _, w, need = max(options, key=lambda o: (o[0], o[1]))
+            w.remember(keys)
             self.queue.popleft()
             for pool, n in need.items():
                 w.promised[pool] = w.promised.get(pool, 0) + n
@@ -242,6 +270,29 @@ class Conductor:
             self.placement[req.request_id] = w.worker_id
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
             await self.pushers.send(req.reply_to, self.codec.encode(Dispatched(req.request_id, w.worker_id)))
+
+    def _prefix_keys(self, req: NewRequest) -> dict[str, list[int]]:
+        """Chain keys of each keyed label's full prompt pages, as the worker's prefix index
+        builds them (the last prompt row is never shared). Empty unless every label is
+        keyed: rows computed once feed every label."""
+        keys: dict[str, list[int]] = {}
+        for name, layout in req.kv_layout.items():
+            lab = self.spec.label(name)
+            cfg = req.kv_configs.get(lab.pool)
+            ids: list[int] = []
+            for span in layout.spans:
+                if span.kind != "ids":
+                    break
+                ids.extend(span.token_ids)
+            if not lab.keys or not ids or cfg is None:
+                return {}
+            ps = cfg.page_size
+            parent, chain = 0, []
+            for i in range((layout.span_rows - 1) // ps):
+                parent = hash((parent, tuple(ids[i * ps : (i + 1) * ps])))
+                chain.append(parent)
+            keys[lab.pool] = chain
+        return keys
 
     def _need(self, req: NewRequest) -> dict[str, int]:
         """Pages to promise per pool: the footprint, or under the max-seq-len baseline a

@@ -38,3 +38,4 @@ def test_repeated_prompt_hits_and_matches_cold(llama_ckpt, tmp_path):
     finally:
         server.stop()
         cold_server.stop()
+
