@@ -9,6 +9,9 @@ clamping), so a checkpoint sees the inputs it was trained on.
 Every problem with the client's audio raises `ValueError` with a message that is safe to
 show the client (the api makes it a 400); nothing else here raises on bad input.
 
+torch is imported only when features are computed or audio resampled, so the services
+that merely import the model registry (api, conductor) do not load it.
+
 Choices (DESIGN.md says to write them down):
 - a rate other than the feature extractor's is resampled (band-limited windowed-sinc
   interpolation, torchaudio's `sinc_interp_hann` kernel), not refused;
@@ -27,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 #: containers libsndfile reports for the formats we accept
 ACCEPTED_FORMATS = frozenset({"WAV", "WAVEX", "RF64", "FLAC"})
@@ -119,6 +121,7 @@ def resample(audio: np.ndarray, orig_sr: int, new_sr: int, lowpass_filter_width:
     ceil(len * new / orig); samples outside the input count as zeros."""
     if orig_sr == new_sr:
         return audio.astype(np.float32, copy=False)
+    import torch
     x = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)).double()
     n_in = x.numel()
     n_out = -(-n_in * new_sr // orig_sr)
@@ -175,10 +178,12 @@ def mel_filter_bank(num_frequency_bins: int, num_mel_filters: int, min_frequency
     return filters * np.expand_dims(enorm, 0)
 
 
-_FILTERS: dict[tuple, torch.Tensor] = {}
+_FILTERS: dict[tuple, object] = {}
 
 
-def _filters(cfg: FeatureConfig) -> torch.Tensor:
+def _filters(cfg: FeatureConfig):
+    import torch
+
     key = (cfg.n_fft, cfg.feature_size, cfg.sampling_rate)
     if key not in _FILTERS:
         bank = mel_filter_bank(1 + cfg.n_fft // 2, cfg.feature_size, 0.0, 8000.0, cfg.sampling_rate)
@@ -192,6 +197,8 @@ def log_mel_features(audio: np.ndarray, cfg: FeatureConfig = FeatureConfig()) ->
     As WhisperFeatureExtractor: pad (or cut) to `chunk_length` seconds with
     `padding_value`, centred STFT with a periodic Hann window, power spectrum without the
     last frame, mel filters, log10 of max(., 1e-10), floor at max - 8, then (x + 4) / 4."""
+    import torch
+
     wave = np.asarray(audio, dtype=np.float32).reshape(-1)[: cfg.n_samples]
     if wave.size < cfg.n_samples:
         wave = np.pad(wave, (0, cfg.n_samples - wave.size), constant_values=cfg.padding_value)
