@@ -120,5 +120,6 @@ def _load_plugins() -> None:
     """Import the built-in families, then modules named in MSTAR_MODEL_PLUGINS (comma
     separated), which call `register_model` for extra architectures (test models too)."""
     importlib.import_module("shared.models.decoder_lm")
+    importlib.import_module("shared.models.whisper")
     for mod in filter(None, (m.strip() for m in os.environ.get("MSTAR_MODEL_PLUGINS", "").split(","))):
         importlib.import_module(mod)
