@@ -1,0 +1,62 @@
+"""The null model through real processes, and a smoke run of `python -m bench` against it.
+
+No timing thresholds: only that the numbers are there and make sense together."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from shared.models.null_lm import next_token
+from tests.servers import REPO, MstarServer, service_env
+
+
+@pytest.fixture(scope="module")
+def null_server(tmp_path_factory):
+    server = MstarServer("null", tmp_path_factory.mktemp("logs") / "null.log", "--num-kv-pages", "512").start()
+    yield server
+    server.stop()
+
+
+def test_null_model_request(null_server):
+    r = httpx.post(null_server.url + "/generate", json={"input_ids": [72, 105], "max_tokens": 8, "temperature": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expect, last = [], 105
+    for _ in range(8):
+        last = next_token(last)
+        expect.append(last)
+    assert body["token_ids"] == expect
+    assert body["text"] == bytes(expect).decode()
+    assert body["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8}
+
+
+def test_bench_smoke(null_server, tmp_path):
+    out = tmp_path / "results"
+    argv = [sys.executable, "-m", "bench", "run", "--url", null_server.url, "--concurrency", "2", "--num-requests", "6",
+            "--prompt-len", "12", "--output-len", "9", "--random-ratio", "0.5", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "out tok/s" in proc.stdout
+    assert (out / "plot.png").stat().st_size > 1000
+    data = json.loads((out / "results.json").read_text())
+    assert data["mode"] == "run" and data["machine"]["cpus"] >= 1
+    (srv,) = data["servers"].values()
+    (lvl,) = srv["levels"]
+    assert lvl["concurrency"] == 2
+    assert lvl["requests"] == lvl["completed"] == 6 and lvl["num_errors"] == 0
+    assert 6 * 4 <= lvl["output_tokens"] <= 6 * 9  # random lengths in [int(9 * 0.5), 9]
+    assert lvl["duration_s"] > 0
+    assert math.isclose(lvl["output_throughput"], lvl["output_tokens"] / lvl["duration_s"], rel_tol=1e-6)
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+        stats = lvl[key]
+        assert all(math.isfinite(v) and v >= 0 for v in stats.values()), (key, stats)
+        assert stats["p50"] <= stats["p99"]
+    assert lvl["ttft_ms"]["p50"] <= lvl["latency_ms"]["p99"]
+    assert null_server.wait_pages_free() == 0
