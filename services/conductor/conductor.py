@@ -68,6 +68,7 @@ class WorkerState:
     monitor: asyncio.Task | None = None
     #: chain keys of prompt pages recently sent here: an estimate of its prefix cache
     cached: OrderedDict = field(default_factory=OrderedDict)
+    dispatched: int = 0
 
     def remember(self, keys: dict[str, list[int]]) -> None:
         capacity = sum(p.num_pages for p in self.pools.values())
@@ -256,13 +257,14 @@ class Conductor:
                 hits = w.hit_pages(keys) if self.d.admission == "footprint" else 0
                 need = {pool: n - (hits if pool in keys else 0) for pool, n in base.items()}
                 if w.fits(need):
-                    options.append((hits, sum(w.free(p) for p in need), w, need))
+                    options.append((hits, sum(w.free(p) for p in need), -w.dispatched, w, need))
             if not options:
                 return
-            # Most shared pages first (cache-aware routing), then most free pages: spreads
-            # load and keeps room for large requests.
-            _, _, w, need = max(options, key=lambda o: (o[0], o[1]))
+            # Most shared pages first (cache-aware routing), then most free pages (keeps
+            # room for large requests), then the worker given the fewest requests so far.
+            *_, w, need = max(options, key=lambda o: o[:3])
             w.remember(keys)
+            w.dispatched += 1
             self.queue.popleft()
             for pool, n in need.items():
                 w.promised[pool] = w.promised.get(pool, 0) + n
