@@ -176,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP api binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and /ready (env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
     args = parser.parse_args(argv)
     d = deployment_from_args(args)
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     children = plan_children(d, run_dir, args.host, args.port, args.workers, [])
+    if args.api_key:
+        os.environ["MSTAR_API_KEY"] = args.api_key
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout).run()
 

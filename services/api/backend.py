@@ -31,6 +31,7 @@ from services.api.errors import ApiError, new_error_id
 from shared.frames import (
     Abort,
     ClusterStatus,
+    Dispatched,
     FrameCodec,
     GenerateRequest,
     Heartbeat,
@@ -105,6 +106,9 @@ class Backend:
         self._control: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self._live: dict[str, RequestHandle] = {}
+        # Live requests no worker has yet: a data worker or conductor crash loses these.
+        self._pending: set[str] = set()
+        self._watch_tasks: list[asyncio.Task[None]] = []
         self._status_lock = asyncio.Lock()
         self._status: ClusterStatus | None = None
         self._status_at = -1e9
@@ -131,7 +135,12 @@ class Backend:
             raise RuntimeError("backend is closed")
         self._ctx = zmq.asyncio.Context()
         self._pull = bind(self._ctx, zmq.PULL, self.api_addr)
-        self._recv_task = asyncio.get_running_loop().create_task(self._receive(), name="api-recv")
+        loop = asyncio.get_running_loop()
+        self._recv_task = loop.create_task(self._receive(), name="api-recv")
+        self._to_data = self._socket(zmq.PUSH, self.data_worker_addr)
+        self._to_conductor = self._socket(zmq.PUSH, self.conductor_addr)
+        self._watch_tasks = [loop.create_task(self._watch_peer(self._to_data, "data worker")),
+                             loop.create_task(self._watch_peer(self._to_conductor, "conductor"))]
         log.info("pulling outputs at %s (reply_to %s)", self.api_addr, self.reply_to)
 
     async def close(self) -> None:
@@ -139,6 +148,8 @@ class Backend:
         if self._closed:
             return
         self._closed = True
+        for task in self._watch_tasks:
+            task.cancel()
         if self._recv_task is not None:
             self._recv_task.cancel()
             try:
@@ -161,6 +172,7 @@ class Backend:
     def fail_live(self, message: str = "server is shutting down") -> int:
         """Abort every live request and end it for its client with a 503 (shutdown)."""
         live, self._live = self._live, {}
+        self._pending.clear()
         if not live:
             return 0
         error_id = new_error_id()
@@ -189,12 +201,14 @@ class Backend:
             raise ApiError(409, f"request_id {req.request_id!r} is already in use by a live request", "request_id")
         handle = RequestHandle(req.request_id, self)
         self._live[req.request_id] = handle  # before sending: the first output may be quick
+        self._pending.add(req.request_id)
         if self._to_data is None:
             self._to_data = self._socket(zmq.PUSH, self.data_worker_addr)
         try:
             await self._to_data.send_multipart(self._codec.encode(req), copy=False)
         except BaseException:
             self._live.pop(req.request_id, None)
+            self._pending.discard(req.request_id)
             raise
         return handle
 
@@ -207,6 +221,7 @@ class Backend:
         handle = self._live.pop(request_id, None)
         if handle is None:
             return
+        self._pending.discard(request_id)
         self._send_abort(request_id, reason)
         handle.put(Aborted(reason))
 
@@ -232,7 +247,7 @@ class Backend:
             except Exception:  # a bug here must not stop every request's outputs
                 log.exception("api receive loop failed; continuing")
 
-    def _dispatch(self, msg: StepOutputs | RequestError | Heartbeat) -> None:
+    def _dispatch(self, msg: StepOutputs | RequestError | Dispatched | Heartbeat) -> None:
         live = self._live
         if type(msg) is StepOutputs:
             for out in msg.outputs:
@@ -241,11 +256,42 @@ class Backend:
                     continue
                 if out.finish_reason is not None:
                     del live[out.request_id]
+                self._pending.discard(out.request_id)
                 handle.put(out)
         elif type(msg) is RequestError:
+            self._pending.discard(msg.request_id)
             handle = live.pop(msg.request_id, None)
             if handle is not None:
                 handle.put(msg)
+        elif type(msg) is Dispatched:
+            self._pending.discard(msg.request_id)
+
+    async def _watch_peer(self, sock: zmq.asyncio.Socket, peer: str) -> None:
+        """A data worker or conductor that dies closes its connection: the requests it
+        held (those no worker has yet) end at once with a 503 instead of hanging. Those
+        already on a worker are unaffected; their outputs come straight here."""
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await mon.recv_multipart()
+                self.fail_pending(f"the {peer} failed before this request reached a worker; it was not run")
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            mon.close(0)
+
+    def fail_pending(self, message: str) -> int:
+        lost = [rid for rid in self._pending if rid in self._live]
+        self._pending.clear()
+        if not lost:
+            return 0
+        error_id = new_error_id()
+        log.error("ending %d request(s) not yet on a worker: %s (error id %s)", len(lost), message, error_id)
+        for rid in lost:
+            handle = self._live.pop(rid)
+            self._send_abort(rid, "peer_failed")  # a surviving conductor drops its queued copy
+            handle.put(RequestError(rid, 503, message, "service_unavailable", error_id=error_id))
+        return len(lost)
 
     # ---- cluster status --------------------------------------------------------------
 

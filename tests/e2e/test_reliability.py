@@ -204,3 +204,38 @@ async def test_sigterm_drains_running_requests_then_exits_cleanly(llama_ckpt, tm
     for d in run_dirs:
         assert not Path(d).exists() or not list(Path(d).glob("*.sock")), f"stale ipc sockets in {d}"
     server.stop()
+
+
+@pytest.mark.parametrize("victim", ["conductor", "data_worker"])
+async def test_conductor_or_data_worker_crash_fails_only_unscheduled_requests(llama_ckpt, tmp_path, victim):
+    """SIGKILL of the conductor or the data worker: requests already on the gpu worker
+    finish, those still waiting to be placed end at once with a 503, the launcher
+    restarts the service, and new requests are served after it."""
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "40", "--page-size", "16").start()
+    try:
+        body = {"input_ids": list(range(5, 105)), "max_tokens": 300, "temperature": 0, "ignore_eos": True}  # 25 pages: one at a time
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            tasks = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while not (server.metric("mstar_requests_running") == 1 and server.metric("mstar_requests_waiting") >= 1):
+                assert time.monotonic() < deadline, "requests never queued"
+                await asyncio.sleep(0.02)
+            os.kill(_child_pid(server, victim), signal.SIGKILL)
+            rs = await asyncio.gather(*tasks)
+            codes = sorted(r.status_code for r in rs)
+            assert codes[0] == 200 and codes[-1] == 503, codes
+            for r in rs:
+                if r.status_code == 200:
+                    assert len(r.json()["token_ids"]) == 300
+                else:
+                    assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["error_id"]
+            deadline = time.monotonic() + 60
+            while (await client.get("/ready")).status_code != 200:
+                assert time.monotonic() < deadline, "not ready again after the restart"
+                await asyncio.sleep(0.2)
+            r = await client.post("/generate", json={"prompt": "after the crash", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
+        assert f"{victim} exited with code -9; restarting" in server.log()
+        assert server.wait_pages_free() == 0
+    finally:
+        server.stop()
