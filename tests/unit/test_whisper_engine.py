@@ -399,3 +399,21 @@ def test_a_448_position_decoder(tmp_path_factory, world):
     assert toks["a"] == hf_greedy(hf, spec, feats[2], 40, ignore_eos=True)
     assert toks["b"] == hf_greedy(hf, spec, feats[0], 25, forced=spec.forced_ids("ja"), ignore_eos=True)
     assert_pools_empty(kv)
+
+
+def test_prefix_cache_never_shares_audio_requests_rows(world, whisper_ckpt):  # noqa: F811
+    """With 4-row pages the forced prompt fills a keyed "self" page, which the prefix cache
+    indexes; but a request's "cross" label is rows (never keyed), so no later request with
+    the same prompt and other audio may reuse it: its self rows depend on its audio."""
+    _, model, hf, feats = world
+    spec = WhisperSpec.from_folder(whisper_ckpt, page_size=4)
+    engine, kv, pools = make_engine(spec, model)
+    assert kv.prefix_cache
+    for i, clip in enumerate((0, 1, 0)):
+        engine.add(*new_request(spec, pools, f"r{i}", feats[clip], 8, ignore_eos=True))
+        toks, _, errors = drain(engine)
+        assert not errors
+        assert toks[f"r{i}"] == hf_greedy(hf, spec, feats[clip], 8, ignore_eos=True)
+    assert kv.prefix_hit_tokens == 0
+    assert len(kv.pools["kv_self"].index) >= 1  # the scenario did arise: a keyed page was indexed
+    assert_pools_empty(kv)
