@@ -67,6 +67,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--hf-requests", type=int, default=8, help="batch-1 generate calls")
         p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache memory for every server (vLLM's VLLM_CPU_KVCACHE_SPACE)")
         p.add_argument("--max-seq-len", type=int, default=1024)
+        p.add_argument("--torch-threads", type=int, default=0,
+                       help="compute threads for mstar's gpu worker and HF (default: cores - 1, what vLLM's CPU build binds)")
+        p.add_argument("--rounds", type=int, default=1, help="repeat the systems in turn; ratios use each figure's best round")
         p.add_argument("--serve-arg", action="append", default=[])
     elif mode == "floor":
         p.add_argument("--floor-tokens", type=int, default=20000)

