@@ -168,7 +168,7 @@ class Launcher:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mstar", description="mstar: a serving engine for generative models")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)")
@@ -178,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and /ready (env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     d = deployment_from_args(args)
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     children = plan_children(d, run_dir, args.host, args.port, args.workers, [])
