@@ -10,6 +10,7 @@ special cases.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -105,9 +106,14 @@ def find_default_gguf() -> Path:
 
 
 def _open(source: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
-    # Parsing the header costs ~2 s (49k-entry string arrays), so callers
-    # loading both tokenizer and weights may pass one reader to both.
-    return source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
+    # Parsing the header costs 2-4 s (49k-entry string arrays): a process that needs the
+    # config, the tokenizer and the weights parses it once.
+    return source if isinstance(source, gguf.GGUFReader) else _open_path(str(Path(source).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_path(path: str) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

@@ -32,8 +32,7 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype) -> tor
     # Build on the meta device (no random init of weights about to be overwritten).
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device="cpu")
-    model.load_weights(state)
+    model.load_weights(state)  # assigns the checkpoint's tensors: no allocation, no copy
     for mod in model.modules():
         if hasattr(mod, "reset_buffers"):
             mod.reset_buffers()

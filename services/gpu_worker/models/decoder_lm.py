@@ -46,7 +46,8 @@ class Rotary(nn.Module):
     def reset_buffers(self) -> None:
         """(Re)compute the tables; also called after building on the meta device."""
         if self.cos.is_meta:
-            return
+            self.cos = torch.empty(self.max_pos, self.head_dim)
+            self.sin = torch.empty(self.max_pos, self.head_dim)
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         freqs = torch.outer(torch.arange(self.max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -148,7 +149,7 @@ class DecoderLM(nn.Module):
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         if self.tied:
             state.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
