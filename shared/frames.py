@@ -54,6 +54,11 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     arrival_time: float = 0.0
     # False for a prompt rendered by a chat template, which already holds its specials.
     add_special_tokens: bool = True
+    # Speech models: the uploaded audio file (WAV/FLAC bytes), and the language / task to
+    # force (None: the model's default). The data worker decodes it and makes features.
+    audio: bytes | None = None
+    language: str | None = None
+    task: str | None = None
 
 
 # ---- data_worker -> conductor -> gpu_worker -----------------------------------------

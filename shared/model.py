@@ -28,6 +28,11 @@ class DeploymentError(Exception):
 class ModelSpec(ABC):
     #: dotted path "module:Class" of the torch implementation the gpu worker loads
     torch_impl: str = ""
+    #: which step loop runs it: "decoder" (services/gpu_worker/engine.py) or
+    #: "encoder_decoder" (encdec_engine.py: an encoder pass at admission, then decoding)
+    engine: str = "decoder"
+    #: True for models whose requests are audio (the data worker needs a file)
+    takes_audio: bool = False
 
     @property
     @abstractmethod
@@ -47,7 +52,7 @@ class ModelSpec(ABC):
         """Input tensors and one `LabelLayout` per label this request opens."""
 
     @abstractmethod
-    def get_loop_caps(self, max_tokens: int) -> dict[str, int]:
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
         """Iterations the request's stop check allows for each loop."""
 
     @abstractmethod

@@ -75,7 +75,10 @@ class ModelSource:
         factory = MODEL_REGISTRY.get(archs[0])
         if factory is None:
             raise DeploymentError(f"architecture {archs[0]!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
-        return factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        spec = factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        if self.kind == "hf" and hasattr(spec, "load_folder"):
+            spec.load_folder(self.path)  # e.g. Whisper's generation and feature-extractor settings
+        return spec
 
 
 def _token_str(value) -> str | None:

@@ -119,7 +119,7 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         raise Refusal(400, f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}", "max_tokens")
     if req.prompt_len + max_tokens > max_seq_len:
         raise Refusal(400, f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} exceeds max_seq_len {max_seq_len}", "max_tokens")
-    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens))
+    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=req.prompt_len))
     configs = spec.kv_configs(req.kv_layout, caps, pools)
     for name, cfg in configs.items():
         if cfg.total_pages > pools[name].num_pages:

@@ -31,6 +31,12 @@ log = logging.getLogger("mstar.data_worker")
 KEEP_RECENT = 1024
 
 
+class _ClientError(Exception):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
 class DataWorker:
     def __init__(self, spec: ModelSpec, tokenizer: TokenizerBundle, addrs: dict[str, str]) -> None:
         self.spec = spec
@@ -68,15 +74,43 @@ class DataWorker:
             raise ValueError("the prompt is empty after tokenization")
         return ids
 
+    def prepare(self, req: GenerateRequest):
+        """(prompt ids, ProcessPromptOutput) for the request; raises `_ClientError`
+        (param, message) for what is the client's fault: a 400, never a 500."""
+        if self.spec.takes_audio != (req.audio is not None):
+            if req.audio is None:
+                raise _ClientError("file", "the served model takes audio: send a file")
+            raise _ClientError("file", "the served model does not take audio")
+        if req.audio is None:
+            try:
+                ids = self.tokenize(req)
+            except ValueError as exc:
+                raise _ClientError("input_ids" if req.input_ids is not None else "prompt", str(exc)) from exc
+            return ids, self.spec.process_prompt(ids)
+        from shared.audio import audio_features
+
+        try:
+            forced = self.spec.forced_ids(req.language, req.task)
+        except ValueError as exc:
+            raise _ClientError("language", str(exc)) from exc
+        try:
+            feats = audio_features(req.audio, self.spec.features)
+        except ValueError as exc:
+            raise _ClientError("file", str(exc)) from exc
+        return forced, self.spec.process_audio(feats, forced)
+
     async def _handle(self, req: GenerateRequest) -> None:
         try:
-            ids = self.tokenize(req)
-        except ValueError as exc:
-            param = "input_ids" if req.input_ids is not None else "prompt"
-            await self._error(req, RequestError(req.request_id, 400, str(exc), "invalid_request_error", param))
+            ids, ppo = self.prepare(req)
+        except _ClientError as exc:
+            await self._error(req, RequestError(req.request_id, 400, exc.message, "invalid_request_error", exc.param))
+            return
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("process_prompt failed for %s (error_id=%s)", req.request_id, error_id)
+            await self._error(req, RequestError(req.request_id, 500, "internal error", "internal_error", None, error_id))
             return
         try:
-            ppo = self.spec.process_prompt(ids)
             refs, bufs = pack_tensors(ppo.new_input_tensors)
             msg = NewRequest(
                 req.request_id, req.model, refs, req.sampling, req.reply_to, len(ids),
@@ -84,7 +118,7 @@ class DataWorker:
             )
         except Exception:
             error_id = uuid.uuid4().hex[:12]
-            log.exception("process_prompt failed for %s (error_id=%s)", req.request_id, error_id)
+            log.exception("building NewRequest failed for %s (error_id=%s)", req.request_id, error_id)
             await self._error(req, RequestError(req.request_id, 500, "internal error", "internal_error", None, error_id))
             return
         await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))

@@ -32,7 +32,9 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype) -> tor
     # Build on the meta device (no random init of weights about to be overwritten).
     with torch.device("meta"):
         model = cls(config)
-    model.load_weights(state)  # assigns the checkpoint's tensors: no allocation, no copy
+    if not getattr(cls, "assigns_weights", False):
+        model = model.to_empty(device="cpu")  # its load_weights copies into real tensors
+    model.load_weights(state)
     for mod in model.modules():
         if hasattr(mod, "reset_buffers"):
             mod.reset_buffers()

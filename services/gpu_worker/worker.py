@@ -87,7 +87,10 @@ class GpuWorker:
         }
         self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len",
                             prefix_cache=d.prefix_cache)
-        self.engine = Engine(
+        engine_cls = Engine
+        if self.spec.engine == "encoder_decoder":
+            from services.gpu_worker.encdec_engine import EncDecEngine as engine_cls
+        self.engine = engine_cls(
             self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
             max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
         )
@@ -115,7 +118,7 @@ class GpuWorker:
         pay for lazy init; its pages go back before the worker says it is ready."""
         n = min(16, self.spec.max_seq_len - 2)
         ppo = self.spec.process_prompt(list(range(1, n + 1)))
-        caps = self.spec.clamp_caps(self.spec.get_loop_caps(2))
+        caps = self.spec.clamp_caps(self.spec.get_loop_caps(2, prompt_len=n))
         refs, _ = pack_tensors(ppo.new_input_tensors)
         # Warm-up exercises the kernels, not the model's declarations (intake checks those).
         declared = {lab.name for lab in self.spec.kv_labels}
@@ -125,7 +128,8 @@ class GpuWorker:
         caching, self.kv.prefix_cache = self.kv.prefix_cache, False  # leave no trace in the cache or its counters
         self.engine.add(req, ppo.new_input_tensors)
         while self.engine.has_work:
-            self.engine.step()
+            if self.engine.step().errors:
+                raise RuntimeError("the warm-up request failed (see the error logged above); the model cannot serve")
         self.kv.prefix_cache, self.kv.prefix_queries = caching, 0
         for pool in self.kv.pools.values():
             pool.peak_used = 0

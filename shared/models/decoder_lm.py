@@ -90,7 +90,7 @@ class DecoderLMSpec(ModelSpec):
             layouts[lab.name] = LabelLayout(spans=(span,), growth={self.decode_loop: 1})
         return ProcessPromptOutput({"input_ids": ids}, layouts, {"prompt_len": len(token_ids)})
 
-    def get_loop_caps(self, max_tokens: int) -> dict[str, int]:
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
         return {self.decode_loop: max(1, max_tokens - 1)}
 
     def bytes_per_page(self, page_size: int) -> int:

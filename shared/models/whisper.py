@@ -48,6 +48,8 @@ _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
 
 class WhisperSpec(ModelSpec):
     torch_impl = "services.gpu_worker.models.whisper:WhisperModel"
+    engine = "encoder_decoder"
+    takes_audio = True
     decode_loop = "decode_loop"
     self_label, cross_label = "self", "cross"
     self_pool, cross_pool = "kv_self", "kv_cross"

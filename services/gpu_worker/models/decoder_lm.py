@@ -145,6 +145,9 @@ class DecoderLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
+    #: load_weights assigns the checkpoint's tensors (no allocation, no copy)
+    assigns_weights = True
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         if self.tied:
