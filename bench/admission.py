@@ -18,9 +18,6 @@ import itertools
 import json
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,14 +25,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.server import REPO, MstarServer
+
 GAUGES = ("mstar_requests_running", "mstar_requests_waiting", "mstar_kv_pages_used", "mstar_kv_pages_reserved", "mstar_kv_pages_peak")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(cache: Path) -> Path:
@@ -46,32 +38,6 @@ def _checkpoint(cache: Path) -> Path:
 
         make_checkpoint(path, "llama", max_position_embeddings=2048, hidden_size=128, intermediate_size=256)
     return path
-
-
-class Server:
-    def __init__(self, model: Path, args: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", str(model), "--port", str(self.port), *args]
-
-    def __enter__(self) -> Server:
-        self._f = open(self.log, "wb")
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while "mstar: ready on" not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._f.close()
 
 
 def workload(n: int, seed: int, max_seq_len: int) -> list[dict]:
@@ -93,7 +59,7 @@ def _gauges(text: str) -> dict[str, float]:
     return out
 
 
-async def run_mode(server: Server, reqs: list[dict]) -> dict:
+async def run_mode(server: MstarServer, reqs: list[dict]) -> dict:
     samples: list[tuple[float, dict[str, float]]] = []
     stop = asyncio.Event()
 
@@ -173,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--num-kv-pages", str(args.pages), "--page-size", str(args.page_size), "--max-seq-len", str(args.max_seq_len), "--max-num-seqs", "256"]
     results = {}
     for mode in ("footprint", "max-seq-len"):
-        with Server(model, [*common, "--admission", mode], args.out / f"{mode}.log") as server:
+        server = MstarServer(str(model), args.out / f"{mode}.log", [*common, "--admission", mode]).start()
+        try:
             results[mode] = asyncio.run(run_mode(server, reqs))
+        finally:
+            server.stop()
     fp, base = results["footprint"], results["max-seq-len"]
     ratios = {
         "admitted_concurrency_max": round(fp["max_running"] / max(1, base["max_running"]), 2),
