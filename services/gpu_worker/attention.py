@@ -38,6 +38,16 @@ class AttnMetadata:
     kv_indptr: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
     kv_last_page_len: torch.Tensor | None = None
+    qo_indptr: torch.Tensor | None = None  # int32 [B + 1]: each request's rows of T
+    #: a planned FlashInfer wrapper (CUDA); when set, attention runs through it
+    wrapper: object | None = None
+
+    def to(self, device: torch.device | str) -> AttnMetadata:
+        """The same metadata with every tensor on `device` (the CUDA path)."""
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved["prefills"] = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len, None if c.mask is None else c.mask.to(device))
+                             for c in self.prefills]
+        return AttnMetadata(**moved)
 
 
 def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
@@ -68,6 +78,7 @@ def build_metadata(
     slot_pages: list[int] = []
     slot_offsets: list[int] = []
     indptr = [0]
+    qo_indptr = [0]
     indices: list[int] = []
     last_lens: list[int] = []
     decode_rows: list[int] = []
@@ -99,6 +110,7 @@ def build_metadata(
                 mask = window_mask(q_pos, k_pos, window)
             prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
         t += new
+        qo_indptr.append(t)
     meta = AttnMetadata(
         slot_pages=torch.tensor(slot_pages, dtype=torch.long),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long),
@@ -106,6 +118,7 @@ def build_metadata(
         kv_indptr=torch.tensor(indptr, dtype=torch.int32),
         kv_indices=torch.tensor(indices, dtype=torch.int32),
         kv_last_page_len=torch.tensor(last_lens, dtype=torch.int32),
+        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
     )
     if decode_rows:
         width = max(len(p) for p in decode_pages)
@@ -133,6 +146,8 @@ def paged_attention(
     q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv)."""
+    if meta.wrapper is not None:
+        return meta.wrapper.run(q, cache)
     out = torch.empty_like(q)
     page_size = cache.shape[2]
     if meta.decode_rows is not None:

@@ -56,8 +56,10 @@ class StepResult:
 
 class Engine:
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *,
-                 eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int) -> None:
+                 eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None) -> None:
         self.model = model
+        #: FlashInferPlanner on CUDA, None for the torch path
+        self.planner = planner
         self.spec = spec
         self.kv = kv
         self.loop = spec.decode_loop
@@ -189,10 +191,20 @@ class Engine:
                 sample_rows.append(t - 1)
                 sample_seqs.append(seq)
         metas = {name: build_metadata(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
+        device = self.layer_caches[0].device
+        if device.type != "cpu":
+            metas = {name: m.to(device) for name, m in metas.items()}
+            if self.planner is not None:
+                cache = self.layer_caches[0]
+                for name, m in metas.items():
+                    self.planner.plan(name, m, num_qo_heads=int(self.spec.config["num_attention_heads"]),
+                                      num_kv_heads=cache.shape[3], head_dim=cache.shape[4], page_size=cache.shape[2],
+                                      window=self.windows[name], dtype=cache.dtype)
         with torch.inference_mode():
             logits = self.model(
-                torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                self.layer_caches, [metas[name] for name in self.layer_labels], torch.tensor(sample_rows, dtype=torch.long),
+                torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, dtype=torch.long, device=device),
+                self.layer_caches, [metas[name] for name in self.layer_labels],
+                torch.tensor(sample_rows, dtype=torch.long, device=device),
             )
             toks = sample(logits, [s.sampling for s in sample_seqs], [s.generator for s in sample_seqs])
         by_seq = {id(s): tok for s, tok in zip(sample_seqs, toks)}

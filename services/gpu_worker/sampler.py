@@ -15,7 +15,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
-    logits = logits.float()
+    logits = logits.float().cpu()  # per-request CPU generators: seeded tokens do not depend on the device
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:

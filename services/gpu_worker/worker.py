@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from services.gpu_worker.engine import Engine, StepResult
+from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.config import Deployment
@@ -46,7 +47,19 @@ STATS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-def available_memory_bytes() -> int:
+def pick_device() -> torch.device:
+    """MSTAR_DEVICE (cpu | cuda | cuda:N), else CUDA when there is one. On CUDA the
+    decoder path attends through FlashInfer when it is importable, through torch if not."""
+    want = os.environ.get("MSTAR_DEVICE", "auto")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def available_memory_bytes(device: torch.device | None = None) -> int:
+    """Free memory where the KV pools will live: the GPU's, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -57,12 +70,12 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
-def size_pool(d: Deployment, bytes_per_page: int, max_seq_len: int) -> int:
+def size_pool(d: Deployment, bytes_per_page: int, max_seq_len: int, device: torch.device | None = None) -> int:
     """`--num-kv-pages`, or `kv_memory_fraction` of available memory (at least enough for
     one request of max_seq_len)."""
     if d.num_kv_pages:
         return d.num_kv_pages
-    pages = int(available_memory_bytes() * d.kv_memory_fraction) // bytes_per_page
+    pages = int(available_memory_bytes(device) * d.kv_memory_fraction) // bytes_per_page
     return max(pages, -(-max_seq_len // d.page_size))
 
 
@@ -76,15 +89,20 @@ class GpuWorker:
         source = ModelSource(d.model)
         self.spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
         self.spec.validate()
-        num_pages = size_pool(d, self.spec.bytes_per_page(d.page_size), self.spec.max_seq_len)
+        self.device = pick_device()
+        num_pages = size_pool(d, self.spec.bytes_per_page(d.page_size), self.spec.max_seq_len, self.device)
         self.pools = self.spec.paged_pools(num_pages)
         dtype = TORCH_DTYPES[d.dtype]
         t0 = time.time()
-        self.model = build_model(source, self.spec, dtype)
+        self.model = build_model(source, self.spec, dtype).to(self.device)
         self.caches = {
-            name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype) for _ in range(p.num_layers)]
+            name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype, device=self.device)
+                   for _ in range(p.num_layers)]
             for name, p in self.pools.items()
         }
+        planner = None
+        if self.device.type == "cuda" and self.spec.engine == "decoder" and flashinfer_available():
+            planner = FlashInferPlanner(self.device)
         self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len",
                             prefix_cache=d.prefix_cache)
         engine_cls = Engine
@@ -93,6 +111,7 @@ class GpuWorker:
         self.engine = engine_cls(
             self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
             max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
+            **({"planner": planner} if planner is not None else {}),
         )
         log.info("model loaded in %.1fs; pools %s", time.time() - t0,
                  {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in self.pools.items()})
