@@ -49,6 +49,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--backend", choices=["mstar", "openai"], default="mstar", help="/generate with input_ids, or /v1/completions with token ids")
         p.add_argument("--model-name", default="", help="the `model` field for --backend openai (default: the first of /v1/models)")
         p.add_argument("--name", default=None, help="the system's name in the table")
+        p.add_argument("--profile", action="store_true", help="with --serve: py-spy the services under load after the levels")
+        p.add_argument("--profile-concurrency", type=int, nargs="+", default=[16])
+        p.add_argument("--profile-seconds", type=float, default=10.0)
     elif mode == "overhead":
         common_flags(p, [1, 16, 64], prompt_len=16, output_len=128)
         p.add_argument("--floor-tokens", type=int, default=20000)

@@ -70,6 +70,12 @@ def run(args) -> Path:
         else:
             backend = Backend()
         res = measure_levels(name, url, backend, prompt_maker(args), args.concurrency, server=server, timeout=args.timeout, client=args.client)
+        if args.profile and server is not None:
+            info["profile"] = {}
+            for c in args.profile_concurrency:
+                lvl = next((s for s in res["levels"] if s["concurrency"] == c), res["levels"][-1])
+                print(f"profiling at c{c} ...", file=sys.stderr)
+                info["profile"][str(c)] = _profile(server, backend, args, c, lvl["request_throughput"], out / "profile")
     finally:
         if server is not None:
             server.stop()
@@ -79,6 +85,8 @@ def run(args) -> Path:
                  table(LEVEL_HEADER, level_rows(name, res["levels"])))]
     if server is not None:
         sections.append(("start-up and memory", _server_table(servers)))
+    if info.get("profile"):
+        sections.append(("profile (py-spy, % of each process's busy samples)", _profile_text(info["profile"])))
     return _emit(out, info, sections, servers, None, f"{name}: prompt {args.prompt_len}, output {args.output_len}")
 
 
@@ -331,7 +339,7 @@ def _best(rounds: list[dict]) -> dict:
         merged = dict(runs[0])
         merged["levels"] = [_best_level([r["levels"][i] for r in runs]) for i in range(len(runs[0]["levels"]))]
         merged["startup_s"] = min(r["startup_s"] for r in runs)
-        merged["memory_peak"] = {k: max(r["memory_peak"][k] for r in runs) for k in runs[0]["memory_peak"]}
+        merged["memory_peak"] = {k: min(r["memory_peak"][k] for r in runs) for k in runs[0]["memory_peak"]}
         out[name] = merged
     return out
 
