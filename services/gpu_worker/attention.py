@@ -87,9 +87,12 @@ def build_metadata(
     prefills: list[PrefillChunk] = []
     t = 0
     for pages, first_page, cached, new, is_decode in rows:
-        for r in range(cached, cached + new):
-            slot_pages.append(pages[r // page_size - first_page])
-            slot_offsets.append(r % page_size)
+        if new == 1:
+            slot_pages.append(pages[cached // page_size - first_page])
+            slot_offsets.append(cached % page_size)
+        else:
+            slot_pages.extend(pages[r // page_size - first_page] for r in range(cached, cached + new))
+            slot_offsets.extend(r % page_size for r in range(cached, cached + new))
         first_row = first_page * page_size
         kv_len = cached + new - first_row  # rows held in the live pages
         n_pages = -(-kv_len // page_size)
@@ -122,9 +125,7 @@ def build_metadata(
     )
     if decode_rows:
         width = max(len(p) for p in decode_pages)
-        padded = torch.zeros(len(decode_pages), width, dtype=torch.long)
-        for b, p in enumerate(decode_pages):
-            padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        padded = torch.tensor([p + [0] * (width - len(p)) for p in decode_pages], dtype=torch.long)  # pad: page 0, masked
         info = torch.tensor(decode_info)
         j = torch.arange(width * page_size).unsqueeze(0)
         mask = j < info[:, 1:2]  # only rows the live pages hold
