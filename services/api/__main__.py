@@ -52,12 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     from services.api.app import create_app
     from services.api.server import ApiServer
     from services.api.settings import ApiSettings
+    from services.api.transcription import default_language, is_speech_model
     from shared.model_source import ModelSource
 
     try:
         source = ModelSource(args.model)
         tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
         api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
+        takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
         settings = ApiSettings(
             model_name=source.name,
             api_addr=addrs["api"],
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body_bytes,
             ws_max_live=args.ws_max_live,
             api_key=api_key or None,
+            takes_audio=takes_audio,
+            audio_language=default_language(source) if takes_audio else None,
         )
     except Exception as exc:  # a bad --model or flag: say so in one line, no traceback
         log.error("cannot start the api: %s", exc)

@@ -1,8 +1,9 @@
 """The Starlette app: routes only; validation, streaming and ZMQ live in their modules.
 
-Routes: `POST /generate` (JSON or SSE), `/generate/ws` (WebSocket), the OpenAI routes
-`GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`, and
-`GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings,
+Routes: `POST /generate` (JSON or SSE; a multipart/form-data body carries an audio file
+for a speech model), `/generate/ws` (WebSocket), the OpenAI routes
+`GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`,
+`POST /v1/audio/transcriptions`, and `GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings,
 tokenizer)`; the backend binds its socket in the lifespan (or at the first request if the
 lifespan did not run), and nothing else needs to be up for the app to start and answer
 400s. With `settings.api_key` set, `ApiKeyMiddleware` wraps everything.
@@ -28,12 +29,14 @@ from services.api import openai_routes
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error
+from services.api.forms import Form, is_form, parse_form
 from services.api.metrics import CONTENT_TYPE
 from services.api.serving import Prepared, api_state, error_response, json_response, serve
 from services.api.settings import ApiSettings
 from services.api.state import ApiState
 from services.api.streaming import EventStream, GenerateReply
-from services.api.validation import parse_generate
+from services.api.transcription import require_speech_model
+from services.api.validation import parse_audio_generate, parse_generate
 from services.api.ws import WsSession
 from shared.model_source import TokenizerBundle
 
@@ -47,8 +50,17 @@ def _accept_generate(obj: dict[str, Any], state: ApiState) -> Prepared:
     return Prepared(params, bool(params.stream), GenerateReply(params.request_id))
 
 
+def _accept_generate_form(form: Form, state: ApiState) -> Prepared:
+    require_speech_model(state.settings.takes_audio)
+    params = parse_audio_generate(form.fields, form.file)
+    return Prepared(params, bool(params.stream), GenerateReply(params.request_id))
+
+
 async def generate(request: Request) -> Response | EventStream:
-    """POST /generate: validate, submit, then one JSON reply or an SSE stream."""
+    """POST /generate: validate, submit, then one JSON reply or an SSE stream. A
+    multipart/form-data body is an audio request (`file` + the other fields as form fields)."""
+    if is_form(request.headers.get("content-type")):
+        return await serve(request, _accept_generate_form, "/generate", decode=parse_form)
     return await serve(request, _accept_generate, "/generate")
 
 
@@ -142,6 +154,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle, st
         Route("/v1/models/{model:path}", _guard(openai_routes.get_model), methods=["GET"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
+        Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
         Route("/health", _guard(health), methods=["GET"]),
         Route("/ready", _guard(ready), methods=["GET"]),
         Route("/metrics", _guard(metrics), methods=["GET"]),

@@ -1,4 +1,5 @@
-"""Request bodies of `/v1/completions` and `/v1/chat/completions` -> `GenerateParams`.
+"""Request bodies of `/v1/completions`, `/v1/chat/completions` and the form fields of
+`/v1/audio/transcriptions` -> `GenerateParams`.
 
 Only the OpenAI-specific shapes are checked here (`model`, the forms of `prompt`,
 `messages`, `stream_options`, `echo`, `max_completion_tokens`); every field the routes
@@ -15,6 +16,9 @@ Choices (OpenAI's and vLLM's behaviour, see the README):
 - `prompt` may be a string, a list of token ids, or a list holding one of those; batches
   of several prompts are refused (400, param `prompt`).
 - `user` is accepted and not used (it only labels the end user for the provider).
+- transcriptions: `temperature` defaults to 0 (greedy; OpenAI's default too), `prompt`
+  (previous-text conditioning) is refused unless empty, `response_format` is `json`,
+  `text` or `verbose_json`, and `stream` works with `json` / `text` only.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from services.api.validation import (
     INT32_MAX,
     SAMPLING_FIELDS,
     GenerateParams,
+    check_audio,
     check_fields,
     get_bool,
     is_int,
     json_repr,
+    parse_language,
     parse_max_tokens,
     parse_sampling,
     parse_stop,
@@ -46,6 +52,9 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "refusal"})
+TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "response_format", "temperature", "stream",
+                                  "max_tokens", "ignore_eos", "seed"})
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
 
 
 class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +64,18 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with usage and no choices
     echo: bool = False  # completions: the prompt text comes first in the choice's text
+
+
+class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated `/v1/audio/transcriptions` form."""
+
+    params: GenerateParams
+    response_format: str = "json"
+    stream: bool = False
+
+
+def transcription_id() -> str:
+    return f"trsc-{uuid.uuid4().hex}"
 
 
 def completion_id() -> str:
@@ -232,3 +253,42 @@ def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
     if not prompt:
         raise ApiError(400, "the chat template rendered an empty prompt for these messages", "messages")
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
+
+
+def parse_response_format(obj: Mapping[str, Any]) -> str:
+    value = obj.get("response_format")
+    if value is None:
+        return "json"
+    if value in ("srt", "vtt", "diarized_json"):
+        raise ApiError(400, f"response_format {value!r} is not supported (no timestamps); use json, text or verbose_json", "response_format")
+    if not isinstance(value, str) or value not in TRANSCRIPTION_FORMATS:
+        raise ApiError(400, f"response_format must be one of {', '.join(TRANSCRIPTION_FORMATS)}, got {json_repr(value)}", "response_format")
+    return value
+
+
+def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str) -> TranscriptionRequest:
+    """Validate the fields of a `/v1/audio/transcriptions` form (typed by `forms.py`):
+    OpenAI's `file`, `model`, `language`, `prompt`, `response_format`, `temperature`,
+    `stream`, and mstar's `max_tokens`, `ignore_eos`, `seed`, with the `/generate` checks."""
+    check_fields(obj, TRANSCRIPTION_FIELDS)
+    refuse_unsupported(obj, honoured=("response_format",))
+    check_model(obj, served)
+    if obj.get("prompt") is not None:
+        raise ApiError(400, "prompt is not supported (no conditioning on previous text); leave it out or empty", "prompt")
+    audio = check_audio(audio)
+    response_format = parse_response_format(obj)
+    stream = bool(get_bool(obj, "stream"))
+    if stream and response_format == "verbose_json":
+        raise ApiError(400, "stream is not supported with response_format verbose_json; use json or text", "stream")
+    if obj.get("temperature") is None:  # greedy unless asked otherwise (OpenAI's default is 0 too)
+        obj = {**obj, "temperature": 0.0}
+    params = GenerateParams(
+        request_id=transcription_id(),
+        sampling=parse_sampling(obj),
+        max_tokens=parse_max_tokens(obj),
+        stream=stream,
+        audio=audio,
+        language=parse_language(obj),
+        task="transcribe",
+    )
+    return TranscriptionRequest(params=params, response_format=response_format, stream=stream)

@@ -1,8 +1,9 @@
 """The life of one HTTP generation request, shared by `/generate` and the `/v1/*` routes.
 
-read the body (413 past the limit) -> the route's `accept` validates it into what to
-generate and how to answer (`Prepared`) -> submit -> one JSON reply, or an SSE stream
-whose status line waits for the first event (so a conductor refusal is a real 4xx).
+read the body (413 past the limit) -> decode it (JSON, or a multipart form for audio
+uploads) -> the route's `accept` validates it into what to generate and how to answer
+(`Prepared`) -> submit -> one JSON (or plain text) reply, or an SSE stream whose status
+line waits for the first event (so a conductor refusal is a real 4xx).
 A disconnect watcher runs from submission on, so a client that goes away aborts its
 request everywhere whether it was waiting for JSON or reading a stream.
 """
@@ -63,15 +64,22 @@ def api_state(conn: Request | WebSocket) -> ApiState:
     return conn.app.state.api
 
 
-async def serve(request: Request, accept: Callable[[dict[str, Any], ApiState], Prepared], what: str) -> Response | EventStream:
-    """Run one request end to end; `what` names the route in logs."""
+def json_body(body: bytes, content_type: str | None) -> dict[str, Any]:
+    """The default body decoder: a strict JSON object (the Content-Type is not checked)."""
+    return decode_json_object(body)
+
+
+async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], what: str,
+                decode: Callable[[bytes, str | None], Any] = json_body) -> Response | EventStream:
+    """Run one request end to end; `what` names the route in logs. `decode` turns the body
+    (and its Content-Type) into what `accept` takes: a JSON object, or a `forms.Form`."""
     started = time.perf_counter()
     arrival = time.time()
     state = api_state(request)
     gen: Generation | None = None
     try:
         body = await read_body(request, state.settings.max_body_bytes)
-        prepared = accept(decode_json_object(body), state)
+        prepared = accept(decode(body, request.headers.get("content-type")), state)
         params = prepared.params
         gen = await state.start_generation(params, client_id=params.request_id, started=started, arrival_time=arrival)
     except ApiError as err:
@@ -86,7 +94,8 @@ async def serve(request: Request, accept: Callable[[dict[str, Any], ApiState], P
     try:
         if not prepared.stream:
             done = await gen.collect()
-            return json_response(prepared.reply.json(done))
+            reply = prepared.reply.json(done)
+            return reply if isinstance(reply, Response) else json_response(reply)
         events = gen.events()
         # Wait for the first event before answering, so a refusal from the conductor
         # (a length limit, a footprint too large for the pool) is a real HTTP status.

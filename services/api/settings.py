@@ -24,6 +24,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     ws_max_live: int = DEFAULT_WS_MAX_LIVE  # live requests per WebSocket; more -> 429
     status_timeout_s: float = 1.0  # no ClusterStatus within this = not ready
     api_key: str | None = None  # set: every route but /health and /ready needs Bearer <key>
+    takes_audio: bool = False  # a speech model (Whisper): the audio routes serve, else 400
+    audio_language: str | None = None  # the language a speech model assumes when none is sent
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

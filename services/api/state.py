@@ -52,6 +52,9 @@ class ApiState:
             input_ids=params.input_ids,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             add_special_tokens=params.add_special_tokens,
+            audio=params.audio,
+            language=params.language,
+            task=params.task,
         )
         handle = await self.backend.submit(req)
         return Generation(

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, internal_error
@@ -44,10 +45,11 @@ async def _cancel_on_disconnect(receive: Receive, gen: Generation) -> None:
 
 
 class Reply(Protocol):
-    """How one route answers: the JSON body of a non-streamed reply, and the SSE bytes of
-    each event, of a failure after the stream began, and of its end."""
+    """How one route answers: the JSON body of a non-streamed reply (or a whole `Response`,
+    e.g. a transcription as text/plain), and the SSE bytes of each event, of a failure after
+    the stream began, and of its end."""
 
-    def json(self, done: DoneEvent) -> msgspec.Struct: ...
+    def json(self, done: DoneEvent) -> msgspec.Struct | dict[str, Any] | Response: ...
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes: ...
 

@@ -11,9 +11,14 @@ footprint vs pool) are not checked here: only the conductor knows them, and its
 `RequestError` becomes the HTTP error.
 
 The pieces (`decode_json_object`, `check_fields`, `refuse_unsupported`,
-`parse_sampling`, `parse_max_tokens`, `parse_stop`, `parse_request_id`) are public: the
-OpenAI routes (`openai_params.py`) build their field sets from these same checks and
-messages, so `/generate`, the WebSocket and `/v1/*` can never disagree on a field.
+`parse_sampling`, `parse_max_tokens`, `parse_stop`, `parse_request_id`, `parse_language`)
+are public: the OpenAI routes (`openai_params.py`) build their field sets from these same
+checks and messages, so `/generate`, the WebSocket and `/v1/*` can never disagree on a field.
+
+Audio requests (`/generate` as multipart/form-data, `/v1/audio/transcriptions`) come as
+form fields; `forms.py` turns each string into the JSON value it spells (`"5"` -> 5,
+`"true"` -> true) and the same checks run on the result (`parse_audio_generate`). Whether
+the audio itself decodes (container, rate, length) is the data worker's check, not ours.
 
 `null` for an optional field means "not given" (OpenAI's convention).
 """
@@ -41,6 +46,13 @@ SAMPLING_FIELDS: frozenset[str] = frozenset({"temperature", "top_p", "top_k", "s
 GENERATE_FIELDS: frozenset[str] = frozenset(
     {"prompt", "input_ids", "max_tokens", "stop", "stream", "request_id"} | SAMPLING_FIELDS
 )
+#: what a speech model's request may carry besides the audio file (the prompt is the audio)
+AUDIO_FIELDS: frozenset[str] = frozenset({"language", "task"})
+AUDIO_GENERATE_FIELDS: frozenset[str] = (GENERATE_FIELDS - {"prompt", "input_ids"}) | AUDIO_FIELDS
+AUDIO_TASKS = ("transcribe", "translate")
+#: a language code ("en", "haw", "pt-BR") or a Whisper language token ("<|en|>"); whether the
+#: model knows it is the data worker's answer (400 with param "language")
+LANGUAGE_RE = re.compile(r"<\|[A-Za-z_-]{1,28}\|>|[A-Za-z_-]{1,32}")
 
 
 def _unset_or(*neutral: Any) -> Callable[[Any], bool]:
@@ -98,6 +110,9 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool | None = None  # None: the route's default (false for HTTP, true for WS)
     stop: list[str] = []  # stop strings, matched by the api on the detokenized text
     add_special_tokens: bool = True  # False for a chat-templated prompt (it holds its specials)
+    audio: bytes | None = None  # speech models: the uploaded WAV/FLAC file (then no prompt)
+    language: str | None = None  # speech models: the language to force (None: the model's)
+    task: str | None = None  # speech models: "transcribe" / "translate" (None: the model's)
 
 
 # ---- helpers -------------------------------------------------------------------------
@@ -298,12 +313,27 @@ def parse_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
     return None, input_ids
 
 
-def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> GenerateParams:
-    """Validate a `/generate` body (or a WebSocket frame, whose `envelope` keys such as
-    `type` and `id` the caller checks itself) into `GenerateParams`; raises `ApiError`."""
-    check_fields(obj, GENERATE_FIELDS | frozenset(envelope))
-    refuse_unsupported(obj)
-    prompt, input_ids = parse_prompt(obj)
+def parse_language(obj: Mapping[str, Any], name: str = "language") -> str | None:
+    """language: null, or a code ("en") / Whisper token ("<|en|>") of 1-32 characters."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not LANGUAGE_RE.fullmatch(value):
+        raise _bad(name, 'a language code such as "en" (letters, "-" or "_", 1-32 characters)', value)
+    return value
+
+
+def parse_task(obj: Mapping[str, Any], name: str = "task") -> str | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in AUDIO_TASKS:
+        raise _bad(name, " or ".join(f'"{t}"' for t in AUDIO_TASKS), value)
+    return value
+
+
+def _generate_params(obj: Mapping[str, Any], prompt: str | None, input_ids: list[int] | None, **audio: Any) -> GenerateParams:
+    """The fields `/generate` shares between a text prompt and an audio file."""
     max_tokens = parse_max_tokens(obj)
     sampling = parse_sampling(obj)
     stop = parse_stop(obj)
@@ -317,4 +347,38 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
         input_ids=input_ids,
         stream=stream,
         stop=stop,
+        **audio,
     )
+
+
+def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> GenerateParams:
+    """Validate a `/generate` body (or a WebSocket frame, whose `envelope` keys such as
+    `type` and `id` the caller checks itself) into `GenerateParams`; raises `ApiError`."""
+    check_fields(obj, GENERATE_FIELDS | frozenset(envelope))
+    refuse_unsupported(obj)
+    prompt, input_ids = parse_prompt(obj)
+    return _generate_params(obj, prompt, input_ids)
+
+
+def check_audio(audio: bytes | None, name: str = "file") -> bytes:
+    """The uploaded file must be there and non-empty (decoding it is the data worker's job)."""
+    if audio is None:
+        raise ApiError(400, f"{name} is required: upload a WAV or FLAC file as the multipart/form-data field {name!r}", name)
+    if not audio:
+        raise ApiError(400, f"{name} is empty; upload a WAV or FLAC file", name)
+    return audio
+
+
+def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> GenerateParams:
+    """Validate the fields of a multipart `/generate` (already typed by `forms.py`) that
+    carries an audio file: the `/generate` fields less `prompt` / `input_ids` (the audio is
+    the prompt; given, they are a 400), plus `language` and `task`."""
+    check_fields(obj, GENERATE_FIELDS | AUDIO_FIELDS)
+    refuse_unsupported(obj)
+    for name in ("prompt", "input_ids"):
+        if obj.get(name) is not None:
+            raise ApiError(400, f"{name} must be absent when an audio file is sent: the audio is the prompt", name)
+    audio = check_audio(audio)
+    language = parse_language(obj)
+    task = parse_task(obj)
+    return _generate_params(obj, None, None, audio=audio, language=language, task=task)
