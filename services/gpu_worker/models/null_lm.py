@@ -8,6 +8,7 @@ the paged write path and its metadata run as for a real model) and returns logit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, write_kv
@@ -21,6 +22,13 @@ class NullLM(nn.Module):
         self.vocab_size = int(cfg["vocab_size"])
         self.kv_heads = int(cfg["num_key_value_heads"])
         self.head_dim = int(cfg["head_dim"])
+        self._zeros: torch.Tensor | None = None  # zero K/V rows, grown on demand and sliced
+
+    def _zero_rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        z = self._zeros
+        if z is None or z.shape[0] < n or z.dtype != like.dtype or z.device != like.device:
+            z = self._zeros = torch.zeros(max(n, 64), self.kv_heads, self.head_dim, dtype=like.dtype, device=like.device)
+        return z[:n]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         if state:
@@ -28,9 +36,7 @@ class NullLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
         for cache, meta in zip(kv_caches, metas):
-            rows = torch.zeros(input_ids.shape[0], self.kv_heads, self.head_dim, dtype=cache.dtype)
+            rows = self._zero_rows(input_ids.shape[0], cache)
             write_kv(cache, rows, rows, meta)
         nxt = FIRST_PRINTABLE + (input_ids[sample_rows] - FIRST_PRINTABLE + 1) % NUM_PRINTABLE
-        logits = torch.zeros(sample_rows.shape[0], self.vocab_size)
-        logits[torch.arange(sample_rows.shape[0]), nxt] = 1.0
-        return logits
+        return F.one_hot(nxt, self.vocab_size).to(torch.float32)
