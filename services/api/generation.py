@@ -118,10 +118,10 @@ class Generation:
                     yield self._done("stop")
                     return
                 if item.finish_reason is not None:
-                    text += stop.flush()
+                    text += stop.flush()  # may settle a match held back until now
                     if text or ids:
                         yield DeltaEvent(self.client_id, text, list(ids))
-                    yield self._done(item.finish_reason)
+                    yield self._done("stop" if stop.matched is not None else item.finish_reason)
                     return
                 if text or ids:
                     yield DeltaEvent(self.client_id, text, list(ids))

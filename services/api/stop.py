@@ -10,8 +10,10 @@ everything from it on is dropped) or it does not (the held text is released).
 Why this is enough: if a stop string started in text already released, the released text
 would have ended with a proper prefix of it, and that suffix would have been held back.
 So a match always starts inside `held + new text`, and `str.find` over that finds it;
-the earliest match over all stop strings wins (OpenAI / vLLM semantics: the output is the
-text before the first occurrence of any of them).
+the earliest match over all stop strings wins (the output is the text before the first
+occurrence of any of them, however the text was split). A match found while a longer stop
+string that starts earlier is still incomplete waits for it to be settled (rare: it needs
+overlapping stop strings), and `flush` settles it at the end.
 """
 
 from __future__ import annotations
@@ -45,23 +47,39 @@ class StopMatcher:
             self._parts.append(text)
             return text
         buf = self._held + text
+        cut, which = self._first_match(buf)
+        keep = self._longest_partial(buf)
+        start = len(buf) - keep  # a stop string may still begin here and not be complete yet
+        if which is not None and cut <= start:
+            self.matched = which
+            self._held = ""
+            return self._release(buf[:cut])
+        # No match yet, or one that a longer stop string starting earlier may still beat
+        # (text "a\na" with stops "\n" and "a\na" cut after "aa\n"): hold from `start`.
+        self._held = buf[start:]
+        return self._release(buf[:start])
+
+    def _first_match(self, buf: str) -> tuple[int, str | None]:
+        """(start, stop) of the earliest complete occurrence of any stop string in `buf`."""
         cut, which = -1, None
         for stop in self._stops:
             i = buf.find(stop)
             if i != -1 and (cut == -1 or i < cut):
                 cut, which = i, stop
-        if which is not None:
-            self.matched = which
-            self._held = ""
-            return self._release(buf[:cut])
-        keep = self._longest_partial(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return self._release(buf[: len(buf) - keep])
+        return cut, which
 
     def flush(self) -> str:
-        """At the end of generation: the held text can no longer start a match."""
+        """At the end of generation: held text can no longer grow into a match, but it may
+        hold a complete one that was waiting on a longer stop string starting earlier
+        (then `matched` turns true and the text ends before it)."""
         held, self._held = self._held, ""
-        return "" if self.matched is not None else self._release(held)
+        if self.matched is not None:
+            return ""
+        cut, which = self._first_match(held)
+        if which is not None:
+            self.matched = which
+            held = held[:cut]
+        return self._release(held)
 
     def _release(self, text: str) -> str:
         if text:
