@@ -90,6 +90,9 @@ class GpuWorker:
         self.spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
         self.spec.validate()
         self.device = pick_device()
+        if self.spec.engine != "decoder" and self.device.type != "cpu":
+            log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", self.spec.engine, self.device)
+            self.device = torch.device("cpu")
         num_pages = size_pool(d, self.spec.bytes_per_page(d.page_size), self.spec.max_seq_len, self.device)
         self.pools = self.spec.paged_pools(num_pages)
         dtype = TORCH_DTYPES[d.dtype]
