@@ -153,18 +153,17 @@ def paged_attention(
     page_size = cache.shape[2]
     if meta.decode_rows is not None:
         b, width = meta.decode_pages.shape
-        kv = cache[meta.decode_pages]  # [B, W, 2, ps, H, D]
-        h, d = kv.shape[-2], kv.shape[-1]
-        k = kv[:, :, 0].reshape(b, width * page_size, h, d).transpose(1, 2)
-        v = kv[:, :, 1].reshape(b, width * page_size, h, d).transpose(1, 2)
+        h, d = cache.shape[-2], cache.shape[-1]
+        # Gather K and V pages separately: each gather is contiguous, so the reshape is a view.
+        k = cache[:, 0][meta.decode_pages].view(b, width * page_size, h, d).transpose(1, 2)
+        v = cache[:, 1][meta.decode_pages].view(b, width * page_size, h, d).transpose(1, 2)
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[meta.decode_rows] = o.squeeze(2)
     for chunk in meta.prefills:
-        kv = cache[chunk.pages]  # [n, 2, ps, H, D]
-        h, d = kv.shape[-2], kv.shape[-1]
-        k = kv[:, 0].reshape(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
-        v = kv[:, 1].reshape(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        h, d = cache.shape[-2], cache.shape[-1]
+        k = cache[:, 0][chunk.pages].view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        v = cache[:, 1][chunk.pages].view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if chunk.mask is None:
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -85,7 +85,9 @@ class GpuWorker:
         self.worker_id = worker_id
         self.bind_addr = bind_addr
         self.advertise_addr = advertise_addr
-        torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS", os.cpu_count() or 1)))
+        # All cores but one (as vLLM's CPU build): the api, data worker and conductor need a
+        # core too, and oversubscribing a small machine costs far more than one thread.
+        torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS", max(1, (os.cpu_count() or 1) - 1))))
         source = ModelSource(d.model)
         self.spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
         self.spec.validate()
