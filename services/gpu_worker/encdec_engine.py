@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnMetadata, PrefillChunk, build_metadata
-from services.gpu_worker.engine import StepResult
+from services.gpu_worker.engine import EngineBase, StepResult
 from services.gpu_worker.kv_manager import KVManager, LayoutViolation, RequestKV
 from services.gpu_worker.sampler import make_generator, sample
-from shared.frames import NewRequest, Output, RequestError, SamplingParams
+from shared.frames import NewRequest, Output, SamplingParams
 
 log = logging.getLogger("mstar.encdec_engine")
 
@@ -102,7 +102,7 @@ class EncDecSequence:
         return (self.prompt + self.output)[start:end]
 
 
-class EncDecEngine:
+class EncDecEngine(EngineBase):
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *,
                  eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int,
                  max_encodes_per_step: int = 4) -> None:
@@ -160,24 +160,6 @@ class EncDecEngine:
                              prompt, feats, kv, make_generator(req.sampling.seed))
         self.ids[seq.request_id] = seq
         self.waiting.append(seq)
-
-    def abort(self, request_id: str) -> tuple[str, int] | None:
-        """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""
-        seq = self.ids.pop(request_id, None)
-        if seq is None:
-            return None
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        return seq.reply_to, self.kv.remove(request_id)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting and self._admissible())
-
-    def _admissible(self) -> bool:
-        return len(self.running) < self.max_num_seqs and self.kv.can_admit(self.waiting[0].kv)
 
     # -- admission: encode and write the cross rows -----------------------------------
 
@@ -316,27 +298,7 @@ class EncDecEngine:
         if finish is not None:
             self._finish(seq, seq.iters >= cap, "ok", res)
 
-    def _finish(self, seq: EncDecSequence, ran_to_caps: bool, status: str, res: StepResult) -> None:
-        self.running.remove(seq)
-        del self.ids[seq.request_id]
-        res.finished.append((seq.request_id, self.kv.remove(seq.request_id, ran_to_caps), status))
-
     def _violation(self, seq: EncDecSequence, exc: LayoutViolation, res: StepResult) -> None:
         error_id = uuid.uuid4().hex[:12]
         log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
         self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)
-
-    def _fail(self, seq: EncDecSequence, status: int, message: str, error_id: str, res: StepResult) -> None:
-        if seq.request_id not in self.ids:
-            return
-        res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, "internal_error", None, error_id)))
-        self._finish(seq, False, "error", res)
-
-    def fail_all(self, status: int, message: str, error_type: str) -> StepResult:
-        """End every request (used at shutdown); pages all return to the pools."""
-        res = StepResult()
-        for seq in list(self.running) + list(self.waiting):
-            _, pages = self.abort(seq.request_id)
-            res.finished.append((seq.request_id, pages, "error"))
-            res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, error_type)))
-        return res

@@ -54,7 +54,56 @@ class StepResult:
     finished: list[tuple[str, int, str]] = field(default_factory=list)  # id, pages, status
 
 
-class Engine:
+class EngineBase:
+    """What every step loop shares: the table of waiting and running requests, FIFO
+    admission by footprint, and how a request ends (pages back, a finish or an error)."""
+
+    kv: KVManager
+    max_num_seqs: int
+    waiting: deque
+    running: list
+    ids: dict
+
+    def abort(self, request_id: str) -> tuple[str, int] | None:
+        """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""
+        seq = self.ids.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        return seq.reply_to, self.kv.remove(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting and self._admissible())
+
+    def _admissible(self) -> bool:
+        return len(self.running) < self.max_num_seqs and self.kv.can_admit(self.waiting[0].kv)
+
+    def _finish(self, seq, ran_to_caps: bool, status: str, res: StepResult) -> None:
+        self.running.remove(seq)
+        del self.ids[seq.request_id]
+        res.finished.append((seq.request_id, self.kv.remove(seq.request_id, ran_to_caps), status))
+
+    def _fail(self, seq, status: int, message: str, error_id: str, res: StepResult) -> None:
+        if seq.request_id not in self.ids:
+            return
+        res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, "internal_error", None, error_id)))
+        self._finish(seq, False, "error", res)
+
+    def fail_all(self, status: int, message: str, error_type: str) -> StepResult:
+        """End every request (used at shutdown); pages all return to the pools."""
+        res = StepResult()
+        for seq in list(self.running) + list(self.waiting):
+            _, pages = self.abort(seq.request_id)
+            res.finished.append((seq.request_id, pages, "error"))
+            res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, error_type)))
+        return res
+
+
+class Engine(EngineBase):
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *,
                  eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None) -> None:
         self.model = model
@@ -98,24 +147,6 @@ class Engine:
                        prompt, kv, make_generator(req.sampling.seed), iters={self.loop: 0})
         self.ids[seq.request_id] = seq
         self.waiting.append(seq)
-
-    def abort(self, request_id: str) -> tuple[str, int] | None:
-        """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""
-        seq = self.ids.pop(request_id, None)
-        if seq is None:
-            return None
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        return seq.reply_to, self.kv.remove(request_id)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting and self._admissible())
-
-    def _admissible(self) -> bool:
-        return len(self.running) < self.max_num_seqs and self.kv.can_admit(self.waiting[0].kv)
 
     # -- one step --------------------------------------------------------------------
 
@@ -223,23 +254,3 @@ class Engine:
         if finish is not None:
             ran_to_caps = seq.iters[self.loop] >= seq.caps.get(self.loop, 0)
             self._finish(seq, ran_to_caps, "ok", res)
-
-    def _finish(self, seq: Sequence, ran_to_caps: bool, status: str, res: StepResult) -> None:
-        self.running.remove(seq)
-        del self.ids[seq.request_id]
-        res.finished.append((seq.request_id, self.kv.remove(seq.request_id, ran_to_caps), status))
-
-    def _fail(self, seq: Sequence, status: int, message: str, error_id: str, res: StepResult) -> None:
-        if seq.request_id not in self.ids:
-            return
-        res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, "internal_error", None, error_id)))
-        self._finish(seq, False, "error", res)
-
-    def fail_all(self, status: int, message: str, error_type: str) -> StepResult:
-        """End every request (used at shutdown); pages all return to the pools."""
-        res = StepResult()
-        for seq in list(self.running) + list(self.waiting):
-            _, pages = self.abort(seq.request_id)
-            res.finished.append((seq.request_id, pages, "error"))
-            res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, error_type)))
-        return res
