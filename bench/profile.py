@@ -51,12 +51,15 @@ class Recorder:
         return out
 
 
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
 def _short(frame: str) -> str:
     m = FRAME.match(frame.strip())
     if not m:
         return frame.strip()
     file = m["file"]
-    for marker in ("/site-packages/", "/lib/python3.11/", "/work/main/"):
+    for marker in ("/site-packages/", "/lib/python3.11/", f"{REPO_ROOT}/"):
         if marker in file:
             file = file.split(marker, 1)[1]
     return f"{file}:{m['func']}"
