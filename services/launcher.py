@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and /ready (env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
+    serve.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (audio uploads included) the api accepts; larger is a 413 (api default 1 MiB)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
     return parser
 
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     d = deployment_from_args(args)
     run_dir = tempfile.mkdtemp(prefix="mstar-")
-    children = plan_children(d, run_dir, args.host, args.port, args.workers, [])
+    api_flags = ["--max-body-bytes", str(args.max_body_bytes)] if args.max_body_bytes else []
+    children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
