@@ -221,33 +221,12 @@ class EncDecEngine(EngineBase):
                 budget -= n
         return batch
 
-    def step(self) -> StepResult:
-        res = StepResult()
-        self._admit(res)
-        batch = self._schedule()
-        if not batch:
-            return res
-        try:
-            sampled = self._forward(batch)
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(batch))
-            for seq, _ in batch:
-                self._fail(seq, 500, "internal error in the model step", error_id, res)
-            return res
-        for (seq, n), tok in zip(batch, sampled):
-            decode = seq.num_computed >= len(seq.prompt)
-            try:
-                self.kv.commit(seq.request_id, self.self_label, n, self.loop if decode else None)
-            except LayoutViolation as exc:
-                self._violation(seq, exc, res)
-                continue
-            seq.num_computed += n
-            if decode:
-                seq.iters += 1
-            if tok is not None:
-                self._emit(seq, tok, res)
-        return res
+    def _advance(self, seq: EncDecSequence, n: int) -> None:
+        decode = seq.num_computed >= len(seq.prompt)
+        self.kv.commit(seq.request_id, self.self_label, n, self.loop if decode else None)
+        seq.num_computed += n
+        if decode:
+            seq.iters += 1
 
     def _forward(self, batch: list[tuple[EncDecSequence, int]]) -> list[int | None]:
         self_rows, cross_rows = [], []
@@ -297,8 +276,3 @@ class EncDecEngine(EngineBase):
         res.outputs.append((seq.reply_to, Output(seq.request_id, [tok], finish, len(seq.prompt), len(seq.output))))
         if finish is not None:
             self._finish(seq, seq.iters >= cap, "ok", res)
-
-    def _violation(self, seq: EncDecSequence, exc: LayoutViolation, res: StepResult) -> None:
-        error_id = uuid.uuid4().hex[:12]
-        log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
-        self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)

@@ -82,6 +82,37 @@ class EngineBase:
     def _admissible(self) -> bool:
         return len(self.running) < self.max_num_seqs and self.kv.can_admit(self.waiting[0].kv)
 
+    def step(self) -> StepResult:
+        """Admit, schedule, run one forward, then commit and emit per request. A failed
+        forward fails the requests in it; a layout violation fails only its request."""
+        res = StepResult()
+        self._admit(res)
+        batch = self._schedule()
+        if not batch:
+            return res
+        try:
+            sampled = self._forward(batch)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(batch))
+            for seq, _ in batch:
+                self._fail(seq, 500, "internal error in the model step", error_id, res)
+            return res
+        for (seq, n), tok in zip(batch, sampled):
+            try:
+                self._advance(seq, n)
+            except LayoutViolation as exc:
+                self._violation(seq, exc, res)
+                continue
+            if tok is not None:
+                self._emit(seq, tok, res)
+        return res
+
+    def _violation(self, seq, exc: LayoutViolation, res: StepResult) -> None:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
+        self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)
+
     def _finish(self, seq, ran_to_caps: bool, status: str, res: StepResult) -> None:
         self.running.remove(seq)
         del self.ids[seq.request_id]
@@ -150,7 +181,7 @@ class Engine(EngineBase):
 
     # -- one step --------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, res: StepResult) -> None:
         # Oldest first and never skipping the head: a large request is not starved by
         # smaller ones arriving after it.
         while self.waiting and self._admissible():
@@ -174,36 +205,15 @@ class Engine(EngineBase):
             budget -= n
         return batch
 
-    def step(self) -> StepResult:
-        res = StepResult()
-        self._admit()
-        batch = self._schedule()
-        if not batch:
-            return res
-        try:
-            sampled = self._forward(batch)
-        except Exception:
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(batch))
-            for seq, _ in batch:
-                self._fail(seq, 500, "internal error in the model step", error_id, res)
-            return res
-        for (seq, n), tok in zip(batch, sampled):
-            decode = seq.num_computed >= len(seq.prompt)
-            try:
-                for lab in self.labels:
-                    self.kv.commit(seq.request_id, lab.name, n, lab.grows_on if decode else None)
-            except LayoutViolation as exc:
-                error_id = uuid.uuid4().hex[:12]
-                log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
-                self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)
-                continue
-            seq.num_computed += n
-            if decode:
-                seq.iters[self.loop] += 1
-            if tok is not None:
-                self._emit(seq, tok, res)
-        return res
+    def _advance(self, seq: Sequence, n: int) -> None:
+        """Commit the step's rows on every label (raises LayoutViolation under debug
+        asserts) and count a decode iteration."""
+        decode = seq.num_computed >= len(seq.prompt)
+        for lab in self.labels:
+            self.kv.commit(seq.request_id, lab.name, n, lab.grows_on if decode else None)
+        seq.num_computed += n
+        if decode:
+            seq.iters[self.loop] += 1
 
     def _forward(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         rows: dict[str, list] = {lab.name: [] for lab in self.labels}
