@@ -71,11 +71,7 @@ def run(args) -> Path:
             backend = Backend()
         res = measure_levels(name, url, backend, prompt_maker(args), args.concurrency, server=server, timeout=args.timeout, client=args.client)
         if args.profile and server is not None:
-            info["profile"] = {}
-            for c in args.profile_concurrency:
-                lvl = next((s for s in res["levels"] if s["concurrency"] == c), res["levels"][-1])
-                print(f"profiling at c{c} ...", file=sys.stderr)
-                info["profile"][str(c)] = _profile(server, backend, args, c, lvl["request_throughput"], out / "profile")
+            info["profile"] = _profile_levels(server, backend, args, res, out)
     finally:
         if server is not None:
             server.stop()
@@ -105,6 +101,16 @@ def floor(args) -> Path:
 
 
 # -- overhead -----------------------------------------------------------------------------
+
+
+def _profile_levels(server, backend, args, res: dict, out: Path) -> dict:
+    """py-spy the services at each --profile-concurrency level, at that level's measured rate."""
+    profiles = {}
+    for c in args.profile_concurrency:
+        lvl = next((s for s in res["levels"] if s["concurrency"] == c), res["levels"][-1])
+        print(f"profiling at c{c} ...", file=sys.stderr)
+        profiles[str(c)] = _profile(server, backend, args, c, lvl["request_throughput"], out / "profile")
+    return profiles
 
 
 def _profile(server: MstarServer, backend: Backend, args, c: int, req_per_s: float, out_dir: Path) -> dict:
@@ -144,11 +150,7 @@ def overhead(args) -> Path:
     try:
         res = measure_levels("mstar null", server.url, backend, prompt_maker(args), args.concurrency, server=server, timeout=args.timeout, client=args.client)
         if args.profile:
-            info["profile"] = {}
-            for c in args.profile_concurrency:
-                lvl = next((s for s in res["levels"] if s["concurrency"] == c), res["levels"][-1])
-                print(f"profiling at c{c} ...", file=sys.stderr)
-                info["profile"][str(c)] = _profile(server, backend, args, c, lvl["request_throughput"], out / "profile")
+            info["profile"] = _profile_levels(server, backend, args, res, out)
     finally:
         server.stop()
     servers = {"mstar null": res}
