@@ -197,7 +197,6 @@ class GpuWorker:
             except Exception as exc:
                 error_id = uuid.uuid4().hex[:12]
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
-                self.kv.requests.pop(msg.request_id, None)
                 res = StepResult()
                 res.errors.append((msg.reply_to, RequestError(msg.request_id, 500, "internal error", "internal_error", None, error_id)))
                 res.finished.append((msg.request_id, 0, "error"))
