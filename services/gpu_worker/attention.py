@@ -151,19 +151,24 @@ def paged_attention(
         return meta.wrapper.run(q, cache)
     out = torch.empty_like(q)
     page_size = cache.shape[2]
+    h, d = cache.shape[-2], cache.shape[-1]
+    keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     if meta.decode_rows is not None:
         b, width = meta.decode_pages.shape
-        h, d = cache.shape[-2], cache.shape[-1]
-        # Gather K and V pages separately: each gather is contiguous, so the reshape is a view.
-        k = cache[:, 0][meta.decode_pages].view(b, width * page_size, h, d).transpose(1, 2)
-        v = cache[:, 1][meta.decode_pages].view(b, width * page_size, h, d).transpose(1, 2)
-        qd = q[meta.decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
+        # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
+        # result, so the reshape is a view; advanced indexing on the strided K view was 2x slower.
+        flat = meta.decode_pages.view(-1)
+        k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
+        v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
+        every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
+        qd = (q if every_row else q[meta.decode_rows]).unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        if every_row:
+            return o.squeeze(2)
         out[meta.decode_rows] = o.squeeze(2)
     for chunk in meta.prefills:
-        h, d = cache.shape[-2], cache.shape[-1]
-        k = cache[:, 0][chunk.pages].view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
-        v = cache[:, 1][chunk.pages].view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if chunk.mask is None:
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
