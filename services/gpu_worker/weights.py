@@ -14,7 +14,9 @@ from shared.model import ModelSpec
 from shared.model_source import ModelSource
 
 
-def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model with its weights, in `dtype` on `device`, ready to serve: a model with a
+    `prepare` hook (fused and prepacked GEMMs) gets it called once its weights are in place."""
     module_name, _, cls_name = spec.torch_impl.partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     if source.kind == "gguf":
@@ -38,4 +40,7 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype) -> tor
     for mod in model.modules():
         if hasattr(mod, "reset_buffers"):
             mod.reset_buffers()
-    return model.to(dtype).eval()
+    model = model.to(dtype).to(device).eval()
+    if hasattr(model, "prepare"):
+        model.prepare()
+    return model

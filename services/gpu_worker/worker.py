@@ -99,7 +99,7 @@ class GpuWorker:
         self.pools = self.spec.paged_pools(num_pages)
         dtype = TORCH_DTYPES[d.dtype]
         t0 = time.time()
-        self.model = build_model(source, self.spec, dtype).to(self.device)
+        self.model = build_model(source, self.spec, dtype, self.device)
         self.caches = {
             name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype, device=self.device)
                    for _ in range(p.num_layers)]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+from services.gpu_worker.models.linear import PackedHead, onednn_available, pack_linears
 
 
 class RMSNorm(nn.Module):
@@ -54,9 +55,12 @@ class Rotary(nn.Module):
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [T, 1, D] for this step's positions (once per step, not per layer)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -79,15 +83,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
             self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
         self.scale = self.head_dim**-0.5
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(self, x, positions, rotary: Rotary, cache: torch.Tensor, meta: AttnMetadata):
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (loaded under HF's three names, then concatenated)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = _concat_linears([q, k, v])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta: AttnMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            qs, ks = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([qs, ks, ks], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+        q, k = Rotary.apply(q, k, *rope)
         write_kv(cache, k, v, meta)
         o = paged_attention(q, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
@@ -104,8 +120,29 @@ class MLP(nn.Module):
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.get('hidden_act')!r} is not supported")
 
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for gate and up."""
+        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (weights concatenated)."""
+    w = torch.cat([p.weight.detach() for p in parts], dim=0)
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -116,8 +153,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, x, positions, rotary, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta)
+    def forward(self, x, rope, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -156,10 +193,29 @@ class DecoderLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
+    #: the LM head in oneDNN's layout (CPU float32), set by `prepare`
+    head: PackedHead | None = None
+
+    def prepare(self) -> None:
+        """After the weights are in place and on their device: fuse q/k/v and gate/up into
+        one GEMM each, and on the CPU put every GEMM weight in oneDNN's layout."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and onednn_available():
+            pack_linears(self.model.layers)
+            self.head = PackedHead(w.detach())
+            if not self.tied:
+                del self.lm_head  # the head keeps the plain weight for one- or two-row calls
+
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, cache, meta in zip(self.model.layers, kv_caches, metas):
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         x = self.model.norm(x[sample_rows])
+        if self.head is not None:
+            return self.head(x)
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         return F.linear(x, w)

@@ -1,0 +1,84 @@
+"""Linear layers for the CPU path: oneDNN GEMM on weights reordered once at load.
+
+`F.linear` on the CPU hands MKL a transposed weight every call; for the row counts a
+serving step has (a few to a few dozen decode rows) that runs at half the speed of
+oneDNN's GEMM on a weight already in its blocked layout (measured on this 2-core Xeon,
+one thread: a 32000 x 512 LM head at 16 rows 20.3 -> 12.4 ms, a whole 8-layer step
+37.6 -> 25.0 ms). At one or two rows the plain call is the faster one (a GEMV), so both
+are kept where the plain weight is kept anyway (a tied LM head shares the embedding) or
+where the layers are small enough that the copy is worth it (`keep_plain`).
+
+On CUDA, or where torch has no oneDNN, `pack_linears` does nothing and every layer stays
+a plain `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: at most this many rows go through the plain weight (when it is kept)
+PLAIN_MAX_ROWS = 2
+#: the row count oneDNN blocks the weight for (a c16 decode step); any count works
+PACK_HINT_ROWS = 16
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight lives in oneDNN's blocked layout; the plain weight is
+    kept only if `keep_plain` (for one- or two-row calls)."""
+
+    def __init__(self, linear: nn.Linear, keep_plain: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack_weight(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.plain = linear.weight.detach() if keep_plain else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.numel() <= PLAIN_MAX_ROWS * self.in_features:
+            return F.linear(x, self.plain, self.bias)
+        return packed_linear(x, self.packed, self.bias)
+
+
+class PackedHead:
+    """The LM head's weight in oneDNN's layout beside the plain one (the embedding of a
+    tied model, which the lookup needs anyway)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.plain = weight
+        self.packed = pack_weight(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= PLAIN_MAX_ROWS:
+            return F.linear(x, self.plain)
+        return packed_linear(x, self.packed, None)
+
+
+def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
+    """Swap every CPU float32 `nn.Linear` under `module` for a `PackedLinear`; returns how
+    many were swapped (0 where oneDNN is missing or the weights are not on the CPU)."""
+    if not onednn_available():
+        return 0
+    swapped = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            setattr(module, name, PackedLinear(child, keep_plain))
+            swapped += 1
+        else:
+            swapped += pack_linears(child, keep_plain)
+    return swapped
