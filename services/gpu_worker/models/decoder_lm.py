@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
-from services.gpu_worker.models.linear import PackedHead, onednn_available, pack_linears
+from services.gpu_worker.models.linear import PackedHead, onednn_available, pack_linears, warm_packed
 
 
 class RMSNorm(nn.Module):
@@ -208,6 +208,13 @@ class DecoderLM(nn.Module):
             self.head = PackedHead(w.detach())
             if not self.tied:
                 del self.lm_head  # the head keeps the plain weight for one- or two-row calls
+
+    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
+        """Build every oneDNN GEMM kernel a step of up to `max_rows` rows (and
+        `max_sample_rows` sampled rows) can need, so memory does not grow under load."""
+        if self.head is None:
+            return 0
+        return warm_packed(self.model.layers, max_rows, self.head, max_sample_rows)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
         x = self.model.embed_tokens(input_ids)

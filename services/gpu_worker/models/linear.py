@@ -8,6 +8,13 @@ one thread: a 32000 x 512 LM head at 16 rows 20.3 -> 12.4 ms, a whole 8-layer st
 are kept where the plain weight is kept anyway (a tied LM head shares the embedding) or
 where the layers are small enough that the copy is worth it (`keep_plain`).
 
+oneDNN builds (JIT-compiles) and caches one kernel per distinct row count, about 0.5-1 MB
+each, and its cache evicts by LRU: fed every row count a server sees, a worker grew by
+hundreds of MB and kept growing once the cache cycled (measured: 800 distinct counts
+twice, 0.2 -> 2.5 GB). So row counts are rounded up to a bounded set of buckets
+(`row_bucket`, zero rows padded and sliced off) and `warm_packed` builds every bucket's
+kernel at start-up: the worker's memory at ready is its memory under any load.
+
 On CUDA, or where torch has no oneDNN, `pack_linears` does nothing and every layer stays
 a plain `nn.Linear`.
 """
@@ -32,9 +39,31 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at: exact up to 16 (small decode batches,
+    where a padded row costs the most), then multiples of 8 to 64, of 32 to 512, of 128
+    beyond. At most 16 + 6 + 14 + rows/128 distinct kernels per weight shape."""
+    if rows <= 16:
+        return rows
+    step = 8 if rows <= 64 else 32 if rows <= 512 else 128
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every bucket a call of 1..`max_rows` rows can land in."""
+    return sorted({row_bucket(m) for m in range(1, max_rows + 1)})
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+    x2 = x.reshape(-1, shape[-1])
+    rows = x2.shape[0]
+    padded = row_bucket(rows)
+    if padded != rows:
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    if padded != rows:
+        out = out[:rows]
     return out.view(*shape[:-1], out.shape[-1])
 
 
@@ -82,3 +111,26 @@ def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
         else:
             swapped += pack_linears(child, keep_plain)
     return swapped
+
+
+def warm_packed(module: nn.Module, max_rows: int, head: PackedHead | None = None, max_head_rows: int = 0) -> int:
+    """Build oneDNN's kernel for every row bucket of every packed weight shape under
+    `module` (and of `head` up to `max_head_rows`) now, at start-up, rather than under load;
+    returns how many GEMMs it ran. Kernels are cached by shape, so one layer per shape does."""
+    shapes: dict[tuple[int, int, bool], PackedLinear] = {}
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            shapes.setdefault((m.in_features, m.out_features, m.plain is not None), m)
+    # (packed weight, bias, in features, most rows, fewest rows that reach oneDNN)
+    todo = [(layer.packed, layer.bias, layer.in_features, max_rows, PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
+            for layer in shapes.values()]
+    if head is not None:
+        todo.append((head.packed, None, head.plain.shape[1], max_head_rows, PLAIN_MAX_ROWS + 1))
+    runs = 0
+    with torch.inference_mode():
+        for packed, bias, in_features, most, fewest in todo:
+            for rows in row_buckets(most):
+                if rows >= fewest:
+                    packed_linear(torch.zeros(rows, in_features), packed, bias)
+                    runs += 1
+    return runs
