@@ -20,6 +20,7 @@ import zmq
 from services.gpu_worker.engine import Engine, StepResult
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.weights import build_model
 from shared.config import Deployment
 from shared.frames import (
@@ -101,8 +102,7 @@ class GpuWorker:
         t0 = time.time()
         self.model = build_model(source, self.spec, dtype, self.device)
         self.caches = {
-            name: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, dtype=dtype, device=self.device)
-                   for _ in range(p.num_layers)]
+            name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, dtype, self.device)
             for name, p in self.pools.items()
         }
         planner = None
@@ -158,6 +158,10 @@ class GpuWorker:
         for pool in self.kv.pools.values():
             pool.peak_used = 0
         assert self.kv.used_pages() == 0, "warm-up left pages behind"
+        if hasattr(self.model, "warm_gemms"):
+            t0 = time.time()
+            runs = self.model.warm_gemms(self.engine.max_batch_tokens, min(self.engine.max_num_seqs, self.engine.max_batch_tokens))
+            log.info("built %d GEMM kernels for every row bucket in %.2fs", runs, time.time() - t0)
 
     # -- wire ------------------------------------------------------------------------
 
