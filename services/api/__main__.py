@@ -16,6 +16,11 @@ from shared.zmq_utils import cleanup_ipc
 
 ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
 DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end with a 503
+#: Idle keep-alive connections are closed after this long. uvicorn's 5 s equals httpx's
+#: (and the OpenAI SDK's) client-side expiry, so a client could reuse a connection in the
+#: very instant the server closed it: a lost request (httpx.ReadError) under bursty load.
+#: The server must outlive its clients' idle timeouts, as behind a load balancer (60 s).
+KEEP_ALIVE_S = 65.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None, help="the api address workers reply to (env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE, help=f"live requests per WebSocket; more get an error frame with status 429 (default {DEFAULT_WS_MAX_LIVE})")
+    p.add_argument("--keep-alive-s", type=float, default=float(os.environ.get("MSTAR_API_KEEP_ALIVE_S", KEEP_ALIVE_S)),
+                   help=f"close idle keep-alive HTTP connections after this many seconds (env MSTAR_API_KEEP_ALIVE_S; default {KEEP_ALIVE_S:g})")
     # No default shown: the key must not appear in --help output or in `ps` via a default.
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health and /ready (env MSTAR_API_KEY)")
     return p
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         loop="uvloop",
         log_level="warning",
+        timeout_keep_alive=args.keep_alive_s,
         timeout_graceful_shutdown=DRAIN_S + 3.0,  # only reached if draining itself hangs
     )
     try:
