@@ -16,6 +16,7 @@ allocated whole either way).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -30,10 +31,8 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """A zero tensor of `shape`; on the CPU backed by a lazily-faulted anonymous mapping."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the mapping alive (frombuffer holds a reference to the buffer).
