@@ -59,6 +59,11 @@ def advertised(bind_address: str, advertise: str | None) -> str:
 ADMISSION_MODES = ("footprint", "max-seq-len")
 
 
+#: most draft tokens one step verifies, and the longest n-gram prompt lookup matches
+MAX_SPECULATIVE_K = 16
+MAX_SPECULATIVE_NGRAM = 8
+
+
 class Deployment(msgspec.Struct, frozen=True):
     """What the conductor and the workers must agree on about the served model."""
 
@@ -74,6 +79,11 @@ class Deployment(msgspec.Struct, frozen=True):
     #: baseline a server without layouts must use to never preempt (for benchmarks)
     admission: str = "footprint"
     prefix_cache: bool = True
+    #: prompt-lookup speculative decoding: drafts verified per step (0: off), and the
+    #: longest and shortest n-gram of the history matched to find them
+    speculative_k: int = 0
+    speculative_ngram_max: int = 3
+    speculative_ngram_min: int = 2
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_MODES:
@@ -86,6 +96,11 @@ class Deployment(msgspec.Struct, frozen=True):
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
         if self.max_batch_tokens < 16 or self.max_num_seqs < 1:
             raise ValueError("max_batch_tokens must be >= 16 and max_num_seqs >= 1")
+        if not 0 <= self.speculative_k <= MAX_SPECULATIVE_K:
+            raise ValueError(f"speculative_k must be in [0, {MAX_SPECULATIVE_K}], got {self.speculative_k}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_NGRAM:
+            raise ValueError("speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max "
+                             f"<= {MAX_SPECULATIVE_NGRAM}, got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
 
 def _env(name: str, default: str) -> str:
@@ -102,10 +117,25 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", str(d.max_num_seqs))), help="most requests in one batch")
     parser.add_argument("--admission", choices=ADMISSION_MODES, default=_env("admission", "footprint"), help="admit by each request's footprint (default) or by a max_seq_len reservation (a baseline for benchmarks)")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=_env("prefix_cache", "1") != "0", help="do not share KV pages of repeated prompt prefixes (env MSTAR_PREFIX_CACHE=0)")
+    parser.add_argument("--speculative-k", type=int, default=int(_env("speculative_k", "0")),
+                        help=f"prompt-lookup speculative decoding: draft tokens verified per step for greedy requests, 0-{MAX_SPECULATIVE_K}; 0 is off (env MSTAR_SPECULATIVE_K)")
+    parser.add_argument("--speculative-ngram-max", type=int, default=int(_env("speculative_ngram_max", str(d.speculative_ngram_max))),
+                        help="longest suffix n-gram looked up in the request's history for drafts (env MSTAR_SPECULATIVE_NGRAM_MAX)")
+    parser.add_argument("--speculative-ngram-min", type=int, default=int(_env("speculative_ngram_min", str(d.speculative_ngram_min))),
+                        help="shortest suffix n-gram that may propose drafts (env MSTAR_SPECULATIVE_NGRAM_MIN)")
     parser.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", str(d.max_batch_tokens))), help="token budget of one step (prefill chunks + decode rows)")
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    """The Deployment the flags ask for; a value out of range exits with its message
+    (as argparse does for a malformed one), not a traceback."""
+    try:
+        return _deployment(args)
+    except ValueError as exc:
+        raise SystemExit(f"invalid deployment: {exc}") from None
+
+
+def _deployment(args: argparse.Namespace) -> Deployment:
     return Deployment(
         model=args.model,
         page_size=args.page_size,
@@ -116,6 +146,9 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         max_batch_tokens=args.max_batch_tokens,
         admission=args.admission,
         prefix_cache=args.prefix_cache,
+        speculative_k=args.speculative_k,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_ngram_min=args.speculative_ngram_min,
     )
 
 
@@ -131,4 +164,7 @@ def deployment_argv(d: Deployment) -> list[str]:
         "--max-batch-tokens", str(d.max_batch_tokens),
         "--admission", d.admission,
         *([] if d.prefix_cache else ["--no-prefix-cache"]),
+        "--speculative-k", str(d.speculative_k),
+        "--speculative-ngram-max", str(d.speculative_ngram_max),
+        "--speculative-ngram-min", str(d.speculative_ngram_min),
     ]

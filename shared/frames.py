@@ -159,6 +159,8 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     footprint_overruns: int = 0
     prefix_queries: int = 0  # requests that looked up the prefix cache
     prefix_hit_tokens: int = 0  # prompt rows they did not compute
+    spec_draft_tokens: int = 0  # speculative drafts verified
+    spec_accepted_tokens: int = 0  # of them, accepted
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):

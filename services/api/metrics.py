@@ -8,7 +8,9 @@ Two kinds live here:
 - cluster gauges read from the latest `ClusterStatus` the conductor answered, summed over
   workers: `mstar_kv_pages_used{pool}`, `mstar_kv_pages_total{pool}`,
   `mstar_requests_running`, `mstar_requests_waiting` (conductor queue + worker queues),
-  `mstar_kv_footprint_overruns_total`, plus `mstar_ready_workers` and
+  `mstar_kv_footprint_overruns_total`, `mstar_spec_draft_tokens_total` and
+  `mstar_spec_accepted_tokens_total` (prompt-lookup speculation; acceptance is their
+  ratio), plus `mstar_ready_workers` and
   `mstar_conductor_up` (0 when the last status query got no answer; the other cluster
   series are then the last ones seen, or absent if none ever was).
 
@@ -92,6 +94,10 @@ class ClusterCollector(Collector):
         for name in sorted(total):
             cached.add_metric([name], sum(p.cached_pages for w in st.workers for p in w.pools if p.name == name))
         yield cached
+        yield CounterMetricFamily("mstar_spec_draft_tokens", "speculative draft tokens verified, summed over workers",
+                                  value=sum(w.spec_draft_tokens for w in st.workers))
+        yield CounterMetricFamily("mstar_spec_accepted_tokens", "speculative draft tokens accepted, summed over workers",
+                                  value=sum(w.spec_accepted_tokens for w in st.workers))
         yield CounterMetricFamily(
             "mstar_kv_footprint_overruns",
             "pages taken past a label's footprint (bugs), summed over workers",

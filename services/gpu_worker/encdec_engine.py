@@ -228,7 +228,7 @@ class EncDecEngine(EngineBase):
         if decode:
             seq.iters += 1
 
-    def _forward(self, batch: list[tuple[EncDecSequence, int]]) -> list[int | None]:
+    def _forward(self, batch: list[tuple[EncDecSequence, int]]) -> list[list[int]]:
         self_rows, cross_rows = [], []
         ids, positions, sample_rows, sample_seqs = [], [], [], []
         t = 0
@@ -254,7 +254,7 @@ class EncDecEngine(EngineBase):
             self._suppress(logits, sample_seqs)
             toks = sample(logits, [s.sampling for s in sample_seqs], [s.generator for s in sample_seqs])
         by_seq = {id(s): tok for s, tok in zip(sample_seqs, toks)}
-        return [by_seq.get(id(seq)) for seq, _ in batch]
+        return [[by_seq[id(seq)]] if id(seq) in by_seq else [] for seq, _ in batch]
 
     def _suppress(self, logits: torch.Tensor, seqs: list[EncDecSequence]) -> None:
         """The generation config's suppress lists, in place (-inf never samples)."""
@@ -265,7 +265,8 @@ class EncDecEngine(EngineBase):
             if first:
                 logits[torch.tensor(first).unsqueeze(1), self.begin_suppress.unsqueeze(0)] = float("-inf")
 
-    def _emit(self, seq: EncDecSequence, tok: int, res: StepResult) -> None:
+    def _emit(self, seq: EncDecSequence, toks: list[int], res: StepResult) -> None:
+        (tok,) = toks  # one token per step: this engine does not speculate
         seq.output.append(tok)
         cap = seq.caps.get(self.loop, 0)
         finish = None

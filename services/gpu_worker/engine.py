@@ -4,6 +4,13 @@ and prefill chunks share a step with decode rows under a token budget.
 Admission reserves a request's whole footprint (see kv_manager), so a running request
 always finds its pages: nothing is ever preempted or recomputed. The decode loop never
 runs past its cap; the cap is kept on the sequence, so no per-step state resets it.
+
+Speculative decoding (prompt lookup, `speculative.py`) changes no footprint: a greedy
+request's decode row may carry up to k draft rows, verified in the same forward as a
+chunk over its cached rows. Each accepted draft is one decode iteration (one committed
+row, one token), and a step never drafts past what the request may still emit (its loop
+cap, max_tokens, max_seq_len), so the rows it writes, rejected drafts included, stay
+inside the rows its layout already declares.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from services.gpu_worker.attention import build_metadata
 from services.gpu_worker.kv_manager import KVManager, LayoutViolation, RequestKV
 from services.gpu_worker.sampler import make_generator, sample
+from services.gpu_worker.speculative import NgramProposer, accept_greedy
 from shared.frames import NewRequest, Output, RequestError, SamplingParams
 
 log = logging.getLogger("mstar.engine")
@@ -37,6 +45,9 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # rows of prompt + output already in KV
     iters: dict[str, int] = field(default_factory=dict)
+    #: prompt lookup for a request that speculates (greedy, on a model without windows)
+    proposer: NgramProposer | None = None
+    drafts: list[int] = field(default_factory=list)  # this step's draft tokens
 
     @property
     def tokens_len(self) -> int:
@@ -98,15 +109,21 @@ class EngineBase:
             for seq, _ in batch:
                 self._fail(seq, 500, "internal error in the model step", error_id, res)
             return res
-        for (seq, n), tok in zip(batch, sampled):
+        for (seq, n), toks in zip(batch, sampled):
+            n, toks = self._kept(seq, n, toks)
             try:
                 self._advance(seq, n)
             except LayoutViolation as exc:
                 self._violation(seq, exc, res)
                 continue
-            if tok is not None:
-                self._emit(seq, tok, res)
+            if toks:
+                self._emit(seq, toks, res)
         return res
+
+    def _kept(self, seq, n: int, toks: list[int]) -> tuple[int, list[int]]:
+        """Of a step's `n` rows and sampled tokens, the rows to commit and tokens to emit
+        (all of them, but for a speculative verify step)."""
+        return n, toks
 
     def _violation(self, seq, exc: LayoutViolation, res: StepResult) -> None:
         error_id = uuid.uuid4().hex[:12]
@@ -136,7 +153,8 @@ class EngineBase:
 
 class Engine(EngineBase):
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *,
-                 eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None) -> None:
+                 eos_ids: list[int], max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
+                 speculative_k: int = 0, ngram_max: int = 3, ngram_min: int = 2) -> None:
         self.model = model
         #: FlashInferPlanner on CUDA, None for the torch path
         self.planner = planner
@@ -161,6 +179,15 @@ class Engine(EngineBase):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.ids: dict[str, Sequence] = {}
+        # A windowed label releases pages behind its window as rows commit; draft rows
+        # past the commit could straddle one page more than its footprint, so no drafts.
+        windowed = any(w is not None for w in self.windows.values())
+        self.speculative_k = 0 if windowed else speculative_k
+        if speculative_k and windowed:
+            log.warning("speculative decoding is off: the model has a sliding-window KV label")
+        self.ngram = (ngram_max, ngram_min)
+        self.spec_draft_tokens = 0  # drafts verified, over the worker's life
+        self.spec_accepted_tokens = 0  # of them, accepted
 
     # -- intake ----------------------------------------------------------------------
 
@@ -176,6 +203,8 @@ class Engine(EngineBase):
             raise ValueError("footprint exceeds the pool")
         seq = Sequence(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps),
                        prompt, kv, make_generator(req.sampling.seed), iters={self.loop: 0})
+        if self.speculative_k and req.sampling.greedy:
+            seq.proposer = NgramProposer(*self.ngram)
         self.ids[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -190,13 +219,14 @@ class Engine(EngineBase):
             self.running.append(seq)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        budget = self.max_batch_tokens
         decodes = [s for s in self.running if s.num_computed >= len(s.prompt)]
         prefills = [s for s in self.running if s.num_computed < len(s.prompt)]
+        budget = self.max_batch_tokens - len(decodes)
         batch = []
         for s in decodes:
-            batch.append((s, 1))
-        budget -= len(decodes)
+            s.drafts = self._drafts(s, budget) if s.proposer is not None and budget > 0 else []
+            budget -= len(s.drafts)
+            batch.append((s, 1 + len(s.drafts)))
         for s in prefills:
             if budget <= 0:
                 break
@@ -205,32 +235,68 @@ class Engine(EngineBase):
             budget -= n
         return batch
 
+    def _kept(self, seq: Sequence, n: int, toks: list[int]) -> tuple[int, list[int]]:
+        """A verify step keeps the accepted drafts and then the model's own token after
+        them (a correction, or one past the last draft when all were accepted); the rows
+        kept are the last token's and the accepted drafts'."""
+        if not seq.drafts:
+            return n, toks
+        a = accept_greedy(seq.drafts, toks)
+        self.spec_draft_tokens += len(seq.drafts)
+        self.spec_accepted_tokens += a
+        seq.drafts = []
+        return a + 1, toks[: a + 1]
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Prompt-lookup drafts for this step, never more than the request may still emit
+        after the token this step samples anyway: its loop cap, max_tokens, max_seq_len."""
+        k = min(self.speculative_k, budget, seq.caps.get(self.loop, 0) - seq.iters[self.loop] - 1,
+                seq.max_tokens - len(seq.output) - 1, self.max_seq_len - seq.tokens_len - 1)
+        return seq.proposer.propose(seq.prompt + seq.output, k) if k > 0 else []
+
     def _advance(self, seq: Sequence, n: int) -> None:
         """Commit the step's rows on every label (raises LayoutViolation under debug
-        asserts) and count a decode iteration."""
+        asserts); in the decode loop each row is one iteration (a verify step commits
+        the last token and its accepted drafts)."""
         decode = seq.num_computed >= len(seq.prompt)
         for lab in self.labels:
-            self.kv.commit(seq.request_id, lab.name, n, lab.grows_on if decode else None)
+            if decode:
+                for _ in range(n):
+                    self.kv.commit(seq.request_id, lab.name, 1, lab.grows_on)
+            else:
+                self.kv.commit(seq.request_id, lab.name, n, None)
         seq.num_computed += n
         if decode:
-            seq.iters[self.loop] += 1
+            seq.iters[self.loop] += n
 
-    def _forward(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
+    def _forward(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """One forward over the batch; per entry, the tokens sampled for it: none for a
+        prefill chunk that does not end its prompt, one per row for a verify step."""
         rows: dict[str, list] = {lab.name: [] for lab in self.labels}
-        ids, positions, sample_rows, sample_seqs = [], [], [], []
+        ids, positions, sample_rows, sample_seqs, sample_counts = [], [], [], [], []
         t = 0
         for seq, n in batch:
-            decode = seq.num_computed >= len(seq.prompt)
+            before = len(sample_rows)
+            # A verify step (a decode row with drafts) attends like a prefill chunk over
+            # the cached rows: every row sees the rows before it, the drafts included.
+            decode = seq.num_computed >= len(seq.prompt) and not seq.drafts
             for lab in self.labels:
                 pages = self.kv.reserve_rows(seq.request_id, lab.name, n)
                 first = seq.kv.labels[lab.name].first_page
                 rows[lab.name].append((pages, first, seq.num_computed, n, decode))
-            ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
+            if seq.drafts:
+                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + 1))
+                ids.extend(seq.drafts)
+                sample_rows.extend(range(t, t + n))
+            elif seq.num_computed + n == seq.tokens_len:
+                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
+                sample_rows.append(t + n - 1)
+            else:
+                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
+            sample_counts.append(len(sample_rows) - before)
+            sample_seqs.extend([seq] * sample_counts[-1])
             positions.extend(range(seq.num_computed, seq.num_computed + n))
             t += n
-            if seq.num_computed + n == seq.tokens_len:
-                sample_rows.append(t - 1)
-                sample_seqs.append(seq)
         metas = {name: build_metadata(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
         device = self.layer_caches[0].device
         if device.type != "cpu":
@@ -248,19 +314,29 @@ class Engine(EngineBase):
                 torch.tensor(sample_rows, dtype=torch.long, device=device),
             )
             toks = sample(logits, [s.sampling for s in sample_seqs], [s.generator for s in sample_seqs])
-        by_seq = {id(s): tok for s, tok in zip(sample_seqs, toks)}
-        return [by_seq.get(id(seq)) for seq, _ in batch]
+        out, i = [], 0
+        for count in sample_counts:
+            out.append(toks[i : i + count])
+            i += count
+        return out
 
-    def _emit(self, seq: Sequence, tok: int, res: StepResult) -> None:
-        seq.output.append(tok)
+    def _emit(self, seq: Sequence, toks: list[int], res: StepResult) -> None:
+        """Append the step's tokens (several after a verify step) and send them in one
+        Output; the first stop condition met ends the request and drops what follows."""
         finish = None
-        if tok in self.eos and not seq.sampling.ignore_eos:
-            finish = "stop"
-        elif len(seq.output) >= seq.max_tokens or seq.tokens_len >= self.max_seq_len:
-            finish = "length"
-        elif seq.iters[self.loop] >= seq.caps.get(self.loop, 0):
-            finish = "length"  # the loop's cap is reached: never run it further
-        res.outputs.append((seq.reply_to, Output(seq.request_id, [tok], finish, len(seq.prompt), len(seq.output))))
+        for n, tok in enumerate(toks, 1):
+            seq.output.append(tok)
+            if tok in self.eos and not seq.sampling.ignore_eos:
+                finish = "stop"
+            elif len(seq.output) >= seq.max_tokens or seq.tokens_len >= self.max_seq_len:
+                finish = "length"
+            if finish is not None:
+                toks = toks[:n]
+                break
+        else:
+            if seq.iters[self.loop] >= seq.caps.get(self.loop, 0):
+                finish = "length"  # the loop's cap is reached: never run it further
+        res.outputs.append((seq.reply_to, Output(seq.request_id, toks, finish, len(seq.prompt), len(seq.output))))
         if finish is not None:
             ran_to_caps = seq.iters[self.loop] >= seq.caps.get(self.loop, 0)
             self._finish(seq, ran_to_caps, "ok", res)

@@ -117,6 +117,8 @@ class GpuWorker:
             self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
             max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
             **({"planner": planner} if planner is not None else {}),
+            **({"speculative_k": d.speculative_k, "ngram_max": d.speculative_ngram_max, "ngram_min": d.speculative_ngram_min}
+               if d.speculative_k and self.spec.engine == "decoder" else {}),
         )
         log.info("model loaded in %.1fs; pools %s", time.time() - t0,
                  {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in self.pools.items()})
@@ -213,11 +215,12 @@ class GpuWorker:
     def _stats(self, force: bool = False) -> None:
         pools = self.kv.stats()
         kv = self.kv
-        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns, kv.prefix_queries)
+        drafted, accepted = getattr(self.engine, "spec_draft_tokens", 0), getattr(self.engine, "spec_accepted_tokens", 0)
+        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns, kv.prefix_queries, drafted)
         if force or key != self._last_stats:
             self._last_stats = key
             self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting),
-                                           kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens))
+                                           kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens, drafted, accepted))
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
