@@ -9,6 +9,7 @@ Modes (the first argument; none means `run`):
   compare   mstar, Hugging Face generate and (if installed) the vLLM CPU peer side by side on
             the bench checkpoint, same prompt ids, same client, one run
   floor     only the raw pyzmq + msgspec round trip
+  spec      prompt-lookup speculation on and off, on repetitive and on random text
 
 Every mode prints its table(s) and writes results.json and plot.png to `--out` (default
 bench/results/<timestamp>/).
@@ -20,7 +21,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor")
+MODES = ("run", "overhead", "compare", "floor", "spec")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128, output_len: int = 64) -> None:
@@ -74,6 +75,18 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        help="compute threads for mstar's gpu worker and HF (default: cores - 1, what vLLM's CPU build binds)")
         p.add_argument("--rounds", type=int, default=1, help="repeat the systems in turn; ratios use each figure's best round")
         p.add_argument("--serve-arg", action="append", default=[])
+    elif mode == "spec":
+        p.add_argument("--model", default="", help="'' (default): the embedded SmolLM2-135M-Instruct")
+        p.add_argument("--k", type=int, default=4, help="draft tokens per step when on (default 4)")
+        p.add_argument("--ngram-max", type=int, default=3)
+        p.add_argument("--ngram-min", type=int, default=2)
+        p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 8])
+        p.add_argument("--num-requests", "-n", type=int, default=8, help="requests per set")
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--timeout", type=float, default=600.0)
+        p.add_argument("--serve-arg", action="append", default=[])
+        p.add_argument("--out", default=None)
     elif mode == "floor":
         p.add_argument("--floor-tokens", type=int, default=20000)
         p.add_argument("--out", default=None)
@@ -89,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench import modes
 
     t0 = time.perf_counter()
-    out = getattr(modes, mode)(args)
+    if mode == "spec":
+        from bench.speculative import spec as run_mode
+    else:
+        run_mode = getattr(modes, mode)
+    out = run_mode(args)
     print(f"\nresults in {out} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     return 0
 

@@ -60,3 +60,19 @@ def test_bench_smoke(null_server, tmp_path):
         assert stats["p50"] <= stats["p99"]
     assert lvl["ttft_ms"]["p50"] <= lvl["latency_ms"]["p99"]
     assert null_server.wait_pages_free() == 0
+
+
+def test_bench_spec_smoke(tmp_path):
+    """`bench spec` on the null model: both servers, three sets, the same tokens on and off."""
+    out = tmp_path / "spec"
+    argv = [sys.executable, "-m", "bench", "spec", "--model", "null", "-n", "2", "-c", "1", "--output-len", "12", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "speed-up (TPOT)" in proc.stdout
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["ratios"]) == {"repetitive c1", "open c1", "random c1"}
+    assert all(r["identical_tokens"] for r in data["ratios"].values())
+    for run in data["runs"].values():
+        assert all(s["completed"] == 2 and s["output_tokens"] == 24 for s in run.values())
+    assert data["runs"]["k=0"]["repetitive c1"]["drafted"] == 0
+    assert (out / "plot.png").stat().st_size > 1000
