@@ -23,17 +23,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        # HF's Qwen2RMSNorm op for op (bitwise), with the temporaries updated in place
+        # (fewer allocations); `.float()` is no copy for float32 input.
+        h = x.float()
+        var = h.pow(2).mean(-1, keepdim=True)
+        y = (h * var.add_(self.eps).rsqrt_()).to(x.dtype)  # fresh either way
+        return y.mul_(self.weight) if y.dtype == self.weight.dtype else y * self.weight
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin` with the sign of rotate_half's negated half
+    folded into the table: (-x2) * s == x2 * (-s) exactly, so the result is bitwise HF's,
+    in one cat and two multiplies instead of a neg, a cat and two multiplies."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return (x * cos).add_(torch.cat((x2, x1), dim=-1).mul_(sin_signed))
 
 
 class Rotary(nn.Module):
-    """HF's rotate_half RoPE, with cos/sin tables precomputed up to max positions."""
+    """HF's rotate_half RoPE, with cos/sin tables precomputed up to max positions. The sin
+    table has its first half negated (see `_apply_rope`)."""
 
     def __init__(self, head_dim: int, base: float, max_pos: int, scaling: dict | None) -> None:
         super().__init__()
@@ -41,27 +49,28 @@ class Rotary(nn.Module):
             raise NotImplementedError(f"rope_scaling {scaling} is not supported yet")
         self.head_dim, self.base, self.max_pos = head_dim, base, max_pos
         self.register_buffer("cos", torch.empty(max_pos, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_pos, head_dim), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(max_pos, head_dim), persistent=False)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
         """(Re)compute the tables; also called after building on the meta device."""
         if self.cos.is_meta:
             self.cos = torch.empty(self.max_pos, self.head_dim)
-            self.sin = torch.empty(self.max_pos, self.head_dim)
+            self.sin_signed = torch.empty(self.max_pos, self.head_dim)
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         freqs = torch.outer(torch.arange(self.max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        sin = emb.sin()
+        self.sin_signed.copy_(torch.cat((-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]), dim=-1))
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [T, 1, D] for this step's positions (once per step, not per layer)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos and signed sin rows [T, 1, D] for this step's positions (once per step, not per layer)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+        return _apply_rope(q, cos, sin_signed), _apply_rope(k, cos, sin_signed)
 
 
 class Attention(nn.Module):
@@ -93,17 +102,26 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta: AttnMetadata):
         t = x.shape[0]
-        if self.qkv_proj is not None:
-            qs, ks = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([qs, ks, ks], dim=-1)
+        if self.qkv_proj is not None and not self.qk_norm and x.device.type == "cpu":
+            # one RoPE pass over q and k: they are adjacent heads of the qkv output. q comes
+            # out strided (a view of that pass's output), which the torch path takes as is;
+            # CUDA keeps the path below, where q is contiguous for the attention backends.
+            qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+            qk = _apply_rope(qkv[:, : self.heads + self.kv_heads], *rope)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, self.heads + self.kv_heads :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, k, *rope)
+            if self.qkv_proj is not None:
+                qs, ks = self.heads * self.head_dim, self.kv_heads * self.head_dim
+                q, k, v = self.qkv_proj(x).split([qs, ks, ks], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(t, self.heads, self.head_dim)
+            k = k.view(t, self.kv_heads, self.head_dim)
+            v = v.view(t, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = Rotary.apply(q, k, *rope)
         write_kv(cache, k, v, meta)
         o = paged_attention(q, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
@@ -132,7 +150,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # silu's output is fresh: multiply in place
 
 
 def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -154,8 +172,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, x, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # residual adds into the sublayers' fresh outputs (a + b == b + a bitwise), never into
+        # `x`, which the caller may still hold
+        x = self.self_attn(self.input_layernorm(x), rope, cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Backbone(nn.Module):
