@@ -180,3 +180,25 @@ def test_sampled_requests_do_not_speculate(llama):
     while eng.has_work:
         eng.step()
     assert eng.spec_draft_tokens == 0
+
+
+def test_speculation_stops_at_the_sequence_limit(llama):
+    """A request that runs into max_seq_len: drafts never reach past it, the tokens and the
+    finish are plain decoding's, and no page is taken past any footprint."""
+    _, spec, model = llama
+    prompt = (REPETITIVE * 11)[: spec.max_seq_len - 20]
+    want, want_finish, _, _ = run_engine(spec, model, [prompt], 100, 0)
+    got, got_finish, eng, _ = run_engine(spec, model, [prompt], 100, 16)
+    assert got == want and got_finish == want_finish == {"r0": "length"}
+    assert len(prompt) + len(got["r0"]) == spec.max_seq_len
+
+
+def test_sliding_window_models_do_not_speculate(tmp_path):
+    path = make_checkpoint(tmp_path / "sw", "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    assert any(lab.window for lab in spec.kv_labels)
+    model = build_model(src, spec, torch.float32)
+    plain, _, _, _ = run_engine(spec, model, [REPETITIVE], 20, 0)
+    got, _, eng, _ = run_engine(spec, model, [REPETITIVE], 20, 4)
+    assert got == plain and eng.speculative_k == 0 and eng.spec_draft_tokens == 0
