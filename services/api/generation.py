@@ -101,30 +101,29 @@ class Generation:
         while not self.finished:
             item = await handle.get()
             if type(item) is Output:
-                ids = item.token_ids
                 if item.prompt_tokens:
                     self._prompt_tokens = item.prompt_tokens
-                raw = ""
-                if ids:
-                    self._tokens_arrived(len(ids))
-                    raw = detok.push(ids)
-                if item.finish_reason is not None:
-                    raw += detok.finish()
-                text = stop.push(raw)
-                if stop.matched is not None:
-                    if item.finish_reason is None:
-                        handle.abort("stop")  # free its pages now, not at max_tokens
-                    yield DeltaEvent(self.client_id, text, list(ids))
-                    yield self._done("stop")
-                    return
-                if item.finish_reason is not None:
-                    text += stop.flush()  # may settle a match held back until now
+                if item.token_ids:
+                    self._tokens_arrived(len(item.token_ids))
+                for ids, finish in _pieces(item, stop.active):
+                    raw = detok.push(ids) if ids else ""
+                    if finish is not None:
+                        raw += detok.finish()
+                    text = stop.push(raw)
+                    if stop.matched is not None:
+                        if item.finish_reason is None:
+                            handle.abort("stop")  # free its pages now, not at max_tokens
+                        yield DeltaEvent(self.client_id, text, list(ids))
+                        yield self._done("stop")
+                        return
+                    if finish is not None:
+                        text += stop.flush()  # may settle a match held back until now
+                        if text or ids:
+                            yield DeltaEvent(self.client_id, text, list(ids))
+                        yield self._done("stop" if stop.matched is not None else finish)
+                        return
                     if text or ids:
                         yield DeltaEvent(self.client_id, text, list(ids))
-                    yield self._done("stop" if stop.matched is not None else item.finish_reason)
-                    return
-                if text or ids:
-                    yield DeltaEvent(self.client_id, text, list(ids))
             elif type(item) is Aborted:
                 text = stop.push(detok.finish())
                 text += stop.flush()
@@ -144,3 +143,14 @@ class Generation:
             if type(event) is DoneEvent:
                 return event
         raise internal_error(f"collecting {self.request_id}: its events ended without a done")
+
+
+def _pieces(item: Output, stops: bool) -> list[tuple[list[int], str | None]]:
+    """An output's tokens as the stop check takes them: all at once, or one at a time when
+    stop strings are set and a speculative step sent several, so the request ends at the
+    token that completes the match exactly as without speculation (the later ones dropped)."""
+    ids = item.token_ids
+    if not stops or len(ids) < 2:
+        return [(ids, item.finish_reason)]
+    last = len(ids) - 1
+    return [([tok], item.finish_reason if i == last else None) for i, tok in enumerate(ids)]

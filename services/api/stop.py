@@ -35,6 +35,11 @@ class StopMatcher:
         self.matched: str | None = None
 
     @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
+    @property
     def text(self) -> str:
         """All text released so far (the deltas joined)."""
         return "".join(self._parts)

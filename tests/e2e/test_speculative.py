@@ -81,3 +81,19 @@ def test_out_of_range_speculation_flags_are_refused():
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1
         assert proc.stderr.strip() == f"invalid deployment: {message}"
+
+
+def test_stop_strings_end_where_they_do_without_speculation(spec_server, llama_server):
+    """A stop string completed inside a verify step's burst: same text, ids and usage as the
+    server that decodes one token per step."""
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        full = httpx.post(llama_server.url + "/generate", json=body, timeout=60).json()["text"]
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        if not stop.strip():
+            continue
+        want = httpx.post(llama_server.url + "/generate", json={**body, "stop": stop}, timeout=60).json()
+        got = httpx.post(spec_server.url + "/generate", json={**body, "stop": stop}, timeout=60).json()
+        assert (got["text"], got["token_ids"], got["usage"], got["finish_reason"]) == \
+            (want["text"], want["token_ids"], want["usage"], want["finish_reason"]), prompt
+        assert want["finish_reason"] == "stop"

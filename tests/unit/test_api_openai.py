@@ -256,3 +256,30 @@ async def test_stop_aborts_upstream_and_trims() -> None:
     gen.close()
     assert backend.aborts == [("r1", "stop")]  # not aborted twice
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("finish", [None, "length"])
+async def test_stop_inside_a_speculative_burst_ends_at_the_same_token(finish) -> None:
+    """Several tokens in one Output (accepted drafts): the request ends at the token that
+    completes the stop string, as it does when they arrive one per frame."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["Hel", "lo", " wor", "ld", "!"])
+    ids = {t: tok.token_to_id(t) for t in ("Hel", "lo", " wor", "ld", "!")}
+
+    async def run(frames: list[list[int]], last_finish: str | None):
+        backend = FakeBackend()
+        handle = RequestHandle("r1", backend)  # type: ignore[arg-type]
+        gen = Generation(handle, IncrementalDetokenizer(tok), ApiMetrics(), client_id="c1", started=0.0, stop=["o wo"])
+        for i, frame in enumerate(frames):
+            handle.put(Output("r1", frame, last_finish if i == len(frames) - 1 else None, prompt_tokens=3))
+        events = [e async for e in gen.events()]
+        return events[-1], backend.aborts
+
+    seq = [ids[t] for t in ("Hel", "lo", " wor", "ld", "!")]
+    one_by_one, aborts_one = await run([[t] for t in seq[:3]], None)
+    burst, aborts_burst = await run([seq[:1], seq[1:]], finish)
+    assert burst.text == one_by_one.text == "Hell"
+    assert burst.token_ids == one_by_one.token_ids == seq[:3]
+    assert burst.usage == one_by_one.usage == Usage(3, 3) and burst.finish_reason == "stop"
+    assert aborts_one == [("r1", "stop")]
+    assert aborts_burst == ([("r1", "stop")] if finish is None else [])  # a finished request needs no abort

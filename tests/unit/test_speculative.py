@@ -191,6 +191,7 @@ def test_speculation_stops_at_the_sequence_limit(llama):
     got, got_finish, eng, _ = run_engine(spec, model, [prompt], 100, 16)
     assert got == want and got_finish == want_finish == {"r0": "length"}
     assert len(prompt) + len(got["r0"]) == spec.max_seq_len
+    assert eng.spec_draft_tokens > 0  # it did speculate up to the limit
 
 
 def test_sliding_window_models_do_not_speculate(tmp_path):
