@@ -30,9 +30,13 @@ class PrefillChunk:
 class AttnMetadata:
     slot_pages: torch.Tensor  # long [T]: page each new row is written to
     slot_offsets: torch.Tensor  # long [T]: row inside that page
-    decode_rows: torch.Tensor | None = None  # long [B]: rows of T that are single-token decodes
+    #: long [B]: rows of T that are single-token decodes; or long [B, Q] when some decode
+    #: entries carry speculative drafts (Q rows each, short entries padded with their last)
+    decode_rows: torch.Tensor | None = None
     decode_pages: torch.Tensor | None = None  # long [B, max_pages] (padded with page 0)
-    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_pages * page_size]
+    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1 or Q, max_pages * page_size]
+    decode_keep: torch.Tensor | None = None  # long [N]: with [B, Q] rows, the real ones of B * Q
+    decode_out: torch.Tensor | None = None  # long [N]: the rows of T they are
     prefills: list[PrefillChunk] = field(default_factory=list)
     # FlashInfer-layout view of the same batch, for backends that take it directly.
     kv_indptr: torch.Tensor | None = None
@@ -83,7 +87,7 @@ def build_metadata(
     last_lens: list[int] = []
     decode_rows: list[int] = []
     decode_pages: list[list[int]] = []
-    decode_info: list[tuple[int, int, int]] = []  # (first row held, rows held, query row)
+    decode_info: list[tuple[int, int, int, int, int]] = []  # (first row held, rows held, first query row, queries, t)
     prefills: list[PrefillChunk] = []
     t = 0
     for pages, first_page, cached, new, is_decode in rows:
@@ -103,7 +107,7 @@ def build_metadata(
         if is_decode:
             decode_rows.append(t)
             decode_pages.append(used)
-            decode_info.append((first_row, kv_len, cached))
+            decode_info.append((first_row, kv_len, cached, new, t))
         else:
             if first_row == 0 and cached == 0 and window is None:
                 mask = None  # plain causal: torch's fast path
@@ -127,14 +131,38 @@ def build_metadata(
         width = max(len(p) for p in decode_pages)
         padded = torch.tensor([p + [0] * (width - len(p)) for p in decode_pages], dtype=torch.long)  # pad: page 0, masked
         info = torch.tensor(decode_info)
-        j = torch.arange(width * page_size).unsqueeze(0)
-        mask = j < info[:, 1:2]  # only rows the live pages hold
-        if window is not None:
-            mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
-        meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         meta.decode_pages = padded
-        meta.decode_mask = mask[:, None, None, :]
+        q = int(info[:, 3].max())
+        if q == 1:
+            j = torch.arange(width * page_size).unsqueeze(0)
+            mask = j < info[:, 1:2]  # only rows the live pages hold
+            if window is not None:
+                mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+            meta.decode_mask = mask[:, None, None, :]
+        else:
+            _multi_row_decode(meta, info, q, width * page_size, window)
     return meta
+
+
+def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int, window: int | None) -> None:
+    """Decode entries of several rows (the last token and its speculative drafts) as one
+    batched attention: entry b's query i (i < its rows) sits at row `cached + i` and sees
+    the held rows up to it; shorter entries are padded to `q` queries with their last row
+    (computed, then dropped)."""
+    first, held, cached, new, t = (info[:, c : c + 1] for c in range(5))
+    i = torch.arange(q).unsqueeze(0)  # [1, Q]
+    real = i < new  # [B, Q]
+    ii = torch.minimum(i, new - 1)
+    visible = held - (new - 1 - ii)  # keys held up to and including query ii's own row
+    j = torch.arange(width).view(1, 1, -1)
+    mask = j < visible.unsqueeze(-1)  # [B, Q, L]
+    if window is not None:
+        mask &= (first.unsqueeze(-1) + j) > (cached + ii).unsqueeze(-1) - window
+    meta.decode_rows = t + ii
+    meta.decode_mask = mask[:, None]
+    meta.decode_keep = real.reshape(-1).nonzero().squeeze(1)
+    meta.decode_out = (t + ii)[real]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
@@ -160,17 +188,20 @@ def paged_attention(
         flat = meta.decode_pages.view(-1)
         k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
         v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
-        every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
-        qd = q if every_row else q[meta.decode_rows]  # [B, Hq, D]
-        # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
-        # against [B, Hkv, L, D]): one GEMM per KV head instead of SDPA's GQA expansion of
-        # K and V to every query head (measured 40% less attention time at 16 rows).
-        hq = qd.shape[1]
-        o = F.scaled_dot_product_attention(qd.reshape(b, h, hq // h, d), k, v, attn_mask=meta.decode_mask, scale=scale)
-        o = o.reshape(b, hq, d)
-        if every_row:
-            return o
-        out[meta.decode_rows] = o
+        hq = q.shape[1]
+        if meta.decode_rows.dim() == 2:
+            out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale)
+        else:
+            every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
+            qd = q if every_row else q[meta.decode_rows]  # [B, Hq, D]
+            # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
+            # against [B, Hkv, L, D]): one GEMM per KV head instead of SDPA's GQA expansion of
+            # K and V to every query head (measured 40% less attention time at 16 rows).
+            o = F.scaled_dot_product_attention(qd.reshape(b, h, hq // h, d), k, v, attn_mask=meta.decode_mask, scale=scale)
+            o = o.reshape(b, hq, d)
+            if every_row:
+                return o
+            out[meta.decode_rows] = o
     for chunk in meta.prefills:
         k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
@@ -181,3 +212,17 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Decode entries of Q rows each in one SDPA call: per KV head, its G query heads' Q
+    rows form one [G * Q] query block against the entry's keys (the mask tiled G times);
+    returns the real rows, in `meta.decode_out` order."""
+    b, qn = meta.decode_rows.shape
+    h, d = k.shape[1], k.shape[-1]
+    hq = q.shape[1]
+    g = hq // h
+    qd = q[meta.decode_rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask.repeat(1, 1, g, 1), scale=scale)
+    o = o.view(b, h, g, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, hq, d)
+    return o[meta.decode_keep]

@@ -277,9 +277,9 @@ class Engine(EngineBase):
         t = 0
         for seq, n in batch:
             before = len(sample_rows)
-            # A verify step (a decode row with drafts) attends like a prefill chunk over
-            # the cached rows: every row sees the rows before it, the drafts included.
-            decode = seq.num_computed >= len(seq.prompt) and not seq.drafts
+            # A verify step (a decode row with drafts) goes with the decode rows: every
+            # row sees the rows before it, the drafts included (one batched attention).
+            decode = seq.num_computed >= len(seq.prompt)
             for lab in self.labels:
                 pages = self.kv.reserve_rows(seq.request_id, lab.name, n)
                 first = seq.kv.labels[lab.name].first_page

@@ -4,6 +4,7 @@ scattered through the pool."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.gpu_worker.attention import bottom_right_causal_mask, build_metadata, paged_attention, write_kv
@@ -90,5 +91,37 @@ def test_windowed_paged_matches_dense_after_release():
     out = paged_attention(q, cache, meta, d**-0.5)
     t = 0
     for (_, new, _), (k, v) in zip(shapes, full):
+        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
+        t += new
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_multi_row_decode_entries_match_dense(window):
+    """Decode entries carrying speculative drafts (several rows each, batched with the
+    one-row decodes and padded), beside prefill chunks: each row sees exactly its prefix."""
+    torch.manual_seed(1)
+    page_size, hq, hkv, d = 4, 4, 2, 8
+    cache = torch.zeros(64, 2, page_size, hkv, d)
+    perm = torch.randperm(64).tolist()
+    shapes = [(9, 1, True), (3, 4, True), (20, 5, True), (6, 2, True), (0, 7, False), (5, 6, False)]
+    full_k, full_v, pages_of = [], [], []
+    for cached, new, _ in shapes:
+        n = cached + new
+        full_k.append(torch.randn(n, hkv, d))
+        full_v.append(torch.randn(n, hkv, d))
+        pages_of.append([perm.pop() for _ in range(-(-n // page_size))])
+    for (cached, _, _), k, v, pages in zip(shapes, full_k, full_v, pages_of):
+        for r in range(cached):
+            cache[pages[r // page_size], 0, r % page_size] = k[r]
+            cache[pages[r // page_size], 1, r % page_size] = v[r]
+    meta = build_metadata([(pages, 0, c, n, dec) for (c, n, dec), pages in zip(shapes, pages_of)], page_size, window)
+    assert meta.decode_rows.shape == (4, 5)
+    new_k = torch.cat([k[c:] for (c, _, _), k in zip(shapes, full_k)])
+    new_v = torch.cat([v[c:] for (c, _, _), v in zip(shapes, full_v)])
+    q = torch.randn(new_k.shape[0], hq, d)
+    write_kv(cache, new_k, new_v, meta)
+    out = paged_attention(q, cache, meta, d**-0.5)
+    t = 0
+    for (_, new, _), k, v in zip(shapes, full_k, full_v):
         torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
         t += new
