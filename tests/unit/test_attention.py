@@ -28,27 +28,25 @@ def test_bottom_right_mask():
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
 
 
-def test_paged_matches_dense():
-    torch.manual_seed(0)
-    page_size, hq, hkv, d = 4, 4, 2, 8
+def check_paged_against_dense(shapes, window=None, seed=0, page_size=4):
+    """Requests of (cached rows, new rows, decode?) on pages scattered through a pool, the
+    cached rows written as an earlier step would have: every new row's paged attention
+    equals dense attention over its prefix. Returns the step's metadata."""
+    torch.manual_seed(seed)
+    hq, hkv, d = 4, 2, 8
     cache = torch.zeros(64, 2, page_size, hkv, d)
     perm = torch.randperm(64).tolist()
-    # (cached rows, new rows, decode?) per request; decodes first.
-    shapes = [(9, 1, True), (3, 1, True), (0, 7, False), (5, 6, False), (12, 3, False)]
-    full_k, full_v, rows, pages_of = [], [], [], []
+    full_k, full_v, pages_of = [], [], []
     for cached, new, _ in shapes:
         n = cached + new
         full_k.append(torch.randn(n, hkv, d))
         full_v.append(torch.randn(n, hkv, d))
-        pages = [perm.pop() for _ in range(-(-n // page_size))]
-        pages_of.append(pages)
-    # Write the cached rows as an earlier step would have.
+        pages_of.append([perm.pop() for _ in range(-(-n // page_size))])
     for (cached, _, _), k, v, pages in zip(shapes, full_k, full_v, pages_of):
         for r in range(cached):
             cache[pages[r // page_size], 0, r % page_size] = k[r]
             cache[pages[r // page_size], 1, r % page_size] = v[r]
-    rows = [(pages, 0, cached, new, dec) for (cached, new, dec), pages in zip(shapes, pages_of)]
-    meta = build_metadata(rows, page_size)
+    meta = build_metadata([(pages, 0, c, n, dec) for (c, n, dec), pages in zip(shapes, pages_of)], page_size, window)
     new_k = torch.cat([k[c:] for (c, _, _), k in zip(shapes, full_k)])
     new_v = torch.cat([v[c:] for (c, _, _), v in zip(shapes, full_v)])
     q = torch.randn(new_k.shape[0], hq, d)
@@ -56,9 +54,16 @@ def test_paged_matches_dense():
     out = paged_attention(q, cache, meta, d**-0.5)
     t = 0
     for (_, new, _), k, v in zip(shapes, full_k, full_v):
-        ref = dense_attention(q[t : t + new], k, v, d**-0.5)
-        torch.testing.assert_close(out[t : t + new], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
         t += new
+    return meta
+
+
+def test_paged_matches_dense():
+    # (cached rows, new rows, decode?) per request; decodes first.
+    shapes = [(9, 1, True), (3, 1, True), (0, 7, False), (5, 6, False), (12, 3, False)]
+    meta = check_paged_against_dense(shapes)
+    page_size = 4
     # FlashInfer's view of the same batch: lengths = (pages - 1) * page_size + last_page_len.
     lens = [(meta.kv_indptr[i + 1] - meta.kv_indptr[i] - 1) * page_size + meta.kv_last_page_len[i] for i in range(len(shapes))]
     assert [int(x) for x in lens] == [c + n for c, n, _ in shapes]
@@ -99,29 +104,6 @@ def test_windowed_paged_matches_dense_after_release():
 def test_multi_row_decode_entries_match_dense(window):
     """Decode entries carrying speculative drafts (several rows each, batched with the
     one-row decodes and padded), beside prefill chunks: each row sees exactly its prefix."""
-    torch.manual_seed(1)
-    page_size, hq, hkv, d = 4, 4, 2, 8
-    cache = torch.zeros(64, 2, page_size, hkv, d)
-    perm = torch.randperm(64).tolist()
     shapes = [(9, 1, True), (3, 4, True), (20, 5, True), (6, 2, True), (0, 7, False), (5, 6, False)]
-    full_k, full_v, pages_of = [], [], []
-    for cached, new, _ in shapes:
-        n = cached + new
-        full_k.append(torch.randn(n, hkv, d))
-        full_v.append(torch.randn(n, hkv, d))
-        pages_of.append([perm.pop() for _ in range(-(-n // page_size))])
-    for (cached, _, _), k, v, pages in zip(shapes, full_k, full_v, pages_of):
-        for r in range(cached):
-            cache[pages[r // page_size], 0, r % page_size] = k[r]
-            cache[pages[r // page_size], 1, r % page_size] = v[r]
-    meta = build_metadata([(pages, 0, c, n, dec) for (c, n, dec), pages in zip(shapes, pages_of)], page_size, window)
+    meta = check_paged_against_dense(shapes, window, seed=1)
     assert meta.decode_rows.shape == (4, 5)
-    new_k = torch.cat([k[c:] for (c, _, _), k in zip(shapes, full_k)])
-    new_v = torch.cat([v[c:] for (c, _, _), v in zip(shapes, full_v)])
-    q = torch.randn(new_k.shape[0], hq, d)
-    write_kv(cache, new_k, new_v, meta)
-    out = paged_attention(q, cache, meta, d**-0.5)
-    t = 0
-    for (_, new, _), k, v in zip(shapes, full_k, full_v):
-        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
-        t += new
