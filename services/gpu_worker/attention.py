@@ -162,7 +162,7 @@ def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int
     meta.decode_rows = t + ii
     meta.decode_mask = mask[:, None]
     meta.decode_keep = real.reshape(-1).nonzero().squeeze(1)
-    meta.decode_out = (t + ii)[real]
+    meta.decode_out = meta.decode_rows[real]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
@@ -188,10 +188,10 @@ def paged_attention(
         flat = meta.decode_pages.view(-1)
         k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
         v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
-        hq = q.shape[1]
         if meta.decode_rows.dim() == 2:
             out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale)
         else:
+            hq = q.shape[1]
             every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
             qd = q if every_row else q[meta.decode_rows]  # [B, Hq, D]
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]

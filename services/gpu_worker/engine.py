@@ -6,8 +6,8 @@ always finds its pages: nothing is ever preempted or recomputed. The decode loop
 runs past its cap; the cap is kept on the sequence, so no per-step state resets it.
 
 Speculative decoding (prompt lookup, `speculative.py`) changes no footprint: a greedy
-request's decode row may carry up to k draft rows, verified in the same forward as a
-chunk over its cached rows. Each accepted draft is one decode iteration (one committed
+request's decode row may carry up to k draft rows, verified in the same forward (the
+decode attention takes entries of several rows, each masked to its own prefix). Each accepted draft is one decode iteration (one committed
 row, one token), and a step never drafts past what the request may still emit (its loop
 cap, max_tokens, max_seq_len), so the rows it writes, rejected drafts included, stay
 inside the rows its layout already declares.
@@ -71,6 +71,10 @@ class EngineBase:
 
     kv: KVManager
     max_num_seqs: int
+    #: speculative drafts verified and accepted over the worker's life (0 where the
+    #: engine does not speculate)
+    spec_draft_tokens = 0
+    spec_accepted_tokens = 0
     waiting: deque
     running: list
     ids: dict
@@ -186,8 +190,6 @@ class Engine(EngineBase):
         if speculative_k and windowed:
             log.warning("speculative decoding is off: the model has a sliding-window KV label")
         self.ngram = (ngram_max, ngram_min)
-        self.spec_draft_tokens = 0  # drafts verified, over the worker's life
-        self.spec_accepted_tokens = 0  # of them, accepted
 
     # -- intake ----------------------------------------------------------------------
 
@@ -284,15 +286,12 @@ class Engine(EngineBase):
                 pages = self.kv.reserve_rows(seq.request_id, lab.name, n)
                 first = seq.kv.labels[lab.name].first_page
                 rows[lab.name].append((pages, first, seq.num_computed, n, decode))
+            ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n - len(seq.drafts)))
+            ids.extend(seq.drafts)
             if seq.drafts:
-                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + 1))
-                ids.extend(seq.drafts)
                 sample_rows.extend(range(t, t + n))
             elif seq.num_computed + n == seq.tokens_len:
-                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
                 sample_rows.append(t + n - 1)
-            else:
-                ids.extend(seq.token_slice(seq.num_computed, seq.num_computed + n))
             sample_counts.append(len(sample_rows) - before)
             sample_seqs.extend([seq] * sample_counts[-1])
             positions.extend(range(seq.num_computed, seq.num_computed + n))

@@ -215,7 +215,7 @@ class GpuWorker:
     def _stats(self, force: bool = False) -> None:
         pools = self.kv.stats()
         kv = self.kv
-        drafted, accepted = getattr(self.engine, "spec_draft_tokens", 0), getattr(self.engine, "spec_accepted_tokens", 0)
+        drafted, accepted = self.engine.spec_draft_tokens, self.engine.spec_accepted_tokens
         key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns, kv.prefix_queries, drafted)
         if force or key != self._last_stats:
             self._last_stats = key
