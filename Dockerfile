@@ -2,6 +2,9 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
+# A C compiler: the gpu worker builds its CPU decode-attention kernel for the host's CPU at
+# first start (without one it falls back to torch's slower path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # The CPU build of torch (PyPI's default wheel for linux is the multi-GB CUDA build).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY pyproject.toml README.md ./

@@ -1,10 +1,12 @@
-"""Paged attention over FlashInfer's page layout, in torch (the CPU path).
+"""Paged attention over FlashInfer's page layout on the CPU: decode rows through a C kernel
+that reads the pages in place (`cpu_kernels.paged_decode`, where it builds), else torch.
 
 Pages are `[num_pages, 2, page_size, kv_heads, head_dim]` per layer; a request's KV is the
 pages in `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
 `kv_last_page_len[b]`. `AttnMetadata` is built once per step and shared by every layer,
 so layers do no Python work per request beyond one SDPA call per prefill chunk; all decode
-rows of a step go through one batched SDPA call.
+rows of a step go through one kernel call (or, on the torch path, one batched SDPA call
+over a gathered copy of their pages).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from services.gpu_worker import cpu_kernels
 
 
 @dataclass
@@ -37,6 +41,9 @@ class AttnMetadata:
     decode_mask: torch.Tensor | None = None  # bool [B, 1, 1 or Q, max_pages * page_size]
     decode_keep: torch.Tensor | None = None  # long [N]: with [B, Q] rows, the real ones of B * Q
     decode_out: torch.Tensor | None = None  # long [N]: the rows of T they are
+    #: long [4, N] per decode query row (the kernel's view): its row of T, its entry (row of
+    #: decode_pages), and the held rows [lo, hi) it sees
+    decode_query: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # FlashInfer-layout view of the same batch, for backends that take it directly.
     kv_indptr: torch.Tensor | None = None
@@ -88,6 +95,7 @@ def build_metadata(
     decode_rows: list[int] = []
     decode_pages: list[list[int]] = []
     decode_info: list[tuple[int, int, int, int, int]] = []  # (first row held, rows held, first query row, queries, t)
+    query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
     prefills: list[PrefillChunk] = []
     t = 0
     for pages, first_page, cached, new, is_decode in rows:
@@ -108,6 +116,11 @@ def build_metadata(
             decode_rows.append(t)
             decode_pages.append(used)
             decode_info.append((first_row, kv_len, cached, new, t))
+            for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
+                query[0].append(t + i)
+                query[1].append(len(decode_pages) - 1)
+                query[2].append(0 if window is None else max(0, cached + i - window - first_row + 1))
+                query[3].append(kv_len - (new - 1 - i))
         else:
             if first_row == 0 and cached == 0 and window is None:
                 mask = None  # plain causal: torch's fast path
@@ -132,6 +145,7 @@ def build_metadata(
         padded = torch.tensor([p + [0] * (width - len(p)) for p in decode_pages], dtype=torch.long)  # pad: page 0, masked
         info = torch.tensor(decode_info)
         meta.decode_pages = padded
+        meta.decode_query = torch.tensor(query, dtype=torch.long)
         q = int(info[:, 3].max())
         if q == 1:
             j = torch.arange(width * page_size).unsqueeze(0)
@@ -177,11 +191,14 @@ def paged_attention(
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv)."""
     if meta.wrapper is not None:
         return meta.wrapper.run(q, cache)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     page_size = cache.shape[2]
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
-    if meta.decode_rows is not None:
+    if meta.decode_query is not None and _decode_kernel(q, cache, meta, scale, out):
+        if not meta.prefills:
+            return out
+    elif meta.decode_rows is not None:
         b, width = meta.decode_pages.shape
         # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
         # result, so the reshape is a view; advanced indexing on the strided K view was 2x slower.
@@ -212,6 +229,31 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, out: torch.Tensor) -> bool:
+    """Every decode query row through the C kernel, into `out`; False (nothing written)
+    where it does not apply: no kernel built, not float32 on the CPU, or a layout it does
+    not take (q's heads must be contiguous rows of head_dim; the cache contiguous)."""
+    if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.dtype != torch.float32:
+        return False
+    kernel = cpu_kernels.paged_decode()
+    hq, d = q.shape[1], q.shape[2]
+    if (kernel is None or q.stride(2) != 1 or q.stride(1) != d or not cache.is_contiguous()
+            or hq > 128 or hq % cache.shape[3]):
+        return False
+    dq = meta.decode_query
+    n = dq.shape[1]
+    pages = meta.decode_pages
+    keys = pages.shape[1] * cache.shape[2]
+    scratch = torch.empty(hq * keys, dtype=torch.float32)
+    base, step = dq.data_ptr(), dq.stride(0) * dq.element_size()
+    rc = kernel(q.data_ptr(), q.stride(0), cache.data_ptr(), pages.data_ptr(), pages.shape[1],
+                base, base + step, base + 2 * step, base + 3 * step, n, hq, cache.shape[3], d, cache.shape[2],
+                scale, out.data_ptr(), scratch.data_ptr(), keys)
+    if rc != 0:
+        raise RuntimeError(f"paged_decode kernel refused the batch (code {rc})")
+    return True
 
 
 def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:

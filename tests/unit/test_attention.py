@@ -1,13 +1,37 @@
-"""The torch paged-attention path against a dense reference: mixed decode rows and
-prefill chunks (with cached rows, so the bottom-right causal mask matters), GQA, pages
-scattered through the pool."""
+"""Paged attention against a dense reference, on both decode paths (the C kernel reading
+pages in place, and torch's gather + SDPA): mixed decode rows and prefill chunks (with
+cached rows, so the bottom-right causal mask matters), GQA, pages scattered through the
+pool, sliding windows, speculative multi-row entries."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.gpu_worker import attention, cpu_kernels
 from services.gpu_worker.attention import bottom_right_causal_mask, build_metadata, paged_attention, write_kv
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Run the test on one decode path; on "kernel", fail if the kernel did not take the
+    decode rows (it builds wherever a C compiler is, as on CI)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "paged_decode", lambda: None)
+        yield request.param
+        return
+    if cpu_kernels.paged_decode() is None:
+        pytest.skip("no C compiler here: the paged_decode kernel did not build")
+    used = []
+    real = attention._decode_kernel
+
+    def spy(*args):
+        used.append(real(*args))
+        return used[-1]
+
+    monkeypatch.setattr(attention, "_decode_kernel", spy)
+    yield request.param
+    assert used and all(used), "the decode rows did not go through the kernel"
 
 
 def dense_attention(q, k, v, scale, window=None):
@@ -28,12 +52,12 @@ def test_bottom_right_mask():
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
 
 
-def check_paged_against_dense(shapes, window=None, seed=0, page_size=4):
+def check_paged_against_dense(shapes, window=None, seed=0, page_size=4, heads=(4, 2, 8)):
     """Requests of (cached rows, new rows, decode?) on pages scattered through a pool, the
     cached rows written as an earlier step would have: every new row's paged attention
     equals dense attention over its prefix. Returns the step's metadata."""
     torch.manual_seed(seed)
-    hq, hkv, d = 4, 2, 8
+    hq, hkv, d = heads
     cache = torch.zeros(64, 2, page_size, hkv, d)
     perm = torch.randperm(64).tolist()
     full_k, full_v, pages_of = [], [], []
@@ -59,7 +83,7 @@ def check_paged_against_dense(shapes, window=None, seed=0, page_size=4):
     return meta
 
 
-def test_paged_matches_dense():
+def test_paged_matches_dense(decode_path):
     # (cached rows, new rows, decode?) per request; decodes first.
     shapes = [(9, 1, True), (3, 1, True), (0, 7, False), (5, 6, False), (12, 3, False)]
     meta = check_paged_against_dense(shapes)
@@ -70,7 +94,7 @@ def test_paged_matches_dense():
     assert meta.kv_indices.dtype == torch.int32
 
 
-def test_windowed_paged_matches_dense_after_release():
+def test_windowed_paged_matches_dense_after_release(decode_path):
     """Sliding window: pages wholly behind the window are gone (first_page > 0), the
     rest still attend exactly as dense attention with the window mask."""
     torch.manual_seed(1)
@@ -101,9 +125,17 @@ def test_windowed_paged_matches_dense_after_release():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_multi_row_decode_entries_match_dense(window):
+def test_multi_row_decode_entries_match_dense(window, decode_path):
     """Decode entries carrying speculative drafts (several rows each, batched with the
     one-row decodes and padded), beside prefill chunks: each row sees exactly its prefix."""
     shapes = [(9, 1, True), (3, 4, True), (20, 5, True), (6, 2, True), (0, 7, False), (5, 6, False)]
     meta = check_paged_against_dense(shapes, window, seed=1)
     assert meta.decode_rows.shape == (4, 5)
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 64), (6, 6, 32), (16, 1, 128)])
+def test_head_shapes_match_dense(heads, decode_path):
+    """Head counts and sizes of real models (the kernel specialises head_dim 64), longer
+    prefixes over 16-row pages, a decode-only step."""
+    shapes = [(150, 1, True), (37, 1, True), (16, 1, True), (15, 1, True), (0, 1, True)]
+    check_paged_against_dense(shapes, seed=2, page_size=16, heads=heads)

@@ -1,0 +1,92 @@
+"""C kernels for the CPU path, built at first use with the machine's C compiler.
+
+Why not a torch C++ extension: one that includes torch's headers takes most of a minute to
+compile, which would cost the worker's start-up; these are plain C over raw pointers and
+build in well under a second, for this very CPU (`-march=native`). The shared object is
+cached by a hash of its source, flags and compiler, so a restart only loads it.
+
+Where there is no compiler (a slim image), or `MSTAR_CPU_KERNELS=0`, or the build fails,
+`paged_decode()` returns None and attention keeps its torch path: same results, slower
+decode. Nothing else depends on a kernel being there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("mstar.cpu_kernels")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp-simd", "-shared", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    elif platform.machine() in ("aarch64", "arm64"):
+        flags += ["-mcpu=native"]
+    return flags
+
+
+def cache_dir() -> Path:
+    """`MSTAR_KERNEL_CACHE`, else ~/.cache/mstar/kernels (a temp dir if home is read-only)."""
+    env = os.environ.get("MSTAR_KERNEL_CACHE")
+    path = Path(env) if env else Path.home() / ".cache" / "mstar" / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:
+        return Path(tempfile.gettempdir())
+
+
+def build(name: str) -> Path | None:
+    """Compile kernels/<name>.c into the cache (if not there yet); the .so path, or None."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler: %s uses the torch path", name)
+        return None
+    src = SOURCE_DIR / f"{name}.c"
+    flags = _flags()
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: a concurrent worker sees the whole file or none
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        log.warning("building the %s kernel failed (the torch path is used): %s", name, detail)
+        Path(tmp).unlink(missing_ok=True)
+        return None
+    return out
+
+
+@functools.cache
+def paged_decode():
+    """The `mstar_paged_decode` C function (see kernels/paged_decode.c), or None."""
+    if os.environ.get("MSTAR_CPU_KERNELS", "1").lower() in ("0", "false", "no"):
+        return None
+    path = build("paged_decode")
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(path)).mstar_paged_decode
+    except (OSError, AttributeError) as exc:
+        log.warning("loading the paged_decode kernel failed (the torch path is used): %s", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64]
+    return fn
