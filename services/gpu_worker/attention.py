@@ -1,5 +1,5 @@
 """Paged attention over FlashInfer's page layout on the CPU: decode rows through a C kernel
-that reads the pages in place (`cpu_kernels.paged_decode`, where it builds), else torch.
+that reads the pages in place (`cpu_kernels`, where they build), else torch.
 
 Pages are `[num_pages, 2, page_size, kv_heads, head_dim]` per layer; a request's KV is the
 pages in `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +45,9 @@ class AttnMetadata:
     #: long [4, N] per decode query row (the kernel's view): its row of T, its entry (row of
     #: decode_pages), and the held rows [lo, hi) it sees
     decode_query: torch.Tensor | None = None
+    #: long [B, 5] per decode entry: first row held, rows held, rows cached, rows new, row of T
+    decode_info: torch.Tensor | None = None
+    window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # FlashInfer-layout view of the same batch, for backends that take it directly.
     kv_indptr: torch.Tensor | None = None
@@ -78,13 +82,17 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
 
 
 def build_metadata(
-    rows: list[tuple[list[int], int, int, int, bool]], page_size: int, window: int | None = None
+    rows: list[tuple[list[int], int, int, int, bool]], page_size: int, window: int | None = None, flashinfer: bool = True
 ) -> AttnMetadata:
     """Build one step's metadata for one label.
 
     `rows` holds, per request in batch order: (its live pages, the label page index of the
     first of them (pages before it were released behind the window), rows already in KV
     before this step, rows this step writes, is_decode). Decode requests come first.
+    `flashinfer`: also build the CSR view FlashInfer plans from (the CPU path has no use
+    for it). This runs once per label per step, so it makes few tensors: a decode step's
+    per-call cost is most of the null model's per-token time. The torch path's decode
+    fields (rows, mask) are derived on first use (`torch_decode_fields`).
     """
     slot_pages: list[int] = []
     slot_offsets: list[int] = []
@@ -92,7 +100,6 @@ def build_metadata(
     qo_indptr = [0]
     indices: list[int] = []
     last_lens: list[int] = []
-    decode_rows: list[int] = []
     decode_pages: list[list[int]] = []
     decode_info: list[tuple[int, int, int, int, int]] = []  # (first row held, rows held, first query row, queries, t)
     query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
@@ -109,11 +116,11 @@ def build_metadata(
         kv_len = cached + new - first_row  # rows held in the live pages
         n_pages = -(-kv_len // page_size)
         used = pages[:n_pages]
-        indices.extend(used)
-        indptr.append(len(indices))
-        last_lens.append(kv_len - (n_pages - 1) * page_size)
+        if flashinfer:
+            indices.extend(used)
+            indptr.append(len(indices))
+            last_lens.append(kv_len - (n_pages - 1) * page_size)
         if is_decode:
-            decode_rows.append(t)
             decode_pages.append(used)
             decode_info.append((first_row, kv_len, cached, new, t))
             for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
@@ -131,32 +138,51 @@ def build_metadata(
             prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
         t += new
         qo_indptr.append(t)
-    meta = AttnMetadata(
-        slot_pages=torch.tensor(slot_pages, dtype=torch.long),
-        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long),
-        prefills=prefills,
-        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
-        kv_indices=torch.tensor(indices, dtype=torch.int32),
-        kv_last_page_len=torch.tensor(last_lens, dtype=torch.int32),
-        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
-    )
-    if decode_rows:
-        width = max(len(p) for p in decode_pages)
-        padded = torch.tensor([p + [0] * (width - len(p)) for p in decode_pages], dtype=torch.long)  # pad: page 0, masked
-        info = torch.tensor(decode_info)
-        meta.decode_pages = padded
-        meta.decode_query = torch.tensor(query, dtype=torch.long)
-        q = int(info[:, 3].max())
-        if q == 1:
-            j = torch.arange(width * page_size).unsqueeze(0)
-            mask = j < info[:, 1:2]  # only rows the live pages hold
-            if window is not None:
-                mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-            meta.decode_mask = mask[:, None, None, :]
-        else:
-            _multi_row_decode(meta, info, q, width * page_size, window)
+    # One tensor for all of the step's int64 fields (views into it): a tensor made from a
+    # Python list costs microseconds each, and this runs per label per step.
+    n_slots, n_query = len(slot_pages), len(query[0])
+    flat = slot_pages + slot_offsets
+    width = max((len(p) for p in decode_pages), default=0)
+    if decode_pages:
+        for col in query:
+            flat += col
+        for p in decode_pages:
+            flat += p
+            flat += [0] * (width - len(p))  # pad: page 0, masked
+        for info in decode_info:
+            flat += info
+    ints = torch.from_numpy(np.array(flat, dtype=np.int64))
+    meta = AttnMetadata(slot_pages=ints[:n_slots], slot_offsets=ints[n_slots : 2 * n_slots], prefills=prefills, window=window)
+    if flashinfer:
+        meta.kv_indptr = torch.tensor(indptr, dtype=torch.int32)
+        meta.kv_indices = torch.tensor(indices, dtype=torch.int32)
+        meta.kv_last_page_len = torch.tensor(last_lens, dtype=torch.int32)
+        meta.qo_indptr = torch.tensor(qo_indptr, dtype=torch.int32)
+    if decode_pages:
+        b, at = len(decode_pages), 2 * n_slots
+        meta.decode_query = ints[at : at + 4 * n_query].view(4, n_query)
+        at += 4 * n_query
+        meta.decode_pages = ints[at : at + b * width].view(b, width)
+        meta.decode_info = ints[at + b * width :].view(b, 5)
     return meta
+
+
+def torch_decode_fields(meta: AttnMetadata, page_size: int) -> None:
+    """The torch path's view of the decode entries (rows of T, key mask; for entries of
+    several rows also which padded rows are real), from `decode_info`; once per step, on
+    the first layer that needs it."""
+    info, window = meta.decode_info, meta.window
+    width = meta.decode_pages.shape[1] * page_size
+    q = int(info[:, 3].max())
+    if q == 1:
+        j = torch.arange(width, device=info.device).unsqueeze(0)
+        mask = j < info[:, 1:2]  # only rows the live pages hold
+        if window is not None:
+            mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
+        meta.decode_rows = info[:, 4].contiguous()
+        meta.decode_mask = mask[:, None, None, :]
+    else:
+        _multi_row_decode(meta, info, q, width, window)
 
 
 def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int, window: int | None) -> None:
@@ -165,11 +191,11 @@ def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int
     the held rows up to it; shorter entries are padded to `q` queries with their last row
     (computed, then dropped)."""
     first, held, cached, new, t = (info[:, c : c + 1] for c in range(5))
-    i = torch.arange(q).unsqueeze(0)  # [1, Q]
+    i = torch.arange(q, device=info.device).unsqueeze(0)  # [1, Q]
     real = i < new  # [B, Q]
     ii = torch.minimum(i, new - 1)
     visible = held - (new - 1 - ii)  # keys held up to and including query ii's own row
-    j = torch.arange(width).view(1, 1, -1)
+    j = torch.arange(width, device=info.device).view(1, 1, -1)
     mask = j < visible.unsqueeze(-1)  # [B, Q, L]
     if window is not None:
         mask &= (first.unsqueeze(-1) + j) > (cached + ii).unsqueeze(-1) - window
@@ -181,8 +207,22 @@ def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
     """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D]."""
+    if (cache.device.type == "cpu" and cache.dtype == torch.float32 == k.dtype == v.dtype and cache.is_contiguous()
+            and k.shape[0] == meta.slot_pages.shape[0] == meta.slot_offsets.shape[0] and _rows_contiguous(k) and _rows_contiguous(v)
+            and meta.slot_pages.dtype == meta.slot_offsets.dtype == torch.long
+            and meta.slot_pages.is_contiguous() and meta.slot_offsets.is_contiguous()):
+        kernel = cpu_kernels.write_kv()
+        if kernel is not None:
+            kernel(cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
+                   meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], cache.shape[2])
+            return
     cache[meta.slot_pages, 0, meta.slot_offsets] = k
     cache[meta.slot_pages, 1, meta.slot_offsets] = v
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[T, H, D] whose every row is H * D contiguous floats (rows may be strided)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def paged_attention(
@@ -198,7 +238,9 @@ def paged_attention(
     if meta.decode_query is not None and _decode_kernel(q, cache, meta, scale, out):
         if not meta.prefills:
             return out
-    elif meta.decode_rows is not None:
+    elif meta.decode_info is not None or meta.decode_rows is not None:
+        if meta.decode_rows is None:
+            torch_decode_fields(meta, page_size)
         b, width = meta.decode_pages.shape
         # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
         # result, so the reshape is a view; advanced indexing on the strided K view was 2x slower.

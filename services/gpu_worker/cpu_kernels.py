@@ -6,7 +6,7 @@ build in well under a second, for this very CPU (`-march=native`). The shared ob
 cached by a hash of its source, flags and compiler, so a restart only loads it.
 
 Where there is no compiler (a slim image), or `MSTAR_CPU_KERNELS=0`, or the build fails,
-`paged_decode()` returns None and attention keeps its torch path: same results, slower
+`library()` returns None and attention keeps its torch path: same results, slower
 decode. Nothing else depends on a kernel being there.
 """
 
@@ -74,19 +74,34 @@ def build(name: str) -> Path | None:
 
 
 @functools.cache
-def paged_decode():
-    """The `mstar_paged_decode` C function (see kernels/paged_decode.c), or None."""
+def library() -> ctypes.CDLL | None:
+    """kernels/paged_attention.c, built and loaded (None: use the torch path)."""
     if os.environ.get("MSTAR_CPU_KERNELS", "1").lower() in ("0", "false", "no"):
         return None
-    path = build("paged_decode")
+    path = build("paged_attention")
     if path is None:
         return None
     try:
-        fn = ctypes.CDLL(str(path)).mstar_paged_decode
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.mstar_paged_decode.restype = ctypes.c_int
+        lib.mstar_paged_decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, ptr, ptr, i64]
+        lib.mstar_write_kv.restype = None
+        lib.mstar_write_kv.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     except (OSError, AttributeError) as exc:
-        log.warning("loading the paged_decode kernel failed (the torch path is used): %s", exc)
+        log.warning("loading the paged_attention kernels failed (the torch path is used): %s", exc)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64]
-    return fn
+    return lib
+
+
+def paged_decode():
+    """`mstar_paged_decode` (decode rows over their pages in place), or None."""
+    lib = library()
+    return None if lib is None else lib.mstar_paged_decode
+
+
+def write_kv():
+    """`mstar_write_kv` (a step's K/V rows into their pages), or None."""
+    lib = library()
+    return None if lib is None else lib.mstar_write_kv

@@ -13,33 +13,33 @@ from services.gpu_worker import cpu_kernels
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("MSTAR_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels.paged_decode.cache_clear()
+    cpu_kernels.library.cache_clear()
     yield tmp_path
-    cpu_kernels.paged_decode.cache_clear()
+    cpu_kernels.library.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_builds_once_then_loads_from_the_cache(fresh, monkeypatch):
-    assert cpu_kernels.paged_decode() is not None
-    built = list(fresh.glob("paged_decode-*.so"))
+    assert cpu_kernels.library() is not None
+    built = list(fresh.glob("paged_attention-*.so"))
     assert len(built) == 1
     calls = []
     monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *a, **k: calls.append(a))
-    cpu_kernels.paged_decode.cache_clear()
-    assert cpu_kernels.paged_decode() is not None
+    cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() is not None
     assert calls == []  # loaded from the cache, not compiled again
-    assert list(fresh.glob("paged_decode-*.so")) == built
+    assert list(fresh.glob("paged_attention-*.so")) == built
 
 
 def test_a_failed_build_means_the_torch_path(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/bin/false")
     with caplog.at_level("WARNING", logger="mstar.cpu_kernels"):
-        assert cpu_kernels.paged_decode() is None
-    assert "building the paged_decode kernel failed" in caplog.text
+        assert cpu_kernels.library() is None
+    assert "building the paged_attention kernel failed" in caplog.text
     assert not list(fresh.glob("*.so"))  # no partial object left behind
 
 
 def test_switched_off_by_env(fresh, monkeypatch):
     monkeypatch.setenv("MSTAR_CPU_KERNELS", "0")
-    assert cpu_kernels.paged_decode() is None
+    assert cpu_kernels.library() is None
     assert not list(fresh.glob("*.so"))

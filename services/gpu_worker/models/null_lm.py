@@ -23,6 +23,7 @@ class NullLM(nn.Module):
         self.kv_heads = int(cfg["num_key_value_heads"])
         self.head_dim = int(cfg["head_dim"])
         self._zeros: torch.Tensor | None = None  # zero K/V rows, grown on demand and sliced
+        self._table: torch.Tensor | None = None  # [vocab, vocab]: next-token logits per input id
 
     def _zero_rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
         z = self._zeros
@@ -38,5 +39,14 @@ class NullLM(nn.Module):
         for cache, meta in zip(kv_caches, metas):
             rows = self._zero_rows(input_ids.shape[0], cache)
             write_kv(cache, rows, rows, meta)
-        nxt = FIRST_PRINTABLE + (input_ids[sample_rows] - FIRST_PRINTABLE + 1) % NUM_PRINTABLE
-        return F.one_hot(nxt, self.vocab_size).to(torch.float32)
+        return self._next_logits(input_ids.device)[input_ids[sample_rows]]
+
+    def _next_logits(self, device: torch.device) -> torch.Tensor:
+        """Row t: the logits after input id t (one-hot at the next printable byte), built
+        once, so a step's logits are one lookup rather than a chain of small ops."""
+        table = self._table
+        if table is None or table.device != device:
+            ids = torch.arange(self.vocab_size, device=device)
+            nxt = FIRST_PRINTABLE + (ids - FIRST_PRINTABLE + 1) % NUM_PRINTABLE
+            table = self._table = F.one_hot(nxt, self.vocab_size).to(torch.float32)
+        return table

@@ -1,4 +1,9 @@
-/* Paged decode attention for the CPU path: each query row attends over its request's KV
+/* Paged attention kernels for the CPU path (float32, FlashInfer's page layout).
+ *
+ * mstar_write_kv: a step's new K/V rows into their pages (one memcpy per row and half;
+ * torch's two index_put calls per layer cost more than the copy).
+ *
+ * mstar_paged_decode: each query row attends over its request's KV
  * pages where they lie, in FlashInfer's page layout [P, 2, page_size, kv_heads, head_dim]
  * (float32). The torch path first gathers every page of the batch into a contiguous copy
  * (index_select) and then runs SDPA over the copy; for decode rows (one to a few queries per
@@ -120,4 +125,16 @@ int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, con
             query_row(qi, cache, pg, lo[i], hi[i], hq, hkv, g_n, d, row, half, page_size, scale, scratch, oi);
     }
     return 0;
+}
+
+/* Row i of k and v (row strides k_stride, v_stride floats; each row kv_heads * head_dim
+ * contiguous floats, `row`) goes to page slot_pages[i], offset slot_offsets[i]. */
+void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size) {
+    const int64_t half = page_size * row;
+    for (int64_t i = 0; i < n; i++) {
+        float *dst = cache + slot_pages[i] * 2 * half + slot_offsets[i] * row;
+        memcpy(dst, k + i * k_stride, sizeof(float) * row);
+        memcpy(dst + half, v + i * v_stride, sizeof(float) * row);
+    }
 }
