@@ -1,4 +1,5 @@
-"""C kernels for the CPU path, built at first use with the machine's C compiler.
+"""C kernels for the CPU path (paged attention, fused elementwise ops), built at first use
+with the machine's C compiler.
 
 Why not a torch C++ extension: one that includes torch's headers takes most of a minute to
 compile, which would cost the worker's start-up; these are plain C over raw pointers and
@@ -48,26 +49,29 @@ def cache_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
-def build(name: str) -> Path | None:
-    """Compile kernels/<name>.c into the cache (if not there yet); the .so path, or None."""
+def build(name: str = "mstar_kernels") -> Path | None:
+    """Compile every kernels/*.c into one shared object in the cache (if not there yet);
+    its path, or None."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.info("no C compiler: %s uses the torch path", name)
+        log.info("no C compiler: the CPU path uses torch's ops")
         return None
-    src = SOURCE_DIR / f"{name}.c"
+    sources = sorted(SOURCE_DIR.glob("*.c"))
     flags = _flags()
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
+    digest = hashlib.sha256(" ".join([cc, *flags]).encode())
+    for src in sources:
+        digest.update(src.name.encode() + src.read_bytes())
+    out = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: a concurrent worker sees the whole file or none
     except (OSError, subprocess.SubprocessError) as exc:
         detail = exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-        log.warning("building the %s kernel failed (the torch path is used): %s", name, detail)
+        log.warning("building the CPU kernels failed (torch's ops are used): %s", detail)
         Path(tmp).unlink(missing_ok=True)
         return None
     return out
@@ -75,10 +79,10 @@ def build(name: str) -> Path | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """kernels/paged_attention.c, built and loaded (None: use the torch path)."""
+    """kernels/*.c, built and loaded (None: use torch's ops)."""
     if os.environ.get("MSTAR_CPU_KERNELS", "1").lower() in ("0", "false", "no"):
         return None
-    path = build("paged_attention")
+    path = build()
     if path is None:
         return None
     try:
@@ -89,8 +93,12 @@ def library() -> ctypes.CDLL | None:
                                            ctypes.c_float, ptr, ptr, i64]
         lib.mstar_write_kv.restype = None
         lib.mstar_write_kv.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+        lib.mstar_rms_norm.restype = lib.mstar_rope.restype = lib.mstar_silu_mul.restype = None
+        lib.mstar_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
+        lib.mstar_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
+        lib.mstar_silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
     except (OSError, AttributeError) as exc:
-        log.warning("loading the paged_attention kernels failed (the torch path is used): %s", exc)
+        log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None
     return lib
 

@@ -21,21 +21,21 @@ def fresh(monkeypatch, tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_builds_once_then_loads_from_the_cache(fresh, monkeypatch):
     assert cpu_kernels.library() is not None
-    built = list(fresh.glob("paged_attention-*.so"))
+    built = list(fresh.glob("mstar_kernels-*.so"))
     assert len(built) == 1
     calls = []
     monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *a, **k: calls.append(a))
     cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() is not None
     assert calls == []  # loaded from the cache, not compiled again
-    assert list(fresh.glob("paged_attention-*.so")) == built
+    assert list(fresh.glob("mstar_kernels-*.so")) == built
 
 
 def test_a_failed_build_means_the_torch_path(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/bin/false")
     with caplog.at_level("WARNING", logger="mstar.cpu_kernels"):
         assert cpu_kernels.library() is None
-    assert "building the paged_attention kernel failed" in caplog.text
+    assert "building the CPU kernels failed" in caplog.text
     assert not list(fresh.glob("*.so"))  # no partial object left behind
 
 

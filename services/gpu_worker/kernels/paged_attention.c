@@ -30,7 +30,8 @@
  * unlike the libm call the loop around it vectorizes (libm's was 1/3 of the kernel). */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    /* n = round(x / ln2) by the 1.5 * 2^23 trick: floorf would block vectorizing */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+from services.gpu_worker.models import fused
 from services.gpu_worker.models.linear import PackedHead, onednn_available, pack_linears, warm_packed
 
 
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fused.rms_norm(x, self.weight, self.eps)  # the C kernel on the CPU, where built
+        if out is not None:
+            return out
         # HF's Qwen2RMSNorm op for op (bitwise), with the temporaries updated in place
         # (fewer allocations); `.float()` is no copy for float32 input.
         h = x.float()
@@ -107,7 +111,9 @@ class Attention(nn.Module):
             # out strided (a view of that pass's output), which the torch path takes as is;
             # CUDA keeps the path below, where q is contiguous for the attention backends.
             qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
-            qk = _apply_rope(qkv[:, : self.heads + self.kv_heads], *rope)
+            qk = qkv[:, : self.heads + self.kv_heads]
+            if not fused.rope_(qk, *rope):  # in place by the C kernel, else torch's ops
+                qk = _apply_rope(qk, *rope)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, self.heads + self.kv_heads :]
         else:
@@ -147,7 +153,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            act = fused.silu_mul(gate_up)  # the C kernel on the CPU, where built
+            if act is not None:
+                return self.down_proj(act)
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate).mul_(up))  # silu's output is fresh: multiply in place
