@@ -59,7 +59,7 @@ def build(name: str = "mstar_kernels") -> Path | None:
     sources = sorted(SOURCE_DIR.glob("*.c"))
     flags = _flags()
     digest = hashlib.sha256(" ".join([cc, *flags]).encode())
-    for src in sources:
+    for src in sorted(SOURCE_DIR.glob("*.[ch]")):  # the headers they include, too
         digest.update(src.name.encode() + src.read_bytes())
     out = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if out.exists():

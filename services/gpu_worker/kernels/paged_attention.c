@@ -23,27 +23,9 @@
 #include <string.h>
 #include <float.h>
 
-#define MAX_HEADS 128
+#include "exp_poly.h"
 
-/* exp(x) for x <= 0 (a score minus its row's max), Cephes' expf: x = n ln2 + r, a degree-6
- * polynomial in r, then 2^n through the exponent bits; within 2 ulp of libm's expf, and
- * unlike the libm call the loop around it vectorizes (libm's was 1/3 of the kernel). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* n = round(x / ln2) by the 1.5 * 2^23 trick: floorf would block vectorizing */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return y * two_n.f;
-}
+#define MAX_HEADS 128
 
 /* One query row over keys [a, b) of its pages, every head at once: the cached row of all
  * KV heads is one contiguous read (hkv * d floats). */
@@ -77,7 +59,7 @@ static inline void query_row(const float *restrict q, const float *restrict cach
         float *sh = s + h * n, m = mx[h], t = 0.f;
 #pragma omp simd reduction(+ : t)
         for (int64_t j = 0; j < n; j++) {
-            sh[j] = exp_nonpositive(sh[j] - m);
+            sh[j] = exp_poly(sh[j] - m);
             t += sh[j];
         }
         sum[h] = t;
