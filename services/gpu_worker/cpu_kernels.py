@@ -1,4 +1,4 @@
-"""C kernels for the CPU path (paged attention, fused elementwise ops), built at first use
+"""C kernels for the CPU path (paged attention, GEMM, fused elementwise ops), built at first use
 with the machine's C compiler.
 
 Why not a torch C++ extension: one that includes torch's headers takes most of a minute to
@@ -97,10 +97,22 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
         lib.mstar_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
         lib.mstar_silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+        lib.mstar_gemm_nr.restype = i64
+        lib.mstar_gemm_nr.argtypes = []
+        lib.mstar_gemm_pack.restype = lib.mstar_gemm_unpack.restype = None
+        lib.mstar_gemm_pack.argtypes = lib.mstar_gemm_unpack.argtypes = [ptr, i64, i64, ptr]
+        lib.mstar_gemm.restype = ctypes.c_int
+        lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None
     return lib
+
+
+def gemm_panel() -> int:
+    """Output columns per packed panel of `mstar_gemm` (0: no GEMM kernel, e.g. no AVX-512)."""
+    lib = library()
+    return 0 if lib is None else int(lib.mstar_gemm_nr())
 
 
 def paged_decode():

@@ -1,5 +1,6 @@
-"""The CPU GEMM path: oneDNN-packed weights, row counts rounded to a bounded set of
-buckets (padding must never change a result), every bucket's kernel built up front."""
+"""The CPU GEMM path: the C kernel (kernels/gemm.c) on one thread, else oneDNN-packed
+weights with row counts rounded to a bounded set of buckets (padding must never change a
+result) and every bucket's kernel built up front."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker import cpu_kernels
 from services.gpu_worker.models.linear import (
     PLAIN_MAX_ROWS,
+    KernelHead,
+    KernelLinear,
     PackedHead,
     PackedLinear,
+    kernel_pack,
+    kernel_unpack,
+    make_head,
     onednn_available,
     pack_linears,
     row_bucket,
@@ -71,3 +78,85 @@ def test_warm_packed_runs_each_bucket_of_each_shape_once():
 def test_pack_linears_leaves_non_float32_alone():
     model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16))
     assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
+
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.gemm_panel() == 0, reason="no C GEMM kernel here (no compiler or no AVX-512)")
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features", [1, 47, 48, 49, 96, 300])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 255, 256, 257, 600])
+def test_kernel_linear_matches_a_float64_reference(rows, out_features):
+    # Row counts around the 8-row micro-kernel and the 256-row block, column counts around
+    # the 48-column panel (a partial last panel is stored masked, never past the end).
+    torch.manual_seed(rows * 1000 + out_features)
+    lin = nn.Linear(72, out_features)
+    x = torch.randn(rows, 72)
+    layer = KernelLinear(lin)
+    out = layer(x)
+    assert out.shape == (rows, out_features) and out.is_contiguous()
+    torch.testing.assert_close(out, _ref(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.view(1, rows, 72)), out.view(1, rows, out_features), rtol=0, atol=0)
+    # the bias is optional
+    lin.bias = None
+    torch.testing.assert_close(KernelLinear(lin)(x), _ref(x, lin.weight, None), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_linear_takes_strided_rows_and_zero_rows():
+    lin = nn.Linear(64, 50)
+    layer = KernelLinear(lin)
+    wide = torch.randn(10, 128)
+    x = wide[:, 32:96]  # rows 128 floats apart
+    torch.testing.assert_close(layer(x), _ref(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert layer(torch.empty(0, 64)).shape == (0, 50)
+
+
+@needs_kernel
+def test_kernel_results_do_not_depend_on_the_batch():
+    # Each output is one FMA chain over k: a row gives the same bits alone or among others,
+    # at any position (oneDNN's blocking changes with the row count, this does not).
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 200)
+    layer = KernelLinear(lin)
+    x = torch.randn(37, 512)
+    batch = layer(x)
+    for i in (0, 5, 36):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+        assert torch.equal(layer(x[i : i + 9])[0], batch[i])
+
+
+@needs_kernel
+def test_kernel_pack_round_trips_and_head_matches():
+    w = torch.randn(1000, 64)
+    assert torch.equal(kernel_unpack(kernel_pack(w), 1000, 64), w)
+    lin = nn.Linear(64, 1000, bias=False)
+    lin.weight.data.copy_(w)
+    assert torch.equal(KernelLinear(lin).weight, w)
+    head = KernelHead(w)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(head(x), _ref(x, w, None), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_pack_linears_takes_the_kernel_on_one_thread_and_onednn_on_more():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32))
+        assert pack_linears(model) == 2 and all(isinstance(m, KernelLinear) for m in model)
+        assert isinstance(make_head(torch.randn(100, 32)), KernelHead)
+        # nothing for warm_packed to build on the kernel's path
+        assert warm_packed(model, 20, make_head(torch.randn(100, 32)), 8) == 0
+        if onednn_available():
+            torch.set_num_threads(2)
+            model = nn.Sequential(nn.Linear(32, 48))
+            assert pack_linears(model) == 1 and isinstance(model[0], PackedLinear)
+            assert isinstance(make_head(torch.randn(100, 32)), PackedHead)
+    finally:
+        torch.set_num_threads(threads)

@@ -14,7 +14,7 @@ from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.models import fused
-from services.gpu_worker.models.linear import PackedHead, onednn_available, pack_linears, warm_packed
+from services.gpu_worker.models.linear import KernelHead, PackedHead, make_head, pack_linears, warm_packed
 
 
 class RMSNorm(nn.Module):
@@ -223,25 +223,27 @@ class DecoderLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    #: the LM head in oneDNN's layout (CPU float32), set by `prepare`
-    head: PackedHead | None = None
+    #: the LM head through the C GEMM or oneDNN (CPU float32), set by `prepare`
+    head: KernelHead | PackedHead | None = None
 
     def prepare(self) -> None:
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
-        one GEMM each, and on the CPU put every GEMM weight in oneDNN's layout."""
+        one GEMM each, and on the CPU put every GEMM weight in the C kernel's (else
+        oneDNN's) layout."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and onednn_available():
+        self.head = make_head(w.detach())
+        if self.head is not None:
             pack_linears(self.model.layers)
-            self.head = PackedHead(w.detach())
             if not self.tied:
-                del self.lm_head  # the head keeps the plain weight for one- or two-row calls
+                del self.lm_head  # the head has its own copy (oneDNN's keeps the plain one too)
 
     def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
         """Build every oneDNN GEMM kernel a step of up to `max_rows` rows (and
-        `max_sample_rows` sampled rows) can need, so memory does not grow under load."""
+        `max_sample_rows` sampled rows) can need, so memory does not grow under load
+        (none on the C kernel's path)."""
         if self.head is None:
             return 0
         return warm_packed(self.model.layers, max_rows, self.head, max_sample_rows)

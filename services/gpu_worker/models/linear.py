@@ -15,8 +15,14 @@ twice, 0.2 -> 2.5 GB). So row counts are rounded up to a bounded set of buckets
 (`row_bucket`, zero rows padded and sliced off) and `warm_packed` builds every bucket's
 kernel at start-up: the worker's memory at ready is its memory under any load.
 
-On CUDA, or where torch has no oneDNN, `pack_linears` does nothing and every layer stays
-a plain `nn.Linear`.
+Where the C GEMM kernel is built (kernels/gemm.c: AVX-512, one compute thread) it takes
+the place of oneDNN: `KernelLinear` / `KernelHead` keep only the kernel's packed weight,
+which is faster at decode row counts, as fast at prefill ones, needs no per-row-count
+kernel (nothing to warm, nothing to grow) and gives every row the same result whatever
+batch it is in. With more than one compute thread oneDNN's threaded GEMM is kept.
+
+On CUDA, or where torch has no oneDNN and no kernel is built, `pack_linears` does nothing
+and every layer stays a plain `nn.Linear`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.gpu_worker import cpu_kernels
 
 #: at most this many rows go through the plain weight (when it is kept)
 PLAIN_MAX_ROWS = 2
@@ -98,15 +106,91 @@ class PackedHead:
         return packed_linear(x, self.packed, None)
 
 
+def kernel_available() -> bool:
+    """The C GEMM is used: built for this CPU, and one compute thread (it is single-threaded;
+    with more, oneDNN's threaded GEMM is the faster)."""
+    return torch.get_num_threads() == 1 and cpu_kernels.gemm_panel() > 0
+
+
+def kernel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in the kernel's panels: [ceil(N / panel) * panel * K] floats."""
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    nr = cpu_kernels.gemm_panel()
+    packed = torch.empty(-(-n // nr) * nr * k)
+    cpu_kernels.library().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def kernel_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    w = torch.empty(n, k)
+    cpu_kernels.library().mstar_gemm_unpack(packed.data_ptr(), n, k, w.data_ptr())
+    return w
+
+
+def kernel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], out_features)
+    if x2.shape[0]:
+        cpu_kernels.library().mstar_gemm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), packed.data_ptr(),
+                                         out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                         out_features)
+    return out.view(*shape[:-1], out_features)
+
+
+class KernelLinear(nn.Module):
+    """An `nn.Linear` through the C GEMM; only the packed weight is kept (`weight`
+    unpacks a copy, for inspection)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = kernel_pack(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return kernel_unpack(self.packed, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_linear(x, self.packed, self.out_features, self.bias)
+
+
+class KernelHead:
+    """The LM head through the C GEMM at every row count (a GEMV at one row is as fast as
+    MKL's); only the packed weight is kept here (a tied model's embedding keeps its own)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.vocab = weight.shape[0]
+        self.packed = kernel_pack(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_linear(x, self.packed, self.vocab, None)
+
+
+def make_head(weight: torch.Tensor) -> KernelHead | PackedHead | None:
+    """The faster CPU LM head for `weight` (float32 on the CPU), or None (plain F.linear)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if kernel_available():
+        return KernelHead(weight)
+    return PackedHead(weight) if onednn_available() else None
+
+
 def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
-    """Swap every CPU float32 `nn.Linear` under `module` for a `PackedLinear`; returns how
-    many were swapped (0 where oneDNN is missing or the weights are not on the CPU)."""
-    if not onednn_available():
+    """Swap every CPU float32 `nn.Linear` under `module` for a `KernelLinear` (the C GEMM,
+    where built) or a `PackedLinear` (oneDNN); returns how many were swapped (0 where
+    neither is there or the weights are not on the CPU)."""
+    kernel = kernel_available()
+    if not kernel and not onednn_available():
         return 0
     swapped = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, PackedLinear(child, keep_plain))
+            setattr(module, name, KernelLinear(child) if kernel else PackedLinear(child, keep_plain))
             swapped += 1
         else:
             swapped += pack_linears(child, keep_plain)
@@ -116,7 +200,8 @@ def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
 def warm_packed(module: nn.Module, max_rows: int, head: PackedHead | None = None, max_head_rows: int = 0) -> int:
     """Build oneDNN's kernel for every row bucket of every packed weight shape under
     `module` (and of `head` up to `max_head_rows`) now, at start-up, rather than under load;
-    returns how many GEMMs it ran. Kernels are cached by shape, so one layer per shape does."""
+    returns how many GEMMs it ran. Kernels are cached by shape, so one layer per shape does.
+    (`KernelLinear`s and a `KernelHead` need nothing built.)"""
     shapes: dict[tuple[int, int, bool], PackedLinear] = {}
     for m in module.modules():
         if isinstance(m, PackedLinear):
@@ -124,7 +209,7 @@ def warm_packed(module: nn.Module, max_rows: int, head: PackedHead | None = None
     # (packed weight, bias, in features, most rows, fewest rows that reach oneDNN)
     todo = [(layer.packed, layer.bias, layer.in_features, max_rows, PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
             for layer in shapes.values()]
-    if head is not None:
+    if isinstance(head, PackedHead):
         todo.append((head.packed, None, head.plain.shape[1], max_head_rows, PLAIN_MAX_ROWS + 1))
     runs = 0
     with torch.inference_mode():
