@@ -38,6 +38,24 @@ def _flags() -> list[str]:
     return flags
 
 
+def cpu_signature() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags (from
+    /proc/cpuinfo where there is one). Part of the cache key, so a cache shared between
+    different machines (a mounted home, a copied image) never hands one CPU a shared
+    object built for another's instructions."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keep = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    seen: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in keep:
+            seen.setdefault(key.strip(), value.strip())
+    return f"{platform.machine()} {sorted(seen.items())}"
+
+
 def cache_dir() -> Path:
     """`MSTAR_KERNEL_CACHE`, else ~/.cache/mstar/kernels (a temp dir if home is read-only)."""
     env = os.environ.get("MSTAR_KERNEL_CACHE")
@@ -58,7 +76,7 @@ def build(name: str = "mstar_kernels") -> Path | None:
         return None
     sources = sorted(SOURCE_DIR.glob("*.c"))
     flags = _flags()
-    digest = hashlib.sha256(" ".join([cc, *flags]).encode())
+    digest = hashlib.sha256(" ".join([cc, *flags, cpu_signature()]).encode())
     for src in sorted(SOURCE_DIR.glob("*.[ch]")):  # the headers they include, too
         digest.update(src.name.encode() + src.read_bytes())
     out = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"

@@ -1,4 +1,4 @@
-"""Building the CPU kernels: cached by source and flags, and a failed build falls back to
+"""Building the CPU kernels: cached by source, flags, compiler and CPU, and a failed build falls back to
 torch's path (None) instead of failing the worker."""
 
 from __future__ import annotations
@@ -43,3 +43,14 @@ def test_switched_off_by_env(fresh, monkeypatch):
     monkeypatch.setenv("MSTAR_CPU_KERNELS", "0")
     assert cpu_kernels.library() is None
     assert not list(fresh.glob("*.so"))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_another_cpu_gets_its_own_build(fresh, monkeypatch):
+    # -march=native: an object built for one CPU's instructions must never load on another
+    # that shares the cache
+    first = cpu_kernels.build()
+    monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: "x86_64 some other cpu without avx-512")
+    second = cpu_kernels.build()
+    assert first is not None and second is not None and first != second
+    assert sorted(fresh.glob("mstar_kernels-*.so")) == sorted([first, second])
