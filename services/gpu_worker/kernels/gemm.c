@@ -1,14 +1,16 @@
 /* float32 GEMM for the CPU path's linear layers: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
  *
  * Why not oneDNN: a decode step is mostly these GEMMs at 1-16 rows, where oneDNN reaches
- * 45-60 GFLOP/s on one core of this Xeon, against ~90 at prefill sizes (the FMA peak), and
- * its LM head (32000 x 512) reads the weight at about half the memory's speed. Here the
+ * 45-60 GFLOP/s on one core of this Xeon, against 85-97 at prefill sizes (a register-only
+ * FMA loop peaks at ~140), and its 16-row LM head (32000 x 512) takes ~1.7x the time a
+ * one-row pass needs to read the weight. Here the
  * weight is packed once at load into panels of NR output columns ([K][NR] each, zero
  * padded): the inner loop streams one panel contiguously and does MR x 3 FMAs per k with
  * each x element broadcast from memory, 24 accumulators, FMA-bound; the panel two ahead
- * is prefetched while one computes, so the weight's read overlaps the arithmetic.
+ * is prefetched while one computes (its lines spread over all the row groups that use this
+ * panel, not issued in one burst), so the weight's read overlaps the arithmetic.
  * Measured with `python -m bench.gemm` (one thread, bench checkpoint shapes): 16 rows,
- * 1.15-1.5x oneDNN on the layer shapes and ~1.15x on the head; 512 rows, 0.95-1.0x.
+ * 1.15-1.5x oneDNN on the layer shapes and 1.2-1.3x on the head; 512 rows, 0.9-1.0x.
  *
  * Each output is one left-to-right FMA chain over k whatever M is and whichever rows
  * share the call: a row's result does not depend on the batch it is in.
@@ -21,6 +23,7 @@
 #define NR 48 /* output columns per panel: three 16-float vectors */
 #define MR 8  /* rows per micro-kernel call: 8 x 3 accumulators + 3 panel vectors */
 #define MC 256 /* rows per block: MC x K floats of x stay in L2 across all panels */
+#define PF_AHEAD 2 /* panels */
 
 int64_t mstar_gemm_nr(void) {
 #ifdef __AVX512F__
@@ -56,19 +59,18 @@ void mstar_gemm_unpack(const float *packed, int64_t n, int64_t k, float *w) {
 
 static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx, const float *b,
                                                         int64_t k, const float *bias, float *out, int64_t ldo,
-                                                        int64_t cols, const float *pf) {
+                                                        int64_t cols, const float *pf, int64_t pf_lines) {
     __m512 acc[MR][3];
+    int64_t due = 0;
 #pragma GCC unroll 8
     for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = acc[m][2] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; kk++) {
         const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16),
                      b2 = _mm512_loadu_ps(b + kk * NR + 32);
-        if (pf != NULL) { /* the next panel, toward the cache while this one computes */
-            _mm_prefetch((const char *)(pf + kk * NR), _MM_HINT_T0);
-            _mm_prefetch((const char *)(pf + kk * NR + 16), _MM_HINT_T0);
-            _mm_prefetch((const char *)(pf + kk * NR + 32), _MM_HINT_T0);
-        }
+        /* this call's share of a panel ahead, pf_lines lines spread evenly over its k loop
+         * (a running remainder, no division in the loop) */
+        for (due += pf_lines; due >= k; due -= k, pf += 16) _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
             const __m512 a = _mm512_set1_ps(x[m * ldx + kk]);
@@ -107,11 +109,11 @@ static inline __attribute__((always_inline)) void micro(const int mr, const floa
 
 #define MICRO_CASE(R)                                           \
     case R:                                                     \
-        micro(R, x, ldx, b, k, bias, out, ldo, cols, pf);           \
+        micro(R, x, ldx, b, k, bias, out, ldo, cols, pf, pf_lines); \
         break;
 
 static void micro_any(int mr, const float *x, int64_t ldx, const float *b, int64_t k, const float *bias, float *out,
-                      int64_t ldo, int64_t cols, const float *pf) {
+                      int64_t ldo, int64_t cols, const float *pf, int64_t pf_lines) {
     switch (mr) {
         MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4)
         MICRO_CASE(5) MICRO_CASE(6) MICRO_CASE(7) MICRO_CASE(8)
@@ -126,7 +128,7 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
     const int64_t panels = (n + NR - 1) / NR;
     float bias_tail[NR];
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t mc = m - m0 < MC ? m - m0 : MC;
+        const int64_t mc = m - m0 < MC ? m - m0 : MC, calls = (mc + MR - 1) / MR;
         for (int64_t p = 0; p < panels; p++) {
             const int64_t col = p * NR, cols = n - col < NR ? n - col : NR;
             const float *b = packed + p * k * NR, *bp = NULL;
@@ -141,8 +143,12 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
             }
             for (int64_t r = 0; r < mc; r += MR) {
                 const int mr = (int)(mc - r < MR ? mc - r : MR);
-                const float *pf = r == 0 && p + 2 < panels ? b + 2 * k * NR : NULL;
-                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, out + (m0 + r) * ldo + col, ldo, cols, pf);
+                /* the panel PF_AHEAD ahead, its lines split evenly between this panel's calls, so
+                 * the memory stays busy through all of them */
+                const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
+                const int ahead = p + PF_AHEAD < panels;
+                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, out + (m0 + r) * ldo + col, ldo, cols,
+                          ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b, ahead ? j1 - j0 : 0);
             }
         }
     }
