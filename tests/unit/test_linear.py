@@ -160,3 +160,10 @@ def test_pack_linears_takes_the_kernel_on_one_thread_and_onednn_on_more():
             assert isinstance(make_head(torch.randn(100, 32)), PackedHead)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_kernel_linear_refuses_other_dtypes_instead_of_reading_them_as_float32():
+    layer = KernelLinear(nn.Linear(16, 8))
+    with pytest.raises(TypeError, match=r"float32 CPU input, got torch\.float64 on cpu"):
+        layer(torch.randn(2, 16, dtype=torch.float64))

@@ -131,6 +131,8 @@ def kernel_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def kernel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if x2.dtype != torch.float32 or x2.device.type != "cpu":  # the kernel reads float32 rows
+        raise TypeError(f"the CPU GEMM kernel takes float32 CPU input, got {x2.dtype} on {x2.device}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], out_features)
