@@ -121,6 +121,8 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_gemm_pack.argtypes = lib.mstar_gemm_unpack.argtypes = [ptr, i64, i64, ptr]
         lib.mstar_gemm.restype = ctypes.c_int
         lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+        lib.mstar_gemm_silu.restype = ctypes.c_int
+        lib.mstar_gemm_silu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None

@@ -12,6 +12,7 @@ from torch import nn
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.models.linear import (
     PLAIN_MAX_ROWS,
+    KernelGateUpSilu,
     KernelHead,
     KernelLinear,
     PackedHead,
@@ -167,3 +168,20 @@ def test_kernel_linear_refuses_other_dtypes_instead_of_reading_them_as_float32()
     layer = KernelLinear(nn.Linear(16, 8))
     with pytest.raises(TypeError, match=r"float32 CPU input, got torch\.float64 on cpu"):
         layer(torch.randn(2, 16, dtype=torch.float64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("inter", [24, 40, 1408])
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_gate_up_silu_is_the_gemm_then_silu_mul_bit_for_bit(rows, inter):
+    # the epilogue's outputs are the unfused path's: same FMA chains, same silu formula
+    from services.gpu_worker.models import fused
+
+    torch.manual_seed(rows + inter)
+    gate_up = nn.Linear(64, 2 * inter, bias=False)
+    x = torch.randn(rows, 64)
+    out = KernelGateUpSilu(gate_up)(x)
+    unfused = fused.silu_mul(KernelLinear(gate_up)(x))
+    assert out.shape == (rows, inter) and torch.equal(out, unfused)
+    ref = _ref(x, gate_up.weight, None).double()
+    torch.testing.assert_close(out.double(), F.silu(ref[:, :inter]) * ref[:, inter:], rtol=1e-5, atol=1e-5)

@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_poly.h"
+
 #define NR 48 /* output columns per panel: three 16-float vectors */
 #define MR 8  /* rows per micro-kernel call: 8 x 3 accumulators + 3 panel vectors */
 #define MC 256 /* rows per block: MC x K floats of x stay in L2 across all panels */
@@ -155,6 +157,45 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)out; (void)ldo;
+    return -1;
+#endif
+}
+
+/* The MLP's gate/up GEMM with silu(gate) * up applied as each tile leaves the registers:
+ * out [M, ldo] (inter columns) = silu(x gate^T) * (x up^T). `packed` holds panels of 24
+ * gate columns followed by the same 24 up columns (see KernelGateUpSilu), so a tile has
+ * both halves of its outputs; the 2 x inter wide intermediate is never written. Each
+ * output's GEMM chains and its silu are those of mstar_gemm + mstar_silu_mul, bit for bit. */
+int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
+                    float *out, int64_t ldo) {
+#ifdef __AVX512F__
+    const int64_t half = NR / 2, panels = (inter + half - 1) / half;
+    float tile[MR * NR];
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mc = m - m0 < MC ? m - m0 : MC, calls = (mc + MR - 1) / MR;
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col = p * half, cols = inter - col < half ? inter - col : half;
+            const float *b = packed + p * k * NR;
+            for (int64_t r = 0; r < mc; r += MR) {
+                const int mr = (int)(mc - r < MR ? mc - r : MR);
+                const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
+                const int ahead = p + PF_AHEAD < panels;
+                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR,
+                          ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b, ahead ? j1 - j0 : 0);
+                for (int row = 0; row < mr; row++) {
+                    const float *g = tile + row * NR, *u = g + half;
+                    float *o = out + (m0 + r + row) * ldo + col;
+                    float e[NR / 2];
+#pragma omp simd
+                    for (int64_t j = 0; j < half; j++) e[j] = exp_poly(-g[j]);
+                    for (int64_t j = 0; j < cols; j++) o[j] = g[j] / (1.0f + e[j]) * u[j];
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)out; (void)ldo;
     return -1;
 #endif
 }

@@ -14,7 +14,14 @@ from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.models import fused
-from services.gpu_worker.models.linear import KernelHead, PackedHead, make_head, pack_linears, warm_packed
+from services.gpu_worker.models.linear import (
+    KernelGateUpSilu,
+    KernelHead,
+    PackedHead,
+    make_head,
+    pack_linears,
+    warm_packed,
+)
 
 
 class RMSNorm(nn.Module):
@@ -145,13 +152,23 @@ class MLP(nn.Module):
             raise NotImplementedError(f"hidden_act {cfg.get('hidden_act')!r} is not supported")
 
         self.gate_up_proj: nn.Linear | None = None
+        #: gate/up GEMM and silu * up in one C call (CPU, the GEMM kernel's path)
+        self.gate_up_silu: KernelGateUpSilu | None = None
 
     def fuse(self) -> None:
         """One GEMM for gate and up."""
         self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
+    def fuse_silu(self) -> None:
+        """The gate/up GEMM with silu * up in its epilogue (after `fuse`; bias-free only)."""
+        if self.gate_up_proj is not None and self.gate_up_proj.bias is None:
+            self.gate_up_silu = KernelGateUpSilu(self.gate_up_proj)
+            self.gate_up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_silu is not None:
+            return self.down_proj(self.gate_up_silu(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             act = fused.silu_mul(gate_up)  # the C kernel on the CPU, where built
@@ -235,6 +252,9 @@ class DecoderLM(nn.Module):
             layer.mlp.fuse()
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         self.head = make_head(w.detach())
+        if isinstance(self.head, KernelHead):
+            for layer in self.model.layers:
+                layer.mlp.fuse_silu()
         if self.head is not None:
             pack_linears(self.model.layers)
             if not self.tied:

@@ -161,6 +161,39 @@ class KernelLinear(nn.Module):
         return kernel_linear(x, self.packed, self.out_features, self.bias)
 
 
+class KernelGateUpSilu(nn.Module):
+    """The MLP's fused gate/up `nn.Linear` (weight [gate; up], 2 x inter rows) and the
+    silu(gate) * up after it, as one C call: the kernel applies silu * up to each tile as
+    it leaves the registers, so the 2 x inter wide intermediate (6 MB per layer for a
+    512-token prefill chunk here) is never written and read back. Same bits as
+    `KernelLinear` followed by `fused.silu_mul`. No bias (no checkpoint here has one)."""
+
+    def __init__(self, gate_up: nn.Linear) -> None:
+        super().__init__()
+        if gate_up.bias is not None or gate_up.out_features % 2:
+            raise ValueError("KernelGateUpSilu takes a bias-free [gate; up] weight")
+        self.in_features, self.inter = gate_up.in_features, gate_up.out_features // 2
+        half = cpu_kernels.gemm_panel() // 2
+        panels = -(-self.inter // half)
+        w = gate_up.weight.detach()
+        gate, up = (F.pad(part, (0, 0, 0, panels * half - self.inter)).view(panels, half, -1)
+                    for part in (w[: self.inter], w[self.inter :]))
+        # panel p: gate rows [p*half, (p+1)*half) then the same up rows
+        self.packed = kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or x2.device.type != "cpu":
+            raise TypeError(f"the CPU GEMM kernel takes float32 CPU input, got {x2.dtype} on {x2.device}")
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape[0], self.inter)
+        if x2.shape[0]:
+            cpu_kernels.library().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
+                                                  self.packed.data_ptr(), self.inter, out.data_ptr(), self.inter)
+        return out.view(*x.shape[:-1], self.inter)
+
+
 class KernelHead:
     """The LM head through the C GEMM at every row count (a GEMV at one row is as fast as
     MKL's); only the packed weight is kept here (a tied model's embedding keeps its own)."""
