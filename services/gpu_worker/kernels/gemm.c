@@ -123,16 +123,31 @@ static void micro_any(int mr, const float *x, int64_t ldx, const float *b, int64
 }
 #endif
 
-/* out [M, ldo] = x [M, ldx] @ unpacked(w)^T + bias; 0 on success, -1 without AVX-512. */
-int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
-               const float *bias, float *out, int64_t ldo) {
 #ifdef __AVX512F__
-    const int64_t panels = (n + NR - 1) / NR;
-    float bias_tail[NR];
+/* silu(g) * u for one tile's rows: the first half of each row is gate, the second up */
+static void silu_rows(const float *tile, int mr, int64_t cols, float *out, int64_t ldo) {
+    const int64_t half = NR / 2;
+    for (int row = 0; row < mr; row++) {
+        const float *g = tile + row * NR, *u = g + half;
+        float *o = out + row * ldo;
+        float e[NR / 2];
+#pragma omp simd
+        for (int64_t j = 0; j < half; j++) e[j] = exp_poly(-g[j]);
+        for (int64_t j = 0; j < cols; j++) o[j] = g[j] / (1.0f + e[j]) * u[j];
+    }
+}
+
+/* Both entry points: MC-row blocks, each panel in turn, MR rows per micro-kernel call.
+ * `silu`: the panels hold 24 gate + 24 up columns and each tile goes through silu_rows
+ * into 24 output columns, else a panel is NR output columns (+ bias). */
+static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                  const float *bias, float *out, int64_t ldo, int silu) {
+    const int64_t width = silu ? NR / 2 : NR, panels = (n + width - 1) / width;
+    float bias_tail[NR], tile[MR * NR];
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC, calls = (mc + MR - 1) / MR;
         for (int64_t p = 0; p < panels; p++) {
-            const int64_t col = p * NR, cols = n - col < NR ? n - col : NR;
+            const int64_t col = p * width, cols = n - col < width ? n - col : width;
             const float *b = packed + p * k * NR, *bp = NULL;
             if (bias != NULL) {
                 if (cols == NR) {
@@ -149,11 +164,25 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
                  * the memory stays busy through all of them */
                 const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
                 const int ahead = p + PF_AHEAD < panels;
-                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, out + (m0 + r) * ldo + col, ldo, cols,
-                          ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b, ahead ? j1 - j0 : 0);
+                const float *pf = ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b;
+                float *o = out + (m0 + r) * ldo + col;
+                if (silu) {
+                    micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR, pf, ahead ? j1 - j0 : 0);
+                    silu_rows(tile, mr, cols, o, ldo);
+                } else {
+                    micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, o, ldo, cols, pf, ahead ? j1 - j0 : 0);
+                }
             }
         }
     }
+}
+#endif
+
+/* out [M, ldo] = x [M, ldx] @ unpacked(w)^T + bias; 0 on success, -1 without AVX-512. */
+int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+               const float *bias, float *out, int64_t ldo) {
+#ifdef __AVX512F__
+    drive(x, m, k, ldx, packed, n, bias, out, ldo, 0);
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias; (void)out; (void)ldo;
@@ -169,30 +198,7 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
 int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
                     float *out, int64_t ldo) {
 #ifdef __AVX512F__
-    const int64_t half = NR / 2, panels = (inter + half - 1) / half;
-    float tile[MR * NR];
-    for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t mc = m - m0 < MC ? m - m0 : MC, calls = (mc + MR - 1) / MR;
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t col = p * half, cols = inter - col < half ? inter - col : half;
-            const float *b = packed + p * k * NR;
-            for (int64_t r = 0; r < mc; r += MR) {
-                const int mr = (int)(mc - r < MR ? mc - r : MR);
-                const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
-                const int ahead = p + PF_AHEAD < panels;
-                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR,
-                          ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b, ahead ? j1 - j0 : 0);
-                for (int row = 0; row < mr; row++) {
-                    const float *g = tile + row * NR, *u = g + half;
-                    float *o = out + (m0 + r + row) * ldo + col;
-                    float e[NR / 2];
-#pragma omp simd
-                    for (int64_t j = 0; j < half; j++) e[j] = exp_poly(-g[j]);
-                    for (int64_t j = 0; j < cols; j++) o[j] = g[j] / (1.0f + e[j]) * u[j];
-                }
-            }
-        }
-    }
+    drive(x, m, k, ldx, packed, inter, NULL, out, ldo, 1);
     return 0;
 #else
     (void)x; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)out; (void)ldo;

@@ -128,19 +128,22 @@ def kernel_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return w
 
 
-def kernel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: float32 CPU rows [M, K] with unit stride along K."""
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or x2.device.type != "cpu":  # the kernel reads float32 rows
         raise TypeError(f"the CPU GEMM kernel takes float32 CPU input, got {x2.dtype} on {x2.device}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def kernel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = _kernel_rows(x)
     out = torch.empty(x2.shape[0], out_features)
     if x2.shape[0]:
         cpu_kernels.library().mstar_gemm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), packed.data_ptr(),
                                          out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
                                          out_features)
-    return out.view(*shape[:-1], out_features)
+    return out.view(*x.shape[:-1], out_features)
 
 
 class KernelLinear(nn.Module):
@@ -182,11 +185,7 @@ class KernelGateUpSilu(nn.Module):
         self.packed = kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.float32 or x2.device.type != "cpu":
-            raise TypeError(f"the CPU GEMM kernel takes float32 CPU input, got {x2.dtype} on {x2.device}")
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _kernel_rows(x)
         out = torch.empty(x2.shape[0], self.inter)
         if x2.shape[0]:
             cpu_kernels.library().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
