@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "exp_poly.h"
+#include "silu_mul.h"
 
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, as HF's RMSNorm in float32. */
 void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t rows, int64_t dim) {
@@ -46,13 +46,5 @@ void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t
 
 /* out[r] = silu(gu[r, :inter]) * gu[r, inter:2 inter]; silu(g) = g / (1 + exp(-g)). */
 void mstar_silu_mul(const float *restrict gu, int64_t gu_stride, int64_t inter, float *restrict out, int64_t rows) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict g = gu + r * gu_stride;
-        const float *restrict u = g + inter;
-        float *restrict o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = exp_poly(-g[i]);
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
-    }
+    silu_mul_rows(gu, gu_stride, inter, inter, out, inter, rows);
 }

@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "exp_poly.h"
+#include "silu_mul.h"
 
 #define NR 48 /* output columns per panel: three 16-float vectors */
 #define MR 8  /* rows per micro-kernel call: 8 x 3 accumulators + 3 panel vectors */
@@ -124,22 +124,9 @@ static void micro_any(int mr, const float *x, int64_t ldx, const float *b, int64
 #endif
 
 #ifdef __AVX512F__
-/* silu(g) * u for one tile's rows: the first half of each row is gate, the second up */
-static void silu_rows(const float *tile, int mr, int64_t cols, float *out, int64_t ldo) {
-    const int64_t half = NR / 2;
-    for (int row = 0; row < mr; row++) {
-        const float *g = tile + row * NR, *u = g + half;
-        float *o = out + row * ldo;
-        float e[NR / 2];
-#pragma omp simd
-        for (int64_t j = 0; j < half; j++) e[j] = exp_poly(-g[j]);
-        for (int64_t j = 0; j < cols; j++) o[j] = g[j] / (1.0f + e[j]) * u[j];
-    }
-}
-
 /* Both entry points: MC-row blocks, each panel in turn, MR rows per micro-kernel call.
- * `silu`: the panels hold 24 gate + 24 up columns and each tile goes through silu_rows
- * into 24 output columns, else a panel is NR output columns (+ bias). */
+ * `silu`: the panels hold 24 gate + 24 up columns and each tile goes through
+ * silu_mul_rows into 24 output columns, else a panel is NR output columns (+ bias). */
 static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                   const float *bias, float *out, int64_t ldo, int silu) {
     const int64_t width = silu ? NR / 2 : NR, panels = (n + width - 1) / width;
@@ -168,7 +155,7 @@ static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float
                 float *o = out + (m0 + r) * ldo + col;
                 if (silu) {
                     micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR, pf, ahead ? j1 - j0 : 0);
-                    silu_rows(tile, mr, cols, o, ldo);
+                    silu_mul_rows(tile, NR, NR / 2, cols, o, ldo, mr);
                 } else {
                     micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, o, ldo, cols, pf, ahead ? j1 - j0 : 0);
                 }
@@ -194,7 +181,7 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
  * out [M, ldo] (inter columns) = silu(x gate^T) * (x up^T). `packed` holds panels of 24
  * gate columns followed by the same 24 up columns (see KernelGateUpSilu), so a tile has
  * both halves of its outputs; the 2 x inter wide intermediate is never written. Each
- * output's GEMM chains and its silu are those of mstar_gemm + mstar_silu_mul, bit for bit. */
+ * output's GEMM chains are mstar_gemm's and its silu is mstar_silu_mul's (silu_mul.h): bit for bit. */
 int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
                     float *out, int64_t ldo) {
 #ifdef __AVX512F__

@@ -1,0 +1,24 @@
+/* silu(gate) * up over rows, shared by mstar_silu_mul (elementwise.c) and the GEMM's
+ * silu epilogue (gemm.c), so the two paths give the same bits by construction. */
+#ifndef MSTAR_SILU_MUL_H
+#define MSTAR_SILU_MUL_H
+#include <stdint.h>
+
+#include "exp_poly.h"
+
+/* out[r, :n] = silu(g) * u with g = gu[r, :n], u = gu[r, up:up + n] (row strides gu_stride
+ * and out_stride); silu(g) = g / (1 + exp(-g)). exp(-g) goes through out first. */
+static inline void silu_mul_rows(const float *restrict gu, int64_t gu_stride, int64_t up, int64_t n,
+                                 float *restrict out, int64_t out_stride, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gu + r * gu_stride;
+        const float *restrict u = g + up;
+        float *restrict o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = exp_poly(-g[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
+    }
+}
+
+#endif
