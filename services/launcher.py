@@ -1,7 +1,10 @@
 """`mstar serve`: start the four services as child processes and supervise them.
 
-Order: the conductor first (it validates the deployment before any worker loads), then
-the gpu worker(s), the data worker and the api. `serve` returns only when stopped:
+Before any child starts, the launcher runs the conductor's deployment check in-process
+(`validate_deployment`: the model resolves, a Hub id is in the local cache, the
+architecture is supported) and reads a `--chat-template` file: a refusal is one line,
+`mstar: deployment refused: <why>`, and exit code 2, with no worker loading weights.
+Then: the conductor first, the gpu worker(s), the data worker and the api. `serve` returns only when stopped:
 SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period), and a
 child that dies at start makes the launcher stop the rest and exit non-zero with that
 child's error (its stderr is the launcher's). Children get PR_SET_PDEATHSIG, so even a
@@ -168,11 +171,37 @@ class Launcher:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+class _ModelAction(argparse.Action):
+    """`mstar serve MODEL` and `--model MODEL` both set `model`; two different values are
+    a usage error (the same one twice is fine)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:  # the positional MODEL, absent
+            return
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice, as {given!r} and {values!r}; give MODEL or --model, not both")
+        namespace._model_given = values
+        namespace.model = values
+
+
+MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub id (org/name) already in the local "
+              "Hugging Face cache (nothing is downloaded; $HF_HOME/hub); empty: the embedded SmolLM2-135M-Instruct (env MSTAR_MODEL)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mstar", description="mstar: a serving engine for generative models")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)")
+    # "resolve": the --model below replaces add_deployment_flags' (it also takes MODEL)
+    serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)", conflict_handler="resolve")
+    serve.add_argument("model", nargs="?", metavar="MODEL", default=None, action=_ModelAction, help=MODEL_HELP)
     add_deployment_flags(serve)
+    serve.add_argument("--model", dest="model", default=None, action=_ModelAction, help="the same as MODEL")
+    serve.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
+                       help="the name /v1/models lists and OpenAI requests must give as `model` (env MSTAR_SERVED_MODEL_NAME; "
+                            "default: the Hub id, the folder's name or the .gguf's stem)")
+    serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
+                       help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP api binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
@@ -182,11 +211,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def preflight(d: Deployment, chat_template: str | None) -> str | None:
+    """What the conductor would refuse, checked here before any child starts: None when
+    the deployment is fine, else the one-line reason."""
+    from services.api.chat_template import read_template_file
+    from services.conductor.__main__ import validate_deployment
+    from shared.model import DeploymentError
+
+    try:
+        validate_deployment(d.model, d.page_size, d.max_seq_len)
+        if chat_template:
+            read_template_file(chat_template)
+    except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.model is None:
+        args.model = os.environ.get("MSTAR_MODEL", "")
     d = deployment_from_args(args)
+    chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
+    refused = preflight(d, chat_template)
+    if refused is None and args.served_model_name is not None and not args.served_model_name.strip():
+        refused = "--served-model-name must be non-empty"
+    if refused is not None:
+        print(f"mstar: deployment refused: {refused}", file=sys.stderr, flush=True)
+        return 2
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     api_flags = ["--max-body-bytes", str(args.max_body_bytes)] if args.max_body_bytes else []
+    if args.served_model_name is not None:
+        api_flags += ["--served-model-name", args.served_model_name]
+    if chat_template:
+        api_flags += ["--chat-template", chat_template]
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key

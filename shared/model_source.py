@@ -41,8 +41,10 @@ class ModelSource:
 
             self.kind, self.path, self.name = "null", null_lm.null_weights_dir(), "null"
             self.__dict__.update(config=null_lm.null_config(), tokenizer=null_lm.null_tokenizer())  # the cached properties
-        else:
-            path = Path(model).expanduser()
+        else:  # a local folder, a .gguf file, or a Hub id (org/name) from the local cache
+            from shared.hub import resolve_model
+
+            path = resolve_model(model)
             if path.is_dir():
                 if not (path / "config.json").exists():
                     raise DeploymentError(f"model folder {path} has no config.json")
@@ -51,7 +53,10 @@ class ModelSource:
                 self.kind, self.path = "gguf", path
             else:
                 raise DeploymentError(f"--model {model!r} is neither a local Hugging Face folder nor a .gguf file")
-            self.name = path.stem if self.kind == "gguf" else path.name
+            if path != Path(model).expanduser():  # a Hub id: served as the id itself, as vLLM does
+                self.name = model
+            else:
+                self.name = path.stem if self.kind == "gguf" else path.name
 
     @functools.cached_property
     def config(self) -> dict:
@@ -87,6 +92,40 @@ def _token_str(value) -> str | None:
     return value
 
 
+def _chat_template(path: Path, tcfg: dict) -> str | None:
+    """The checkpoint's chat template, in every form checkpoints ship, in transformers'
+    order: a `chat_template.jinja` file, else a processor's `chat_template.json`
+    (`{"chat_template": ...}`), else tokenizer_config.json's `chat_template`."""
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").exists():
+        value = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+        if value is not None:
+            return _default_template(value, "chat_template.json")
+    return _default_template(tcfg.get("chat_template"), "tokenizer_config.json")
+
+
+def _default_template(value, where: str) -> str | None:
+    """A template string as is; of named templates (the list form
+    `[{"name": "default", "template": ...}, {"name": "tool_use", ...}]`, or a dict of
+    them) the one named "default", as transformers picks when no tools are given."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value):
+            raise DeploymentError(f"{where}: chat_template is a list, but not of {{\"name\": ..., \"template\": ...}} entries")
+        value = {t["name"]: t["template"] for t in value}
+    if not isinstance(value, dict) or not all(isinstance(t, str) for t in value.values()):
+        raise DeploymentError(f"{where}: chat_template is neither a template string nor a list of named templates")
+    if "default" in value:
+        return value["default"]
+    # No default: transformers refuses at apply_chat_template time, so chat is refused
+    # (400, with this reason) while every other route serves; --chat-template FILE fixes it.
+    reason = (f"{where} has chat templates named {sorted(value)} but none named 'default'; "
+              "start the api with --chat-template FILE to choose one")
+    return "{{ raise_exception(" + json.dumps(reason) + ") }}"
+
+
 def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     tok_file = path / "tokenizer.json"
     if not tok_file.exists():
@@ -95,9 +134,7 @@ def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     tcfg = {}
     if (path / "tokenizer_config.json").exists():
         tcfg = json.loads((path / "tokenizer_config.json").read_text())
-    template = tcfg.get("chat_template")
-    if (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
+    template = _chat_template(path, tcfg)
     eos = None
     if (path / "generation_config.json").exists():
         eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")

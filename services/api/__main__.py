@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.api", description="mstar api service: HTTP / SSE / WebSocket front door")
     p.add_argument("--host", default=os.environ.get("MSTAR_API_HOST", "127.0.0.1"), help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")), help="HTTP port (env MSTAR_API_PORT; default 8000)")
-    p.add_argument("--model", default=os.environ.get("MSTAR_MODEL", ""), help="local Hugging Face folder, a .gguf file, or empty for the embedded default (env MSTAR_MODEL)")
+    p.add_argument("--model", default=os.environ.get("MSTAR_MODEL", ""), help="local Hugging Face folder, a .gguf file, a Hugging Face Hub id (org/name) in the local cache, or empty for the embedded default (env MSTAR_MODEL)")
+    p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
+                   help="the name /v1/models lists and OpenAI requests must give as `model` (env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
+    p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
+                   help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
     add_address_flags(p, ADDRESSES)
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None, help="the api address workers reply to (env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
@@ -54,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
 
+    import msgspec
     import uvicorn
 
     from services.api.app import create_app
+    from services.api.chat_template import read_template_file
     from services.api.server import ApiServer
     from services.api.settings import ApiSettings
     from services.api.transcription import default_language, is_speech_model
@@ -65,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = ModelSource(args.model)
         tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
+        if args.chat_template:  # --chat-template FILE replaces the checkpoint's template
+            tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))
         api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
         takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
         settings = ApiSettings(
-            model_name=source.name,
+            model_name=args.served_model_name if args.served_model_name is not None else source.name,
             api_addr=addrs["api"],
             advertise_addr=reply_to,
             data_worker_addr=addrs["data_worker"],

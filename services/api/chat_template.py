@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -66,6 +67,25 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def read_template_file(path: str) -> str:
+    """`--chat-template FILE`: the file's text, which replaces the checkpoint's template.
+    A missing or unreadable file, or one that does not compile, is a ValueError with a
+    one-line reason (a start-up error, not a chat route that answers 500 later)."""
+    try:
+        source = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"chat template file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat template file {path}: not UTF-8 text ({exc.reason})") from None
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template file {path}: line {exc.lineno}: {exc.message}") from None
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template file {path}: {exc}") from None
+    return source
 
 
 class ChatTemplate:

@@ -14,7 +14,9 @@ DEFAULT_WS_MAX_LIVE = 64
 
 
 class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
-    model_name: str  # the served name, put on every GenerateRequest
+    #: the served name (--served-model-name; default the model's: a Hub id as is, a folder's
+    #: name, a .gguf's stem): what /v1/models lists and OpenAI requests must name
+    model_name: str  # also put on every GenerateRequest
     api_addr: str  # where this process binds its PULL for outputs
     advertise_addr: str  # what peers use as reply_to (== api_addr unless it is 0.0.0.0)
     data_worker_addr: str
@@ -28,6 +30,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     audio_language: str | None = None  # the language a speech model assumes when none is sent
 
     def __post_init__(self) -> None:
+        if not self.model_name.strip():
+            raise ValueError("the served model name must be non-empty")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.ws_max_live < 1:
