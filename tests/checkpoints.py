@@ -49,8 +49,29 @@ def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> 
     }))
 
 
+#: transformers config class and model class of each family, and what the family sets
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=8, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+    # Gemma: one sliding (window 8, shorter than prompt + output) and one global layer;
+    # soft-capping low enough that it changes which keys win
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                             layer_types=["sliding_attention", "full_attention"],
+                                                             rope_parameters={
+                                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                    "rope_theta": 1000000.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12, original_max_position_embeddings=512)),
+}
+
+
 def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random checkpoint of `family` (llama | qwen2 | qwen3) with its tokenizer."""
+    """Save a tiny random checkpoint of `family` (a key of FAMILIES) with its tokenizer,
+    in the form this transformers version writes (rope_parameters on transformers 5)."""
     import torch
     import transformers
 
@@ -60,30 +81,56 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
 
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
     eos = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id("<|im_end|>")
+    cfg_name, model_name, family_kw = FAMILIES[family]
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=0,
-                  initializer_range=0.2)
+                  initializer_range=0.2, **family_kw)
     common.update(overrides)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(tie_word_embeddings=True, **common)
-        cls = transformers.LlamaForCausalLM
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(tie_word_embeddings=False, **common)
-        cls = transformers.Qwen2ForCausalLM
-    elif family == "qwen3":
-        cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=32, **common)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(family)
+    cfg = getattr(transformers, cfg_name)(**common)
     torch.manual_seed(seed)
-    model = cls(cfg).eval()
+    model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif family.startswith("gemma") and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)  # Gemma's (1 + w) norms: HF inits w to 0, which hides the offset
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def to_classic_config(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose config.json is in the form transformers 4.x wrote:
+    top-level `rope_theta` and `rope_scaling` (Gemma 3: `rope_local_base_freq`, Phi-3: a
+    top-level `original_max_position_embeddings`), no `rope_parameters`, no `layer_types`
+    where 4.x derived them. The weights are the same files."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    params = cfg.pop("rope_parameters", None) or {}
+    if "full_attention" in params:  # Gemma 3: one dict per layer type
+        full, local = dict(params["full_attention"]), dict(params["sliding_attention"])
+        cfg["rope_local_base_freq"] = local.pop("rope_theta")
+        params = full
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    params.pop("partial_rotary_factor", None)
+    kind = params.get("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else {**params, "type": kind}
+    if cfg.get("model_type") == "gemma3_text":
+        types = cfg.pop("layer_types")
+        pattern = types.index("full_attention") + 1
+        assert all((t == "full_attention") == ((i + 1) % pattern == 0) for i, t in enumerate(types))
+        cfg["sliding_window_pattern"] = pattern
+        cfg.pop("_sliding_window_pattern", None)
+    elif cfg.get("model_type") in ("gemma2", "mistral", "phi3", "llama"):
+        cfg.pop("layer_types", None)
+    elif cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        cfg.pop("layer_types", None)
+    cfg["transformers_version"] = "4.46.0"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def with_architecture(src: Path, dst: Path, architecture: str) -> Path:

@@ -226,16 +226,17 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float
+    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv)."""
+    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv).
+    `softcap`: scores become tanh(s / softcap) * softcap before the softmax (Gemma 2)."""
     if meta.wrapper is not None:
         return meta.wrapper.run(q, cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     page_size = cache.shape[2]
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
-    if meta.decode_query is not None and _decode_kernel(q, cache, meta, scale, out):
+    if meta.decode_query is not None and softcap is None and _decode_kernel(q, cache, meta, scale, out):
         if not meta.prefills:
             return out
     elif meta.decode_info is not None or meta.decode_rows is not None:
@@ -248,7 +249,7 @@ def paged_attention(
         k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
         v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
         if meta.decode_rows.dim() == 2:
-            out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale)
+            out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale, softcap)
         else:
             hq = q.shape[1]
             every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
@@ -256,7 +257,7 @@ def paged_attention(
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
             # against [B, Hkv, L, D]): one GEMM per KV head instead of SDPA's GQA expansion of
             # K and V to every query head (measured 40% less attention time at 16 rows).
-            o = F.scaled_dot_product_attention(qd.reshape(b, h, hq // h, d), k, v, attn_mask=meta.decode_mask, scale=scale)
+            o = _sdpa(qd.reshape(b, h, hq // h, d), k, v, scale, softcap, attn_mask=meta.decode_mask)
             o = o.reshape(b, hq, d)
             if every_row:
                 return o
@@ -266,9 +267,9 @@ def paged_attention(
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if chunk.mask is None:
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, is_causal=True, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, attn_mask=chunk.mask, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -298,7 +299,8 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sca
     return True
 
 
-def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
+def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float,
+                                softcap: float | None = None) -> torch.Tensor:
     """Decode entries of Q rows each in one SDPA call: per KV head, its G query heads' Q
     rows form one [G * Q] query block against the entry's keys (the mask tiled G times);
     returns the real rows, in `meta.decode_out` order."""
@@ -307,6 +309,24 @@ def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     hq = q.shape[1]
     g = hq // h
     qd = q[meta.decode_rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask.repeat(1, 1, g, 1), scale=scale)
+    o = _sdpa(qd, k, v, scale, softcap, attn_mask=meta.decode_mask.repeat(1, 1, g, 1))
     o = o.view(b, h, g, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, hq, d)
     return o[meta.decode_keep]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None, *,
+          attn_mask: torch.Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """torch's SDPA, or with soft-capped scores transformers' eager attention op for op
+    (SDPA has no soft-capping): scores * scale, tanh-capped, masked, float32 softmax, @ v."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

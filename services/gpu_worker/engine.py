@@ -303,9 +303,10 @@ class Engine(EngineBase):
             if self.planner is not None:
                 cache = self.layer_caches[0]
                 for name, m in metas.items():
-                    self.planner.plan(name, m, num_qo_heads=int(self.spec.config["num_attention_heads"]),
+                    self.planner.plan(name, m, num_qo_heads=self.spec.config.num_attention_heads,
                                       num_kv_heads=cache.shape[3], head_dim=cache.shape[4], page_size=cache.shape[2],
-                                      window=self.windows[name], dtype=cache.dtype)
+                                      window=self.windows[name], dtype=cache.dtype,
+                                      sm_scale=self.spec.config.attn_scale, softcap=self.spec.config.attn_softcap)
         # ids, positions and the sampled rows as one tensor (three views): from a Python
         # list each costs microseconds, a visible part of a one-row step
         flat = torch.from_numpy(np.array(ids + positions + sample_rows, dtype=np.int64)).to(device)

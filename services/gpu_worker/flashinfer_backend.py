@@ -36,7 +36,8 @@ class FlashInferPlanner:
         self._wrappers: dict[str, object] = {}
 
     def plan(self, label: str, meta: AttnMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-             page_size: int, window: int | None, dtype: torch.dtype) -> AttnMetadata:
+             page_size: int, window: int | None, dtype: torch.dtype, sm_scale: float | None = None,
+             softcap: float | None = None) -> AttnMetadata:
         wrapper = self._wrappers.get(label)
         if wrapper is None:
             wrapper = self._wrappers[label] = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
@@ -44,6 +45,7 @@ class FlashInferPlanner:
             meta.qo_indptr.to(self.device), meta.kv_indptr.to(self.device), meta.kv_indices.to(self.device),
             meta.kv_last_page_len.to(self.device), num_qo_heads, num_kv_heads, head_dim, page_size,
             causal=True, window_left=-1 if window is None else window - 1, q_data_type=dtype, kv_data_type=dtype,
+            sm_scale=sm_scale, logits_soft_cap=softcap,
         )
         meta.wrapper = wrapper
         return meta

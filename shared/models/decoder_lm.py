@@ -1,38 +1,29 @@
-"""The decoder-only LM family (Llama, Qwen2, Qwen3, Mistral).
+"""The decoder-only LM family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3).
 
 Full-attention layers keep their KV in pool "kv" under the keyed label "text"; sliding-
-window layers (Qwen2's `max_window_layers`, Mistral's `sliding_window`, or an explicit
-`layer_types`) keep theirs in pool "kv_window" under the windowed label "window", whose
-retention releases pages wholly behind the window. Both labels grow one row per decode
-iteration. A page holds every layer of its pool, so the two kinds get separate pools
-rather than wasting half of every page.
+window layers (Qwen2's `max_window_layers`, Mistral's `sliding_window`, Gemma's
+alternation, or an explicit `layer_types`) keep theirs in pool "kv_window" under the
+windowed label "window", whose retention releases pages wholly behind the window. Both
+labels grow one row per decode iteration. A page holds every layer of its pool, so the two
+kinds get separate pools rather than wasting half of every page.
+
+The config is read once, by `shared.model_config.read_model_config`: a field it cannot
+honour is refused there, before any worker loads weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model import ModelSpec
+from shared.model_config import ARCHITECTURES, FULL, SLIDING, ModelConfig, read_model_config
 from shared.model_source import register_model
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-def layer_types(config: dict) -> list[str]:
-    """Each layer's attention kind, as transformers derives it."""
-    n = int(config["num_hidden_layers"])
-    if config.get("layer_types"):
-        types = list(config["layer_types"])
-    elif config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
-        first = int(config.get("max_window_layers", 0)) if config.get("model_type") in ("qwen2", "qwen3") else 0
-        types = [SLIDING if i >= first else FULL for i in range(n)]
-    else:
-        types = [FULL] * n
-    if len(types) != n or set(types) - {FULL, SLIDING}:
-        raise ValueError(f"unsupported layer_types {types}")
-    return types
 
 
 class DecoderLMSpec(ModelSpec):
@@ -43,18 +34,19 @@ class DecoderLMSpec(ModelSpec):
     #: how the window label's prompt rows are declared: its label is never keyed either way
     window_span_kind = "ids"
 
-    def __init__(self, config: dict, *, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> None:
-        self.config = config
+    def __init__(self, config: Mapping[str, Any] | ModelConfig, *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        cfg = config if isinstance(config, ModelConfig) else read_model_config(config)
+        self.config = cfg
         self.page_size = page_size
         self.dtype = dtype
-        self.num_layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        self.kv_heads = int(config.get("num_key_value_heads") or heads)
-        self.head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-        ctx = int(config.get("max_position_embeddings", 2048))
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        ctx = cfg.max_position_embeddings
         self.max_seq_len = min(ctx, max_seq_len) if max_seq_len else ctx
-        types = layer_types(config)
-        self.window = int(config["sliding_window"]) if SLIDING in types else None
+        types = cfg.layer_types
+        self.window = cfg.sliding_window
         labels = []
         if FULL in types:
             labels.append(KVLabel("text", self.pool, keys=True, grows_on=self.decode_loop))
@@ -97,9 +89,9 @@ class DecoderLMSpec(ModelSpec):
         return self.num_layers * 2 * page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
-def _factory(config: dict, **kw) -> DecoderLMSpec:
+def _factory(config: Mapping[str, Any], **kw) -> DecoderLMSpec:
     return DecoderLMSpec(config, **kw)
 
 
-for _arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+for _arch in ARCHITECTURES:
     register_model(_arch, _factory)

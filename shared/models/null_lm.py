@@ -46,7 +46,7 @@ def next_token(token_id: int) -> int:
 def null_config() -> dict:
     return {
         "architectures": [NULL_ARCHITECTURE],
-        "model_type": "null",
+        "model_type": "llama",  # the spec is a decoder LM spec: its math family
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 8,
         "num_hidden_layers": 1,

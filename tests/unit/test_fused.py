@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.models import fused
 from services.gpu_worker.models.decoder_lm import Rotary, _apply_rope
+from shared.model_config import RopeConfig
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the CPU kernels did not build")
 
@@ -27,7 +28,7 @@ def test_rms_norm_matches_torch(rows):
 def test_rope_in_place_matches_torch(head_dim):
     torch.manual_seed(head_dim)
     heads, kv_heads, t = 4, 2, 5
-    rot = Rotary(head_dim, 10000.0, 64, None)
+    rot = Rotary(RopeConfig(), head_dim, 64)
     cos, sin_signed = rot.tables(torch.tensor([0, 3, 7, 8, 63]), torch.float32)
     qkv = torch.randn(t, heads + 2 * kv_heads, head_dim)
     before = qkv.clone()

@@ -1,12 +1,18 @@
-"""Llama / Qwen2 / Qwen3 decoder in torch, attending over paged KV.
+"""The decoder-only families in torch (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
+Phi-3), attending over paged KV.
 
 Parameter names follow Hugging Face's checkpoints so `load_state_dict` takes a
-safetensors (or dequantized GGUF) state dict as-is. The family differences are config
-switches: Qwen2's q/k/v biases (`attention_bias` or model_type qwen2), Qwen3's per-head
-q/k RMSNorm, tied embeddings, explicit head_dim.
+safetensors (or dequantized GGUF) state dict as-is. The family differences are fields of
+the typed `ModelConfig` (shared/model_config.py), read once: q/k/v and o biases, per-head
+q/k RMSNorm, tied embeddings, explicit head_dim, Gemma's (1 + w) norms, embedding scale,
+four norms per layer, GELU-tanh MLP and soft-capping, Phi-3's packed projections, and one
+RoPE per layer type.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +28,10 @@ from services.gpu_worker.models.linear import (
     pack_linears,
     warm_packed,
 )
+from services.gpu_worker.models.rope import Rotary, apply_rope
+from shared.model_config import FULL, ModelConfig, read_model_config
+
+_apply_rope = apply_rope  # the name the kernel tests compare against
 
 
 class RMSNorm(nn.Module):
@@ -42,67 +52,25 @@ class RMSNorm(nn.Module):
         return y.mul_(self.weight) if y.dtype == self.weight.dtype else y * self.weight
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's `x * cos + rotate_half(x) * sin` with the sign of rotate_half's negated half
-    folded into the table: (-x2) * s == x2 * (-s) exactly, so the result is bitwise HF's,
-    in one cat and two multiplies instead of a neg, a cat and two multiplies."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos).add_(torch.cat((x2, x1), dim=-1).mul_(sin_signed))
-
-
-class Rotary(nn.Module):
-    """HF's rotate_half RoPE, with cos/sin tables precomputed up to max positions. The sin
-    table has its first half negated (see `_apply_rope`)."""
-
-    def __init__(self, head_dim: int, base: float, max_pos: int, scaling: dict | None) -> None:
-        super().__init__()
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-            raise NotImplementedError(f"rope_scaling {scaling} is not supported yet")
-        self.head_dim, self.base, self.max_pos = head_dim, base, max_pos
-        self.register_buffer("cos", torch.empty(max_pos, head_dim), persistent=False)
-        self.register_buffer("sin_signed", torch.empty(max_pos, head_dim), persistent=False)
-        self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """(Re)compute the tables; also called after building on the meta device."""
-        if self.cos.is_meta:
-            self.cos = torch.empty(self.max_pos, self.head_dim)
-            self.sin_signed = torch.empty(self.max_pos, self.head_dim)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        freqs = torch.outer(torch.arange(self.max_pos, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos.copy_(emb.cos())
-        sin = emb.sin()
-        self.sin_signed.copy_(torch.cat((-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]), dim=-1))
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin rows [T, 1, D] for this step's positions (once per step, not per layer)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
-        return _apply_rope(q, cos, sin_signed), _apply_rope(k, cos, sin_signed)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.heads = cfg["num_attention_heads"]
-        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.heads
+        hidden = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.layer = layer
-        qwen2 = cfg.get("model_type") == "qwen2"
-        bias = qwen2 or bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias and not qwen2)
-        self.qk_norm = cfg.get("model_type") == "qwen3"
+        self.layer_type = cfg.layer_types[layer]
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
-            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
-        self.scale = self.head_dim**-0.5
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_softcap
         self.qkv_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
@@ -120,7 +88,7 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
             qk = qkv[:, : self.heads + self.kv_heads]
             if not fused.rope_(qk, *rope):  # in place by the C kernel, else torch's ops
-                qk = _apply_rope(qk, *rope)
+                qk = apply_rope(qk, *rope)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, self.heads + self.kv_heads :]
         else:
@@ -134,22 +102,21 @@ class Attention(nn.Module):
             v = v.view(t, self.kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = Rotary.apply(q, k, *rope)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         write_kv(cache, k, v, meta)
-        o = paged_attention(q, cache, meta, self.scale)
+        o = paged_attention(q, cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        bias = bool(cfg.get("mlp_bias", False))
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {cfg.get('hidden_act')!r} is not supported")
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=cfg.mlp_bias)
+        #: silu (the C kernels' activation) or GELU with the tanh approximation (Gemma)
+        self.silu = cfg.hidden_act == "silu"
 
         self.gate_up_proj: nn.Linear | None = None
         #: gate/up GEMM and silu * up in one C call (CPU, the GEMM kernel's path)
@@ -162,7 +129,7 @@ class MLP(nn.Module):
 
     def fuse_silu(self) -> None:
         """The gate/up GEMM with silu * up in its epilogue (after `fuse`; bias-free only)."""
-        if self.gate_up_proj is not None and self.gate_up_proj.bias is None:
+        if self.silu and self.gate_up_proj is not None and self.gate_up_proj.bias is None:
             self.gate_up_silu = KernelGateUpSilu(self.gate_up_proj)
             self.gate_up_proj = None
 
@@ -171,13 +138,14 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_silu(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            act = fused.silu_mul(gate_up)  # the C kernel on the CPU, where built
+            act = fused.silu_mul(gate_up) if self.silu else None  # the C kernel on the CPU, where built
             if act is not None:
                 return self.down_proj(act)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate).mul_(up))  # silu's output is fresh: multiply in place
+        act = F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act.mul_(up))  # the activation's output is fresh: multiply in place
 
 
 def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -191,26 +159,35 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        #: Gemma: post_attention_layernorm normalises the attention output, and the MLP has
+        #: its own norms before and after
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, cache, meta):
         # residual adds into the sublayers' fresh outputs (a + b == b + a bitwise), never into
         # `x`, which the caller may still hold
+        if self.sandwich:
+            x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache, meta)).add_(x)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
         x = self.self_attn(self.input_layernorm(x), rope, cache, meta).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
@@ -218,16 +195,18 @@ class DecoderLM(nn.Module):
     [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest).
     `kv_caches[i]` and `metas[i]` are layer i's pool tensor and its label's metadata."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, config: Mapping[str, Any] | ModelConfig) -> None:
         super().__init__()
+        cfg = config if isinstance(config, ModelConfig) else read_model_config(config)
         self.config = cfg
         self.model = Backbone(cfg)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        self.rotary = Rotary(head_dim, float(cfg.get("rope_theta", 10000.0)), int(cfg.get("max_position_embeddings", 2048)), cfg.get("rope_scaling"))
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        #: one RoPE per distinct layer type's parameters (Gemma 3's local layers have their own)
+        kinds = {FULL: cfg.rope} if cfg.rope == cfg.rope_local else {t: cfg.layer_rope(t) for t in set(cfg.layer_types)}
+        self.rotaries = nn.ModuleDict({t: Rotary(r, cfg.head_dim, cfg.max_position_embeddings) for t, r in kinds.items()})
+        self.layer_rope = [t if t in kinds else FULL for t in cfg.layer_types]
+        self.tied = cfg.tie_word_embeddings
         if not self.tied:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     #: load_weights assigns the checkpoint's tensors (no allocation, no copy)
     assigns_weights = True
@@ -236,6 +215,10 @@ class DecoderLM(nn.Module):
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         if self.tied:
             state.pop("lm_head.weight", None)
+        if self.config.packed_projections:
+            state = _unpack_projections(state, self.config)
+        if self.config.norm_offset:  # Gemma's norms scale by (1 + w): fold the 1 in once
+            state = {k: v + self.config.norm_offset if _is_norm(k) else v for k, v in state.items()}
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -270,11 +253,39 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
-        for layer, cache, meta in zip(self.model.layers, kv_caches, metas):
-            x = layer(x, rope, cache, meta)
+        if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        ropes = {t: rot.tables(positions, x.dtype) for t, rot in self.rotaries.items()}
+        for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
+            x = layer(x, ropes[kind], cache, meta)
         x = self.model.norm(x[sample_rows])
         if self.head is not None:
-            return self.head(x)
-        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(x, w)
+            logits = self.head(x)
+        else:
+            w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+            logits = F.linear(x, w)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _unpack_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split them
+    into the names every other family uses (views; `prepare` concatenates them again)."""
+    out = {}
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, t in state.items():
+        if ".self_attn.qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv], dim=0)):
+                out[name.replace("qkv_proj", part)] = piece
+        elif ".mlp.gate_up_proj." in name:
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = t
+    return out
