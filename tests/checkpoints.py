@@ -124,9 +124,8 @@ def to_classic_config(src: Path, dst: Path) -> Path:
         assert all((t == "full_attention") == ((i + 1) % pattern == 0) for i, t in enumerate(types))
         cfg["sliding_window_pattern"] = pattern
         cfg.pop("_sliding_window_pattern", None)
-    elif cfg.get("model_type") in ("gemma2", "mistral", "phi3", "llama"):
-        cfg.pop("layer_types", None)
-    elif cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    elif cfg.get("model_type") in ("gemma2", "mistral", "phi3", "llama", "qwen2", "qwen3"):
+        # 4.x derived them (Qwen: from use_sliding_window and max_window_layers)
         cfg.pop("layer_types", None)
     cfg["transformers_version"] = "4.46.0"
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
