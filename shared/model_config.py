@@ -262,10 +262,13 @@ def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple
 def _rope_dicts(raw: Mapping[str, Any], model_type: str, types: tuple[str, ...]) -> dict[str, dict]:
     """The raw RoPE parameters of each layer type, whichever form the checkpoint uses."""
     params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")  # where both are present, transformers lets rope_scaling win
     if params and any(k in (FULL, SLIDING) for k in params):  # transformers 5, per layer type
         nested = {k: dict(v or {}) for k, v in params.items()}
+        if scaling:  # Gemma 3: rope_scaling is for the global layers
+            nested.setdefault(FULL, {}).update(scaling)
     else:
-        flat = dict(params or raw.get("rope_scaling") or {})
+        flat = dict(scaling or params or {})
         nested = {FULL: flat, SLIDING: dict(flat)}
         if model_type == "gemma3_text":  # classic Gemma 3: rope_scaling is for the global layers only
             nested[SLIDING] = {"rope_type": "default"} if not params else dict(flat)

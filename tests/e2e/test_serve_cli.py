@@ -140,6 +140,28 @@ def test_unsupported_architecture_is_refused_before_any_child(hub_home, tmp_path
     assert line.startswith("mstar: deployment refused: ") and "FooForCausalLM" in line
 
 
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("rope_scaling", {"rope_type": "mrope", "factor": 2.0}, "config.json rope_type='mrope'"),
+    ("hidden_act", "relu2", "config.json hidden_act='relu2'"),
+    ("partial_rotary_factor", 0.5, "config.json partial_rotary_factor=0.5"),
+])
+def test_unsupported_config_field_is_refused_before_any_child(hub_home, tmp_path, field, value, named):
+    """A checkpoint whose config asks for math mstar does not implement never reaches a
+    worker: one line naming the field and its value, exit 2, no weights loaded."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(snapshot(hub_home), ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[field] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out, took = refused([str(ckpt)], hub_env(hub_home))
+    line = one_line(out)
+    assert out.returncode == 2 and took < REFUSAL_S, (out.returncode, took)
+    assert line.startswith("mstar: deployment refused: ") and named in line, line
+
+
 def test_missing_chat_template_file_is_refused(hub_home, tmp_path):
     out, _ = refused(["org/name", "--chat-template", str(tmp_path / "nope.jinja")], hub_env(hub_home))
     assert out.returncode == 2

@@ -64,15 +64,30 @@ def test_sigterm_stops_every_child(llama_ckpt, tmp_path):
     assert not [p for p in children if _alive(p)]
 
 
-def test_launcher_exits_nonzero_with_child_error(tmp_path):
+def test_launcher_refuses_an_unsupported_model_before_any_child(tmp_path):
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     port = free_port()
     r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad), "--port", str(port)],
                        cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("mstar: deployment refused: architecture 'NoSuchForCausalLM' is not supported")
+
+
+def test_launcher_exits_nonzero_with_child_error(llama_ckpt, tmp_path):
+    """A model the deployment check accepts but a worker cannot load (no weight files):
+    the child's error, then the launcher stops the rest and exits non-zero."""
+    import shutil
+
+    bad = tmp_path / "no-weights"
+    bad.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_ckpt / name, bad / name)
+    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad), "--port", str(free_port())],
+                       cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert "architecture 'NoSuchForCausalLM' is not supported" in r.stderr
+    assert "has no *.safetensors files" in r.stderr
     assert "failed to start" in r.stderr
 
 

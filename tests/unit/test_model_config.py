@@ -136,3 +136,9 @@ def test_unknown_architecture_is_refused_by_the_registry():
 
     _load_plugins()
     assert set(ARCHITECTURES) <= set(MODEL_REGISTRY)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    raw = _llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert transformers.LlamaConfig(**raw).rope_parameters["rope_type"] == "linear"
+    assert read_model_config(raw).rope.rope_type == "linear"
