@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from services.gpu_worker.models.linear import (
+    from services.gpu_worker.layers.linear import (
         kernel_available,
         kernel_linear,
         kernel_pack,

@@ -216,7 +216,7 @@ def preflight(d: Deployment, chat_template: str | None) -> str | None:
     the deployment is fine, else the one-line reason."""
     from services.api.chat_template import read_template_file
     from services.conductor.__main__ import validate_deployment
-    from shared.model import DeploymentError
+    from shared.specs.base import DeploymentError
 
     try:
         validate_deployment(d.model, d.page_size, d.max_seq_len)

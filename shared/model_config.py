@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from shared.model import DeploymentError
+from shared.specs.base import DeploymentError
 
 log = logging.getLogger("mstar.model_config")
 

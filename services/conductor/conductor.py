@@ -39,7 +39,7 @@ from shared.frames import (
     WorkerStats,
 )
 from shared.layout import PagedKVConfig
-from shared.model import ModelSpec
+from shared.specs.base import ModelSpec
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.conductor")

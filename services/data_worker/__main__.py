@@ -13,8 +13,8 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.logs import setup_logging
-from shared.model import DeploymentError
 from shared.model_source import ModelSource
+from shared.specs.base import DeploymentError
 
 ADDRESSES = ["data_worker", "conductor"]
 

@@ -22,8 +22,8 @@ from shared.frames import (
     ToDataWorker,
     pack_tensors,
 )
-from shared.model import ModelSpec
 from shared.model_source import TokenizerBundle
+from shared.specs.base import ModelSpec
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")

@@ -15,7 +15,7 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.logs import setup_logging
-from shared.model import DeploymentError
+from shared.specs.base import DeploymentError
 
 
 def build_parser() -> argparse.ArgumentParser:

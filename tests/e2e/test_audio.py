@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from shared.models.whisper import WhisperSpec
+from shared.specs.whisper import WhisperSpec
 from tests.servers import MstarServer
 from tests.whisper_checkpoints import make_whisper_checkpoint, sine_sweep, wav_bytes
 

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from shared.models.null_lm import next_token
+from shared.specs.null_lm import next_token
 from tests.servers import REPO, MstarServer, service_env
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 
 from shared.layout import LabelLayout, PagedKVConfig, ProcessPromptOutput
-from shared.model_source import register_model
-from shared.models.decoder_lm import DecoderLMSpec
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.registry import register_model
 
 
 class UnderstatedGrowthSpec(DecoderLMSpec):

@@ -13,8 +13,8 @@ import pytest
 
 from services.api.chat_template import ChatTemplate, read_template_file
 from services.api.errors import ApiError
-from shared.model import DeploymentError
 from shared.model_source import _hf_tokenizer
+from shared.specs.base import DeploymentError
 from tests.checkpoints import make_tokenizer
 from tests.reference import hf_tokenizer
 from tests.servers import REPO, service_env

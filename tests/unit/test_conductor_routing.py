@@ -8,7 +8,7 @@ import numpy as np
 from services.conductor.conductor import Conductor, WorkerState, plan_request
 from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
-from shared.models.decoder_lm import DecoderLMSpec
+from shared.specs.decoder_lm import DecoderLMSpec
 
 CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16, "max_position_embeddings": 1024}
 

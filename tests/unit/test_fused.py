@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.models import fused
-from services.gpu_worker.models.decoder_lm import Rotary, _apply_rope
+from services.gpu_worker.layers import fused
+from services.gpu_worker.modeling.decoder_lm import Rotary, _apply_rope
 from shared.model_config import RopeConfig
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the CPU kernels did not build")

@@ -91,6 +91,7 @@ def test_tokenizer_matches_hf(files, case):
 
 @pytest.mark.parametrize("case", WEIGHT_CASES)
 def test_weights_equal_checkpoint(files, case):
+    import numpy as np
     import torch
     from safetensors.torch import load_file
 
@@ -101,7 +102,8 @@ def test_weights_equal_checkpoint(files, case):
     config, got = load_gguf_weights(path, progress=False)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
-        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+        assert isinstance(got[name], np.ndarray) and got[name].flags.writeable and got[name].flags.c_contiguous, name
+        assert got[name].dtype == np.float32 and torch.equal(torch.from_numpy(got[name]), tensor), name
     if case == "llama-bias":
         assert config["attention_bias"] and "model.layers.0.self_attn.q_proj.bias" in got
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.models.linear import (
+from services.gpu_worker.layers.linear import (
     PLAIN_MAX_ROWS,
     KernelGateUpSilu,
     KernelHead,
@@ -175,7 +175,7 @@ def test_kernel_linear_refuses_other_dtypes_instead_of_reading_them_as_float32()
 @pytest.mark.parametrize("rows", [1, 9, 300])
 def test_gate_up_silu_is_the_gemm_then_silu_mul_bit_for_bit(rows, inter):
     # the epilogue's outputs are the unfused path's: same FMA chains, same silu formula
-    from services.gpu_worker.models import fused
+    from services.gpu_worker.layers import fused
 
     torch.manual_seed(rows + inter)
     gate_up = nn.Linear(64, 2 * inter, bias=False)

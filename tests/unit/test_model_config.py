@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from shared.model import DeploymentError
 from shared.model_config import (
     ARCHITECTURES,
     FULL,
@@ -17,7 +16,8 @@ from shared.model_config import (
     SLIDING,
     read_model_config,
 )
-from shared.models.decoder_lm import DecoderLMSpec
+from shared.specs.base import DeploymentError
+from shared.specs.decoder_lm import DecoderLMSpec
 
 CONFIG_CLASSES = {
     "llama": "LlamaConfig",
@@ -132,9 +132,8 @@ def test_unsupported_fields_are_refused_by_name_and_value(raw, field, value):
 
 
 def test_unknown_architecture_is_refused_by_the_registry():
-    from shared.model_source import MODEL_REGISTRY, _load_plugins
+    from shared.specs.registry import MODEL_REGISTRY
 
-    _load_plugins()
     assert set(ARCHITECTURES) <= set(MODEL_REGISTRY)
 
 

@@ -13,8 +13,8 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
-from shared.models.decoder_lm import DecoderLMSpec
-from shared.models.null_lm import EOS_ID, VOCAB_SIZE, NullLMSpec, next_token
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.null_lm import EOS_ID, VOCAB_SIZE, NullLMSpec, next_token
 
 PAGE = 4
 

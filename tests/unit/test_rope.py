@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.gpu_worker.models.rope import Rotary, attention_factor, inv_freq
+from services.gpu_worker.layers.rope import Rotary, attention_factor, inv_freq
 from shared.model_config import read_model_config
 
 HEAD_DIM = 16

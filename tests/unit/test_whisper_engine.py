@@ -19,7 +19,7 @@ from shared.audio import audio_features
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.layout import LabelLayout, Span
 from shared.model_source import ModelSource
-from shared.models.whisper import WhisperSpec
+from shared.specs.whisper import WhisperSpec
 from tests.whisper_checkpoints import sine_sweep, wav_bytes, whisper_ckpt  # noqa: F401  (fixture)
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import pytest
 
 from shared.layout import Span, label_footprint
 from shared.model_source import ModelSource
-from shared.models.whisper import WhisperSpec
+from shared.specs.whisper import WhisperSpec
 from tests.whisper_checkpoints import whisper_ckpt  # noqa: F401  (fixture)
 
 PAGE = 16
@@ -31,7 +31,7 @@ def test_registry_builds_a_whisper_spec(whisper_ckpt):  # noqa: F811
     source = ModelSource(str(whisper_ckpt))
     spec = source.spec(PAGE)
     assert isinstance(spec, WhisperSpec)
-    assert spec.torch_impl == "services.gpu_worker.models.whisper:WhisperModel"
+    assert spec.engine == "encoder_decoder" and spec.takes_audio
     spec.validate()
     assert source.tokenizer.eos_token_ids == [tok_ids(whisper_ckpt)["<|endoftext|>"]]
     # config.json alone knows the start token; the folder adds the language and task tables

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+from services.gpu_worker.modeling.base import EncoderDecoderModel
 
 
 def _act(cfg: dict):
@@ -140,7 +141,7 @@ class Backbone(nn.Module):
         self.decoder = Decoder(cfg)
 
 
-class WhisperModel(nn.Module):
+class WhisperModel(EncoderDecoderModel):
     """`encode(input_features [B, n_mels, 3000]) -> [B, 1500, d_model]`;
     `write_cross(encoder_rows [N, d_model], cross_caches, cross_meta)`;
     `forward(input_ids [T], positions [T], self_caches, self_meta, cross_caches, cross_meta,

@@ -8,7 +8,9 @@ labels grow one row per decode iteration. A page holds every layer of its pool, 
 kinds get separate pools rather than wasting half of every page.
 
 The config is read once, by `shared.model_config.read_model_config`: a field it cannot
-honour is refused there, before any worker loads weights.
+honour is refused there, before any worker loads weights. The architectures it serves
+(`shared.model_config.ARCHITECTURES`) map to `DecoderLMSpec` in shared/specs/registry.py;
+the gpu worker runs it with `services.gpu_worker.modeling.decoder_lm.DecoderLM`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ from typing import Any
 import numpy as np
 
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
-from shared.model import ModelSpec
-from shared.model_config import ARCHITECTURES, FULL, SLIDING, ModelConfig, read_model_config
-from shared.model_source import register_model
+from shared.model_config import FULL, SLIDING, ModelConfig, read_model_config
+from shared.specs.base import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class DecoderLMSpec(ModelSpec):
-    torch_impl = "services.gpu_worker.models.decoder_lm:DecoderLM"
     pool = "kv"
     window_pool = "kv_window"
     decode_loop = "decode_loop"
@@ -88,10 +88,3 @@ class DecoderLMSpec(ModelSpec):
     def bytes_per_page(self, page_size: int) -> int:
         return self.num_layers * 2 * page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
-
-def _factory(config: Mapping[str, Any], **kw) -> DecoderLMSpec:
-    return DecoderLMSpec(config, **kw)
-
-
-for _arch in ARCHITECTURES:
-    register_model(_arch, _factory)

@@ -23,8 +23,9 @@ are not produced (<|notimestamps|> is forced).
 The spec needs more than config.json: generation_config.json (language/task tables,
 suppress lists), preprocessor_config.json (feature settings) and, as a fallback for the
 language tokens, tokenizer.json. The registry's factory only receives config.json, so
-services build the spec with `WhisperSpec.from_folder(path, ...)` or call
-`spec.load_folder(path)` on the one `ModelSource.spec` returns.
+`ModelSource.spec` calls `spec.load_folder(path)` (a no-op for other families) on the spec
+it builds, and code with a folder in hand may use `WhisperSpec.from_folder(path, ...)`.
+The gpu worker runs it with `services.gpu_worker.modeling.whisper.WhisperModel`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ import numpy as np
 
 from shared.audio import FeatureConfig, log_mel_features
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
-from shared.model import ModelSpec
-from shared.model_source import register_model
+from shared.specs.base import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ARCHITECTURE = "WhisperForConditionalGeneration"
@@ -47,7 +47,6 @@ _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
 
 
 class WhisperSpec(ModelSpec):
-    torch_impl = "services.gpu_worker.models.whisper:WhisperModel"
     engine = "encoder_decoder"
     takes_audio = True
     decode_loop = "decode_loop"
@@ -247,9 +246,3 @@ class WhisperSpec(ModelSpec):
         self_pages, cross_pages = self._pages_per_request(page_size)
         return math.ceil(page_size * row * (1 + cross_pages / self_pages))
 
-
-def _factory(config: dict, **kw) -> WhisperSpec:
-    return WhisperSpec(config, **kw)
-
-
-register_model(ARCHITECTURE, _factory)

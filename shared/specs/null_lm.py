@@ -3,7 +3,7 @@
 It measures what serving costs around the model: every service, frame, layout, page and
 step runs as for a real decoder LM (it *is* a `DecoderLMSpec`: one pool "kv", one keyed
 label "text", the same `process_prompt` and `get_loop_caps`), but the torch module
-(`services.gpu_worker.models.null_lm:NullLM`) only writes zero K/V rows into a tiny pool
+(`services.gpu_worker.modeling.null_lm.NullLM`) only writes zero K/V rows into a tiny pool
 (1 layer, 1 KV head, head_dim 8) and returns logits whose argmax is the next printable
 ASCII byte after the last input id, so greedy output is known in advance and never EOS.
 
@@ -17,16 +17,20 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shared.model_source import TokenizerBundle, register_model
-from shared.models.decoder_lm import DecoderLMSpec
+from shared.specs.decoder_lm import DecoderLMSpec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 NULL_MODEL = "null"
 NULL_ARCHITECTURE = "NullLM"
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
 BYTE_TOKENS = 256
 VOCAB_SIZE = BYTE_TOKENS + len(SPECIALS)  # ids 0..255 are the bytes, then the specials
-EOS_ID = BYTE_TOKENS + SPECIALS.index("<|im_end|>")
+EOS_ID = BYTE_TOKENS + SPECIALS.index(EOS_TOKEN)
 FIRST_PRINTABLE, NUM_PRINTABLE = 0x20, 0x7F - 0x20  # the outputs cycle through ' '..'~'
 #: KV bytes per row of a small real model (8 layers x 2 KV heads x head_dim 64, float32):
 #: the null model sizes its default pool from memory as such a model would, not by its
@@ -72,8 +76,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def null_tokenizer() -> TokenizerBundle:
-    """Byte-level: token id b is byte b (no merges), then the three specials."""
+def null_tokenizer() -> Tokenizer:
+    """Byte-level: token id b is byte b (no merges), then the three specials. (With
+    CHAT_TEMPLATE, EOS_ID and EOS_TOKEN, `ModelSource("null")` makes its bundle of it.)"""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -81,7 +86,7 @@ def null_tokenizer() -> TokenizerBundle:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
-    return TokenizerBundle(tok, CHAT_TEMPLATE, [EOS_ID], None, "<|im_end|>")
+    return tok
 
 
 def null_weights_dir() -> Path:
@@ -98,10 +103,6 @@ def null_weights_dir() -> Path:
 
 
 class NullLMSpec(DecoderLMSpec):
-    torch_impl = "services.gpu_worker.models.null_lm:NullLM"
-
     def bytes_per_page(self, page_size: int) -> int:
         return max(super().bytes_per_page(page_size), NOMINAL_ROW_BYTES * page_size)
 
-
-register_model(NULL_ARCHITECTURE, lambda config, **kw: NullLMSpec(config, **kw))

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
-from services.gpu_worker.models import fused
-from services.gpu_worker.models.linear import (
+from services.gpu_worker.layers import fused
+from services.gpu_worker.layers.linear import (
     KernelGateUpSilu,
     KernelHead,
     PackedHead,
@@ -28,7 +28,8 @@ from services.gpu_worker.models.linear import (
     pack_linears,
     warm_packed,
 )
-from services.gpu_worker.models.rope import Rotary, apply_rope
+from services.gpu_worker.layers.rope import Rotary, apply_rope
+from services.gpu_worker.modeling.base import DecoderModel
 from shared.model_config import FULL, ModelConfig, read_model_config
 
 _apply_rope = apply_rope  # the name the kernel tests compare against
@@ -190,7 +191,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(DecoderModel):
     """`forward(input_ids [T], positions [T], kv_caches, metas, sample_rows)` -> logits
     [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest).
     `kv_caches[i]` and `metas[i]` are layer i's pool tensor and its label's metadata."""
@@ -222,6 +223,11 @@ class DecoderLM(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def reset_buffers(self) -> None:
+        """The RoPE tables (not in any checkpoint), once the model is off the meta device."""
+        for rotary in self.rotaries.values():
+            rotary.reset_buffers()
 
     #: the LM head through the C GEMM or oneDNN (CPU float32), set by `prepare`
     head: KernelHead | PackedHead | None = None

@@ -1,15 +1,22 @@
 """The model interface every service sees (DESIGN.md section 3).
 
-A model is two halves: a `ModelSpec` (labels, pools, loops, `process_prompt`,
-`get_loop_caps`; no weights, cheap to build, so the data worker and the conductor can use
-it) and a torch module the gpu worker loads by the dotted path `torch_impl` names, so that
-`shared/` never imports a service.
+A model is two halves: a `ModelSpec` here (labels, pools, loops, `process_prompt`,
+`get_loop_caps`; no weights, no torch, cheap to build, so the data worker and the
+conductor can use it) and a torch module in `services/gpu_worker/modeling/`, which the gpu
+worker picks for a spec by its class (`services.gpu_worker.modeling.registry.TORCH_MODELS`),
+so `shared/` never names a service.
+
+Everything a service may ask of a spec is declared here, with a default where a family
+need not care (`load_folder`, `suppress_tokens`, ...): callers use the attribute, never
+`hasattr` / `getattr(spec, name, default)`.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Self
 
 from shared.layout import (
     KVLabel,
@@ -26,13 +33,24 @@ class DeploymentError(Exception):
 
 
 class ModelSpec(ABC):
-    #: dotted path "module:Class" of the torch implementation the gpu worker loads
-    torch_impl: str = ""
     #: which step loop runs it: "decoder" (services/gpu_worker/engine.py) or
     #: "encoder_decoder" (encdec_engine.py: an encoder pass at admission, then decoding)
     engine: str = "decoder"
     #: True for models whose requests are audio (the data worker needs a file)
     takes_audio: bool = False
+    #: the loop that emits one token per iteration (its cap bounds max_tokens)
+    decode_loop: str = "decode_loop"
+    #: token ids never sampled, at every step / at the first generated token (Whisper's
+    #: generation config lists them; none for most families)
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+    def load_folder(self, path: str | Path) -> Self:
+        """Read what the spec needs from a Hugging Face folder beyond config.json (the
+        registry's factories only get config.json); `ModelSource.spec` calls it for every
+        folder. Nothing to read by default; Whisper reads its generation and feature
+        settings."""
+        return self
 
     @property
     @abstractmethod

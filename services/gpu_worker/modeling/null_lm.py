@@ -1,4 +1,4 @@
-"""The null model's torch side (see shared/models/null_lm.py): no weights, no compute.
+"""The null model's torch side (see shared/specs/null_lm.py): no weights, no compute.
 
 Same forward signature as `DecoderLM`. It writes zero K/V rows into its one-layer pool (so
 the paged write path and its metadata run as for a real model) and returns logits that are
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, write_kv
-from shared.models.null_lm import FIRST_PRINTABLE, NUM_PRINTABLE
+from services.gpu_worker.modeling.base import DecoderModel
+from shared.specs.null_lm import FIRST_PRINTABLE, NUM_PRINTABLE
 
 
-class NullLM(nn.Module):
+class NullLM(DecoderModel):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.config = cfg

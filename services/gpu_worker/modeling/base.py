@@ -1,0 +1,93 @@
+"""What the gpu worker asks of a torch model: one base class, every hook a method.
+
+`services/gpu_worker/weights.py` builds a model as
+
+    with torch.device("meta"):
+        model = cls(config)                 # config.json's dict (or the GGUF's)
+    if not cls.assigns_weights:
+        model = model.to_empty(device="cpu")
+    model.load_weights(state)               # the checkpoint's tensors, HF names
+    model.reset_buffers()
+    model = model.to(dtype).to(device).eval()
+    model.prepare()
+
+and the worker then calls `warm_gemms(...)` once after its warm-up request. Each hook has
+a default here (a no-op, or 0), so the loader calls methods and never probes a model for
+them; a family overrides the ones it needs.
+
+Which forward a model has depends on the step loop its spec names (`ModelSpec.engine`):
+a `DecoderModel` for "decoder", an `EncoderDecoderModel` (which adds `encode` and
+`write_cross`) for "encoder_decoder"; `ENGINE_MODELS` ties the two.
+"""
+
+from __future__ import annotations
+
+from abc import ABCMeta, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.gpu_worker.attention import AttnMetadata
+
+
+class ModelBase(nn.Module, metaclass=ABCMeta):
+    #: True when `load_weights` assigns the checkpoint's tensors to the parameters (no
+    #: allocation, no copy), so the model stays on the meta device until then; False when
+    #: it copies into real tensors, which the loader allocates first (`to_empty`)
+    assigns_weights: ClassVar[bool] = False
+
+    @abstractmethod
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the checkpoint's state dict (Hugging Face names); raise ValueError when it
+        does not match the model."""
+
+    def reset_buffers(self) -> None:
+        """(Re)compute non-persistent buffers (tables a checkpoint does not hold, e.g. RoPE's
+        cos / sin), once the weights are real: the model was built on the meta device."""
+
+    def prepare(self) -> None:
+        """Once the weights are in place, in their dtype, on their device: fuse, pack or
+        otherwise rearrange them for serving."""
+
+    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
+        """Build every GEMM kernel a step of up to `max_rows` rows (`max_sample_rows` of
+        them sampled) can need, so memory does not grow under load; returns how many."""
+        return 0
+
+
+class DecoderModel(ModelBase):
+    """`forward(input_ids [T], positions [T], kv_caches, metas, sample_rows)` -> logits
+    [len(sample_rows), vocab]: `kv_caches[i]` and `metas[i]` are layer i's pool tensor and
+    its label's metadata; only the rows that sample go through the LM head."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[AttnMetadata], sample_rows: torch.Tensor) -> torch.Tensor: ...
+
+
+class EncoderDecoderModel(ModelBase):
+    """An encoder run once per request (at admission), whose output `write_cross` puts into
+    the cross label's pages, and a decoder over paged KV: `forward(input_ids [T],
+    positions [T], self_caches, self_meta, cross_caches, cross_meta, sample_rows)` ->
+    logits [len(sample_rows), vocab]."""
+
+    @abstractmethod
+    def encode(self, input_features: torch.Tensor) -> torch.Tensor:
+        """Input features [B, ...] -> encoder rows [B, frames, d_model]."""
+
+    @abstractmethod
+    def write_cross(self, encoder_rows: torch.Tensor, cross_caches: list[torch.Tensor], cross_meta: AttnMetadata) -> None:
+        """Each decoder layer's cross K/V of the encoder rows, into the pages `cross_meta` names."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, self_caches: list[torch.Tensor],
+                self_meta: AttnMetadata, cross_caches: list[torch.Tensor], cross_meta: AttnMetadata,
+                sample_rows: torch.Tensor) -> torch.Tensor: ...
+
+
+#: the spec's `engine` kind -> the base class its torch model must have
+ENGINE_MODELS: dict[str, type[ModelBase]] = {
+    "decoder": DecoderModel,
+    "encoder_decoder": EncoderDecoderModel,
+}

@@ -1,0 +1,45 @@
+"""The explicit table from a model's spec class (shared/specs/) to its torch class (here).
+
+A spec class maps to the torch model that runs it; a subclass of a listed spec (a plugin's
+variant of `DecoderLMSpec`, say) gets its nearest listed ancestor's model, found along its
+MRO. A spec with no entry is refused by name, and a model whose base does not match the
+step loop its spec names (`ModelSpec.engine`) is refused too, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
+from services.gpu_worker.modeling.decoder_lm import DecoderLM
+from services.gpu_worker.modeling.null_lm import NullLM
+from services.gpu_worker.modeling.whisper import WhisperModel
+from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.null_lm import NullLMSpec
+from shared.specs.whisper import WhisperSpec
+
+#: spec class -> torch model class
+TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
+    DecoderLMSpec: DecoderLM,
+    NullLMSpec: NullLM,
+    WhisperSpec: WhisperModel,
+}
+
+
+def torch_model_for(spec: ModelSpec | type[ModelSpec]) -> type[ModelBase]:
+    """The torch class that runs `spec` (an instance or a class): the entry of its class or
+    of its nearest ancestor in `TORCH_MODELS`."""
+    spec_cls = spec if isinstance(spec, type) else type(spec)
+    for cls in spec_cls.__mro__:
+        model_cls = TORCH_MODELS.get(cls)
+        if model_cls is not None:
+            break
+    else:
+        raise DeploymentError(f"no torch model runs {spec_cls.__name__}: neither it nor a base class is in "
+                              f"services.gpu_worker.modeling.registry.TORCH_MODELS ({sorted(c.__name__ for c in TORCH_MODELS)})")
+    want = ENGINE_MODELS.get(spec_cls.engine)
+    if want is None:
+        raise DeploymentError(f"{spec_cls.__name__}.engine is {spec_cls.engine!r}; the gpu worker has {sorted(ENGINE_MODELS)}")
+    if not issubclass(model_cls, want):
+        raise DeploymentError(f"{spec_cls.__name__} runs on the {spec_cls.engine!r} engine, but its torch model "
+                              f"{model_cls.__name__} is not a {want.__name__}")
+    return model_cls

@@ -1,1 +1,0 @@
-"""Model specs (the weight-free half of each model family)."""

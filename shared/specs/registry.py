@@ -1,0 +1,44 @@
+"""Which `ModelSpec` serves an architecture (config.json `architectures[0]`).
+
+The built-in families are an explicit table below; extra ones (test models, a user's
+family) come from the modules named in `MSTAR_MODEL_PLUGINS` (comma separated), which call
+`register_model` when `load_plugins()` imports them. The spec modules never import this
+one, so nothing here is imported in a circle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
+from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
+from shared.specs.base import ModelSpec
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
+from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
+from shared.specs.whisper import WhisperSpec
+
+#: factory(config, *, page_size, max_seq_len=0, dtype="float32") -> ModelSpec
+SpecFactory = Callable[..., ModelSpec]
+
+#: architecture name -> the factory of its spec (a spec class is its own factory)
+MODEL_REGISTRY: dict[str, SpecFactory] = {
+    **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
+    NULL_ARCHITECTURE: NullLMSpec,
+    WHISPER_ARCHITECTURE: WhisperSpec,
+}
+
+
+def register_model(architecture: str, factory: SpecFactory) -> None:
+    """Serve `architecture` with the spec `factory(config, page_size=, max_seq_len=, dtype=)` builds."""
+    MODEL_REGISTRY[architecture] = factory
+
+
+@functools.cache
+def load_plugins() -> None:
+    """Import each module `MSTAR_MODEL_PLUGINS` names (once per process), so its
+    `register_model` calls add its architectures after the built-in ones."""
+    for mod in filter(None, (m.strip() for m in os.environ.get("MSTAR_MODEL_PLUGINS", "").split(","))):
+        importlib.import_module(mod)
