@@ -72,7 +72,7 @@ def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: in
         ]))
     children.append(Child("data_worker", [*py, "services.data_worker", *dflags, "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"]]))
     children.append(Child("api", [
-        *py, "services.api", "--model", d.model, "--host", host, "--port", str(port), "--api-addr", addr["api"],
+        *py, "services.api", *dflags, "--host", host, "--port", str(port), "--api-addr", addr["api"],
         "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"],
         "--conductor-control-addr", addr["conductor-control"], *api_flags,
     ]))
@@ -229,9 +229,7 @@ def preflight(d: Deployment, chat_template: str | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.model is None:
-        args.model = os.environ.get("MSTAR_MODEL", "")
-    d = deployment_from_args(args)
+    d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
     chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
     refused = preflight(d, chat_template)
     if refused is None and args.served_model_name is not None and not args.served_model_name.strip():

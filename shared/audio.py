@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.pages import ceil_div
+
 #: containers libsndfile reports for the formats we accept
 ACCEPTED_FORMATS = frozenset({"WAV", "WAVEX", "RF64", "FLAC"})
 MIN_SAMPLING_RATE, MAX_SAMPLING_RATE = 1_000, 384_000
@@ -124,7 +126,7 @@ def resample(audio: np.ndarray, orig_sr: int, new_sr: int, lowpass_filter_width:
     import torch
     x = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)).double()
     n_in = x.numel()
-    n_out = -(-n_in * new_sr // orig_sr)
+    n_out = ceil_div(n_in * new_sr, orig_sr)
     base = min(orig_sr, new_sr) * rolloff
     half = math.ceil(lowpass_filter_width * orig_sr / base)  # taps each side, in input samples
     offsets = torch.arange(-half, half + 2, dtype=torch.long)

@@ -8,10 +8,14 @@ spread the same services over hosts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
+from typing import Any
 
 import msgspec
+
+from shared.layout import DTYPE_BYTES
 
 ADDRESS_NAMES = {
     "api": "where the api pulls outputs and errors",
@@ -64,8 +68,13 @@ MAX_SPECULATIVE_K = 16
 MAX_SPECULATIVE_NGRAM = 8
 
 
-class Deployment(msgspec.Struct, frozen=True):
-    """What the conductor and the workers must agree on about the served model."""
+class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the conductor and the workers must agree on about the served model.
+
+    Each field is a flag of every service (`--page-size`), an env var (`MSTAR_PAGE_SIZE`)
+    and a key of the one-value form `--deployment '<json>'` / `MSTAR_DEPLOYMENT`, all
+    made from the field and its `DEPLOYMENT_HELP` entry: a new field is written here and
+    there, nowhere else."""
 
     model: str = ""
     page_size: int = 16
@@ -86,6 +95,8 @@ class Deployment(msgspec.Struct, frozen=True):
     speculative_ngram_min: int = 2
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -103,68 +114,119 @@ class Deployment(msgspec.Struct, frozen=True):
                              f"<= {MAX_SPECULATIVE_NGRAM}, got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"MSTAR_{name.upper()}", default)
+#: Per `Deployment` field: its flag's help (the default and the env var are added to it),
+#: and the choices where its values are a fixed set.
+DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "model": ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub id (org/name) already in the local "
+              "Hugging Face cache (nothing is downloaded); empty: the embedded SmolLM2-135M-Instruct", None),
+    "page_size": ("rows per KV page (a power of two)", None),
+    "num_kv_pages": ("pages per pool; 0 sizes the pool from memory (--kv-memory-fraction)", None),
+    "kv_memory_fraction": ("fraction of available memory for KV when --num-kv-pages is 0", None),
+    "max_seq_len": ("prompt + output limit; 0 uses the model's context length", None),
+    "max_num_seqs": ("most requests in one batch", None),
+    "max_batch_tokens": ("token budget of one step (prefill chunks + decode rows)", None),
+    "dtype": ("dtype of the weights and the KV pages", tuple(DTYPE_BYTES)),
+    "admission": ("admit by each request's footprint, or by a max_seq_len reservation (a baseline for benchmarks)",
+                  ADMISSION_MODES),
+    "prefix_cache": ("share KV pages of repeated prompt prefixes (--no-prefix-cache: off)", None),
+    "speculative_k": (f"prompt-lookup speculative decoding: draft tokens verified per step for greedy requests, "
+                      f"0-{MAX_SPECULATIVE_K}; 0 is off", None),
+    "speculative_ngram_max": ("longest suffix n-gram looked up in the request's history for drafts", None),
+    "speculative_ngram_min": ("shortest suffix n-gram that may propose drafts", None),
+}
+
+DEPLOYMENT_ENV = "MSTAR_DEPLOYMENT"
+_FALSE, _TRUE = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
-def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
-    d = Deployment()
-    parser.add_argument("--model", default=_env("model", ""), help="local Hugging Face folder, a .gguf file, or empty for the embedded SmolLM2-135M-Instruct (env MSTAR_MODEL)")
-    parser.add_argument("--page-size", type=int, default=int(_env("page_size", str(d.page_size))), help="rows per KV page (env MSTAR_PAGE_SIZE)")
-    parser.add_argument("--num-kv-pages", type=int, default=int(_env("num_kv_pages", "0")), help="pages per pool; 0 sizes it from memory (env MSTAR_NUM_KV_PAGES)")
-    parser.add_argument("--kv-memory-fraction", type=float, default=float(_env("kv_memory_fraction", str(d.kv_memory_fraction))), help="fraction of available memory for KV when --num-kv-pages is 0")
-    parser.add_argument("--max-seq-len", type=int, default=int(_env("max_seq_len", "0")), help="prompt + output limit; 0 uses the model's context length")
-    parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", str(d.max_num_seqs))), help="most requests in one batch")
-    parser.add_argument("--admission", choices=ADMISSION_MODES, default=_env("admission", "footprint"), help="admit by each request's footprint (default) or by a max_seq_len reservation (a baseline for benchmarks)")
-    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=_env("prefix_cache", "1") != "0", help="do not share KV pages of repeated prompt prefixes (env MSTAR_PREFIX_CACHE=0)")
-    parser.add_argument("--speculative-k", type=int, default=int(_env("speculative_k", "0")),
-                        help=f"prompt-lookup speculative decoding: draft tokens verified per step for greedy requests, 0-{MAX_SPECULATIVE_K}; 0 is off (env MSTAR_SPECULATIVE_K)")
-    parser.add_argument("--speculative-ngram-max", type=int, default=int(_env("speculative_ngram_max", str(d.speculative_ngram_max))),
-                        help="longest suffix n-gram looked up in the request's history for drafts (env MSTAR_SPECULATIVE_NGRAM_MAX)")
-    parser.add_argument("--speculative-ngram-min", type=int, default=int(_env("speculative_ngram_min", str(d.speculative_ngram_min))),
-                        help="shortest suffix n-gram that may propose drafts (env MSTAR_SPECULATIVE_NGRAM_MIN)")
-    parser.add_argument("--max-batch-tokens", type=int, default=int(_env("max_batch_tokens", str(d.max_batch_tokens))), help="token budget of one step (prefill chunks + decode rows)")
+def deployment_fields() -> tuple[msgspec.structs.FieldInfo, ...]:
+    return msgspec.structs.fields(Deployment)
+
+
+def field_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def field_env(name: str) -> str:
+    return f"MSTAR_{name.upper()}"
+
+
+def _from_env(f: msgspec.structs.FieldInfo, raw: str) -> Any:
+    """A field's value from its env var's text."""
+    if f.type is bool:
+        if raw.strip().lower() in _FALSE:
+            return False
+        if raw.strip().lower() in _TRUE:
+            return True
+        raise ValueError(f"{field_env(f.name)}={raw!r} is not a boolean (0/1, false/true)")
+    try:
+        return f.type(raw)
+    except ValueError:
+        raise ValueError(f"{field_env(f.name)}={raw!r} is not a{'n' if f.type is int else ''} {f.type.__name__}") from None
+
+
+def add_deployment_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """`--deployment` and one flag per `Deployment` field (or only those in `names`).
+
+    A flag left out is None in the parsed args: `deployment_from_args` then takes the
+    value from `--deployment` / `MSTAR_DEPLOYMENT`, else the field's env var, else the
+    field's default."""
+    parser.add_argument("--deployment", default=None, metavar="JSON",
+                        help="every deployment setting as one JSON object (as `mstar serve` hands its children), "
+                             "e.g. '{\"page_size\": 32}'; a flag given as well wins "
+                             f"(env {DEPLOYMENT_ENV}; default: none, each setting from its own flag or env var)")
+    for f in deployment_fields():
+        if names is not None and f.name not in names:
+            continue
+        if f.name not in DEPLOYMENT_HELP:
+            raise KeyError(f"Deployment field {f.name!r} has no DEPLOYMENT_HELP entry")
+        text, choices = DEPLOYMENT_HELP[f.name]
+        env = field_env(f.name)
+        shown = os.environ.get(env) if os.environ.get(env) is not None else f.default
+        if f.type is bool:
+            kw: dict[str, Any] = dict(action=argparse.BooleanOptionalAction)
+            shown = str(shown).lower() if isinstance(shown, bool) else shown
+        else:
+            kw = dict(type=f.type, choices=choices, metavar=None if choices else f.name.upper())
+        help_text = f"{text} (default: {json.dumps(shown) if isinstance(shown, str) and not shown else shown}; env {env})"
+        parser.add_argument(field_flag(f.name), dest=f.name, default=None, help=help_text.replace("%", "%%"), **kw)
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
-    """The Deployment the flags ask for; a value out of range exits with its message
-    (as argparse does for a malformed one), not a traceback."""
+    """The Deployment the flags ask for: each field from its flag if given, else from
+    `--deployment` / `MSTAR_DEPLOYMENT`, else its env var, else its default. A value out
+    of range exits with its message (as argparse does for a malformed one), not a traceback."""
     try:
         return _deployment(args)
-    except ValueError as exc:
+    except (ValueError, msgspec.ValidationError) as exc:
         raise SystemExit(f"invalid deployment: {exc}") from None
 
 
 def _deployment(args: argparse.Namespace) -> Deployment:
-    return Deployment(
-        model=args.model,
-        page_size=args.page_size,
-        num_kv_pages=args.num_kv_pages,
-        kv_memory_fraction=args.kv_memory_fraction,
-        max_seq_len=args.max_seq_len,
-        max_num_seqs=args.max_num_seqs,
-        max_batch_tokens=args.max_batch_tokens,
-        admission=args.admission,
-        prefix_cache=args.prefix_cache,
-        speculative_k=args.speculative_k,
-        speculative_ngram_max=args.speculative_ngram_max,
-        speculative_ngram_min=args.speculative_ngram_min,
-    )
+    values: dict[str, Any] = {}
+    for f in deployment_fields():
+        raw = os.environ.get(field_env(f.name))
+        if raw is not None:
+            values[f.name] = _from_env(f, raw)
+    given = getattr(args, "deployment", None)
+    if given is None:
+        given = os.environ.get(DEPLOYMENT_ENV) or None
+    if given is not None:
+        try:
+            whole = msgspec.json.decode(given)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"--deployment / {DEPLOYMENT_ENV} is not valid JSON: {exc}") from None
+        if not isinstance(whole, dict):
+            raise ValueError(f"--deployment / {DEPLOYMENT_ENV} must be a JSON object, got {given!r}")
+        values.update(whole)
+    for f in deployment_fields():
+        flag = getattr(args, f.name, None)
+        if flag is not None:
+            values[f.name] = flag
+    return msgspec.convert(values, Deployment)
 
 
 def deployment_argv(d: Deployment) -> list[str]:
-    """The flags that recreate `d`, for the launcher to hand every child the same values."""
-    return [
-        "--model", d.model,
-        "--page-size", str(d.page_size),
-        "--num-kv-pages", str(d.num_kv_pages),
-        "--kv-memory-fraction", str(d.kv_memory_fraction),
-        "--max-seq-len", str(d.max_seq_len),
-        "--max-num-seqs", str(d.max_num_seqs),
-        "--max-batch-tokens", str(d.max_batch_tokens),
-        "--admission", d.admission,
-        *([] if d.prefix_cache else ["--no-prefix-cache"]),
-        "--speculative-k", str(d.speculative_k),
-        "--speculative-ngram-max", str(d.speculative_ngram_max),
-        "--speculative-ngram-min", str(d.speculative_ngram_min),
-    ]
+    """The flags that recreate `d`, for the launcher to hand every child the same values:
+    the whole deployment as one value, which wins over the child's env vars."""
+    return ["--deployment", msgspec.json.encode(d).decode()]

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from shared.errors import ErrorKind
 from shared.layout import KVReqConfig, LabelLayout, PagedKVConfig
 
 HOT = dict(array_like=True, omit_defaults=True, gc=False)
@@ -109,15 +110,17 @@ class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):
 
 
 class RequestError(msgspec.Struct, tag="request_error", **HOT):
-    """A request failed; `message` is safe to show the client, details are logged under
-    `error_id` by whoever raised it."""
+    """A request failed. `kind` says what happened (never an HTTP status: only the api
+    decides how a kind is shown); `message` is safe to show the client and `param` names
+    the offending request field; details are logged under `error_id` (`new_error_id()`)
+    by whoever raised it. `code` is OpenAI's optional error code, when there is one."""
 
     request_id: str
-    status: int
+    kind: ErrorKind
     message: str
-    error_type: str = "invalid_request_error"
     param: str | None = None
     error_id: str | None = None
+    code: str | None = None
 
 
 class Dispatched(msgspec.Struct, tag="dispatched", **HOT):

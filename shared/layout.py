@@ -7,10 +7,14 @@ on decode too), so a malformed layout fails at the boundary, not deep in the KV 
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import msgspec
+
+from shared.pages import ceil_div, pages_for
+
+#: bytes per element of each KV dtype a pool may hold (the one table; specs import it)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class KVLabel(msgspec.Struct, frozen=True):
@@ -107,8 +111,7 @@ class PagedKVConfig(msgspec.Struct, frozen=True):
 
     @property
     def bytes_per_page(self) -> int:
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        return self.num_layers * 2 * self.page_size * self.kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 class KVReqConfig(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -137,7 +140,7 @@ def pages_in(start: int, end: int, page_size: int) -> int:
     """Pages touched by rows [start, end)."""
     if end <= start:
         return 0
-    return math.ceil(end / page_size) - start // page_size
+    return ceil_div(end, page_size) - start // page_size
 
 
 def label_footprint(
@@ -154,7 +157,7 @@ def label_footprint(
     grown = sum(rows * caps.get(loop, 0) for loop, rows in layout.growth.items())
     total = layout.span_rows + grown
     if window is None:
-        return math.ceil((total + layout.scratch) / page_size)
+        return pages_for(total + layout.scratch, page_size)
     peak = pages_in(0, layout.scratch, page_size)  # a probe may run before any commit
     start = 0
     for length in commit_sizes(layout, caps):
@@ -174,3 +177,40 @@ def commit_sizes(layout: LabelLayout, caps: dict[str, int]):
         if rows:
             for _ in range(caps.get(loop, 0)):
                 yield rows
+
+
+# ---- the prefix walk: which prompt pages the prefix cache holds and may share ----------
+
+
+def leading_ids(layout: LabelLayout) -> tuple[int, ...]:
+    """Token ids of the layout's leading `ids` spans: the part a prefix key can cover."""
+    ids: list[int] = []
+    for span in layout.spans:
+        if span.kind != "ids":
+            break
+        ids.extend(span.token_ids)
+    return tuple(ids)
+
+
+def prompt_pages(layout: LabelLayout, page_size: int) -> list[tuple[int, ...]]:
+    """The token ids of each full page of the layout's leading `ids` spans, in order: the
+    pages a worker's prefix index holds once the request's prompt is computed."""
+    ids = leading_ids(layout)
+    return [ids[i * page_size : (i + 1) * page_size] for i in range(len(ids) // page_size)]
+
+
+def shareable_count(layout: LabelLayout, page_size: int) -> int:
+    """How many leading `prompt_pages` a request may take from the prefix cache: never the
+    page holding its last prompt row (its logits pick the first token, so it is computed)."""
+    return min(len(leading_ids(layout)), layout.span_rows - 1) // page_size
+
+
+def prefix_chain(pages: list[tuple[int, ...]]) -> list[int]:
+    """One key per page naming its ids and every page before it (a hash chain): equal
+    leading keys mean an equal prefix, up to hash collisions, which can only make the
+    conductor's estimate wrong (the worker's index compares exact ids)."""
+    parent, chain = 0, []
+    for page in pages:
+        parent = hash((parent, page))
+        chain.append(parent)
+    return chain

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from shared.config import add_address_flags, advertised, resolve_addresses
+from shared.config import add_address_flags, add_deployment_flags, advertised, deployment_from_args, resolve_addresses
 from shared.zmq_utils import cleanup_ipc
 
 ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.api", description="mstar api service: HTTP / SSE / WebSocket front door")
     p.add_argument("--host", default=os.environ.get("MSTAR_API_HOST", "127.0.0.1"), help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")), help="HTTP port (env MSTAR_API_PORT; default 8000)")
-    p.add_argument("--model", default=os.environ.get("MSTAR_MODEL", ""), help="local Hugging Face folder, a .gguf file, a Hugging Face Hub id (org/name) in the local cache, or empty for the embedded default (env MSTAR_MODEL)")
+    add_deployment_flags(p, names=("model",))  # --model, and --deployment as the launcher hands it
     p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
                    help="the name /v1/models lists and OpenAI requests must give as `model` (env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.model_source import ModelSource
 
     try:
-        source = ModelSource(args.model)
+        source = ModelSource(deployment_from_args(args).model)
         tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
         if args.chat_template:  # --chat-template FILE replaces the checkpoint's template
             tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))

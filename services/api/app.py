@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from services.api import openai_routes
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
-from services.api.errors import ApiError, internal_error
+from services.api.errors import ApiError, internal_error, kind_for_status
 from services.api.forms import Form, is_form, parse_form
 from services.api.metrics import CONTENT_TYPE
 from services.api.serving import Prepared, api_state, error_response, json_response, serve
@@ -117,7 +117,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return json_response(ApiError(exc.status_code, message).body(), exc.status_code, exc.headers)
+    err = ApiError(kind_for_status(exc.status_code), message)
+    return json_response(err.body(), err.status, exc.headers)
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.api.errors import ApiError
+from services.api.errors import ApiError, HttpKind
 from services.api.events import encode
 
 OPEN_PATHS = ("/health", "/ready")
@@ -41,7 +41,7 @@ def bearer_token(scope: Scope) -> bytes | None:
 
 def auth_error(token: bytes | None) -> ApiError:
     message = "missing API key: send the header Authorization: Bearer <key>" if token is None else "invalid API key"
-    return ApiError(401, message, None, "invalid_request_error", code="invalid_api_key")
+    return ApiError(HttpKind.UNAUTHORIZED, message, code="invalid_api_key")
 
 
 class ApiKeyMiddleware:

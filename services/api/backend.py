@@ -27,7 +27,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.api.errors import ApiError, new_error_id
+from services.api.errors import ApiError
+from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
     ClusterStatus,
@@ -179,7 +180,7 @@ class Backend:
         log.warning("ending %d live request(s): %s (error id %s)", len(live), message, error_id)
         for request_id, handle in live.items():
             self._send_abort(request_id, "shutdown")
-            handle.put(RequestError(request_id, 503, message, "service_unavailable", error_id=error_id))
+            handle.put(RequestError(request_id, ErrorKind.UNAVAILABLE, message, error_id=error_id))
         return len(live)
 
     def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
@@ -191,14 +192,14 @@ class Backend:
     async def submit(self, req: GenerateRequest) -> RequestHandle:
         """Register the request's queue, then send it to the data worker.
 
-        Raises ApiError(409) when the id is already live: two clients must not share one
+        Raises a conflict ApiError when the id is already live: two clients must not share one
         reply queue.
         """
         if self._closed:
-            raise ApiError(503, "server is shutting down")
+            raise ApiError(ErrorKind.UNAVAILABLE, "server is shutting down")
         await self.start()
         if req.request_id in self._live:
-            raise ApiError(409, f"request_id {req.request_id!r} is already in use by a live request", "request_id")
+            raise ApiError(ErrorKind.CONFLICT, f"request_id {req.request_id!r} is already in use by a live request", "request_id")
         handle = RequestHandle(req.request_id, self)
         self._live[req.request_id] = handle  # before sending: the first output may be quick
         self._pending.add(req.request_id)
@@ -290,7 +291,7 @@ class Backend:
         for rid in lost:
             handle = self._live.pop(rid)
             self._send_abort(rid, "peer_failed")  # a surviving conductor drops its queued copy
-            handle.put(RequestError(rid, 503, message, "service_unavailable", error_id=error_id))
+            handle.put(RequestError(rid, ErrorKind.UNAVAILABLE, message, error_id=error_id))
         return len(lost)
 
     # ---- cluster status --------------------------------------------------------------

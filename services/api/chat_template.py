@@ -29,6 +29,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.api.errors import ApiError, internal_error
+from shared.errors import ErrorKind
 
 log = logging.getLogger("mstar.api.chat")
 
@@ -117,6 +118,6 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._specials())
         except jinja2.TemplateError as exc:
-            raise ApiError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
+            raise ApiError(ErrorKind.INVALID, f"the model's chat template refused these messages: {exc}", "messages") from None
         except Exception as exc:
             raise internal_error("rendering the chat template", exc) from None

@@ -28,6 +28,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from services.api.errors import ApiError
+from shared.errors import ErrorKind
 
 FORM_TYPE = "multipart/form-data"
 FILE_FIELD = "file"
@@ -73,7 +74,7 @@ def _parts(body: bytes, boundary: bytes) -> list[tuple[str, bytes]]:
     def on_part_begin() -> None:
         nonlocal current
         if len(parts) >= MAX_FORM_PARTS:
-            raise ApiError(400, f"the form has more than {MAX_FORM_PARTS} parts")
+            raise ApiError(ErrorKind.INVALID, f"the form has more than {MAX_FORM_PARTS} parts")
         current = _Part()
 
     def on_header_field(data: bytes, start: int, end: int) -> None:
@@ -95,11 +96,11 @@ def _parts(body: bytes, boundary: bytes) -> list[tuple[str, bytes]]:
         _, options = parse_options_header(current.disposition)
         raw_name = options.get(b"name")
         if not raw_name:
-            raise ApiError(400, 'a form part has no name (Content-Disposition: form-data; name="...")')
+            raise ApiError(ErrorKind.INVALID, 'a form part has no name (Content-Disposition: form-data; name="...")')
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(400, "a form part's name is not valid UTF-8") from None
+            raise ApiError(ErrorKind.INVALID, "a form part's name is not valid UTF-8") from None
         parts.append((name, bytes(current.data)))
 
     def on_end() -> None:
@@ -116,9 +117,9 @@ def _parts(body: bytes, boundary: bytes) -> list[tuple[str, bytes]]:
         parser.write(body)
         parser.finalize()
     except FormParserError as exc:
-        raise ApiError(400, f"the multipart/form-data body is malformed: {exc}") from None
+        raise ApiError(ErrorKind.INVALID, f"the multipart/form-data body is malformed: {exc}") from None
     if not ended:
-        raise ApiError(400, "the multipart/form-data body is incomplete (no closing boundary)")
+        raise ApiError(ErrorKind.INVALID, "the multipart/form-data body is incomplete (no closing boundary)")
     return parts
 
 
@@ -138,28 +139,28 @@ def parse_form(body: bytes, content_type: str | None) -> Form:
     """Read a multipart/form-data body; raises ApiError (400) for anything malformed."""
     if not is_form(content_type):
         got = media_type(content_type) or "none"
-        raise ApiError(400, f"the body must be {FORM_TYPE} with a {FILE_FIELD!r} part (Content-Type: {got})", FILE_FIELD)
+        raise ApiError(ErrorKind.INVALID, f"the body must be {FORM_TYPE} with a {FILE_FIELD!r} part (Content-Type: {got})", FILE_FIELD)
     _, options = parse_options_header(content_type or "")
     boundary = options.get(b"boundary")
     if not boundary:
-        raise ApiError(400, f"the {FORM_TYPE} Content-Type has no boundary")
+        raise ApiError(ErrorKind.INVALID, f"the {FORM_TYPE} Content-Type has no boundary")
     file: bytes | None = None
     texts: dict[str, list[str]] = {}
     for name, data in _parts(body, boundary):
         if name == FILE_FIELD:
             if file is not None:
-                raise ApiError(400, f"the form has more than one {FILE_FIELD!r} part; send one file", FILE_FIELD)
+                raise ApiError(ErrorKind.INVALID, f"the form has more than one {FILE_FIELD!r} part; send one file", FILE_FIELD)
             file = data
             continue
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(400, f"form field {name!r} is not valid UTF-8", name) from None
+            raise ApiError(ErrorKind.INVALID, f"form field {name!r} is not valid UTF-8", name) from None
         texts.setdefault(name, []).append(text)
     fields: dict[str, Any] = {}
     for name, values in texts.items():
         if len(values) > 1 and name not in LIST_FIELDS:
-            raise ApiError(400, f"form field {name!r} is given {len(values)} times; give it once", name)
+            raise ApiError(ErrorKind.INVALID, f"form field {name!r} is given {len(values)} times; give it once", name)
         items = [typed_value(name, v) for v in values]
         if name in LIST_FIELDS and len(items) > 1:
             fields[name] = items

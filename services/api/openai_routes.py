@@ -23,6 +23,7 @@ from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
 from services.api.transcription import TranscriptionReply, language_code, require_speech_model
+from shared.errors import ErrorKind
 
 OWNED_BY = "mstar"
 
@@ -56,7 +57,7 @@ def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     req, messages = parse_chat(obj, state.settings.model_name)
     if state.chat_template is None:
-        raise ApiError(400, f"the model `{state.settings.model_name}` has no chat template; use /v1/completions with a formatted prompt", "messages")
+        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; use /v1/completions with a formatted prompt", "messages")
     req = with_prompt(req, state.chat_template.render(messages))
     reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()), include_usage=req.include_usage)
     return Prepared(req.params, req.stream, reply)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.websockets import WebSocket
 
-from services.api.errors import ApiError, internal_error
+from services.api.errors import ApiError, HttpKind, internal_error
 from services.api.events import encode
 from services.api.generation import Generation
 from services.api.metrics import status_label
@@ -49,13 +49,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refusing anything past `limit` bytes (413) without reading it all."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body exceeds {limit} bytes")
+        raise ApiError(HttpKind.TOO_LARGE, f"request body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes")
+            raise ApiError(HttpKind.TOO_LARGE, f"request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -31,6 +31,7 @@ from starlette.responses import Response
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode
 from services.api.openai_format import error_chunk
+from shared.errors import ErrorKind
 
 log = logging.getLogger("mstar.api")
 
@@ -43,7 +44,7 @@ NOT_SPEECH = "the served model does not take audio"
 def require_speech_model(takes_audio: bool) -> None:
     """The audio routes' first check: 400 (param "file") when the model is not a speech one."""
     if not takes_audio:
-        raise ApiError(400, NOT_SPEECH, "file")
+        raise ApiError(ErrorKind.INVALID, NOT_SPEECH, "file")
 
 
 def is_speech_model(config: dict) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from services.api.errors import ApiError
+from shared.errors import ErrorKind
 from shared.frames import SamplingParams
 
 INT32_MAX = 2**31 - 1  # ceiling for counts and token ids: keeps every frame encodable
@@ -137,19 +138,19 @@ def is_number(value: Any) -> bool:
 
 
 def _bad(name: str, requirement: str, value: Any) -> ApiError:
-    return ApiError(400, f"{name} must be {requirement}, got {json_repr(value)}", name)
+    return ApiError(ErrorKind.INVALID, f"{name} must be {requirement}, got {json_repr(value)}", name)
 
 
 def decode_json_object(body: bytes, what: str = "request body") -> dict[str, Any]:
     """Decode strict JSON (no NaN/Infinity, valid UTF-8) that must be an object."""
     if not body.strip():
-        raise ApiError(400, f"{what} is empty; expected a JSON object")
+        raise ApiError(ErrorKind.INVALID, f"{what} is empty; expected a JSON object")
     try:
         obj = msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
+        raise ApiError(ErrorKind.INVALID, f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise ApiError(400, f"{what} must be a JSON object, got {_json_kind(obj)}")
+        raise ApiError(ErrorKind.INVALID, f"{what} must be a JSON object, got {_json_kind(obj)}")
     return obj
 
 
@@ -171,7 +172,7 @@ def check_fields(obj: Mapping[str, Any], allowed: Iterable[str]) -> None:
     for name in obj:
         if name not in allowed and name not in UNSUPPORTED_FIELDS:
             listed = ", ".join(sorted(allowed))
-            raise ApiError(400, f"unknown field {name!r}; allowed fields: {listed}", name)
+            raise ApiError(ErrorKind.INVALID, f"unknown field {name!r}; allowed fields: {listed}", name)
 
 
 def refuse_unsupported(obj: Mapping[str, Any], honoured: Iterable[str] = ()) -> None:
@@ -183,7 +184,7 @@ def refuse_unsupported(obj: Mapping[str, Any], honoured: Iterable[str] = ()) -> 
     skip = frozenset(honoured)
     for name, (neutral, message) in UNSUPPORTED_FIELDS.items():
         if name in obj and name not in skip and not neutral(obj[name]):
-            raise ApiError(400, f"{message}, got {json_repr(obj[name])}", name)
+            raise ApiError(ErrorKind.INVALID, f"{message}, got {json_repr(obj[name])}", name)
 
 
 def get_int(obj: Mapping[str, Any], name: str, *, minimum: int, maximum: int, requirement: str | None = None) -> int | None:
@@ -265,7 +266,7 @@ def parse_stop(obj: Mapping[str, Any], name: str = "stop") -> list[str]:
     if not isinstance(items, list):
         raise _bad(name, requirement, value)
     if len(items) > MAX_STOP:
-        raise ApiError(400, f"{name} must have at most {MAX_STOP} strings, got {len(items)}", name)
+        raise ApiError(ErrorKind.INVALID, f"{name} must have at most {MAX_STOP} strings, got {len(items)}", name)
     for i, item in enumerate(items):
         where = name if isinstance(value, str) else f"{name}[{i}]"
         if not isinstance(item, str):
@@ -273,7 +274,7 @@ def parse_stop(obj: Mapping[str, Any], name: str = "stop") -> list[str]:
         if not item:
             raise _bad(where, "a non-empty string", item)
         if len(item) > MAX_STOP_CHARS:
-            raise ApiError(400, f"{where} must be at most {MAX_STOP_CHARS} characters, got {len(item)}", where)
+            raise ApiError(ErrorKind.INVALID, f"{where} must be at most {MAX_STOP_CHARS} characters, got {len(item)}", where)
     return list(dict.fromkeys(items))
 
 
@@ -296,9 +297,9 @@ def parse_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
     prompt = obj.get("prompt")
     input_ids = obj.get("input_ids")
     if prompt is None and input_ids is None:
-        raise ApiError(400, "one of prompt (a string) or input_ids (a list of integers) is required", "prompt")
+        raise ApiError(ErrorKind.INVALID, "one of prompt (a string) or input_ids (a list of integers) is required", "prompt")
     if prompt is not None and input_ids is not None:
-        raise ApiError(400, "prompt and input_ids are mutually exclusive; give exactly one", "input_ids")
+        raise ApiError(ErrorKind.INVALID, "prompt and input_ids are mutually exclusive; give exactly one", "input_ids")
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
             raise _bad("prompt", "a non-empty string", prompt)
@@ -363,9 +364,9 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
 def check_audio(audio: bytes | None, name: str = "file") -> bytes:
     """The uploaded file must be there and non-empty (decoding it is the data worker's job)."""
     if audio is None:
-        raise ApiError(400, f"{name} is required: upload a WAV or FLAC file as the multipart/form-data field {name!r}", name)
+        raise ApiError(ErrorKind.INVALID, f"{name} is required: upload a WAV or FLAC file as the multipart/form-data field {name!r}", name)
     if not audio:
-        raise ApiError(400, f"{name} is empty; upload a WAV or FLAC file", name)
+        raise ApiError(ErrorKind.INVALID, f"{name} is empty; upload a WAV or FLAC file", name)
     return audio
 
 
@@ -377,7 +378,7 @@ def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> Generat
     refuse_unsupported(obj)
     for name in ("prompt", "input_ids"):
         if obj.get(name) is not None:
-            raise ApiError(400, f"{name} must be absent when an audio file is sent: the audio is the prompt", name)
+            raise ApiError(ErrorKind.INVALID, f"{name} must be absent when an audio file is sent: the audio is the prompt", name)
     audio = check_audio(audio)
     language = parse_language(obj)
     task = parse_task(obj)

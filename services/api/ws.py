@@ -25,12 +25,13 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from services.api.errors import ApiError, internal_error
+from services.api.errors import ApiError, HttpKind, internal_error
 from services.api.events import DeltaEvent, encode, error_event
 from services.api.generation import Generation
 from services.api.metrics import status_label
 from services.api.state import ApiState
 from services.api.validation import check_fields, decode_json_object, json_repr, parse_generate
+from shared.errors import ErrorKind
 
 log = logging.getLogger("mstar.api.ws")
 
@@ -44,7 +45,7 @@ def _echo_id(value: Any) -> str | None:
 def _client_id(obj: dict[str, Any]) -> str:
     value = obj.get("id")
     if not isinstance(value, str) or not 1 <= len(value) <= 128:
-        raise ApiError(400, f"id must be a string of 1-128 characters, got {json_repr(value)}", "id")
+        raise ApiError(ErrorKind.INVALID, f"id must be a string of 1-128 characters, got {json_repr(value)}", "id")
     return value
 
 
@@ -100,7 +101,7 @@ class WsSession:
         try:
             limit = self.state.settings.max_body_bytes
             if len(data) > limit:
-                raise ApiError(413, f"frame exceeds {limit} bytes")
+                raise ApiError(HttpKind.TOO_LARGE, f"frame exceeds {limit} bytes")
             obj = decode_json_object(data, what="frame")
             client_id = _echo_id(obj.get("id"))
             kind = obj.get("type")
@@ -109,7 +110,7 @@ class WsSession:
             elif kind == "cancel":
                 self._cancel(obj)
             else:
-                raise ApiError(400, f'type must be "generate" or "cancel", got {json_repr(kind)}', "type")
+                raise ApiError(ErrorKind.INVALID, f'type must be "generate" or "cancel", got {json_repr(kind)}', "type")
         except ApiError as err:
             if kind == "generate":
                 self.state.metrics.count(status_label(err.status))
@@ -125,10 +126,10 @@ class WsSession:
         arrival = time.time()
         client_id = _client_id(obj)
         if client_id in self.live:
-            raise ApiError(409, f"id {client_id!r} is already live on this socket", "id")
+            raise ApiError(ErrorKind.CONFLICT, f"id {client_id!r} is already live on this socket", "id")
         limit = self.state.settings.ws_max_live
         if len(self.live) >= limit:
-            raise ApiError(429, f"too many live requests on this socket (limit {limit})")
+            raise ApiError(HttpKind.RATE_LIMITED, f"too many live requests on this socket (limit {limit})")
         params = parse_generate(obj, envelope=ENVELOPE)
         gen = await self.state.start_generation(params, client_id=client_id, started=started, arrival_time=arrival)
         stream = True if params.stream is None else params.stream
@@ -140,7 +141,7 @@ class WsSession:
         client_id = _client_id(obj)
         entry = self.live.get(client_id)
         if entry is None:
-            raise ApiError(404, f"no live request with id {client_id!r} on this socket", "id")
+            raise ApiError(HttpKind.NOT_FOUND, f"no live request with id {client_id!r} on this socket", "id")
         entry[0].cancel()  # its task then sends done with finish_reason "abort"
 
     async def _drive(self, gen: Generation, stream: bool) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared.config import Deployment
+from shared.errors import SERVER_SIDE, ErrorKind, new_error_id
 from shared.frames import (
     Abort,
     ClusterStatus,
@@ -38,7 +38,8 @@ from shared.frames import (
     WorkerReady,
     WorkerStats,
 )
-from shared.layout import PagedKVConfig
+from shared.layout import PagedKVConfig, leading_ids, prefix_chain, prompt_pages, shareable_count
+from shared.pages import pages_for
 from shared.specs.base import ModelSpec
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
@@ -50,9 +51,12 @@ HEARTBEAT_TIMEOUT_S = float(os.environ.get("MSTAR_HEARTBEAT_TIMEOUT", "5"))
 
 
 class Refusal(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, error_type: str = "invalid_request_error") -> None:
+    """A request the conductor will not run: what went wrong (`kind`), a client-safe
+    `message` naming the limit, and the request field it concerns (`param`)."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.error_type = status, message, param, error_type
+        self.kind, self.message, self.param = kind, message, param
 
 
 @dataclass
@@ -70,21 +74,23 @@ class WorkerState:
     cached: OrderedDict = field(default_factory=OrderedDict)
     dispatched: int = 0
 
-    def remember(self, keys: dict[str, list[int]]) -> None:
+    def remember(self, keys: dict[str, tuple[list[int], int]]) -> None:
+        """What the worker's prefix index holds once the request's prompt ran: every full
+        prompt page (LRU order, bounded by its pool sizes)."""
         capacity = sum(p.num_pages for p in self.pools.values())
-        for chain in keys.values():
+        for chain, _ in keys.values():
             for k in chain:
                 self.cached[k] = None
                 self.cached.move_to_end(k)
         while len(self.cached) > capacity:
             self.cached.popitem(last=False)
 
-    def hit_pages(self, keys: dict[str, list[int]]) -> int:
-        """Leading pages every label would share here (0 if any label shares none)."""
+    def hit_pages(self, keys: dict[str, tuple[list[int], int]]) -> int:
+        """Leading pages every label would share here (0 if any label shares none): of its
+        shareable pages, those this worker's index holds, as `KVManager` matches them."""
         if not keys:
             return 0
-        n = min(next((i for i, k in enumerate(chain) if k not in self.cached), len(chain)) for chain in keys.values())
-        return n
+        return min(next((i for i, k in enumerate(chain[:n]) if k not in self.cached), n) for chain, n in keys.values())
 
     def free(self, pool: str) -> int:
         return self.pools[pool].num_pages - self.promised.get(pool, 0)
@@ -100,12 +106,12 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     try:
         spec.refuse_undeclared_labels(req.kv_layout)
     except ValueError as exc:
-        raise Refusal(500, str(exc), error_type="internal_error") from exc
+        raise Refusal(ErrorKind.INTERNAL, str(exc)) from exc
     max_seq_len = min(p.max_seq_len for p in pools.values())
     loops = spec.graph_loops()
     decode_iters = loops.get(getattr(spec, "decode_loop", "decode_loop"))
     if req.prompt_len >= max_seq_len:
-        raise Refusal(400, f"prompt is {req.prompt_len} tokens; with at least 1 new token it exceeds max_seq_len {max_seq_len}", "prompt")
+        raise Refusal(ErrorKind.TOO_LONG, f"prompt is {req.prompt_len} tokens; with at least 1 new token it exceeds max_seq_len {max_seq_len}", "prompt")
     max_tokens = req.max_tokens
     if max_tokens is None:
         # The most the loop and the sequence limit allow for this prompt.
@@ -116,14 +122,14 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         pool_rows = min(p.num_pages * p.page_size for p in pools.values())
         max_tokens = max(1, min(max_tokens, pool_rows - req.prompt_len + 1))
     if decode_iters is not None and max_tokens - 1 > decode_iters:
-        raise Refusal(400, f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}", "max_tokens")
+        raise Refusal(ErrorKind.TOO_LONG, f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}", "max_tokens")
     if req.prompt_len + max_tokens > max_seq_len:
-        raise Refusal(400, f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} exceeds max_seq_len {max_seq_len}", "max_tokens")
+        raise Refusal(ErrorKind.TOO_LONG, f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} exceeds max_seq_len {max_seq_len}", "max_tokens")
     caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=req.prompt_len))
     configs = spec.kv_configs(req.kv_layout, caps, pools)
     for name, cfg in configs.items():
         if cfg.total_pages > pools[name].num_pages:
-            raise Refusal(400, f"the request needs {cfg.total_pages} KV pages of pool {name!r}, which holds {pools[name].num_pages} in all", "max_tokens")
+            raise Refusal(ErrorKind.TOO_LONG, f"the request needs {cfg.total_pages} KV pages of pool {name!r}, which holds {pools[name].num_pages} in all", "max_tokens")
     return msgspec.structs.replace(req, max_tokens=max_tokens, loop_caps=caps, kv_configs=configs)
 
 
@@ -206,7 +212,7 @@ class Conductor:
             return  # the client left before the request got here
         try:
             if req.request_id in self.placement or any(r.request_id == req.request_id for r, _ in self.queue):
-                raise Refusal(409, f"request_id {req.request_id!r} is already running", "request_id")
+                raise Refusal(ErrorKind.CONFLICT, f"request_id {req.request_id!r} is already running", "request_id")
             pools = self._reference_pools()
             if pools is None:
                 self.queue.append((req, bufs))  # no worker yet: plan once one announces itself
@@ -214,7 +220,7 @@ class Conductor:
             planned = plan_request(self.spec, req, pools)
             for name, n in self._need(planned).items():
                 if n > pools[name].num_pages:
-                    raise Refusal(400, f"the request needs {n} KV pages of pool {name!r} under {self.d.admission} admission, which holds {pools[name].num_pages} in all", "max_tokens")
+                    raise Refusal(ErrorKind.TOO_LONG, f"the request needs {n} KV pages of pool {name!r} under {self.d.admission} admission, which holds {pools[name].num_pages} in all", "max_tokens")
         except Refusal as r:
             await self._refuse(req, r)
             return
@@ -230,11 +236,12 @@ class Conductor:
     async def _refuse(self, req: NewRequest, r: Refusal) -> None:
         error_id = None
         message = r.message
-        if r.status >= 500:
-            error_id = uuid.uuid4().hex[:12]
+        if r.kind in SERVER_SIDE:
+            error_id = new_error_id()
             log.error("request %s refused (error_id=%s): %s", req.request_id, error_id, r.message)
-            message = "internal error"
-        err = RequestError(req.request_id, r.status, message, r.error_type, r.param, error_id)
+            if r.kind is ErrorKind.INTERNAL:
+                message = "internal error"
+        err = RequestError(req.request_id, r.kind, message, r.param, error_id)
         await self.pushers.send(req.reply_to, self.codec.encode(err))
 
     async def _drain_queue(self) -> None:
@@ -254,7 +261,7 @@ class Conductor:
             for w in self.workers.values():
                 # The pages it will share from this worker's prefix cache need no promise
                 # (an over-estimate only makes the worker queue it: it admits exactly).
-                hits = w.hit_pages(keys) if self.d.admission == "footprint" else 0
+                hits = w.hit_pages(keys) if self.d.admission == "footprint" and self.d.prefix_cache else 0
                 need = {pool: n - (hits if pool in keys else 0) for pool, n in base.items()}
                 if w.fits(need):
                     options.append((hits, sum(w.free(p) for p in need), -w.dispatched, w, need))
@@ -273,27 +280,18 @@ class Conductor:
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
             await self.pushers.send(req.reply_to, self.codec.encode(Dispatched(req.request_id, w.worker_id)))
 
-    def _prefix_keys(self, req: NewRequest) -> dict[str, list[int]]:
-        """Chain keys of each keyed label's full prompt pages, as the worker's prefix index
-        builds them (the last prompt row is never shared). Empty unless every label is
+    def _prefix_keys(self, req: NewRequest) -> dict[str, tuple[list[int], int]]:
+        """Per pool: chain keys of the keyed label's full prompt pages and how many of them
+        the request may share, by the walk the worker's prefix index uses
+        (`shared.layout.prompt_pages` / `shareable_count`). Empty unless every label is
         keyed: rows computed once feed every label."""
-        keys: dict[str, list[int]] = {}
+        keys: dict[str, tuple[list[int], int]] = {}
         for name, layout in req.kv_layout.items():
             lab = self.spec.label(name)
             cfg = req.kv_configs.get(lab.pool)
-            ids: list[int] = []
-            for span in layout.spans:
-                if span.kind != "ids":
-                    break
-                ids.extend(span.token_ids)
-            if not lab.keys or not ids or cfg is None:
+            if not lab.keys or cfg is None or not leading_ids(layout):
                 return {}
-            ps = cfg.page_size
-            parent, chain = 0, []
-            for i in range((layout.span_rows - 1) // ps):
-                parent = hash((parent, tuple(ids[i * ps : (i + 1) * ps])))
-                chain.append(parent)
-            keys[lab.pool] = chain
+            keys[lab.pool] = (prefix_chain(prompt_pages(layout, cfg.page_size)), shareable_count(layout, cfg.page_size))
         return keys
 
     def _need(self, req: NewRequest) -> dict[str, int]:
@@ -304,7 +302,7 @@ class Conductor:
             pools = self._reference_pools() or {}
             for name, cfg in req.kv_configs.items():
                 if name in pools:
-                    need[name] = max(need[name], -(-pools[name].max_seq_len // pools[name].page_size) * len(cfg.footprints))
+                    need[name] = max(need[name], pages_for(pools[name].max_seq_len, pools[name].page_size) * len(cfg.footprints))
         return need
 
     def _release(self, worker_id: str, request_id: str) -> None:
@@ -361,12 +359,13 @@ class Conductor:
                     await self._worker_failed(w, f"no heartbeat for {now - w.last_seen:.1f}s")
 
     async def _worker_failed(self, w: WorkerState, reason: str) -> None:
-        """Fail every request the worker held (503 worker_failed), forget its bookkeeping;
-        the other workers and the queue go on."""
+        """Fail every request the worker held (worker_failed, one error id logged with the
+        reason), forget its bookkeeping; the other workers and the queue go on."""
         if self.workers.get(w.worker_id) is not w:
             return
         del self.workers[w.worker_id]
-        log.error("worker %s failed (%s); failing its %d request(s)", w.worker_id, reason, len(w.requests))
+        error_id = new_error_id()
+        log.error("worker %s failed (%s); failing its %d request(s) (error_id=%s)", w.worker_id, reason, len(w.requests), error_id)
         if w.monitor is not None and w.monitor is not asyncio.current_task():
             w.monitor.cancel()
         self.pushers.drop(w.address)
@@ -375,7 +374,8 @@ class Conductor:
             self.dead.popitem(last=False)
         for rid, (_, reply_to) in w.requests.items():
             self.placement.pop(rid, None)
-            err = RequestError(rid, 503, f"the worker serving this request failed ({reason}); it was not completed", "worker_failed")
+            err = RequestError(rid, ErrorKind.WORKER_FAILED, f"the worker serving this request failed ({reason}); it was not completed",
+                               error_id=error_id)
             await self.pushers.send(reply_to, self.codec.encode(err))
         await self._drain_queue()
 

@@ -7,12 +7,12 @@ then in the KV manager), bounded to the most recent requests, for diagnostics.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
 
+from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
     FrameCodec,
@@ -103,12 +103,12 @@ class DataWorker:
         try:
             ids, ppo = self.prepare(req)
         except _ClientError as exc:
-            await self._error(req, RequestError(req.request_id, 400, exc.message, "invalid_request_error", exc.param))
+            await self._error(req, RequestError(req.request_id, ErrorKind.INVALID, exc.message, exc.param))
             return
         except Exception:
-            error_id = uuid.uuid4().hex[:12]
+            error_id = new_error_id()
             log.exception("process_prompt failed for %s (error_id=%s)", req.request_id, error_id)
-            await self._error(req, RequestError(req.request_id, 500, "internal error", "internal_error", None, error_id))
+            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id))
             return
         try:
             refs, bufs = pack_tensors(ppo.new_input_tensors)
@@ -117,9 +117,9 @@ class DataWorker:
                 req.max_tokens, ppo.kv_layout, arrival_time=req.arrival_time,
             )
         except Exception:
-            error_id = uuid.uuid4().hex[:12]
+            error_id = new_error_id()
             log.exception("building NewRequest failed for %s (error_id=%s)", req.request_id, error_id)
-            await self._error(req, RequestError(req.request_id, 500, "internal error", "internal_error", None, error_id))
+            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id))
             return
         await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))
         self.recent[req.request_id] = msg.without_layouts()

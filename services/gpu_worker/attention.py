@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
+from shared.pages import pages_for
 
 
 @dataclass
@@ -114,7 +115,7 @@ def build_metadata(
             slot_offsets.extend(r % page_size for r in range(cached, cached + new))
         first_row = first_page * page_size
         kv_len = cached + new - first_row  # rows held in the live pages
-        n_pages = -(-kv_len // page_size)
+        n_pages = pages_for(kv_len, page_size)
         used = pages[:n_pages]
         if flashinfer:
             indices.extend(used)

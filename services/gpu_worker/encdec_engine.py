@@ -21,7 +21,6 @@ its loop cap ("length"). The generation config's `suppress_tokens` (every step) 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from services.gpu_worker.attention import AttnMetadata, PrefillChunk, build_meta
 from services.gpu_worker.engine import EngineBase, StepResult
 from services.gpu_worker.kv_manager import KVManager, LayoutViolation, RequestKV
 from services.gpu_worker.sampler import make_generator, sample
+from shared.errors import new_error_id
 from shared.frames import NewRequest, Output, SamplingParams
 
 log = logging.getLogger("mstar.encdec_engine")
@@ -170,7 +170,7 @@ class EncDecEngine(EngineBase):
             hit = self.kv.admit(seq.kv)
             self.running.append(seq)
             if hit:  # the cross label is never keyed, so nothing may be shared
-                error_id = uuid.uuid4().hex[:12]
+                error_id = new_error_id()
                 log.error("request %s: %d prefix-cache rows on an encoder-decoder request (error_id=%s)", seq.request_id, hit, error_id)
                 self._fail(seq, 500, "internal error", error_id, res)
                 continue
@@ -180,7 +180,7 @@ class EncDecEngine(EngineBase):
         try:
             self._encode(admitted)
         except Exception:
-            error_id = uuid.uuid4().hex[:12]
+            error_id = new_error_id()
             log.exception("encoder failed (error_id=%s); failing its %d requests", error_id, len(admitted))
             for seq in admitted:
                 self._fail(seq, 500, "internal error in the encoder", error_id, res)

@@ -16,7 +16,6 @@ inside the rows its layout already declares.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from services.gpu_worker.attention import build_metadata
 from services.gpu_worker.kv_manager import KVManager, LayoutViolation, RequestKV
 from services.gpu_worker.sampler import make_generator, sample
 from services.gpu_worker.speculative import NgramProposer, accept_greedy
+from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest, Output, RequestError, SamplingParams
 
 log = logging.getLogger("mstar.engine")
@@ -108,7 +108,7 @@ class EngineBase:
         try:
             sampled = self._forward(batch)
         except Exception:
-            error_id = uuid.uuid4().hex[:12]
+            error_id = new_error_id()
             log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(batch))
             for seq, _ in batch:
                 self._fail(seq, 500, "internal error in the model step", error_id, res)
@@ -130,7 +130,7 @@ class EngineBase:
         return n, toks
 
     def _violation(self, seq, exc: LayoutViolation, res: StepResult) -> None:
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         log.error("request %s: %s (error_id=%s)", seq.request_id, exc, error_id)
         self._fail(seq, 500, "internal error: the model's KV layout was violated", error_id, res)
 
@@ -142,16 +142,16 @@ class EngineBase:
     def _fail(self, seq, status: int, message: str, error_id: str, res: StepResult) -> None:
         if seq.request_id not in self.ids:
             return
-        res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, "internal_error", None, error_id)))
+        res.errors.append((seq.reply_to, RequestError(seq.request_id, ErrorKind.INTERNAL, message, error_id=error_id)))
         self._finish(seq, False, "error", res)
 
-    def fail_all(self, status: int, message: str, error_type: str) -> StepResult:
+    def fail_all(self, kind: ErrorKind, message: str) -> StepResult:
         """End every request (used at shutdown); pages all return to the pools."""
         res = StepResult()
         for seq in list(self.running) + list(self.waiting):
             _, pages = self.abort(seq.request_id)
             res.finished.append((seq.request_id, pages, "error"))
-            res.errors.append((seq.reply_to, RequestError(seq.request_id, status, message, error_type)))
+            res.errors.append((seq.reply_to, RequestError(seq.request_id, kind, message)))
         return res
 
 

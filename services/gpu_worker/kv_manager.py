@@ -21,7 +21,11 @@ from shared.layout import (
     LabelLayout,
     PagedKVConfig,
     label_footprint,
+    leading_ids,
+    prompt_pages,
+    shareable_count,
 )
+from shared.pages import pages_for
 
 log = logging.getLogger("mstar.kv")
 
@@ -31,7 +35,7 @@ class LayoutViolation(Exception):
 
 
 def max_seq_len_pages(pool: PagedKVConfig) -> int:
-    return -(-pool.max_seq_len // pool.page_size)
+    return pages_for(pool.max_seq_len, pool.page_size)
 
 
 def debug_asserts_enabled() -> bool:
@@ -55,6 +59,7 @@ class LabelState:
     split_spans: bool = False  # a span committed in chunks (chunked prefill)
     loop_commits: dict[str, int] = field(default_factory=dict)
     key_ids: tuple[int, ...] = ()  # ids of the leading ids spans, when the label is keyed
+    key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
     keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
     key_parent: int = ROOT  # entry id the next keyed page chains from
 
@@ -157,7 +162,8 @@ class KVManager:
                 raise ValueError(f"layout names undeclared KV label {name!r}")
             page_size = self.pools[lab.pool].config.page_size
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
-            states[name] = LabelState(lab, layout, fp, page_size, key_ids=_leading_ids(layout) if lab.keys else ())
+            states[name] = LabelState(lab, layout, fp, page_size, key_ids=leading_ids(layout) if lab.keys else (),
+                                      key_pages=prompt_pages(layout, page_size) if lab.keys else [])
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
         if self.reserve_max_seq_len:
             kv.extra = {name: max(0, max_seq_len_pages(pool.config) * sum(1 for s in states.values() if s.label.pool == name) - kv.footprint(name))
@@ -191,8 +197,7 @@ class KVManager:
             return
         matches = {}
         for name, st in kv.labels.items():
-            ps = st.page_size
-            matches[name] = self.pools[st.label.pool].index.match(st.key_ids, ps, (st.layout.span_rows - 1) // ps)
+            matches[name] = self.pools[st.label.pool].index.match(st.key_pages[: shareable_count(st.layout, st.page_size)])
         rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
         rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
         if rows:
@@ -245,7 +250,7 @@ class KVManager:
         taken here, one `_alloc` per page boundary crossed."""
         kv = self.requests[request_id]
         st = kv.labels[label]
-        need = -(-(st.rows + n) // st.page_size) - st.first_page
+        need = pages_for(st.rows + n, st.page_size) - st.first_page
         while len(st.pages) < need:
             st.pages.append(self._alloc(kv, st))
         st.peak_pages = max(st.peak_pages, len(st.pages))
@@ -310,12 +315,12 @@ class KVManager:
         st.loop_commits[loop] = count
 
     def _index_full_pages(self, st: LabelState) -> None:
-        """Key every page that is now full of declared ids, chained from the first row."""
-        ps = st.page_size
+        """Key every page that is now full of declared ids (`prompt_pages`), chained from
+        the first row."""
         index = self.pools[st.label.pool].index
-        while (st.keyed_pages + 1) * ps <= min(st.rows, len(st.key_ids)) and st.first_page == 0:
+        while st.keyed_pages < len(st.key_pages) and (st.keyed_pages + 1) * st.page_size <= st.rows and st.first_page == 0:
             i = st.keyed_pages
-            st.key_parent = index.insert(st.key_parent, st.key_ids[i * ps : (i + 1) * ps], st.pages[i])
+            st.key_parent = index.insert(st.key_parent, st.key_pages[i], st.pages[i])
             st.keyed_pages += 1
 
     def _retain(self, kv: RequestKV, st: LabelState) -> None:
@@ -330,7 +335,7 @@ class KVManager:
         """After a non-committing step wrote rows past the committed ones (a probe,
         rejected drafts), return the pages that hold no committed row."""
         st = self.requests[request_id].labels[label]
-        keep = -(-st.rows // st.page_size) - st.first_page
+        keep = pages_for(st.rows, st.page_size) - st.first_page
         while len(st.pages) > keep:
             self._release(st, st.pages.pop())
         if self.debug:
@@ -397,13 +402,3 @@ class KVManager:
                 raise AssertionError(f"pool {name!r}: page holders {held} != reference counts {pool.refs}")
             if len(free) + len(cached) + len(held) != pool.config.num_pages:
                 raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held != {pool.config.num_pages}")
-
-
-def _leading_ids(layout: LabelLayout) -> tuple[int, ...]:
-    """Token ids of the layout's leading `ids` spans: the part a prefix key can cover."""
-    ids: list[int] = []
-    for span in layout.spans:
-        if span.kind != "ids":
-            break
-        ids.extend(span.token_ids)
-    return tuple(ids)

@@ -32,12 +32,14 @@ class PrefixIndex:
     def is_indexed(self, page: int) -> bool:
         return page in self._entry_of_page
 
-    def match(self, ids: tuple[int, ...], page_size: int, max_pages: int) -> list[tuple[int, int]]:
-        """(entry id, page) of the longest chain of cached full pages that prefixes `ids`."""
+    def match(self, pages: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+        """(entry id, page) of the longest chain of cached pages that starts `pages` (the
+        ids of each page a request may share: its `shared.layout.prompt_pages`, cut to
+        `shareable_count`)."""
         found = []
         parent = ROOT
-        for i in range(min(max_pages, len(ids) // page_size)):
-            entry = self._entries.get((parent, ids[i * page_size : (i + 1) * page_size]))
+        for page_ids in pages:
+            entry = self._entries.get((parent, page_ids))
             if entry is None:
                 break
             found.append((entry, self._page_of[entry]))

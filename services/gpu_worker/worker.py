@@ -23,6 +23,7 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.weights import build_model
 from shared.config import Deployment
+from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
     FrameCodec,
@@ -201,10 +202,10 @@ class GpuWorker:
             try:
                 self.engine.add(msg, unpack_tensors(msg.input_tensors, bufs))
             except Exception as exc:
-                error_id = uuid.uuid4().hex[:12]
+                error_id = new_error_id()
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
                 res = StepResult()
-                res.errors.append((msg.reply_to, RequestError(msg.request_id, 500, "internal error", "internal_error", None, error_id)))
+                res.errors.append((msg.reply_to, RequestError(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id)))
                 res.finished.append((msg.request_id, 0, "error"))
                 self._send_results(res)
         elif isinstance(msg, Abort):
@@ -253,7 +254,7 @@ class GpuWorker:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self._send_results(self.engine.fail_all(503, "the worker is shutting down", "worker_failed"))
+        self._send_results(self.engine.fail_all(ErrorKind.WORKER_FAILED, "the worker is shutting down"))
         self._stats(force=True)
         for sock in self.replies.values():
             sock.close(0)

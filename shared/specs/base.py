@@ -13,7 +13,6 @@ need not care (`load_folder`, `suppress_tokens`, ...): callers use the attribute
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Self
@@ -26,6 +25,7 @@ from shared.layout import (
     ProcessPromptOutput,
     label_footprint,
 )
+from shared.pages import pages_for as pages_for  # the one definition (shared/pages.py), re-exported for specs
 
 
 class DeploymentError(Exception):
@@ -137,7 +137,3 @@ def _refuse_undeclared_pools(pools: dict[str, PagedKVConfig], labels: tuple[KVLa
     unused = sorted(set(pools) - used)
     if unused:
         raise DeploymentError(f"paged KV pool(s) {unused} are used by no KV label; declare a KVLabel for each pool or drop the pool")
-
-
-def pages_for(rows: int, page_size: int) -> int:
-    return math.ceil(rows / page_size)

@@ -20,11 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model_config import FULL, SLIDING, ModelConfig, read_model_config
 from shared.specs.base import ModelSpec
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class DecoderLMSpec(ModelSpec):

@@ -31,17 +31,16 @@ The gpu worker runs it with `services.gpu_worker.modeling.whisper.WhisperModel`.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 import numpy as np
 
 from shared.audio import FeatureConfig, log_mel_features
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.pages import ceil_div, pages_for
 from shared.specs.base import ModelSpec
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ARCHITECTURE = "WhisperForConditionalGeneration"
 _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
 
@@ -182,12 +181,12 @@ class WhisperSpec(ModelSpec):
 
     def _pages_per_request(self, page_size: int) -> tuple[int, int]:
         """(self pages, cross pages) of one request of max_seq_len."""
-        return math.ceil(self.max_seq_len / page_size), math.ceil(self.n_frames / page_size)
+        return pages_for(self.max_seq_len, page_size), pages_for(self.n_frames, page_size)
 
     def cross_pool_pages(self, num_pages: int) -> int:
         """Cross pages that go with `num_pages` self pages (the same number of full requests)."""
         self_pages, cross_pages = self._pages_per_request(self.page_size)
-        return math.ceil(num_pages * cross_pages / self_pages)
+        return ceil_div(num_pages * cross_pages, self_pages)
 
     def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
         args = (self.num_layers, self.heads, self.head_dim, self.dtype, self.page_size)
@@ -244,5 +243,5 @@ class WhisperSpec(ModelSpec):
     def bytes_per_page(self, page_size: int) -> int:
         row = self.num_layers * 2 * self.heads * self.head_dim * DTYPE_BYTES[self.dtype]
         self_pages, cross_pages = self._pages_per_request(page_size)
-        return math.ceil(page_size * row * (1 + cross_pages / self_pages))
+        return ceil_div(page_size * row * (self_pages + cross_pages), self_pages)
 

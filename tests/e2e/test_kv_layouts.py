@@ -95,7 +95,7 @@ def test_undeclared_label_is_a_500_with_error_id(llama_ckpt, tmp_path):
         r = _gen(server, prompt="Hello", max_tokens=3)
         assert r.status_code == 500
         err = r.json()["error"]
-        assert err["message"] == "internal error" and re.fullmatch(r"[0-9a-f]{12}", err["error_id"])
+        assert err["message"] == "internal error" and re.fullmatch(r"err-[0-9a-f]{32}", err["error_id"])
         assert "ghost" not in r.text
         line = next(ln for ln in server.log().splitlines() if err["error_id"] in ln)
         assert "undeclared KV label(s) ['ghost']" in line

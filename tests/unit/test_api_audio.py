@@ -28,6 +28,7 @@ from services.api.settings import ApiSettings
 from services.api.state import ApiState
 from services.api.transcription import audio_duration, is_speech_model, language_code
 from services.api.validation import parse_audio_generate, parse_generate
+from shared.errors import ErrorKind
 from shared.frames import GenerateRequest, Output, RequestError
 from tests.unit.test_api_validation import tiny_tokenizer
 from tests.whisper_checkpoints import make_whisper_tokenizer
@@ -491,7 +492,7 @@ def test_generate_form_stream(scripted) -> None:
 def test_data_worker_refusal_passes_through(tmp_path, whisper_tok) -> None:
     """The data worker's audio refusal (a RequestError) is the client's 400, JSON or SSE."""
     message = "audio could not be decoded; send a WAV or FLAC file"
-    backend = ScriptedBackend(lambda req: [RequestError(req.request_id, 400, message, param="file")])
+    backend = ScriptedBackend(lambda req: [RequestError(req.request_id, ErrorKind.INVALID, message, param="file")])
     settings = make_settings(tmp_path, takes_audio=True)
     with TestClient(create_app(settings, whisper_tok, state=ApiState(settings, whisper_tok, backend=backend))) as c:
         for fields in ({}, {"stream": "true"}):

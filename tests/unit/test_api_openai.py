@@ -19,6 +19,7 @@ from services.api.metrics import ApiMetrics
 from services.api.openai_format import ChatReply, CompletionReply
 from services.api.openai_params import parse_chat, parse_completion
 from services.api.settings import ApiSettings
+from shared.errors import ErrorKind
 from shared.frames import Output
 from shared.model_source import TokenizerBundle
 from tests.checkpoints import CHAT_TEMPLATE
@@ -223,7 +224,7 @@ def test_completion_chunks_without_usage_and_with_echo() -> None:
 
 def test_error_chunk_is_openai_error() -> None:
     reply = CompletionReply("cmpl-1", MODEL, 7)
-    assert _sse(reply.error(ApiError(503, "server is shutting down"))) == [
+    assert _sse(reply.error(ApiError(ErrorKind.UNAVAILABLE, "server is shutting down"))) == [
         {"error": {"message": "server is shutting down", "type": "service_unavailable", "param": None, "error_id": None}}]
 
 

@@ -16,6 +16,7 @@ from services.gpu_worker.encdec_engine import EncDecEngine, cross_metadata
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.audio import audio_features
+from shared.errors import ErrorKind
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.layout import LabelLayout, Span
 from shared.model_source import ModelSource
@@ -286,9 +287,9 @@ def test_abort_and_fail_all_return_every_page(world):
     reply_to, pages = engine.abort("r0")
     assert reply_to == "api" and pages == math.ceil(1500 / PAGE) + math.ceil((4 + 1) / PAGE)
     assert engine.abort("r0") is None
-    res = engine.fail_all(503, "the worker is shutting down", "worker_failed")
+    res = engine.fail_all(ErrorKind.WORKER_FAILED, "the worker is shutting down")
     assert sorted(rid for rid, _, _ in res.finished) == ["r1", "r2"]
-    assert all(err.status == 503 for _, err in res.errors)
+    assert all(err.kind is ErrorKind.WORKER_FAILED for _, err in res.errors)
     assert not engine.has_work
     assert_pools_empty(kv)
 
@@ -302,7 +303,7 @@ def test_a_lying_cross_layout_fails_under_debug_asserts(world, caplog):
     engine.add(*new_request(spec, pools, "ok", feats[1], 5, ignore_eos=True))
     with caplog.at_level(logging.ERROR):
         toks, _, errors = drain(engine)
-    assert [(e.request_id, e.status) for e in errors] == [("bad", 500)]
+    assert [(e.request_id, e.kind) for e in errors] == [("bad", ErrorKind.INTERNAL)]
     assert "layout was violated" in errors[0].message and errors[0].error_id
     assert toks["ok"] == hf_greedy(hf, spec, feats[1], 5, ignore_eos=True)
     assert any("commits 1500 rows across the end of span 0" in r.getMessage() for r in caplog.records)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker import cpu_kernels
+from shared.pages import ceil_div
 
 #: at most this many rows go through the plain weight (when it is kept)
 PLAIN_MAX_ROWS = 2
@@ -54,7 +55,7 @@ def row_bucket(rows: int) -> int:
     if rows <= 16:
         return rows
     step = 8 if rows <= 64 else 32 if rows <= 512 else 128
-    return -(-rows // step) * step
+    return ceil_div(rows, step) * step
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -117,7 +118,7 @@ def kernel_pack(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach().contiguous()
     n, k = w.shape
     nr = cpu_kernels.gemm_panel()
-    packed = torch.empty(-(-n // nr) * nr * k)
+    packed = torch.empty(ceil_div(n, nr) * nr * k)
     cpu_kernels.library().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
@@ -177,7 +178,7 @@ class KernelGateUpSilu(nn.Module):
             raise ValueError("KernelGateUpSilu takes a bias-free [gate; up] weight")
         self.in_features, self.inter = gate_up.in_features, gate_up.out_features // 2
         half = cpu_kernels.gemm_panel() // 2
-        panels = -(-self.inter // half)
+        panels = ceil_div(self.inter, half)
         w = gate_up.weight.detach()
         gate, up = (F.pad(part, (0, 0, 0, panels * half - self.inter)).view(panels, half, -1)
                     for part in (w[: self.inter], w[self.inter :]))
