@@ -12,6 +12,7 @@ over a gathered copy of their pages).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +20,24 @@ import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
 from shared.pages import pages_for
+
+
+class AttnRows(NamedTuple):
+    """One request's rows of one label in a step."""
+
+    pages: list[int]  # its live pages, in order
+    first_page: int  # the label page index of pages[0] (pages before it were released behind the window)
+    cached: int  # rows already in KV before this step
+    new: int  # rows this step writes
+    decode: bool  # a decode entry (its last token, and any speculative drafts)
+
+
+class CrossRows(NamedTuple):
+    """One request's rows of a label written earlier, read whole (cross attention)."""
+
+    pages: list[int]
+    held: int  # rows held
+    queries: int  # query rows this step
 
 
 @dataclass
@@ -83,13 +102,11 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
 
 
 def build_metadata(
-    rows: list[tuple[list[int], int, int, int, bool]], page_size: int, window: int | None = None, flashinfer: bool = True
+    rows: list[AttnRows], page_size: int, window: int | None = None, flashinfer: bool = True
 ) -> AttnMetadata:
     """Build one step's metadata for one label.
 
-    `rows` holds, per request in batch order: (its live pages, the label page index of the
-    first of them (pages before it were released behind the window), rows already in KV
-    before this step, rows this step writes, is_decode). Decode requests come first.
+    `rows` holds one `AttnRows` per request, in batch order, decode entries first.
     `flashinfer`: also build the CSR view FlashInfer plans from (the CPU path has no use
     for it). This runs once per label per step, so it makes few tensors: a decode step's
     per-call cost is most of the null model's per-token time. The torch path's decode
@@ -237,7 +254,7 @@ def paged_attention(
     page_size = cache.shape[2]
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
-    if meta.decode_query is not None and softcap is None and _decode_kernel(q, cache, meta, scale, out):
+    if meta.decode_query is not None and softcap is None and _decode_kernel(q, cache, meta, scale, out) is not None:
         if not meta.prefills:
             return out
     elif meta.decode_info is not None or meta.decode_rows is not None:
@@ -275,17 +292,19 @@ def paged_attention(
     return out
 
 
-def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, out: torch.Tensor) -> bool:
-    """Every decode query row through the C kernel, into `out`; False (nothing written)
-    where it does not apply: no kernel built, not float32 on the CPU, or a layout it does
-    not take (q's heads must be contiguous rows of head_dim; the cache contiguous)."""
+def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
+                   out: torch.Tensor) -> torch.Tensor | None:
+    """Every decode query row through the C kernel, into `out` (returned); None (nothing
+    written) where it does not apply: no kernel built, not float32 on the CPU, or a layout
+    it does not take (q's heads must be contiguous rows of head_dim; the cache contiguous).
+    The convention of every CPU kernel wrapper: the result, or None for the torch path."""
     if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.dtype != torch.float32:
-        return False
+        return None
     kernel = cpu_kernels.paged_decode()
     hq, d = q.shape[1], q.shape[2]
     if (kernel is None or q.stride(2) != 1 or q.stride(1) != d or not cache.is_contiguous()
             or hq > 128 or hq % cache.shape[3]):
-        return False
+        return None
     dq = meta.decode_query
     n = dq.shape[1]
     pages = meta.decode_pages
@@ -297,7 +316,7 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sca
                 scale, out.data_ptr(), scratch.data_ptr(), keys)
     if rc != 0:
         raise RuntimeError(f"paged_decode kernel refused the batch (code {rc})")
-    return True
+    return out
 
 
 def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float,
@@ -331,3 +350,44 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softc
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def cross_metadata(rows: list[CrossRows], page_size: int) -> AttnMetadata:
+    """Metadata for attention over rows written earlier, with no causal order: every query
+    of a request sees all of its `kv_len` rows. `rows` holds, per request in batch order,
+    (its pages, rows held, query rows this step). Nothing is written (no slots); a request
+    with one query row goes through the batched decode path, others as a chunk."""
+    empty = torch.zeros(0, dtype=torch.long)
+    indptr, indices, last_lens = [0], [], []
+    decode_rows, decode_pages, decode_lens = [], [], []
+    prefills: list[PrefillChunk] = []
+    t = 0
+    for pages, kv_len, q in rows:
+        n_pages = pages_for(kv_len, page_size)
+        used = list(pages[:n_pages])
+        indices.extend(used)
+        indptr.append(len(indices))
+        last_lens.append(kv_len - (n_pages - 1) * page_size)
+        if q == 1:
+            decode_rows.append(t)
+            decode_pages.append(used)
+            decode_lens.append(kv_len)
+        else:
+            mask = torch.ones(q, kv_len, dtype=torch.bool)
+            prefills.append(PrefillChunk(t, t + q, torch.tensor(used, dtype=torch.long), kv_len, mask))
+        t += q
+    meta = AttnMetadata(slot_pages=empty, slot_offsets=empty, prefills=prefills,
+                        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
+                        kv_indices=torch.tensor(indices, dtype=torch.int32),
+                        kv_last_page_len=torch.tensor(last_lens, dtype=torch.int32))
+    if decode_rows:
+        width = max(len(p) for p in decode_pages)
+        padded = torch.zeros(len(decode_pages), width, dtype=torch.long)
+        for b, p in enumerate(decode_pages):
+            padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        j = torch.arange(width * page_size).unsqueeze(0)
+        mask = j < torch.tensor(decode_lens).unsqueeze(1)
+        meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        meta.decode_pages = padded
+        meta.decode_mask = mask[:, None, None, :]
+    return meta

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from services.gpu_worker.prefix_cache import ROOT, PrefixIndex
@@ -380,6 +382,22 @@ class KVManager:
 
     def stats(self) -> list[PoolStats]:
         return [p.stats() for p in self.pools.values()]
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Requests run inside leave no trace: nothing enters the prefix cache, and its
+        query counter and the pools' peaks are as before (the worker's warm-up)."""
+        caching, queries = self.prefix_cache, self.prefix_queries
+        peaks = {name: pool.peak_used for name, pool in self.pools.items()}
+        self.prefix_cache = False
+        try:
+            yield
+        finally:
+            self.prefix_cache, self.prefix_queries = caching, queries
+            for name, pool in self.pools.items():
+                pool.peak_used = peaks[name]
+        if self.used_pages():
+            raise RuntimeError(f"{self.used_pages()} KV pages left behind by untracked requests")
 
     def used_pages(self) -> int:
         return sum(p.used for p in self.pools.values())

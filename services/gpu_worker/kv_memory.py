@@ -47,3 +47,27 @@ def kv_cache(num_layers: int, num_pages: int, page_size: int, kv_heads: int, hea
              dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One [num_pages, 2 (K, V), page_size, kv_heads, head_dim] tensor per layer of a pool."""
     return [zeroed_tensor((num_pages, 2, page_size, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
+
+
+def available_memory_bytes(device: torch.device | None = None) -> int:
+    """Free memory where the KV pools will live: the GPU's, or the host's MemAvailable."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def size_pool(num_kv_pages: int, kv_memory_fraction: float, bytes_per_page: int, min_pages: int,
+              device: torch.device | None = None) -> int:
+    """`num_kv_pages` when set, else `kv_memory_fraction` of available memory, and at least
+    `min_pages` (enough for one request of max_seq_len)."""
+    if num_kv_pages:
+        return num_kv_pages
+    pages = int(available_memory_bytes(device) * kv_memory_fraction) // bytes_per_page
+    return max(pages, min_pages)

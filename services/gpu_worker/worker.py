@@ -1,4 +1,4 @@
-"""The gpu worker process: loads the model, owns the KV pools, runs the step loop.
+"""The gpu worker process: the socket loop around the engine (build.py assembles it).
 
 The step loop is a plain synchronous loop over a zmq Poller (like vLLM's EngineCore):
 the forward pass holds the CPU anyway, ZMQ's I/O thread queues frames meanwhile, and
@@ -17,68 +17,29 @@ import msgspec
 import torch
 import zmq
 
-from services.gpu_worker.engine import Engine, StepResult
-from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
-from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.kv_memory import kv_cache
-from services.gpu_worker.weights import build_model
+from services.gpu_worker.build import assemble
+from services.gpu_worker.engine import Finished, StepResult
+from services.gpu_worker.outputs import error_frame
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
     FrameCodec,
     NewRequest,
-    RequestError,
     RequestFinished,
-    SamplingParams,
     StepOutputs,
     ToApi,
     ToWorker,
     WorkerReady,
     WorkerStats,
-    pack_tensors,
     unpack_tensors,
 )
-from shared.model_source import ModelSource
 from shared.zmq_utils import cleanup_ipc
 
 log = logging.getLogger("mstar.gpu_worker")
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STATS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 1.0
-
-
-def pick_device() -> torch.device:
-    """MSTAR_DEVICE (cpu | cuda | cuda:N), else CUDA when there is one. On CUDA the
-    decoder path attends through FlashInfer when it is importable, through torch if not."""
-    want = os.environ.get("MSTAR_DEVICE", "auto")
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want)
-
-
-def available_memory_bytes(device: torch.device | None = None) -> int:
-    """Free memory where the KV pools will live: the GPU's, or the host's MemAvailable."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def size_pool(d: Deployment, bytes_per_page: int, max_seq_len: int, device: torch.device | None = None) -> int:
-    """`--num-kv-pages`, or `kv_memory_fraction` of available memory (at least enough for
-    one request of max_seq_len)."""
-    if d.num_kv_pages:
-        return d.num_kv_pages
-    pages = int(available_memory_bytes(device) * d.kv_memory_fraction) // bytes_per_page
-    return max(pages, -(-max_seq_len // d.page_size))
 
 
 class GpuWorker:
@@ -90,40 +51,8 @@ class GpuWorker:
         # All cores but one (as vLLM's CPU build): the api, data worker and conductor need a
         # core too, and oversubscribing a small machine costs far more than one thread.
         torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS", max(1, (os.cpu_count() or 1) - 1))))
-        source = ModelSource(d.model)
-        self.spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
-        self.spec.validate()
-        self.device = pick_device()
-        if self.spec.engine != "decoder" and self.device.type != "cpu":
-            log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", self.spec.engine, self.device)
-            self.device = torch.device("cpu")
-        num_pages = size_pool(d, self.spec.bytes_per_page(d.page_size), self.spec.max_seq_len, self.device)
-        self.pools = self.spec.paged_pools(num_pages)
-        dtype = TORCH_DTYPES[d.dtype]
-        t0 = time.time()
-        self.model = build_model(source, self.spec, dtype, self.device)
-        self.caches = {
-            name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, dtype, self.device)
-            for name, p in self.pools.items()
-        }
-        planner = None
-        if self.device.type == "cuda" and self.spec.engine == "decoder" and flashinfer_available():
-            planner = FlashInferPlanner(self.device)
-        self.kv = KVManager(self.pools, self.spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len",
-                            prefix_cache=d.prefix_cache)
-        engine_cls = Engine
-        if self.spec.engine == "encoder_decoder":
-            from services.gpu_worker.encdec_engine import EncDecEngine as engine_cls
-        self.engine = engine_cls(
-            self.model, self.spec, self.kv, self.caches, eos_ids=source.tokenizer.eos_token_ids,
-            max_num_seqs=d.max_num_seqs, max_batch_tokens=d.max_batch_tokens, max_seq_len=self.spec.max_seq_len,
-            **({"planner": planner} if planner is not None else {}),
-            **({"speculative_k": d.speculative_k, "ngram_max": d.speculative_ngram_max, "ngram_min": d.speculative_ngram_min}
-               if d.speculative_k and self.spec.engine == "decoder" else {}),
-        )
-        log.info("model loaded in %.1fs; pools %s", time.time() - t0,
-                 {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in self.pools.items()})
-        self.warm_up()
+        parts = assemble(d)
+        self.spec, self.pools, self.kv, self.engine = parts.spec, parts.pools, parts.kv, parts.engine
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -139,32 +68,6 @@ class GpuWorker:
         self.running = True
         self.incarnation = uuid.uuid4().hex
         self._last_stats: tuple | None = None
-
-    def warm_up(self) -> None:
-        """One real prefill + decode through the paged path, so the first request does not
-        pay for lazy init; its pages go back before the worker says it is ready."""
-        n = min(16, self.spec.max_seq_len - 2)
-        ppo = self.spec.process_prompt(list(range(1, n + 1)))
-        caps = self.spec.clamp_caps(self.spec.get_loop_caps(2, prompt_len=n))
-        refs, _ = pack_tensors(ppo.new_input_tensors)
-        # Warm-up exercises the kernels, not the model's declarations (intake checks those).
-        declared = {lab.name for lab in self.spec.kv_labels}
-        layout = {name: lay for name, lay in ppo.kv_layout.items() if name in declared}
-        req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
-                         self.spec.kv_configs(layout, caps, self.pools))
-        caching, self.kv.prefix_cache = self.kv.prefix_cache, False  # leave no trace in the cache or its counters
-        self.engine.add(req, ppo.new_input_tensors)
-        while self.engine.has_work:
-            if self.engine.step().errors:
-                raise RuntimeError("the warm-up request failed (see the error logged above); the model cannot serve")
-        self.kv.prefix_cache, self.kv.prefix_queries = caching, 0
-        for pool in self.kv.pools.values():
-            pool.peak_used = 0
-        assert self.kv.used_pages() == 0, "warm-up left pages behind"
-        if hasattr(self.model, "warm_gemms"):
-            t0 = time.time()
-            runs = self.model.warm_gemms(self.engine.max_batch_tokens, min(self.engine.max_num_seqs, self.engine.max_batch_tokens))
-            log.info("built %d GEMM kernels for every row bucket in %.2fs", runs, time.time() - t0)
 
     # -- wire ------------------------------------------------------------------------
 
@@ -205,8 +108,8 @@ class GpuWorker:
                 error_id = new_error_id()
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
                 res = StepResult()
-                res.errors.append((msg.reply_to, RequestError(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id)))
-                res.finished.append((msg.request_id, 0, "error"))
+                res.errors.append((msg.reply_to, error_frame(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id)))
+                res.finished.append(Finished(msg.request_id, 0, "error"))
                 self._send_results(res)
         elif isinstance(msg, Abort):
             found = self.engine.abort(msg.request_id)

@@ -36,7 +36,7 @@ def test_flashinfer_matches_torch_paged_attention(window):
 
 
 def test_engine_greedy_tokens_match_on_cuda(tmp_path):
-    from services.gpu_worker.engine import Engine
+    from services.gpu_worker.build import build_engine
     from services.gpu_worker.kv_manager import KVManager
     from services.gpu_worker.weights import build_model
     from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -54,7 +54,7 @@ def test_engine_greedy_tokens_match_on_cuda(tmp_path):
                   for n, p in pools.items()}
         kv = KVManager(pools, spec.kv_labels)
         planner = FlashInferPlanner(torch.device(device)) if device == "cuda" else None
-        eng = Engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64, max_seq_len=spec.max_seq_len, planner=planner)
+        eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64, max_seq_len=spec.max_seq_len, planner=planner)
         for i, ids in enumerate([[5, 6, 7, 8], list(range(10, 60))]):
             ppo = spec.process_prompt(ids)
             caps = spec.clamp_caps(spec.get_loop_caps(16))

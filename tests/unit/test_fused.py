@@ -34,7 +34,7 @@ def test_rope_in_place_matches_torch(head_dim):
     before = qkv.clone()
     qk = qkv[:, : heads + kv_heads]  # strided rows: the v heads follow in each row
     ref = _apply_rope(qk.clone(), cos, sin_signed)
-    assert fused.rope_(qk, cos, sin_signed)
+    assert fused.rope_(qk, cos, sin_signed) is qk
     torch.testing.assert_close(qk, ref, rtol=1e-5, atol=1e-6)
     assert torch.equal(qkv[:, heads + kv_heads :], before[:, heads + kv_heads :])  # v untouched
 
@@ -52,4 +52,4 @@ def test_layouts_the_kernels_do_not_take_fall_back():
     assert fused.rms_norm(x, torch.ones(8, dtype=torch.float64), 1e-6) is None
     assert fused.silu_mul(torch.randn(4, 16).t()) is None  # not contiguous
     q = torch.randn(4, 16, 2).transpose(1, 2)  # head_dim not contiguous
-    assert not fused.rope_(q, torch.ones(4, 1, 16), torch.zeros(4, 1, 16))
+    assert fused.rope_(q, torch.ones(4, 1, 16), torch.zeros(4, 1, 16)) is None

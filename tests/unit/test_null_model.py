@@ -1,5 +1,5 @@
 """The null model (`--model null`) in process: its source, spec, tokenizer and torch module,
-driven through the real Engine and KV manager (real layouts, real pages, no compute)."""
+driven through the real engine and KV manager (real layouts, real pages, no compute)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.gpu_worker.attention import build_metadata
-from services.gpu_worker.engine import Engine
+from services.gpu_worker.build import build_engine
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -31,8 +31,8 @@ def make_engine(source, num_pages=64, max_num_seqs=8, max_batch_tokens=64):
     model = build_model(source, spec, torch.float32)
     caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)] for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
-    engine = Engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=max_num_seqs,
-                    max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len)
+    engine = build_engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=max_num_seqs,
+                          max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len)
     return spec, pools, kv, caches, engine
 
 
@@ -91,7 +91,7 @@ def test_next_token_is_printable_and_never_eos():
 
 def test_forward_shape_and_argmax(source):
     _, _, _, caches, engine = make_engine(source)
-    model = engine.model
+    model = engine.runner.model
 
     meta = build_metadata([([3, 5], 0, 0, 6, False)], PAGE)
     cache = caches["kv"][0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.engine import Engine
+from services.gpu_worker.build import Speculation, build_engine
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.speculative import NgramProposer, accept_greedy
 from services.gpu_worker.weights import build_model
@@ -76,8 +76,8 @@ def run_engine(spec, model, prompts, max_tokens, k, max_batch_tokens=64, ignore_
               for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
     kv.debug = True  # MSTAR_KV_DEBUG_ASSERTS=1: every commit checked against the layout
-    eng = Engine(model, spec, kv, caches, eos_ids=list(eos_ids), max_num_seqs=8, max_batch_tokens=max_batch_tokens,
-                 max_seq_len=spec.max_seq_len, speculative_k=k, ngram_max=3, ngram_min=1)
+    eng = build_engine(model, spec, kv, caches, eos_ids=list(eos_ids), max_num_seqs=8, max_batch_tokens=max_batch_tokens,
+                 max_seq_len=spec.max_seq_len, speculation=Speculation(k, 3, 1))
     for i, ids in enumerate(prompts):
         ppo = spec.process_prompt(ids)
         caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
@@ -170,8 +170,8 @@ def test_sampled_requests_do_not_speculate(llama):
     pools = spec.paged_pools(64)
     caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
               for n, p in pools.items()}
-    eng = Engine(model, spec, KVManager(pools, spec.kv_labels), caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
-                 max_seq_len=spec.max_seq_len, speculative_k=4)
+    eng = build_engine(model, spec, KVManager(pools, spec.kv_labels), caches, eos_ids=[], max_num_seqs=8,
+                       max_batch_tokens=64, max_seq_len=spec.max_seq_len, speculation=Speculation(4))
     ppo = spec.process_prompt(REPETITIVE)
     caps = spec.clamp_caps(spec.get_loop_caps(20, prompt_len=len(REPETITIVE)))
     refs, _ = pack_tensors(ppo.new_input_tensors)
@@ -202,4 +202,4 @@ def test_sliding_window_models_do_not_speculate(tmp_path):
     model = build_model(src, spec, torch.float32)
     plain, _, _, _ = run_engine(spec, model, [REPETITIVE], 20, 0)
     got, _, eng, _ = run_engine(spec, model, [REPETITIVE], 20, 4)
-    assert got == plain and eng.speculative_k == 0 and eng.spec_draft_tokens == 0
+    assert got == plain and eng.scheduler.speculative_k == 0 and eng.spec_draft_tokens == 0

@@ -1,9 +1,10 @@
-"""EncDecEngine + WhisperModel in process: tokens equal transformers' Whisper for the same
+"""The engine with the encoder-decoder runner + WhisperModel in process: tokens equal transformers' Whisper for the same
 audio, two labels per request keep to their footprints (debug asserts on) and give every
 page back, and concurrent requests decode as they do alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.attention import build_metadata
-from services.gpu_worker.encdec_engine import EncDecEngine, cross_metadata
+from services.gpu_worker.attention import build_metadata, cross_metadata
+from services.gpu_worker.build import build_engine
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.audio import audio_features
@@ -53,7 +54,7 @@ def make_engine(spec, model, num_pages=64, max_num_seqs=8, max_batch_tokens=64, 
     kv = KVManager(pools, spec.kv_labels)
     kv.debug = debug  # MSTAR_KV_DEBUG_ASSERTS=1
     eos = spec.eos_token_ids if eos_ids is None else eos_ids
-    engine = EncDecEngine(model, spec, kv, caches, eos_ids=eos, max_num_seqs=max_num_seqs,
+    engine = build_engine(model, spec, kv, caches, eos_ids=eos, max_num_seqs=max_num_seqs,
                           max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len)
     return engine, kv, pools
 
@@ -145,15 +146,15 @@ def test_encoder_and_decoder_logits_match_transformers(world):
         torch.testing.assert_close(enc, ref_enc, rtol=0, atol=1e-4)
         engine, _kv, _pools = make_engine(spec, model, num_pages=16)
         cross_pages = list(range(3, 3 + math.ceil(1500 / PAGE)))  # any pages, not the first ones
-        model.write_cross(enc[0], engine.cross_caches, build_metadata([(cross_pages, 0, 0, 1500, False)], PAGE))
+        model.write_cross(enc[0], engine.runner.cross_caches, build_metadata([(cross_pages, 0, 0, 1500, False)], PAGE))
         # prefill 6 rows, then the rest one row at a time (the decode path)
         self_pages = [5, 2]
         got = []
         for start, n in [(0, 6), (6, 1), (7, 1), (8, 1)]:
             self_meta = build_metadata([(self_pages, 0, start, n, n == 1)], PAGE)
             cmeta = cross_metadata([(cross_pages, 1500, n)], PAGE)
-            got.append(model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n), engine.self_caches,
-                             self_meta, engine.cross_caches, cmeta, torch.arange(n)))
+            got.append(model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n), engine.runner.self_caches,
+                             self_meta, engine.runner.cross_caches, cmeta, torch.arange(n)))
     torch.testing.assert_close(torch.cat(got), ref, rtol=0, atol=1e-4)
 
 
@@ -369,7 +370,7 @@ def test_encodes_per_step_are_bounded(world):
     """A burst of arrivals is encoded a few per step, so running decodes keep stepping."""
     spec, model, _hf, feats = world
     engine, kv, pools = make_engine(spec, model)
-    engine.max_encodes_per_step = 2
+    engine.scheduler.limits = dataclasses.replace(engine.scheduler.limits, max_admissions=2)
     for i in range(5):
         engine.add(*new_request(spec, pools, f"r{i}", feats[i % len(feats)], 3, ignore_eos=True))
     engine.step()

@@ -29,16 +29,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> bool:
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
     """Rotate x [T, heads, D] in place (rows may be strided, each row's heads contiguous)
-    with per-row tables [T, 1, D]; False (x untouched) where the kernel does not apply."""
+    with per-row tables [T, 1, D] and return it; None (x untouched) where the kernel does not apply."""
     lib = _lib(x, cos, sin_signed)
     d = x.shape[-1]
     if (lib is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != d or d % 2
             or not cos.is_contiguous() or not sin_signed.is_contiguous() or cos.shape[0] != x.shape[0]):
-        return False
+        return None
     lib.mstar_rope(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], d, cos.data_ptr(), sin_signed.data_ptr(), d)
-    return True
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

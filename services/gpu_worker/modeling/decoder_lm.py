@@ -88,7 +88,7 @@ class Attention(nn.Module):
             # CUDA keeps the path below, where q is contiguous for the attention backends.
             qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
             qk = qkv[:, : self.heads + self.kv_heads]
-            if not fused.rope_(qk, *rope):  # in place by the C kernel, else torch's ops
+            if fused.rope_(qk, *rope) is None:  # in place by the C kernel, else torch's ops
                 qk = apply_rope(qk, *rope)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, self.heads + self.kv_heads :]

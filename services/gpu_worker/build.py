@@ -1,0 +1,145 @@
+"""Assembling a worker: the model on its device, the KV pools sized from memory, the KV
+manager, and the engine (the runner its model needs, the scheduler's limits, the output
+processor), then one warm-up request through it all before the worker says it is ready.
+
+Which runner a model gets is an explicit table keyed by the spec's `engine` kind; nothing
+is picked by probing the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_memory import kv_cache, size_pool
+from services.gpu_worker.outputs import OutputProcessor
+from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.scheduler import Limits, Scheduler
+from services.gpu_worker.weights import build_model
+from shared.config import Deployment
+from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.model_source import ModelSource
+from shared.pages import pages_for
+
+log = logging.getLogger("mstar.build")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: the spec's `engine` kind -> its runner, and the most admissions one step may do
+RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
+    "decoder": (ModelRunner, None),
+    "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
+}
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Prompt-lookup speculative decoding: drafts per step (0: off) and the n-gram sizes."""
+
+    k: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 2
+
+
+def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *, eos_ids: list[int],
+                 max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
+                 speculation: Speculation = Speculation()) -> Engine:
+    runner_cls, max_admissions = RUNNERS[spec.engine]
+    runner = runner_cls(model, spec, kv, caches, planner)
+    k = speculation.k
+    # A windowed label releases pages behind its window as rows commit; draft rows past
+    # the commit could straddle one page more than its footprint, so no drafts there.
+    if k and (spec.engine != "decoder" or any(lab.window is not None for lab in spec.kv_labels)):
+        log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
+        k = 0
+    limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions)
+    scheduler = Scheduler(kv, limits, spec.decode_loop, k)
+    outputs = OutputProcessor(kv, runner.step_labels, spec.decode_loop, eos_ids, max_seq_len)
+    ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
+    return Engine(kv, scheduler, runner, outputs, ngram)
+
+
+@dataclass
+class Assembled:
+    """Everything a worker process serves with."""
+
+    source: ModelSource
+    spec: object
+    pools: dict
+    model: torch.nn.Module
+    kv: KVManager
+    engine: Engine
+
+
+def pick_device() -> torch.device:
+    """MSTAR_DEVICE (cpu | cuda | cuda:N), else CUDA when there is one. On CUDA the
+    decoder path attends through FlashInfer when it is importable, through torch if not."""
+    want = os.environ.get("MSTAR_DEVICE", "auto")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def assemble(d: Deployment) -> Assembled:
+    """Load the model, size and allocate the pools, build and warm up the engine."""
+    source = ModelSource(d.model)
+    spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
+    spec.validate()
+    device = pick_device()
+    if spec.engine != "decoder" and device.type != "cpu":
+        log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", spec.engine, device)
+        device = torch.device("cpu")
+    min_pages = pages_for(spec.max_seq_len, d.page_size)
+    pools = spec.paged_pools(size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size),
+                                       min_pages, device))
+    dtype = TORCH_DTYPES[d.dtype]
+    t0 = time.time()
+    model = build_model(source, spec, dtype, device)
+    caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, dtype, device)
+              for name, p in pools.items()}
+    planner = None
+    if device.type == "cuda" and spec.engine == "decoder" and flashinfer_available():
+        planner = FlashInferPlanner(device)
+    kv = KVManager(pools, spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len", prefix_cache=d.prefix_cache)
+    engine = build_engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=d.max_num_seqs,
+                          max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
+                          speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min))
+    log.info("model loaded in %.1fs; pools %s", time.time() - t0,
+             {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
+    parts = Assembled(source, spec, pools, model, kv, engine)
+    warm_up(parts, d)
+    return parts
+
+
+def warm_up(parts: Assembled, d: Deployment) -> None:
+    """One real prefill + decode through the paged path, so the first request does not
+    pay for lazy init; its pages go back, and it leaves no trace in the prefix cache or
+    the pools' counters, before the worker says it is ready. A model whose declarations
+    are wrong fails here, at start."""
+    spec, kv, engine = parts.spec, parts.kv, parts.engine
+    n = min(16, spec.max_seq_len - 2)
+    ppo = spec.process_prompt(list(range(1, n + 1)))
+    caps = spec.clamp_caps(spec.get_loop_caps(2, prompt_len=n))
+    refs, _ = pack_tensors(ppo.new_input_tensors)
+    # Warm-up exercises the kernels, not the model's declarations (intake checks those).
+    declared = {lab.name for lab in spec.kv_labels}
+    layout = {name: lay for name, lay in ppo.kv_layout.items() if name in declared}
+    req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
+                     spec.kv_configs(layout, caps, parts.pools))
+    with kv.untracked():
+        engine.add(req, ppo.new_input_tensors)
+        while engine.has_work:
+            if engine.step().errors:
+                raise RuntimeError("the warm-up request failed (see the error logged above); the model cannot serve")
+    t0 = time.time()
+    runs = parts.model.warm_gemms(d.max_batch_tokens, min(d.max_num_seqs, d.max_batch_tokens))
+    if runs:
+        log.info("built %d GEMM kernels for every row bucket in %.2fs", runs, time.time() - t0)

@@ -1,0 +1,55 @@
+"""One request as the step loop sees it, for every model.
+
+What differs between models lives elsewhere: the runner turns a request's tensors into
+its prompt (and, for an encoder-decoder model, keeps its audio features in `inputs` until
+it has encoded them), and the model spec's labels and loops say what a step writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.gpu_worker.kv_manager import RequestKV
+from services.gpu_worker.speculative import NgramProposer
+from shared.frames import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: str
+    reply_to: str
+    sampling: SamplingParams
+    max_tokens: int
+    #: iterations each loop may run (the conductor's clamped caps)
+    caps: dict[str, int]
+    #: the token ids the model consumes before it generates (a decoder's prompt)
+    prompt: list[int]
+    kv: RequestKV
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    #: rows of prompt + output already in KV
+    num_computed: int = 0
+    #: iterations each loop has run
+    iters: dict[str, int] = field(default_factory=dict)
+    #: False until the runner's admission work (an encoder pass) is done: not scheduled before
+    ready: bool = True
+    #: what the runner still needs of the request's input tensors (dropped once used)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    #: prompt lookup, for a request that speculates (greedy, on a model without windows)
+    proposer: NgramProposer | None = None
+
+    @property
+    def tokens_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def decoding(self) -> bool:
+        """The prompt is all in KV: each step now feeds the last sampled token."""
+        return self.num_computed >= len(self.prompt)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt)
+        return self.prompt[start:end] if end <= p else (self.prompt + self.output)[start:end]

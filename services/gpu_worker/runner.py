@@ -1,0 +1,154 @@
+"""The second part of a step: a plan in, sampled tokens out (inputs -> model -> sampler).
+
+`ModelRunner` packs a plan into one forward: for every label the step writes, the pages of
+each entry's rows (attention metadata, built once per label and shared by its layers),
+then the token ids, positions and the rows that sample, as one tensor. What is special
+about a kind of model is a few hooks of a subclass, not a second step loop:
+
+- `make_request`: which input tensors a request brings and what its prompt is;
+- `prepare`: work at admission (the encoder pass of an encoder-decoder model);
+- `call_model` and `process_logits`: extra inputs of the forward (the encoder's cross
+  attention rows) and changes to the logits before sampling (Whisper's suppress lists).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.request import Request
+from services.gpu_worker.sampler import sample
+from services.gpu_worker.scheduler import StepPlan
+from shared.layout import KVLabel
+
+log = logging.getLogger("mstar.runner")
+
+#: what a client is told when its request broke its own layout
+LAYOUT_VIOLATED = "internal error: the model's KV layout was violated"
+
+
+class Failure(NamedTuple):
+    """A request the runner could not prepare: the client-safe message, and the cause
+    (logged under the error id)."""
+
+    request: Request
+    message: str
+    cause: BaseException
+
+
+class ModelRunner:
+    """A decoder LM: every label is written by every step, layer i reads label
+    `spec.layer_labels[i]` in its pool's i-th layer tensor."""
+
+    def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
+        self.model = model
+        self.spec = spec
+        self.kv = kv
+        #: FlashInferPlanner on CUDA, None for the torch path
+        self.planner = planner
+        self.windows = {lab.name: lab.window for lab in spec.kv_labels}
+        self.page_sizes = {lab.name: kv.pools[lab.pool].config.page_size for lab in spec.kv_labels}
+        self.caches = caches
+        self.device = next(iter(caches.values()))[0].device
+        self.layer_caches = self._layer_caches()
+
+    def _layer_caches(self) -> list[torch.Tensor]:
+        """Layer i's KV tensor: the next unused layer of its label's pool."""
+        taken: dict[str, int] = {}
+        out = []
+        for name in self.spec.layer_labels:
+            pool = self.spec.label(name).pool
+            out.append(self.caches[pool][taken.get(pool, 0)])
+            taken[pool] = taken.get(pool, 0) + 1
+        return out
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    @property
+    def step_labels(self) -> tuple[KVLabel, ...]:
+        """The labels a step writes rows of."""
+        return self.spec.kv_labels
+
+    #: requests need `prepare` (admission work) before they can be scheduled
+    needs_prepare = False
+
+    def check_layout(self, labels: set[str]) -> None:
+        """ValueError for a request whose layouts this runner cannot run (the KV manager
+        has already refused undeclared labels)."""
+
+    def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
+        """(the prompt ids, inputs the runner keeps for `prepare`); ValueError on bad tensors."""
+        if "input_ids" not in tensors:
+            raise ValueError("a decoder request needs tensor 'input_ids'")
+        return [int(t) for t in tensors["input_ids"].reshape(-1)], {}
+
+    def prepare(self, admitted: list[Request]) -> list[Failure]:
+        """Admission work for newly admitted requests; returns those it could not do (for
+        the engine to fail). A decoder has none: its requests are ready at once."""
+        return []
+
+    def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
+        return self.model(ids, positions, self.layer_caches, [metas[name] for name in self.spec.layer_labels], sample_rows)
+
+    def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        return logits
+
+    # -- the forward ---------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """One forward over the plan; per entry, the tokens sampled for it: none for a
+        prefill chunk that does not end its prompt, one per row for a verify step."""
+        rows: dict[str, list] = {lab.name: [] for lab in self.step_labels}
+        ids, positions, sample_rows, sample_reqs, counts = [], [], [], [], []
+        t = 0
+        for e in plan.entries:
+            r, n = e.request, e.rows
+            before = len(sample_rows)
+            for lab in self.step_labels:
+                pages = self.kv.reserve_rows(r.request_id, lab.name, n)
+                rows[lab.name].append(AttnRows(pages, r.kv.labels[lab.name].first_page, r.num_computed, n, e.decode))
+            ids.extend(r.token_slice(r.num_computed, r.num_computed + n - len(e.drafts)))
+            ids.extend(e.drafts)
+            if e.drafts:  # a verify step samples every row: each checks the draft after it
+                sample_rows.extend(range(t, t + n))
+            elif r.num_computed + n == r.tokens_len:
+                sample_rows.append(t + n - 1)
+            counts.append(len(sample_rows) - before)
+            sample_reqs.extend([r] * counts[-1])
+            positions.extend(range(r.num_computed, r.num_computed + n))
+            t += n
+        metas = self._metadata(rows)
+        # ids, positions and the sampled rows as one tensor (three views): from a Python
+        # list each costs microseconds, a visible part of a one-row step
+        flat = torch.from_numpy(np.array(ids + positions + sample_rows, dtype=np.int64)).to(self.device)
+        n = len(ids)
+        with torch.inference_mode():
+            logits = self.call_model(flat[:n], flat[n : 2 * n], metas, flat[2 * n :], plan)
+            logits = self.process_logits(logits, sample_reqs)
+            toks = sample(logits, [r.sampling for r in sample_reqs], [r.generator for r in sample_reqs])
+        out, i = [], 0
+        for count in counts:
+            out.append(toks[i : i + count])
+            i += count
+        return out
+
+    def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
+        metas = {name: build_metadata(r, self.page_sizes[name], self.windows[name], flashinfer=self.planner is not None)
+                 for name, r in rows.items()}
+        if self.device.type == "cpu":
+            return metas
+        metas = {name: m.to(self.device) for name, m in metas.items()}
+        if self.planner is not None:
+            cache = next(iter(self.caches.values()))[0]
+            cfg = self.spec.config
+            for name, m in metas.items():
+                self.planner.plan(name, m, num_qo_heads=cfg.num_attention_heads, num_kv_heads=cache.shape[3],
+                                  head_dim=cache.shape[4], page_size=cache.shape[2], window=self.windows[name],
+                                  dtype=cache.dtype, sm_scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+        return metas
+
