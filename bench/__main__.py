@@ -24,14 +24,19 @@ import time
 MODES = ("run", "overhead", "compare", "floor", "spec")
 
 
-def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128, output_len: int = 64) -> None:
-    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=concurrency, help=f"levels to run (default {concurrency})")
-    p.add_argument("--num-requests", "-n", type=int, default=None, help="requests per level (default max(8, 4 x concurrency))")
+def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
+                 output_len: int = 64) -> None:
+    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=concurrency,
+                   help=f"levels to run (default {concurrency})")
+    p.add_argument("--num-requests", "-n", type=int, default=None,
+                   help="requests per level (default max(8, 4 x concurrency))")
     p.add_argument("--prompt-len", type=int, default=prompt_len, help=f"prompt tokens (default {prompt_len})")
-    p.add_argument("--output-len", type=int, default=output_len, help=f"output tokens per request, ignore_eos (default {output_len})")
+    p.add_argument("--output-len", type=int, default=output_len,
+                   help=f"output tokens per request, ignore_eos (default {output_len})")
     p.add_argument("--random-ratio", type=float, default=0.0,
                    help="0: fixed lengths; r > 0: prompt and output lengths uniform in [len*(1-r), len]")
-    p.add_argument("--id-range", type=int, nargs=2, default=[10, 250], metavar=("LO", "HI"), help="prompt token ids drawn from [LO, HI)")
+    p.add_argument("--id-range", type=int, nargs=2, default=[10, 250], metavar=("LO", "HI"),
+                   help="prompt token ids drawn from [LO, HI)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default bench/results/<timestamp>/)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
@@ -45,35 +50,46 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         common_flags(p, [1, 16, 64])
         where = p.add_mutually_exclusive_group(required=True)
         where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
-        where.add_argument("--serve", metavar="MODEL", help="start `mstar serve --model MODEL` on a free port (`null`: the null model)")
-        p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat; e.g. --serve-arg=--num-kv-pages=4096)")
-        p.add_argument("--backend", choices=["mstar", "openai"], default="mstar", help="/generate with input_ids, or /v1/completions with token ids")
-        p.add_argument("--model-name", default="", help="the `model` field for --backend openai (default: the first of /v1/models)")
+        where.add_argument("--serve", metavar="MODEL",
+                           help="start `mstar serve --model MODEL` on a free port (`null`: the null model)")
+        p.add_argument("--serve-arg", action="append", default=[],
+                       help="extra `mstar serve` flag (repeat; e.g. --serve-arg=--num-kv-pages=4096)")
+        p.add_argument("--backend", choices=["mstar", "openai"], default="mstar",
+                       help="/generate with input_ids, or /v1/completions with token ids")
+        p.add_argument("--model-name", default="",
+                       help="the `model` field for --backend openai (default: the first of /v1/models)")
         p.add_argument("--name", default=None, help="the system's name in the table")
-        p.add_argument("--profile", action="store_true", help="with --serve: py-spy the services under load after the levels")
+        p.add_argument("--profile", action="store_true",
+                       help="with --serve: py-spy the services under load after the levels")
         p.add_argument("--profile-concurrency", type=int, nargs="+", default=[16])
         p.add_argument("--profile-seconds", type=float, default=10.0)
     elif mode == "overhead":
         common_flags(p, [1, 16, 64], prompt_len=16, output_len=128)
         p.add_argument("--floor-tokens", type=int, default=20000)
-        p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="py-spy the four services (default on)")
+        p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                       help="py-spy the four services (default on)")
         p.add_argument("--profile-concurrency", type=int, nargs="+", default=[1, 16])
         p.add_argument("--profile-seconds", type=float, default=10.0)
         p.add_argument("--serve-arg", action="append", default=[])
     elif mode == "compare":
         common_flags(p, [1, 16, 64])
-        p.add_argument("--checkpoint", default=None, help="a Hugging Face folder (default: bench/checkpoints.py's, made on first use)")
+        p.add_argument("--checkpoint", default=None,
+                       help="a Hugging Face folder (default: bench/checkpoints.py's, made on first use)")
         p.add_argument("--vocab", type=int, default=32000, help="vocab of the default checkpoint")
-        p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto", help="auto: measure vLLM if its venv exists")
+        p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                       help="auto: measure vLLM if its venv exists")
         p.add_argument("--vllm-venv", default=None)
         p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--hf-batch", type=int, nargs="+", default=[1, 16])
         p.add_argument("--hf-requests", type=int, default=8, help="batch-1 generate calls")
-        p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache memory for every server (vLLM's VLLM_CPU_KVCACHE_SPACE)")
+        p.add_argument("--kv-gib", type=float, default=2.0,
+                       help="KV cache memory for every server (vLLM's VLLM_CPU_KVCACHE_SPACE)")
         p.add_argument("--max-seq-len", type=int, default=1024)
         p.add_argument("--torch-threads", type=int, default=0,
-                       help="compute threads for mstar's gpu worker and HF (default: cores - 1, what vLLM's CPU build binds)")
-        p.add_argument("--rounds", type=int, default=1, help="repeat the systems in turn; ratios use each figure's best round")
+                       help="compute threads for mstar's gpu worker and HF "
+                            "(default: cores - 1, what vLLM's CPU build binds)")
+        p.add_argument("--rounds", type=int, default=1,
+                       help="repeat the systems in turn; ratios use each figure's best round")
         p.add_argument("--serve-arg", action="append", default=[])
     elif mode == "spec":
         p.add_argument("--model", default="", help="'' (default): the embedded SmolLM2-135M-Instruct")

@@ -27,7 +27,8 @@ import httpx
 
 from bench.server import REPO, MstarServer
 
-GAUGES = ("mstar_requests_running", "mstar_requests_waiting", "mstar_kv_pages_used", "mstar_kv_pages_reserved", "mstar_kv_pages_peak")
+GAUGES = ("mstar_requests_running", "mstar_requests_waiting", "mstar_kv_pages_used", "mstar_kv_pages_reserved",
+          "mstar_kv_pages_peak")
 
 
 def _checkpoint(cache: Path) -> Path:
@@ -84,8 +85,8 @@ async def run_mode(server: MstarServer, reqs: list[dict]) -> dict:
     tokens = sum(len(b.get("token_ids", [])) for b in bodies)
     running = [g["mstar_requests_running"] for _, g in samples]
     # Time-weighted mean of the sampled running count.
-    mean_running = sum(g["mstar_requests_running"] * (t2 - t1) for (t1, g), (t2, _) in itertools.pairwise(samples)) / max(
-        1e-9, samples[-1][0] - samples[0][0])
+    mean_running = (sum(g["mstar_requests_running"] * (t2 - t1) for (t1, g), (t2, _) in itertools.pairwise(samples))
+                    / max(1e-9, samples[-1][0] - samples[0][0]))
     return {
         "requests": len(reqs),
         "ok": statuses.count(200),
@@ -98,7 +99,8 @@ async def run_mode(server: MstarServer, reqs: list[dict]) -> dict:
         "max_waiting": max(g["mstar_requests_waiting"] for _, g in samples),
         "peak_pages": final["mstar_kv_pages_peak"],
         "max_pages_reserved": max(g["mstar_kv_pages_reserved"] for _, g in samples),
-        "series": [(round(t - samples[0][0], 3), g["mstar_requests_running"], g["mstar_kv_pages_used"]) for t, g in samples],
+        "series": [(round(t - samples[0][0], 3), g["mstar_requests_running"], g["mstar_kv_pages_used"])
+                   for t, g in samples],
     }
 
 
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cache.mkdir(parents=True, exist_ok=True)
     model = _checkpoint(args.cache)
     reqs = workload(args.requests, args.seed, args.max_seq_len)
-    common = ["--num-kv-pages", str(args.pages), "--page-size", str(args.page_size), "--max-seq-len", str(args.max_seq_len), "--max-num-seqs", "256"]
+    common = ["--num-kv-pages", str(args.pages), "--page-size", str(args.page_size),
+              "--max-seq-len", str(args.max_seq_len), "--max-num-seqs", "256"]
     results = {}
     for mode in ("footprint", "max-seq-len"):
         server = MstarServer(str(model), args.out / f"{mode}.log", [*common, "--admission", mode]).start()
@@ -150,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         "admitted_concurrency_mean": round(fp["mean_running"] / max(1e-9, base["mean_running"]), 2),
         "throughput": round(fp["output_tok_per_s"] / max(1e-9, base["output_tok_per_s"]), 2),
     }
-    cols = ["ok", "stopped_early", "output_tokens", "elapsed_s", "output_tok_per_s", "max_running", "mean_running", "max_waiting", "peak_pages", "max_pages_reserved"]
+    cols = ["ok", "stopped_early", "output_tokens", "elapsed_s", "output_tok_per_s", "max_running", "mean_running",
+            "max_waiting", "peak_pages", "max_pages_reserved"]
     print(f"{'admission':<12}" + "".join(f"{c:>19}" for c in cols))
     for mode, r in results.items():
         print(f"{mode:<12}" + "".join(f"{r[c]:>19}" for c in cols))
     print(f"pool {args.pages} pages x {args.page_size} rows, max_seq_len {args.max_seq_len}, {args.requests} requests")
     print("footprint / max-seq-len: " + ", ".join(f"{k} {v}x" for k, v in ratios.items()))
-    (args.out / "admission.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
-                                                           "results": results, "ratios": ratios}, indent=1))
+    (args.out / "admission.json").write_text(json.dumps(
+        {"config": vars(args) | {"out": str(args.out), "cache": str(args.cache)}, "results": results, "ratios": ratios},
+        indent=1))
     plot(results, args.pages, args.out / "admission.png")
     print(f"wrote {args.out / 'admission.json'} and {args.out / 'admission.png'}")
     return 0

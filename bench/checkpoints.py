@@ -74,7 +74,8 @@ def synthetic_tokenizer(path: Path, vocab_size: int = 32000) -> None:
     }))
 
 
-def make_bench_checkpoint(path: Path, *, vocab_size: int = 32000, seed: int = 0, max_position_embeddings: int = 1024) -> Path:
+def make_bench_checkpoint(path: Path, *, vocab_size: int = 32000, seed: int = 0,
+                          max_position_embeddings: int = 1024) -> Path:
     import torch
     import transformers
 

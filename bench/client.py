@@ -79,7 +79,8 @@ class Backend:
         self.model = model
 
     def body(self, req: RequestSpec) -> dict:
-        return {"input_ids": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        return {"input_ids": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
 
     def parse(self, event: dict, res: RequestResult, now: float) -> bool:
         """Record one SSE event; True when the request is over."""
@@ -214,7 +215,8 @@ class RawConnection:
 
 
 async def _httpx_events(client: httpx.AsyncClient, path: str, body: bytes, timeout: float):
-    async with client.stream("POST", path, content=body, headers={"content-type": "application/json"}, timeout=timeout) as resp:
+    async with client.stream("POST", path, content=body, headers={"content-type": "application/json"},
+                             timeout=timeout) as resp:
         if resp.status_code != 200:
             raise HttpError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -250,7 +252,8 @@ async def _one(events, backend: Backend, req: RequestSpec) -> RequestResult:
 
 
 async def run_load(url: str, backend: Backend, requests: list[RequestSpec], concurrency: int, *,
-                   timeout: float = 600.0, progress=None, client: str = "raw") -> tuple[list[RequestResult], float, float]:
+                   timeout: float = 600.0, progress=None,
+                   client: str = "raw") -> tuple[list[RequestResult], float, float]:
     """Run every request, at most `concurrency` in flight (a closed loop; each slot keeps
     one connection). `client`: "raw" (bench's own HTTP/1.1 client) or "httpx". Returns the
     results in request order, the wall time from the first send to the last token, and

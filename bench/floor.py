@@ -103,7 +103,8 @@ def measure_floor(n: int = 20000, warmup: int = 2000) -> dict:
     us = 1e6
     return {
         "tokens": n,
-        "round_trip_us": {"mean": sum(samples) / n * us, "p50": samples[n // 2] * us, "p99": samples[int(n * 0.99)] * us},
+        "round_trip_us": {"mean": sum(samples) / n * us, "p50": samples[n // 2] * us,
+                          "p99": samples[int(n * 0.99)] * us},
         "stream_us_per_token": stream_s / n * us,
     }
 

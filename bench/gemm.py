@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     h, d = args.hidden, args.hidden // args.heads
     shapes = [("qkv", h + 2 * args.kv_heads * d, h, True), ("o", h, h, False), ("gate_up", 2 * args.inter, h, False),
               ("down", h, args.inter, False), ("head", args.vocab, h, False)]
-    print(f"{'rows':>5} {'gemm':8} {'kernel ms':>10} {'GFLOP/s':>8} {'oneDNN ms':>10} {'GFLOP/s':>8} {'speed-up':>8} {'max err':>8}")
+    print(f"{'rows':>5} {'gemm':8} {'kernel ms':>10} {'GFLOP/s':>8} {'oneDNN ms':>10} {'GFLOP/s':>8} "
+          f"{'speed-up':>8} {'max err':>8}")
     for m in args.rows:
         for name, n, k, has_bias in shapes:
             w = torch.randn(n, k) * k**-0.5

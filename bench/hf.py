@@ -64,10 +64,14 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_new_tokens: int, batch_
                 out["batches"]["1"] = {
                     "batch": 1, "requests": len(lat), "output_tokens": tokens, "duration_s": wall,
                     "output_throughput": tokens / wall,
-                    "ttft_ms": {"mean": mean(ttft) * 1e3, "p50": percentile(ttft, 50) * 1e3, "p99": percentile(ttft, 99) * 1e3},
-                    "itl_ms": {"mean": mean(itl) * 1e3, "p50": percentile(itl, 50) * 1e3, "p99": percentile(itl, 99) * 1e3},
-                    "tpot_ms": {"mean": mean(tpot) * 1e3, "p50": percentile(tpot, 50) * 1e3, "p99": percentile(tpot, 99) * 1e3},
-                    "latency_ms": {"mean": mean(lat) * 1e3, "p50": percentile(lat, 50) * 1e3, "p99": percentile(lat, 99) * 1e3},
+                    "ttft_ms": {"mean": mean(ttft) * 1e3, "p50": percentile(ttft, 50) * 1e3,
+                                "p99": percentile(ttft, 99) * 1e3},
+                    "itl_ms": {"mean": mean(itl) * 1e3, "p50": percentile(itl, 50) * 1e3,
+                               "p99": percentile(itl, 99) * 1e3},
+                    "tpot_ms": {"mean": mean(tpot) * 1e3, "p50": percentile(tpot, 50) * 1e3,
+                                "p99": percentile(tpot, 99) * 1e3},
+                    "latency_ms": {"mean": mean(lat) * 1e3, "p50": percentile(lat, 50) * 1e3,
+                                   "p99": percentile(lat, 99) * 1e3},
                     "itl_sample_ms": [x * 1e3 for x in itl],
                 }
                 continue

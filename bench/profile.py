@@ -33,8 +33,9 @@ class Recorder:
         self.duration, self.rate = duration, rate
         self.files = {name: out_dir / f"{name}.txt" for name in pids}
         self.procs = {
-            name: subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(int(duration)), "--rate", str(rate),
-                                    "--format", "raw", "--nonblocking", "--output", str(self.files[name])],
+            name: subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(int(duration)),
+                                    "--rate", str(rate), "--format", "raw", "--nonblocking",
+                                    "--output", str(self.files[name])],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             for name, pid in pids.items()
         }
@@ -76,7 +77,8 @@ def summarize(raw: str, duration: float, rate: int, top: int = 15) -> dict:
         if not stack or not count.isdigit():
             continue
         n = int(count)
-        frames = [_short(f) for f in stack.split(";") if f and not f.startswith("process ") and not f.startswith("thread ")]
+        frames = [_short(f) for f in stack.split(";")
+                  if f and not f.startswith("process ") and not f.startswith("thread ")]
         if not frames:
             continue
         total += n

@@ -35,8 +35,10 @@ def machine() -> dict:
                 mem_gib = int(line.split()[1]) / 2**20
     except OSError:
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip())
     import torch
 
     return {
@@ -60,9 +62,10 @@ LEVEL_HEADER = ["system", "conc", "reqs", "out tok/s", "req/s", "TTFT p50", "TTF
 def level_rows(name: str, levels: list[dict]) -> list[list[str]]:
     rows = []
     for s in levels:
-        rows.append([name, str(s["concurrency"]), str(s["completed"]), _f(s["output_throughput"]), _f(s["request_throughput"], 2),
-                     _f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"]["p99"]), _f(s["itl_ms"]["p50"], 2), _f(s["itl_ms"]["p99"], 2),
-                     _f(s["tpot_ms"]["p50"], 2), _f(s["latency_ms"]["p50"]), _f(s["latency_ms"]["p99"]), str(s["num_errors"])])
+        rows.append([name, str(s["concurrency"]), str(s["completed"]), _f(s["output_throughput"]),
+                     _f(s["request_throughput"], 2), _f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"]["p99"]),
+                     _f(s["itl_ms"]["p50"], 2), _f(s["itl_ms"]["p99"], 2), _f(s["tpot_ms"]["p50"], 2),
+                     _f(s["latency_ms"]["p50"]), _f(s["latency_ms"]["p99"]), str(s["num_errors"])])
     return rows
 
 
@@ -70,18 +73,21 @@ def hf_rows(hf: dict) -> list[list[str]]:
     rows = []
     for b in hf["batches"].values():
         if b["batch"] == 1:
-            rows.append(["hf generate", "b1", str(b["requests"]), _f(b["output_throughput"]), "-", _f(b["ttft_ms"]["p50"]),
-                         _f(b["ttft_ms"]["p99"]), _f(b["itl_ms"]["p50"], 2), _f(b["itl_ms"]["p99"], 2), _f(b["tpot_ms"]["p50"], 2),
+            rows.append(["hf generate", "b1", str(b["requests"]), _f(b["output_throughput"]), "-",
+                         _f(b["ttft_ms"]["p50"]), _f(b["ttft_ms"]["p99"]), _f(b["itl_ms"]["p50"], 2),
+                         _f(b["itl_ms"]["p99"], 2), _f(b["tpot_ms"]["p50"], 2),
                          _f(b["latency_ms"]["p50"]), _f(b["latency_ms"]["p99"]), "0"])
         else:
             rows.append(["hf generate", f"b{b['batch']}", str(b["requests"]), _f(b["output_throughput"]), "-",
-                         _f(b["prefill_ms"]), "-", _f(b["step_ms"], 2), "-", _f(b["step_ms"], 2), _f(b["duration_s"] * 1e3), "-", "0"])
+                         _f(b["prefill_ms"]), "-", _f(b["step_ms"], 2), "-", _f(b["step_ms"], 2),
+                         _f(b["duration_s"] * 1e3), "-", "0"])
     return rows
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"  # noqa: E731
+    line = lambda cells: (  # noqa: E731
+        "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |")
     sep = "|" + "|".join("-" * (w + 1) + ":" if i else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
@@ -107,12 +113,15 @@ def plot(path: Path, servers: dict[str, dict], hf: dict | None = None, title: st
         c = [s["concurrency"] for s in levels]
         ax_tp.plot(c, [s["output_throughput"] for s in levels], "o-", label=name)
         ax_ttft.plot(c, [s["ttft_ms"]["p50"] for s in levels], "o-", label=f"{name} p50")
-        ax_ttft.plot(c, [s["ttft_ms"]["p99"] for s in levels], "x:", color=ax_ttft.lines[-1].get_color(), label=f"{name} p99")
+        ax_ttft.plot(c, [s["ttft_ms"]["p99"] for s in levels], "x:", color=ax_ttft.lines[-1].get_color(),
+                     label=f"{name} p99")
         ax_itl.plot(c, [s["itl_ms"]["p50"] for s in levels], "o-", label=f"{name} p50")
-        ax_itl.plot(c, [s["itl_ms"]["p99"] for s in levels], "x:", color=ax_itl.lines[-1].get_color(), label=f"{name} p99")
+        ax_itl.plot(c, [s["itl_ms"]["p99"] for s in levels], "x:", color=ax_itl.lines[-1].get_color(),
+                    label=f"{name} p99")
         sample = sorted(levels[0].get("itl_sample_ms") or [])
         if sample:
-            ax_cdf.plot(sample, [(i + 1) / len(sample) for i in range(len(sample))], label=f"{name} c{levels[0]['concurrency']}")
+            ax_cdf.plot(sample, [(i + 1) / len(sample) for i in range(len(sample))],
+                        label=f"{name} c{levels[0]['concurrency']}")
     if hf:
         bs = [b["batch"] for b in hf["batches"].values()]
         ax_tp.plot(bs, [b["output_throughput"] for b in hf["batches"].values()], "s--", label="hf generate (batch)")

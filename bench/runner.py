@@ -32,7 +32,8 @@ def measure_levels(name: str, url: str, backend: Backend, prompts_for, concurren
     for c in concurrencies:
         reqs: list[RequestSpec] = prompts_for(c)
         with tqdm(total=len(reqs), desc=f"{name} c{c}", unit="req", file=sys.stderr, leave=False) as bar:
-            results, wall, cpu = asyncio.run(run_load(url, backend, reqs, c, timeout=timeout, progress=bar, client=client))
+            results, wall, cpu = asyncio.run(run_load(url, backend, reqs, c, timeout=timeout, progress=bar,
+                                                      client=client))
         s = summarize(results, wall, cpu, c)
         out["levels"].append(s)
         if s["num_errors"]:
@@ -45,7 +46,8 @@ def measure_levels(name: str, url: str, backend: Backend, prompts_for, concurren
 
 def _mem_brief(m: dict) -> dict:
     return {"processes": m["processes"], "rss_mib": round(m["rss_mib"], 1), "pss_mib": round(m["pss_mib"], 1),
-            "per_process": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in p.items()} for p in m["per_process"]]}
+            "per_process": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in p.items()}
+                            for p in m["per_process"]]}
 
 
 def prompt_maker(args, seed_offset: int = 0):

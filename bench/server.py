@@ -77,7 +77,8 @@ def tree_memory(root: int) -> dict:
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
         except OSError:
             continue
-        procs.append({"pid": pid, "cmd": name, "rss_mib": _status_kb(pid, "VmRSS") / 1024, "pss_mib": _pss_kb(pid) / 1024})
+        procs.append({"pid": pid, "cmd": name, "rss_mib": _status_kb(pid, "VmRSS") / 1024,
+                      "pss_mib": _pss_kb(pid) / 1024})
     return {
         "processes": len(procs),
         "rss_mib": sum(p["rss_mib"] for p in procs),
@@ -190,7 +191,8 @@ class VllmServer(Server):
     kind = "vllm"
     ready_path = "/health"
 
-    def __init__(self, venv: str, model: str, log_path: Path, extra: list[str] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, venv: str, model: str, log_path: Path, extra: list[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         port = free_port()
         super().__init__([str(PEERS / "serve-vllm-cpu"), venv, model, str(port), *extra], port, log_path, env)
 

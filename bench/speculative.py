@@ -49,7 +49,8 @@ def repetitive_prompts(n: int, seed: int) -> list[str]:
     out = []
     for _ in range(n):
         para = " ".join(rng.sample(SENTENCES, 5))
-        out.append(f"<|im_start|>user\nRepeat the following text exactly, word for word:\n\n{para}<|im_end|>\n<|im_start|>assistant\n")
+        out.append(f"<|im_start|>user\nRepeat the following text exactly, word for word:\n\n{para}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
     return out
 
 
@@ -104,7 +105,8 @@ def spec(args) -> Path:
     rng = random.Random(args.seed + 1)
     vocab = tok.get_vocab_size()
     rnd = [RequestSpec([rng.randrange(100, vocab) for _ in r.prompt], args.output_len) for r in rep]
-    opn = [RequestSpec(tok.encode(t, add_special_tokens=False).ids, args.output_len) for t in open_prompts(args.num_requests)]
+    opn = [RequestSpec(tok.encode(t, add_special_tokens=False).ids, args.output_len)
+           for t in open_prompts(args.num_requests)]
     sets = {"repetitive": rep, "open": opn, "random": rnd}
     warm = [RequestSpec(rep[0].prompt, 4)]
     runs: dict[str, dict] = {}
@@ -127,19 +129,22 @@ def spec(args) -> Path:
         speedup = b["tpot_ms"]["p50"] / f["tpot_ms"]["p50"]
         ratios[key] = {"tpot_speedup": speedup, "throughput_speedup": f["output_throughput"] / b["output_throughput"],
                        "acceptance": acc, "identical_tokens": same}
-        rows.append([key, f"{b['output_throughput']:.1f}", f"{f['output_throughput']:.1f}", f"{b['tpot_ms']['p50']:.2f}",
-                     f"{f['tpot_ms']['p50']:.2f}", f"{speedup:.2f}x", f"{int(f['drafted'])}", f"{acc:.0%}", "yes" if same else "NO"])
-    header = ["set", "tok/s k=0", f"tok/s k={args.k}", "TPOT p50 k=0 (ms)", f"TPOT p50 k={args.k} (ms)", "speed-up (TPOT)",
-              "drafts", "accepted", "same tokens"]
+        rows.append([key, f"{b['output_throughput']:.1f}", f"{f['output_throughput']:.1f}",
+                     f"{b['tpot_ms']['p50']:.2f}", f"{f['tpot_ms']['p50']:.2f}", f"{speedup:.2f}x",
+                     f"{int(f['drafted'])}", f"{acc:.0%}", "yes" if same else "NO"])
+    header = ["set", "tok/s k=0", f"tok/s k={args.k}", "TPOT p50 k=0 (ms)", f"TPOT p50 k={args.k} (ms)",
+              "speed-up (TPOT)", "drafts", "accepted", "same tokens"]
     name = args.model or "SmolLM2-135M-Instruct"
     title = (f"prompt-lookup speculation, {name}: k={args.k}, n-gram {args.ngram_min}-{args.ngram_max}, "
-             f"{args.num_requests} requests per set, ~{len(rep[0].prompt)} prompt / {args.output_len} output tokens, greedy, ignore_eos")
+             f"{args.num_requests} requests per set, ~{len(rep[0].prompt)} prompt / {args.output_len} output tokens, "
+             "greedy, ignore_eos")
     report = f"### {title}\n\n{table(header, rows)}\n"
     print("\n" + report)
     (out / "tables.md").write_text(report)
     for r in list(base.values()) + list(fast.values()):
         r.pop("token_ids")
-    write_json(out / "results.json", {"mode": "spec", "machine": machine(), "args": vars(args), "runs": runs, "ratios": ratios})
+    write_json(out / "results.json", {"mode": "spec", "machine": machine(), "args": vars(args), "runs": runs,
+                                      "ratios": ratios})
     _plot(out / "plot.png", base, fast, args.k, title)
     return out
 

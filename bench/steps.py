@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         caps = spec.clamp_caps(spec.get_loop_caps(out, prompt_len=len(ids)))
         refs, _ = pack_tensors(ppo.new_input_tensors)
         rid = f"r{next(count)}"
-        eng.add(NewRequest(rid, "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids), out, ppo.kv_layout,
-                           caps, spec.kv_configs(ppo.kv_layout, caps, w.pools)), ppo.new_input_tensors)
+        eng.add(NewRequest(rid, "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids), out,
+                           ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, w.pools)), ppo.new_input_tensors)
         return rid
 
     def timed() -> float:

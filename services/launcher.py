@@ -62,15 +62,23 @@ class Child:
 def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: int, api_flags: list[str]) -> list[Child]:
     """The command line of every service, with ipc addresses in one run folder."""
     py = [sys.executable, "-m"]
-    addr = {n: f"ipc://{os.path.join(run_dir, n)}.sock" for n in ("api", "data-worker", "conductor", "conductor-control")}
+    addr = {n: f"ipc://{os.path.join(run_dir, n)}.sock"
+            for n in ("api", "data-worker", "conductor", "conductor-control")}
     dflags = deployment_argv(d)
-    children = [Child("conductor", [*py, "services.conductor", *dflags, "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"]])]
+    children = [Child("conductor", [
+        *py, "services.conductor", *dflags,
+        "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"],
+    ])]
     for i in range(workers):
         children.append(Child(f"gpu_worker-{i}", [
             *py, "services.gpu_worker", *dflags, "--worker-id", f"worker-{i}",
-            "--bind-addr", f"ipc://{os.path.join(run_dir, f'gpu-worker-{i}')}.sock", "--conductor-addr", addr["conductor"],
+            "--bind-addr", f"ipc://{os.path.join(run_dir, f'gpu-worker-{i}')}.sock",
+            "--conductor-addr", addr["conductor"],
         ]))
-    children.append(Child("data_worker", [*py, "services.data_worker", *dflags, "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"]]))
+    children.append(Child("data_worker", [
+        *py, "services.data_worker", *dflags,
+        "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"],
+    ]))
     children.append(Child("api", [
         *py, "services.api", *dflags, "--host", host, "--port", str(port), "--api-addr", addr["api"],
         "--data-worker-addr", addr["data-worker"], "--conductor-addr", addr["conductor"],
@@ -123,8 +131,8 @@ class Launcher:
                 child.restarts += 1
                 child.restart_at = now + delay
                 kind = "crash loop: " if child.restarts > 3 else ""
-                print(f"mstar: {kind}{child.name} exited with code {code}; restarting in {delay:.1f}s (restart {child.restarts})",
-                      file=sys.stderr, flush=True)
+                print(f"mstar: {kind}{child.name} exited with code {code}; "
+                      f"restarting in {delay:.1f}s (restart {child.restarts})", file=sys.stderr, flush=True)
             elif now >= child.restart_at:
                 child.start(env)
 
@@ -136,7 +144,8 @@ class Launcher:
         while not self.stopping:
             dead = self._dead()
             if dead is not None:
-                print(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above", file=sys.stderr, flush=True)
+                print(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above",
+                      file=sys.stderr, flush=True)
                 return 1
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
@@ -186,27 +195,33 @@ class _ModelAction(argparse.Action):
 
 
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub id (org/name) already in the local "
-              "Hugging Face cache (nothing is downloaded; $HF_HOME/hub); empty: the embedded SmolLM2-135M-Instruct (env MSTAR_MODEL)")
+              "Hugging Face cache (nothing is downloaded; $HF_HOME/hub); "
+              "empty: the embedded SmolLM2-135M-Instruct (env MSTAR_MODEL)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mstar", description="mstar: a serving engine for generative models")
     sub = parser.add_subparsers(dest="command", required=True)
     # "resolve": the --model below replaces add_deployment_flags' (it also takes MODEL)
-    serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)", conflict_handler="resolve")
+    serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)",
+                           conflict_handler="resolve")
     serve.add_argument("model", nargs="?", metavar="MODEL", default=None, action=_ModelAction, help=MODEL_HELP)
     add_deployment_flags(serve)
     serve.add_argument("--model", dest="model", default=None, action=_ModelAction, help="the same as MODEL")
     serve.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
-                       help="the name /v1/models lists and OpenAI requests must give as `model` (env MSTAR_SERVED_MODEL_NAME; "
-                            "default: the Hub id, the folder's name or the .gguf's stem)")
+                       help="the name /v1/models lists and OpenAI requests must give as `model` "
+                            "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                        help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
     serve.add_argument("--host", default="127.0.0.1", help="address the HTTP api binds (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and /ready (env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
-    serve.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (audio uploads included) the api accepts; larger is a 413 (api default 1 MiB)")
+    serve.add_argument("--api-key", default=None,
+                       help="require Authorization: Bearer KEY on every route but /health and /ready "
+                            "(env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="largest request body (audio uploads included) the api accepts; "
+                            "larger is a 413 (api default 1 MiB)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
     return parser
 

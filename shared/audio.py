@@ -100,7 +100,8 @@ def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = No
             raise ValueError("audio has no samples")
         seconds = f.frames / rate
         if max_seconds is not None and seconds > max_seconds:
-            raise ValueError(f"audio is {seconds:.2f} s long; this model transcribes at most {max_seconds:g} s per request")
+            raise ValueError(f"audio is {seconds:.2f} s long; "
+                             f"this model transcribes at most {max_seconds:g} s per request")
         try:
             samples = f.read(dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError) as exc:
@@ -168,7 +169,8 @@ def mel_filter_bank(num_frequency_bins: int, num_mel_filters: int, min_frequency
     """Slaney-scale triangular filters with Slaney area normalization, float64
     [num_frequency_bins, num_mel_filters]: transformers' `mel_filter_bank(...,
     norm="slaney", mel_scale="slaney")`, step for step."""
-    mel_freqs = np.linspace(_hertz_to_mel_slaney(min_frequency), _hertz_to_mel_slaney(max_frequency), num_mel_filters + 2)
+    mel_freqs = np.linspace(_hertz_to_mel_slaney(min_frequency), _hertz_to_mel_slaney(max_frequency),
+                            num_mel_filters + 2)
     filter_freqs = _mel_to_hertz_slaney(mel_freqs)
     fft_freqs = np.linspace(0, sampling_rate // 2, num_frequency_bins)
     filter_diff = np.diff(filter_freqs)

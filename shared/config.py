@@ -111,7 +111,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"speculative_k must be in [0, {MAX_SPECULATIVE_K}], got {self.speculative_k}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_NGRAM:
             raise ValueError("speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max "
-                             f"<= {MAX_SPECULATIVE_NGRAM}, got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
+                             f"<= {MAX_SPECULATIVE_NGRAM}, "
+                             f"got {self.speculative_ngram_min} and {self.speculative_ngram_max}")
 
 
 #: Per `Deployment` field: its flag's help (the default and the env var are added to it),
@@ -162,7 +163,8 @@ def _from_env(f: msgspec.structs.FieldInfo, raw: str) -> Any:
     try:
         return f.type(raw)
     except ValueError:
-        raise ValueError(f"{field_env(f.name)}={raw!r} is not a{'n' if f.type is int else ''} {f.type.__name__}") from None
+        raise ValueError(f"{field_env(f.name)}={raw!r} is not a{'n' if f.type is int else ''} "
+                         f"{f.type.__name__}") from None
 
 
 def add_deployment_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
@@ -188,7 +190,8 @@ def add_deployment_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]
             shown = str(shown).lower() if isinstance(shown, bool) else shown
         else:
             kw = dict(type=f.type, choices=choices, metavar=None if choices else f.name.upper())
-        help_text = f"{text} (default: {json.dumps(shown) if isinstance(shown, str) and not shown else shown}; env {env})"
+        help_text = (f"{text} (default: {json.dumps(shown) if isinstance(shown, str) and not shown else shown}; "
+                     f"env {env})")
         parser.add_argument(field_flag(f.name), dest=f.name, default=None, help=help_text.replace("%", "%%"), **kw)
 
 

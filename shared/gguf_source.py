@@ -146,7 +146,7 @@ def find_default_gguf() -> Path:
 
 
 def _open(source: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
-    # Parsing the header costs 2-4 s (49k-entry string arrays): a process that needs the
+    # Parsing the header is slow (49k-entry string arrays): a process that needs the
     # config, the tokenizer and the weights parses it once.
     return source if isinstance(source, gguf.GGUFReader) else _open_path(str(Path(source).resolve()))
 
@@ -213,12 +213,44 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
             f"only byte-level BPE ('gpt2') GGUF tokenizers, got {model!r}"
         )
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
+    tokenizer = _bpe_tokenizer(reader, tokens, pre)
+
+    def token_id(name: str) -> int | None:
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        return None if value is None else int(value)
+
+    bos_id, eos_id, pad_id = token_id("bos"), token_id("eos"), token_id("padding")
+    if eos_id is None:
+        raise ValueError("GGUF has no tokenizer.ggml.eos_token_id")
+    # llama.cpp's default when the key is absent: on for the Llama 3 pre-tokenizers.
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES))
+    add_bos = add_bos and bos_id is not None
+    tokenizer.post_processor = _post_processor(tokens[bos_id] if add_bos else None, bos_id)
+    return GGUFTokenizerInfo(
+        tokenizer=tokenizer,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=bos_id,
+        bos_token=None if bos_id is None else tokens[bos_id],
+        eos_token_id=eos_id,
+        eos_token=tokens[eos_id],
+        pad_token_id=pad_id,
+        add_bos_token=add_bos,
+    )
+
+
+def _bpe_tokenizer(reader: gguf.GGUFReader, tokens: list[str], pre: str) -> Tokenizer:
+    """The BPE model, normalizer, pre-tokenizer, decoder and added tokens of the GGUF's
+    tokenizer: everything but the post-processor.
+
+    Apart from `load_gguf_tokenizer` because this part is fixed by the vocabulary and
+    `pre` alone, while the post-processor depends on the BOS settings read after it.
+    """
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type", [])
     merges = [
         tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])
     ]
 
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
     normalizer, pre_tokenizer = _pre_tokenizer(pre)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tokenizer = Tokenizer(
@@ -244,42 +276,29 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
     tokenizer.add_tokens(added)
     if len(tokenizer.get_vocab(with_added_tokens=True)) != len(tokens):
         raise ValueError("GGUF added tokens did not map onto existing vocab ids")
+    return tokenizer
 
-    def token_id(name: str) -> int | None:
-        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
-        return None if value is None else int(value)
 
-    bos_id, eos_id, pad_id = token_id("bos"), token_id("eos"), token_id("padding")
-    if eos_id is None:
-        raise ValueError("GGUF has no tokenizer.ggml.eos_token_id")
-    # llama.cpp's default when the key is absent: on for the Llama 3 pre-tokenizers.
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES))
-    add_bos = add_bos and bos_id is not None
+def _post_processor(bos: str | None, bos_id: int | None) -> processors.PostProcessor:
+    """Byte-level offsets, and with `bos` (None: no BOS is added) a template that puts
+    it before each sequence.
+
+    Apart from `load_gguf_tokenizer` because whether BOS is added comes from llama.cpp's
+    add_bos_token rule, and this is where that choice becomes HF's post-processor.
+    """
     byte_level = processors.ByteLevel(trim_offsets=False)
-    if add_bos:
-        # As HF's Llama 3 tokenizer.json: BOS before each sequence (add_special_tokens only).
-        bos = tokens[bos_id]
-        tokenizer.post_processor = processors.Sequence(
-            [
-                byte_level,
-                processors.TemplateProcessing(
-                    single=f"{bos}:0 $A:0",
-                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                    special_tokens=[(bos, bos_id)],
-                ),
-            ]
-        )
-    else:
-        tokenizer.post_processor = byte_level
-    return GGUFTokenizerInfo(
-        tokenizer=tokenizer,
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        bos_token_id=bos_id,
-        bos_token=None if bos_id is None else tokens[bos_id],
-        eos_token_id=eos_id,
-        eos_token=tokens[eos_id],
-        pad_token_id=pad_id,
-        add_bos_token=add_bos,
+    if bos is None:
+        return byte_level
+    # As HF's Llama 3 tokenizer.json: BOS before each sequence (add_special_tokens only).
+    return processors.Sequence(
+        [
+            byte_level,
+            processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, bos_id)],
+            ),
+        ]
     )
 
 
@@ -366,20 +385,9 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             f"GGUF head sizes key={head_dim} value={value_dim} rope={rope_dim}: "
             "only equal key, value and rotary sizes are supported"
         )
-    # qwen2/qwen3 files carry no {arch}.vocab_size: the embedding's rows (ggml ne[1]) are it.
-    vocab_size = llm(gguf.Keys.LLM.VOCAB_SIZE)
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if vocab_size is None and embd is not None:
-        vocab_size = int(embd.shape.tolist()[-1])
-    if vocab_size is None:
-        vocab_size = len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab_size = _vocab_size(reader, arch)
     # Qwen2 always has q/k/v biases (and none on o_proj); the others only if stored.
     attention_bias = arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names
-
-    def opt_int(key: str) -> int | None:
-        value = _field(reader, key)
-        return None if value is None else int(value)
-
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -394,18 +402,49 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "rope_theta": _shortest_float(llm(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
         "rope_scaling": _rope_scaling(reader, arch),
         "max_position_embeddings": int(required(gguf.Keys.LLM.CONTEXT_LENGTH)),
-        "vocab_size": int(vocab_size),
+        "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": attention_bias,
         "mlp_bias": False,
-        "bos_token_id": opt_int("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": opt_int("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": opt_int("tokenizer.ggml.padding_token_id"),
+        **_special_token_ids(reader),
     }
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
     return config
+
+
+def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
+    """``{arch}.vocab_size``, else the token embedding's rows, else the tokenizer's size.
+
+    Apart from `_gguf_config` because the key is often missing: qwen2/qwen3 files carry
+    no {arch}.vocab_size, and there the embedding's rows (ggml ne[1]) are it.
+    """
+    vocab_size = _field(reader, gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch))
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if vocab_size is None and embd is not None:
+        vocab_size = int(embd.shape.tolist()[-1])
+    if vocab_size is None:
+        vocab_size = len(_field(reader, "tokenizer.ggml.tokens"))
+    return int(vocab_size)
+
+
+def _special_token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
+    """HF's bos/eos/pad_token_id config fields (None when the GGUF has no such key).
+
+    Apart from `_gguf_config` because these come from the tokenizer's metadata, not
+    the architecture's keys the rest of the config reads.
+    """
+
+    def opt_int(key: str) -> int | None:
+        value = _field(reader, key)
+        return None if value is None else int(value)
+
+    return {
+        "bos_token_id": opt_int("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": opt_int("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": opt_int("tokenizer.ggml.padding_token_id"),
+    }
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:

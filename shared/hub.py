@@ -41,7 +41,8 @@ def resolve_model(name: str) -> Path:
     if local.exists():
         return local
     if not is_hub_id(name):
-        raise DeploymentError(f"model {name!r}: no such local folder or .gguf file (and not a Hugging Face Hub id, org/name)")
+        raise DeploymentError(f"model {name!r}: no such local folder or .gguf file "
+                              "(and not a Hugging Face Hub id, org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -51,5 +52,6 @@ def resolve_model(name: str) -> Path:
         raise DeploymentError(
             f"model {name!r} is not a local folder or .gguf file, and not in the Hugging Face cache {hub_cache()} "
             f"(mstar never downloads): get it there first with `huggingface-cli download {name}` "
-            f"(`hf download {name}` with huggingface_hub >= 1.0), or set HF_HOME / HF_HUB_CACHE to the cache that has it"
+            f"(`hf download {name}` with huggingface_hub >= 1.0), "
+            "or set HF_HOME / HF_HUB_CACHE to the cache that has it"
         ) from None

@@ -168,12 +168,14 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     if act not in ACTIVATIONS:
         raise _refuse("hidden_act", act, f"implemented activations are {list(ACTIVATIONS)}")
     if raw.get("use_bidirectional_attention"):
-        raise _refuse("use_bidirectional_attention", raw["use_bidirectional_attention"], "only causal attention is implemented")
+        raise _refuse("use_bidirectional_attention", raw["use_bidirectional_attention"],
+                      "only causal attention is implemented")
     types, window = _layer_types(raw, model_type, layers)
     rope, rope_local = _ropes(raw, model_type, types)
     for r in {rope, rope_local}:
         if r.rope_type == "longrope" and len(r.short_factor) != head_dim // 2:
-            raise _refuse("rope_parameters.short_factor", f"{len(r.short_factor)} values", f"longrope needs head_dim / 2 = {head_dim // 2}")
+            raise _refuse("rope_parameters.short_factor", f"{len(r.short_factor)} values",
+                          f"longrope needs head_dim / 2 = {head_dim // 2}")
     context = _context_length(int(raw.get("max_position_embeddings", 2048)), rope)
     gemma = model_type in GEMMA
     attn_bias = bool(raw.get("attention_bias", False))

@@ -39,7 +39,8 @@ class ModelSource:
             self.kind, self.path, self.name = "gguf", find_default_gguf(), DEFAULT_MODEL_NAME
         elif model == "null":  # the null model (no compute; bench/ measures serving overhead with it)
             self.kind, self.path, self.name = "null", null_lm.null_weights_dir(), "null"
-            tokenizer = TokenizerBundle(null_lm.null_tokenizer(), null_lm.CHAT_TEMPLATE, [null_lm.EOS_ID], None, null_lm.EOS_TOKEN)
+            tokenizer = TokenizerBundle(null_lm.null_tokenizer(), null_lm.CHAT_TEMPLATE, [null_lm.EOS_ID], None,
+                                        null_lm.EOS_TOKEN)
             self.__dict__.update(config=null_lm.null_config(), tokenizer=tokenizer)  # the cached properties
         else:  # a local folder, a .gguf file, or a Hub id (org/name) from the local cache
             from shared.hub import resolve_model
@@ -72,7 +73,8 @@ class ModelSource:
             from shared.gguf_source import load_gguf_tokenizer
 
             info = load_gguf_tokenizer(self.path)
-            return TokenizerBundle(info.tokenizer, info.chat_template, [info.eos_token_id], info.bos_token, info.eos_token)
+            return TokenizerBundle(info.tokenizer, info.chat_template, [info.eos_token_id], info.bos_token,
+                                   info.eos_token)
         return _hf_tokenizer(self.path, self.config)
 
     def spec(self, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> ModelSpec:
@@ -112,8 +114,10 @@ def _default_template(value, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
-        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value):
-            raise DeploymentError(f"{where}: chat_template is a list, but not of {{\"name\": ..., \"template\": ...}} entries")
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in value):
+            raise DeploymentError(f"{where}: chat_template is a list, "
+                                  f"but not of {{\"name\": ..., \"template\": ...}} entries")
         value = {t["name"]: t["template"] for t in value}
     if not isinstance(value, dict) or not all(isinstance(t, str) for t in value.values()):
         raise DeploymentError(f"{where}: chat_template is neither a template string nor a list of named templates")

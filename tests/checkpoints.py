@@ -22,7 +22,8 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                 r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> None:
@@ -40,7 +41,8 @@ def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> 
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -62,10 +64,13 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
                                                              layer_types=["sliding_attention", "full_attention"],
                                                              rope_parameters={
-                                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "sliding_attention": {"rope_type": "default",
+                                                                                       "rope_theta": 10000.0},
+                                                                 "full_attention": {"rope_type": "linear",
+                                                                                    "factor": 2.0,
                                                                                     "rope_theta": 1000000.0}})),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12, original_max_position_embeddings=512)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12,
+                                                   original_max_position_embeddings=512)),
 }
 
 

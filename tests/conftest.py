@@ -23,7 +23,8 @@ def qwen2_ckpt(tmp_path_factory):
 def llama_server(llama_ckpt, tmp_path_factory):
     from tests.servers import MstarServer
 
-    server = MstarServer(str(llama_ckpt), tmp_path_factory.mktemp("logs") / "llama.log", "--num-kv-pages", "256", "--page-size", "4").start()
+    server = MstarServer(str(llama_ckpt), tmp_path_factory.mktemp("logs") / "llama.log", "--num-kv-pages", "256",
+                         "--page-size", "4").start()
     yield server
     server.stop()
 
@@ -32,7 +33,8 @@ def llama_server(llama_ckpt, tmp_path_factory):
 def qwen2_server(qwen2_ckpt, tmp_path_factory):
     from tests.servers import MstarServer
 
-    server = MstarServer(str(qwen2_ckpt), tmp_path_factory.mktemp("logs") / "qwen2.log", "--num-kv-pages", "256").start()
+    server = MstarServer(str(qwen2_ckpt), tmp_path_factory.mktemp("logs") / "qwen2.log",
+                         "--num-kv-pages", "256").start()
     yield server
     server.stop()
 

@@ -162,7 +162,8 @@ def llama3_tokenizer_variant(ckpt_dir: Path, bos_token: str = "<|im_start|>") ->
          "special_tokens": {bos_token: {"id": bos_token, "ids": [bos_id], "tokens": [bos_token]}}},
     ]}
     tok_path.write_text(json.dumps(tj, ensure_ascii=False))
-    for name, key, value in (("tokenizer_config.json", "bos_token", bos_token), ("config.json", "bos_token_id", bos_id)):
+    for name, key, value in (("tokenizer_config.json", "bos_token", bos_token),
+                             ("config.json", "bos_token_id", bos_id)):
         path = ckpt_dir / name
         data = json.loads(path.read_text())
         data[key] = value

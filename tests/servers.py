@@ -38,13 +38,15 @@ class MstarServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port), *args]
+        self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port),
+                     *args]
         self.env = service_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 240.0) -> MstarServer:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,7 +68,8 @@ class MstarServer:
 
     def metric(self, name: str, labels: str = "") -> float:
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.eE+-]+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", re.M)
+        pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.eE+-]+)$" if labels
+                         else rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", re.M)
         vals = [float(v) for v in pat.findall(text)]
         if not vals:
             raise KeyError(f"{name}{labels} not in /metrics")

@@ -10,9 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from shared.config import add_address_flags, add_deployment_flags, advertised, deployment_from_args, resolve_addresses
 from shared.zmq_utils import cleanup_ipc
+
+if TYPE_CHECKING:
+    from services.api.settings import ApiSettings
+    from shared.model_source import TokenizerBundle
 
 ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
 DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end with a 503
@@ -26,22 +31,34 @@ KEEP_ALIVE_S = 65.0
 def build_parser() -> argparse.ArgumentParser:
     from services.api.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
 
-    p = argparse.ArgumentParser(prog="python -m services.api", description="mstar api service: HTTP / SSE / WebSocket front door")
-    p.add_argument("--host", default=os.environ.get("MSTAR_API_HOST", "127.0.0.1"), help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")), help="HTTP port (env MSTAR_API_PORT; default 8000)")
+    p = argparse.ArgumentParser(prog="python -m services.api",
+                                description="mstar api service: HTTP / SSE / WebSocket front door")
+    p.add_argument("--host", default=os.environ.get("MSTAR_API_HOST", "127.0.0.1"),
+                   help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")),
+                   help="HTTP port (env MSTAR_API_PORT; default 8000)")
     add_deployment_flags(p, names=("model",))  # --model, and --deployment as the launcher hands it
     p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
-                   help="the name /v1/models lists and OpenAI requests must give as `model` (env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
+                   help="the name /v1/models lists and OpenAI requests must give as `model` "
+                        "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                    help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
     add_address_flags(p, ADDRESSES)
-    p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None, help="the api address workers reply to (env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE, help=f"live requests per WebSocket; more get an error frame with status 429 (default {DEFAULT_WS_MAX_LIVE})")
+    p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None,
+                   help="the api address workers reply to "
+                        "(env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE,
+                   help=f"live requests per WebSocket; more get an error frame with status 429 "
+                        f"(default {DEFAULT_WS_MAX_LIVE})")
     p.add_argument("--keep-alive-s", type=float, default=float(os.environ.get("MSTAR_API_KEEP_ALIVE_S", KEEP_ALIVE_S)),
-                   help=f"close idle keep-alive HTTP connections after this many seconds (env MSTAR_API_KEEP_ALIVE_S; default {KEEP_ALIVE_S:g})")
+                   help=f"close idle keep-alive HTTP connections after this many seconds "
+                        f"(env MSTAR_API_KEEP_ALIVE_S; default {KEEP_ALIVE_S:g})")
     # No default shown: the key must not appear in --help output or in `ps` via a default.
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health and /ready (env MSTAR_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /ready "
+                        "(env MSTAR_API_KEY)")
     return p
 
 
@@ -58,42 +75,20 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
 
-    import msgspec
     import uvicorn
 
     from services.api.app import create_app
-    from services.api.chat_template import read_template_file
     from services.api.server import ApiServer
-    from services.api.settings import ApiSettings
-    from services.api.transcription import default_language, is_speech_model
-    from shared.model_source import ModelSource
 
     try:
-        source = ModelSource(deployment_from_args(args).model)
-        tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
-        if args.chat_template:  # --chat-template FILE replaces the checkpoint's template
-            tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))
-        api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
-        takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
-        settings = ApiSettings(
-            model_name=args.served_model_name if args.served_model_name is not None else source.name,
-            api_addr=addrs["api"],
-            advertise_addr=reply_to,
-            data_worker_addr=addrs["data_worker"],
-            conductor_addr=addrs["conductor"],
-            control_addr=addrs["conductor_control"],
-            max_body_bytes=args.max_body_bytes,
-            ws_max_live=args.ws_max_live,
-            api_key=api_key or None,
-            takes_audio=takes_audio,
-            audio_language=default_language(source) if takes_audio else None,
-        )
+        settings, tokenizer = _load_settings(args, addrs, reply_to)
     except Exception as exc:  # a bad --model or flag: say so in one line, no traceback
         log.error("cannot start the api: %s", exc)
         return 2
 
     app = create_app(settings, tokenizer)
-    log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)%s", settings.model_name, args.host, args.port, settings.api_addr, reply_to,
+    log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)%s",
+             settings.model_name, args.host, args.port, settings.api_addr, reply_to,
              "; API key required" if settings.api_key else "")
     config = uvicorn.Config(
         app,
@@ -109,6 +104,43 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cleanup_ipc(addrs["api"])  # also when uvicorn failed before its lifespan shutdown
     return 0
+
+
+def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
+                   reply_to: str) -> tuple[ApiSettings, TokenizerBundle]:
+    """The api's settings and tokenizer from its flags and the checkpoint.
+
+    Apart from `main` so that everything a bad --model or flag can break (reading the
+    checkpoint, the chat template file, the speech-model check) raises from one call,
+    which `main` turns into a one-line refusal instead of a traceback.
+    """
+    import msgspec
+
+    from services.api.chat_template import read_template_file
+    from services.api.settings import ApiSettings
+    from services.api.transcription import default_language, is_speech_model
+    from shared.model_source import ModelSource
+
+    source = ModelSource(deployment_from_args(args).model)
+    tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
+    if args.chat_template:  # --chat-template FILE replaces the checkpoint's template
+        tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
+    takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
+    settings = ApiSettings(
+        model_name=args.served_model_name if args.served_model_name is not None else source.name,
+        api_addr=addrs["api"],
+        advertise_addr=reply_to,
+        data_worker_addr=addrs["data_worker"],
+        conductor_addr=addrs["conductor"],
+        control_addr=addrs["conductor_control"],
+        max_body_bytes=args.max_body_bytes,
+        ws_max_live=args.ws_max_live,
+        api_key=api_key or None,
+        takes_audio=takes_audio,
+        audio_language=default_language(source) if takes_audio else None,
+    )
+    return settings, tokenizer
 
 
 if __name__ == "__main__":

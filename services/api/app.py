@@ -125,7 +125,8 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     return error_response(internal_error(f"serving {request.url.path}", exc))
 
 
-def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle, state: ApiState | None = None) -> Starlette:
+def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
+               state: ApiState | None = None) -> Starlette:
     """The api as an ASGI app; run it with uvicorn (see `services.api.__main__`).
 
     Given a `TokenizerBundle`, its chat template (with its BOS / EOS strings) serves
@@ -161,6 +162,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle, st
         Route("/metrics", _guard(metrics), methods=["GET"]),
     ]
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _unhandled})
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.api = api
     return app

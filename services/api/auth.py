@@ -81,6 +81,7 @@ class ApiKeyMiddleware:
 
 
 async def _send_401(send: Send, prefix: str, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+               (b"content-length", str(len(body)).encode())]
     await send({"type": f"{prefix}.start", "status": 401, "headers": headers})
     await send({"type": f"{prefix}.body", "body": body})

@@ -199,7 +199,8 @@ class Backend:
             raise ApiError(ErrorKind.UNAVAILABLE, "server is shutting down")
         await self.start()
         if req.request_id in self._live:
-            raise ApiError(ErrorKind.CONFLICT, f"request_id {req.request_id!r} is already in use by a live request", "request_id")
+            raise ApiError(ErrorKind.CONFLICT, f"request_id {req.request_id!r} is already in use by a live request",
+                           "request_id")
         handle = RequestHandle(req.request_id, self)
         self._live[req.request_id] = handle  # before sending: the first output may be quick
         self._pending.add(req.request_id)

@@ -53,7 +53,8 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -63,7 +64,8 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_template(source: str) -> jinja2.Template:
     """Compile like transformers; raises jinja2.TemplateSyntaxError on a broken template."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -116,8 +118,10 @@ class ChatTemplate:
         if self._template is None:
             raise internal_error("rendering the chat template (it did not compile)", self._broken)
         try:
-            return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._specials())
+            return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                         **self._specials())
         except jinja2.TemplateError as exc:
-            raise ApiError(ErrorKind.INVALID, f"the model's chat template refused these messages: {exc}", "messages") from None
+            raise ApiError(ErrorKind.INVALID, f"the model's chat template refused these messages: {exc}",
+                           "messages") from None
         except Exception as exc:
             raise internal_error("rendering the chat template", exc) from None

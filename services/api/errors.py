@@ -96,7 +96,8 @@ class ApiError(Exception):
 
     def error_object(self) -> dict[str, Any]:
         """The inner `error` object (also used inside SSE / WebSocket error events)."""
-        obj: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "error_id": self.error_id}
+        obj: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param,
+                               "error_id": self.error_id}
         if self.code is not None:
             obj["code"] = self.code
         return obj

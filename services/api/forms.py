@@ -139,7 +139,8 @@ def parse_form(body: bytes, content_type: str | None) -> Form:
     """Read a multipart/form-data body; raises ApiError (400) for anything malformed."""
     if not is_form(content_type):
         got = media_type(content_type) or "none"
-        raise ApiError(ErrorKind.INVALID, f"the body must be {FORM_TYPE} with a {FILE_FIELD!r} part (Content-Type: {got})", FILE_FIELD)
+        raise ApiError(ErrorKind.INVALID,
+                       f"the body must be {FORM_TYPE} with a {FILE_FIELD!r} part (Content-Type: {got})", FILE_FIELD)
     _, options = parse_options_header(content_type or "")
     boundary = options.get(b"boundary")
     if not boundary:
@@ -149,7 +150,8 @@ def parse_form(body: bytes, content_type: str | None) -> Form:
     for name, data in _parts(body, boundary):
         if name == FILE_FIELD:
             if file is not None:
-                raise ApiError(ErrorKind.INVALID, f"the form has more than one {FILE_FIELD!r} part; send one file", FILE_FIELD)
+                raise ApiError(ErrorKind.INVALID, f"the form has more than one {FILE_FIELD!r} part; send one file",
+                               FILE_FIELD)
             file = data
             continue
         try:

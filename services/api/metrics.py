@@ -69,9 +69,12 @@ class ClusterCollector(Collector):
                 reserved[p.name] = reserved.get(p.name, 0) + p.reserved_pages
                 peak[p.name] = max(peak.get(p.name, 0), p.peak_used_pages)
         g_used = GaugeMetricFamily("mstar_kv_pages_used", "KV pages in use, summed over workers", labels=["pool"])
-        g_total = GaugeMetricFamily("mstar_kv_pages_total", "KV pages in each pool, summed over workers", labels=["pool"])
-        g_res = GaugeMetricFamily("mstar_kv_pages_reserved", "KV pages set aside for admitted footprints, not yet taken", labels=["pool"])
-        g_peak = GaugeMetricFamily("mstar_kv_pages_peak", "most KV pages in use at once on any one worker", labels=["pool"])
+        g_total = GaugeMetricFamily("mstar_kv_pages_total", "KV pages in each pool, summed over workers",
+                                    labels=["pool"])
+        g_res = GaugeMetricFamily("mstar_kv_pages_reserved",
+                                  "KV pages set aside for admitted footprints, not yet taken", labels=["pool"])
+        g_peak = GaugeMetricFamily("mstar_kv_pages_peak", "most KV pages in use at once on any one worker",
+                                   labels=["pool"])
         for name in sorted(total):
             g_used.add_metric([name], used[name])
             g_total.add_metric([name], total[name])
@@ -81,14 +84,17 @@ class ClusterCollector(Collector):
         yield g_total
         yield g_res
         yield g_peak
-        yield GaugeMetricFamily("mstar_ready_workers", "workers that loaded the model and warmed up", value=st.ready_workers)
-        yield GaugeMetricFamily("mstar_requests_running", "requests running on workers", value=sum(w.running for w in st.workers))
-        yield GaugeMetricFamily(
-            "mstar_requests_waiting", "requests queued (conductor + workers)", value=st.waiting + sum(w.waiting for w in st.workers)
-        )
-        yield CounterMetricFamily("mstar_prefix_cache_queries", "requests that looked up the prefix cache, summed over workers",
+        yield GaugeMetricFamily("mstar_ready_workers", "workers that loaded the model and warmed up",
+                                value=st.ready_workers)
+        yield GaugeMetricFamily("mstar_requests_running", "requests running on workers",
+                                value=sum(w.running for w in st.workers))
+        yield GaugeMetricFamily("mstar_requests_waiting", "requests queued (conductor + workers)",
+                                value=st.waiting + sum(w.waiting for w in st.workers))
+        yield CounterMetricFamily("mstar_prefix_cache_queries",
+                                  "requests that looked up the prefix cache, summed over workers",
                                   value=sum(w.prefix_queries for w in st.workers))
-        yield CounterMetricFamily("mstar_prefix_cache_hit_tokens", "prompt rows served from the prefix cache instead of computed",
+        yield CounterMetricFamily("mstar_prefix_cache_hit_tokens",
+                                  "prompt rows served from the prefix cache instead of computed",
                                   value=sum(w.prefix_hit_tokens for w in st.workers))
         cached = GaugeMetricFamily("mstar_prefix_cache_pages", "KV pages indexed in the prefix cache", labels=["pool"])
         for name in sorted(total):
@@ -96,7 +102,8 @@ class ClusterCollector(Collector):
         yield cached
         yield CounterMetricFamily("mstar_spec_draft_tokens", "speculative draft tokens verified, summed over workers",
                                   value=sum(w.spec_draft_tokens for w in st.workers))
-        yield CounterMetricFamily("mstar_spec_accepted_tokens", "speculative draft tokens accepted, summed over workers",
+        yield CounterMetricFamily("mstar_spec_accepted_tokens",
+                                  "speculative draft tokens accepted, summed over workers",
                                   value=sum(w.spec_accepted_tokens for w in st.workers))
         yield CounterMetricFamily(
             "mstar_kv_footprint_overruns",
@@ -110,11 +117,14 @@ class ApiMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("mstar_requests", "finished requests by final status", ["status"], registry=self.registry)
+        self.requests = Counter("mstar_requests", "finished requests by final status", ["status"],
+                                registry=self.registry)
         for s in STATUSES:
             self.requests.labels(s)
-        self.ttft = Histogram("mstar_ttft_seconds", "arrival at the api to first token", buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("mstar_itl_seconds", "time between output tokens", buckets=ITL_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("mstar_ttft_seconds", "arrival at the api to first token", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram("mstar_itl_seconds", "time between output tokens", buckets=ITL_BUCKETS,
+                             registry=self.registry)
         self.cluster = ClusterCollector()
         self.registry.register(self.cluster)
 

@@ -107,7 +107,8 @@ def error_chunk(err: ApiError) -> bytes:
 class CompletionReply:
     """Answers one `/v1/completions` request, as JSON or as SSE chunks."""
 
-    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False, echo: str = "") -> None:
+    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
+                 echo: str = "") -> None:
         self.id = request_id
         self.model = model
         self.created = created
@@ -158,7 +159,8 @@ class ChatReply:
         return ChatCompletion(self.id, self.created, self.model, [choice], usage_of(done))
 
     def _chunk(self, delta: ChatDelta, finish_reason: str | None) -> bytes:
-        chunk = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(0, delta, finish_reason)], usage=self._usage)
+        chunk = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(0, delta, finish_reason)],
+                                    usage=self._usage)
         return _data(chunk)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:

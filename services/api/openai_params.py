@@ -95,8 +95,8 @@ def check_model(obj: Mapping[str, Any], served: str) -> None:
     if not isinstance(model, str):
         raise ApiError(ErrorKind.INVALID, f"model must be a string, got {json_repr(model)}", "model")
     if model != served:
-        raise ApiError(HttpKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist; this server serves `{served}`.", "model",
-                       code="model_not_found")
+        raise ApiError(HttpKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist; this server serves `{served}`.",
+                       "model", code="model_not_found")
 
 
 def parse_stream(obj: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -106,15 +106,18 @@ def parse_stream(obj: Mapping[str, Any]) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise ApiError(ErrorKind.INVALID, f"stream_options must be an object, got {json_repr(options)}", "stream_options")
+        raise ApiError(ErrorKind.INVALID, f"stream_options must be an object, got {json_repr(options)}",
+                       "stream_options")
     if not stream:
         raise ApiError(ErrorKind.INVALID, "stream_options is only allowed when stream is true", "stream_options")
     for key in options:
         if key != "include_usage":
-            raise ApiError(ErrorKind.INVALID, f"unknown field {key!r} in stream_options; allowed fields: include_usage", f"stream_options.{key}")
+            raise ApiError(ErrorKind.INVALID, f"unknown field {key!r} in stream_options; allowed fields: include_usage",
+                           f"stream_options.{key}")
     include = options.get("include_usage")
     if include is not None and type(include) is not bool:
-        raise ApiError(ErrorKind.INVALID, f"stream_options.include_usage must be a boolean, got {json_repr(include)}", "stream_options.include_usage")
+        raise ApiError(ErrorKind.INVALID, f"stream_options.include_usage must be a boolean, got {json_repr(include)}",
+                       "stream_options.include_usage")
     return stream, bool(include)
 
 
@@ -126,7 +129,8 @@ def parse_completion_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[in
         raise ApiError(ErrorKind.INVALID, f"prompt is required: {requirement}", "prompt")
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         if len(value) != 1:
-            raise ApiError(ErrorKind.INVALID, f"prompt holds {len(value)} prompts; only one prompt per request is supported", "prompt")
+            raise ApiError(ErrorKind.INVALID,
+                           f"prompt holds {len(value)} prompts; only one prompt per request is supported", "prompt")
         value = value[0]
     if isinstance(value, str):
         if not value:
@@ -136,7 +140,8 @@ def parse_completion_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[in
         raise ApiError(ErrorKind.INVALID, f"prompt must be {requirement}, got {json_repr(value)}", "prompt")
     for tok in value:
         if not is_int(tok) or not 0 <= tok <= INT32_MAX:
-            raise ApiError(ErrorKind.INVALID, f"prompt token ids must be integers in [0, {INT32_MAX}], got {json_repr(tok)}", "prompt")
+            raise ApiError(ErrorKind.INVALID,
+                           f"prompt token ids must be integers in [0, {INT32_MAX}], got {json_repr(tok)}", "prompt")
     return None, list(value)
 
 
@@ -169,7 +174,8 @@ def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(ErrorKind.INVALID, f"{where} must be a string or a list of text parts, got {json_repr(content)}", where)
+        raise ApiError(ErrorKind.INVALID, f"{where} must be a string or a list of text parts, got {json_repr(content)}",
+                       where)
     texts: list[str] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -177,7 +183,8 @@ def _message_text(content: Any, where: str) -> str:
             raise ApiError(ErrorKind.INVALID, f"{at} must be an object, got {json_repr(part)}", at)
         kind = part.get("type")
         if kind != "text":
-            raise ApiError(ErrorKind.INVALID, f'{at}.type {json_repr(kind)} is not supported; only "text" parts are', f"{at}.type")
+            raise ApiError(ErrorKind.INVALID, f'{at}.type {json_repr(kind)} is not supported; only "text" parts are',
+                           f"{at}.type")
         for key in part:
             if key not in ("type", "text"):
                 raise ApiError(ErrorKind.INVALID, f"unknown field {key!r} in a text part", f"{at}.{key}")
@@ -192,7 +199,8 @@ def parse_messages(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     """`messages` as plain dicts {role, content[, name]} for the chat template."""
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(ErrorKind.INVALID, f"messages must be a non-empty list of message objects, got {json_repr(messages)}", "messages")
+        raise ApiError(ErrorKind.INVALID,
+                       f"messages must be a non-empty list of message objects, got {json_repr(messages)}", "messages")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -200,19 +208,25 @@ def parse_messages(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
             raise ApiError(ErrorKind.INVALID, f"{where} must be an object, got {json_repr(msg)}", where)
         for key in msg:
             if key not in MESSAGE_FIELDS:
-                raise ApiError(ErrorKind.INVALID, f"unknown field {key!r} in {where}; allowed fields: {', '.join(sorted(MESSAGE_FIELDS))}", f"{where}.{key}")
+                raise ApiError(ErrorKind.INVALID,
+                               f"unknown field {key!r} in {where}; allowed fields: {', '.join(sorted(MESSAGE_FIELDS))}",
+                               f"{where}.{key}")
         role = msg.get("role")
         if role == "tool" or msg.get("tool_calls"):
-            raise ApiError(ErrorKind.INVALID, "tool messages and tool_calls are not supported (no tools)", f"{where}.role" if role == "tool" else f"{where}.tool_calls")
+            raise ApiError(ErrorKind.INVALID, "tool messages and tool_calls are not supported (no tools)",
+                           f"{where}.role" if role == "tool" else f"{where}.tool_calls")
         if role not in CHAT_ROLES:
-            raise ApiError(ErrorKind.INVALID, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json_repr(role)}", f"{where}.role")
+            raise ApiError(ErrorKind.INVALID,
+                           f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json_repr(role)}",
+                           f"{where}.role")
         if msg.get("content") is None and role != "assistant":
             raise ApiError(ErrorKind.INVALID, f"{where}.content is required for a {role} message", f"{where}.content")
         entry: dict[str, Any] = {"role": role, "content": _message_text(msg.get("content"), f"{where}.content")}
         name = msg.get("name")
         if name is not None:
             if not isinstance(name, str):
-                raise ApiError(ErrorKind.INVALID, f"{where}.name must be a string, got {json_repr(name)}", f"{where}.name")
+                raise ApiError(ErrorKind.INVALID, f"{where}.name must be a string, got {json_repr(name)}",
+                               f"{where}.name")
             entry["name"] = name
         out.append(entry)
     return out
@@ -224,7 +238,8 @@ def parse_chat_max_tokens(obj: Mapping[str, Any]) -> int | None:
     new = parse_max_tokens(obj, "max_completion_tokens")
     old = parse_max_tokens(obj, "max_tokens")
     if new is not None and old is not None and new != old:
-        raise ApiError(ErrorKind.INVALID, f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; give one", "max_completion_tokens")
+        raise ApiError(ErrorKind.INVALID, f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; give one",
+                       "max_completion_tokens")
     return new if new is not None else old
 
 
@@ -261,9 +276,13 @@ def parse_response_format(obj: Mapping[str, Any]) -> str:
     if value is None:
         return "json"
     if value in ("srt", "vtt", "diarized_json"):
-        raise ApiError(ErrorKind.INVALID, f"response_format {value!r} is not supported (no timestamps); use json, text or verbose_json", "response_format")
+        raise ApiError(ErrorKind.INVALID,
+                       f"response_format {value!r} is not supported (no timestamps); use json, text or verbose_json",
+                       "response_format")
     if not isinstance(value, str) or value not in TRANSCRIPTION_FORMATS:
-        raise ApiError(ErrorKind.INVALID, f"response_format must be one of {', '.join(TRANSCRIPTION_FORMATS)}, got {json_repr(value)}", "response_format")
+        raise ApiError(ErrorKind.INVALID,
+                       f"response_format must be one of {', '.join(TRANSCRIPTION_FORMATS)}, got {json_repr(value)}",
+                       "response_format")
     return value
 
 
@@ -275,12 +294,14 @@ def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str
     refuse_unsupported(obj, honoured=("response_format",))
     check_model(obj, served)
     if obj.get("prompt") is not None:
-        raise ApiError(ErrorKind.INVALID, "prompt is not supported (no conditioning on previous text); leave it out or empty", "prompt")
+        raise ApiError(ErrorKind.INVALID,
+                       "prompt is not supported (no conditioning on previous text); leave it out or empty", "prompt")
     audio = check_audio(audio)
     response_format = parse_response_format(obj)
     stream = bool(get_bool(obj, "stream"))
     if stream and response_format == "verbose_json":
-        raise ApiError(ErrorKind.INVALID, "stream is not supported with response_format verbose_json; use json or text", "stream")
+        raise ApiError(ErrorKind.INVALID, "stream is not supported with response_format verbose_json; use json or text",
+                       "stream")
     if obj.get("temperature") is None:  # greedy unless asked otherwise (OpenAI's default is 0 too)
         obj = {**obj, "temperature": 0.0}
     params = GenerateParams(

@@ -49,17 +49,21 @@ def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
     params = req.params
     echo = ""
     if req.echo:
-        echo = params.prompt if params.prompt is not None else state.tokenizer.decode(params.input_ids or [], skip_special_tokens=False)
-    reply = CompletionReply(params.request_id, state.settings.model_name, int(time.time()), include_usage=req.include_usage, echo=echo)
+        echo = (params.prompt if params.prompt is not None
+                else state.tokenizer.decode(params.input_ids or [], skip_special_tokens=False))
+    reply = CompletionReply(params.request_id, state.settings.model_name, int(time.time()),
+                            include_usage=req.include_usage, echo=echo)
     return Prepared(params, req.stream, reply)
 
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     req, messages = parse_chat(obj, state.settings.model_name)
     if state.chat_template is None:
-        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; use /v1/completions with a formatted prompt", "messages")
+        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
+                       "use /v1/completions with a formatted prompt", "messages")
     req = with_prompt(req, state.chat_template.render(messages))
-    reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()), include_usage=req.include_usage)
+    reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()),
+                      include_usage=req.include_usage)
     return Prepared(req.params, req.stream, reply)
 
 

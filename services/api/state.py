@@ -40,7 +40,8 @@ class ApiState:
             status_timeout_s=settings.status_timeout_s,
         )
 
-    async def start_generation(self, params: GenerateParams, *, client_id: str, started: float, arrival_time: float | None = None) -> Generation:
+    async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,
+                               arrival_time: float | None = None) -> Generation:
         """Submit to the data worker; raises ApiError (409 duplicate id, 503 shutting down)."""
         req = GenerateRequest(
             request_id=params.request_id,

@@ -80,7 +80,8 @@ class GenerateReply:
 
 def watch_disconnect(receive: Receive, gen: Generation) -> asyncio.Task[None]:
     """Start the watcher; call only after the request body has been read."""
-    return asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, gen), name=f"disconnect-{gen.request_id}")
+    return asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, gen),
+                                                  name=f"disconnect-{gen.request_id}")
 
 
 class EventStream:

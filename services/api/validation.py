@@ -187,7 +187,8 @@ def refuse_unsupported(obj: Mapping[str, Any], honoured: Iterable[str] = ()) -> 
             raise ApiError(ErrorKind.INVALID, f"{message}, got {json_repr(obj[name])}", name)
 
 
-def get_int(obj: Mapping[str, Any], name: str, *, minimum: int, maximum: int, requirement: str | None = None) -> int | None:
+def get_int(obj: Mapping[str, Any], name: str, *, minimum: int, maximum: int,
+            requirement: str | None = None) -> int | None:
     """An optional integer in [minimum, maximum]; None when absent or null."""
     value = obj.get(name)
     if value is None:
@@ -274,7 +275,8 @@ def parse_stop(obj: Mapping[str, Any], name: str = "stop") -> list[str]:
         if not item:
             raise _bad(where, "a non-empty string", item)
         if len(item) > MAX_STOP_CHARS:
-            raise ApiError(ErrorKind.INVALID, f"{where} must be at most {MAX_STOP_CHARS} characters, got {len(item)}", where)
+            raise ApiError(ErrorKind.INVALID, f"{where} must be at most {MAX_STOP_CHARS} characters, got {len(item)}",
+                           where)
     return list(dict.fromkeys(items))
 
 
@@ -297,7 +299,8 @@ def parse_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
     prompt = obj.get("prompt")
     input_ids = obj.get("input_ids")
     if prompt is None and input_ids is None:
-        raise ApiError(ErrorKind.INVALID, "one of prompt (a string) or input_ids (a list of integers) is required", "prompt")
+        raise ApiError(ErrorKind.INVALID, "one of prompt (a string) or input_ids (a list of integers) is required",
+                       "prompt")
     if prompt is not None and input_ids is not None:
         raise ApiError(ErrorKind.INVALID, "prompt and input_ids are mutually exclusive; give exactly one", "input_ids")
     if prompt is not None:
@@ -333,7 +336,8 @@ def parse_task(obj: Mapping[str, Any], name: str = "task") -> str | None:
     return value
 
 
-def _generate_params(obj: Mapping[str, Any], prompt: str | None, input_ids: list[int] | None, **audio: Any) -> GenerateParams:
+def _generate_params(obj: Mapping[str, Any], prompt: str | None, input_ids: list[int] | None,
+                     **audio: Any) -> GenerateParams:
     """The fields `/generate` shares between a text prompt and an audio file."""
     max_tokens = parse_max_tokens(obj)
     sampling = parse_sampling(obj)
@@ -364,7 +368,8 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
 def check_audio(audio: bytes | None, name: str = "file") -> bytes:
     """The uploaded file must be there and non-empty (decoding it is the data worker's job)."""
     if audio is None:
-        raise ApiError(ErrorKind.INVALID, f"{name} is required: upload a WAV or FLAC file as the multipart/form-data field {name!r}", name)
+        raise ApiError(ErrorKind.INVALID,
+                       f"{name} is required: upload a WAV or FLAC file as the multipart/form-data field {name!r}", name)
     if not audio:
         raise ApiError(ErrorKind.INVALID, f"{name} is empty; upload a WAV or FLAC file", name)
     return audio
@@ -378,7 +383,8 @@ def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> Generat
     refuse_unsupported(obj)
     for name in ("prompt", "input_ids"):
         if obj.get(name) is not None:
-            raise ApiError(ErrorKind.INVALID, f"{name} must be absent when an audio file is sent: the audio is the prompt", name)
+            raise ApiError(ErrorKind.INVALID,
+                           f"{name} must be absent when an audio file is sent: the audio is the prompt", name)
     audio = check_audio(audio)
     language = parse_language(obj)
     task = parse_task(obj)

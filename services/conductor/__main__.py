@@ -28,7 +28,9 @@ def validate_deployment(model: str, page_size: int, max_seq_len: int) -> ModelSp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.conductor", description="mstar conductor: deployment validation, loop caps, admission by KV footprint, routing")
+    parser = argparse.ArgumentParser(prog="python -m services.conductor",
+                                     description="mstar conductor: deployment validation, loop caps, "
+                                                 "admission by KV footprint, routing")
     add_deployment_flags(parser)
     add_address_flags(parser, ADDRESSES)
     return parser

@@ -111,7 +111,9 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     loops = spec.graph_loops()
     decode_iters = loops.get(getattr(spec, "decode_loop", "decode_loop"))
     if req.prompt_len >= max_seq_len:
-        raise Refusal(ErrorKind.TOO_LONG, f"prompt is {req.prompt_len} tokens; with at least 1 new token it exceeds max_seq_len {max_seq_len}", "prompt")
+        raise Refusal(ErrorKind.TOO_LONG,
+                      f"prompt is {req.prompt_len} tokens; "
+                      f"with at least 1 new token it exceeds max_seq_len {max_seq_len}", "prompt")
     max_tokens = req.max_tokens
     if max_tokens is None:
         # The most the loop and the sequence limit allow for this prompt.
@@ -122,14 +124,20 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         pool_rows = min(p.num_pages * p.page_size for p in pools.values())
         max_tokens = max(1, min(max_tokens, pool_rows - req.prompt_len + 1))
     if decode_iters is not None and max_tokens - 1 > decode_iters:
-        raise Refusal(ErrorKind.TOO_LONG, f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}", "max_tokens")
+        raise Refusal(ErrorKind.TOO_LONG,
+                      f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}",
+                      "max_tokens")
     if req.prompt_len + max_tokens > max_seq_len:
-        raise Refusal(ErrorKind.TOO_LONG, f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} exceeds max_seq_len {max_seq_len}", "max_tokens")
+        raise Refusal(ErrorKind.TOO_LONG,
+                      f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} "
+                      f"exceeds max_seq_len {max_seq_len}", "max_tokens")
     caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=req.prompt_len))
     configs = spec.kv_configs(req.kv_layout, caps, pools)
     for name, cfg in configs.items():
         if cfg.total_pages > pools[name].num_pages:
-            raise Refusal(ErrorKind.TOO_LONG, f"the request needs {cfg.total_pages} KV pages of pool {name!r}, which holds {pools[name].num_pages} in all", "max_tokens")
+            raise Refusal(ErrorKind.TOO_LONG,
+                          f"the request needs {cfg.total_pages} KV pages of pool {name!r}, "
+                          f"which holds {pools[name].num_pages} in all", "max_tokens")
     return msgspec.structs.replace(req, max_tokens=max_tokens, loop_caps=caps, kv_configs=configs)
 
 
@@ -220,7 +228,10 @@ class Conductor:
             planned = plan_request(self.spec, req, pools)
             for name, n in self._need(planned).items():
                 if n > pools[name].num_pages:
-                    raise Refusal(ErrorKind.TOO_LONG, f"the request needs {n} KV pages of pool {name!r} under {self.d.admission} admission, which holds {pools[name].num_pages} in all", "max_tokens")
+                    raise Refusal(ErrorKind.TOO_LONG,
+                                  f"the request needs {n} KV pages of pool {name!r} "
+                                  f"under {self.d.admission} admission, "
+                                  f"which holds {pools[name].num_pages} in all", "max_tokens")
         except Refusal as r:
             await self._refuse(req, r)
             return
@@ -302,7 +313,8 @@ class Conductor:
             pools = self._reference_pools() or {}
             for name, cfg in req.kv_configs.items():
                 if name in pools:
-                    need[name] = max(need[name], pages_for(pools[name].max_seq_len, pools[name].page_size) * len(cfg.footprints))
+                    need[name] = max(need[name],
+                                     pages_for(pools[name].max_seq_len, pools[name].page_size) * len(cfg.footprints))
         return need
 
     def _release(self, worker_id: str, request_id: str) -> None:
@@ -329,7 +341,8 @@ class Conductor:
             # Declared failed, now speaking again: its old requests were failed already.
             for rid in lost:
                 await self.pushers.send(msg.address, self.codec.encode(Abort(rid, "worker_failed")))
-        w = self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools}, msg.incarnation)
+        w = self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools},
+                                                      msg.incarnation)
         w.monitor = asyncio.ensure_future(self._watch_connection(w))
         log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
         await self._drain_queue()
@@ -365,7 +378,8 @@ class Conductor:
             return
         del self.workers[w.worker_id]
         error_id = new_error_id()
-        log.error("worker %s failed (%s); failing its %d request(s) (error_id=%s)", w.worker_id, reason, len(w.requests), error_id)
+        log.error("worker %s failed (%s); failing its %d request(s) (error_id=%s)",
+                  w.worker_id, reason, len(w.requests), error_id)
         if w.monitor is not None and w.monitor is not asyncio.current_task():
             w.monitor.cancel()
         self.pushers.drop(w.address)
@@ -374,7 +388,8 @@ class Conductor:
             self.dead.popitem(last=False)
         for rid, (_, reply_to) in w.requests.items():
             self.placement.pop(rid, None)
-            err = RequestError(rid, ErrorKind.WORKER_FAILED, f"the worker serving this request failed ({reason}); it was not completed",
+            err = RequestError(rid, ErrorKind.WORKER_FAILED,
+                               f"the worker serving this request failed ({reason}); it was not completed",
                                error_id=error_id)
             await self.pushers.send(reply_to, self.codec.encode(err))
         await self._drain_queue()

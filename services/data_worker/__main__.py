@@ -20,7 +20,8 @@ ADDRESSES = ["data_worker", "conductor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.data_worker", description="mstar data worker: tokenizer and process_prompt")
+    parser = argparse.ArgumentParser(prog="python -m services.data_worker",
+                                     description="mstar data worker: tokenizer and process_prompt")
     add_deployment_flags(parser)
     add_address_flags(parser, ADDRESSES)
     return parser

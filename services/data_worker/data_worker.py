@@ -108,7 +108,8 @@ class DataWorker:
         except Exception:
             error_id = new_error_id()
             log.exception("process_prompt failed for %s (error_id=%s)", req.request_id, error_id)
-            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id))
+            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error",
+                                                error_id=error_id))
             return
         try:
             refs, bufs = pack_tensors(ppo.new_input_tensors)
@@ -119,7 +120,8 @@ class DataWorker:
         except Exception:
             error_id = new_error_id()
             log.exception("building NewRequest failed for %s (error_id=%s)", req.request_id, error_id)
-            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error", error_id=error_id))
+            await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error",
+                                                error_id=error_id))
             return
         await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))
         self.recent[req.request_id] = msg.without_layouts()

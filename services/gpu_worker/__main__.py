@@ -19,12 +19,16 @@ from shared.specs.base import DeploymentError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.gpu_worker", description="mstar gpu worker: the model, paged KV pools and the step loop")
+    parser = argparse.ArgumentParser(prog="python -m services.gpu_worker",
+                                     description="mstar gpu worker: the model, paged KV pools and the step loop")
     add_deployment_flags(parser)
     add_address_flags(parser, ["conductor"])
     parser.add_argument("--worker-id", default=os.environ.get("MSTAR_WORKER_ID", "worker-0"))
-    parser.add_argument("--bind-addr", default=None, help="where this worker pulls work (env MSTAR_WORKER_ADDR; default ipc in the run folder, one per worker id)")
-    parser.add_argument("--advertise-addr", default=os.environ.get("MSTAR_WORKER_ADVERTISE_ADDR"), help="address the conductor connects to, when the bind address is not reachable as-is")
+    parser.add_argument("--bind-addr", default=None,
+                        help="where this worker pulls work "
+                             "(env MSTAR_WORKER_ADDR; default ipc in the run folder, one per worker id)")
+    parser.add_argument("--advertise-addr", default=os.environ.get("MSTAR_WORKER_ADVERTISE_ADDR"),
+                        help="address the conductor connects to, when the bind address is not reachable as-is")
     return parser
 
 
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from services.gpu_worker.worker import GpuWorker
 
-        worker = GpuWorker(deployment_from_args(args), bind, advertised(bind, args.advertise_addr), addrs["conductor"], args.worker_id)
+        worker = GpuWorker(deployment_from_args(args), bind, advertised(bind, args.advertise_addr), addrs["conductor"],
+                           args.worker_id)
     except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
         log.error("cannot start: %s", exc)
         print(f"gpu_worker: cannot start: {exc}", file=sys.stderr)

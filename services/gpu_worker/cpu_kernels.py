@@ -88,7 +88,8 @@ def build(name: str = "mstar_kernels") -> Path | None:
         subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: a concurrent worker sees the whole file or none
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        detail = (exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError)
+                  else str(exc))
         log.warning("building the CPU kernels failed (torch's ops are used): %s", detail)
         Path(tmp).unlink(missing_ok=True)
         return None

@@ -82,7 +82,8 @@ class EncoderDecoderRunner(ModelRunner):
         """Encode the newly admitted requests and commit their cross rows; returns those
         that failed (the engine fails them, with their pages)."""
         # the cross label is never keyed: a prefix-cache hit here is a bug
-        failed = [Failure(r, "internal error", ValueError(f"{r.num_computed} prefix-cache rows on an encoder-decoder request"))
+        failed = [Failure(r, "internal error",
+                          ValueError(f"{r.num_computed} prefix-cache rows on an encoder-decoder request"))
                   for r in admitted if r.num_computed]
         todo = [r for r in admitted if not r.num_computed]
         if not todo:
@@ -103,7 +104,8 @@ class EncoderDecoderRunner(ModelRunner):
         return failed
 
     def _encode(self, reqs: list[Request]) -> None:
-        rows = [AttnRows(self.kv.reserve_rows(r.request_id, self.cross_label.name, self.n_frames), 0, 0, self.n_frames, False)
+        rows = [AttnRows(self.kv.reserve_rows(r.request_id, self.cross_label.name, self.n_frames),
+                         0, 0, self.n_frames, False)
                 for r in reqs]
         meta = build_metadata(rows, self.page_sizes[self.cross_label.name])
         feats = torch.cat([r.inputs["features"] for r in reqs]).to(self.dtype)

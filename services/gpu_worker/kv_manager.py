@@ -110,7 +110,8 @@ class Pool:
         return self.config.num_pages - self.available
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.config.name, self.config.num_pages, self.available, self.reserved, self.peak_used, len(self.index))
+        return PoolStats(self.config.name, self.config.num_pages, self.available, self.reserved, self.peak_used,
+                         len(self.index))
 
     def take(self) -> int:
         """A free page, else the least recently used evictable cached one."""
@@ -168,12 +169,15 @@ class KVManager:
                                       key_pages=prompt_pages(layout, page_size) if lab.keys else [])
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
         if self.reserve_max_seq_len:
-            kv.extra = {name: max(0, max_seq_len_pages(pool.config) * sum(1 for s in states.values() if s.label.pool == name) - kv.footprint(name))
+            kv.extra = {name: max(0, max_seq_len_pages(pool.config)
+                                  * sum(1 for s in states.values() if s.label.pool == name)
+                                  - kv.footprint(name))
                         for name, pool in self.pools.items()}
         for cfg in kv.configs.values():
             for name, fp in cfg.footprints.items():
                 if name in states and states[name].footprint != fp:
-                    raise ValueError(f"label {name!r}: conductor footprint {fp} != worker footprint {states[name].footprint}")
+                    raise ValueError(f"label {name!r}: conductor footprint {fp} "
+                                     f"!= worker footprint {states[name].footprint}")
         return kv
 
     def can_admit(self, kv: RequestKV) -> bool:
@@ -181,7 +185,8 @@ class KVManager:
         pages neither held nor reserved (cached pages it shares are not free for it)."""
         self._plan_hits(kv)
         for name, p in self.pools.items():
-            shared = [page for label, hits in kv.hits.items() if kv.labels[label].label.pool == name for _, page in hits]
+            shared = [page for label, hits in kv.hits.items() if kv.labels[label].label.pool == name
+                      for _, page in hits]
             revived = sum(1 for page in shared if p.refs.get(page, 0) == 0)
             if p.available - revived - p.reserved < kv.reservation(name) - len(shared):
                 return False
@@ -199,7 +204,8 @@ class KVManager:
             return
         matches = {}
         for name, st in kv.labels.items():
-            matches[name] = self.pools[st.label.pool].index.match(st.key_pages[: shareable_count(st.layout, st.page_size)])
+            matches[name] = self.pools[st.label.pool].index.match(
+                st.key_pages[: shareable_count(st.layout, st.page_size)])
         rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
         rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
         if rows:
@@ -301,7 +307,8 @@ class KVManager:
                 raise LayoutViolation(f"label {st.label.name!r} commits {n} span rows past its declared spans")
             left = spans[st.span_cursor].length - st.span_done
             if n > left:
-                raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span {st.span_cursor} ({left} left)")
+                raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span "
+                                      f"{st.span_cursor} ({left} left)")
             st.span_done += n
             st.span_rows_done += n
             st.split_spans |= n < spans[st.span_cursor].length
@@ -310,7 +317,8 @@ class KVManager:
             raise LayoutViolation(f"label {st.label.name!r} grows on {loop!r} before its spans are committed")
         want = st.layout.growth.get(loop, 0)
         if n != want:
-            raise LayoutViolation(f"label {st.label.name!r} commits {n} rows on {loop!r}; its layout grows {want} per iteration")
+            raise LayoutViolation(f"label {st.label.name!r} commits {n} rows on {loop!r}; "
+                                  f"its layout grows {want} per iteration")
         count = st.loop_commits.get(loop, 0) + 1
         if count > kv.caps.get(loop, 0):
             raise LayoutViolation(f"label {st.label.name!r} runs {loop!r} past its cap {kv.caps.get(loop, 0)}")
@@ -320,7 +328,8 @@ class KVManager:
         """Key every page that is now full of declared ids (`prompt_pages`), chained from
         the first row."""
         index = self.pools[st.label.pool].index
-        while st.keyed_pages < len(st.key_pages) and (st.keyed_pages + 1) * st.page_size <= st.rows and st.first_page == 0:
+        while (st.keyed_pages < len(st.key_pages) and (st.keyed_pages + 1) * st.page_size <= st.rows
+               and st.first_page == 0):
             i = st.keyed_pages
             st.key_parent = index.insert(st.key_parent, st.key_pages[i], st.pages[i])
             st.keyed_pages += 1
@@ -365,7 +374,8 @@ class KVManager:
             chunked_window = st.split_spans and st.label.window is not None
             if self.debug and ran_to_caps and st.peak_pages < st.footprint and not chunked_window:
                 log.error(
-                    "request %s label %r ran to its caps but held at most %d of its %d footprint pages (footprint not tight)",
+                    "request %s label %r ran to its caps but held at most %d of its %d footprint pages "
+                    "(footprint not tight)",
                     request_id, st.label.name, st.peak_pages, st.footprint,
                 )
             released += len(st.pages)
@@ -419,4 +429,5 @@ class KVManager:
             if held != pool.refs:
                 raise AssertionError(f"pool {name!r}: page holders {held} != reference counts {pool.refs}")
             if len(free) + len(cached) + len(held) != pool.config.num_pages:
-                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held != {pool.config.num_pages}")
+                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held "
+                                     f"!= {pool.config.num_pages}")

@@ -3,10 +3,10 @@
 On the CPU the pools are anonymous private mappings: the kernel hands out zeroed pages on
 first write, so a pool sized for the whole machine costs resident memory only for the pages
 requests have written (`torch.zeros` would touch, and keep resident, every byte at start-up:
-2 GiB of a 2.7 GiB idle server on the bench checkpoint). The KV manager reuses freed pages
-last-in first-out, so the resident set stays at the peak the traffic needed, not the pool.
-Zero (not uninitialised) memory matters: attention masks unused rows, but a masked score
-times a NaN left in an unwritten row would still be NaN.
+most of an idle server's memory). The KV manager reuses freed pages last-in first-out, so
+the resident set stays at the peak the traffic needed, not the pool. Zero (not
+uninitialised) memory matters: attention masks unused rows, but a masked score times a
+NaN left in an unwritten row would still be NaN.
 
 The address space is still reserved up front, and `MSTAR_KV_PREFAULT=1` writes every page
 at start-up instead, for a deployment that wants an out-of-memory to happen at boot rather

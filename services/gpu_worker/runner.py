@@ -93,7 +93,8 @@ class ModelRunner:
         return []
 
     def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
-        return self.model(ids, positions, self.layer_caches, [metas[name] for name in self.spec.layer_labels], sample_rows)
+        return self.model(ids, positions, self.layer_caches, [metas[name] for name in self.spec.layer_labels],
+                          sample_rows)
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
@@ -123,8 +124,8 @@ class ModelRunner:
             positions.extend(range(r.num_computed, r.num_computed + n))
             t += n
         metas = self._metadata(rows)
-        # ids, positions and the sampled rows as one tensor (three views): from a Python
-        # list each costs microseconds, a visible part of a one-row step
+        # ids, positions and the sampled rows as one tensor (three views): each tensor made
+        # from a Python list has a fixed cost, a visible part of a one-row step
         flat = torch.from_numpy(np.array(ids + positions + sample_rows, dtype=np.int64)).to(self.device)
         n = len(ids)
         with torch.inference_mode():

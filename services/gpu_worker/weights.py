@@ -19,7 +19,8 @@ from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
 
 
-def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> ModelBase:
+def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> ModelBase:
     """The model with its weights, in `dtype` on `device`, ready to serve: its `prepare`
     (fused and prepacked GEMMs, where a family has them) runs once its weights are in place."""
     cls = torch_model_for(spec)

@@ -108,7 +108,8 @@ class GpuWorker:
                 error_id = new_error_id()
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
                 res = StepResult()
-                res.errors.append((msg.reply_to, error_frame(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id)))
+                res.errors.append((msg.reply_to,
+                                   error_frame(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id)))
                 res.finished.append(Finished(msg.request_id, 0, "error"))
                 self._send_results(res)
         elif isinstance(msg, Abort):
@@ -120,11 +121,13 @@ class GpuWorker:
         pools = self.kv.stats()
         kv = self.kv
         drafted, accepted = self.engine.spec_draft_tokens, self.engine.spec_accepted_tokens
-        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns, kv.prefix_queries, drafted)
+        key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns,
+               kv.prefix_queries, drafted)
         if force or key != self._last_stats:
             self._last_stats = key
             self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting),
-                                           kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens, drafted, accepted))
+                                           kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens,
+                                           drafted, accepted))
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))

@@ -94,9 +94,11 @@ class ModelSpec(ABC):
             raise DeploymentError(f"model declares a KV label twice: {names}")
         for lab in self.kv_labels:
             if lab.pool not in pools:
-                raise DeploymentError(f"KV label {lab.name!r} lives in pool {lab.pool!r}, which the model does not declare (pools: {sorted(pools)})")
+                raise DeploymentError(f"KV label {lab.name!r} lives in pool {lab.pool!r}, "
+                                      f"which the model does not declare (pools: {sorted(pools)})")
             if lab.grows_on is not None and lab.grows_on not in loops:
-                raise DeploymentError(f"KV label {lab.name!r} grows on loop {lab.grows_on!r}, which the graph does not have (loops: {sorted(loops)})")
+                raise DeploymentError(f"KV label {lab.name!r} grows on loop {lab.grows_on!r}, "
+                                      f"which the graph does not have (loops: {sorted(loops)})")
         _refuse_undeclared_pools(pools, self.kv_labels)
 
     def refuse_undeclared_labels(self, kv_layout: dict[str, LabelLayout]) -> None:
@@ -136,4 +138,5 @@ def _refuse_undeclared_pools(pools: dict[str, PagedKVConfig], labels: tuple[KVLa
     used = {lab.pool for lab in labels}
     unused = sorted(set(pools) - used)
     if unused:
-        raise DeploymentError(f"paged KV pool(s) {unused} are used by no KV label; declare a KVLabel for each pool or drop the pool")
+        raise DeploymentError(f"paged KV pool(s) {unused} are used by no KV label; "
+                              "declare a KVLabel for each pool or drop the pool")

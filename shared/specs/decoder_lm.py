@@ -49,7 +49,8 @@ class DecoderLMSpec(ModelSpec):
         if FULL in types:
             labels.append(KVLabel("text", self.pool, keys=True, grows_on=self.decode_loop))
         if SLIDING in types:
-            labels.append(KVLabel("window", self.window_pool, keys=False, window=self.window, grows_on=self.decode_loop))
+            labels.append(KVLabel("window", self.window_pool, keys=False, window=self.window,
+                                  grows_on=self.decode_loop))
         self._labels = tuple(labels)
         #: the label (and so the pool) each layer's attention reads and writes
         self.layer_labels = ["text" if t == FULL else "window" for t in types]

@@ -81,7 +81,8 @@ class WhisperSpec(ModelSpec):
             self.load_folder(path)
 
     @classmethod
-    def from_folder(cls, path: str | Path, *, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> WhisperSpec:
+    def from_folder(cls, path: str | Path, *, page_size: int, max_seq_len: int = 0,
+                    dtype: str = "float32") -> WhisperSpec:
         config = json.loads((Path(path) / "config.json").read_text())
         return cls(config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype, path=path)
 
@@ -98,7 +99,8 @@ class WhisperSpec(ModelSpec):
         if self.features.feature_size != self.n_mels:
             raise ValueError(f"preprocessor feature_size {self.features.feature_size} != num_mel_bins {self.n_mels}")
         if self.features.nb_max_frames != self.input_frames:
-            raise ValueError(f"the feature extractor makes {self.features.nb_max_frames} frames; the encoder takes {self.input_frames}")
+            raise ValueError(f"the feature extractor makes {self.features.nb_max_frames} frames; "
+                             f"the encoder takes {self.input_frames}")
         vocab: dict[str, int] = {}
         if (path / "tokenizer.json").exists():
             tok = json.loads((path / "tokenizer.json").read_text())
@@ -127,7 +129,8 @@ class WhisperSpec(ModelSpec):
                 self.task_to_id[task] = added[f"<|{task}|>"]
         nts = merged.get("no_timestamps_token_id", added.get("<|notimestamps|>"))
         self.no_timestamps_token_id = None if nts is None else int(nts)
-        self.forced_decoder_ids = [(int(i), None if t is None else int(t)) for i, t in merged.get("forced_decoder_ids") or ()]
+        self.forced_decoder_ids = [(int(i), None if t is None else int(t))
+                                   for i, t in merged.get("forced_decoder_ids") or ()]
 
     # -- the decoder prompt ----------------------------------------------------------------
 

@@ -33,7 +33,8 @@ async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float
 async def test_footprint_admission_on_a_48_page_pool(llama_ckpt, tmp_path):
     """24 concurrent requests of 10 pages each on a 48-page pool: all finish with exactly
     their tokens, some waited, pages never above the pool, no overrun."""
-    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "48", "--page-size", "16", env=DEBUG).start()
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "48", "--page-size", "16",
+                         env=DEBUG).start()
     try:
         seen: dict[str, float] = {}
         stop = asyncio.Event()
@@ -41,7 +42,8 @@ async def test_footprint_admission_on_a_48_page_pool(llama_ckpt, tmp_path):
         # 100 prompt rows + 60 new tokens (59 written) = 159 rows = 10 pages of 16.
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             rs = await asyncio.gather(*(client.post("/generate", json={
-                "input_ids": [(7 * i + j) % 300 + 3 for j in range(100)], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "input_ids": [(7 * i + j) % 300 + 3 for j in range(100)], "max_tokens": 60, "temperature": 0,
+                "ignore_eos": True,
             }) for i in range(24)))
         stop.set()
         await watcher
@@ -64,7 +66,8 @@ def test_footprint_larger_than_the_pool_is_a_400(llama_ckpt, tmp_path):
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "the request needs 13 KV pages of pool 'kv', which holds 8 in all"
         # Without max_tokens it gets what the pool can hold: 8 pages = 128 rows.
-        r = httpx.post(server.url + "/generate", json={"input_ids": [5] * 100, "ignore_eos": True, "temperature": 0}, timeout=60)
+        r = httpx.post(server.url + "/generate", json={"input_ids": [5] * 100, "ignore_eos": True, "temperature": 0},
+                       timeout=60)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 29
     finally:
         server.stop()
@@ -96,7 +99,8 @@ def _wait_workers(server: MstarServer, n: int, timeout: float = 60.0) -> int:
 def slower_ckpt(tmp_path_factory):
     """Big enough that 500 tokens take seconds, so a worker can be killed mid-request."""
     return make_checkpoint(tmp_path_factory.mktemp("slow") / "llama", "llama", hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+                           num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=1024)
 
 
 @pytest.fixture
@@ -110,7 +114,9 @@ def two_workers(slower_ckpt, tmp_path):
 
 async def test_requests_spread_over_two_workers(two_workers):
     async with httpx.AsyncClient(base_url=two_workers.url, timeout=120) as client:
-        rs = await asyncio.gather(*(client.post("/generate", json={"prompt": "Hello world", "max_tokens": 30, "temperature": 0, "ignore_eos": True}) for _ in range(8)))
+        rs = await asyncio.gather(*(client.post("/generate", json={"prompt": "Hello world", "max_tokens": 30,
+                                                                   "temperature": 0, "ignore_eos": True})
+                                    for _ in range(8)))
     assert all(r.status_code == 200 for r in rs)
     served = {}
     for line in two_workers.log().splitlines():
@@ -126,7 +132,8 @@ async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
 
     async def stream(client, i):
         events = []
-        async with client.stream("POST", "/generate", json={"prompt": f"Hello {i}", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        async with client.stream("POST", "/generate", json={"prompt": f"Hello {i}", "max_tokens": 500, "temperature": 0,
+                                                            "ignore_eos": True, "stream": True}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     events.append(json.loads(line[5:]))
@@ -144,7 +151,8 @@ async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
         results = await asyncio.gather(*tasks)
         failed_at = time.monotonic() - t0
         # The survivor keeps serving while its peer restarts.
-        r = await client.post("/generate", json={"prompt": "after", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        r = await client.post("/generate", json={"prompt": "after", "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
         assert r.status_code == 200, r.text
     last = [ev[-1] for ev in results]
     failed = [e for e in last if e["type"] == "error"]
@@ -158,5 +166,6 @@ async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
     # The launcher restarts the worker and /ready returns to 200 with both workers.
     assert _wait_workers(two_workers, 2) == 2
     assert detected < 2.0
-    print(f"worker SIGKILL: its requests failed after {detected:.3f}s, both workers ready again after {time.monotonic() - t0:.2f}s")
+    print(f"worker SIGKILL: its requests failed after {detected:.3f}s, "
+          f"both workers ready again after {time.monotonic() - t0:.2f}s")
     assert "gpu_worker-0 exited with code -9; restarting" in two_workers.log()

@@ -14,7 +14,8 @@ import websockets
 
 from services.api.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
 
-TOO_LARGE = {"message": f"request body exceeds {DEFAULT_MAX_BODY_BYTES} bytes", "type": "request_too_large", "param": None, "error_id": None}
+TOO_LARGE = {"message": f"request body exceeds {DEFAULT_MAX_BODY_BYTES} bytes", "type": "request_too_large",
+             "param": None, "error_id": None}
 BIG = "x" * (DEFAULT_MAX_BODY_BYTES + 10)
 
 
@@ -38,7 +39,8 @@ def test_body_too_large_without_content_length_is_413(llama_server):
             yield b"x" * 65536
         yield b'"}'
 
-    r = httpx.post(llama_server.url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(llama_server.url + "/generate", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
     assert r.status_code == 413 and r.json() == {"error": TOO_LARGE}
 
 
@@ -64,8 +66,10 @@ async def test_websocket_frame_too_large_is_413(llama_server):
         await ws.send(json.dumps({"type": "generate", "id": "big", "prompt": BIG}))
         frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert frame == {"type": "error", "id": None, "status": 413,
-                         "error": {"message": f"frame exceeds {DEFAULT_MAX_BODY_BYTES} bytes", "type": "request_too_large", "param": None, "error_id": None}}
-        await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}))
+                         "error": {"message": f"frame exceeds {DEFAULT_MAX_BODY_BYTES} bytes",
+                                   "type": "request_too_large", "param": None, "error_id": None}}
+        await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                  "ignore_eos": True}))
         while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] != "done":
             pass
         assert frame["id"] == "ok" and len(frame["token_ids"]) == 2
@@ -91,12 +95,14 @@ async def test_websocket_live_limit_is_429(llama_server):
                                      "type": "rate_limit_error", "param": None, "error_id": None}}
 
         await ws.send(json.dumps({"type": "cancel", "id": "r63"}))
-        while not ((frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "done" and frame["id"] == "r63"):
+        while not ((frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "done"
+                   and frame["id"] == "r63"):
             assert frame["type"] == "delta", frame
         assert frame["finish_reason"] == "abort"
         await ws.send(json.dumps({"type": "generate", "id": "extra", **body}))  # a slot is free again
         await ws.send(json.dumps({"type": "cancel", "id": "extra"}))
-        while not ((frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "done" and frame["id"] == "extra"):
+        while not ((frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "done"
+                   and frame["id"] == "extra"):
             assert frame["type"] == "delta", frame
         assert frame["finish_reason"] == "abort"
     # leaving the socket aborts the 63 still live, queued ones included

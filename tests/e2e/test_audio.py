@@ -36,7 +36,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    s = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "whisper.log", "--num-kv-pages", "64", "--page-size", "16")
+    s = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "whisper.log", "--num-kv-pages", "64",
+                    "--page-size", "16")
     s.start()
     yield s
     s.stop()
@@ -89,7 +90,8 @@ def ref(ckpt) -> Reference:
 
 def transcribe(server, audio: bytes, filename: str = "clip.wav", **fields) -> httpx.Response:
     data = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in fields.items()}
-    return httpx.post(server.url + "/v1/audio/transcriptions", files={"file": (filename, audio)}, data=data, timeout=120)
+    return httpx.post(server.url + "/v1/audio/transcriptions", files={"file": (filename, audio)}, data=data,
+                      timeout=120)
 
 
 def sse_events(r: httpx.Response) -> list[dict]:
@@ -175,8 +177,8 @@ def test_generate_with_a_file(server, clips, ref):
     assert body["id"] == "audio-gen-1" and body["token_ids"] == want and body["text"] == ref.text(want)
     assert body["finish_reason"] == ("stop" if want[-1] in ref.spec.eos_token_ids else "length")
     assert body["usage"] == {"prompt_tokens": len(ref.spec.forced_ids()), "completion_tokens": len(want)}
-    with httpx.stream("POST", server.url + "/generate", files=files, data={**data, "stream": "true", "request_id": "audio-gen-2"},
-                      timeout=120) as r:
+    with httpx.stream("POST", server.url + "/generate", files=files,
+                      data={**data, "stream": "true", "request_id": "audio-gen-2"}, timeout=120) as r:
         r.read()
     events = sse_events(r)
     assert events[-1]["type"] == "done" and events[-1]["token_ids"] == want

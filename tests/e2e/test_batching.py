@@ -11,7 +11,8 @@ PROMPTS = [("Hello world! " * n).strip() for n in (1, 3, 5, 8, 11, 2, 17, 25)]
 
 
 async def _generate(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> list[int]:
-    r = await client.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    r = await client.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                             "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["token_ids"]
 

@@ -24,7 +24,8 @@ def null_server(tmp_path_factory):
 
 
 def test_null_model_request(null_server):
-    r = httpx.post(null_server.url + "/generate", json={"input_ids": [72, 105], "max_tokens": 8, "temperature": 0}, timeout=30)
+    r = httpx.post(null_server.url + "/generate", json={"input_ids": [72, 105], "max_tokens": 8, "temperature": 0},
+                   timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     expect, last = [], 105
@@ -65,7 +66,8 @@ def test_bench_smoke(null_server, tmp_path):
 def test_bench_spec_smoke(tmp_path):
     """`bench spec` on the null model: both servers, three sets, the same tokens on and off."""
     out = tmp_path / "spec"
-    argv = [sys.executable, "-m", "bench", "spec", "--model", "null", "-n", "2", "-c", "1", "--output-len", "12", "--out", str(out)]
+    argv = [sys.executable, "-m", "bench", "spec", "--model", "null", "-n", "2", "-c", "1", "--output-len", "12",
+            "--out", str(out)]
     proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "speed-up (TPOT)" in proc.stdout

@@ -42,4 +42,5 @@ def test_compose_matches_launcher():
         addrs = [v for k, v in itertools.pairwise(flags) if k.endswith("-addr")]
         assert addrs and all(a.startswith("tcp://") for a in addrs), name
     assert seen == set(launched)
-    assert "healthcheck" in compose["services"]["api"] and "/ready" in str(compose["services"]["api"]["healthcheck"]["test"])
+    assert ("healthcheck" in compose["services"]["api"]
+            and "/ready" in str(compose["services"]["api"]["healthcheck"]["test"]))

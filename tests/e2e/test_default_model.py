@@ -23,7 +23,8 @@ def test_default_model_answers_paris(smollm_server):
     assert bundle.tokenizer.get_vocab_size() == 49152 and bundle.eos_token == "<|im_end|>"
     prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(bundle.chat_template).render(
         messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
-    r = httpx.post(smollm_server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0}, timeout=120)
+    r = httpx.post(smollm_server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0},
+                   timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert "Paris" in body["text"]

@@ -32,9 +32,10 @@ def slow_server(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
     from tests.servers import MstarServer
 
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("slow") / "slow-llama", "llama", hidden_size=512, intermediate_size=2048,
-                           num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
-    server = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "slow.log", "--num-kv-pages", "512", "--page-size", "4").start()
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("slow") / "slow-llama", "llama", hidden_size=512,
+                           intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+    server = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "slow.log", "--num-kv-pages", "512",
+                         "--page-size", "4").start()
     yield server
     server.stop()
 
@@ -65,7 +66,8 @@ def raw_post(server, path: str, body: dict) -> socket.socket:
     """An HTTP/1.1 POST on a plain socket, left open and unread (a JSON client waiting)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n")
     sock.sendall(head.encode() + data)
     return sock
 

@@ -20,7 +20,9 @@ scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=40), st.sampled_from(["", "\ud800", "\x00", "<|im_end|>", "a" * 300]),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=8)
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=8)
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions"]
 
@@ -55,7 +57,9 @@ def test_fuzzed_json_bodies_never_5xx(client, route, body):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(route=st.sampled_from(ROUTES), raw=st.one_of(st.binary(max_size=200), st.sampled_from([b"", b"[]", b"null", b"{", b'{"prompt": "\xff\xfe"}', b"\xc3\x28"])))
+@given(route=st.sampled_from(ROUTES),
+       raw=st.one_of(st.binary(max_size=200),
+                     st.sampled_from([b"", b"[]", b"null", b"{", b'{"prompt": "\xff\xfe"}', b"\xc3\x28"])))
 def test_raw_bytes_never_5xx(client, route, raw):
     r = client.post(route, content=raw)
     assert 400 <= r.status_code < 500, (route, raw, r.text)
@@ -77,7 +81,8 @@ async def test_fuzzed_websocket_frames_leave_the_socket_and_its_requests_alive(l
     samples = [frames.example() for _ in range(80)]
     url = llama_server.url.replace("http://", "ws://") + "/generate/ws"
     async with websockets.connect(url, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "generate", "id": "keeper", "prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}))
+        await ws.send(json.dumps({"type": "generate", "id": "keeper", "prompt": "Hello", "max_tokens": 200,
+                                  "temperature": 0, "ignore_eos": True}))
         for frame in samples:
             await ws.send(frame)
         keeper = None

@@ -41,7 +41,8 @@ async def test_many_lengths_emit_exactly_max_tokens_under_debug_asserts(debug_se
     async with httpx.AsyncClient(base_url=debug_server.url, timeout=120) as client:
         async def one(n, m):
             ids = list(range(5, 5 + n))
-            r = await client.post("/generate", json={"input_ids": ids, "max_tokens": m, "temperature": 0, "ignore_eos": True})
+            r = await client.post("/generate", json={"input_ids": ids, "max_tokens": m, "temperature": 0,
+                                                     "ignore_eos": True})
             assert r.status_code == 200, r.text
             return len(r.json()["token_ids"]), r.json()["finish_reason"]
         results = await asyncio.gather(*(one(n, m) for n, m in cases))
@@ -106,7 +107,8 @@ def test_undeclared_label_is_a_500_with_error_id(llama_ckpt, tmp_path):
 
 def test_undeclared_pool_refused_at_start(llama_ckpt, tmp_path):
     ckpt = with_architecture(llama_ckpt, tmp_path / "orphan", "OrphanPoolLlamaForCausalLM")
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(ckpt), "--port", str(free_port())],
+    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(ckpt),
+                        "--port", str(free_port())],
                        cwd=REPO, env=service_env(**PLUGINS), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     # refused by the launcher's own deployment check, before any service starts
@@ -125,14 +127,17 @@ async def test_understated_growth_overruns(llama_ckpt, tmp_path, debug):
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             bad, good = await asyncio.gather(
-                client.post("/generate", json={"input_ids": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
-                client.post("/generate", json={"input_ids": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+                client.post("/generate", json={"input_ids": [5, 6, 7], "max_tokens": 12, "temperature": 0,
+                                               "ignore_eos": True}),
+                client.post("/generate", json={"input_ids": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0,
+                                               "ignore_eos": True}),
             )
         assert good.status_code == 200 and len(good.json()["token_ids"]) == 12
         overruns = [ln for ln in server.log().splitlines() if "footprint overrun" in ln]
         if debug:
             assert bad.status_code == 500 and bad.json()["error"]["error_id"]
-            assert any(bad.json()["error"]["error_id"] in ln and "grows 0 per iteration" in ln for ln in server.log().splitlines())
+            assert any(bad.json()["error"]["error_id"] in ln and "grows 0 per iteration" in ln
+                       for ln in server.log().splitlines())
         else:
             assert bad.status_code == 200 and len(bad.json()["token_ids"]) == 12
             assert len(overruns) == 1 and "label 'text'" in overruns[0]
@@ -144,7 +149,8 @@ async def test_understated_growth_overruns(llama_ckpt, tmp_path, debug):
 
 @pytest.fixture(scope="module")
 def two_label_ckpt(tmp_path_factory):
-    base = make_checkpoint(tmp_path_factory.mktemp("sw") / "qwen2-sw", "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    base = make_checkpoint(tmp_path_factory.mktemp("sw") / "qwen2-sw", "qwen2", use_sliding_window=True,
+                           sliding_window=8, max_window_layers=1)
     return with_architecture(base, tmp_path_factory.mktemp("sw-rows") / "ckpt", "RowsWindowQwen2ForCausalLM")
 
 
@@ -154,7 +160,9 @@ async def test_two_label_model_through_the_worker(two_label_ckpt, tmp_path):
     try:
         prompts = ["The quick brown fox", "Hello world! Hello again, world. Goodbye, world. Numbers like 12345 and"]
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            rs = await asyncio.gather(*(client.post("/generate", json={"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for p in prompts))
+            rs = await asyncio.gather(*(client.post("/generate", json={"prompt": p, "max_tokens": 24, "temperature": 0,
+                                                                       "ignore_eos": True})
+                                        for p in prompts))
         for p, r in zip(prompts, rs):
             assert r.status_code == 200, r.text
             assert r.json()["token_ids"] == hf_greedy(two_label_ckpt, hf_ids(two_label_ckpt, p), 24)

@@ -97,7 +97,8 @@ def test_completion_stream_with_usage(client, model):
 
 
 def test_completion_stream_without_usage(client, model):
-    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=5, stream=True, extra_body={**GREEDY, **NO_EOS}))
+    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=5, stream=True,
+                                            extra_body={**GREEDY, **NO_EOS}))
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
 
@@ -112,7 +113,8 @@ def test_seed_makes_sampling_repeatable(client, model):
 
 
 def test_chat_prompt_is_apply_chat_template(client, model, llama_server, llama_ckpt):
-    r = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=10, extra_body={**GREEDY, **NO_EOS})
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=10,
+                                       extra_body={**GREEDY, **NO_EOS})
     ids = hf_chat_ids(llama_ckpt, MESSAGES)
     assert r.usage.prompt_tokens == len(ids)
     # the same ids through /generate give the same greedy tokens: the prompt was those ids
@@ -124,7 +126,8 @@ def test_chat_prompt_is_apply_chat_template(client, model, llama_server, llama_c
 
 
 def test_chat_max_tokens_alias(client, model):
-    r = client.chat.completions.create(model=model, messages=MESSAGES[1:2], max_tokens=3, extra_body={**GREEDY, **NO_EOS})
+    r = client.chat.completions.create(model=model, messages=MESSAGES[1:2], max_tokens=3,
+                                       extra_body={**GREEDY, **NO_EOS})
     assert r.usage.completion_tokens == 3
 
 
@@ -147,7 +150,8 @@ def test_chat_stream_with_usage(client, model):
 
 
 def test_chat_template_refusal_is_400(client, model, llama_server):
-    r = httpx.post(llama_server.url + "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]}, timeout=30)
+    r = httpx.post(llama_server.url + "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]},
+                   timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
 
 
@@ -210,7 +214,8 @@ def test_unknown_model_is_404(client):
 
 
 def test_model_may_be_omitted(llama_server):
-    r = httpx.post(llama_server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, **GREEDY, **NO_EOS}, timeout=30)
+    r = httpx.post(llama_server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, **GREEDY, **NO_EOS},
+                   timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -247,10 +252,12 @@ def test_stop_strings_openai(client, model, llama_server):
     pieces = [c.choices[0].text for c in chunks]
     assert "".join(pieces) == want and chunks[-1].choices[0].finish_reason == "stop"
 
-    chat_full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, extra_body={**GREEDY, **NO_EOS})
+    chat_full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60,
+                                               extra_body={**GREEDY, **NO_EOS})
     text = chat_full.choices[0].message.content
     chat_stop = _pick_stop(text)
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, stop=chat_stop, extra_body={**GREEDY, **NO_EOS})
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, stop=chat_stop,
+                                          extra_body={**GREEDY, **NO_EOS})
     assert chat.choices[0].message.content == text[: text.find(chat_stop)] and chat.choices[0].finish_reason == "stop"
     assert llama_server.wait_metric("mstar_requests_running", 0, timeout=2) == 0
 
@@ -266,7 +273,8 @@ def test_stop_strings_generate(llama_server):
     assert r["usage"]["completion_tokens"] == len(r["token_ids"])
 
     events = []
-    with httpx.stream("POST", llama_server.url + "/generate", json={**body, "stop": [stop], "stream": True}, timeout=60) as s:
+    with httpx.stream("POST", llama_server.url + "/generate", json={**body, "stop": [stop], "stream": True},
+                      timeout=60) as s:
         assert s.status_code == 200
         events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     deltas, done = events[:-1], events[-1]
@@ -305,10 +313,12 @@ def test_api_key_from_env(llama_ckpt, tmp_path):
 
     from tests.servers import MstarServer
 
-    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "64", env={"MSTAR_API_KEY": "k-123"}).start()
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "64",
+                         env={"MSTAR_API_KEY": "k-123"}).start()
     try:
         good = openai.OpenAI(base_url=server.url + "/v1", api_key="k-123", max_retries=0)
-        r = good.completions.create(model=llama_ckpt.name, prompt="Hello", max_tokens=3, extra_body={**GREEDY, **NO_EOS})
+        r = good.completions.create(model=llama_ckpt.name, prompt="Hello", max_tokens=3,
+                                    extra_body={**GREEDY, **NO_EOS})
         assert r.usage.completion_tokens == 3
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
@@ -321,7 +331,8 @@ def test_api_key_from_env(llama_ckpt, tmp_path):
 
         async def ws_status(headers: dict[str, str] | None) -> int:
             try:
-                async with websockets.connect(server.url.replace("http://", "ws://") + "/generate/ws", additional_headers=headers) as ws:
+                async with websockets.connect(server.url.replace("http://", "ws://") + "/generate/ws",
+                                              additional_headers=headers) as ws:
                     await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "hi", "max_tokens": 1}))
                     assert json.loads(await ws.recv())["id"] == "a"
                     return 101

@@ -22,7 +22,8 @@ PROMPTS = [
 def test_greedy_matches_transformers(request, server_name, prompt):
     server = request.getfixturevalue(server_name)
     ckpt = request.getfixturevalue(server_name.replace("server", "ckpt"))
-    r = httpx.post(server.url + "/generate", json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
+    r = httpx.post(server.url + "/generate",
+                   json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     ids = hf_ids(ckpt, prompt)
@@ -33,7 +34,8 @@ def test_greedy_matches_transformers(request, server_name, prompt):
 
 def test_input_ids_match_transformers(llama_server, llama_ckpt):
     ids = hf_ids(llama_ckpt, "Serving engines batch requests")
-    r = httpx.post(llama_server.url + "/generate", json={"input_ids": ids, "max_tokens": 20, "temperature": 0, "ignore_eos": True}, timeout=60)
+    r = httpx.post(llama_server.url + "/generate",
+                   json={"input_ids": ids, "max_tokens": 20, "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["token_ids"] == hf_greedy(llama_ckpt, ids, 20)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)

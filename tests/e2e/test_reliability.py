@@ -55,7 +55,8 @@ async def test_load_2000_requests_at_concurrency_64(load_server):
     pids = {m: _child_pid(load_server, m) for m in ("api", "gpu_worker")}
     rss: list[dict[str, int]] = []
 
-    async with httpx.AsyncClient(base_url=load_server.url, timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+    async with httpx.AsyncClient(base_url=load_server.url, timeout=300,
+                                 limits=httpx.Limits(max_connections=64)) as client:
         async def one(body):
             async with sem:
                 r = await client.post("/generate", json=body)
@@ -104,7 +105,8 @@ async def test_disconnect_storm_frees_every_page(load_server):
     print(f"disconnect storm: pages back {time.monotonic() - dropped_at:.2f}s after the last drop")
     assert load_server.metric("mstar_requests_running") == 0 and load_server.metric("mstar_requests_waiting") == 0
     # The server still serves.
-    r = httpx.post(load_server.url + "/generate", json={"prompt": "still here", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+    r = httpx.post(load_server.url + "/generate", json={"prompt": "still here", "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
     assert r.status_code == 200
 
 
@@ -132,7 +134,8 @@ def test_malformed_frames_from_a_peer_are_logged_and_dropped(load_server):
     finally:
         ctx.term()
     time.sleep(0.5)
-    r = httpx.post(load_server.url + "/generate", json={"prompt": "after garbage", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+    r = httpx.post(load_server.url + "/generate", json={"prompt": "after garbage", "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
     assert r.status_code == 200
     assert len(load_server.children()) == 4
     assert load_server.log().count("protocol error from") >= 4
@@ -150,7 +153,8 @@ async def test_sigstopped_worker_is_detected_by_heartbeats(llama_ckpt, tmp_path)
 
             async def stream():
                 events = []
-                async with client.stream("POST", "/generate", json={"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}) as r:
+                async with client.stream("POST", "/generate", json={"prompt": "Hello", "max_tokens": 480,
+                                                                    "ignore_eos": True, "stream": True}) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data:"):
                             events.append(json.loads(line[5:]))
@@ -172,7 +176,8 @@ async def test_sigstopped_worker_is_detected_by_heartbeats(llama_ckpt, tmp_path)
         deadline = time.monotonic() + 20
         while httpx.get(server.url + "/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
-        r = httpx.post(server.url + "/generate", json={"prompt": "resumed", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        r = httpx.post(server.url + "/generate", json={"prompt": "resumed", "max_tokens": 3, "ignore_eos": True},
+                       timeout=60)
         assert r.status_code == 200
         assert server.wait_pages_free() == 0
     finally:
@@ -187,7 +192,8 @@ async def test_sigterm_drains_running_requests_then_exits_cleanly(llama_ckpt, tm
     run_dirs = {a.split("ipc://", 1)[1].rsplit("/", 1)[0] for pid in children
                 for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") if a.startswith("ipc://")}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        running = asyncio.ensure_future(client.post("/generate", json={"prompt": "Hello", "max_tokens": 300, "ignore_eos": True}))
+        running = asyncio.ensure_future(client.post("/generate", json={"prompt": "Hello", "max_tokens": 300,
+                                                                       "ignore_eos": True}))
         await asyncio.sleep(0.15)
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
@@ -213,7 +219,8 @@ async def test_conductor_or_data_worker_crash_fails_only_unscheduled_requests(ll
     restarts the service, and new requests are served after it."""
     server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "40", "--page-size", "16").start()
     try:
-        body = {"input_ids": list(range(5, 105)), "max_tokens": 300, "temperature": 0, "ignore_eos": True}  # 25 pages: one at a time
+        # 25 pages: one at a time
+        body = {"input_ids": list(range(5, 105)), "max_tokens": 300, "temperature": 0, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             # Eight, and the kill once three wait: each runs in well under a second on this
             # model and the metrics trail the worker by up to a stats interval, so with fewer

@@ -42,7 +42,8 @@ def hub_home(tmp_path_factory):
 
 def hub_env(home) -> dict[str, str]:
     # HF_ENDPOINT points at a closed port: any attempt to reach the Hub would fail loudly.
-    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(home / "hub")}
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_CACHE": str(home / "hub")}
 
 
 def serve(home, log_path, *argv: str) -> MstarServer:
@@ -78,7 +79,8 @@ def hub_server(hub_home, tmp_path_factory):
 def renamed_server(hub_home, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("renamed")
     (tmp / "override.jinja").write_text(OVERRIDE)
-    server = serve(hub_home, tmp / "renamed.log", "org/name", "--served-model-name", "my-model", "--chat-template", str(tmp / "override.jinja"))
+    server = serve(hub_home, tmp / "renamed.log", "org/name", "--served-model-name", "my-model",
+                   "--chat-template", str(tmp / "override.jinja"))
     yield server
     server.stop()
 
@@ -99,13 +101,15 @@ def test_served_model_name_and_chat_template_file(renamed_server, hub_home):
     assert [m["id"] for m in models] == ["my-model"]
     r = chat(renamed_server, "org/name")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
-    r = httpx.post(renamed_server.url + "/v1/completions", json={"model": "org/name", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    r = httpx.post(renamed_server.url + "/v1/completions", json={"model": "org/name", "prompt": "Hi", "max_tokens": 2},
+                   timeout=60)
     assert r.status_code == 404, r.text
     r = chat(renamed_server, "my-model")
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "my-model"
     # --chat-template FILE replaced the checkpoint's template.
-    assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(hub_home, OVERRIDE) != prompt_tokens(hub_home, CHAT_TEMPLATE)
+    assert (r.json()["usage"]["prompt_tokens"] == prompt_tokens(hub_home, OVERRIDE)
+            != prompt_tokens(hub_home, CHAT_TEMPLATE))
 
 
 def refused(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -165,7 +169,8 @@ def test_unsupported_config_field_is_refused_before_any_child(hub_home, tmp_path
 def test_missing_chat_template_file_is_refused(hub_home, tmp_path):
     out, _ = refused(["org/name", "--chat-template", str(tmp_path / "nope.jinja")], hub_env(hub_home))
     assert out.returncode == 2
-    assert one_line(out) == f"mstar: deployment refused: chat template file {tmp_path / 'nope.jinja'}: No such file or directory"
+    assert one_line(out) == (f"mstar: deployment refused: chat template file {tmp_path / 'nope.jinja'}: "
+                             "No such file or directory")
 
 
 def test_model_positional_and_flag(monkeypatch, capsys):

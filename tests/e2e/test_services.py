@@ -21,14 +21,16 @@ SERVICES = ["api", "data_worker", "conductor", "gpu_worker"]
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_service_help(service):
-    r = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], cwd=REPO, env=service_env(),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"services.{service}" in r.stdout
     assert "--conductor-addr" in r.stdout or (service == "conductor" and "--conductor-control-addr" in r.stdout)
 
 
 def test_launcher_help():
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--help"], cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--help"], cwd=REPO, env=service_env(),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--model" in r.stdout and "--port" in r.stdout
 
 
@@ -84,7 +86,8 @@ def test_launcher_exits_nonzero_with_child_error(llama_ckpt, tmp_path):
     bad.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(llama_ckpt / name, bad / name)
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad), "--port", str(free_port())],
+    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad),
+                        "--port", str(free_port())],
                        cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "has no *.safetensors files" in r.stderr
@@ -99,13 +102,16 @@ def test_services_started_one_by_one(llama_ckpt, tmp_path):
     common = ["--model", str(llama_ckpt)]
     argvs = [
         ["services.conductor", *common, "--conductor-addr", addr["cond"], "--conductor-control-addr", addr["ctl"]],
-        ["services.gpu_worker", *common, "--num-kv-pages", "32", "--bind-addr", addr["w0"], "--conductor-addr", addr["cond"]],
+        ["services.gpu_worker", *common, "--num-kv-pages", "32", "--bind-addr", addr["w0"],
+         "--conductor-addr", addr["cond"]],
         ["services.data_worker", *common, "--data-worker-addr", addr["dw"], "--conductor-addr", addr["cond"]],
         ["services.api", *common, "--port", str(port), "--api-addr", addr["api"], "--data-worker-addr", addr["dw"],
          "--conductor-addr", addr["cond"], "--conductor-control-addr", addr["ctl"]],
     ]
     logs = open(tmp_path / "log.txt", "wb")
-    procs = [subprocess.Popen([sys.executable, "-m", *a], cwd=REPO, env=service_env(), stdout=logs, stderr=subprocess.STDOUT) for a in argvs]
+    procs = [subprocess.Popen([sys.executable, "-m", *a], cwd=REPO, env=service_env(), stdout=logs,
+                              stderr=subprocess.STDOUT)
+             for a in argvs]
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -117,7 +123,8 @@ def test_services_started_one_by_one(llama_ckpt, tmp_path):
                 pass
             assert all(p.poll() is None for p in procs), (tmp_path / "log.txt").read_text()
             time.sleep(0.25)
-        r = httpx.post(url + "/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(url + "/generate",
+                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 4
     finally:
         for p in reversed(procs):

@@ -25,8 +25,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def spec_server(llama_ckpt, tmp_path_factory):
-    server = MstarServer(str(llama_ckpt), tmp_path_factory.mktemp("logs") / "spec.log", "--num-kv-pages", "256", "--page-size", "4",
-                         "--speculative-k", "4", "--speculative-ngram-min", "1").start()
+    server = MstarServer(str(llama_ckpt), tmp_path_factory.mktemp("logs") / "spec.log", "--num-kv-pages", "256",
+                         "--page-size", "4", "--speculative-k", "4", "--speculative-ngram-min", "1").start()
     yield server
     server.stop()
 
@@ -34,15 +34,16 @@ def spec_server(llama_ckpt, tmp_path_factory):
 def test_greedy_tokens_equal_transformers_with_speculation(spec_server, llama_ckpt):
     before = spec_server.metric("mstar_spec_accepted_tokens_total")
     for prompt in PROMPTS:
-        r = httpx.post(spec_server.url + "/generate", json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True},
-                       timeout=60)
+        r = httpx.post(spec_server.url + "/generate",
+                       json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
         body = r.json()
         ids = hf_ids(llama_ckpt, prompt)
         assert body["token_ids"] == hf_greedy(llama_ckpt, ids, 40), prompt
         assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 40}
     deadline = time.monotonic() + 5  # worker counters reach /metrics within a stats interval
-    while (accepted := spec_server.metric("mstar_spec_accepted_tokens_total")) <= before and time.monotonic() < deadline:
+    while ((accepted := spec_server.metric("mstar_spec_accepted_tokens_total")) <= before
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     assert spec_server.metric("mstar_spec_draft_tokens_total") > accepted > before  # some drafts stood, some did not
 
@@ -76,7 +77,9 @@ def test_openai_text_and_usage_count_every_accepted_token(spec_server):
 
 def test_out_of_range_speculation_flags_are_refused():
     for flags, message in [(["--speculative-k", "17"], "speculative_k must be in [0, 16], got 17"),
-                           (["--speculative-ngram-min", "4"], "speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max <= 8, got 4 and 3")]:
+                           (["--speculative-ngram-min", "4"],
+                            "speculative n-gram sizes need 1 <= speculative_ngram_min <= speculative_ngram_max <= 8, "
+                            "got 4 and 3")]:
         proc = subprocess.run([sys.executable, "-m", "services.conductor", *flags], cwd=REPO, env=service_env(),
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1

@@ -22,7 +22,8 @@ def _sse_events(server, body: dict) -> list[dict]:
 
 
 def test_sse_deltas_join_to_done_and_match_non_streamed(llama_server):
-    body = {"prompt": "Numbers like 12345 and emoji 🎉 and 中文", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "Numbers like 12345 and emoji 🎉 and 中文", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
     events = _sse_events(llama_server, body)
     deltas, done = events[:-1], events[-1]
     assert all(e["type"] == "delta" for e in deltas) and done["type"] == "done"
@@ -38,8 +39,10 @@ async def test_websocket_interleaved_requests_and_cancel(llama_server):
     url = llama_server.url.replace("http://", "ws://") + "/generate/ws"
     async with websockets.connect(url) as ws:
         for i in range(3):
-            await ws.send(json.dumps({"type": "generate", "id": f"a{i}", "prompt": "Hello world! " * (i + 1), "max_tokens": 10 + i, "temperature": 0, "ignore_eos": True}))
-        await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0, "ignore_eos": True}))
+            await ws.send(json.dumps({"type": "generate", "id": f"a{i}", "prompt": "Hello world! " * (i + 1),
+                                      "max_tokens": 10 + i, "temperature": 0, "ignore_eos": True}))
+        await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": "The quick brown fox", "max_tokens": 400,
+                                  "temperature": 0, "ignore_eos": True}))
         done: dict[str, dict] = {}
         text: dict[str, str] = {}
         cancelled = False
@@ -58,7 +61,9 @@ async def test_websocket_interleaved_requests_and_cancel(llama_server):
         d = done[f"a{i}"]
         assert d["finish_reason"] == "length" and len(d["token_ids"]) == 10 + i
         assert text[f"a{i}"] == d["text"]
-        plain = httpx.post(llama_server.url + "/generate", json={"prompt": "Hello world! " * (i + 1), "max_tokens": 10 + i, "temperature": 0, "ignore_eos": True}, timeout=60).json()
+        plain = httpx.post(llama_server.url + "/generate",
+                           json={"prompt": "Hello world! " * (i + 1), "max_tokens": 10 + i, "temperature": 0,
+                                 "ignore_eos": True}, timeout=60).json()
         assert plain["token_ids"] == d["token_ids"]
     assert done["long"]["finish_reason"] == "abort" and len(done["long"]["token_ids"]) < 400
 
@@ -72,7 +77,8 @@ async def test_websocket_bad_frame_leaves_socket_alive(llama_server):
         await ws.send(json.dumps({"type": "generate", "id": "x", "max_tokens": 0, "prompt": "hi"}))
         err = json.loads(await ws.recv())
         assert err["type"] == "error" and err["id"] == "x" and err["error"]["param"] == "max_tokens"
-        await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
+        await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                  "ignore_eos": True}))
         while True:
             frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
             if frame["type"] == "done":

@@ -20,7 +20,8 @@ class UnderstatedGrowthSpec(DecoderLMSpec):
     def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
         out = super().process_prompt(token_ids)
         if len(token_ids) % 2:
-            out.kv_layout = {name: msgspec.structs.replace(lay, growth={self.decode_loop: 0}) for name, lay in out.kv_layout.items()}
+            out.kv_layout = {name: msgspec.structs.replace(lay, growth={self.decode_loop: 0})
+                             for name, lay in out.kv_layout.items()}
         return out
 
 

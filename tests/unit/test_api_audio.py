@@ -47,7 +47,8 @@ def wav(seconds: float = 0.25, sr: int = SR) -> bytes:
 WAV = wav()
 
 
-def multipart(fields: dict | list | None = None, file: bytes | None = WAV, filename: str | None = "clip.wav") -> tuple[bytes, str]:
+def multipart(fields: dict | list | None = None, file: bytes | None = WAV,
+              filename: str | None = "clip.wav") -> tuple[bytes, str]:
     """(body, content type) as httpx (and so the openai client) encodes a form; with no
     file too (httpx would send that urlencoded)."""
     files = None if file is None else {"file": (filename, file, "audio/wav")}
@@ -118,7 +119,8 @@ def test_stop_may_repeat_other_fields_may_not() -> None:
     assert parsed([("stop", "a"), ("stop", "b")]).fields == {"stop": ["a", "b"]}
     assert parsed([("stop", "a")]).fields == {"stop": "a"}
     err = refused_form(*multipart([("max_tokens", "1"), ("max_tokens", "2")]))
-    assert (err.status, err.param, err.message) == (400, "max_tokens", "form field 'max_tokens' is given 2 times; give it once")
+    assert (err.status, err.param, err.message) == (
+        400, "max_tokens", "form field 'max_tokens' is given 2 times; give it once")
 
 
 def test_file_part_with_or_without_filename() -> None:
@@ -174,14 +176,16 @@ def test_audio_generate_defaults_and_fields() -> None:
     f = parsed({"max_tokens": "7", "temperature": "0", "top_p": "0.5", "top_k": "3", "seed": "9", "ignore_eos": "true",
                 "stream": "true", "request_id": "r-1", "language": "<|de|>", "task": "translate", "stop": "x"}).fields
     p = parse_audio_generate(f, WAV)
-    assert (p.max_tokens, p.stream, p.request_id, p.language, p.task, p.stop) == (7, True, "r-1", "<|de|>", "translate", ["x"])
+    assert (p.max_tokens, p.stream, p.request_id, p.language, p.task, p.stop) == (
+        7, True, "r-1", "<|de|>", "translate", ["x"])
     s = p.sampling
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (0.0, 0.5, 3, 9, True)
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"prompt": "hi"}, "prompt", "prompt must be absent when an audio file is sent: the audio is the prompt"),
-    ({"input_ids": "[1, 2]"}, "input_ids", "input_ids must be absent when an audio file is sent: the audio is the prompt"),
+    ({"input_ids": "[1, 2]"}, "input_ids",
+     "input_ids must be absent when an audio file is sent: the audio is the prompt"),
     ({"max_tokens": "abc"}, "max_tokens", 'max_tokens must be an integer >= 1, got "abc"'),
     ({"max_tokens": "5.0"}, "max_tokens", "max_tokens must be an integer >= 1, got 5.0"),
     ({"max_tokens": "0"}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
@@ -189,8 +193,10 @@ def test_audio_generate_defaults_and_fields() -> None:
     ({"temperature": "1e400"}, "temperature", 'temperature must be a number >= 0 (0 = greedy), got "1e400"'),
     ({"stream": "yes"}, "stream", 'stream must be a boolean, got "yes"'),
     ({"seed": "-1"}, "seed", "seed must be an integer in [0, 9223372036854775807], got -1"),
-    ({"request_id": "a b"}, "request_id", 'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a b"'),
-    ({"language": "e n"}, "language", 'language must be a language code such as "en" (letters, "-" or "_", 1-32 characters), got "e n"'),
+    ({"request_id": "a b"}, "request_id",
+     'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a b"'),
+    ({"language": "e n"}, "language",
+     'language must be a language code such as "en" (letters, "-" or "_", 1-32 characters), got "e n"'),
     ({"task": "summarize"}, "task", 'task must be "transcribe" or "translate", got "summarize"'),
     ({"n": "2"}, "n", "n > 1 is not supported; n must be 1, got 2"),
     ({"response_format": "json"}, "response_format", None),  # a transcription field: unknown here
@@ -244,11 +250,15 @@ def test_transcription_fields() -> None:
 
 @pytest.mark.parametrize(("fields", "status", "param", "message"), [
     ({"model": "whisper-1"}, 404, "model", "The model `whisper-1` does not exist; this server serves `tiny-whisper`."),
-    ({"prompt": "earlier text"}, 400, "prompt", "prompt is not supported (no conditioning on previous text); leave it out or empty"),
-    ({"response_format": "srt"}, 400, "response_format", "response_format 'srt' is not supported (no timestamps); use json, text or verbose_json"),
+    ({"prompt": "earlier text"}, 400, "prompt",
+     "prompt is not supported (no conditioning on previous text); leave it out or empty"),
+    ({"response_format": "srt"}, 400, "response_format",
+     "response_format 'srt' is not supported (no timestamps); use json, text or verbose_json"),
     ({"response_format": "vtt"}, 400, "response_format", None),
-    ({"response_format": "xml"}, 400, "response_format", 'response_format must be one of json, text, verbose_json, got "xml"'),
-    ({"response_format": "verbose_json", "stream": "true"}, 400, "stream", "stream is not supported with response_format verbose_json; use json or text"),
+    ({"response_format": "xml"}, 400, "response_format",
+     'response_format must be one of json, text, verbose_json, got "xml"'),
+    ({"response_format": "verbose_json", "stream": "true"}, 400, "stream",
+     "stream is not supported with response_format verbose_json; use json or text"),
     ({"temperature": "hot"}, 400, "temperature", 'temperature must be a number >= 0 (0 = greedy), got "hot"'),
     ({"max_tokens": "0"}, 400, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
     ({"stream": "1"}, 400, "stream", "stream must be a boolean, got 1"),
@@ -315,7 +325,8 @@ def text_client(tmp_path):
 @pytest.fixture()
 def speech_client(tmp_path):
     """A speech model's api with the real (unanswered) backend: for refusals only."""
-    with TestClient(create_app(make_settings(tmp_path, takes_audio=True, audio_language="en", max_body_bytes=16384), tiny_tokenizer())) as c:
+    with TestClient(create_app(make_settings(tmp_path, takes_audio=True, audio_language="en", max_body_bytes=16384),
+                               tiny_tokenizer())) as c:
         yield c
 
 
@@ -339,7 +350,8 @@ def test_speech_route_refusals(speech_client: TestClient) -> None:
     r = c.post("/v1/audio/transcriptions", json={"file": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "file"
     r = post_form(c, "/v1/audio/transcriptions", {"model": MODEL}, file=None)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "file" and "file is required" in r.json()["error"]["message"]
+    assert (r.status_code == 400 and r.json()["error"]["param"] == "file"
+            and "file is required" in r.json()["error"]["message"])
     r = post_form(c, "/generate", {"max_tokens": "2"}, file=b"")
     assert r.status_code == 400 and r.json()["error"]["message"] == "file is empty; upload a WAV or FLAC file"
     r = post_form(c, "/generate", {"prompt": "hi"})
@@ -474,7 +486,8 @@ def test_generate_form_reply_equals_json_shape(scripted) -> None:
     assert r.json() == {"id": "audio-1", "text": text, "token_ids": ids, "finish_reason": "stop",
                         "usage": {"prompt_tokens": 4, "completion_tokens": len(ids)}}
     req = backend.sent[-1]
-    assert (req.audio, req.language, req.task, req.max_tokens, req.request_id) == (WAV, "fr", "translate", 10, "audio-1")
+    assert (req.audio, req.language, req.task, req.max_tokens, req.request_id) == (
+        WAV, "fr", "translate", 10, "audio-1")
     json_r = c.post("/generate", json={"prompt": "hello", "request_id": "text-1"})
     assert set(json_r.json()) == set(r.json())  # the same reply object for both bodies
 
@@ -498,6 +511,7 @@ def test_data_worker_refusal_passes_through(tmp_path, whisper_tok) -> None:
         for fields in ({}, {"stream": "true"}):
             r = post_form(c, "/v1/audio/transcriptions", fields, file=b"\x00garbage")
             assert r.status_code == 400
-            assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "file", "error_id": None}
+            assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "file",
+                                         "error_id": None}
             r = post_form(c, "/generate", fields, file=b"\x00garbage")
             assert r.status_code == 400 and r.json()["error"]["param"] == "file"

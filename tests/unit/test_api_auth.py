@@ -15,8 +15,8 @@ from tests.unit.test_api_validation import tiny_tokenizer
 
 KEY = "s3cret-key"
 GOOD = {"Authorization": f"Bearer {KEY}"}
-MISSING = {"error": {"message": "missing API key: send the header Authorization: Bearer <key>", "type": "invalid_request_error",
-                     "param": None, "error_id": None, "code": "invalid_api_key"}}
+MISSING = {"error": {"message": "missing API key: send the header Authorization: Bearer <key>",
+                     "type": "invalid_request_error", "param": None, "error_id": None, "code": "invalid_api_key"}}
 INVALID = {"error": {**MISSING["error"], "message": "invalid API key"}}
 
 
@@ -26,12 +26,14 @@ def client(tmp_path):
         yield c
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                              ("POST", "/generate"), ("GET", "/metrics"), ("GET", "/nope")])
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                              ("POST", "/v1/chat/completions"), ("POST", "/generate"),
+                                              ("GET", "/metrics"), ("GET", "/nope")])
 def test_routes_need_the_key(client: TestClient, method: str, path: str) -> None:
     r = client.request(method, path, content=b"{}")
     assert r.status_code == 401 and r.json() == MISSING and r.headers["www-authenticate"] == "Bearer"
-    for bad in ({"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Basic {KEY}"}):
+    for bad in ({"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
+                {"Authorization": f"Basic {KEY}"}):
         r = client.request(method, path, content=b"{}", headers=bad)
         assert r.status_code == 401
     assert client.request(method, path, content=b"{}", headers={"Authorization": "Bearer wrong"}).json() == INVALID
@@ -39,7 +41,8 @@ def test_routes_need_the_key(client: TestClient, method: str, path: str) -> None
 
 def test_the_key_lets_requests_through(client: TestClient) -> None:
     assert client.get("/v1/models", headers=GOOD).status_code == 200
-    assert client.get("/metrics", headers={"authorization": f"bearer {KEY}"}).status_code == 200  # scheme is case-insensitive
+    # scheme is case-insensitive
+    assert client.get("/metrics", headers={"authorization": f"bearer {KEY}"}).status_code == 200
     r = client.post("/generate", content=json.dumps({"prompt": "x", "max_tokens": 0}), headers=GOOD)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # reached validation
 

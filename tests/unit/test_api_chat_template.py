@@ -12,7 +12,8 @@ from tests.checkpoints import CHAT_TEMPLATE
 
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if loop.index0 == 0 and message['role'] != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}"
+    "{% if loop.index0 == 0 and message['role'] != 'system' %}"
+    "{{ raise_exception('first message must be system') }}{% endif %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
     "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
@@ -41,7 +42,8 @@ MESSAGES = [
 
 
 def hf_render(template: str, messages: list[dict], **specials: str) -> str:
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True, **specials)
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
+                                        **specials)
     return rendered[0]
 
 
@@ -56,7 +58,8 @@ def test_raise_exception_is_a_400() -> None:
     with pytest.raises(ApiError) as info:
         ChatTemplate(LLAMA3, "<s>").render([{"role": "user", "content": "hi"}])
     err = info.value
-    assert (err.status, err.param, err.message) == (400, "messages", "the model's chat template refused these messages: first message must be system")
+    assert (err.status, err.param, err.message) == (
+        400, "messages", "the model's chat template refused these messages: first message must be system")
 
 
 def test_sandbox_refuses_unsafe_access() -> None:

@@ -34,7 +34,8 @@ def make_settings(tmp_path, **kw) -> ApiSettings:
         return f"ipc://{tmp_path}/{name}.sock"
 
     return ApiSettings(model_name=MODEL, api_addr=addr("api"), advertise_addr=addr("api"), data_worker_addr=addr("dw"),
-                       conductor_addr=addr("c"), control_addr=addr("cc"), max_body_bytes=4096, status_timeout_s=0.2, **kw)
+                       conductor_addr=addr("c"), control_addr=addr("cc"), max_body_bytes=4096, status_timeout_s=0.2,
+                       **kw)
 
 
 @pytest.fixture()
@@ -81,9 +82,12 @@ def test_completion_prompt_forms() -> None:
 
 
 def test_chat_fields() -> None:
-    req, messages = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"}],
+    req, messages = parse_chat({"messages": [{"role": "user",
+                                              "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                                              "name": "x"}],
                                 "model": MODEL, "max_completion_tokens": 7, "stop": "\n", "stream": True,
-                                "stream_options": {"include_usage": True}, "top_k": 5, "ignore_eos": True, "seed": 3, "user": "u1"}, MODEL)
+                                "stream_options": {"include_usage": True}, "top_k": 5, "ignore_eos": True, "seed": 3,
+                                "user": "u1"}, MODEL)
     assert messages == [{"role": "user", "content": "a\nb", "name": "x"}]
     p = req.params
     assert p.max_tokens == 7 and p.stop == ["\n"] and not p.add_special_tokens and p.request_id.startswith("chatcmpl-")
@@ -95,27 +99,35 @@ def test_chat_fields() -> None:
     ("path", "body", "status", "message", "param"),
     [
         ("completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported; n must be 1, got 2", "n"),
-        ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of > 1 is not supported; best_of must be 1, got 2", "best_of"),
+        ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of > 1 is not supported; best_of must be 1, got 2",
+         "best_of"),
         ("completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs is not supported, got 0", "logprobs"),
         ("completions", {"prompt": "x", "suffix": "y"}, 400, 'suffix is not supported, got "y"', "suffix"),
-        ("completions", {}, 400, "prompt is required: a string, a list of token ids, or a list holding one of those", "prompt"),
-        ("completions", {"prompt": ["a", "b"]}, 400, "prompt holds 2 prompts; only one prompt per request is supported", "prompt"),
-        ("completions", {"prompt": [1, -1]}, 400, "prompt token ids must be integers in [0, 2147483647], got -1", "prompt"),
+        ("completions", {}, 400, "prompt is required: a string, a list of token ids, or a list holding one of those",
+         "prompt"),
+        ("completions", {"prompt": ["a", "b"]}, 400, "prompt holds 2 prompts; only one prompt per request is supported",
+         "prompt"),
+        ("completions", {"prompt": [1, -1]}, 400, "prompt token ids must be integers in [0, 2147483647], got -1",
+         "prompt"),
         ("completions", {"prompt": ""}, 400, 'prompt must be a non-empty string, got ""', "prompt"),
-        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options is only allowed when stream is true", "stream_options"),
+        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+         "stream_options is only allowed when stream is true", "stream_options"),
         ("completions", {"prompt": "x", "stream": True, "stream_options": {"foo": 1}}, 400,
          "unknown field 'foo' in stream_options; allowed fields: include_usage", "stream_options.foo"),
         ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
          "stream_options.include_usage must be a boolean, got 1", "stream_options.include_usage"),
         ("completions", {"prompt": "x", "model": 5}, 400, "model must be a string, got 5", "model"),
         ("completions", {"prompt": "x", "max_completion_tokens": 5}, 400, None, "max_completion_tokens"),
-        ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must have at most 4 strings, got 5", "stop"),
+        ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400,
+         "stop must have at most 4 strings, got 5", "stop"),
         ("chat", {"messages": []}, 400, "messages must be a non-empty list of message objects, got []", "messages"),
         ("chat", {"messages": USER, "n": 3}, 400, "n > 1 is not supported; n must be 1, got 3", "n"),
         ("chat", {"messages": USER, "logprobs": True}, 400, "logprobs is not supported, got true", "logprobs"),
         ("chat", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs is not supported, got 3", "top_logprobs"),
-        ("chat", {"messages": USER, "tools": [{"type": "function"}]}, 400, 'tools is not supported, got [{"type":"function"}]', "tools"),
-        ("chat", {"messages": USER, "tool_choice": "auto"}, 400, 'tool_choice is not supported, got "auto"', "tool_choice"),
+        ("chat", {"messages": USER, "tools": [{"type": "function"}]}, 400,
+         'tools is not supported, got [{"type":"function"}]', "tools"),
+        ("chat", {"messages": USER, "tool_choice": "auto"}, 400, 'tool_choice is not supported, got "auto"',
+         "tool_choice"),
         ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
          'response_format is not supported; only {"type": "text"}, got {"type":"json_schema"}', "response_format"),
         ("chat", {"messages": USER, "echo": True}, 400, "echo is not supported, got true", "echo"),
@@ -123,13 +135,17 @@ def test_chat_fields() -> None:
          "max_tokens (3) and max_completion_tokens (4) disagree; give one", "max_completion_tokens"),
         ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400,
          'messages[0].role must be one of system, developer, user, assistant, got "robot"', "messages[0].role"),
-        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool messages and tool_calls are not supported (no tools)", "messages[0].role"),
-        ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message", "messages[0].content"),
+        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400,
+         "tool messages and tool_calls are not supported (no tools)", "messages[0].role"),
+        ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message",
+         "messages[0].content"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-         'messages[0].content[0].type "image_url" is not supported; only "text" parts are', "messages[0].content[0].type"),
+         'messages[0].content[0].type "image_url" is not supported; only "text" parts are',
+         "messages[0].content[0].type"),
         ("chat", {"messages": [{"role": "user", "content": "x", "audio": 1}]}, 400, None, "messages[0].audio"),
         ("chat", {"messages": USER, "prompt": "x"}, 400, None, "prompt"),
-        ("chat", {"messages": USER, "model": "gpt-4o"}, 404, "The model `gpt-4o` does not exist; this server serves `test-model`.", "model"),
+        ("chat", {"messages": USER, "model": "gpt-4o"}, 404,
+         "The model `gpt-4o` does not exist; this server serves `test-model`.", "model"),
     ],
 )
 def test_refusals(path: str, body: dict, status: int, message: str | None, param: str) -> None:
@@ -142,7 +158,8 @@ def test_refusals(path: str, body: dict, status: int, message: str | None, param
 def test_model_not_found_has_openai_code() -> None:
     err = refused("completions", {"prompt": "x", "model": "nope"})
     assert err.body() == {"error": {"message": "The model `nope` does not exist; this server serves `test-model`.",
-                                    "type": "invalid_request_error", "param": "model", "error_id": None, "code": "model_not_found"}}
+                                    "type": "invalid_request_error", "param": "model", "error_id": None,
+                                    "code": "model_not_found"}}
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
@@ -160,7 +177,8 @@ def test_models_routes(client: TestClient) -> None:
 def test_http_refusals_use_the_error_shape(client: TestClient) -> None:
     status, body = post(client, "/v1/chat/completions", {"messages": USER, "n": 2})
     assert status == 400
-    assert body == {"error": {"message": "n > 1 is not supported; n must be 1, got 2", "type": "invalid_request_error", "param": "n", "error_id": None}}
+    assert body == {"error": {"message": "n > 1 is not supported; n must be 1, got 2", "type": "invalid_request_error",
+                              "param": "n", "error_id": None}}
     status, body = post(client, "/v1/completions", {"prompt": "x" * 5000})
     assert status == 413 and body["error"]["message"] == "request body exceeds 4096 bytes"
 
@@ -168,7 +186,8 @@ def test_http_refusals_use_the_error_shape(client: TestClient) -> None:
 def test_chat_without_template_is_400(bare_client: TestClient) -> None:
     status, body = post(bare_client, "/v1/chat/completions", {"messages": USER})
     assert status == 400 and body["error"]["param"] == "messages"
-    assert body["error"]["message"] == "the model `test-model` has no chat template; use /v1/completions with a formatted prompt"
+    assert body["error"]["message"] == ("the model `test-model` has no chat template; "
+                                        "use /v1/completions with a formatted prompt")
 
 
 def test_unknown_route_and_method_are_json(client: TestClient) -> None:
@@ -201,15 +220,18 @@ DONE = DoneEvent("r", "ab", [1, 2], "stop", Usage(5, 2))
 
 def test_chat_chunks() -> None:
     reply = ChatReply("chatcmpl-1", MODEL, 7, include_usage=True)
-    raw = reply.event(DeltaEvent("r", "a", [1])) + reply.event(DeltaEvent("r", "", [9])) + reply.event(DeltaEvent("r", "b", [2]))
+    raw = (reply.event(DeltaEvent("r", "a", [1])) + reply.event(DeltaEvent("r", "", [9]))
+           + reply.event(DeltaEvent("r", "b", [2])))
     raw += reply.event(DONE) + reply.end()
     chunks = _sse(raw)
     assert chunks[-1] == "[DONE]"
     base = {"id": "chatcmpl-1", "created": 7, "model": MODEL, "object": "chat.completion.chunk"}
-    assert chunks[0] == {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}], "usage": None}
+    assert chunks[0] == {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None, "logprobs": None}], "usage": None}
     assert [c["choices"][0]["delta"] for c in chunks[1:4]] == [{"content": "a"}, {"content": "b"}, {}]
     assert chunks[3]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[4] == {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+    assert chunks[4] == {**base, "choices": [],
+                         "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
     assert reply.json(DONE).choices[0].message.content == "ab"
 
 
@@ -225,7 +247,8 @@ def test_completion_chunks_without_usage_and_with_echo() -> None:
 def test_error_chunk_is_openai_error() -> None:
     reply = CompletionReply("cmpl-1", MODEL, 7)
     assert _sse(reply.error(ApiError(ErrorKind.UNAVAILABLE, "server is shutting down"))) == [
-        {"error": {"message": "server is shutting down", "type": "service_unavailable", "param": None, "error_id": None}}]
+        {"error": {"message": "server is shutting down", "type": "service_unavailable", "param": None,
+                   "error_id": None}}]
 
 
 # ---- stop strings inside Generation -------------------------------------------------------------

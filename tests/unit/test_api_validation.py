@@ -90,10 +90,14 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "max_tokens": True}, "max_tokens must be an integer >= 1, got true", "max_tokens"),
         ({"prompt": "x", "max_tokens": "5"}, 'max_tokens must be an integer >= 1, got "5"', "max_tokens"),
         ({"prompt": "x", "max_tokens": 5.0}, "max_tokens must be an integer >= 1, got 5.0", "max_tokens"),
-        ({"prompt": "x", "max_tokens": 2**31}, "max_tokens must be an integer <= 2147483647, got 2147483648", "max_tokens"),
-        ({"prompt": "x", "temperature": -0.5}, "temperature must be a number >= 0 (0 = greedy), got -0.5", "temperature"),
-        ({"prompt": "x", "temperature": False}, "temperature must be a number >= 0 (0 = greedy), got false", "temperature"),
-        ({"prompt": "x", "temperature": 10**400}, "temperature must be a number >= 0 (0 = greedy), got ", "temperature"),
+        ({"prompt": "x", "max_tokens": 2**31}, "max_tokens must be an integer <= 2147483647, got 2147483648",
+         "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature must be a number >= 0 (0 = greedy), got -0.5",
+         "temperature"),
+        ({"prompt": "x", "temperature": False}, "temperature must be a number >= 0 (0 = greedy), got false",
+         "temperature"),
+        ({"prompt": "x", "temperature": 10**400}, "temperature must be a number >= 0 (0 = greedy), got ",
+         "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p must be a number in (0, 1], got 0", "top_p"),
         ({"prompt": "x", "top_p": 1.01}, "top_p must be a number in (0, 1], got 1.01", "top_p"),
         ({"prompt": "x", "top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for off, got -2", "top_k"),
@@ -102,12 +106,17 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "seed": 2**63}, f"seed must be an integer <= {SEED_MAX}, got {2**63}", "seed"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos must be a boolean, got 1", "ignore_eos"),
         ({"prompt": "x", "stream": "true"}, 'stream must be a boolean, got "true"', "stream"),
-        ({"prompt": "x", "request_id": ""}, 'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got ""', "request_id"),
-        ({"prompt": "x", "request_id": "a b"}, 'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a b"', "request_id"),
-        ({"prompt": "x", "request_id": 5}, "request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got 5", "request_id"),
-        ({"prompt": "x", "request_id": "a\n"}, 'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a\\n"', "request_id"),
+        ({"prompt": "x", "request_id": ""},
+         'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got ""', "request_id"),
+        ({"prompt": "x", "request_id": "a b"},
+         'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a b"', "request_id"),
+        ({"prompt": "x", "request_id": 5},
+         "request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got 5", "request_id"),
+        ({"prompt": "x", "request_id": "a\n"},
+         'request_id must be a string of 1-128 characters from [A-Za-z0-9._:-], got "a\\n"', "request_id"),
         ({}, "one of prompt (a string) or input_ids (a list of integers) is required", "prompt"),
-        ({"prompt": "x", "input_ids": [1]}, "prompt and input_ids are mutually exclusive; give exactly one", "input_ids"),
+        ({"prompt": "x", "input_ids": [1]}, "prompt and input_ids are mutually exclusive; give exactly one",
+         "input_ids"),
         ({"prompt": ""}, 'prompt must be a non-empty string, got ""', "prompt"),
         ({"prompt": ["a"]}, 'prompt must be a non-empty string, got ["a"]', "prompt"),
         ({"input_ids": []}, "input_ids must be a non-empty list of integers >= 0, got []", "input_ids"),
@@ -126,9 +135,12 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop must have at most 4 strings, got 5", "stop"),
         ({"prompt": "x", "stop": ["y" * 513]}, "stop[0] must be at most 512 characters, got 513", "stop[0]"),
         ({"prompt": "x", "stop_token_ids": [7]}, "stop_token_ids is not supported, got [7]", "stop_token_ids"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, 'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, 'response_format is not supported; only {"type": "text"}, got {"type":"json_object"}', "response_format"),
-        ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]', "tools"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}},
+         'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}},
+         'response_format is not supported; only {"type": "text"}, got {"type":"json_object"}', "response_format"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]',
+         "tools"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty is not supported, got 0.5", "presence_penalty"),
     ],
 )
@@ -142,8 +154,8 @@ def test_refusals(body: dict, message: str, param: str) -> None:
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": False, "stop": [], "tools": [], "presence_penalty": 0.0,
-                    "response_format": {"type": "text"}})
+    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": False, "stop": [], "tools": [],
+                    "presence_penalty": 0.0, "response_format": {"type": "text"}})
 
 
 def test_stop_forms() -> None:
@@ -156,7 +168,8 @@ def test_stop_forms() -> None:
 def test_unknown_field_names_it() -> None:
     err = refused({"prompt": "x", "max_token": 5})
     assert err.param == "max_token"
-    assert err.message.startswith("unknown field 'max_token'; allowed fields: ignore_eos, input_ids, max_tokens, prompt,")
+    assert err.message.startswith("unknown field 'max_token'; "
+                                  "allowed fields: ignore_eos, input_ids, max_tokens, prompt,")
 
 
 def test_internal_fields_are_refused() -> None:
@@ -180,7 +193,8 @@ def post(client: TestClient, body: object, **kw) -> tuple[int, dict]:
 def test_http_error_body_shape(client: TestClient) -> None:
     status, body = post(client, {"prompt": "hi", "max_tokens": 0})
     assert status == 400
-    assert body == {"error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error", "param": "max_tokens", "error_id": None}}
+    assert body == {"error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error",
+                              "param": "max_tokens", "error_id": None}}
 
 
 @pytest.mark.parametrize(
@@ -190,8 +204,10 @@ def test_http_error_body_shape(client: TestClient) -> None:
         (b"[1, 2]", "request body must be a JSON object, got an array"),
         (b'"prompt"', "request body must be a JSON object, got a string"),
         (b"null", "request body must be a JSON object, got null"),
-        (b'{"prompt": "x", "temperature": NaN}', "request body is not valid JSON: JSON is malformed: invalid character (byte 31)"),
-        (b'{"prompt": "x", "temperature": Infinity}', "request body is not valid JSON: JSON is malformed: invalid character (byte 31)"),
+        (b'{"prompt": "x", "temperature": NaN}',
+         "request body is not valid JSON: JSON is malformed: invalid character (byte 31)"),
+        (b'{"prompt": "x", "temperature": Infinity}',
+         "request body is not valid JSON: JSON is malformed: invalid character (byte 31)"),
         (b'{"prompt": "x", "temperature": 1e999}', "request body is not valid JSON: Number out of range - at `$[...]`"),
         (b'{"prompt": "\xff"}', "request body is not valid JSON: Invalid UTF-8 encoded string"),
         (b'{"prompt": "x"', "request body is not valid JSON: Input data was truncated"),
@@ -207,7 +223,8 @@ def test_http_bad_json(client: TestClient, raw: bytes, message: str) -> None:
 def test_http_body_too_large(client: TestClient) -> None:
     status, body = post(client, {"prompt": "x" * 5000})
     assert status == 413
-    assert body["error"] == {"message": "request body exceeds 4096 bytes", "type": "request_too_large", "param": None, "error_id": None}
+    assert body["error"] == {"message": "request body exceeds 4096 bytes", "type": "request_too_large", "param": None,
+                             "error_id": None}
 
 
 def test_http_body_too_large_without_content_length(client: TestClient) -> None:
@@ -264,16 +281,19 @@ def test_ws_bad_frames_leave_the_socket_alone(client: TestClient) -> None:
         ws.send_text(json.dumps({"type": "generate", "id": "r1", "prompt": "x", "max_tokens": 0}))
         assert ws.receive_json() == {
             "type": "error", "id": "r1", "status": 400,
-            "error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error", "param": "max_tokens", "error_id": None},
+            "error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error",
+                      "param": "max_tokens", "error_id": None},
         }
 
         ws.send_text(json.dumps({"type": "nope", "id": "r2"}))
         e = ws.receive_json()
-        assert (e["id"], e["status"], e["error"]["message"], e["error"]["param"]) == ("r2", 400, 'type must be "generate" or "cancel", got "nope"', "type")
+        assert (e["id"], e["status"], e["error"]["message"], e["error"]["param"]) == (
+            "r2", 400, 'type must be "generate" or "cancel", got "nope"', "type")
 
         ws.send_text(json.dumps({"type": "generate", "prompt": "x"}))
         e = ws.receive_json()
-        assert (e["id"], e["error"]["message"], e["error"]["param"]) == (None, "id must be a string of 1-128 characters, got null", "id")
+        assert (e["id"], e["error"]["message"], e["error"]["param"]) == (
+            None, "id must be a string of 1-128 characters, got null", "id")
 
         ws.send_text(json.dumps({"type": "generate", "id": "r3", "prompt": "x", "type2": 1}))
         e = ws.receive_json()
@@ -281,7 +301,8 @@ def test_ws_bad_frames_leave_the_socket_alone(client: TestClient) -> None:
 
         ws.send_text(json.dumps({"type": "cancel", "id": "ghost"}))
         e = ws.receive_json()
-        assert (e["id"], e["status"], e["error"]["message"]) == ("ghost", 404, "no live request with id 'ghost' on this socket")
+        assert (e["id"], e["status"], e["error"]["message"]) == (
+            "ghost", 404, "no live request with id 'ghost' on this socket")
 
         ws.send_text("x" * 5000)
         e = ws.receive_json()
@@ -294,12 +315,14 @@ def test_ws_duplicate_limit_and_cancel(client: TestClient) -> None:
         ws.send_text(json.dumps({"type": "generate", "id": "a", "input_ids": [5, 6]}))
         ws.send_text(json.dumps({"type": "generate", "id": "a", "prompt": "again"}))
         e = ws.receive_json()
-        assert (e["id"], e["status"], e["error"]["message"], e["error"]["param"]) == ("a", 409, "id 'a' is already live on this socket", "id")
+        assert (e["id"], e["status"], e["error"]["message"], e["error"]["param"]) == (
+            "a", 409, "id 'a' is already live on this socket", "id")
 
         ws.send_text(json.dumps({"type": "generate", "id": "b", "prompt": "x", "request_id": "wire-b"}))
         ws.send_text(json.dumps({"type": "generate", "id": "c", "prompt": "x"}))
         e = ws.receive_json()
-        assert (e["id"], e["status"], e["error"]["message"], e["error"]["type"]) == ("c", 429, "too many live requests on this socket (limit 2)", "rate_limit_error")
+        assert (e["id"], e["status"], e["error"]["message"], e["error"]["type"]) == (
+            "c", 429, "too many live requests on this socket (limit 2)", "rate_limit_error")
 
         ws.send_text(json.dumps({"type": "cancel", "id": "a"}))
         assert ws.receive_json() == {
@@ -310,7 +333,8 @@ def test_ws_duplicate_limit_and_cancel(client: TestClient) -> None:
         with client.websocket_connect("/generate/ws") as ws2:
             ws2.send_text(json.dumps({"type": "generate", "id": "z", "prompt": "x", "request_id": "wire-b"}))
             e = ws2.receive_json()
-            assert (e["id"], e["status"], e["error"]["message"]) == ("z", 409, "request_id 'wire-b' is already in use by a live request")
+            assert (e["id"], e["status"], e["error"]["message"]) == (
+                "z", 409, "request_id 'wire-b' is already in use by a live request")
         ws.send_text(json.dumps({"type": "cancel", "id": "b"}))
         assert ws.receive_json()["finish_reason"] == "abort"
 

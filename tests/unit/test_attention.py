@@ -78,7 +78,8 @@ def check_paged_against_dense(shapes, window=None, seed=0, page_size=4, heads=(4
     out = paged_attention(q, cache, meta, d**-0.5)
     t = 0
     for (_, new, _), k, v in zip(shapes, full_k, full_v):
-        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window),
+                                   rtol=1e-5, atol=1e-5)
         t += new
     return meta
 
@@ -89,7 +90,8 @@ def test_paged_matches_dense(decode_path):
     meta = check_paged_against_dense(shapes)
     page_size = 4
     # FlashInfer's view of the same batch: lengths = (pages - 1) * page_size + last_page_len.
-    lens = [(meta.kv_indptr[i + 1] - meta.kv_indptr[i] - 1) * page_size + meta.kv_last_page_len[i] for i in range(len(shapes))]
+    lens = [(meta.kv_indptr[i + 1] - meta.kv_indptr[i] - 1) * page_size + meta.kv_last_page_len[i]
+            for i in range(len(shapes))]
     assert [int(x) for x in lens] == [c + n for c, n, _ in shapes]
     assert meta.kv_indices.dtype == torch.int32
 
@@ -120,7 +122,8 @@ def test_windowed_paged_matches_dense_after_release(decode_path):
     out = paged_attention(q, cache, meta, d**-0.5)
     t = 0
     for (_, new, _), (k, v) in zip(shapes, full):
-        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[t : t + new], dense_attention(q[t : t + new], k, v, d**-0.5, window),
+                                   rtol=1e-5, atol=1e-5)
         t += new
 
 

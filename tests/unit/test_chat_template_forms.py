@@ -22,7 +22,8 @@ from tests.servers import REPO, service_env
 STRING = "STRING:{% for m in messages %}{{ m['content'] }};{% endfor %}"
 JINJA = "JINJA:{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
 PROCESSOR = "PROCESSOR:{{ messages | length }}"
-DEFAULT = "DEFAULT:{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+DEFAULT = ("DEFAULT:{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+           "{% if add_generation_prompt %}<assistant>{% endif %}")
 TOOL_USE = "TOOL_USE:{{ tools }}"
 LISTED = [{"name": "tool_use", "template": TOOL_USE}, {"name": "default", "template": DEFAULT}]
 MESSAGES = [{"role": "user", "content": "hi"}]

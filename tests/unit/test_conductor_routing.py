@@ -10,7 +10,8 @@ from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.specs.decoder_lm import DecoderLMSpec
 
-CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16, "max_position_embeddings": 1024}
+CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16,
+          "max_position_embeddings": 1024}
 
 
 def _setup(tmp_path):

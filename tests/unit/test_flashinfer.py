@@ -31,7 +31,8 @@ def test_flashinfer_matches_torch_paged_attention(window):
     write_kv(cache, k, v, meta)
     ref = paged_attention(q, cache, meta, d**-0.5)
     planner = FlashInferPlanner(dev)
-    planner.plan("text", meta, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, window=window, dtype=torch.float32)
+    planner.plan("text", meta, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, window=window,
+                 dtype=torch.float32)
     torch.testing.assert_close(paged_attention(q, cache, meta, d**-0.5), ref, rtol=2e-3, atol=2e-3)
 
 
@@ -50,11 +51,13 @@ def test_engine_greedy_tokens_match_on_cuda(tmp_path):
     for device in ("cpu", "cuda"):
         pools = spec.paged_pools(64)
         model = build_model(src, spec, torch.float32).to(device)
-        caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, device=device) for _ in range(p.num_layers)]
+        caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim, device=device)
+                      for _ in range(p.num_layers)]
                   for n, p in pools.items()}
         kv = KVManager(pools, spec.kv_labels)
         planner = FlashInferPlanner(torch.device(device)) if device == "cuda" else None
-        eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64, max_seq_len=spec.max_seq_len, planner=planner)
+        eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
+                           max_seq_len=spec.max_seq_len, planner=planner)
         for i, ids in enumerate([[5, 6, 7, 8], list(range(10, 60))]):
             ppo = spec.process_prompt(ids)
             caps = spec.clamp_caps(spec.get_loop_caps(16))

@@ -36,7 +36,8 @@ def simulate_peak(layout: LabelLayout, caps: dict[str, int], page_size: int, win
 
 layouts = st.builds(
     lambda spans, scratch, growth: LabelLayout(spans=tuple(spans), scratch=scratch, growth=growth),
-    st.lists(st.one_of(st.integers(0, 40).map(Span.rows), st.lists(st.integers(0, 9), max_size=40).map(Span.ids)), max_size=3),
+    st.lists(st.one_of(st.integers(0, 40).map(Span.rows), st.lists(st.integers(0, 9), max_size=40).map(Span.ids)),
+             max_size=3),
     st.integers(0, 6),
     st.dictionaries(st.sampled_from(["decode_loop", "probe_loop"]), st.integers(0, 4), max_size=2),
 )
@@ -49,7 +50,8 @@ def test_footprint_equals_simulated_peak(layout, caps, page_size, window):
     assert label_footprint(layout, caps, page_size, window) == simulate_peak(layout, caps, page_size, window)
 
 
-def _walk_kv_manager(layout: LabelLayout, caps: dict[str, int], page_size: int, window: int | None) -> tuple[int, KVManager]:
+def _walk_kv_manager(layout: LabelLayout, caps: dict[str, int], page_size: int,
+                     window: int | None) -> tuple[int, KVManager]:
     label = KVLabel("a", "kv", window=window, grows_on="decode_loop")
     pools = {"kv": PagedKVConfig("kv", 1, 1, 1, "float32", page_size, 4096, 10**6)}
     kv = KVManager(pools, (label,))
@@ -74,7 +76,8 @@ def _walk_kv_manager(layout: LabelLayout, caps: dict[str, int], page_size: int, 
 @given(layout=layouts, caps=st.dictionaries(st.just("decode_loop"), st.integers(0, 30)),
        page_size=st.sampled_from([1, 2, 4, 16]), window=st.one_of(st.none(), st.integers(1, 64)))
 def test_kv_manager_walk_peaks_at_footprint(layout, caps, page_size, window):
-    layout = LabelLayout(spans=layout.spans, scratch=layout.scratch, growth={k: v for k, v in layout.growth.items() if k == "decode_loop"})
+    layout = LabelLayout(spans=layout.spans, scratch=layout.scratch,
+                         growth={k: v for k, v in layout.growth.items() if k == "decode_loop"})
     peak, kv = _walk_kv_manager(layout, caps, page_size, window)
     fp = kv.requests["r"].labels["a"].footprint
     assert peak == fp

@@ -55,14 +55,16 @@ def probe(home, *names: str, offline: str, cwd=REPO) -> dict:
     # HF_ENDPOINT points at a closed port: any attempt to reach the Hub would fail loudly.
     env = service_env(HF_HOME=str(home), HF_HUB_OFFLINE=offline, HF_ENDPOINT="http://127.0.0.1:9")
     env.pop("HF_HUB_CACHE", None)
-    out = subprocess.run([sys.executable, "-c", PROBE, *names], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PROBE, *names], env=env, cwd=cwd, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_is_hub_id(tmp_path):
     assert is_hub_id("org/name") and is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") and is_hub_id("gpt2")
-    for not_id in ("", "./x", "/abs/folder", "~/x", "a/b/c", "org/na me", "model.gguf", "org/model.gguf", str(tmp_path)):
+    for not_id in ("", "./x", "/abs/folder", "~/x", "a/b/c", "org/na me", "model.gguf", "org/model.gguf",
+                   str(tmp_path)):
         assert not is_hub_id(not_id), not_id
 
 

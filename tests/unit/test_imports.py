@@ -141,7 +141,8 @@ class _Collector(ast.NodeVisitor):
         f = node.func
         is_import_module = (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
             isinstance(f, ast.Name) and f.id == "import_module")
-        if is_import_module and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        if (is_import_module and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
             self._add(node.args[0].value, node.lineno)
         self.generic_visit(node)
 

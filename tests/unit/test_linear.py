@@ -81,7 +81,8 @@ def test_pack_linears_leaves_non_float32_alone():
     assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
 
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.gemm_panel() == 0, reason="no C GEMM kernel here (no compiler or no AVX-512)")
+needs_kernel = pytest.mark.skipif(cpu_kernels.gemm_panel() == 0,
+                                  reason="no C GEMM kernel here (no compiler or no AVX-512)")
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -39,7 +39,8 @@ ROPE_KEYS = {
 ROPE_FORMS = [
     {"rope_type": "linear", "factor": 2.0},
     {"rope_type": "dynamic", "factor": 2.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
      "mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.1, "truncate": True},
 ]
@@ -58,7 +59,8 @@ def test_every_key_of_transformers_config_is_classified(model_type):
     for config in configs:
         d = config.to_dict()
         unclassified = sorted(set(d) - READ - HARMLESS - REFUSED)
-        assert not unclassified, f"{cls.__name__} writes keys mstar neither reads, lists as harmless, nor refuses: {unclassified}"
+        assert not unclassified, (f"{cls.__name__} writes keys mstar neither reads, lists as harmless, "
+                                  f"nor refuses: {unclassified}")
         params = d.get("rope_parameters") or {}
         nested = [params[k] for k in (FULL, SLIDING) if k in params] or [params]
         for p in nested:
@@ -74,7 +76,8 @@ def _llama(**kw) -> dict:
 
 def test_both_forms_read_the_same():
     classic = _llama(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
     v5 = _llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 64, "rope_theta": 500000.0})
     assert read_model_config(classic) == read_model_config(v5)
@@ -89,9 +92,10 @@ def test_transformers5_rope_theta_is_read():
 
 
 def test_gemma3_classic_form_has_two_ropes():
-    raw = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
-           "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2, "rope_theta": 1e6,
-           "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 24}
+    raw = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+           "num_attention_heads": 4, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+           "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 24}
     cfg = read_model_config(raw)
     assert cfg.layer_types == (SLIDING, FULL, SLIDING, FULL)
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor) == ("linear", 1e6, 8.0)
@@ -121,7 +125,8 @@ def test_context_length_follows_rope_scaling_as_vllm():
     (_llama(quantization_config={"quant_method": "awq"}), "quantization_config", "awq"),
     (_llama(model_type="mixtral"), "model_type", "mixtral"),
     (_llama(layer_types=["full_attention", "chunked_attention"]), "layer_types", "chunked_attention"),
-    ({**_llama(), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "use_bidirectional_attention": True},
+    ({**_llama(), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+      "use_bidirectional_attention": True},
      "use_bidirectional_attention", "True"),
 ])
 def test_unsupported_fields_are_refused_by_name_and_value(raw, field, value):
@@ -138,6 +143,7 @@ def test_unknown_architecture_is_refused_by_the_registry():
 
 
 def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
-    raw = _llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    raw = _llama(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert transformers.LlamaConfig(**raw).rope_parameters["rope_type"] == "linear"
     assert read_model_config(raw).rope.rope_type == "linear"

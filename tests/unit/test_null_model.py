@@ -29,7 +29,8 @@ def make_engine(source, num_pages=64, max_num_seqs=8, max_batch_tokens=64):
     spec.validate()
     pools = spec.paged_pools(num_pages)
     model = build_model(source, spec, torch.float32)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)] for n, p in pools.items()}
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
     engine = build_engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=max_num_seqs,
                           max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len)

@@ -14,7 +14,8 @@ from shared.layout import KVReqConfig, LabelLayout, Span, prompt_pages, shareabl
 from shared.specs.decoder_lm import DecoderLMSpec
 
 PS = 4
-CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16, "max_position_embeddings": 1024}
+CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16,
+          "max_position_embeddings": 1024}
 A = list(range(100, 132))  # 32 ids: 8 full pages, the last holding the last prompt row
 
 

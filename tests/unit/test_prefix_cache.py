@@ -17,14 +17,16 @@ PS = 4
 
 
 def _manager(pages: int, keys: bool = True) -> KVManager:
-    kv = KVManager({"kv": PagedKVConfig("kv", 1, 1, 1, "float32", PS, pages, 4096)}, (KVLabel("text", "kv", keys=keys, grows_on="decode_loop"),))
+    kv = KVManager({"kv": PagedKVConfig("kv", 1, 1, 1, "float32", PS, pages, 4096)},
+                   (KVLabel("text", "kv", keys=keys, grows_on="decode_loop"),))
     kv.debug = True
     return kv
 
 
 def _run_prefill(kv: KVManager, rid: str, span: Span, max_tokens: int = 2):
     layout = LabelLayout(spans=(span,), growth={"decode_loop": 1})
-    state = kv.ingest_request(NewRequest(rid, "", {}, SamplingParams(), "", span.length, max_tokens, {"text": layout}, {"decode_loop": max_tokens - 1}))
+    state = kv.ingest_request(NewRequest(rid, "", {}, SamplingParams(), "", span.length, max_tokens, {"text": layout},
+                                         {"decode_loop": max_tokens - 1}))
     if not kv.can_admit(state):
         return None
     hit = kv.admit(state)

@@ -27,7 +27,8 @@ CASES = {
     "yarn-mscale": ("LlamaConfig", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                                     "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
                                     "truncate": False, "rope_theta": 10000.0}, {}),
-    "longrope": ("Phi3Config", {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "rope_theta": 10000.0},
+    "longrope": ("Phi3Config", {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                                "rope_theta": 10000.0},
                  {"original_max_position_embeddings": 64}),
 }
 
@@ -84,7 +85,8 @@ def test_tables_switch_where_transformers_does(case):
     cos, _ = rot.tables(torch.tensor([orig - 1, orig, 3 * orig]), torch.float32)
     for row, p in zip(cos[:, 0], (orig - 1, orig, 3 * orig)):
         seq_len = p + 1
-        ref, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu", seq_len=torch.tensor(seq_len) if seq_len > orig else None)
+        ref, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu",
+                                                              seq_len=torch.tensor(seq_len) if seq_len > orig else None)
         if case == "longrope" and seq_len <= orig:
             ref, scale = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
         freqs = torch.tensor([float(p)]).unsqueeze(1) * ref

@@ -20,7 +20,8 @@ from tests.reference import hf_greedy
 
 
 def test_proposes_what_followed_the_latest_occurrence_of_the_suffix():
-    assert NgramProposer(max_n=3, min_n=1).propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the later of two
+    # the later of two
+    assert NgramProposer(max_n=3, min_n=1).propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
     # near the end the match's continuation repeats with its period: a loop drafts k tokens
     assert NgramProposer(max_n=3, min_n=1).propose([5, 6, 7, 5, 6, 7], 7) == [5, 6, 7, 5, 6, 7, 5]
     assert NgramProposer(max_n=2, min_n=1).propose([1, 4, 4, 4], 3) == [4, 4, 4]
@@ -76,14 +77,16 @@ def run_engine(spec, model, prompts, max_tokens, k, max_batch_tokens=64, ignore_
               for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
     kv.debug = True  # MSTAR_KV_DEBUG_ASSERTS=1: every commit checked against the layout
-    eng = build_engine(model, spec, kv, caches, eos_ids=list(eos_ids), max_num_seqs=8, max_batch_tokens=max_batch_tokens,
-                 max_seq_len=spec.max_seq_len, speculation=Speculation(k, 3, 1))
+    eng = build_engine(model, spec, kv, caches, eos_ids=list(eos_ids), max_num_seqs=8,
+                       max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len,
+                       speculation=Speculation(k, 3, 1))
     for i, ids in enumerate(prompts):
         ppo = spec.process_prompt(ids)
         caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
         refs, _ = pack_tensors(ppo.new_input_tensors)
-        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=ignore_eos), "", len(ids), max_tokens,
-                           ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)), ppo.new_input_tensors)
+        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=ignore_eos), "", len(ids),
+                           max_tokens, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)),
+                ppo.new_input_tensors)
     toks: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     frames = 0

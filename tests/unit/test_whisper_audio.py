@@ -56,12 +56,14 @@ def test_features_with_128_mels_equal_transformers():
 def test_feature_config_from_saved_extractor(tmp_path):
     transformers.WhisperFeatureExtractor(feature_size=128).save_pretrained(tmp_path)
     cfg = FeatureConfig.from_folder(tmp_path)
-    assert (cfg.feature_size, cfg.sampling_rate, cfg.hop_length, cfg.n_fft, cfg.chunk_length) == (128, 16000, 160, 400, 30)
+    assert (cfg.feature_size, cfg.sampling_rate, cfg.hop_length, cfg.n_fft, cfg.chunk_length) == (
+        128, 16000, 160, 400, 30)
     assert (cfg.n_samples, cfg.nb_max_frames) == (480000, 3000)
     assert FeatureConfig.from_folder(tmp_path / "nothing-here", feature_size=80) == FeatureConfig()
 
 
-@pytest.mark.parametrize(("fmt", "subtype", "tol"), [("WAV", "PCM_16", 1 / 32768), ("WAV", "FLOAT", 0), ("FLAC", "PCM_24", 1 / 2**23)])
+@pytest.mark.parametrize(("fmt", "subtype", "tol"), [("WAV", "PCM_16", 1 / 32768), ("WAV", "FLOAT", 0),
+                                                     ("FLAC", "PCM_24", 1 / 2**23)])
 def test_decode_wav_and_flac(extractor, fmt, subtype, tol):
     audio = sine_sweep(2.0)
     data = wav_bytes(audio, 16000, fmt, subtype)

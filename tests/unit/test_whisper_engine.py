@@ -116,7 +116,8 @@ def hf_greedy(hf, spec, feats, n, forced=None, eos=None, ignore_eos=False):
             enc = hf.model.encoder(torch.from_numpy(feats)).last_hidden_state
             step_ids, cache = list(forced), None
             for i in range(n):
-                res = hf(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([step_ids]), cache=cache, use_cache=True)
+                res = hf(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([step_ids]), cache=cache,
+                         use_cache=True)
                 cache = res.past_key_values
                 logits = res.logits[0, -1]
                 logits[list(spec.suppress_tokens)] = float("-inf")
@@ -153,8 +154,8 @@ def test_encoder_and_decoder_logits_match_transformers(world):
         for start, n in [(0, 6), (6, 1), (7, 1), (8, 1)]:
             self_meta = build_metadata([(self_pages, 0, start, n, n == 1)], PAGE)
             cmeta = cross_metadata([(cross_pages, 1500, n)], PAGE)
-            got.append(model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n), engine.runner.self_caches,
-                             self_meta, engine.runner.cross_caches, cmeta, torch.arange(n)))
+            got.append(model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n),
+                             engine.runner.self_caches, self_meta, engine.runner.cross_caches, cmeta, torch.arange(n)))
     torch.testing.assert_close(torch.cat(got), ref, rtol=0, atol=1e-4)
 
 
@@ -220,7 +221,8 @@ def test_run_to_the_window_holds_exactly_the_footprint(world, caplog):
     req, tensors = new_request(spec, pools, "w", feats[0], window, ignore_eos=True)
     engine.add(req, tensors)
     fps = {name: cfg.footprints for name, cfg in req.kv_configs.items()}
-    assert fps == {"kv_self": {"self": math.ceil((4 + window - 1) / PAGE)}, "kv_cross": {"cross": math.ceil(1500 / PAGE)}}
+    assert fps == {"kv_self": {"self": math.ceil((4 + window - 1) / PAGE)},
+                   "kv_cross": {"cross": math.ceil(1500 / PAGE)}}
     with caplog.at_level(logging.ERROR, logger="mstar.kv"):
         toks, finish, errors = drain(engine)
     assert not errors and finish["w"] == "length" and len(toks["w"]) == window
@@ -355,8 +357,8 @@ def test_add_refuses_malformed_requests(world):
         engine.add(req, {"input_features": tensors["input_features"]})
     with pytest.raises(ValueError, match=r"input_features must be \[1, 80, 3000\]"):
         engine.add(req, {**tensors, "input_features": np.zeros((1, 80, 100), np.float32)})
-    only_self = NewRequest("b", "whisper", req.input_tensors, req.sampling, "api", 4, 4, {"self": req.kv_layout["self"]},
-                           req.loop_caps, req.kv_configs)
+    only_self = NewRequest("b", "whisper", req.input_tensors, req.sampling, "api", 4, 4,
+                           {"self": req.kv_layout["self"]}, req.loop_caps, req.kv_configs)
     with pytest.raises(ValueError, match="needs layouts for labels"):
         engine.add(only_self, tensors)
     engine.add(req, tensors)
@@ -386,7 +388,8 @@ def test_a_448_position_decoder(tmp_path_factory, world):
     """Whisper's real decoder length (448): window, caps and tokens still line up."""
     from tests.whisper_checkpoints import make_whisper_checkpoint
 
-    path = make_whisper_checkpoint(tmp_path_factory.mktemp("w448") / "tiny-whisper-448", seed=1, max_target_positions=448)
+    path = make_whisper_checkpoint(tmp_path_factory.mktemp("w448") / "tiny-whisper-448", seed=1,
+                                   max_target_positions=448)
     spec = WhisperSpec.from_folder(path, page_size=PAGE)
     assert spec.graph_loops() == {"decode_loop": 447}
     assert spec.get_loop_caps(10_000) == {"decode_loop": 443}

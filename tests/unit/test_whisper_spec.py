@@ -36,12 +36,14 @@ def test_registry_builds_a_whisper_spec(whisper_ckpt):  # noqa: F811
     assert source.tokenizer.eos_token_ids == [tok_ids(whisper_ckpt)["<|endoftext|>"]]
     # config.json alone knows the start token; the folder adds the language and task tables
     assert spec.forced_ids()[0] == tok_ids(whisper_ckpt)["<|startoftranscript|>"]
-    assert spec.load_folder(whisper_ckpt).forced_ids() == WhisperSpec.from_folder(whisper_ckpt, page_size=PAGE).forced_ids()
+    assert (spec.load_folder(whisper_ckpt).forced_ids()
+            == WhisperSpec.from_folder(whisper_ckpt, page_size=PAGE).forced_ids())
 
 
 def test_labels_and_pools(spec):
     self_lab, cross_lab = spec.kv_labels
-    assert (self_lab.name, self_lab.pool, self_lab.keys, self_lab.grows_on, self_lab.window) == ("self", "kv_self", True, "decode_loop", None)
+    assert (self_lab.name, self_lab.pool, self_lab.keys, self_lab.grows_on, self_lab.window) == (
+        "self", "kv_self", True, "decode_loop", None)
     assert (cross_lab.name, cross_lab.pool, cross_lab.keys, cross_lab.grows_on) == ("cross", "kv_cross", False, None)
     pools = spec.paged_pools(40)
     s, c = pools["kv_self"], pools["kv_cross"]

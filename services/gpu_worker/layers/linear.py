@@ -1,19 +1,18 @@
 """Linear layers for the CPU path: oneDNN GEMM on weights reordered once at load.
 
 `F.linear` on the CPU hands MKL a transposed weight every call; for the row counts a
-serving step has (a few to a few dozen decode rows) that runs at half the speed of
-oneDNN's GEMM on a weight already in its blocked layout (measured on this 2-core Xeon,
-one thread: a 32000 x 512 LM head at 16 rows 20.3 -> 12.4 ms, a whole 8-layer step
-37.6 -> 25.0 ms). At one or two rows the plain call is the faster one (a GEMV), so both
-are kept where the plain weight is kept anyway (a tied LM head shares the embedding) or
-where the layers are small enough that the copy is worth it (`keep_plain`).
+serving step has (a few to a few dozen decode rows) that is slower than oneDNN's GEMM on
+a weight already in its blocked layout, for the LM head and for a whole step alike. At
+one or two rows the plain call is the faster one (a GEMV), so both are kept where the
+plain weight is kept anyway (a tied LM head shares the embedding) or where the layers
+are small enough that the copy is worth it (`keep_plain`).
 
-oneDNN builds (JIT-compiles) and caches one kernel per distinct row count, about 0.5-1 MB
-each, and its cache evicts by LRU: fed every row count a server sees, a worker grew by
-hundreds of MB and kept growing once the cache cycled (measured: 800 distinct counts
-twice, 0.2 -> 2.5 GB). So row counts are rounded up to a bounded set of buckets
-(`row_bucket`, zero rows padded and sliced off) and `warm_packed` builds every bucket's
-kernel at start-up: the worker's memory at ready is its memory under any load.
+oneDNN builds (JIT-compiles) and caches one kernel per distinct row count, each taking
+memory, and its cache evicts by LRU: fed every row count a server sees, a worker grew
+with each new count and kept growing once the cache cycled (evicted kernels are built
+again). So row counts are rounded up to a bounded set of buckets (`row_bucket`, zero
+rows padded and sliced off) and `warm_packed` builds every bucket's kernel at start-up:
+the worker's memory at ready is its memory under any load.
 
 Where the C GEMM kernel is built (kernels/gemm.c: AVX-512, one compute thread) it takes
 the place of oneDNN: `KernelLinear` / `KernelHead` keep only the kernel's packed weight,
@@ -168,8 +167,8 @@ class KernelLinear(nn.Module):
 class KernelGateUpSilu(nn.Module):
     """The MLP's fused gate/up `nn.Linear` (weight [gate; up], 2 x inter rows) and the
     silu(gate) * up after it, as one C call: the kernel applies silu * up to each tile as
-    it leaves the registers, so the 2 x inter wide intermediate (6 MB per layer for a
-    512-token prefill chunk here) is never written and read back. Same bits as
+    it leaves the registers, so the 2 x inter wide intermediate (in every layer, for every
+    row of a prefill chunk) is never written and read back. Same bits as
     `KernelLinear` followed by `fused.silu_mul`. No bias (no checkpoint here has one)."""
 
     def __init__(self, gate_up: nn.Linear) -> None:
@@ -232,7 +231,8 @@ def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
     return swapped
 
 
-def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead | None = None, max_head_rows: int = 0) -> int:
+def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead | None = None,
+                max_head_rows: int = 0) -> int:
     """Build oneDNN's kernel for every row bucket of every packed weight shape under
     `module` (and of `head` up to `max_head_rows`) now, at start-up, rather than under load;
     returns how many GEMMs it ran. Kernels are cached by shape, so one layer per shape does.
@@ -242,7 +242,8 @@ def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead 
         if isinstance(m, PackedLinear):
             shapes.setdefault((m.in_features, m.out_features, m.plain is not None), m)
     # (packed weight, bias, in features, most rows, fewest rows that reach oneDNN)
-    todo = [(layer.packed, layer.bias, layer.in_features, max_rows, PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
+    todo = [(layer.packed, layer.bias, layer.in_features, max_rows,
+             PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
             for layer in shapes.values()]
     if isinstance(head, PackedHead):
         todo.append((head.packed, None, head.plain.shape[1], max_head_rows, PLAIN_MAX_ROWS + 1))

@@ -77,7 +77,8 @@ class EncoderDecoderModel(ModelBase):
         """Input features [B, ...] -> encoder rows [B, frames, d_model]."""
 
     @abstractmethod
-    def write_cross(self, encoder_rows: torch.Tensor, cross_caches: list[torch.Tensor], cross_meta: AttnMetadata) -> None:
+    def write_cross(self, encoder_rows: torch.Tensor, cross_caches: list[torch.Tensor],
+                    cross_meta: AttnMetadata) -> None:
         """Each decoder layer's cross K/V of the encoder rows, into the pages `cross_meta` names."""
 
     @abstractmethod

@@ -203,7 +203,8 @@ class DecoderLM(DecoderModel):
         self.model = Backbone(cfg)
         #: one RoPE per distinct layer type's parameters (Gemma 3's local layers have their own)
         kinds = {FULL: cfg.rope} if cfg.rope == cfg.rope_local else {t: cfg.layer_rope(t) for t in set(cfg.layer_types)}
-        self.rotaries = nn.ModuleDict({t: Rotary(r, cfg.head_dim, cfg.max_position_embeddings) for t, r in kinds.items()})
+        self.rotaries = nn.ModuleDict({t: Rotary(r, cfg.head_dim, cfg.max_position_embeddings)
+                                       for t, r in kinds.items()})
         self.layer_rope = [t if t in kinds else FULL for t in cfg.layer_types]
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
@@ -257,7 +258,8 @@ class DecoderLM(DecoderModel):
             return 0
         return warm_packed(self.model.layers, max_rows, self.head, max_sample_rows)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata],
+                sample_rows: torch.Tensor):
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)

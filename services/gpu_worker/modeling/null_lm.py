@@ -28,14 +28,16 @@ class NullLM(DecoderModel):
     def _zero_rows(self, n: int, like: torch.Tensor) -> torch.Tensor:
         z = self._zeros
         if z is None or z.shape[0] < n or z.dtype != like.dtype or z.device != like.device:
-            z = self._zeros = torch.zeros(max(n, 64), self.kv_heads, self.head_dim, dtype=like.dtype, device=like.device)
+            z = self._zeros = torch.zeros(max(n, 64), self.kv_heads, self.head_dim, dtype=like.dtype,
+                                          device=like.device)
         return z[:n]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         if state:
             raise ValueError(f"the null model takes no weights, got {sorted(state)[:5]}")
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata], sample_rows: torch.Tensor):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata],
+                sample_rows: torch.Tensor):
         for cache, meta in zip(kv_caches, metas):
             rows = self._zero_rows(input_ids.shape[0], cache)
             write_kv(cache, rows, rows, meta)

@@ -35,10 +35,12 @@ def torch_model_for(spec: ModelSpec | type[ModelSpec]) -> type[ModelBase]:
             break
     else:
         raise DeploymentError(f"no torch model runs {spec_cls.__name__}: neither it nor a base class is in "
-                              f"services.gpu_worker.modeling.registry.TORCH_MODELS ({sorted(c.__name__ for c in TORCH_MODELS)})")
+                              f"services.gpu_worker.modeling.registry.TORCH_MODELS "
+                              f"({sorted(c.__name__ for c in TORCH_MODELS)})")
     want = ENGINE_MODELS.get(spec_cls.engine)
     if want is None:
-        raise DeploymentError(f"{spec_cls.__name__}.engine is {spec_cls.engine!r}; the gpu worker has {sorted(ENGINE_MODELS)}")
+        raise DeploymentError(f"{spec_cls.__name__}.engine is {spec_cls.engine!r}; "
+                              f"the gpu worker has {sorted(ENGINE_MODELS)}")
     if not issubclass(model_cls, want):
         raise DeploymentError(f"{spec_cls.__name__} runs on the {spec_cls.engine!r} engine, but its torch model "
                               f"{model_cls.__name__} is not a {want.__name__}")

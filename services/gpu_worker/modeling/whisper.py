@@ -172,7 +172,8 @@ class WhisperModel(EncoderDecoderModel):
             raise ValueError(f"Whisper's encoder takes {want} mel frames, got {input_features.shape[-1]}")
         return self.model.encoder(input_features)
 
-    def write_cross(self, encoder_rows: torch.Tensor, cross_caches: list[torch.Tensor], cross_meta: AttnMetadata) -> None:
+    def write_cross(self, encoder_rows: torch.Tensor, cross_caches: list[torch.Tensor],
+                    cross_meta: AttnMetadata) -> None:
         """Each decoder layer's cross K/V of the encoder rows, into the "cross" pages the
         metadata's slots name (rows of several requests may be concatenated)."""
         for layer, cache in zip(self.model.decoder.layers, cross_caches):
