@@ -129,9 +129,10 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     ppo = spec.process_prompt(list(range(1, n + 1)))
     caps = spec.clamp_caps(spec.get_loop_caps(2, prompt_len=n))
     refs, _ = pack_tensors(ppo.new_input_tensors)
-    # Warm-up exercises the kernels, not the model's declarations (intake checks those).
-    declared = {lab.name for lab in spec.kv_labels}
-    layout = {name: lay for name, lay in ppo.kv_layout.items() if name in declared}
+    # A model whose layouts name labels it never declared fails here, at start, not on the
+    # first request that reaches it.
+    layout = ppo.kv_layout
+    spec.refuse_undeclared_labels(layout)
     req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
                      spec.kv_configs(layout, caps, parts.pools))
     with kv.untracked():

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, CrossRows, build_metadata, cross_metadata
-from services.gpu_worker.kv_manager import LayoutViolation
+from services.gpu_worker.kv_manager import FootprintOverrun, LayoutViolation
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import LAYOUT_VIOLATED, Failure, ModelRunner
+from services.gpu_worker.runner import LAYOUT_VIOLATED, OVERRUN, Failure, ModelRunner
 from services.gpu_worker.scheduler import StepPlan
 from shared.layout import KVLabel
 
@@ -85,11 +85,21 @@ class EncoderDecoderRunner(ModelRunner):
         failed = [Failure(r, "internal error",
                           ValueError(f"{r.num_computed} prefix-cache rows on an encoder-decoder request"))
                   for r in admitted if r.num_computed]
-        todo = [r for r in admitted if not r.num_computed]
+        todo, rows = [], []
+        for r in admitted:
+            if r.num_computed:
+                continue
+            try:
+                pages = self.kv.reserve_rows(r.request_id, self.cross_label.name, self.n_frames)
+            except FootprintOverrun as exc:
+                failed.append(Failure(r, OVERRUN, exc))
+                continue
+            todo.append(r)
+            rows.append(AttnRows(pages, 0, 0, self.n_frames, False))
         if not todo:
             return failed
         try:
-            self._encode(todo)
+            self._encode(todo, rows)
         except Exception as exc:
             log.exception("the encoder failed on %d request(s)", len(todo))
             return failed + [Failure(r, "internal error in the encoder", exc) for r in todo]
@@ -103,10 +113,7 @@ class EncoderDecoderRunner(ModelRunner):
             r.inputs.clear()  # the features are no longer needed
         return failed
 
-    def _encode(self, reqs: list[Request]) -> None:
-        rows = [AttnRows(self.kv.reserve_rows(r.request_id, self.cross_label.name, self.n_frames),
-                         0, 0, self.n_frames, False)
-                for r in reqs]
+    def _encode(self, reqs: list[Request], rows: list[AttnRows]) -> None:
         meta = build_metadata(rows, self.page_sizes[self.cross_label.name])
         feats = torch.cat([r.inputs["features"] for r in reqs]).to(self.dtype)
         with torch.inference_mode():

@@ -94,15 +94,16 @@ class Engine:
 
     def step(self) -> StepResult:
         res = StepResult()
+        end = self._end_with(res)
         admitted = self.scheduler.admit()
         if admitted and self.runner.needs_prepare:
             for failure in self.runner.prepare(admitted):
-                self.outputs.fail(failure.request, failure.message, self._end_with(res), res, failure.cause)
+                self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
         plan = self.scheduler.schedule()
-        if not plan.entries:
-            return res
         try:
-            sampled = self.runner.execute(plan)
+            for failure in self.runner.reserve(plan):  # an overrun with no page to spare fails alone
+                self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
+            sampled = self.runner.execute(plan) if plan.entries else []
         except Exception:
             error_id = new_error_id()
             log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(plan.entries))
@@ -111,7 +112,7 @@ class Engine:
                                                                   "internal error in the model step", error_id)))
                 self._end(e.request, False, "error", res)
             return res
-        self.outputs.update(plan, sampled, self._end_with(res), res)
+        self.outputs.update(plan, sampled, end, res)
         return res
 
     def _end_with(self, res: StepResult):

@@ -36,6 +36,11 @@ class LayoutViolation(Exception):
     """Under MSTAR_KV_DEBUG_ASSERTS=1, a commit that does not match the declared layout."""
 
 
+class FootprintOverrun(Exception):
+    """A label needs a page past its footprint and every free page is reserved by other
+    requests: only the overrunning request may fail for it, never one that kept its word."""
+
+
 def max_seq_len_pages(pool: PagedKVConfig) -> int:
     return pages_for(pool.max_seq_len, pool.page_size)
 
@@ -268,14 +273,21 @@ class KVManager:
         pool = self.pools[st.label.pool]
         held = len(st.pages) + 1
         if held > st.footprint:
+            # A page past the footprint comes only from pages nobody has reserved: the
+            # requests that declared their pages truthfully keep every one of them.
+            unreserved = pool.available - pool.reserved
             if not st.overrun_logged:
                 st.overrun_logged = True
                 self.footprint_overruns += 1
                 log.error(
                     "KV footprint overrun: request %s label %r takes page %d past its footprint of %d "
-                    "(layout under-states what it writes; page served anyway)",
-                    kv.request_id, st.label.name, held, st.footprint,
+                    "(layout under-states what it writes; %s)", kv.request_id, st.label.name, held, st.footprint,
+                    "served from unreserved pages" if unreserved > 0 else "no unreserved page: the request fails",
                 )
+            if unreserved <= 0:
+                raise FootprintOverrun(f"request {kv.request_id} label {st.label.name!r} needs page {held} past its "
+                                       f"footprint of {st.footprint}, and every free page of pool "
+                                       f"{pool.config.name!r} is reserved by other requests")
         else:
             pool.reserved -= 1  # this page was set aside at admission
         page = pool.take()

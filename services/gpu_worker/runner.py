@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
-from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_manager import FootprintOverrun, KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import sample
 from services.gpu_worker.scheduler import StepPlan
@@ -30,6 +30,8 @@ log = logging.getLogger("mstar.runner")
 
 #: what a client is told when its request broke its own layout
 LAYOUT_VIOLATED = "internal error: the model's KV layout was violated"
+#: ... and when it needed a page past its footprint with none left that nobody reserved
+OVERRUN = "internal error: the model's KV layout under-stated what this request writes"
 
 
 class Failure(NamedTuple):
@@ -101,6 +103,22 @@ class ModelRunner:
 
     # -- the forward ---------------------------------------------------------------------
 
+    def reserve(self, plan: StepPlan) -> list[Failure]:
+        """Pages for every entry's rows, before the forward writes them. A request whose
+        layout under-states what it writes and finds no page nobody reserved fails alone
+        (its entry leaves the plan); every other entry runs."""
+        failed = []
+        for e in plan.entries:
+            try:
+                for lab in self.step_labels:
+                    e.pages[lab.name] = self.kv.reserve_rows(e.request.request_id, lab.name, e.rows)
+            except FootprintOverrun as exc:
+                failed.append(Failure(e.request, OVERRUN, exc))
+        if failed:
+            gone = {id(f.request) for f in failed}
+            plan.entries = [e for e in plan.entries if id(e.request) not in gone]
+        return failed
+
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """One forward over the plan; per entry, the tokens sampled for it: none for a
         prefill chunk that does not end its prompt, one per row for a verify step."""
@@ -111,8 +129,8 @@ class ModelRunner:
             r, n = e.request, e.rows
             before = len(sample_rows)
             for lab in self.step_labels:
-                pages = self.kv.reserve_rows(r.request_id, lab.name, n)
-                rows[lab.name].append(AttnRows(pages, r.kv.labels[lab.name].first_page, r.num_computed, n, e.decode))
+                rows[lab.name].append(AttnRows(e.pages[lab.name], r.kv.labels[lab.name].first_page, r.num_computed, n,
+                                               e.decode))
             ids.extend(r.token_slice(r.num_computed, r.num_computed + n - len(e.drafts)))
             ids.extend(e.drafts)
             if e.drafts:  # a verify step samples every row: each checks the draft after it

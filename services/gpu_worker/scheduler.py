@@ -30,6 +30,8 @@ class PlanEntry:
     rows: int
     decode: bool
     drafts: list[int] = field(default_factory=list)
+    #: per label the step writes, the request's live pages once the runner reserved its rows
+    pages: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

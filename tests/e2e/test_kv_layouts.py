@@ -90,10 +90,10 @@ def test_no_max_tokens_runs_to_the_sequence_limit(debug_server):
 
 
 def test_undeclared_label_is_a_500_with_error_id(llama_ckpt, tmp_path):
-    ckpt = with_architecture(llama_ckpt, tmp_path / "ghost", "GhostLabelLlamaForCausalLM")
+    ckpt = with_architecture(llama_ckpt, tmp_path / "ghost", "OddGhostLabelLlamaForCausalLM")
     server = MstarServer(str(ckpt), tmp_path / "log.txt", "--num-kv-pages", "32", env=PLUGINS).start()
     try:
-        r = _gen(server, prompt="Hello", max_tokens=3)
+        r = _gen(server, input_ids=[5, 6, 7], max_tokens=3)
         assert r.status_code == 500
         err = r.json()["error"]
         assert err["message"] == "internal error" and re.fullmatch(r"err-[0-9a-f]{32}", err["error_id"])
@@ -103,6 +103,17 @@ def test_undeclared_label_is_a_500_with_error_id(llama_ckpt, tmp_path):
         assert server.wait_pages_free() == 0
     finally:
         server.stop()
+
+
+def test_a_model_that_always_names_an_undeclared_label_fails_at_start(llama_ckpt, tmp_path):
+    """Warm-up runs the model's own layout: a ghost label stops the worker before /ready."""
+    ckpt = with_architecture(llama_ckpt, tmp_path / "ghost", "GhostLabelLlamaForCausalLM")
+    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(ckpt),
+                        "--port", str(free_port())],
+                       cwd=REPO, env=service_env(**PLUGINS), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "layout names undeclared KV label(s) ['ghost']" in r.stderr
+    assert "gpu_worker-0 failed to start" in r.stderr and "mstar: ready" not in r.stderr
 
 
 def test_undeclared_pool_refused_at_start(llama_ckpt, tmp_path):
@@ -142,6 +153,53 @@ async def test_understated_growth_overruns(llama_ckpt, tmp_path, debug):
             assert bad.status_code == 200 and len(bad.json()["token_ids"]) == 12
             assert len(overruns) == 1 and "label 'text'" in overruns[0]
             assert server.wait_metric("mstar_kv_footprint_overruns_total", 1) == 1
+        assert server.wait_pages_free() == 0
+    finally:
+        server.stop()
+
+
+async def test_an_overrun_on_a_full_pool_fails_only_the_liar(llama_ckpt, tmp_path):
+    """Two honest requests whose footprints, with the liar's, fill the pool exactly: the
+    page the liar takes past its footprint may come only from pages nobody reserved, and
+    there are none, so it fails alone (500, the reason logged under its error id); both
+    honest requests get every token, and every page comes back."""
+    ckpt = with_architecture(llama_ckpt, tmp_path / "under", "UnderstatedGrowthLlamaForCausalLM")
+    # honest: 4 + 300 rows = 76 pages of 4 each; the liar (odd prompt, declares no growth): 1
+    server = MstarServer(str(ckpt), tmp_path / "log.txt", "--num-kv-pages", "153", "--page-size", "4",
+                         "--no-prefix-cache", env=PLUGINS).start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            running = asyncio.Event()
+            streamed = 0
+
+            async def honest(ids: list[int]) -> list[int]:
+                nonlocal streamed
+                body = {"input_ids": ids, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+                events = []
+                async with client.stream("POST", "/generate", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            events.append(json.loads(line[5:]))
+                            if len(events) == 1:
+                                streamed += 1
+                                if streamed == 2:
+                                    running.set()  # both admitted: their footprints are reserved
+                assert events[-1]["type"] == "done", events[-1]
+                return events[-1]["token_ids"]
+
+            tasks = [asyncio.ensure_future(honest(ids)) for ids in ([5, 6, 7, 8], [9, 10, 11, 12])]
+            await asyncio.wait_for(running.wait(), 60)
+            liar = await client.post("/generate", json={"input_ids": [20, 21, 22], "max_tokens": 12, "temperature": 0,
+                                                        "ignore_eos": True})
+            outputs = await asyncio.gather(*tasks)
+        assert [len(o) for o in outputs] == [300, 300]
+        assert outputs[0] == hf_greedy(llama_ckpt, [5, 6, 7, 8], 300)
+        assert liar.status_code == 500, liar.text
+        error_id = liar.json()["error"]["error_id"]
+        reason = "every free page of pool 'kv' is reserved"
+        assert any(error_id in ln and reason in ln for ln in server.log().splitlines())
+        assert server.wait_metric("mstar_kv_footprint_overruns_total", 1) == 1
         assert server.wait_pages_free() == 0
     finally:
         server.stop()

@@ -26,12 +26,22 @@ class UnderstatedGrowthSpec(DecoderLMSpec):
 
 
 class GhostLabelSpec(DecoderLMSpec):
-    """Returns a layout for a label it never declared."""
+    """Returns a layout for a label it never declared, for every prompt."""
 
     def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
         out = super().process_prompt(token_ids)
         out.kv_layout["ghost"] = LabelLayout(growth={self.decode_loop: 1})
         return out
+
+
+class OddGhostLabelSpec(GhostLabelSpec):
+    """The ghost label only for odd-length prompts: it passes the worker's warm-up (16
+    tokens) and fails at intake."""
+
+    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
+        if len(token_ids) % 2:
+            return super().process_prompt(token_ids)
+        return DecoderLMSpec.process_prompt(self, token_ids)
 
 
 class OrphanPoolSpec(DecoderLMSpec):
@@ -53,6 +63,7 @@ class RowsWindowSpec(DecoderLMSpec):
 for arch, cls in {
     "UnderstatedGrowthLlamaForCausalLM": UnderstatedGrowthSpec,
     "GhostLabelLlamaForCausalLM": GhostLabelSpec,
+    "OddGhostLabelLlamaForCausalLM": OddGhostLabelSpec,
     "OrphanPoolLlamaForCausalLM": OrphanPoolSpec,
     "RowsWindowQwen2ForCausalLM": RowsWindowSpec,
 }.items():
