@@ -99,6 +99,21 @@ class WorkerState:
         return all(self.free(p) >= n for p, n in need.items())
 
 
+def _loop_needs(spec: ModelSpec, loops: dict[str, int], max_tokens: int, prompt_len: int) -> dict[str, int]:
+    """The iterations the request needs of each loop, or a 400 naming the first loop whose
+    `max_iters` it exceeds: every loop a model declares is refused the same way (the decode
+    loop's own message comes first, from max_tokens)."""
+    need = spec.get_loop_caps(max_tokens, prompt_len=prompt_len)
+    unknown = sorted(set(need) - set(loops))
+    if unknown:
+        raise Refusal(ErrorKind.INTERNAL, f"get_loop_caps names loop(s) {unknown} the graph does not have")
+    for loop, n in need.items():
+        if n > loops[loop]:
+            raise Refusal(ErrorKind.TOO_LONG, f"the request needs {n} iterations of loop {loop!r}, "
+                                              f"which runs at most {loops[loop]} (its max_iters)", "max_tokens")
+    return need
+
+
 def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfig]) -> NewRequest:
     """Fill max_tokens, loop caps and KV configs, or raise `Refusal` naming the limit.
 
@@ -109,7 +124,7 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         raise Refusal(ErrorKind.INTERNAL, str(exc)) from exc
     max_seq_len = min(p.max_seq_len for p in pools.values())
     loops = spec.graph_loops()
-    decode_iters = loops.get(getattr(spec, "decode_loop", "decode_loop"))
+    decode_iters = loops.get(spec.decode_loop)
     if req.prompt_len >= max_seq_len:
         raise Refusal(ErrorKind.TOO_LONG,
                       f"prompt is {req.prompt_len} tokens; "
@@ -131,7 +146,7 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         raise Refusal(ErrorKind.TOO_LONG,
                       f"prompt ({req.prompt_len} tokens) + max_tokens ({max_tokens}) = {req.prompt_len + max_tokens} "
                       f"exceeds max_seq_len {max_seq_len}", "max_tokens")
-    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=req.prompt_len))
+    caps = spec.clamp_caps(_loop_needs(spec, loops, max_tokens, req.prompt_len))
     configs = spec.kv_configs(req.kv_layout, caps, pools)
     for name, cfg in configs.items():
         if cfg.total_pages > pools[name].num_pages:

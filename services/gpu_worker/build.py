@@ -61,8 +61,8 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
         log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
         k = 0
     limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions)
-    scheduler = Scheduler(kv, limits, spec.decode_loop, k)
-    outputs = OutputProcessor(kv, runner.step_labels, spec.decode_loop, eos_ids, max_seq_len)
+    scheduler = Scheduler(kv, limits, spec.step_loops, k)
+    outputs = OutputProcessor(kv, runner.step_labels, spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
     return Engine(kv, scheduler, runner, outputs, ngram)
 

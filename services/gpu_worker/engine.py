@@ -77,9 +77,9 @@ class Engine:
         kv = self.kv.ingest_request(req)
         if not self.kv.fits_at_all(kv):
             raise ValueError("footprint exceeds the pool")
-        loop = self.scheduler.loop
         r = Request(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps), prompt, kv,
-                    make_generator(req.sampling.seed), iters={loop: 0}, ready=not self.runner.needs_prepare,
+                    make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
+                    ready=not self.runner.needs_prepare,
                     inputs=inputs)
         if self.ngram is not None and req.sampling.greedy:
             r.proposer = NgramProposer(*self.ngram)

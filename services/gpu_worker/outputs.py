@@ -47,11 +47,12 @@ def error_frame(request_id: str, kind: ErrorKind, message: str, error_id: str | 
 
 
 class OutputProcessor:
-    def __init__(self, kv: KVManager, labels: tuple[KVLabel, ...], decode_loop: str, eos_ids: list[int],
+    def __init__(self, kv: KVManager, labels: tuple[KVLabel, ...], step_loops: tuple[str, ...], eos_ids: list[int],
                  max_seq_len: int) -> None:
         self.kv = kv
         self.labels = labels
-        self.loop = decode_loop
+        #: the loops a decode step iterates (each committed token is one iteration of each)
+        self.loops = step_loops
         self.eos = set(eos_ids)
         self.max_seq_len = max_seq_len
         #: speculative drafts verified, and accepted, over the worker's life
@@ -99,7 +100,8 @@ class OutputProcessor:
                 self.kv.commit(req.request_id, lab.name, rows, None)
         req.num_computed += rows
         if entry.decode:
-            req.iters[self.loop] += rows
+            for loop in self.loops:
+                req.iters[loop] += rows
 
     def _emit(self, req: Request, toks: list[int], end, res: StepResult) -> None:
         """Append the step's tokens (several after a verify step) and send them in one
@@ -114,9 +116,9 @@ class OutputProcessor:
             if finish is not None:
                 toks = toks[:n]
                 break
-        ran_to_cap = req.iters[self.loop] >= req.caps.get(self.loop, 0)
-        if finish is None and ran_to_cap:
-            finish = "length"  # the loop's cap is reached: never run it further
+        at_cap = [req.iters[loop] >= req.caps.get(loop, 0) for loop in self.loops]
+        if finish is None and any(at_cap):
+            finish = "length"  # a loop's cap is reached: never run it further
         res.outputs.append((req.reply_to, Output(req.request_id, toks, finish, len(req.prompt), len(req.output))))
         if finish is not None:
-            end(req, ran_to_cap, "ok")
+            end(req, all(at_cap), "ok")

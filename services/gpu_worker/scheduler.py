@@ -53,10 +53,11 @@ class Limits:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, limits: Limits, decode_loop: str, speculative_k: int = 0) -> None:
+    def __init__(self, kv: KVManager, limits: Limits, step_loops: tuple[str, ...], speculative_k: int = 0) -> None:
         self.kv = kv
         self.limits = limits
-        self.loop = decode_loop
+        #: the loops a decode step iterates: drafts never run any of them past its cap
+        self.loops = step_loops
         self.speculative_k = speculative_k
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -123,6 +124,7 @@ class Scheduler:
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Prompt-lookup drafts for this step, never more than the request may still emit
         after the token this step samples anyway: its loop cap, max_tokens, max_seq_len."""
-        k = min(self.speculative_k, budget, req.caps.get(self.loop, 0) - req.iters[self.loop] - 1,
+        left = min(req.caps.get(loop, 0) - req.iters[loop] for loop in self.loops)
+        k = min(self.speculative_k, budget, left - 1,
                 req.max_tokens - len(req.output) - 1, self.limits.max_seq_len - req.tokens_len - 1)
         return req.proposer.propose(req.prompt + req.output, k) if k > 0 else []

@@ -33,8 +33,8 @@ class DeploymentError(Exception):
 
 
 class ModelSpec(ABC):
-    #: which step loop runs it: "decoder" (services/gpu_worker/engine.py) or
-    #: "encoder_decoder" (encdec_engine.py: an encoder pass at admission, then decoding)
+    #: which runner its steps need: "decoder" (services/gpu_worker/runner.py) or
+    #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding)
     engine: str = "decoder"
     #: True for models whose requests are audio (the data worker needs a file)
     takes_audio: bool = False
@@ -44,6 +44,13 @@ class ModelSpec(ABC):
     #: generation config lists them; none for most families)
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+
+    @property
+    def step_loops(self) -> tuple[str, ...]:
+        """The loops one decode step iterates, each once per committed token. Every one is
+        capped, refused and stopped the same way: the request ends ("length") when any of
+        them reaches its cap."""
+        return (self.decode_loop,)
 
     def load_folder(self, path: str | Path) -> Self:
         """Read what the spec needs from a Hugging Face folder beyond config.json (the

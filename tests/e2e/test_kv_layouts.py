@@ -205,6 +205,32 @@ async def test_an_overrun_on_a_full_pool_fails_only_the_liar(llama_ckpt, tmp_pat
         server.stop()
 
 
+def test_every_loop_is_capped_refused_and_stopped_alike(llama_ckpt, tmp_path):
+    """Two loops, both below max_tokens - 1: the request stops ("length") at whichever cap
+    binds, with exactly that many tokens, each the model's own; a request whose second
+    loop would need more than its max_iters is a 400 naming that loop."""
+    ckpt = with_architecture(llama_ckpt, tmp_path / "loops", "TwoLoopLlamaForCausalLM")
+    server = MstarServer(str(ckpt), tmp_path / "log.txt", "--num-kv-pages", "64", "--page-size", "4",
+                         env={**PLUGINS, **DEBUG}).start()
+    try:
+        ids = [5, 6, 7, 8]
+        # max_tokens -> tokens: 12 -> the decode cap (5) binds: 1 + 5; 6 -> the budget cap (1): 1 + 1
+        for max_tokens, want in [(12, 6), (14, 7), (6, 2)]:
+            r = _gen(server, input_ids=ids, max_tokens=max_tokens, ignore_eos=True)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["finish_reason"] == "length" and body["token_ids"] == hf_greedy(llama_ckpt, ids, want), body
+        r = _gen(server, input_ids=ids, max_tokens=30, ignore_eos=True)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens"
+        assert err["message"] == ("the request needs 25 iterations of loop 'budget_loop', "
+                                  "which runs at most 10 (its max_iters)")
+        assert server.wait_pages_free() == 0
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def two_label_ckpt(tmp_path_factory):
     base = make_checkpoint(tmp_path_factory.mktemp("sw") / "qwen2-sw", "qwen2", use_sliding_window=True,

@@ -44,6 +44,25 @@ class OddGhostLabelSpec(GhostLabelSpec):
         return DecoderLMSpec.process_prompt(self, token_ids)
 
 
+class TwoLoopSpec(DecoderLMSpec):
+    """A decoder whose decode step also iterates a second loop, "budget_loop" (at most 10
+    iterations), with caps below max_tokens - 1 for both: the decode loop's cap binds for
+    large max_tokens, the budget's for small ones, and a max_tokens whose budget needs
+    more than 10 iterations is refused."""
+
+    budget_loop = "budget_loop"
+
+    @property
+    def step_loops(self) -> tuple[str, ...]:
+        return (self.decode_loop, self.budget_loop)
+
+    def graph_loops(self) -> dict[str, int]:
+        return {**super().graph_loops(), self.budget_loop: 10}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {self.decode_loop: max(1, (max_tokens - 1) // 2), self.budget_loop: max(1, max_tokens - 5)}
+
+
 class OrphanPoolSpec(DecoderLMSpec):
     """Declares a paged pool that no label lives in."""
 
@@ -64,6 +83,7 @@ for arch, cls in {
     "UnderstatedGrowthLlamaForCausalLM": UnderstatedGrowthSpec,
     "GhostLabelLlamaForCausalLM": GhostLabelSpec,
     "OddGhostLabelLlamaForCausalLM": OddGhostLabelSpec,
+    "TwoLoopLlamaForCausalLM": TwoLoopSpec,
     "OrphanPoolLlamaForCausalLM": OrphanPoolSpec,
     "RowsWindowQwen2ForCausalLM": RowsWindowSpec,
 }.items():
