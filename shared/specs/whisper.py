@@ -3,8 +3,10 @@
 Two labels in two pools, because the two kinds of rows differ in everything the KV
 manager cares about:
 - "self" (pool "kv_self"): the decoder's self-attention rows. Its span is the forced
-  decoder prompt (<|startoftranscript|><|lang|><|task|><|notimestamps|>) as `Span.ids`,
-  and it grows one row per decode iteration.
+  decoder prompt (<|startoftranscript|><|lang|><|task|><|notimestamps|>) as `Span.rows`:
+  the cross-attention feeds every decoder row, so its KV depends on the audio, not on the
+  ids alone, and it is never keyed (two clips with the same prompt share nothing). It
+  grows one row per decode iteration.
 - "cross" (pool "kv_cross"): each decoder layer's cross-attention K/V of the encoder's
   frames, written once at admission: one `Span.rows(max_source_positions)` (1500 for a
   30 s window; audio frames, never keyed), no growth.
@@ -70,7 +72,7 @@ class WhisperSpec(ModelSpec):
         mt = self.max_target_positions
         self.max_seq_len = min(mt, max_seq_len) if max_seq_len else mt
         self._labels = (
-            KVLabel(self.self_label, self.self_pool, keys=True, grows_on=self.decode_loop),
+            KVLabel(self.self_label, self.self_pool, keys=False, grows_on=self.decode_loop),
             KVLabel(self.cross_label, self.cross_pool, keys=False),
         )
         self.features = FeatureConfig(feature_size=self.n_mels)
@@ -220,7 +222,7 @@ class WhisperSpec(ModelSpec):
         if bad:
             raise ValueError(f"decoder prompt ids must be in [0, {self.vocab_size}), got {bad[0]}")
         layouts = {
-            self.self_label: LabelLayout(spans=(Span.ids(ids),), growth={self.decode_loop: 1}),
+            self.self_label: LabelLayout(spans=(Span.rows(len(ids)),), growth={self.decode_loop: 1}),
             self.cross_label: LabelLayout(spans=(Span.rows(self.n_frames),)),
         }
         tensors = {"input_features": np.ascontiguousarray(feats), "decoder_input_ids": np.asarray(ids, dtype=np.int32)}

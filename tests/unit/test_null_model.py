@@ -132,14 +132,49 @@ def test_engine_runs_batches_deterministically_and_frees_pages(source):
     assert kv.footprint_overruns == 0
 
 
-def test_engine_stops_at_eos_only_when_asked(source):
-    # The null model never samples EOS, so a request without ignore_eos still runs to its length.
-    spec, pools, kv, _, engine = make_engine(source)
-    req, tensors = new_request(spec, pools, "a", [EOS_ID, 1, 2], 6, ignore_eos=False)
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_engine_stops_at_eos_only_when_asked(source, ignore_eos):
+    """The null model never samples its tokenizer's EOS, so the engine is given one it does
+    produce (the 3rd token it will emit): without ignore_eos the request ends there with
+    "stop"; with it, it runs to max_tokens with "length"."""
+    spec, pools, kv, caches, _ = make_engine(source)
+    stop_tok = expected([2], 3)[-1]
+    engine = build_engine(build_model(source, spec, torch.float32), spec, kv, caches, eos_ids=[stop_tok],
+                          max_num_seqs=8, max_batch_tokens=64, max_seq_len=spec.max_seq_len)
+    req, tensors = new_request(spec, pools, "a", [EOS_ID, 1, 2], 6, ignore_eos=ignore_eos)
     engine.add(req, tensors)
-    toks = []
+    toks, finish = [], None
     while engine.has_work:
         for _, out in engine.step().outputs:
             toks.extend(out.token_ids)
-    assert toks == expected([2], 6)
+            finish = out.finish_reason or finish
+    assert (toks, finish) == ((expected([2], 6), "length") if ignore_eos else (expected([2], 3), "stop"))
+    assert kv.used_pages() == 0
+
+
+@pytest.mark.parametrize("scratch", [0, 2 * PAGE])
+def test_debug_asserts_see_a_footprint_that_is_not_tight(source, caplog, scratch):
+    """Under debug asserts, a request that ran to its caps but never reached its footprint
+    (3 prompt + 5 decode rows: 2 pages of 4, against 4 with 8 declared scratch rows) is
+    logged per label; a truthful one is not."""
+    import logging
+
+    import msgspec
+
+    spec, pools, kv, _, engine = make_engine(source)
+    kv.debug = True
+    req, tensors = new_request(spec, pools, "r", [70, 71, 72], 6)
+    if scratch:
+        layout = {n: msgspec.structs.replace(lay, scratch=scratch) for n, lay in req.kv_layout.items()}
+        req = msgspec.structs.replace(req, kv_layout=layout, kv_configs=spec.kv_configs(layout, req.loop_caps, pools))
+    engine.add(req, tensors)
+    with caplog.at_level(logging.ERROR, logger="mstar.kv"):
+        while engine.has_work:
+            assert not engine.step().errors
+    loose = [r.getMessage() for r in caplog.records if "footprint not tight" in r.getMessage()]
+    if scratch:
+        assert loose == ["request r label 'text' ran to its caps but held at most 2 of its 4 footprint pages "
+                         "(footprint not tight)"]
+    else:
+        assert loose == []
     assert kv.used_pages() == 0
