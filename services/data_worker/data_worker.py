@@ -1,7 +1,8 @@
 """The data worker: tokenizes, runs the model's `process_prompt`, sends `NewRequest`.
 
 After sending, it keeps only `without_layouts()` copies (layouts live on the wire once,
-then in the KV manager), bounded to the most recent requests, for diagnostics.
+then in the KV manager), bounded to the most recent requests: what a log line needs of a
+request it later hears of (an abort forwarded for it names its prompt and output sizes).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DataWorker:
         try:
             async for msg, _ in recv_frames(pull, self.codec, "data worker intake"):
                 if isinstance(msg, Abort):
+                    self._note_abort(msg)
                     await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg))
                     continue
                 await self._handle(msg)
@@ -127,6 +129,18 @@ class DataWorker:
         self.recent[req.request_id] = msg.without_layouts()
         while len(self.recent) > KEEP_RECENT:
             self.recent.popitem(last=False)
+
+    def _note_abort(self, msg: Abort) -> NewRequest | None:
+        """Log an abort with what this worker kept of the request (never its layouts), and
+        forget the request: nothing more will be heard of it."""
+        kept = self.recent.pop(msg.request_id, None)
+        if kept is None:
+            log.info("abort of %s (%s) forwarded; not among the %d most recent requests", msg.request_id,
+                     msg.reason, KEEP_RECENT)
+        else:
+            log.info("abort of %s (%s) forwarded: prompt %d tokens, max_tokens %s", msg.request_id, msg.reason,
+                     kept.prompt_len, kept.max_tokens)
+        return kept
 
     async def _error(self, req: GenerateRequest, err: RequestError) -> None:
         await self.pushers.send(req.reply_to, self.codec.encode(err))
