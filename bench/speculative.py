@@ -74,7 +74,7 @@ def spec_counters(url: str) -> tuple[float, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
 
     def value(name: str) -> float:
-        m = re.search(rf"^{name}\s+([0-9.eE+-]+)$", text, re.M)
+        m = re.search(rf"^{name}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
     return value("mstar_spec_draft_tokens_total"), value("mstar_spec_accepted_tokens_total")

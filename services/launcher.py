@@ -200,7 +200,11 @@ MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.version import mstar_version
+
+    version = f"mstar {mstar_version()}"
     parser = argparse.ArgumentParser(prog="mstar", description="mstar: a serving engine for generative models")
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", required=True)
     # "resolve": the --model below replaces add_deployment_flags' (it also takes MODEL)
     serve = sub.add_parser("serve", help="start the api, data worker, conductor and gpu worker(s)",
@@ -223,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body (audio uploads included) the api accepts; "
                             "larger is a 413 (api default 1 MiB)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
+    serve.add_argument("--version", action="version", version=version)
     return parser
 
 

@@ -23,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_labels(text: str) -> dict[str, str]:
+    """`{a="x",b="y"}` (braces optional) as a dict."""
+    return dict(re.findall(r'(\w+)="([^"]*)"', text))
+
+
 def service_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MSTAR_TORCH_THREADS", "1")
@@ -67,10 +72,12 @@ class MstarServer:
         return [int(p) for p in out.split()]
 
     def metric(self, name: str, labels: str = "") -> float:
+        """The sum of `name` over the series whose labels include `labels` (`'{pool="kv"}'`;
+        every series carries `model_name` too)."""
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+([0-9.eE+-]+)$" if labels
-                         else rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)$", re.M)
-        vals = [float(v) for v in pat.findall(text)]
+        want = parse_labels(labels).items()
+        pat = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})?\s+([0-9.eE+-]+)$", re.M)
+        vals = [float(v) for got, v in pat.findall(text) if want <= parse_labels(got).items()]
         if not vals:
             raise KeyError(f"{name}{labels} not in /metrics")
         return sum(vals)

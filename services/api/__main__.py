@@ -17,7 +17,8 @@ from shared.zmq_utils import cleanup_ipc
 
 if TYPE_CHECKING:
     from services.api.settings import ApiSettings
-    from shared.model_source import TokenizerBundle
+    from shared.config import Deployment
+    from shared.model_source import ModelSource, TokenizerBundle
 
 ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
 DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end with a 503
@@ -29,7 +30,7 @@ KEEP_ALIVE_S = 65.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.api.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
+    from services.api.settings import DEFAULT_LOG_STATS_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
 
     p = argparse.ArgumentParser(prog="python -m services.api",
                                 description="mstar api service: HTTP / SSE / WebSocket front door")
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP bind host (env MSTAR_API_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT", "8000")),
                    help="HTTP port (env MSTAR_API_PORT; default 8000)")
-    add_deployment_flags(p, names=("model",))  # --model, and --deployment as the launcher hands it
+    # --model, --max-seq-len (for max_model_len), and --deployment as the launcher hands it
+    add_deployment_flags(p, names=("model", "max_seq_len"))
     p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
                    help="the name /v1/models lists and OpenAI requests must give as `model` "
                         "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-s", type=float, default=float(os.environ.get("MSTAR_API_KEEP_ALIVE_S", KEEP_ALIVE_S)),
                    help=f"close idle keep-alive HTTP connections after this many seconds "
                         f"(env MSTAR_API_KEEP_ALIVE_S; default {KEEP_ALIVE_S:g})")
+    p.add_argument("--log-stats-s", type=float,
+                   default=float(os.environ.get("MSTAR_LOG_STATS_S", DEFAULT_LOG_STATS_S)),
+                   help=f"log a stats line (throughput, running, waiting, KV use, prefix hits) this often while "
+                        f"there is traffic; 0 is off (env MSTAR_LOG_STATS_S; default {DEFAULT_LOG_STATS_S:g})")
     # No default shown: the key must not appear in --help output or in `ps` via a default.
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /ready "
@@ -121,7 +127,8 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
     from services.api.transcription import default_language, is_speech_model
     from shared.model_source import ModelSource
 
-    source = ModelSource(deployment_from_args(args).model)
+    d = deployment_from_args(args)
+    source = ModelSource(d.model)
     tokenizer = source.tokenizer  # the bundle: tokenizer, chat template, BOS / EOS strings
     if args.chat_template:  # --chat-template FILE replaces the checkpoint's template
         tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))
@@ -139,8 +146,17 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         api_key=api_key or None,
         takes_audio=takes_audio,
         audio_language=default_language(source) if takes_audio else None,
+        max_model_len=max_model_len(source, d),
+        log_stats_s=args.log_stats_s,
     )
     return settings, tokenizer
+
+
+def max_model_len(source: ModelSource, d: Deployment) -> int:
+    """The longest prompt + output the deployment serves: the smallest `max_seq_len` of the
+    spec's pools, as the conductor's length check takes it (the spec is torch-free)."""
+    spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
+    return min(p.max_seq_len for p in spec.paged_pools(1).values())
 
 
 if __name__ == "__main__":

@@ -3,17 +3,20 @@
 Routes: `POST /generate` (JSON or SSE; a multipart/form-data body carries an audio file
 for a speech model), `/generate/ws` (WebSocket), the OpenAI routes
 `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`,
-`POST /v1/audio/transcriptions`, and `GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings,
-tokenizer)`; the backend binds its socket in the lifespan (or at the first request if the
-lifespan did not run), and nothing else needs to be up for the app to start and answer
-400s. With `settings.api_key` set, `ApiKeyMiddleware` wraps everything.
+`POST /v1/audio/transcriptions`, vLLM's `POST /tokenize`, `POST /detokenize`, `GET /version`,
+and `GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings, tokenizer)`;
+the backend binds its socket in the lifespan (or at the first request if the lifespan did
+not run), and nothing else needs to be up for the app to start and answer 400s. The
+lifespan also runs the periodic stats line (`stats_log.py`). With `settings.api_key` set,
+`ApiKeyMiddleware` wraps everything.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -25,7 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import openai_routes
+from services.api import openai_routes, tokenization
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -34,6 +37,7 @@ from services.api.metrics import CONTENT_TYPE
 from services.api.serving import Prepared, api_state, error_response, json_response, serve
 from services.api.settings import ApiSettings
 from services.api.state import ApiState
+from services.api.stats_log import StatsLogger
 from services.api.streaming import EventStream, GenerateReply
 from services.api.transcription import require_speech_model
 from services.api.validation import parse_audio_generate, parse_generate
@@ -140,13 +144,21 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
     else:
         api = state or ApiState(settings, tokenizer)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await api.backend.start()
         log.info("api serving %s", settings.model_name)
+        stats = None
+        if api.settings.log_stats_s > 0:
+            stats = asyncio.get_running_loop().create_task(
+                StatsLogger(api.metrics, api.backend, api.settings.log_stats_s).run(), name="api-stats")
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats
             await api.backend.close()
 
     routes = [
@@ -157,6 +169,9 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
+        Route("/tokenize", _guard(tokenization.tokenize), methods=["POST"]),
+        Route("/detokenize", _guard(tokenization.detokenize), methods=["POST"]),
+        Route("/version", _guard(tokenization.version), methods=["GET"]),
         Route("/health", _guard(health), methods=["GET"]),
         Route("/ready", _guard(ready), methods=["GET"]),
         Route("/metrics", _guard(metrics), methods=["GET"]),

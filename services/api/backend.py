@@ -60,12 +60,14 @@ QueueItem = Output | RequestError | Aborted
 
 
 class RequestHandle:
-    """One live request: its outputs arrive on `get()`; `abort()` cancels it everywhere."""
+    """One live request: its outputs arrive on `get()`; `abort()` cancels it everywhere.
+    `dispatched_at` is when the conductor's `Dispatched` frame came (`time.perf_counter()`)."""
 
-    __slots__ = ("_backend", "_queue", "request_id")
+    __slots__ = ("_backend", "_queue", "dispatched_at", "request_id")
 
     def __init__(self, request_id: str, backend: Backend) -> None:
         self.request_id = request_id
+        self.dispatched_at: float | None = None
         self._queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._backend = backend
 
@@ -267,6 +269,9 @@ class Backend:
                 handle.put(msg)
         elif type(msg) is Dispatched:
             self._pending.discard(msg.request_id)
+            handle = live.get(msg.request_id)
+            if handle is not None:
+                handle.dispatched_at = time.perf_counter()
 
     async def _watch_peer(self, sock: zmq.asyncio.Socket, peer: str) -> None:
         """A data worker or conductor that dies closes its connection: the requests it

@@ -112,16 +112,32 @@ class ChatTemplate:
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         return {k: v for k, v in specials.items() if v is not None}
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
         """The prompt; raises ApiError 400 when the template refuses the conversation
-        (its `raise_exception`, e.g. roles that do not alternate), 500 on a template bug."""
+        (its `raise_exception`, e.g. roles that do not alternate), 500 on a template bug.
+        `continue_final_message` (`/tokenize`) ends the text right after the last message's
+        content, so the model would continue it, as transformers cuts it."""
         if self._template is None:
             raise internal_error("rendering the chat template (it did not compile)", self._broken)
         try:
-            return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                         **self._specials())
+            text = self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._specials())
         except jinja2.TemplateError as exc:
             raise ApiError(ErrorKind.INVALID, f"the model's chat template refused these messages: {exc}",
                            "messages") from None
         except Exception as exc:
             raise internal_error("rendering the chat template", exc) from None
+        return _cut_after_final(text, messages[-1].get("content") or "") if continue_final_message else text
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """`text` up to the end of the final message's content (transformers'
+    `continue_final_message`: trailing whitespace the template trimmed stays trimmed)."""
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ApiError(ErrorKind.INVALID, "continue_final_message is set but the final message's content does not "
+                       "appear in the rendered chat", "continue_final_message")
+    if text[at:at + len(final.lstrip())] == final:
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]

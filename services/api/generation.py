@@ -50,9 +50,12 @@ class Generation:
         self._metrics = metrics
         self._started = started  # time.perf_counter() at arrival
         self._last_token_at: float | None = None
+        self._first_token_at: float | None = None
         self._prompt_tokens = prompt_tokens
+        self._prompt_seen = False  # its prompt tokens went to the stats window
         self.finished = False
         self._counted = False
+        self._recorded = False  # its finish reason, usage and latencies went to the metrics
 
     @property
     def request_id(self) -> str:
@@ -69,6 +72,8 @@ class Generation:
         if not self.finished:
             self.finished = True
             self.handle.abort()
+            if label == "abort":
+                self._record("abort")
         self._count(label)
 
     def _count(self, label: str) -> None:
@@ -76,15 +81,39 @@ class Generation:
             self._counted = True
             self._metrics.count(label)
 
+    def _record(self, finish_reason: str) -> None:
+        """Once: the finish reason, usage and latencies. Queue time ends at the conductor's
+        `Dispatched` frame, or (when the outputs outran it) at the first token."""
+        if self._recorded:
+            return
+        self._recorded = True
+        dispatched = self.handle.dispatched_at
+        if dispatched is None:
+            dispatched = self._first_token_at
+        queue = None if dispatched is None else dispatched - self._started
+        self._metrics.finished(finish_reason, self._prompt_tokens, len(self._detok.token_ids),
+                               time.perf_counter() - self._started, queue)
+
     def _done(self, finish_reason: str) -> DoneEvent:
         self.finished = True
         self._count(status_label(None, finish_reason))
+        self._record(finish_reason)
         usage = Usage(self._prompt_tokens, len(self._detok.token_ids))
         return DoneEvent(self.client_id, self._stop.text, list(self._detok.token_ids), finish_reason, usage)
 
-    def _tokens_arrived(self, n: int) -> None:
+    def _output_arrived(self, item: Output) -> None:
+        prompt = 0
+        if item.prompt_tokens:
+            self._prompt_tokens = item.prompt_tokens
+            if not self._prompt_seen:
+                self._prompt_seen, prompt = True, item.prompt_tokens
+        n = len(item.token_ids)
+        self._metrics.tokens_arrived(prompt, n)
+        if not n:
+            return
         now = time.perf_counter()
         if self._last_token_at is None:
+            self._first_token_at = now
             self._metrics.observe_ttft(now - self._started)
         else:
             self._metrics.observe_itl(now - self._last_token_at, n)
@@ -101,10 +130,7 @@ class Generation:
         while not self.finished:
             item = await handle.get()
             if type(item) is Output:
-                if item.prompt_tokens:
-                    self._prompt_tokens = item.prompt_tokens
-                if item.token_ids:
-                    self._tokens_arrived(len(item.token_ids))
+                self._output_arrived(item)
                 for ids, finish in _pieces(item, stop.active):
                     raw = detok.push(ids) if ids else ""
                     if finish is not None:

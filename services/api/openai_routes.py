@@ -29,7 +29,9 @@ OWNED_BY = "mstar"
 
 
 def _model_card(state: ApiState) -> dict[str, Any]:
-    return {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY}
+    """OpenAI's model object plus vLLM's `max_model_len` (the deployment's max_seq_len)."""
+    return {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY,
+            "max_model_len": state.settings.max_model_len}
 
 
 async def list_models(request: Request) -> Response:

@@ -11,6 +11,7 @@ from shared.config import advertised, env_address
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_WS_MAX_LIVE = 64
+DEFAULT_LOG_STATS_S = 10.0
 
 
 class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +29,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None  # set: every route but /health and /ready needs Bearer <key>
     takes_audio: bool = False  # a speech model (Whisper): the audio routes serve, else 400
     audio_language: str | None = None  # the language a speech model assumes when none is sent
+    #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
+    #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
+    max_model_len: int = 0
+    log_stats_s: float = DEFAULT_LOG_STATS_S  # the stats line's period while there is traffic; 0: off
 
     def __post_init__(self) -> None:
         if not self.model_name.strip():
@@ -36,6 +41,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.ws_max_live < 1:
             raise ValueError(f"ws_max_live must be >= 1, got {self.ws_max_live}")
+        if self.max_model_len < 0 or self.log_stats_s < 0:
+            raise ValueError("max_model_len and log_stats_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
 

@@ -30,7 +30,7 @@ class ApiState:
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # None: the model has none, chat is a 400
         self.created = int(time.time())  # the model card's `created` in /v1/models
-        self.metrics = metrics or ApiMetrics()
+        self.metrics = metrics or ApiMetrics(settings.model_name)
         self.backend = backend or Backend(
             api_addr=settings.api_addr,
             reply_to=settings.advertise_addr,

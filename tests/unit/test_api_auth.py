@@ -28,7 +28,8 @@ def client(tmp_path):
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"),
                                               ("POST", "/v1/chat/completions"), ("POST", "/generate"),
-                                              ("GET", "/metrics"), ("GET", "/nope")])
+                                              ("GET", "/metrics"), ("GET", "/nope"), ("POST", "/tokenize"),
+                                              ("POST", "/detokenize"), ("GET", "/version")])
 def test_routes_need_the_key(client: TestClient, method: str, path: str) -> None:
     r = client.request(method, path, content=b"{}")
     assert r.status_code == 401 and r.json() == MISSING and r.headers["www-authenticate"] == "Bearer"

@@ -168,7 +168,7 @@ def test_model_not_found_has_openai_code() -> None:
 def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
-    assert set(body["data"][0]) == {"id", "object", "created", "owned_by"}
+    assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len"}
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     r = client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

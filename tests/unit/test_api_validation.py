@@ -256,9 +256,9 @@ def test_health_ready_metrics_without_peers(client: TestClient) -> None:
     assert r.json() == {"status": "not_ready", "reason": "conductor did not answer within 0.2 s"}
     post(client, {"prompt": "x", "top_p": 2})
     text = client.get("/metrics").text
-    assert 'mstar_requests_total{status="error_4xx"} 1.0' in text
-    assert 'mstar_requests_total{status="ok"} 0.0' in text
-    assert "mstar_conductor_up 0.0" in text
+    assert 'mstar_requests_total{model_name="test-model",status="error_4xx"} 1.0' in text
+    assert 'mstar_requests_total{model_name="test-model",status="ok"} 0.0' in text
+    assert 'mstar_conductor_up{model_name="test-model"} 0.0' in text
     assert "# TYPE mstar_ttft_seconds histogram" in text and "# TYPE mstar_itl_seconds histogram" in text
 
 
@@ -339,5 +339,5 @@ def test_ws_duplicate_limit_and_cancel(client: TestClient) -> None:
         assert ws.receive_json()["finish_reason"] == "abort"
 
     text = client.get("/metrics").text
-    assert 'mstar_requests_total{status="abort"} 2.0' in text
-    assert 'mstar_requests_total{status="error_4xx"} 3.0' in text
+    assert 'mstar_requests_total{model_name="test-model",status="abort"} 2.0' in text
+    assert 'mstar_requests_total{model_name="test-model",status="error_4xx"} 3.0' in text
