@@ -48,7 +48,13 @@ from services.api.validation import (
 from shared.errors import ErrorKind
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stream", "stream_options", "user"}) | SAMPLING_FIELDS
+#: OpenAI fields that cannot change the output: accepted (type-checked) and not acted on.
+#: `store` asks OpenAI to keep the completion for its dashboard, `service_tier` picks a
+#: price/latency class, `metadata` tags a stored completion: none of that exists here.
+NEUTRAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_options"})
+                 | NEUTRAL_FIELDS | SAMPLING_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -145,9 +151,30 @@ def parse_completion_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[in
     return None, list(value)
 
 
+def check_neutral(obj: Mapping[str, Any]) -> None:
+    """The output-neutral fields are accepted, but only with the types OpenAI gives them
+    (a client bug shows as a 400 naming the field, as OpenAI's own API answers)."""
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if obj.get(name) is not None and not isinstance(obj[name], str):
+            raise ApiError(ErrorKind.INVALID, f"{name} must be a string, got {json_repr(obj[name])}", name)
+    if obj.get("store") is not None and not isinstance(obj["store"], bool):
+        raise ApiError(ErrorKind.INVALID, f"store must be a boolean, got {json_repr(obj['store'])}", "store")
+    tier = obj.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise ApiError(ErrorKind.INVALID, f"service_tier must be one of {list(SERVICE_TIERS)}, got {json_repr(tier)}",
+                       "service_tier")
+    meta = obj.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > 16
+                             or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                        for k, v in meta.items())):
+        raise ApiError(ErrorKind.INVALID, "metadata must be an object of at most 16 string values "
+                                          "(keys up to 64 characters, values up to 512)", "metadata")
+
+
 def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
     """Validate a `/v1/completions` body."""
     check_fields(obj, COMPLETION_FIELDS)
+    check_neutral(obj)
     refuse_unsupported(obj, honoured=("echo", "stream_options"))
     check_model(obj, served)
     prompt, input_ids = parse_completion_prompt(obj)
@@ -247,6 +274,7 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
     """Validate a `/v1/chat/completions` body; the prompt is filled in by the caller from
     the rendered template (see `with_prompt`)."""
     check_fields(obj, CHAT_FIELDS)
+    check_neutral(obj)
     refuse_unsupported(obj, honoured=("stream_options",))
     check_model(obj, served)
     messages = parse_messages(obj)

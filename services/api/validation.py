@@ -94,9 +94,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_unset_or(), "prediction (predicted outputs) is not supported"),
     "reasoning_effort": (_unset_or(), "reasoning_effort is not supported"),
     "web_search_options": (_unset_or(), "web_search_options is not supported"),
-    "store": (_unset_or(False), "store is not supported"),
-    "metadata": (_unset_or({}), "metadata is not supported (it is only kept with store)"),
-    "service_tier": (_unset_or("auto", "default"), 'service_tier is not supported; only "auto" or "default"'),
 }
 
 

@@ -131,6 +131,17 @@ def test_chat_max_tokens_alias(client, model):
     assert r.usage.completion_tokens == 3
 
 
+def test_output_neutral_fields_change_nothing(client, model):
+    """What the openai client sends for OpenAI's own bookkeeping is accepted, and the answer
+    is the one the same request gets without it."""
+    msgs = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, extra_body={**GREEDY, **NO_EOS})
+    tagged = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, extra_body={**GREEDY, **NO_EOS},
+                                            user="u-1", metadata={"run": "eval-7"}, store=True, service_tier="flex")
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    assert tagged.usage.completion_tokens == plain.usage.completion_tokens == 6
+
+
 def test_chat_content_parts(client, model, llama_ckpt):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
     r = client.chat.completions.create(model=model, messages=parts, max_tokens=2, extra_body={**GREEDY, **NO_EOS})

@@ -155,6 +155,23 @@ def test_refusals(path: str, body: dict, status: int, message: str | None, param
         assert err.message == message
 
 
+def test_output_neutral_fields_are_accepted_and_type_checked() -> None:
+    neutral = {"user": "u1", "metadata": {"team": "eval", "run": "7"}, "store": True, "service_tier": "flex",
+               "prompt_cache_key": "k", "safety_identifier": "s"}
+    assert parse_completion({"prompt": "x", **neutral}, MODEL).params.max_tokens == 16
+    assert parse_chat({"messages": USER, **neutral}, MODEL)[0].params.max_tokens is None
+    for field, value, message in [
+        ("store", "yes", 'store must be a boolean, got "yes"'),
+        ("service_tier", "gold", "service_tier must be one of ['auto', 'default', 'flex', 'priority', 'scale'], "
+                                 'got "gold"'),
+        ("user", 5, "user must be a string, got 5"),
+        ("metadata", {"k": 1}, "metadata must be an object of at most 16 string values (keys up to 64 characters, "
+                               "values up to 512)"),
+    ]:
+        err = refused("chat", {"messages": USER, field: value})
+        assert (err.status, err.message, err.param) == (400, message, field)
+
+
 def test_model_not_found_has_openai_code() -> None:
     err = refused("completions", {"prompt": "x", "model": "nope"})
     assert err.body() == {"error": {"message": "The model `nope` does not exist; this server serves `test-model`.",
