@@ -18,8 +18,11 @@ from tests.servers import MstarServer
 DEBUG = {"MSTAR_KV_DEBUG_ASSERTS": "1"}
 
 
-async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float]) -> None:
-    """Sample the gauges while the load runs: the most waiting and the most pages used."""
+async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float],
+                 polling: asyncio.Event | None = None) -> None:
+    """Sample the gauges while the load runs: the most waiting and the most pages used.
+    `polling` is set once the first sample is in (the api's first status query opens its
+    socket to the conductor), so a caller can start the load only when sampling is warm."""
     async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
         while not stop.is_set():
             text = (await client.get("/metrics")).text
@@ -27,6 +30,8 @@ async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float
                 for name in ("mstar_requests_waiting", "mstar_kv_pages_used", "mstar_requests_running"):
                     if line.startswith(name + " ") or line.startswith(name + "{"):
                         seen[name] = max(seen.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
+            if polling is not None:
+                polling.set()
             await asyncio.sleep(0.05)
 
 
@@ -37,8 +42,9 @@ async def test_footprint_admission_on_a_48_page_pool(llama_ckpt, tmp_path):
                          env=DEBUG).start()
     try:
         seen: dict[str, float] = {}
-        stop = asyncio.Event()
-        watcher = asyncio.ensure_future(_watch(server, stop, seen))
+        stop, polling = asyncio.Event(), asyncio.Event()
+        watcher = asyncio.ensure_future(_watch(server, stop, seen, polling))
+        await asyncio.wait_for(polling.wait(), 30)  # the load takes a second or two: sample from its start
         # 100 prompt rows + 60 new tokens (59 written) = 159 rows = 10 pages of 16.
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             rs = await asyncio.gather(*(client.post("/generate", json={
