@@ -35,10 +35,12 @@ async def _watch(server: MstarServer, stop: asyncio.Event, seen: dict[str, float
             await asyncio.sleep(0.05)
 
 
-async def test_footprint_admission_on_a_48_page_pool(llama_ckpt, tmp_path):
+async def test_footprint_admission_on_a_48_page_pool(slower_ckpt, tmp_path):
     """24 concurrent requests of 10 pages each on a 48-page pool: all finish with exactly
-    their tokens, some waited, pages never above the pool, no overrun."""
-    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "48", "--page-size", "16",
+    their tokens, some waited, pages never above the pool, no overrun. The larger test
+    model makes the load last long enough for the gauges to be sampled during it (on the
+    tiny one it can be over between two samples)."""
+    server = MstarServer(str(slower_ckpt), tmp_path / "log.txt", "--num-kv-pages", "48", "--page-size", "16",
                          env=DEBUG).start()
     try:
         seen: dict[str, float] = {}
