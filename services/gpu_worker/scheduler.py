@@ -38,10 +38,6 @@ class PlanEntry:
 class StepPlan:
     entries: list[PlanEntry] = field(default_factory=list)
 
-    @property
-    def tokens(self) -> int:
-        return sum(e.rows for e in self.entries)
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -66,8 +62,7 @@ class Scheduler:
     # -- the request table -------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.ids:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+        """Queue a request the engine has ingested (it refuses duplicate ids before that)."""
         self.ids[req.request_id] = req
         self.waiting.append(req)
 
