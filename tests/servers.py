@@ -36,6 +36,14 @@ def service_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def serve_until_exit(*argv: str, env: dict[str, str] | None = None,
+                     timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """`mstar serve <argv> --port <free>` that is expected to exit by itself (a refusal, a
+    child failing at start): its exit code and output."""
+    return subprocess.run([sys.executable, "-m", "services.launcher", "serve", *argv, "--port", str(free_port())],
+                          cwd=REPO, env=service_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
 class MstarServer:
     """`mstar serve` as a child process (the launcher starts the four services)."""
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 
 from tests.checkpoints import make_checkpoint, with_architecture
 from tests.reference import hf_greedy, hf_ids
-from tests.servers import REPO, MstarServer, free_port, service_env
+from tests.servers import MstarServer, serve_until_exit
 
 PLUGINS = {"MSTAR_MODEL_PLUGINS": "tests.plugins.models"}
 DEBUG = {"MSTAR_KV_DEBUG_ASSERTS": "1"}
@@ -109,9 +107,7 @@ def test_undeclared_label_is_a_500_with_error_id(llama_ckpt, tmp_path):
 def test_a_model_that_always_names_an_undeclared_label_fails_at_start(llama_ckpt, tmp_path):
     """Warm-up runs the model's own layout: a ghost label stops the worker before /ready."""
     ckpt = with_architecture(llama_ckpt, tmp_path / "ghost", "GhostLabelLlamaForCausalLM")
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(ckpt),
-                        "--port", str(free_port())],
-                       cwd=REPO, env=service_env(**PLUGINS), capture_output=True, text=True, timeout=120)
+    r = serve_until_exit("--model", str(ckpt), env=PLUGINS)
     assert r.returncode != 0
     assert "layout names undeclared KV label(s) ['ghost']" in r.stderr
     assert "gpu_worker-0 failed to start" in r.stderr and "mstar: ready" not in r.stderr
@@ -119,9 +115,7 @@ def test_a_model_that_always_names_an_undeclared_label_fails_at_start(llama_ckpt
 
 def test_undeclared_pool_refused_at_start(llama_ckpt, tmp_path):
     ckpt = with_architecture(llama_ckpt, tmp_path / "orphan", "OrphanPoolLlamaForCausalLM")
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(ckpt),
-                        "--port", str(free_port())],
-                       cwd=REPO, env=service_env(**PLUGINS), capture_output=True, text=True, timeout=120)
+    r = serve_until_exit("--model", str(ckpt), env=PLUGINS)
     assert r.returncode != 0
     # refused by the launcher's own deployment check, before any service starts
     assert r.stderr.strip() == ("mstar: deployment refused: paged KV pool(s) ['orphan'] are used by no KV label; "

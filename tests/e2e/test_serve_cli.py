@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from services.api.chat_template import ChatTemplate
 from services.launcher import build_parser
 from tests.checkpoints import CHAT_TEMPLATE, make_checkpoint, with_architecture
-from tests.servers import REPO, MstarServer, free_port, service_env
+from tests.servers import MstarServer, serve_until_exit
 from tests.unit.test_hub import COMMIT, make_hub_cache
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -115,8 +115,7 @@ def test_served_model_name_and_chat_template_file(renamed_server, hub_home):
 def refused(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
     """`mstar serve <argv>` that must not start: its exit and how long it took."""
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "services.launcher", "serve", *argv, "--port", str(free_port())],
-                         env=service_env(**env), cwd=REPO, capture_output=True, text=True, timeout=REFUSAL_S * 2)
+    out = serve_until_exit(*argv, env=env, timeout=REFUSAL_S * 2)
     return out, time.monotonic() - started
 
 

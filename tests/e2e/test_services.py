@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import REPO, MstarServer, free_port, service_env
+from tests.servers import REPO, MstarServer, free_port, serve_until_exit, service_env
 
 SERVICES = ["api", "data_worker", "conductor", "gpu_worker"]
 
@@ -70,9 +70,7 @@ def test_launcher_refuses_an_unsupported_model_before_any_child(tmp_path):
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
-    port = free_port()
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad), "--port", str(port)],
-                       cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120)
+    r = serve_until_exit("--model", str(bad))
     assert r.returncode == 2
     assert r.stderr.startswith("mstar: deployment refused: architecture 'NoSuchForCausalLM' is not supported")
 
@@ -86,9 +84,7 @@ def test_launcher_exits_nonzero_with_child_error(llama_ckpt, tmp_path):
     bad.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(llama_ckpt / name, bad / name)
-    r = subprocess.run([sys.executable, "-m", "services.launcher", "serve", "--model", str(bad),
-                        "--port", str(free_port())],
-                       cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=120)
+    r = serve_until_exit("--model", str(bad))
     assert r.returncode != 0
     assert "has no *.safetensors files" in r.stderr
     assert "failed to start" in r.stderr
