@@ -94,6 +94,10 @@ class GpuWorker:
                 self._reply(dest).send_multipart(self.out_codec.encode(err), copy=False)
         for rid, pages, status in res.finished:
             self._to_conductor(RequestFinished(self.worker_id, rid, pages, status))
+        if res.finished:
+            # pages were released: report now, not at the next tick, so /metrics agrees with
+            # the replies a client already holds (peaks of requests shorter than a tick included)
+            self._stats()
 
     def _handle(self, frames: list) -> None:
         try:

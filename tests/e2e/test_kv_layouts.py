@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -252,12 +253,14 @@ async def test_two_label_model_through_the_worker(two_label_ckpt, tmp_path):
         assert "not tight" not in server.log() and "overrun" not in server.log()
         # retention: the window label (8 rows) released pages behind its window, so it held
         # fewer at its peak than the full-attention label, which holds whole sequences
-        text = httpx.get(server.url + "/metrics", timeout=5).text
-
         def peak(pool: str) -> float:
+            text = httpx.get(server.url + "/metrics", timeout=5).text
             pat = rf'^mstar_kv_pages_peak{{[^}}]*pool="{pool}"[^}}]*}}\s+(\S+)$'
             return max(float(v) for v in re.findall(pat, text, re.M))
 
+        deadline = time.monotonic() + 5  # the worker's stats reach the conductor beside, not before, the replies
+        while peak("kv_window") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert 0 < peak("kv_window") < peak("kv")
     finally:
         server.stop()
