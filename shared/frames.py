@@ -143,6 +143,14 @@ class PoolStats(msgspec.Struct, array_like=True, frozen=True):
     cached_pages: int = 0  # pages indexed in the prefix cache (held or evictable)
 
 
+class Fingerprint(msgspec.Struct, array_like=True, frozen=True):
+    """A service's model ("name (sha256 abcdef012345)") and the deployment settings every
+    worker must share with the conductor, as canonical JSON (`shared.fingerprint`)."""
+
+    model: str
+    deployment: str
+
+
 class WorkerReady(msgspec.Struct, tag="worker_ready", **HOT):
     """A worker announces itself, its input address and its pools before any work, and
     repeats it as its heartbeat, so a restarted conductor learns its workers again.
@@ -152,6 +160,9 @@ class WorkerReady(msgspec.Struct, tag="worker_ready", **HOT):
     address: str
     pools: list[PagedKVConfig]
     incarnation: str = ""
+    #: what the worker loaded (`shared.fingerprint`): the conductor refuses a worker whose
+    #: model or deployment differs from its own, with a `WorkerRefused` naming both
+    fingerprint: Fingerprint | None = None
 
 
 class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
@@ -178,6 +189,17 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **HOT):
     time: float
 
 
+# ---- conductor -> gpu_worker ---------------------------------------------------------
+
+
+class WorkerRefused(msgspec.Struct, tag="worker_refused", **HOT):
+    """The conductor's answer to a `WorkerReady` whose fingerprint differs from its own:
+    the worker logs `reason` and exits with status 2 (a configuration error)."""
+
+    worker_id: str
+    reason: str
+
+
 # ---- api <-> conductor control (DEALER/ROUTER) ---------------------------------------
 
 
@@ -193,7 +215,7 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
 
 ToDataWorker = GenerateRequest | Abort
 ToConductor = NewRequest | Abort | WorkerReady | WorkerStats | RequestFinished | Heartbeat
-ToWorker = NewRequest | Abort | Heartbeat
+ToWorker = NewRequest | Abort | Heartbeat | WorkerRefused
 ToApi = StepOutputs | RequestError | Dispatched | Heartbeat
 ControlRequest = StatusQuery
 ControlReply = ClusterStatus

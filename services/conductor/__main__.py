@@ -12,6 +12,7 @@ from shared.config import (
     deployment_from_args,
     resolve_addresses,
 )
+from shared.fingerprint import fingerprint
 from shared.logs import setup_logging
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError, ModelSpec
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     d = deployment_from_args(args)
     try:
         spec = validate_deployment(d.model, d.page_size, d.max_seq_len)
+        ours = fingerprint(d)
     except (DeploymentError, FileNotFoundError, ValueError) as exc:
         log.error("deployment refused: %s", exc)
         print(f"conductor: deployment refused: {exc}", file=sys.stderr)
@@ -49,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.conductor.conductor import Conductor
 
     addrs = resolve_addresses(args, ADDRESSES)
-    log.info("listening on %s (control %s)", addrs["conductor"], addrs["conductor_control"])
-    run_service(Conductor(d, spec, addrs).run())
+    log.info("listening on %s (control %s) for model %s", addrs["conductor"], addrs["conductor_control"], ours.model)
+    run_service(Conductor(d, spec, addrs, ours).run())
     return 0
 
 

@@ -24,10 +24,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared.config import Deployment
 from shared.errors import SERVER_SIDE, ErrorKind, new_error_id
+from shared.fingerprint import mismatch
 from shared.frames import (
     Abort,
     ClusterStatus,
     Dispatched,
+    Fingerprint,
     FrameCodec,
     Heartbeat,
     NewRequest,
@@ -36,6 +38,7 @@ from shared.frames import (
     StatusQuery,
     ToConductor,
     WorkerReady,
+    WorkerRefused,
     WorkerStats,
 )
 from shared.layout import PagedKVConfig, leading_ids, prefix_chain, prompt_pages, shareable_count
@@ -157,8 +160,12 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
 
 
 class Conductor:
-    def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str]) -> None:
+    def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str],
+                 fingerprint: Fingerprint | None = None) -> None:
         self.d = d
+        #: what a worker must have loaded to join (None: no check, for in-process tests)
+        self.fingerprint = fingerprint
+        self.refused: OrderedDict[str, str] = OrderedDict()  # incarnation -> reason, logged once
         self.spec = spec
         self.addrs = addrs
         self.ctx = zmq.asyncio.Context()
@@ -345,6 +352,8 @@ class Conductor:
     # -- worker lifecycle ---------------------------------------------------------------
 
     async def _worker_ready(self, msg: WorkerReady) -> None:
+        if self.fingerprint is not None and await self._refuse_worker(msg):
+            return
         w = self.workers.get(msg.worker_id)
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = time.monotonic()  # a heartbeat
@@ -361,6 +370,22 @@ class Conductor:
         w.monitor = asyncio.ensure_future(self._watch_connection(w))
         log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
         await self._drain_queue()
+
+    async def _refuse_worker(self, msg: WorkerReady) -> bool:
+        """Refuse a worker whose model or deployment differs from this conductor's: one
+        error line naming both, and a `WorkerRefused` (again on each of its heartbeats,
+        should the first be lost) that makes it exit with status 2. True if refused."""
+        reason = mismatch(self.fingerprint, msg.fingerprint)
+        if reason is None:
+            return False
+        reason = f"worker {msg.worker_id} at {msg.address} refused: {reason}"
+        if self.refused.get(msg.incarnation) != reason:
+            log.error("%s", reason)
+            self.refused[msg.incarnation] = reason
+            while len(self.refused) > 64:
+                self.refused.popitem(last=False)
+        await self.pushers.send(msg.address, self.codec.encode(WorkerRefused(msg.worker_id, reason)))
+        return True
 
     async def _watch_connection(self, w: WorkerState) -> None:
         """A worker process that dies closes its connection: fail it at once rather than

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info("ready at %s", bind)
     worker.serve()
+    if worker.refused is not None:  # a configuration error: restarting cannot fix it
+        print(f"gpu_worker: refused by the conductor: {worker.refused}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -22,6 +22,7 @@ from services.gpu_worker.engine import Finished, StepResult
 from services.gpu_worker.outputs import error_frame
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
+from shared.fingerprint import fingerprint
 from shared.frames import (
     Abort,
     FrameCodec,
@@ -31,6 +32,7 @@ from shared.frames import (
     ToApi,
     ToWorker,
     WorkerReady,
+    WorkerRefused,
     WorkerStats,
     unpack_tensors,
 )
@@ -67,6 +69,8 @@ class GpuWorker:
         self.out_codec = FrameCodec(ToApi)
         self.running = True
         self.incarnation = uuid.uuid4().hex
+        self.fingerprint = fingerprint(d)
+        self.refused: str | None = None  # the conductor's reason, when it refused this worker
         self._last_stats: tuple | None = None
 
     # -- wire ------------------------------------------------------------------------
@@ -116,6 +120,9 @@ class GpuWorker:
                                    error_frame(msg.request_id, ErrorKind.INTERNAL, "internal error", error_id)))
                 res.finished.append(Finished(msg.request_id, 0, "error"))
                 self._send_results(res)
+        elif isinstance(msg, WorkerRefused):
+            log.error("%s", msg.reason)
+            self.refused, self.running = msg.reason, False
         elif isinstance(msg, Abort):
             found = self.engine.abort(msg.request_id)
             if found is not None:
@@ -136,7 +143,8 @@ class GpuWorker:
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "running", False))
-        ready = WorkerReady(self.worker_id, self.advertise_addr, list(self.pools.values()), self.incarnation)
+        ready = WorkerReady(self.worker_id, self.advertise_addr, list(self.pools.values()), self.incarnation,
+                            self.fingerprint)
         self._to_conductor(ready)
         self._stats(force=True)
         poller = zmq.Poller()
