@@ -228,7 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "larger is a 413 (api default 1 MiB)")
     serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
     serve.add_argument("--version", action="version", version=version)
+    _add_check(sub)
     return parser
+
+
+def _add_check(sub) -> None:
+    check = sub.add_parser("check", conflict_handler="resolve",
+                           help="run the deployment check `serve` runs before any child starts, and exit: 0 when "
+                                "the model and settings would be served, else 2 with the reason (compose runs it "
+                                "once before the services, so a bad model stops instead of restarting)")
+    check.add_argument("model", nargs="?", metavar="MODEL", default=None, action=_ModelAction, help=MODEL_HELP)
+    add_deployment_flags(check)
+    check.add_argument("--model", dest="model", default=None, action=_ModelAction, help="the same as MODEL")
+    check.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
+                       help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
 
 
 def preflight(d: Deployment, chat_template: str | None) -> str | None:
@@ -252,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
     chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
     refused = preflight(d, chat_template)
+    if args.command == "check":
+        print(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
+              file=sys.stderr, flush=True)
+        return 2 if refused else 0
     if refused is None and args.served_model_name is not None and not args.served_model_name.strip():
         refused = "--served-model-name must be non-empty"
     if refused is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -51,8 +52,23 @@ def resolve_addresses(args: argparse.Namespace, names: list[str]) -> dict[str, s
     return {n: getattr(args, f"{n}_addr") or env_address(n) for n in names}
 
 
+def host_ip() -> str:
+    """This host's address as its own name resolves (in a container or a pod: its IP)."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
 def advertised(bind_address: str, advertise: str | None) -> str:
-    """The address peers connect to: a tcp bind on 0.0.0.0 needs a reachable host name."""
+    """The address peers connect to: a tcp bind on 0.0.0.0 needs a reachable host name.
+    `auto` advertises the bind's port at this host's IP (`host_ip`): what every replica of
+    a scaled container uses, since the service's name would resolve to any of them."""
+    if advertise == "auto":
+        if not bind_address.startswith("tcp://"):
+            raise ValueError(f"--advertise-addr auto needs a tcp bind address, got {bind_address}")
+        return f"tcp://{host_ip()}:{bind_address.rsplit(':', 1)[1]}"
     if advertise:
         return advertise
     if bind_address.startswith("tcp://0.0.0.0") or bind_address.startswith("tcp://*"):

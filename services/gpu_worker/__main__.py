@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from shared.config import (
@@ -23,12 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="mstar gpu worker: the model, paged KV pools and the step loop")
     add_deployment_flags(parser)
     add_address_flags(parser, ["conductor"])
-    parser.add_argument("--worker-id", default=os.environ.get("MSTAR_WORKER_ID", "worker-0"))
+    parser.add_argument("--worker-id", default=os.environ.get("MSTAR_WORKER_ID") or socket.gethostname(),
+                        help="this worker's id, unique among the conductor's workers (env MSTAR_WORKER_ID; "
+                             "default: the host name, so every container or StatefulSet pod has its own)")
     parser.add_argument("--bind-addr", default=None,
                         help="where this worker pulls work "
                              "(env MSTAR_WORKER_ADDR; default ipc in the run folder, one per worker id)")
     parser.add_argument("--advertise-addr", default=os.environ.get("MSTAR_WORKER_ADVERTISE_ADDR"),
-                        help="address the conductor connects to, when the bind address is not reachable as-is")
+                        help="address the conductor connects to, when the bind address is not reachable as-is; "
+                             "'auto': the bind's port at this host's IP (for scaled containers) "
+                             "(env MSTAR_WORKER_ADVERTISE_ADDR; default: the bind address)")
     return parser
 
 

@@ -1,46 +1,91 @@
 """compose.yaml runs, for every service, the module the launcher (and so the tests)
 starts, with flags that service's own parser accepts: the launcher's flags plus only
-the tcp advertise addresses compose needs across containers."""
+the tcp advertise addresses compose needs across containers. `--scale gpu_worker=N` gives
+each replica its own id and address, every MSTAR_* setting passes through, and a bad model
+stops at the one-shot `check` service instead of restarting in a loop. The Dockerfiles run
+as a non-root user with a HEALTHCHECK."""
 
 from __future__ import annotations
 
-import importlib
-import itertools
+import re
+import socket
 
 import yaml
 
-from services.launcher import plan_children
-from shared.config import Deployment, deployment_argv
+from shared.config import advertised
+from tests.deploy_checks import (
+    SERVICES,
+    SET_PER_CONTAINER,
+    check_service_command,
+    launched,
+    parser_for,
+    settings_read,
+)
 from tests.servers import REPO
 
-CONTAINER_ONLY = {"--api-advertise-addr", "--advertise-addr", "--host"}
 
-
-def _flags(argv: list[str]) -> set[str]:
-    return {a for a in argv if a.startswith("--")}
+def _compose() -> dict:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
 
 
 def test_compose_matches_launcher():
-    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
-    launched = {c.argv[2]: c.argv[3:] for c in plan_children(Deployment(), "/run", "127.0.0.1", 8000, 1, [])}
-    assert set(launched) == {f"services.{s}" for s in ("api", "data_worker", "conductor", "gpu_worker")}
-    seen = set()
-    for name, svc in compose["services"].items():
-        cmd = svc["command"]
-        assert cmd[:2] == ["python", "-m"], name
-        module, flags = cmd[2], cmd[3:]
-        assert module == f"services.{name}", name
-        seen.add(module)
-        # The service's own parser accepts exactly these flags.
-        parser = importlib.import_module(f"{module}.__main__").build_parser()
-        parser.parse_args(flags)
-        # Deployment settings travel as MSTAR_* env vars in compose, addresses as flags.
-        expected = _flags(launched[module]) - _flags(deployment_argv(Deployment())) - {"--port", "--host"}
-        assert expected <= _flags(flags), (name, expected - _flags(flags))
-        assert _flags(flags) - _flags(launched[module]) <= CONTAINER_ONLY, name
-        # Addresses are tcp across containers.
-        addrs = [v for k, v in itertools.pairwise(flags) if k.endswith("-addr")]
-        assert addrs and all(a.startswith("tcp://") for a in addrs), name
-    assert seen == set(launched)
+    compose = _compose()
+    services = {n: s for n, s in compose["services"].items() if n != "check"}
+    assert {f"services.{n}" for n in services} == set(launched()) == {f"services.{s}" for s in SERVICES}
+    for name, svc in services.items():
+        check_service_command(name, svc["command"])
     assert ("healthcheck" in compose["services"]["api"]
             and "/ready" in str(compose["services"]["api"]["healthcheck"]["test"]))
+
+
+def test_a_bad_model_stops_at_the_check_instead_of_restarting():
+    compose = _compose()
+    check = compose["services"]["check"]
+    assert check["command"][:4] == ["python", "-m", "services.launcher", "check"]
+    assert parser_for("services.launcher").parse_args(check["command"][3:]).command == "check"
+    assert check["restart"] == "no"
+    for name in SERVICES:
+        svc = compose["services"][name]
+        assert svc["depends_on"]["check"] == {"condition": "service_completed_successfully"}, name
+        # a crash restarts, a few times in a row at most
+        assert re.fullmatch(r"on-failure:\d+", svc["restart"]), (name, svc["restart"])
+
+
+def test_scaled_workers_get_their_own_ids_and_addresses(monkeypatch):
+    worker = _compose()["services"]["gpu_worker"]
+    assert "container_name" not in worker and "ports" not in worker and "hostname" not in worker
+    args = worker["command"][3:]
+    assert "--worker-id" not in args and args[args.index("--advertise-addr") + 1] == "auto"
+    ids = set()
+    for host in ("3f2a9c1b0d4e", "77aa01bc92ef", "c0ffee123456"):  # containers' host names
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        ids.add(parser_for("services.gpu_worker").parse_args(args).worker_id)
+    assert len(ids) == 3
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    bind = args[args.index("--bind-addr") + 1]
+    assert advertised(bind, "auto") == "tcp://127.0.0.1:5560"
+
+
+def test_every_mstar_setting_passes_through():
+    compose = _compose()
+    for name, svc in compose["services"].items():
+        env = svc["environment"]
+        missing = settings_read() - SET_PER_CONTAINER - set(env)
+        assert not missing, (name, sorted(missing))
+        # unset in the shell: unset in the container (the service's default), never ""
+        assert all(v is None for v in env.values()), name
+
+
+def test_dockerfiles_non_root_with_healthcheck():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "**/__pycache__"} <= set(ignored)
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        text = (REPO / name).read_text()
+        users = re.findall(r"^USER (\S+)", text, re.M)
+        assert users and users[-1] not in ("root", "0"), name
+        assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M), name
+        cmd = re.findall(r"^CMD (\[.*\])$", text, re.M)[-1]
+        argv = yaml.safe_load(cmd)
+        assert argv[:4] == ["python", "-m", "services.launcher", "serve"], name
+        parser_for("services.launcher").parse_args(argv[3:])
+    assert 'pip install ".[cuda]"' in (REPO / "Dockerfile.cuda").read_text()
