@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from shared.cgroup import memory_available
+
 
 def prefault_requested() -> bool:
     return os.environ.get("MSTAR_KV_PREFAULT", "").lower() in ("1", "true", "yes")
@@ -50,17 +52,22 @@ def kv_cache(num_layers: int, num_pages: int, page_size: int, kv_heads: int, hea
 
 
 def available_memory_bytes(device: torch.device | None = None) -> int:
-    """Free memory where the KV pools will live: the GPU's, or the host's MemAvailable."""
+    """Free memory where the KV pools will live: the GPU's; on the CPU the host's
+    MemAvailable, or what the container's cgroup still allows when that is less (a pool
+    sized from the host's memory would get a memory-limited container OOM-killed)."""
     if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    host = 8 << 30
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 8 << 30
+    limited = memory_available()
+    return host if limited is None else min(host, limited)
 
 
 def size_pool(num_kv_pages: int, kv_memory_fraction: float, bytes_per_page: int, min_pages: int,

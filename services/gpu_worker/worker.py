@@ -20,6 +20,7 @@ import zmq
 from services.gpu_worker.build import assemble
 from services.gpu_worker.engine import Finished, StepResult
 from services.gpu_worker.outputs import error_frame
+from shared.cgroup import available_cpus
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
 from shared.fingerprint import fingerprint
@@ -51,8 +52,9 @@ class GpuWorker:
         self.bind_addr = bind_addr
         self.advertise_addr = advertise_addr
         # All cores but one (as vLLM's CPU build): the api, data worker and conductor need a
-        # core too, and oversubscribing a small machine costs far more than one thread.
-        torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS", max(1, (os.cpu_count() or 1) - 1))))
+        # core too, and oversubscribing a small machine costs far more than one thread. The
+        # cores are the ones the affinity mask and the container's CPU quota allow.
+        torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS") or max(1, available_cpus() - 1)))
         parts = assemble(d)
         self.spec, self.pools, self.kv, self.engine = parts.spec, parts.pools, parts.kv, parts.engine
         self.ctx = zmq.Context()
