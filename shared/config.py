@@ -109,6 +109,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speculative_k: int = 0
     speculative_ngram_max: int = 3
     speculative_ngram_min: int = 2
+    #: a step's time target (ms) when decode rows run: prefill chunks beside them are cut to
+    #: fit it by the learned step costs (0: throughput first, the token budget alone)
+    itl_target_ms: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -123,6 +126,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
         if self.max_batch_tokens < 16 or self.max_num_seqs < 1:
             raise ValueError("max_batch_tokens must be >= 16 and max_num_seqs >= 1")
+        if not 0 <= self.itl_target_ms <= 60_000:
+            raise ValueError(f"itl_target_ms must be in [0, 60000], got {self.itl_target_ms}")
         if not 0 <= self.speculative_k <= MAX_SPECULATIVE_K:
             raise ValueError(f"speculative_k must be in [0, {MAX_SPECULATIVE_K}], got {self.speculative_k}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_NGRAM:
@@ -150,6 +155,10 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       f"0-{MAX_SPECULATIVE_K}; 0 is off", None),
     "speculative_ngram_max": ("longest suffix n-gram looked up in the request's history for drafts", None),
     "speculative_ngram_min": ("shortest suffix n-gram that may propose drafts", None),
+    "itl_target_ms": ("target time (ms) of a step that carries decode rows: prompt chunks beside them are sized to it "
+                      "from step costs learned at warm-up and as it runs (streams stay smooth while prompts arrive); "
+                      "an idle engine still prefills at the full --max-batch-tokens; 0: throughput first, "
+                      "chunks by the token budget alone", None),
 }
 
 DEPLOYMENT_ENV = "MSTAR_DEPLOYMENT"

@@ -26,7 +26,8 @@ from shared.frames import Fingerprint
 
 #: Deployment fields a worker may set for itself (its memory, its batch): the conductor plans
 #: against each worker's announced pools, so these need not agree.
-PER_WORKER = frozenset({"model", "num_kv_pages", "kv_memory_fraction", "max_num_seqs", "max_batch_tokens"})
+PER_WORKER = frozenset({"model", "num_kv_pages", "kv_memory_fraction", "max_num_seqs", "max_batch_tokens",
+                        "itl_target_ms"})
 
 
 def model_identity(model: str) -> str:

@@ -23,6 +23,7 @@ from services.gpu_worker.kv_memory import kv_cache, size_pool
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
+from services.gpu_worker.step_costs import calibrate
 from services.gpu_worker.weights import build_model
 from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -51,7 +52,7 @@ class Speculation:
 
 def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *, eos_ids: list[int],
                  max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
-                 speculation: Speculation = Speculation()) -> Engine:
+                 speculation: Speculation = Speculation(), itl_target_s: float = 0.0) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
     runner = runner_cls(model, spec, kv, caches, planner)
     k = speculation.k
@@ -60,7 +61,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     if k and (spec.engine != "decoder" or any(lab.window is not None for lab in spec.kv_labels)):
         log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
         k = 0
-    limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions)
+    limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s)
     scheduler = Scheduler(kv, limits, spec.step_loops, k)
     outputs = OutputProcessor(kv, runner.step_labels, spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
@@ -111,7 +112,8 @@ def assemble(d: Deployment) -> Assembled:
     kv = KVManager(pools, spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len", prefix_cache=d.prefix_cache)
     engine = build_engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=d.max_num_seqs,
                           max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
-                          speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min))
+                          speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
+                          itl_target_s=d.itl_target_ms / 1000)
     log.info("model loaded in %.1fs; pools %s", time.time() - t0,
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
     parts = Assembled(source, spec, pools, model, kv, engine)
@@ -144,3 +146,9 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     runs = parts.model.warm_gemms(d.max_batch_tokens, min(d.max_num_seqs, d.max_batch_tokens))
     if runs:
         log.info("built %d GEMM kernels for every row bucket in %.2fs", runs, time.time() - t0)
+    if d.itl_target_ms > 0 and spec.engine == "decoder":  # step costs for the time-budgeted scheduler
+        t0 = time.time()
+        with kv.untracked():
+            costs = calibrate(engine, spec, parts.pools, d.max_batch_tokens, d.max_num_seqs)
+        log.info("step costs learned in %.2fs: %s; prefill beside decode rows sized to %g ms steps",
+                 time.time() - t0, costs.describe(), d.itl_target_ms)

@@ -14,6 +14,7 @@ returns to its pool however it ends.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -99,6 +100,7 @@ class Engine:
         if admitted and self.runner.needs_prepare:
             for failure in self.runner.prepare(admitted):
                 self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         try:
             for failure in self.runner.reserve(plan):  # an overrun with no page to spare fails alone
@@ -113,6 +115,7 @@ class Engine:
                 self._end(e.request, False, "error", res)
             return res
         self.outputs.update(plan, sampled, end, res)
+        self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time
         return res
 
     def _end_with(self, res: StepResult):

@@ -10,6 +10,18 @@ it speculates), then prefill chunks in arrival order under the step's token budg
 Drafts never run past what the request may still emit (its loop cap, max_tokens,
 max_seq_len), so the rows a step writes, rejected drafts included, stay inside the rows
 its layout already declares: speculation changes no footprint.
+
+Budgeting by time (`Limits.itl_target_s` > 0): every step, decode rows always go; the
+prefill chunks beside them are cut so the step's predicted time (`step_costs.StepCosts`,
+learned at warm-up and from every step since) stays within the target, since every
+running stream waits for the whole step. A step with no decode row (an idle engine) fills
+the token budget, so a lone prompt's first token is not held back. Two floors keep the
+waiting prompts moving whatever the target: at least `MIN_PREFILL_ROWS` rows, and at least
+`KEEP_UP` x the rate prompt rows have been arriving (per step, averaged over the last
+~`1 / ARRIVAL_EMA` steps), so under a load the target cannot hold, prefill still keeps pace
+with arrivals and the batch stays full (the target yields rather than the queue growing
+without bound). The target changes only when rows run, never what they compute: each row
+sees the same keys whatever chunk it came in, so every request gets the same tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +31,14 @@ from dataclasses import dataclass, field
 
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
+from services.gpu_worker.step_costs import StepCosts, StepShape, chunk_shape
+
+#: prompt rows a step beside decode rows may always prefill, whatever the time target
+MIN_PREFILL_ROWS = 16
+#: ... and this multiple of the rate prompt rows arrive at (rows per step, averaged)
+KEEP_UP = 1.25
+#: weight of the newest step in that average
+ARRIVAL_EMA = 1 / 32
 
 
 @dataclass
@@ -37,6 +57,8 @@ class PlanEntry:
 @dataclass
 class StepPlan:
     entries: list[PlanEntry] = field(default_factory=list)
+    #: rows, sampled rows and attention keys of the plan: what the step-cost model sees
+    shape: StepShape = field(default_factory=StepShape)
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,8 @@ class Limits:
     max_seq_len: int
     #: most requests admitted in one step (an encoder pass each holds up the running ones)
     max_admissions: int | None = None
+    #: a step's time target in seconds when decode rows run (0: the token budget alone)
+    itl_target_s: float = 0.0
 
 
 class Scheduler:
@@ -58,6 +82,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.ids: dict[str, Request] = {}
+        #: what a step costs, learned (the engine reports every step's time)
+        self.costs = StepCosts()
+        #: prompt rows arrived since the last plan, and their average per step
+        self._arrived = 0
+        self.arrival_rate = 0.0
 
     # -- the request table -------------------------------------------------------------
 
@@ -65,6 +94,7 @@ class Scheduler:
         """Queue a request the engine has ingested (it refuses duplicate ids before that)."""
         self.ids[req.request_id] = req
         self.waiting.append(req)
+        self._arrived += len(req.prompt)
 
     def remove(self, request_id: str, ran_to_caps: bool = False) -> tuple[Request, int] | None:
         """Take a request out wherever it is; (the request, pages released) if it was here."""
@@ -106,15 +136,43 @@ class Scheduler:
             drafts = self._drafts(r, budget) if r.proposer is not None and budget > 0 else []
             budget -= len(drafts)
             plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
+            plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
+        self.arrival_rate += ARRIVAL_EMA * (self._arrived - self.arrival_rate)
+        self._arrived = 0
+        seconds, floor = self._prefill_allowance(plan)
         for r in ready:
             if r.decoding:
                 continue
             if budget <= 0:
                 break
-            n = min(len(r.prompt) - r.num_computed, budget)
+            left = len(r.prompt) - r.num_computed
+            n = min(left, budget)
+            if seconds is not None:
+                n = max(self.costs.chunk_within(seconds, r.num_computed, n), min(n, floor))
+                if n <= 0:
+                    break
+                shape = chunk_shape(r.num_computed, n, int(n == left))
+                seconds -= self.costs.predict(shape) - self.costs.predict(StepShape())
+                floor -= n
             plan.entries.append(PlanEntry(r, n, False))
+            plan.shape += chunk_shape(r.num_computed, n, int(n == left))
             budget -= n
         return plan
+
+    def _prefill_allowance(self, plan: StepPlan) -> tuple[float | None, int]:
+        """(seconds the prefill chunks may add to this step, or None for no time limit;
+        rows they may take whatever the time): no limit when the target is off, the costs
+        are not learned yet, or no decode row runs (an idle engine prefills at full budget)."""
+        target = self.limits.itl_target_s
+        if target <= 0 or not self.costs.ready or not plan.entries:
+            return None, 0
+        floor = max(MIN_PREFILL_ROWS, int(KEEP_UP * self.arrival_rate + 0.5))
+        return target - self.costs.predict(plan.shape), floor
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step ran: its wall time teaches the step-cost model."""
+        if plan.entries:
+            self.costs.observe(plan.shape, seconds)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Prompt-lookup drafts for this step, never more than the request may still emit

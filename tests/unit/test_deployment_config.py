@@ -35,6 +35,7 @@ OTHER = {
     "speculative_k": 4,
     "speculative_ngram_max": 5,
     "speculative_ngram_min": 1,
+    "itl_target_ms": 12.5,
 }
 SERVICES = ("conductor", "gpu_worker", "data_worker")
 

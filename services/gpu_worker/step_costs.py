@@ -1,0 +1,190 @@
+"""What a step costs, learned as the engine runs: the scheduler sizes prefill chunks by it.
+
+A step's wall time is modelled as linear in four features of its plan:
+
+    seconds = c0 + c_row * rows + c_sample * sampled + c_key * keys / 1024
+
+- `rows`: query rows through every layer (decode rows, drafts, prefill tokens): the GEMMs,
+  norms and K/V writes of each layer, so its coefficient is per row x layers of this model;
+- `sampled`: rows through the LM head and the sampler (one per decode row and draft, one
+  for a chunk that ends its prompt);
+- `keys`: query-key pairs attention reads over all layers' label (a row at position p
+  reads p + 1 keys, so a chunk of n rows after o cached ones reads n * o + n (n + 1) / 2);
+- `c0`: what a step costs whatever it holds (the Python around the forward, attention
+  metadata, the weights streamed from memory when few rows run).
+
+The fit is least squares with exponential forgetting (each past step's weight decays by
+`DECAY` per step, so the model follows the machine as its load changes), pulled towards
+the warm-up's fit (a ridge term worth `PRIOR_STEPS` steps at typical feature sizes) so that
+a direction the recent steps do not vary in (16 decode rows, step after step) keeps what
+warm-up measured, and coefficients are kept >= 0 (a negative cost would let the scheduler
+grow a chunk for free). A step slower than `OUTLIER` x its prediction (the process lost
+its core for a while) counts as `OUTLIER` x the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+#: per-step weight decay of past observations (half-life ~140 steps)
+DECAY = 0.995
+#: the warm-up prior weighs as much as this many steps of typical size
+PRIOR_STEPS = 4.0
+#: typical magnitude of each feature (1, rows, sampled, keys / 1024): the ridge's scale
+TYPICAL = np.array([1.0, 64.0, 16.0, 64.0])
+#: observations before the fit is trusted by the scheduler
+MIN_STEPS = 4
+#: a step slower than this multiple of its prediction is clipped to it
+OUTLIER = 3.0
+KEY_UNIT = 1024.0
+
+
+class StepShape(NamedTuple):
+    """The features of one step's plan."""
+
+    rows: int = 0
+    sampled: int = 0
+    keys: int = 0
+
+    def __add__(self, other: StepShape) -> StepShape:  # type: ignore[override]
+        return StepShape(self.rows + other.rows, self.sampled + other.sampled, self.keys + other.keys)
+
+
+def chunk_shape(offset: int, n: int, sampled: int) -> StepShape:
+    """`n` rows written after `offset` cached ones, `sampled` of them sampled."""
+    return StepShape(n, sampled, n * offset + n * (n + 1) // 2)
+
+
+def _x(s: StepShape) -> np.ndarray:
+    return np.array([1.0, s.rows, s.sampled, s.keys / KEY_UNIT])
+
+
+class StepCosts:
+    """The learned step-cost model (seconds)."""
+
+    def __init__(self) -> None:
+        self.a = np.zeros((4, 4))
+        self.b = np.zeros(4)
+        self.steps = 0
+        self.coef = np.zeros(4)
+        self.prior: np.ndarray | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= MIN_STEPS
+
+    def predict(self, s: StepShape) -> float:
+        return float(_x(s) @ self.coef)
+
+    def observe(self, s: StepShape, seconds: float) -> None:
+        x = _x(s)
+        if self.ready:
+            seconds = min(seconds, OUTLIER * max(self.predict(s), 1e-4))
+        self.a *= DECAY
+        self.b *= DECAY
+        self.a += np.outer(x, x)
+        self.b += x * seconds
+        self.steps += 1
+        self.coef = self._solve()
+
+    def anchor(self) -> None:
+        """Keep the current fit as the prior later fits are pulled towards (after warm-up)."""
+        self.prior = self.coef.copy()
+
+    def _solve(self) -> np.ndarray:
+        """Non-negative ridge least squares: drop a feature whose coefficient comes out
+        negative and solve again without it (at most one pass per feature)."""
+        reg = PRIOR_STEPS * TYPICAL**2 if self.prior is not None else 1e-6 * TYPICAL**2
+        target = self.prior if self.prior is not None else np.zeros(4)
+        active = np.ones(4, dtype=bool)
+        coef = np.zeros(4)
+        for _ in range(4):
+            idx = np.flatnonzero(active)
+            m = self.a[np.ix_(idx, idx)] + np.diag(reg[idx])
+            rhs = self.b[idx] + reg[idx] * target[idx]
+            coef = np.zeros(4)
+            coef[idx] = np.linalg.solve(m, rhs)
+            if (coef >= 0).all():
+                break
+            active &= coef > 0
+        return np.maximum(coef, 0.0)
+
+    def chunk_within(self, seconds: float, offset: int, remaining: int) -> int:
+        """The most rows (<= `remaining`) of one prompt, `offset` rows of it cached, that
+        cost at most `seconds` more in a step; sampling their last row when they end it."""
+        if seconds <= 0 or remaining <= 0:
+            return 0
+        _, c_row, _, c_key = self.coef
+        # n rows cost c_row n + c_key (n offset + n (n + 1) / 2) / KEY_UNIT: solve for n
+        qa = c_key / (2 * KEY_UNIT)
+        qb = c_row + c_key * (offset + 0.5) / KEY_UNIT
+        if qa > 0:
+            n = int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa) + 1e-6)
+        elif qb > 0:
+            n = int(seconds / qb + 1e-6)
+        else:
+            n = remaining
+        if n >= remaining:
+            return remaining if self._cost(offset, remaining, 1) <= seconds + 1e-9 else remaining - 1
+        return max(n, 0)
+
+    def _cost(self, offset: int, n: int, sampled: int) -> float:
+        return self.predict(chunk_shape(offset, n, sampled)) - self.coef[0]
+
+    def describe(self) -> str:
+        c0, c_row, c_sample, c_key = self.coef
+        return (f"{c0 * 1e3:.2f} ms + {c_row * 1e3:.3f} ms/row + {c_sample * 1e3:.3f} ms/sampled row "
+                f"+ {c_key * 1e3:.4f} ms/1024 keys ({self.steps} steps)")
+
+
+# -- warm-up -------------------------------------------------------------------------------
+
+#: the longest prompt calibration prefills (rows of one step; the fit extrapolates beyond)
+CALIBRATION_ROWS = 256
+
+
+def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: int) -> StepCosts:
+    """Learn the step costs before the first request: steps of known, varied shapes (a long
+    prefill, a batch of short prompts, decode rows one and several at a time, a shorter
+    prefill), run twice through the real engine (the first pass pays for first-call
+    allocations and is forgotten), then kept as the prior later fits lean on. Runs inside
+    the worker's untracked warm-up: its pages all go back."""
+    from shared.frames import NewRequest, SamplingParams, pack_tensors
+
+    n_big = max(1, min(CALIBRATION_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
+    k = max(1, min(8, max_num_seqs, max_batch_tokens // 16))
+    groups = [[(n_big, 4)], [(min(16, n_big), 6)] * k, [(max(1, n_big // 4), 2)]]
+    count = 0
+    for _ in range(2):
+        engine.scheduler.costs = StepCosts()
+        for group in groups:
+            for n, max_tokens in group:
+                ppo = prompt_layout(spec, [j % 199 + 1 for j in range(count, count + n)])
+                caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=n))
+                refs, _ = pack_tensors(ppo.new_input_tensors)
+                greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+                extra = {"metadata": ppo.metadata} if "metadata" in NewRequest.__struct_fields__ else {}
+                engine.add(NewRequest(f"calibrate-{count}", "", refs, greedy, "", n, max_tokens, ppo.kv_layout, caps,
+                                      spec.kv_configs(ppo.kv_layout, caps, pools), **extra), ppo.new_input_tensors)
+                count += 1
+            while engine.has_work:
+                if engine.step().errors:
+                    raise RuntimeError("a calibration request failed (see the error logged above)")
+            for r in list(engine.running) + list(engine.waiting):  # what the pool could not admit
+                engine.abort(r.request_id)
+    costs = engine.scheduler.costs
+    costs.anchor()
+    engine.scheduler.arrival_rate = 0.0
+    return costs
+
+
+def prompt_layout(spec, ids: list[int]):
+    """The spec's layouts for prompt `ids` (in a `PromptRequest` where the spec takes one)."""
+    try:
+        from shared.specs.base import PromptRequest
+    except ImportError:
+        return spec.process_prompt(ids)
+    return spec.process_prompt(PromptRequest(ids))

@@ -1,0 +1,225 @@
+"""The time-budgeted scheduler: the step-cost model it learns, the chunks it cuts from
+known costs, and that a time target changes only when rows run, never what they compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.build import build_engine
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.request import Request
+from services.gpu_worker.scheduler import ARRIVAL_EMA, KEEP_UP, MIN_PREFILL_ROWS, Limits, Scheduler
+from services.gpu_worker.step_costs import StepCosts, StepShape, calibrate, chunk_shape, prompt_layout
+from services.gpu_worker.weights import build_model
+from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.model_source import ModelSource
+from tests.checkpoints import make_checkpoint
+
+MS = 1e-3
+
+
+def known_costs(c0=5.0, row=0.5, sample=1.0, key=0.0) -> StepCosts:
+    """A cost model that has learned exactly these (ms) coefficients."""
+    costs = StepCosts()
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        s = StepShape(int(rng.integers(1, 300)), int(rng.integers(1, 40)), int(rng.integers(0, 50_000)))
+        costs.observe(s, (c0 + row * s.rows + sample * s.sampled + key * s.keys / 1024) * MS)
+    return costs
+
+
+# -- the cost model ----------------------------------------------------------------------
+
+
+def test_the_fit_recovers_known_costs():
+    costs = known_costs(4.0, 0.3, 0.8, 0.05)
+    assert costs.ready
+    np.testing.assert_allclose(costs.coef, np.array([4.0, 0.3, 0.8, 0.05]) * MS, rtol=1e-3, atol=1e-6)
+    assert costs.predict(StepShape(16, 16, 16 * 200)) == pytest.approx((4.0 + 16 * 1.1 + 0.05 * 3200 / 1024) * MS)
+
+
+def test_costs_never_go_negative_and_follow_a_slower_machine():
+    costs = StepCosts()
+    for rows in (1, 2, 4, 8) * 3:  # a step that costs the same whatever its rows: no negative slope
+        costs.observe(StepShape(rows, rows, 0), 10 * MS)
+    assert (costs.coef >= 0).all()
+    costs.anchor()
+    before = costs.predict(StepShape(16, 16, 0))
+    for _ in range(400):  # the machine gets twice as slow: the fit follows
+        for rows in (4, 16):
+            costs.observe(StepShape(rows, rows, 0), 20 * MS)
+    assert costs.predict(StepShape(16, 16, 0)) > 1.8 * before
+
+
+def test_a_stalled_step_counts_as_a_bounded_outlier():
+    costs = known_costs()
+    before = costs.predict(StepShape(16, 16, 0))
+    costs.observe(StepShape(16, 16, 0), 10.0)  # the process lost its core for 10 s
+    assert costs.predict(StepShape(16, 16, 0)) < 1.2 * before
+
+
+def test_chunk_within_solves_for_rows_from_known_costs():
+    costs = known_costs(5.0, 0.5, 1.0)
+    assert costs.chunk_within(10 * MS, 0, 128) == 20  # 0.5 ms a row
+    assert costs.chunk_within(10.4 * MS, 0, 20) == 19  # the 20th would also sample: 1 ms more
+    assert costs.chunk_within(11 * MS, 0, 20) == 20
+    assert costs.chunk_within(0.0, 0, 128) == 0
+    with_keys = known_costs(5.0, 0.5, 1.0, key=1.0)  # 1 ms per 1024 keys: a later chunk costs more
+    assert with_keys.chunk_within(10 * MS, 900, 128) < with_keys.chunk_within(10 * MS, 0, 128)
+    n = with_keys.chunk_within(10 * MS, 900, 128)
+    cost = lambda k: with_keys.predict(chunk_shape(900, k, 0)) - with_keys.predict(StepShape())  # noqa: E731
+    assert cost(n) <= 10 * MS < cost(n + 1)
+
+
+# -- the scheduler, from known costs ---------------------------------------------------------
+
+
+def req(rid: str, prompt_len: int, computed: int) -> Request:
+    r = Request(rid, "", SamplingParams(temperature=0.0), 64, {"decode_loop": 63}, list(range(1, prompt_len + 1)), None,
+                None, iters={"decode_loop": 0})
+    r.num_computed = computed
+    if computed >= prompt_len:
+        r.output = [1]
+    return r
+
+
+def scheduler(target_ms: float, costs: StepCosts | None = None, budget: int = 512) -> Scheduler:
+    s = Scheduler(None, Limits(64, budget, 4096, None, target_ms * MS), ("decode_loop",))
+    if costs is not None:
+        s.costs = costs
+    return s
+
+
+def plan_rows(s: Scheduler) -> tuple[list[int], list[int]]:
+    plan = s.schedule()
+    return [e.rows for e in plan.entries if e.decode], [e.rows for e in plan.entries if not e.decode]
+
+
+def test_prefill_beside_decode_rows_is_cut_to_the_target():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0))
+    s.running = [req(f"d{i}", 10, 10) for i in range(10)] + [req("p0", 128, 0), req("p1", 128, 0)]
+    decodes, chunks = plan_rows(s)
+    # 10 decode rows: 5 + 10 * 1.5 = 20 ms; 10 ms left at 0.5 ms a row = 20 rows
+    assert decodes == [1] * 10 and chunks == [20]
+
+
+def test_decode_rows_always_go_and_prompts_still_move():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0))
+    s.running = [req(f"d{i}", 10, 10) for i in range(40)] + [req("p0", 128, 0)]  # 65 ms of decode rows
+    decodes, chunks = plan_rows(s)
+    assert decodes == [1] * 40 and chunks == [MIN_PREFILL_ROWS]
+
+
+def test_prefill_keeps_pace_with_arriving_prompts():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0))
+    s.running = [req(f"d{i}", 10, 10) for i in range(40)] + [req("p0", 512, 0)]
+    s.arrival_rate = 64.0  # prompt rows have been arriving at 64 a step
+    _, chunks = plan_rows(s)
+    assert chunks == [int(KEEP_UP * 64 * (1 - ARRIVAL_EMA) + 0.5)]  # this step's plan saw no new arrival
+
+
+def test_an_idle_engine_prefills_at_the_full_token_budget():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0), budget=512)
+    s.running = [req("p0", 300, 0), req("p1", 300, 0)]
+    assert plan_rows(s) == ([], [300, 212])
+
+
+def test_target_off_or_costs_unknown_is_the_token_budget_alone():
+    for s in (scheduler(0, known_costs(5.0, 0.5, 1.0)), scheduler(30)):
+        s.running = [req(f"d{i}", 10, 10) for i in range(10)] + [req("p0", 300, 0), req("p1", 300, 0)]
+        assert plan_rows(s) == ([1] * 10, [300, 202])
+
+
+def test_several_prompts_share_what_the_target_leaves():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0))
+    s.running = [req(f"d{i}", 10, 10) for i in range(6)] + [req("p0", 8, 0), req("p1", 128, 0)]
+    decodes, chunks = plan_rows(s)
+    # 6 decode rows: 14 ms; p0 ends its prompt (8 rows + its sample: 5 ms), p1 gets 11 ms = 22 rows
+    assert decodes == [1] * 6 and chunks == [8, 22]
+    plan = s.schedule()
+    assert plan.shape == StepShape(6 + 8 + 22, 6 + 1, sum(11 for _ in range(6)) + 36 + 22 * 23 // 2)
+
+
+# -- the engine: the same tokens, whatever the chunks ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("sched") / "llama", "llama")
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    return spec, build_model(src, spec, torch.float32)
+
+
+def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=()):
+    pools = spec.paged_pools(128)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    kv.debug = True
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
+                       max_seq_len=spec.max_seq_len, itl_target_s=target_ms * MS)
+    if costs is not None:
+        eng.scheduler.costs = costs
+
+    def add(i, ids):
+        ppo = prompt_layout(spec, ids)
+        caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
+        refs, _ = pack_tensors(ppo.new_input_tensors)
+        extra = {"metadata": ppo.metadata} if "metadata" in NewRequest.__struct_fields__ else {}
+        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids),
+                           max_tokens, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools), **extra),
+                ppo.new_input_tensors)
+
+    for i, ids in enumerate(prompts):
+        if i not in arrive_late:
+            add(i, ids)
+    toks: dict[str, list[int]] = {}
+    chunks: list[int] = []
+    observe = eng.scheduler.observe
+    eng.scheduler.observe = lambda plan, seconds: (chunks.extend(e.rows for e in plan.entries if not e.decode),
+                                                   observe(plan, seconds))
+    steps = 0
+    while eng.has_work or len(toks) < len(prompts):
+        if steps == 3:
+            for i in arrive_late:
+                add(i, prompts[i])
+        res = eng.step()
+        steps += 1
+        assert not res.errors, res.errors
+        for _, o in res.outputs:
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+    assert kv.used_pages() == 0 and kv.footprint_overruns == 0
+    return toks, chunks
+
+
+PROMPTS = [list(range(20, 61)), [7, 8, 9] * 10 + [40, 41], list(range(100, 150)), [3, 4]]
+
+
+def test_the_same_tokens_with_the_target_on_and_off(llama):
+    spec, model = llama
+    plain, plain_chunks = run(spec, model, PROMPTS, 12, 0, arrive_late=(2, 3))
+    # costs that leave room for only a few prompt rows beside the decode rows
+    tight = known_costs(5.0, 0.5, 1.0)
+    timed, timed_chunks = run(spec, model, PROMPTS, 12, 12, costs=tight, arrive_late=(2, 3))
+    assert timed == plain
+    assert all(len(t) == 12 for t in timed.values())
+    assert max(timed_chunks) > MIN_PREFILL_ROWS  # the first prompts went at the full budget (idle engine)
+    assert len(timed_chunks) > len(plain_chunks)  # the late ones were cut smaller beside decode rows
+
+
+def test_warm_up_calibration_learns_a_usable_model(llama):
+    spec, model = llama
+    pools = spec.paged_pools(64)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
+                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
+    with kv.untracked():
+        costs = calibrate(eng, spec, pools, 64, 8)
+    assert costs.ready and costs.prior is not None and (costs.coef >= 0).all()
+    assert costs.predict(StepShape(64, 1, 64 * 65 // 2)) >= costs.predict(StepShape(1, 1, 10)) > 0
+    assert not eng.running and not eng.waiting and kv.used_pages() == 0
