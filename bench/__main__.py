@@ -10,6 +10,8 @@ Modes (the first argument; none means `run`):
             the bench checkpoint, same prompt ids, same client, one run
   floor     only the raw pyzmq + msgspec round trip
   spec      prompt-lookup speculation on and off, on repetitive and on random text
+  vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
+            one run: output tok/s, TTFT / TPOT / ITL medians and P99s, ITL over time
 
 Every mode prints its table(s) and writes results.json and plot.png to `--out` (default
 bench/results/<timestamp>/).
@@ -21,7 +23,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor", "spec")
+MODES = ("run", "overhead", "compare", "floor", "spec", "vllm-bench")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
@@ -103,6 +105,10 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=600.0)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
+    elif mode == "vllm-bench":
+        from bench.vllm_bench import add_flags
+
+        add_flags(p)
     elif mode == "floor":
         p.add_argument("--floor-tokens", type=int, default=20000)
         p.add_argument("--out", default=None)
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if mode == "spec":
         from bench.speculative import spec as run_mode
+    elif mode == "vllm-bench":
+        from bench.vllm_bench import vllm_bench as run_mode
     else:
         run_mode = getattr(modes, mode)
     out = run_mode(args)
