@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
+from shared.logs import add_logging_flags
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
@@ -196,7 +197,12 @@ class _ModelAction(argparse.Action):
 
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub id (org/name) already in the local "
               "Hugging Face cache (nothing is downloaded; $HF_HOME/hub); "
-              "empty: the embedded SmolLM2-135M-Instruct (env MSTAR_MODEL)")
+              "(env MSTAR_MODEL; default: empty, the embedded SmolLM2-135M-Instruct)")
+
+
+MODEL_FLAG_HELP = "the same as MODEL (env MSTAR_MODEL; default: empty, the embedded SmolLM2-135M-Instruct)"
+CHAT_TEMPLATE_HELP = ("a Jinja chat template file that replaces the checkpoint's "
+                      "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,22 +217,30 @@ def build_parser() -> argparse.ArgumentParser:
                            conflict_handler="resolve")
     serve.add_argument("model", nargs="?", metavar="MODEL", default=None, action=_ModelAction, help=MODEL_HELP)
     add_deployment_flags(serve)
-    serve.add_argument("--model", dest="model", default=None, action=_ModelAction, help="the same as MODEL")
+    serve.add_argument("--model", dest="model", default=None, action=_ModelAction, help=MODEL_FLAG_HELP)
     serve.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
                        help="the name /v1/models lists and OpenAI requests must give as `model` "
                             "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
-                       help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
-    serve.add_argument("--host", default="127.0.0.1", help="address the HTTP api binds (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--workers", type=int, default=1, help="gpu worker processes (data parallel)")
+                       help=CHAT_TEMPLATE_HELP)
+    serve.add_argument("--host", default=os.environ.get("MSTAR_API_HOST") or "127.0.0.1",
+                       help="address the HTTP api binds (env MSTAR_API_HOST; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT") or 8000),
+                       help="HTTP port (env MSTAR_API_PORT; default 8000)")
+    serve.add_argument("--workers", type=int, default=int(os.environ.get("MSTAR_WORKERS") or 1),
+                       help="gpu worker processes (data parallel) (env MSTAR_WORKERS; default 1)")
     serve.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on every route but /health and /ready "
-                            "(env MSTAR_API_KEY); passed to the api by environment, not argv, so ps does not show it")
+                            "(env MSTAR_API_KEY; default: none, no key needed); passed to the api by environment, "
+                            "not argv, so ps does not show it")
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="largest request body (audio uploads included) the api accepts; "
-                            "larger is a 413 (api default 1 MiB)")
-    serve.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /ready")
+                            "larger is a 413 (env MSTAR_MAX_BODY_BYTES; default 1 MiB)")
+    serve.add_argument("--start-timeout", type=float, default=float(os.environ.get("MSTAR_START_TIMEOUT") or 900),
+                       help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")
+    add_logging_flags(serve)
+    serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                       help="the api logs one line per HTTP request (default: off; env MSTAR_ACCESS_LOG=1)")
     serve.add_argument("--version", action="version", version=version)
     _add_check(sub)
     return parser
@@ -239,9 +253,9 @@ def _add_check(sub) -> None:
                                 "once before the services, so a bad model stops instead of restarting)")
     check.add_argument("model", nargs="?", metavar="MODEL", default=None, action=_ModelAction, help=MODEL_HELP)
     add_deployment_flags(check)
-    check.add_argument("--model", dest="model", default=None, action=_ModelAction, help="the same as MODEL")
+    check.add_argument("--model", dest="model", default=None, action=_ModelAction, help=MODEL_FLAG_HELP)
     check.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
-                       help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
+                       help=CHAT_TEMPLATE_HELP)
 
 
 def preflight(d: Deployment, chat_template: str | None) -> str | None:
@@ -258,6 +272,15 @@ def preflight(d: Deployment, chat_template: str | None) -> str | None:
     except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
         return " ".join(str(exc).split()) or type(exc).__name__
     return None
+
+
+def _log_env(args: argparse.Namespace) -> None:
+    """--log-level, --log-format and --access-log reach every child as its env vars."""
+    for value, env in ((args.log_level, "MSTAR_LOG_LEVEL"), (args.log_format, "MSTAR_LOG_FORMAT")):
+        if value is not None:
+            os.environ[env] = value
+    if args.access_log is not None:
+        os.environ["MSTAR_ACCESS_LOG"] = "1" if args.access_log else "0"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
+    _log_env(args)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout).run()
 

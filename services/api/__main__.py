@@ -8,11 +8,13 @@ closes the ZMQ sockets (aborting live requests) and removes the bound ipc socket
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING
 
 from shared.config import add_address_flags, add_deployment_flags, advertised, deployment_from_args, resolve_addresses
+from shared.logs import add_logging_flags, setup_logging
 from shared.zmq_utils import cleanup_ipc
 
 if TYPE_CHECKING:
@@ -44,16 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name /v1/models lists and OpenAI requests must give as `model` "
                         "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
-                   help="a Jinja chat template file that replaces the checkpoint's (env MSTAR_CHAT_TEMPLATE)")
+                   help="a Jinja chat template file that replaces the checkpoint's "
+                        "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")
     add_address_flags(p, ADDRESSES)
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None,
                    help="the api address workers reply to "
                         "(env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"largest request body or WebSocket frame; larger is a 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--ws-max-live", type=int, default=DEFAULT_WS_MAX_LIVE,
+    p.add_argument("--max-body-bytes", type=int,
+                   default=int(os.environ.get("MSTAR_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES),
+                   help=f"largest request body or WebSocket frame; larger is a 413 "
+                        f"(env MSTAR_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--ws-max-live", type=int, default=int(os.environ.get("MSTAR_WS_MAX_LIVE") or DEFAULT_WS_MAX_LIVE),
                    help=f"live requests per WebSocket; more get an error frame with status 429 "
-                        f"(default {DEFAULT_WS_MAX_LIVE})")
+                        f"(env MSTAR_WS_MAX_LIVE; default {DEFAULT_WS_MAX_LIVE})")
     p.add_argument("--keep-alive-s", type=float, default=float(os.environ.get("MSTAR_API_KEEP_ALIVE_S", KEEP_ALIVE_S)),
                    help=f"close idle keep-alive HTTP connections after this many seconds "
                         f"(env MSTAR_API_KEEP_ALIVE_S; default {KEEP_ALIVE_S:g})")
@@ -64,16 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     # No default shown: the key must not appear in --help output or in `ps` via a default.
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /ready "
-                        "(env MSTAR_API_KEY)")
+                        "(env MSTAR_API_KEY; default: none, no key needed)")
+    add_logging_flags(p)
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("MSTAR_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
+                   help="log one line per HTTP request (uvicorn's access log: client, method, path, status), "
+                        "in --log-format (default: off; env MSTAR_ACCESS_LOG=1 turns it on)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    from shared.logs import setup_logging
-
-    log = setup_logging("api")
+    log = setup_logging("api", args.log_level, args.log_format)
     addrs = resolve_addresses(args, ADDRESSES)
     try:
         reply_to = advertised(addrs["api"], args.api_advertise_addr)
@@ -102,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         loop="uvloop",
         log_level="warning",
+        log_config=None,  # uvicorn's records go through this process's handler (text or json)
+        access_log=args.access_log,
         timeout_keep_alive=args.keep_alive_s,
         timeout_graceful_shutdown=DRAIN_S + 3.0,  # only reached if draining itself hangs
     )
+    if args.access_log:  # uvicorn set its access logger to log_level (warning): its lines are info
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     try:
         ApiServer(config, app.state.api.backend, DRAIN_S).run()
     finally:

@@ -13,7 +13,7 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.fingerprint import fingerprint
-from shared.logs import setup_logging
+from shared.logs import add_logging_flags, setup_logging
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError, ModelSpec
 
@@ -34,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "admission by KV footprint, routing")
     add_deployment_flags(parser)
     add_address_flags(parser, ADDRESSES)
+    add_logging_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = setup_logging("conductor")
+    log = setup_logging("conductor", args.log_level, args.log_format)
     d = deployment_from_args(args)
     try:
         spec = validate_deployment(d.model, d.page_size, d.max_seq_len)

@@ -12,7 +12,7 @@ from shared.config import (
     deployment_from_args,
     resolve_addresses,
 )
-from shared.logs import setup_logging
+from shared.logs import add_logging_flags, setup_logging
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError
 
@@ -24,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="mstar data worker: tokenizer and process_prompt")
     add_deployment_flags(parser)
     add_address_flags(parser, ADDRESSES)
+    add_logging_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = setup_logging("data_worker")
+    log = setup_logging("data_worker", args.log_level, args.log_format)
     d = deployment_from_args(args)
     try:
         source = ModelSource(d.model)

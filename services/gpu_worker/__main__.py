@@ -15,7 +15,7 @@ from shared.config import (
     env_address,
     resolve_addresses,
 )
-from shared.logs import setup_logging
+from shared.logs import add_logging_flags, setup_logging
 from shared.specs.base import DeploymentError
 
 
@@ -34,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the conductor connects to, when the bind address is not reachable as-is; "
                              "'auto': the bind's port at this host's IP (for scaled containers) "
                              "(env MSTAR_WORKER_ADVERTISE_ADDR; default: the bind address)")
+    add_logging_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = setup_logging(f"gpu_worker:{args.worker_id}")
+    log = setup_logging(f"gpu_worker:{args.worker_id}", args.log_level, args.log_format)
     bind = args.bind_addr or os.environ.get("MSTAR_WORKER_ADDR") or env_address(f"gpu_worker_{args.worker_id}")
 
     addrs = resolve_addresses(args, ["conductor"])

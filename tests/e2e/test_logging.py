@@ -1,0 +1,49 @@
+"""`mstar serve --log-format json --access-log`: every service logs one JSON object per line
+(the service named in each), and the api adds one access line per HTTP request, with the
+request's method, path and status as fields. Without --access-log there is none."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+
+from shared.logs import JsonFormatter, setup_logging
+from tests.servers import MstarServer
+
+
+def test_json_logs_and_access_log_through_the_launcher(llama_ckpt, tmp_path):
+    server = MstarServer(str(llama_ckpt), tmp_path / "log.txt", "--num-kv-pages", "32",
+                         "--log-format", "json", "--access-log").start()
+    try:
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        r = httpx.post(server.url + "/generate", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+    records = []
+    for line in server.log().splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))
+        else:  # the launcher's own lines ("mstar: ready on ...") and nothing else
+            assert not line.strip() or line.startswith("mstar: "), line
+    services = {r["service"].split(":")[0] for r in records}
+    assert {"api", "conductor", "data_worker", "gpu_worker"} <= services
+    access = [r for r in records if r["logger"] == "uvicorn.access"]
+    assert {(a["method"], a["path"], a["status"]) for a in access} >= {("GET", "/health", 200),
+                                                                       ("POST", "/generate", 200)}
+    assert all({"time", "level", "pid", "message"} <= r.keys() for r in records)
+
+
+def test_text_format_and_no_access_log_by_default(capsys):
+    log = setup_logging("unit", "DEBUG", "text")
+    log.debug("hello %d", 1)
+    logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "1.2.3.4:5", "GET", "/x", "1.1", 404)
+    err = capsys.readouterr().err
+    assert "DEBUG unit[" in err and "hello 1" in err
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("1.2.3.4:5", "GET", "/x", "1.1", 404), None)
+    out = json.loads(JsonFormatter("api").format(record))
+    assert out["message"] == '1.2.3.4:5 - "GET /x HTTP/1.1" 404' and out["status"] == 404 and out["service"] == "api"
+    setup_logging("unit", "INFO", "text")
