@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gpu_worker.worker import GpuWorker
     from shared.config import Deployment
     from shared.frames import NewRequest, SamplingParams, pack_tensors
+    from shared.specs.base import PromptRequest
 
     run = tempfile.mkdtemp(prefix="mstar-steps-")
     d = Deployment(model=args.model, num_kv_pages=4096, max_seq_len=1024, prefix_cache=False)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(out: int) -> str:
         ids = rng.integers(10, 250, args.prompt_len).tolist()
-        ppo = spec.process_prompt(ids)
+        ppo = spec.process_prompt(PromptRequest(ids))
         caps = spec.clamp_caps(spec.get_loop_caps(out, prompt_len=len(ids)))
         refs, _ = pack_tensors(ppo.new_input_tensors)
         rid = f"r{next(count)}"

@@ -1,7 +1,8 @@
 """Audio in: decode WAV/FLAC bytes to mono float32 and compute Whisper's log-mel features.
 
-The data worker turns a client's audio bytes into the model's `input_features` here, so
-the tensor that travels in `NewRequest` is the small feature matrix (n_mels x 3000 floats
+The Whisper spec's `process_prompt` (run by the data worker, like every request's) turns
+a client's audio bytes into the model's `input_features` here, so the tensor that
+travels in `NewRequest` is the small feature matrix (n_mels x 3000 floats
 for a 30 s window), not the waveform. The features are computed in torch exactly as
 transformers' `WhisperFeatureExtractor` does (same mel filter bank, same STFT, same
 clamping), so a checkpoint sees the inputs it was trained on.
@@ -218,6 +219,6 @@ def log_mel_features(audio: np.ndarray, cfg: FeatureConfig = FeatureConfig()) ->
 
 def audio_features(data: bytes, cfg: FeatureConfig = FeatureConfig()) -> np.ndarray:
     """Client audio bytes -> `input_features` [1, feature_size, nb_max_frames] float32:
-    what the data worker passes to the model's `process_audio`."""
+    what `WhisperSpec.process_prompt` sends as the request's "input_features"."""
     samples = decode_audio(data, cfg.sampling_rate, max_seconds=cfg.chunk_length)
     return log_mel_features(samples, cfg)[None]

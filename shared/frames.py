@@ -18,6 +18,9 @@ from shared.layout import KVReqConfig, LabelLayout, PagedKVConfig
 
 HOT = dict(array_like=True, omit_defaults=True, gc=False)
 
+#: a per-request model option, or a value of `process_prompt`'s metadata
+MetaValue = str | int | float | bool | None
+
 
 class TensorRef(msgspec.Struct, array_like=True, frozen=True):
     """A tensor carried as extra frame `index` of the same multipart message."""
@@ -60,6 +63,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     audio: bytes | None = None
     language: str | None = None
     task: str | None = None
+    # Per-request model options for the spec's `process_prompt` (language and task above
+    # are two of them); the data worker drops a value for a key the spec sets itself.
+    options: dict[str, MetaValue] = {}
 
 
 # ---- data_worker -> conductor -> gpu_worker -----------------------------------------
@@ -79,6 +85,8 @@ class NewRequest(msgspec.Struct, tag="new_request", **HOT):
     loop_caps: dict[str, int] = {}
     kv_configs: dict[str, KVReqConfig] = {}
     arrival_time: float = 0.0
+    #: `process_prompt`'s metadata (and the client's model options it does not set)
+    metadata: dict[str, MetaValue] = {}
 
     def without_layouts(self) -> NewRequest:
         """The copy a data worker keeps after sending: layouts live only on the wire."""
@@ -101,6 +109,9 @@ class Output(msgspec.Struct, **HOT):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: what the run learned for the client, on the request's first output (Whisper's
+    #: detected "language")
+    metadata: dict[str, str] = {}
 
 
 class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from services.api.errors import ApiError
 
@@ -36,6 +37,8 @@ class DoneEvent(msgspec.Struct, tag_field="type", tag="done"):
     token_ids: list[int]
     finish_reason: str
     usage: Usage
+    #: what the engine reported of the run (a speech request's "language")
+    metadata: dict[str, str] | UnsetType = UNSET
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):

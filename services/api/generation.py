@@ -56,6 +56,7 @@ class Generation:
         self.finished = False
         self._counted = False
         self._recorded = False  # its finish reason, usage and latencies went to the metrics
+        self._metadata: dict[str, str] = {}  # what the engine reported of the run (Output.metadata)
 
     @property
     def request_id(self) -> str:
@@ -99,9 +100,14 @@ class Generation:
         self._count(status_label(None, finish_reason))
         self._record(finish_reason)
         usage = Usage(self._prompt_tokens, len(self._detok.token_ids))
-        return DoneEvent(self.client_id, self._stop.text, list(self._detok.token_ids), finish_reason, usage)
+        done = DoneEvent(self.client_id, self._stop.text, list(self._detok.token_ids), finish_reason, usage)
+        if self._metadata:
+            done.metadata = dict(self._metadata)
+        return done
 
     def _output_arrived(self, item: Output) -> None:
+        if item.metadata:
+            self._metadata.update(item.metadata)
         prompt = 0
         if item.prompt_tokens:
             self._prompt_tokens = item.prompt_tokens

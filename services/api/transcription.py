@@ -12,7 +12,9 @@ Shapes (OpenAI's, kept simple):
   one segment `{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text", "tokens",
   "temperature"}` (no timestamps are decoded, so the whole clip is one segment; `tokens`
   are every id the decoder generated after its forced prompt, the end-of-text id included
-  when the model stopped on it; `language` is the code sent, else the model's default;
+  when the model stopped on it; `language` is the one the worker reports it decoded in
+  (the detected one when none was sent and the model has no default), else the code
+  sent, else the model's default;
   OpenAI's `avg_logprob` / `compression_ratio` / `no_speech_prob` are left out);
 - stream: `data: {"type": "transcript.text.delta", "delta"}` events (none with an empty
   delta), then `data: {"type": "transcript.text.done", "text"}`, whose text is the deltas
@@ -55,11 +57,14 @@ def is_speech_model(config: dict) -> bool:
 
 def default_language(source) -> str | None:
     """The language code the served speech model assumes when a request names none (what
-    its forced decoder prompt holds), or None when it cannot be told."""
+    its forced decoder prompt holds), or None when it cannot be told or the model detects
+    it (the worker then reports the one it detected)."""
     try:
         spec = source.spec(page_size=16)
         if not getattr(spec, "lang_to_id", None):
             return "en"  # an English-only checkpoint
+        if spec.detects_language(None):
+            return None
         by_id = {i: token for token, i in spec.lang_to_id.items()}
         token = next((by_id[i] for i in spec.forced_ids() if i in by_id), None)
         return None if token is None else language_code(token)
@@ -111,8 +116,9 @@ class TranscriptionReply:
         duration = audio_duration(self._audio)
         segment = {"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": done.text,
                    "tokens": done.token_ids, "temperature": self.temperature}
-        return {"task": "transcribe", "language": self.language, "duration": duration, "text": done.text,
-                "segments": [segment]}
+        reported = done.metadata.get("language") if isinstance(done.metadata, dict) else None
+        return {"task": "transcribe", "language": reported or self.language, "duration": duration,
+                "text": done.text, "segments": [segment]}
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
         if type(event) is DeltaEvent:

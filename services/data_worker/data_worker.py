@@ -1,5 +1,12 @@
 """The data worker: tokenizes, runs the model's `process_prompt`, sends `NewRequest`.
 
+Every request, text or audio, goes through the spec's `process_prompt` with what it
+needs of the request (`PromptRequest`: prompt ids, the audio file, the model options);
+the data worker itself never decodes audio. The `metadata` it returns travels in
+`NewRequest.metadata` to the engine, together with the client's model options for keys
+the spec does not set: a client's value for a key `process_prompt` sets (the spec's
+`metadata_keys`, or one it returned) is dropped, never passed through.
+
 After sending, it keeps only `without_layouts()` copies (layouts live on the wire once,
 then in the KV manager), bounded to the most recent requests: what a log line needs of a
 request it later hears of (an abort forwarded for it names its prompt and output sizes).
@@ -24,7 +31,7 @@ from shared.frames import (
     pack_tensors,
 )
 from shared.model_source import TokenizerBundle
-from shared.specs.base import ModelSpec
+from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
@@ -77,33 +84,28 @@ class DataWorker:
         return ids
 
     def prepare(self, req: GenerateRequest):
-        """(prompt ids, ProcessPromptOutput) for the request; raises `_ClientError`
-        (param, message) for what is the client's fault: a 400, never a 500."""
+        """(prompt ids, ProcessPromptOutput, the engine's metadata) for the request; raises
+        `_ClientError` (param, message) for what is the client's fault: a 400, never a 500."""
         if self.spec.takes_audio != (req.audio is not None):
             if req.audio is None:
                 raise _ClientError("file", "the served model takes audio: send a file")
             raise _ClientError("file", "the served model does not take audio")
-        if req.audio is None:
+        ids: list[int] = []
+        if req.audio is None or req.prompt is not None or req.input_ids is not None:
             try:
                 ids = self.tokenize(req)
             except ValueError as exc:
                 raise _ClientError("input_ids" if req.input_ids is not None else "prompt", str(exc)) from exc
-            return ids, self.spec.process_prompt(ids)
-        from shared.audio import audio_features
-
+        options = model_options(req)
         try:
-            forced = self.spec.forced_ids(req.language, req.task)
-        except ValueError as exc:
-            raise _ClientError("language", str(exc)) from exc
-        try:
-            feats = audio_features(req.audio, self.spec.features)
-        except ValueError as exc:
-            raise _ClientError("file", str(exc)) from exc
-        return forced, self.spec.process_audio(feats, forced)
+            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options))
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
 
     async def _handle(self, req: GenerateRequest) -> None:
         try:
-            ids, ppo = self.prepare(req)
+            ids, ppo, metadata = self.prepare(req)
         except _ClientError as exc:
             await self._error(req, RequestError(req.request_id, ErrorKind.INVALID, exc.message, exc.param))
             return
@@ -115,9 +117,10 @@ class DataWorker:
             return
         try:
             refs, bufs = pack_tensors(ppo.new_input_tensors)
+            prompt_len = int(ppo.metadata.get("prompt_len", len(ids)))
             msg = NewRequest(
-                req.request_id, req.model, refs, req.sampling, req.reply_to, len(ids),
-                req.max_tokens, ppo.kv_layout, arrival_time=req.arrival_time,
+                req.request_id, req.model, refs, req.sampling, req.reply_to, prompt_len,
+                req.max_tokens, ppo.kv_layout, arrival_time=req.arrival_time, metadata=metadata,
             )
         except Exception:
             error_id = new_error_id()
@@ -144,3 +147,20 @@ class DataWorker:
 
     async def _error(self, req: GenerateRequest, err: RequestError) -> None:
         await self.pushers.send(req.reply_to, self.codec.encode(err))
+
+
+def model_options(req: GenerateRequest) -> dict[str, MetaValue]:
+    """The request's per-model options: `options`, and the typed fields (language, task)
+    the api sets for speech models; None values are left out."""
+    options = {k: v for k, v in req.options.items() if v is not None}
+    for name, value in (("language", req.language), ("task", req.task)):
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def engine_metadata(options: dict[str, MetaValue], metadata: dict, owned: frozenset[str]) -> dict[str, MetaValue]:
+    """What reaches the engine: `process_prompt`'s metadata, and the client's options for
+    every other key (a key the spec sets itself is never taken from the client)."""
+    keep = {k: v for k, v in options.items() if k not in owned and k not in metadata}
+    return {**keep, **metadata}

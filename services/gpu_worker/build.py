@@ -29,6 +29,7 @@ from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
+from shared.specs.base import PromptRequest
 
 log = logging.getLogger("mstar.build")
 
@@ -128,7 +129,7 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     are wrong fails here, at start."""
     spec, kv, engine = parts.spec, parts.kv, parts.engine
     n = min(16, spec.max_seq_len - 2)
-    ppo = spec.process_prompt(list(range(1, n + 1)))
+    ppo = spec.process_prompt(PromptRequest(list(range(1, n + 1))))
     caps = spec.clamp_caps(spec.get_loop_caps(2, prompt_len=n))
     refs, _ = pack_tensors(ppo.new_input_tensors)
     # A model whose layouts name labels it never declared fails here, at start, not on the
@@ -136,7 +137,7 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     layout = ppo.kv_layout
     spec.refuse_undeclared_labels(layout)
     req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", n, 2, layout, caps,
-                     spec.kv_configs(layout, caps, parts.pools))
+                     spec.kv_configs(layout, caps, parts.pools), metadata=ppo.metadata)
     with kv.untracked():
         engine.add(req, ppo.new_input_tensors)
         while engine.has_work:

@@ -7,9 +7,16 @@ the request's walk:
    is not held up by a burst of encodes): run the encoder on the request's features,
    `reserve_rows` + write each decoder layer's cross K/V of the frames into the "cross"
    label, and commit them as its one span; only then is the request ready to schedule;
-2. prefill of the forced decoder prompt on "self" (its `ids` span), which samples the
+2. for a request whose metadata says `detect_language` (no language sent, none the
+   model's default): the language probe, batched across the step's admitted requests,
+   as transformers' `detect_language`: the decoder on <|startoftranscript|> alone, its
+   row written into the "self" label's scratch (`reserve_rows` past the committed rows,
+   none yet), the argmax of the logits over the language tokens (no suppress lists),
+   then `drop_scratch` gives the page back. The detected token goes in at index 1 of
+   the prompt, and the language is reported with the first output;
+3. prefill of the forced decoder prompt on "self" (its `rows` span), which samples the
    first token;
-3. one decode row per step on "self" (growth on "decode_loop"), batched across requests,
+4. one decode row per step on "self" (growth on "decode_loop"), batched across requests,
    attending over its own "self" pages and over its "cross" pages.
 
 The generation config's `suppress_tokens` (every step) and `begin_suppress_tokens` (first
@@ -48,6 +55,7 @@ class EncoderDecoderRunner(ModelRunner):
         self.suppress = torch.tensor(sorted(spec.suppress_tokens), dtype=torch.long)
         self.begin_suppress = torch.tensor(sorted(spec.begin_suppress_tokens), dtype=torch.long)
         self.dtype = next(model.parameters()).dtype
+        self.language_ids = torch.tensor(spec.language_ids(), dtype=torch.long)
 
     def _layer_caches(self) -> list[torch.Tensor]:
         return []  # the model takes its "self" and "cross" pools whole
@@ -58,7 +66,8 @@ class EncoderDecoderRunner(ModelRunner):
 
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
         """`tensors`: "input_features" float [1, n_mels, 2 * n_frames] and
-        "decoder_input_ids" int [P] (what `WhisperSpec.process_audio` makes)."""
+        "decoder_input_ids" int [P] (what `WhisperSpec.process_prompt` makes; without the
+        language token when the request detects it)."""
         missing = sorted({"input_features", "decoder_input_ids"} - set(tensors))
         if missing:
             raise ValueError(f"an encoder-decoder request needs tensors {missing}")
@@ -111,7 +120,54 @@ class EncoderDecoderRunner(ModelRunner):
                 continue
             r.ready = True
             r.inputs.clear()  # the features are no longer needed
+        return failed + self._detect_languages([r for r in todo if r.ready])
+
+    def _detect_languages(self, reqs: list[Request]) -> list[Failure]:
+        """Put each detecting request's language token into its prompt (step 2 of the
+        module docstring); the others report the language their prompt names."""
+        failed, probes, rows = [], [], []
+        name = self.self_label.name
+        for r in reqs:
+            if not r.metadata.get("detect_language"):
+                if isinstance(r.metadata.get("language"), str):
+                    r.report = {"language": r.metadata["language"]}
+                continue
+            try:
+                pages = self.kv.reserve_rows(r.request_id, name, self.spec.probe_rows)
+            except FootprintOverrun as exc:
+                failed.append(Failure(r, OVERRUN, exc))
+                continue
+            probes.append(r)
+            rows.append(AttnRows(pages, r.kv.labels[name].first_page, 0, self.spec.probe_rows, False))
+        if not probes:
+            return failed
+        try:
+            found = self._probe(probes, rows)
+        except Exception as exc:
+            log.exception("the language probe failed on %d request(s)", len(probes))
+            failed += [Failure(r, "internal error in the language probe", exc) for r in probes]
+            found = []
+        for r in probes:
+            self.kv.drop_scratch(r.request_id, name)  # the probe's rows are scratch: released now
+        for r, lang in zip(probes, found):
+            r.prompt.insert(1, lang)
+            r.report = {"language": self.spec.language_code(lang)}
         return failed
+
+    def _probe(self, reqs: list[Request], rows: list[AttnRows]) -> list[int]:
+        """One decoder step on <|startoftranscript|> per request (its rows: `rows`, over its
+        cross rows); the language token whose logit is highest, per request."""
+        n = len(reqs)
+        metas = self._metadata({self.self_label.name: rows})
+        held = [r.kv.labels[self.cross_label.name] for r in reqs]
+        cross = cross_metadata([CrossRows(h.pages, h.rows, 1) for h in held], self.page_sizes[self.cross_label.name])
+        ids = torch.full((n,), self.spec.decoder_start_token_id, dtype=torch.long, device=self.device)
+        positions = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(ids, positions, self.self_caches, metas[self.self_label.name], self.cross_caches,
+                                cross, torch.arange(n, device=self.device)).float()
+        lang = self.language_ids.to(logits.device)
+        return lang[logits[:, lang].argmax(-1)].tolist()
 
     def _encode(self, reqs: list[Request], rows: list[AttnRows]) -> None:
         meta = build_metadata(rows, self.page_sizes[self.cross_label.name])

@@ -81,7 +81,7 @@ class Engine:
         r = Request(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps), prompt, kv,
                     make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
                     ready=not self.runner.needs_prepare,
-                    inputs=inputs)
+                    inputs=inputs, metadata=dict(req.metadata))
         if self.ngram is not None and req.sampling.greedy:
             r.proposer = NgramProposer(*self.ngram)
         self.scheduler.add(r)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.gpu_worker.prefix_cache import ROOT, PrefixIndex
 from shared.frames import NewRequest, PoolStats
 from shared.layout import (
@@ -24,6 +26,7 @@ from shared.layout import (
     PagedKVConfig,
     label_footprint,
     leading_ids,
+    pages_in,
     prompt_pages,
     shareable_count,
 )
@@ -69,6 +72,8 @@ class LabelState:
     key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
     keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
     key_parent: int = ROOT  # entry id the next keyed page chains from
+    scratch_before: bool = False  # scratch was written before the first commit (a probe)
+    scratch_after: bool = False  # ... after a commit (rejected drafts)
 
     def page_for_row(self, row: int) -> int:
         return self.pages[row // self.page_size - self.first_page]
@@ -358,6 +363,10 @@ class KVManager:
         """After a non-committing step wrote rows past the committed ones (a probe,
         rejected drafts), return the pages that hold no committed row."""
         st = self.requests[request_id].labels[label]
+        if st.rows:
+            st.scratch_after = True
+        else:
+            st.scratch_before = True
         keep = pages_for(st.rows, st.page_size) - st.first_page
         while len(st.pages) > keep:
             self._release(st, st.pages.pop())
@@ -384,7 +393,7 @@ class KVManager:
             # A windowed label whose spans were committed in chunks never holds a whole span
             # at once, so it may peak below the footprint (which bounds every chunking).
             chunked_window = st.split_spans and st.label.window is not None
-            if self.debug and ran_to_caps and st.peak_pages < st.footprint and not chunked_window:
+            if self.debug and ran_to_caps and st.peak_pages < _walk_peak(kv, st) and not chunked_window:
                 log.error(
                     "request %s label %r ran to its caps but held at most %d of its %d footprint pages "
                     "(footprint not tight)",
@@ -443,3 +452,15 @@ class KVManager:
             if len(free) + len(cached) + len(held) != pool.config.num_pages:
                 raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held "
                                      f"!= {pool.config.num_pages}")
+
+
+def _walk_peak(kv: RequestKV, st: LabelState) -> int:
+    """The pages a label that ran to its caps must have held at its peak: its footprint,
+    except for a label whose scratch was written only before its first commit (Whisper's
+    language probe). The footprint lets scratch follow any commit, the last one too, so
+    for such a walk it may be a page above the true peak: the larger of the probe's pages
+    and the footprint without scratch."""
+    if not (st.layout.scratch and st.scratch_before and not st.scratch_after):
+        return st.footprint
+    bare = label_footprint(msgspec.structs.replace(st.layout, scratch=0), kv.caps, st.page_size, st.label.window)
+    return max(pages_in(0, st.layout.scratch, st.page_size), bare)

@@ -119,6 +119,9 @@ class OutputProcessor:
         at_cap = [req.iters[loop] >= req.caps.get(loop, 0) for loop in self.loops]
         if finish is None and any(at_cap):
             finish = "length"  # a loop's cap is reached: never run it further
-        res.outputs.append((req.reply_to, Output(req.request_id, toks, finish, len(req.prompt), len(req.output))))
+        out = Output(req.request_id, toks, finish, len(req.prompt), len(req.output))
+        if req.report:  # sent once, with the first tokens
+            out.metadata, req.report = req.report, {}
+        res.outputs.append((req.reply_to, out))
         if finish is not None:
             end(req, all(at_cap), "ok")

@@ -40,6 +40,11 @@ class Request:
     inputs: dict[str, Any] = field(default_factory=dict)
     #: prompt lookup, for a request that speculates (greedy, on a model without windows)
     proposer: NgramProposer | None = None
+    #: `process_prompt`'s metadata (NewRequest.metadata), for the runner's hooks
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: what the run learned for the client (Whisper's detected language): sent once, on
+    #: the request's first output
+    report: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokens_len(self) -> int:

@@ -14,9 +14,12 @@ need not care (`load_folder`, `suppress_tokens`, ...): callers use the attribute
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from shared.frames import MetaValue
 from shared.layout import (
     KVLabel,
     KVReqConfig,
@@ -32,6 +35,26 @@ class DeploymentError(Exception):
     """The deployment cannot serve this model; the message says why, for the operator."""
 
 
+class PromptError(ValueError):
+    """`process_prompt` refuses the request for the client's fault; `param` names the
+    request field (the api answers 400 with it), the message is safe to show."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """What `process_prompt` sees of a request: its prompt ids (empty for a speech request
+    that sends none), its multimodal inputs (`audio`: the client's file, undecoded) and the
+    per-request model options (Whisper's `language`, `task`; None values are left out)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    audio: bytes | None = None
+    options: Mapping[str, MetaValue] = field(default_factory=dict)
+
+
 class ModelSpec(ABC):
     #: which runner its steps need: "decoder" (services/gpu_worker/runner.py) or
     #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding)
@@ -40,6 +63,9 @@ class ModelSpec(ABC):
     takes_audio: bool = False
     #: the loop that emits one token per iteration (its cap bounds max_tokens)
     decode_loop: str = "decode_loop"
+    #: the `metadata` keys `process_prompt` sets itself: a client's option of the same name
+    #: is dropped by the data worker, never passed to the engine
+    metadata_keys: frozenset[str] = frozenset({"prompt_len"})
     #: token ids never sampled, at every step / at the first generated token (Whisper's
     #: generation config lists them; none for most families)
     suppress_tokens: tuple[int, ...] = ()
@@ -73,8 +99,10 @@ class ModelSpec(ABC):
         """Each loop of the model's graph and its `max_iters`."""
 
     @abstractmethod
-    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
-        """Input tensors and one `LabelLayout` per label this request opens."""
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """Input tensors, one `LabelLayout` per label this request opens, and `metadata`
+        for the engine (at least "prompt_len": the rows the prompt commits, what the
+        conductor checks lengths with). Raises `PromptError` for the client's fault."""
 
     @abstractmethod
     def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model_config import FULL, SLIDING, ModelConfig, read_model_config
-from shared.specs.base import ModelSpec
+from shared.specs.base import ModelSpec, PromptError, PromptRequest
 
 
 class DecoderLMSpec(ModelSpec):
@@ -72,7 +72,10 @@ class DecoderLMSpec(ModelSpec):
         # Prefill emits the first token, so at most max_seq_len - 1 decode iterations.
         return {self.decode_loop: self.max_seq_len - 1}
 
-    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        token_ids = request.token_ids
         ids = np.asarray(token_ids, dtype=np.int32)
         layouts = {}
         for lab in self._labels:

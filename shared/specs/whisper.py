@@ -18,9 +18,21 @@ request holds ceil(1500 / page_size) cross pages against at most
 ceil(max_seq_len / page_size) self pages), so neither pool runs out long before the other;
 `bytes_per_page` counts one self page plus that share of cross pages.
 
-Language detection is not run: the language is the request's, else the model's default
-(generation config `language`, else its `forced_decoder_ids`, else English). Timestamps
-are not produced (<|notimestamps|> is forced).
+The request reaches `process_prompt` whole: its audio file (decoded and turned into
+log-mel features here, by `shared.audio`, whose torch import is the data worker's only
+one and runs inside this call), its options `language` and `task`, and prompt ids (none
+for a real request; the worker's warm-up sends a decoder prompt and no audio: silence).
+
+Language: the request's, else the model's default (generation config `language`, else
+the language of its `forced_decoder_ids`). A multilingual model with neither detects it
+as transformers' `generate(language=None)` does: one probe step runs the decoder on
+<|startoftranscript|> alone and takes the argmax of its logits over the language tokens.
+The probe's row is the "self" label's `scratch` (one row, released after the step); the
+real prompt <|sot|><|lang|><|task|><|notimestamps|> is then written as the span. Such a
+request's "decoder_input_ids" leave the language out (<|sot|><|task|><|notimestamps|>)
+and its `metadata` says `detect_language`; the runner puts the detected token in place
+and reports the language with the first output. Timestamps are not produced
+(<|notimestamps|> is forced).
 
 The spec needs more than config.json: generation_config.json (language/task tables,
 suppress lists), preprocessor_config.json (feature settings) and, as a fallback for the
@@ -38,10 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.audio import FeatureConfig, log_mel_features
+from shared.audio import FeatureConfig, audio_features, log_mel_features
 from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.pages import ceil_div, pages_for
-from shared.specs.base import ModelSpec
+from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
 
 ARCHITECTURE = "WhisperForConditionalGeneration"
 _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
@@ -53,6 +65,9 @@ class WhisperSpec(ModelSpec):
     decode_loop = "decode_loop"
     self_label, cross_label = "self", "cross"
     self_pool, cross_pool = "kv_self", "kv_cross"
+    metadata_keys = frozenset({"prompt_len", "language", "task", "detect_language"})
+    #: rows of the language probe (<|startoftranscript|> alone): the "self" label's scratch
+    probe_rows = 1
 
     def __init__(self, config: dict, *, page_size: int, max_seq_len: int = 0, dtype: str = "float32",
                  path: str | Path | None = None) -> None:
@@ -140,7 +155,8 @@ class WhisperSpec(ModelSpec):
         """The forced decoder prompt: <|startoftranscript|>[<|lang|><|task|>]<|notimestamps|>.
 
         `language` is a code ("en") or a token ("<|en|>"); None takes the model's default.
-        Raises ValueError (client-safe) for a language or task the model does not know."""
+        Raises `PromptError` (a ValueError, client-safe) for a language or task the model
+        does not know."""
         ids = [self.decoder_start_token_id]
         forced = dict(self.forced_decoder_ids)
         if self.lang_to_id:
@@ -148,9 +164,9 @@ class WhisperSpec(ModelSpec):
             ids.append(self._task_id(task, forced.get(2)))
         else:
             if language not in (None, "en", "<|en|>"):
-                raise ValueError(f"language {language!r} is not supported: this model is English-only")
+                raise PromptError("language", f"language {language!r} is not supported: this model is English-only")
             if task not in (None, "transcribe"):
-                raise ValueError(f"task {task!r} is not supported: this model only transcribes")
+                raise PromptError("task", f"task {task!r} is not supported: this model only transcribes")
             ids.extend(t for i, t in sorted(forced.items()) if t is not None and t != self.no_timestamps_token_id)
         if self.no_timestamps_token_id is not None:
             ids.append(self.no_timestamps_token_id)
@@ -165,7 +181,7 @@ class WhisperSpec(ModelSpec):
         token = language if language.startswith("<|") else f"<|{language.lower()}|>"
         if token not in self.lang_to_id:
             known = sorted(t[2:-2] for t in self.lang_to_id)
-            raise ValueError(f"language {language!r} is not supported; supported: {', '.join(known)}")
+            raise PromptError("language", f"language {language!r} is not supported; supported: {', '.join(known)}")
         return self.lang_to_id[token]
 
     def _task_id(self, task: str | None, forced: int | None) -> int:
@@ -175,8 +191,45 @@ class WhisperSpec(ModelSpec):
                 return forced
             task = task or "transcribe"
         if task not in self.task_to_id:
-            raise ValueError(f"task {task!r} is not supported; supported: {', '.join(sorted(self.task_to_id))}")
+            known = ", ".join(sorted(self.task_to_id))
+            raise PromptError("task", f"task {task!r} is not supported; supported: {known}")
         return self.task_to_id[task]
+
+    def detects_language(self, language: str | None) -> bool:
+        """A request without a language on a multilingual model whose configs name no
+        default (no generation `language`, no language in `forced_decoder_ids`) detects it."""
+        if language is not None or not self.lang_to_id:
+            return False
+        return self.generation.get("language") is None and dict(self.forced_decoder_ids).get(1) is None
+
+    def decoder_prompt(self, language: str | None = None, task: str | None = None) -> tuple[list[int], bool]:
+        """(the forced prompt, whether the language is detected); a detected language's
+        slot (index 1) is left out of the prompt until the probe fills it."""
+        if not self.detects_language(language):
+            return self.forced_ids(language, task), False
+        ids = self.forced_ids(next(iter(self.lang_to_id)), task)
+        del ids[1]
+        return ids, True
+
+    def language_ids(self) -> list[int]:
+        """The language tokens, ascending (the probe's argmax takes the lowest of a tie, as
+        transformers' does over the whole vocabulary)."""
+        return sorted(self.lang_to_id.values())
+
+    def language_code(self, token_id: int) -> str | None:
+        for token, i in self.lang_to_id.items():
+            if i == token_id:
+                return token[2:-2]
+        return None
+
+    def _describe(self, ids: list[int]) -> dict[str, MetaValue]:
+        """The language and task a forced prompt names (an English-only model: en, transcribe)."""
+        if not self.lang_to_id:
+            return {"language": "en", "task": "transcribe"}
+        by_id = {i: t for t, i in self.task_to_id.items()}
+        codes = [c for c in map(self.language_code, ids) if c is not None]
+        tasks = [by_id[i] for i in ids if i in by_id]
+        return {"language": codes[0] if codes else None, "task": tasks[0] if tasks else None}
 
     # -- ModelSpec -------------------------------------------------------------------------
 
@@ -204,38 +257,51 @@ class WhisperSpec(ModelSpec):
         # Prefill of the forced prompt emits the first token (a prompt has at least one id).
         return {self.decode_loop: self.max_seq_len - 1}
 
-    def process_audio(self, input_features: np.ndarray, forced_ids: list[int]) -> ProcessPromptOutput:
-        """`input_features` [1, n_mels, 3000] (shared.audio.audio_features) and the forced
-        decoder prompt (`forced_ids(...)`) -> tensors "input_features" (float32
-        [1, n_mels, 3000]) and "decoder_input_ids" (int32 [P]), and the two labels' layouts."""
-        feats = np.asarray(input_features, dtype=np.float32)
-        if feats.ndim == 2:
-            feats = feats[None]
-        if feats.shape != (1, self.n_mels, self.input_frames):
-            raise ValueError(f"input_features must be [1, {self.n_mels}, {self.input_frames}], got {list(feats.shape)}")
-        ids = [int(t) for t in forced_ids]
-        if not ids:
-            raise ValueError("the decoder prompt is empty")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"the decoder prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"decoder prompt ids must be in [0, {self.vocab_size}), got {bad[0]}")
-        layouts = {
-            self.self_label: LabelLayout(spans=(Span.rows(len(ids)),), growth={self.decode_loop: 1}),
-            self.cross_label: LabelLayout(spans=(Span.rows(self.n_frames),)),
-        }
-        tensors = {"input_features": np.ascontiguousarray(feats), "decoder_input_ids": np.asarray(ids, dtype=np.int32)}
-        return ProcessPromptOutput(tensors, layouts, {"prompt_len": len(ids)})
-
     def silence_features(self) -> np.ndarray:
         return log_mel_features(np.zeros(0, dtype=np.float32), self.features)[None]
 
-    def process_prompt(self, token_ids: list[int], input_features: np.ndarray | None = None) -> ProcessPromptOutput:
-        """`token_ids` as the decoder prompt over `input_features`, silence when None (what
-        the worker's warm-up sends). Real requests come through `process_audio`."""
-        feats = self.silence_features() if input_features is None else input_features
-        return self.process_audio(feats, token_ids)
+    def features_of(self, audio: bytes | None) -> np.ndarray:
+        """The client's file as `input_features` [1, n_mels, 2 * n_frames]; silence when
+        there is none (the worker's warm-up). Bad audio is a `PromptError` on "file"."""
+        if audio is None:
+            return self.silence_features()
+        try:
+            return audio_features(audio, self.features)
+        except ValueError as exc:
+            raise PromptError("file", str(exc)) from exc
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """The request's audio and options -> tensors "input_features" (float32
+        [1, n_mels, 2 * n_frames]) and "decoder_input_ids" (int32), the two labels'
+        layouts, and metadata: prompt_len, language (None until detected), task,
+        detect_language. Prompt ids, when sent, are the decoder prompt as they are."""
+        language, task = (_option(request.options, name) for name in ("language", "task"))
+        if request.token_ids:
+            ids, detect = [int(t) for t in request.token_ids], False
+        else:
+            ids, detect = self.decoder_prompt(language, task)
+        self._check_prompt(ids, detect)
+        feats = self.features_of(request.audio)
+        rows = len(ids) + detect
+        layouts = {
+            self.self_label: LabelLayout(spans=(Span.rows(rows),), scratch=self.probe_rows if detect else 0,
+                                         growth={self.decode_loop: 1}),
+            self.cross_label: LabelLayout(spans=(Span.rows(self.n_frames),)),
+        }
+        tensors = {"input_features": np.ascontiguousarray(feats, dtype=np.float32),
+                   "decoder_input_ids": np.asarray(ids, dtype=np.int32)}
+        meta = {"prompt_len": rows, **self._describe(ids), "detect_language": detect}
+        return ProcessPromptOutput(tensors, layouts, meta)
+
+    def _check_prompt(self, ids: list[int], detect: bool) -> None:
+        if not ids:
+            raise PromptError("input_ids", "the decoder prompt is empty")
+        if len(ids) + detect >= self.max_seq_len:
+            raise PromptError("input_ids", f"the decoder prompt has {len(ids)} tokens; "
+                                           f"max_seq_len is {self.max_seq_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError("input_ids", f"decoder prompt ids must be in [0, {self.vocab_size}), got {bad[0]}")
 
     def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
         """Tokens fit in the decoder's window of max_target_positions rows less the prompt
@@ -250,3 +316,10 @@ class WhisperSpec(ModelSpec):
         self_pages, cross_pages = self._pages_per_request(page_size)
         return ceil_div(page_size * row * (self_pages + cross_pages), self_pages)
 
+
+
+def _option(options, name: str) -> str | None:
+    value = options.get(name)
+    if value is not None and not isinstance(value, str):
+        raise PromptError(name, f"{name} must be a string")
+    return value

@@ -2,8 +2,10 @@
 stream; also with the official openai client) and multipart /generate give the tokens
 transformers' `WhisperForConditionalGeneration.generate` gives greedily for the same audio
 (features by transformers' WhisperFeatureExtractor, the decoder prompt WhisperSpec's
-forced ids, the checkpoint's suppress lists applied by generate from its generation
-config); bad audio is a 400 that names the problem; a form over the body limit is a 413."""
+forced ids, with the language transformers' `detect_language` picks when none is sent,
+the checkpoint's suppress lists applied by generate from its generation config), and
+verbose_json names the detected language; bad audio is a 400 that names the problem; a
+form over the body limit is a 413."""
 
 from __future__ import annotations
 
@@ -64,13 +66,23 @@ class Reference:
         self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"))
         self._memo: dict[tuple, list[int]] = {}
 
+    def features(self, audio: bytes):
+        samples, sr = sf.read(io.BytesIO(audio), dtype="float32")
+        assert sr == self.fe.sampling_rate
+        return self.fe(samples, sampling_rate=sr, return_tensors="pt").input_features
+
+    def language(self, audio: bytes) -> str:
+        """What transformers' `detect_language` picks (this checkpoint names no default)."""
+        with torch.no_grad():
+            (lang,) = self.hf.detect_language(self.features(audio)).tolist()
+        return self.spec.language_code(lang)
+
     def tokens(self, audio: bytes, max_new_tokens: int = MAX_TOKENS, language: str | None = None) -> list[int]:
+        """Greedy tokens after the forced prompt; no language: the detected one's."""
         key = (audio, max_new_tokens, language)
         if key not in self._memo:
-            samples, sr = sf.read(io.BytesIO(audio), dtype="float32")
-            assert sr == self.fe.sampling_rate
-            feats = self.fe(samples, sampling_rate=sr, return_tensors="pt").input_features
-            forced = self.spec.forced_ids(language)
+            feats = self.features(audio)
+            forced = self.spec.forced_ids(language or self.language(audio))
             with torch.no_grad():
                 out = self.hf.generate(feats, decoder_input_ids=torch.tensor([forced]), do_sample=False,
                                        max_new_tokens=max_new_tokens)[0].tolist()
@@ -113,7 +125,7 @@ def test_verbose_json_tokens_equal_transformers(server, clips, ref, name):
     (segment,) = body["segments"]
     assert segment["tokens"] == want
     assert body["text"] == segment["text"] == ref.text(want)
-    assert body["task"] == "transcribe" and body["language"] == "en"
+    assert body["task"] == "transcribe" and body["language"] == ref.language(audio)  # detected, as transformers
     assert body["duration"] == pytest.approx(CLIPS[name][0]) and segment["end"] == body["duration"]
     assert segment["id"] == 0 and segment["start"] == 0.0 and segment["temperature"] == 0.0
 

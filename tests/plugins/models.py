@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.layout import LabelLayout, PagedKVConfig, ProcessPromptOutput
+from shared.specs.base import PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.registry import register_model
 
@@ -17,9 +18,9 @@ class UnderstatedGrowthSpec(DecoderLMSpec):
     """Declares no decode growth for prompts of odd length (a model bug): those requests
     take pages past their footprint. Even-length prompts are declared correctly."""
 
-    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
-        out = super().process_prompt(token_ids)
-        if len(token_ids) % 2:
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        out = super().process_prompt(request)
+        if len(request.token_ids) % 2:
             out.kv_layout = {name: msgspec.structs.replace(lay, growth={self.decode_loop: 0})
                              for name, lay in out.kv_layout.items()}
         return out
@@ -28,8 +29,8 @@ class UnderstatedGrowthSpec(DecoderLMSpec):
 class GhostLabelSpec(DecoderLMSpec):
     """Returns a layout for a label it never declared, for every prompt."""
 
-    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
-        out = super().process_prompt(token_ids)
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        out = super().process_prompt(request)
         out.kv_layout["ghost"] = LabelLayout(growth={self.decode_loop: 1})
         return out
 
@@ -38,10 +39,10 @@ class OddGhostLabelSpec(GhostLabelSpec):
     """The ghost label only for odd-length prompts: it passes the worker's warm-up (16
     tokens) and fails at intake."""
 
-    def process_prompt(self, token_ids: list[int]) -> ProcessPromptOutput:
-        if len(token_ids) % 2:
-            return super().process_prompt(token_ids)
-        return DecoderLMSpec.process_prompt(self, token_ids)
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if len(request.token_ids) % 2:
+            return super().process_prompt(request)
+        return DecoderLMSpec.process_prompt(self, request)
 
 
 class TwoLoopSpec(DecoderLMSpec):

@@ -515,3 +515,24 @@ def test_data_worker_refusal_passes_through(tmp_path, whisper_tok) -> None:
                                          "error_id": None}
             r = post_form(c, "/generate", fields, file=b"\x00garbage")
             assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+
+
+def test_verbose_json_language_is_the_one_the_worker_reports(tmp_path, whisper_tok) -> None:
+    """A request without a language on a model that detects it: the worker reports the
+    detected language with the first output (`Output.metadata`), and verbose_json says it,
+    not the api's idea of a default. A text reply and the stream are unchanged."""
+    eot = whisper_tok.token_to_id("<|endoftext|>")
+    ids = whisper_tok.encode("the quick").ids
+
+    def script(req: GenerateRequest):
+        return [Output(req.request_id, ids, prompt_tokens=4, metadata={"language": "ko"}),
+                Output(req.request_id, [eot], "stop", prompt_tokens=4)]
+
+    settings = make_settings(tmp_path, takes_audio=True, audio_language=None)
+    state = ApiState(settings, whisper_tok, backend=ScriptedBackend(script))
+    with TestClient(create_app(settings, whisper_tok, state=state)) as c:
+        r = post_form(c, "/v1/audio/transcriptions", {"response_format": "verbose_json"})
+        assert r.status_code == 200 and r.json()["language"] == "ko"
+        assert post_form(c, "/v1/audio/transcriptions", {}).json() == {"text": whisper_tok.decode(ids)}
+        r = post_form(c, "/generate", {"max_tokens": "5"})  # /generate's reply object keeps its shape
+        assert set(r.json()) == {"id", "text", "token_ids", "finish_reason", "usage"}

@@ -8,6 +8,7 @@ import numpy as np
 from services.conductor.conductor import Conductor, WorkerState, plan_request
 from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.specs.base import PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 
 CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16,
@@ -25,7 +26,7 @@ def _setup(tmp_path):
 
 
 def _request(spec, pools, rid: str, ids: list[int], max_tokens: int = 10) -> NewRequest:
-    ppo = spec.process_prompt(ids)
+    ppo = spec.process_prompt(PromptRequest(ids))
     refs, _ = pack_tensors({"input_ids": np.asarray(ids, dtype=np.int32)})
     req = NewRequest(rid, "", refs, SamplingParams(), f"ipc:///nonexistent/{rid}", len(ids), max_tokens, ppo.kv_layout)
     return plan_request(spec, req, pools)

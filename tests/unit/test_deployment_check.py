@@ -11,7 +11,7 @@ import pytest
 from services.gpu_worker.kv_manager import KVManager
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.layout import KVLabel, PagedKVConfig
-from shared.specs.base import DeploymentError
+from shared.specs.base import DeploymentError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 
 CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 16,
@@ -63,7 +63,7 @@ def test_a_pool_no_label_uses_is_refused():
 
 
 def _request(spec: DecoderLMSpec, pools: dict[str, PagedKVConfig], ids: list[int], max_tokens: int = 5) -> NewRequest:
-    ppo = spec.process_prompt(ids)
+    ppo = spec.process_prompt(PromptRequest(ids))
     caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
     refs, _ = pack_tensors({"input_ids": np.asarray(ids, dtype=np.int32)})
     return NewRequest("r", "", refs, SamplingParams(), "", len(ids), max_tokens, ppo.kv_layout, caps,

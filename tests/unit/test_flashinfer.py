@@ -42,6 +42,7 @@ def test_engine_greedy_tokens_match_on_cuda(tmp_path):
     from services.gpu_worker.weights import build_model
     from shared.frames import NewRequest, SamplingParams, pack_tensors
     from shared.model_source import ModelSource
+    from shared.specs.base import PromptRequest
     from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "llama", "llama", head_dim=64, hidden_size=256, num_attention_heads=4)
@@ -59,7 +60,7 @@ def test_engine_greedy_tokens_match_on_cuda(tmp_path):
         eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
                            max_seq_len=spec.max_seq_len, planner=planner)
         for i, ids in enumerate([[5, 6, 7, 8], list(range(10, 60))]):
-            ppo = spec.process_prompt(ids)
+            ppo = spec.process_prompt(PromptRequest(ids))
             caps = spec.clamp_caps(spec.get_loop_caps(16))
             refs, _ = pack_tensors(ppo.new_input_tensors)
             eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids), 16,

@@ -13,6 +13,7 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import EOS_ID, VOCAB_SIZE, NullLMSpec, next_token
 
@@ -38,7 +39,7 @@ def make_engine(source, num_pages=64, max_num_seqs=8, max_batch_tokens=64):
 
 
 def new_request(spec, pools, rid, prompt, max_tokens, ignore_eos=True):
-    ppo = spec.process_prompt(prompt)
+    ppo = spec.process_prompt(PromptRequest(prompt))
     caps = spec.clamp_caps(spec.get_loop_caps(max_tokens))
     refs, _ = pack_tensors(ppo.new_input_tensors)
     req = NewRequest(rid, "null", refs, SamplingParams(temperature=0.0, ignore_eos=ignore_eos), "api", len(prompt),
@@ -77,7 +78,7 @@ def test_spec_is_a_decoder_lm_spec(source):
     # The same layouts and caps as the real decoder LM would declare.
     ref = DecoderLMSpec(source.config, page_size=PAGE)
     prompt = [5, 6, 7, 8, 9]
-    a, b = spec.process_prompt(prompt), ref.process_prompt(prompt)
+    a, b = spec.process_prompt(PromptRequest(prompt)), ref.process_prompt(PromptRequest(prompt))
     assert a.kv_layout == b.kv_layout
     assert np.array_equal(a.new_input_tensors["input_ids"], b.new_input_tensors["input_ids"])
     assert spec.get_loop_caps(10) == ref.get_loop_caps(10) == {"decode_loop": 9}

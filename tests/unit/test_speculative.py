@@ -13,6 +13,7 @@ from services.gpu_worker.speculative import NgramProposer, accept_greedy
 from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
 from tests.checkpoints import make_checkpoint
 from tests.reference import hf_greedy
 
@@ -81,7 +82,7 @@ def run_engine(spec, model, prompts, max_tokens, k, max_batch_tokens=64, ignore_
                        max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len,
                        speculation=Speculation(k, 3, 1))
     for i, ids in enumerate(prompts):
-        ppo = spec.process_prompt(ids)
+        ppo = spec.process_prompt(PromptRequest(ids))
         caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
         refs, _ = pack_tensors(ppo.new_input_tensors)
         eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=ignore_eos), "", len(ids),
@@ -175,7 +176,7 @@ def test_sampled_requests_do_not_speculate(llama):
               for n, p in pools.items()}
     eng = build_engine(model, spec, KVManager(pools, spec.kv_labels), caches, eos_ids=[], max_num_seqs=8,
                        max_batch_tokens=64, max_seq_len=spec.max_seq_len, speculation=Speculation(4))
-    ppo = spec.process_prompt(REPETITIVE)
+    ppo = spec.process_prompt(PromptRequest(REPETITIVE))
     caps = spec.clamp_caps(spec.get_loop_caps(20, prompt_len=len(REPETITIVE)))
     refs, _ = pack_tensors(ppo.new_input_tensors)
     eng.add(NewRequest("s", "", refs, SamplingParams(temperature=0.8, seed=1, ignore_eos=True), "", len(REPETITIVE), 20,

@@ -21,6 +21,7 @@ from shared.errors import ErrorKind
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.layout import LabelLayout, Span
 from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
 from shared.specs.whisper import WhisperSpec
 from tests.whisper_checkpoints import sine_sweep, wav_bytes, whisper_ckpt  # noqa: F401  (fixture)
 
@@ -33,17 +34,21 @@ CLIPS = [(0.5, 16000, "WAV"), (3.0, 16000, "FLAC"), (11.0, 44100, "WAV"), (29.5,
 
 
 @pytest.fixture(scope="module")
-def world(whisper_ckpt):  # noqa: F811
+def audio() -> list[bytes]:
+    """The CLIPS as files, as a client sends them."""
+    return [wav_bytes(sine_sweep(secs, sr=sr, f0=150.0 + 100 * i, seed=i), sr, fmt)
+            for i, (secs, sr, fmt) in enumerate(CLIPS)]
+
+
+@pytest.fixture(scope="module")
+def world(whisper_ckpt, audio):  # noqa: F811
     torch.manual_seed(0)
     source = ModelSource(str(whisper_ckpt))
     spec = WhisperSpec.from_folder(whisper_ckpt, page_size=PAGE)
     spec.validate()
     model = build_model(source, spec, torch.float32)
     hf = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_ckpt).eval()
-    feats = []
-    for i, (secs, sr, fmt) in enumerate(CLIPS):
-        data = wav_bytes(sine_sweep(secs, sr=sr, f0=150.0 + 100 * i, seed=i), sr, fmt)
-        feats.append(audio_features(data, spec.features))
+    feats = [audio_features(data, spec.features) for data in audio]
     return spec, model, hf, feats
 
 
@@ -60,14 +65,28 @@ def make_engine(spec, model, num_pages=64, max_num_seqs=8, max_batch_tokens=64, 
 
 
 def new_request(spec, pools, rid, feats, max_tokens, forced=None, layout=None, **sampling):
+    """A request with the decoder prompt `forced` (the model's default when None) over the
+    features `feats` (computed once per clip, not per request)."""
     forced = spec.forced_ids() if forced is None else forced
-    ppo = spec.process_audio(feats, forced)
+    ppo = spec.process_prompt(PromptRequest(forced))  # silence, replaced by the clip's features
+    ppo.new_input_tensors["input_features"] = np.asarray(feats, dtype=np.float32).reshape(1, 80, 3000)
+    return _new_request(spec, pools, rid, ppo, max_tokens, layout, **sampling)
+
+
+def audio_request(spec, pools, rid, audio, max_tokens, options=None, **sampling):
+    """A request as the data worker makes it: the file and the options through process_prompt."""
+    ppo = spec.process_prompt(PromptRequest([], audio, options or {}))
+    return _new_request(spec, pools, rid, ppo, max_tokens, **sampling)
+
+
+def _new_request(spec, pools, rid, ppo, max_tokens, layout=None, **sampling):
     kv_layout = layout or ppo.kv_layout
-    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, len(forced)))
+    prompt_len = ppo.metadata["prompt_len"]
+    caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len))
     refs, _ = pack_tensors(ppo.new_input_tensors)
     params = SamplingParams(**{"temperature": 0.0, **sampling})
-    req = NewRequest(rid, "whisper", refs, params, "api", len(forced), max_tokens, kv_layout, caps,
-                     spec.kv_configs(kv_layout, caps, pools))
+    req = NewRequest(rid, "whisper", refs, params, "api", prompt_len, max_tokens, kv_layout, caps,
+                     spec.kv_configs(kv_layout, caps, pools), metadata=ppo.metadata)
     return req, ppo.new_input_tensors
 
 
@@ -300,7 +319,7 @@ def test_abort_and_fail_all_return_every_page(world):
 def test_a_lying_cross_layout_fails_under_debug_asserts(world, caplog):
     spec, model, hf, feats = world
     engine, kv, pools = make_engine(spec, model)
-    good = spec.process_audio(feats[0], spec.forced_ids()).kv_layout
+    good = spec.process_prompt(PromptRequest(spec.forced_ids())).kv_layout
     lying = {**good, "cross": LabelLayout(spans=(Span.rows(1000),))}
     engine.add(*new_request(spec, pools, "bad", feats[0], 5, layout=lying))
     engine.add(*new_request(spec, pools, "ok", feats[1], 5, ignore_eos=True))
@@ -318,7 +337,7 @@ def test_understated_growth_is_an_overrun_not_a_corruption(world, caplog):
     the overrun is logged once and counted, and the tokens are still right."""
     spec, model, hf, feats = world
     engine, kv, pools = make_engine(spec, model, debug=False)
-    good = spec.process_audio(feats[3], spec.forced_ids()).kv_layout
+    good = spec.process_prompt(PromptRequest(spec.forced_ids())).kv_layout
     lying = {**good, "self": LabelLayout(spans=good["self"].spans, growth={"decode_loop": 0})}
     engine.add(*new_request(spec, pools, "u", feats[3], 12, layout=lying, ignore_eos=True))
     with caplog.at_level(logging.ERROR, logger="mstar.kv"):
@@ -335,7 +354,7 @@ def test_warm_up_style_request_runs(world):
     spec, model, _hf, _feats = world
     engine, kv, pools = make_engine(spec, model)
     ids = list(range(1, 17))
-    ppo = spec.process_prompt(ids)
+    ppo = spec.process_prompt(PromptRequest(ids))
     caps = spec.clamp_caps(spec.get_loop_caps(2))
     refs, _ = pack_tensors(ppo.new_input_tensors)
     req = NewRequest("warmup", "", refs, SamplingParams(temperature=0.0), "", len(ids), 2, ppo.kv_layout, caps,
@@ -423,4 +442,118 @@ def test_prefix_cache_never_holds_an_audio_requests_rows(world, whisper_ckpt):  
         assert toks[f"r{i}"] == hf_greedy(hf, spec, feats[clip], 8, ignore_eos=True)
         assert all(len(pool.index) == 0 for pool in kv.pools.values())
     assert kv.prefix_hit_tokens == 0
+    assert_pools_empty(kv)
+
+
+# ---- language detection: the probe step and its scratch ----------------------------------
+
+
+def hf_detect(hf, spec, feats, n):
+    """transformers with no language: `detect_language`, then `generate` (which detects
+    again itself); the language token and the greedy tokens after the prompt."""
+    f = torch.from_numpy(feats)
+    with torch.no_grad():
+        (lang,) = hf.detect_language(f).tolist()
+        gen = hf.generate(f, do_sample=False, max_new_tokens=n)[0].tolist()
+    forced = [spec.decoder_start_token_id, lang, *spec.forced_ids()[2:]]
+    if gen[: len(forced)] == forced:  # transformers' Whisper returns only the new tokens; be robust
+        gen = gen[len(forced):]
+    return lang, gen
+
+
+def spy_scratch(engine):
+    """Record each `drop_scratch` with the pages the label held before and after it."""
+    kv, calls = engine.kv, []
+    drop = kv.drop_scratch
+
+    def recorded(request_id, label):
+        st = kv.requests[request_id].labels[label]
+        before = len(st.pages)
+        drop(request_id, label)
+        calls.append((request_id, label, st.rows, before, len(st.pages)))
+
+    kv.drop_scratch = recorded
+    engine.runner.kv.drop_scratch = recorded
+    return calls
+
+
+def test_no_language_detects_it_as_transformers_does(world, audio, caplog):
+    """A request without a language (this checkpoint names none) runs the probe: the
+    language transformers' `detect_language` picks for the same audio, reported with the
+    first output, then the tokens `generate(language=None)` gives. Clips detect different
+    languages, the probes of concurrent requests share one step, the probe's row is the
+    "self" label's scratch, given back after its step, and every page comes back."""
+    spec, model, hf, feats = world
+    n = 12
+    refs = {f"r{i}": hf_detect(hf, spec, feats[i], n) for i in range(len(CLIPS))}
+    assert len({lang for lang, _ in refs.values()}) > 1  # detection, not a default
+    engine, kv, pools = make_engine(spec, model)
+    calls = spy_scratch(engine)
+    reports = {}
+    for i in range(len(CLIPS)):
+        req, tensors = audio_request(spec, pools, f"r{i}", audio[i], n)
+        assert req.metadata["detect_language"] and req.kv_layout["self"].scratch == 1
+        engine.add(req, tensors)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        toks, _, errors = drain(engine)
+    assert not errors and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    for rid, (_lang, want) in refs.items():
+        assert toks[rid] == want, rid
+        assert engine.kv.requests.get(rid) is None
+    # each probe wrote one row into a page of its own, released right after (no rows committed)
+    assert sorted(c[0] for c in calls) == sorted(refs) and all(c[1:] == ("self", 0, 1, 0) for c in calls)
+    assert_pools_empty(kv)
+    # the language goes out once, on the first output
+    engine, kv, pools = make_engine(spec, model)
+    engine.add(*audio_request(spec, pools, "x", audio[1], 3))
+    while engine.has_work:
+        for _, out in engine.step().outputs:
+            if out.metadata:
+                reports.setdefault(out.request_id, []).append((out.metadata, out.completion_tokens))
+    assert reports == {"x": [({"language": spec.language_code(refs["r1"][0])}, 1)]}
+    assert_pools_empty(kv)
+
+
+def test_a_sent_language_is_reported_and_never_probed(world, audio):
+    spec, model, hf, feats = world
+    engine, kv, pools = make_engine(spec, model)
+    calls = spy_scratch(engine)
+    req, tensors = audio_request(spec, pools, "de", audio[0], 6, {"language": "de"})
+    assert not req.metadata["detect_language"] and req.kv_layout["self"].scratch == 0
+    engine.add(req, tensors)
+    outs = []
+    while engine.has_work:
+        outs += [out for _, out in engine.step().outputs]
+    assert outs[0].metadata == {"language": "de"} and not any(o.metadata for o in outs[1:])
+    assert [t for o in outs for t in o.token_ids] == hf_greedy(hf, spec, feats[0], 6, forced=spec.forced_ids("de"))
+    assert not calls
+    assert_pools_empty(kv)
+
+
+@pytest.mark.parametrize("max_tokens", [5, 13, 20, 60])
+def test_detecting_requests_keep_exactly_to_their_footprint(world, audio, caplog, max_tokens):
+    """Run to the caps under debug asserts: the probe's scratch never takes a page past
+    the footprint, and the label peaks at the footprint, except where the scratch row
+    (which the footprint lets follow any commit, the last one too) would open a page of
+    its own: there the walk peaks one page below it, and the manager's tightness check
+    knows the probe ran before any commit (5 and 13 tokens: 4 + 4 and 4 + 12 rows)."""
+    spec, model, hf, feats = world
+    engine, kv, pools = make_engine(spec, model, num_pages=16)
+    req, tensors = audio_request(spec, pools, "p", audio[2], max_tokens, ignore_eos=True)
+    cap = req.loop_caps["decode_loop"]
+    footprint = req.kv_configs["kv_self"].footprints["self"]
+    assert footprint == math.ceil((4 + 1 + cap) / PAGE)
+    engine.add(req, tensors)
+    with caplog.at_level(logging.ERROR, logger="mstar.kv"):
+        toks, finish, errors = drain(engine)
+    assert not errors and not caplog.records, caplog.text
+    assert finish["p"] == "length"
+    lang, _ = hf_detect(hf, spec, feats[2], 1)
+    forced = [spec.decoder_start_token_id, lang, *spec.forced_ids()[2:]]
+    assert toks["p"] == hf_greedy(hf, spec, feats[2], max_tokens, forced=forced, ignore_eos=True)
+    peak = kv.pools["kv_self"].peak_used
+    assert peak == math.ceil((4 + cap) / PAGE)
+    assert peak == (footprint - 1 if (4 + cap) % PAGE == 0 else footprint)
+    assert kv.footprint_overruns == 0
     assert_pools_empty(kv)

@@ -1,5 +1,6 @@
 """WhisperSpec: the registry entry, its two labels and pools, the forced decoder prompt,
-layouts, loop caps and footprints (no weights needed)."""
+`process_prompt` (audio, options, layouts, metadata, the language probe's scratch), loop
+caps and footprints (no weights needed)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from shared.layout import Span, label_footprint
+from shared.audio import audio_features
+from shared.layout import LabelLayout, Span, label_footprint
 from shared.model_source import ModelSource
+from shared.specs.base import PromptError, PromptRequest
 from shared.specs.whisper import WhisperSpec
-from tests.whisper_checkpoints import whisper_ckpt  # noqa: F401  (fixture)
+from tests.whisper_checkpoints import LANGUAGES, sine_sweep, wav_bytes, whisper_ckpt  # noqa: F401  (fixture)
 
 PAGE = 16
 
@@ -90,39 +93,72 @@ def test_english_only_model(spec):
         en.forced_ids("de")
 
 
-def test_process_audio_layouts_and_tensors(spec):
-    feats = np.random.default_rng(0).standard_normal((1, 80, 3000)).astype(np.float32)
-    forced = spec.forced_ids()
-    ppo = spec.process_audio(feats, forced)
+def test_process_prompt_layouts_and_tensors(spec, whisper_ckpt):  # noqa: F811
+    """A request's audio and options go through process_prompt: features from the file,
+    the forced prompt from the language and task, both labels' layouts, metadata."""
+    audio = wav_bytes(sine_sweep(2.0), 16000)
+    ppo = spec.process_prompt(PromptRequest([], audio, {"language": "de"}))
+    forced = spec.forced_ids("de")
     assert set(ppo.new_input_tensors) == {"input_features", "decoder_input_ids"}
-    assert ppo.new_input_tensors["input_features"].shape == (1, 80, 3000)
+    feats = ppo.new_input_tensors["input_features"]
+    assert feats.shape == (1, 80, 3000) and feats.dtype == np.float32
+    assert np.array_equal(feats, audio_features(audio, spec.features))
     assert ppo.new_input_tensors["decoder_input_ids"].dtype == np.int32
     assert ppo.new_input_tensors["decoder_input_ids"].tolist() == forced
     assert ppo.kv_layout["self"].spans == (Span.rows(len(forced)),)  # its KV depends on the audio
-    assert ppo.kv_layout["self"].growth == {"decode_loop": 1}
+    assert ppo.kv_layout["self"].growth == {"decode_loop": 1} and ppo.kv_layout["self"].scratch == 0
     assert ppo.kv_layout["cross"].spans == (Span.rows(1500),)
     assert ppo.kv_layout["cross"].growth == {} and ppo.kv_layout["cross"].scratch == 0
-    assert ppo.metadata == {"prompt_len": 4}
+    assert ppo.metadata == {"prompt_len": 4, "language": "de", "task": "transcribe", "detect_language": False}
+    assert set(ppo.metadata) <= spec.metadata_keys
     spec.refuse_undeclared_labels(ppo.kv_layout)
-    # 2-D features are accepted; the warm-up's process_prompt uses silence
-    assert spec.process_audio(feats[0], forced).new_input_tensors["input_features"].shape == (1, 80, 3000)
-    silent = spec.process_prompt([1, 2, 3]).new_input_tensors["input_features"]
-    assert np.allclose(silent, -1.5)
+    # the warm-up sends a decoder prompt and no audio: silence
+    silent = spec.process_prompt(PromptRequest([1, 2, 3])).new_input_tensors
+    assert np.allclose(silent["input_features"], -1.5) and silent["decoder_input_ids"].tolist() == [1, 2, 3]
+
+
+def test_no_language_detects_it_with_one_scratch_row(spec, whisper_ckpt):  # noqa: F811
+    """This checkpoint's forced_decoder_ids leave the language open (as the real
+    multilingual ones do): a request without one detects it. Its prompt leaves the
+    language slot out, its "self" label declares the probe's row as scratch, and the span
+    still counts the four rows the real prompt will write."""
+    ids = tok_ids(whisper_ckpt)
+    audio = wav_bytes(sine_sweep(1.0), 16000)
+    assert spec.detects_language(None) and not spec.detects_language("en")
+    ppo = spec.process_prompt(PromptRequest([], audio, {"task": "translate"}))
+    assert ppo.new_input_tensors["decoder_input_ids"].tolist() == [
+        ids["<|startoftranscript|>"], ids["<|translate|>"], ids["<|notimestamps|>"]]
+    assert ppo.kv_layout["self"] == LabelLayout(spans=(Span.rows(4),), scratch=1, growth={"decode_loop": 1})
+    assert ppo.metadata == {"prompt_len": 4, "language": None, "task": "translate", "detect_language": True}
+    caps = spec.clamp_caps(spec.get_loop_caps(13))
+    assert spec.kv_configs(ppo.kv_layout, caps, spec.paged_pools(10))["kv_self"].footprints == {
+        "self": math.ceil((4 + 1 + 12) / PAGE)}
+    assert spec.language_ids() == sorted(ids[f"<|{lang}|>"] for lang in LANGUAGES)
+    assert spec.language_code(ids["<|ko|>"]) == "ko" and spec.language_code(ids["<|translate|>"]) is None
+    # a configured default language, or one in forced_decoder_ids, is used instead
+    fixed = WhisperSpec.from_folder(whisper_ckpt, page_size=PAGE)
+    fixed.forced_decoder_ids = [(1, ids["<|fr|>"]), (2, ids["<|transcribe|>"])]
+    assert not fixed.detects_language(None) and fixed.decoder_prompt()[0][1] == ids["<|fr|>"]
+    fixed = WhisperSpec.from_folder(whisper_ckpt, page_size=PAGE)
+    fixed.generation["language"] = "es"
+    assert not fixed.detects_language(None) and fixed.decoder_prompt() == (fixed.forced_ids("es"), False)
 
 
 @pytest.mark.parametrize(
-    ("feats", "ids", "message"),
+    ("request_", "param", "message"),
     [
-        (np.zeros((1, 80, 2999)), [1], r"input_features must be \[1, 80, 3000\]"),
-        (np.zeros((1, 128, 3000)), [1], "input_features must be"),
-        (np.zeros((1, 80, 3000)), [], "prompt is empty"),
-        (np.zeros((1, 80, 3000)), [10_000], r"must be in \[0, 336\)"),
-        (np.zeros((1, 80, 3000)), list(range(64)), "max_seq_len is 64"),
+        (PromptRequest([], b"RIFF....WAVEfmt ", {}), "file", "could not be decoded"),
+        (PromptRequest([], None, {"language": "xx"}), "language", "'xx' is not supported"),
+        (PromptRequest([], None, {"language": 3}), "language", "language must be a string"),
+        (PromptRequest([], None, {"task": "summarize"}), "task", "'summarize' is not supported"),
+        (PromptRequest([10_000]), "input_ids", r"must be in \[0, 336\)"),
+        (PromptRequest(list(range(64))), "input_ids", "max_seq_len is 64"),
     ],
 )
-def test_process_audio_refuses_bad_inputs(spec, feats, ids, message):
-    with pytest.raises(ValueError, match=message):
-        spec.process_audio(feats, ids)
+def test_process_prompt_refuses_bad_requests(spec, request_, param, message):
+    with pytest.raises(PromptError, match=message) as err:
+        spec.process_prompt(request_)
+    assert err.value.param == param
 
 
 def test_loop_caps_and_footprints(spec):
@@ -132,7 +168,7 @@ def test_loop_caps_and_footprints(spec):
     assert spec.get_loop_caps(window) == {"decode_loop": window - 1}
     assert spec.get_loop_caps(1000) == {"decode_loop": window - 1}
     assert spec.get_loop_caps(1000, prompt_len=2) == {"decode_loop": 61}
-    ppo = spec.process_audio(np.zeros((1, 80, 3000), np.float32), spec.forced_ids())
+    ppo = spec.process_prompt(PromptRequest(spec.forced_ids()))
     caps = spec.clamp_caps(spec.get_loop_caps(20))
     configs = spec.kv_configs(ppo.kv_layout, caps, spec.paged_pools(100))
     assert configs["kv_self"].footprints == {"self": math.ceil((4 + 19) / PAGE)}
