@@ -77,6 +77,15 @@ def advertised(bind_address: str, advertise: str | None) -> str:
 
 
 ADMISSION_MODES = ("footprint", "max-seq-len")
+#: --dtype and --kv-cache-dtype values
+WEIGHT_DTYPES = ("auto", *DTYPE_BYTES)
+
+
+def kv_dtype(d: Deployment) -> str:
+    """The KV pages' dtype a deployment asks for (always one of DTYPE_BYTES)."""
+    if d.kv_cache_dtype != "auto":
+        return d.kv_cache_dtype
+    return d.dtype if d.dtype in DTYPE_BYTES else "float32"
 
 
 #: most draft tokens one step verifies, and the longest n-gram prompt lookup matches
@@ -99,7 +108,11 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_seq_len: int = 0  # 0: the model's own context length
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
-    dtype: str = "float32"
+    #: weights' dtype; "auto": a GGUF file's own quantized types (CPU), a checkpoint's dtype
+    #: where the device computes it natively, else float32 (`WEIGHT_DTYPES`)
+    dtype: str = "auto"
+    #: the KV pages' dtype; "auto": `dtype` when that names a float type, else float32
+    kv_cache_dtype: str = "auto"
     #: "footprint" (mstar) or "max-seq-len": reserve max_seq_len rows per request, the
     #: baseline a server without layouts must use to never preempt (for benchmarks)
     admission: str = "footprint"
@@ -114,8 +127,10 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     itl_target_ms: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {WEIGHT_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -147,7 +162,11 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "max_seq_len": ("prompt + output limit; 0 uses the model's context length", None),
     "max_num_seqs": ("most requests in one batch", None),
     "max_batch_tokens": ("token budget of one step (prefill chunks + decode rows)", None),
-    "dtype": ("dtype of the weights and the KV pages", tuple(DTYPE_BYTES)),
+    "dtype": ("dtype of the weights: auto keeps a GGUF file's quantized weights quantized (on the CPU) and a "
+              "checkpoint's dtype where the device computes it natively (else float32); float32 dequantizes "
+              "a GGUF file", WEIGHT_DTYPES),
+    "kv_cache_dtype": ("dtype of the KV pages (auto: --dtype when it names one, else float32; bfloat16 halves "
+                       "the KV bytes)", WEIGHT_DTYPES),
     "admission": ("admit by each request's footprint, or by a max_seq_len reservation (a baseline for benchmarks)",
                   ADMISSION_MODES),
     "prefix_cache": ("share KV pages of repeated prompt prefixes (--no-prefix-cache: off)", None),

@@ -43,6 +43,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_PRE_TOKENIZERS",
     "GGUFTokenizerInfo",
+    "QuantTensor",
     "find_default_gguf",
     "gguf_config",
     "load_gguf_tokenizer",
@@ -474,14 +475,27 @@ def _hf_name(gguf_name: str) -> str:
     raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
 
 
+@dataclass(frozen=True)
+class QuantTensor:
+    """A GGUF weight as stored: ``data`` [rows, bytes per row] of ``qtype`` blocks (a
+    ``gguf.GGMLQuantizationType`` name), ``shape`` (rows, columns) as torch sees it. The
+    llama q/k row permutation is already undone (it moves whole rows)."""
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+
 def load_gguf_weights(
-    path: str | Path | gguf.GGUFReader, progress: bool = True
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    path: str | Path | gguf.GGUFReader, progress: bool = True, keep_quantized: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], dict[str, np.ndarray | QuantTensor]]:
     """Return ``(config_dict, weights)`` as the HF checkpoint would, the weights
     as writable, C-contiguous float32 numpy arrays under HF names.
 
     Weights are dequantized to float32 so downstream code can cast to any
-    dtype. As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
+    dtype, except 2-D ones whose type is named in `keep_quantized`: those come as
+    `QuantTensor`s, their blocks as the file has them (a view of the mapped file).
+    As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
     absent when ``config["tie_word_embeddings"]`` is true.
     """
     reader = _open(path)
@@ -490,7 +504,7 @@ def load_gguf_weights(
     n_kv_head = config["num_key_value_heads"]
     permuted = _field(reader, gguf.Keys.General.ARCHITECTURE) == "llama"
 
-    state: dict[str, np.ndarray] = {}
+    state: dict[str, np.ndarray | QuantTensor] = {}
     for tensor in tqdm(
         reader.tensors,
         desc="dequantizing GGUF",
@@ -500,11 +514,17 @@ def load_gguf_weights(
     ):
         # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if tensor.tensor_type.name in keep_quantized and len(shape) == 2:
+            w = tensor.data.reshape(shape[0], -1)
+        else:
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
             w = _unpermute_rotary(w, n_head)
         elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
             w = _unpermute_rotary(w, n_kv_head)
+        if w.dtype == np.uint8:  # kept quantized: the raw blocks, rows permuted if need be
+            state[_hf_name(tensor.name)] = QuantTensor(tensor.tensor_type.name, w, shape)
+            continue
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
         state[_hf_name(tensor.name)] = w

@@ -37,7 +37,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
 
 def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
                rope_scaling: dict[str, Any] | None = None, rope_freqs: bool = False,
-               general_architecture: str | None = None) -> Path:
+               general_architecture: str | None = None, qtypes: dict[str, str] | None = None) -> Path:
     """Write `hf_ckpt_dir` (a `make_checkpoint` folder) as an all-F32 GGUF of `arch`
     (llama | qwen2 | qwen3) whose `tokenizer.ggml.pre` is `pre`.
 
@@ -45,6 +45,9 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
     "original_max_position_embeddings": 128}) overrides the checkpoint's; `rope_freqs` adds
     the `rope_freqs.weight` tensor llama.cpp writes for Llama 3.1-style scaling;
     `general_architecture` overrides the architecture name written (to test refusals).
+    `qtypes`: GGUF tensor-name suffix (e.g. "ffn_down.weight", "token_embd.weight") -> the
+    type those matrices are written in (one the `gguf` package quantizes: Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0); every other tensor stays F32.
     """
     from safetensors.numpy import load_file
     from tokenizers import Tokenizer
@@ -124,6 +127,11 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
         new_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise KeyError(f"no GGUF name for {name!r}")
+        qtype = next((t for suffix, t in (qtypes or {}).items() if new_name.endswith(suffix)), None)
+        if qtype is not None and w.ndim == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(new_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+            continue
         writer.add_tensor(new_name, np.ascontiguousarray(w))
     if rope_freqs:
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",

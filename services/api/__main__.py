@@ -13,7 +13,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from shared.config import add_address_flags, add_deployment_flags, advertised, deployment_from_args, resolve_addresses
+from shared.config import (
+    add_address_flags,
+    add_deployment_flags,
+    advertised,
+    deployment_from_args,
+    kv_dtype,
+    resolve_addresses,
+)
 from shared.logs import add_logging_flags, setup_logging
 from shared.zmq_utils import cleanup_ipc
 
@@ -167,7 +174,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
 def max_model_len(source: ModelSource, d: Deployment) -> int:
     """The longest prompt + output the deployment serves: the smallest `max_seq_len` of the
     spec's pools, as the conductor's length check takes it (the spec is torch-free)."""
-    spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
+    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d))
     return min(p.max_seq_len for p in spec.paged_pools(1).values())
 
 

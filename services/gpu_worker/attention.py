@@ -252,8 +252,8 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMe
             kernel(cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
                    meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], cache.shape[2])
             return
-    cache[meta.slot_pages, 0, meta.slot_offsets] = k
-    cache[meta.slot_pages, 1, meta.slot_offsets] = v
+    cache[meta.slot_pages, 0, meta.slot_offsets] = k.to(cache.dtype)  # a bfloat16 pool under float32 compute
+    cache[meta.slot_pages, 1, meta.slot_offsets] = v.to(cache.dtype)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -282,8 +282,10 @@ def paged_attention(
         # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
         # result, so the reshape is a view; advanced indexing on the strided K view is slower.
         flat = meta.decode_pages.view(-1)
-        k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
-        v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2)
+        # (a KV pool in another dtype than q's, e.g. bfloat16 pages under float32 compute, is
+        # read into q's dtype: the C decode kernel takes float32 pages only)
+        k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
+        v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
         if meta.decode_rows.dim() == 2:
             out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale, softcap)
         else:
@@ -299,8 +301,8 @@ def paged_attention(
                 return o
             out[meta.decode_rows] = o
     for chunk in meta.prefills:
-        k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
-        v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0)
+        k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if chunk.mask is None:
             o = _sdpa(qp, k, v, scale, softcap, is_causal=True, enable_gqa=True)

@@ -24,8 +24,8 @@ from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate
-from services.gpu_worker.weights import build_model
-from shared.config import Deployment
+from services.gpu_worker.weights import build_model, weight_dtype
+from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
@@ -93,7 +93,7 @@ def pick_device() -> torch.device:
 def assemble(d: Deployment) -> Assembled:
     """Load the model, size and allocate the pools, build and warm up the engine."""
     source = ModelSource(d.model)
-    spec = source.spec(d.page_size, d.max_seq_len, d.dtype)
+    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d))
     spec.validate()
     device = pick_device()
     if spec.engine != "decoder" and device.type != "cpu":
@@ -102,10 +102,11 @@ def assemble(d: Deployment) -> Assembled:
     min_pages = pages_for(spec.max_seq_len, d.page_size)
     pools = spec.paged_pools(size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size),
                                        min_pages, device))
-    dtype = TORCH_DTYPES[d.dtype]
+    dtype, quantized = weight_dtype(d.dtype, source, device)
     t0 = time.time()
-    model = build_model(source, spec, dtype, device)
-    caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, dtype, device)
+    model = build_model(source, spec, dtype, device, quantized)
+    cache_dtype = TORCH_DTYPES[kv_dtype(d)]
+    caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
               for name, p in pools.items()}
     planner = None
     if device.type == "cuda" and spec.engine == "decoder" and flashinfer_available():

@@ -30,7 +30,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp-simd", "-shared", "-fPIC"]
+    flags = ["-O3", "-fopenmp", "-shared", "-fPIC"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags += ["-march=native", "-mprefer-vector-width=512"]
     elif platform.machine() in ("aarch64", "arm64"):
@@ -124,6 +124,13 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
         lib.mstar_gemm_silu.restype = ctypes.c_int
         lib.mstar_gemm_silu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
+        lib.mstar_qgemm_available.restype = i64
+        lib.mstar_qgemm_available.argtypes = []
+        lib.mstar_quantize_rows.restype = None
+        lib.mstar_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+        lib.mstar_qgemm.restype = ctypes.c_int
+        lib.mstar_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                    ctypes.c_int]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None

@@ -9,26 +9,66 @@ from __future__ import annotations
 
 import sys
 
+import gguf
+import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from tqdm import tqdm
 
+from services.gpu_worker.layers import quant
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
+from shared.gguf_source import QuantTensor, load_gguf_weights
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
 
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cpu_computes_bf16() -> bool:
+    """The CPU has bf16 dot-product instructions (AVX-512 BF16 or AMX), which oneDNN uses."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def weight_dtype(name: str, source: ModelSource, device: torch.device | str) -> tuple[torch.dtype, bool]:
+    """`--dtype` -> (the dtype the model computes in, whether GGUF weights stay quantized).
+    "auto": a GGUF file stays quantized on the CPU (computing in float32 around the
+    quantized GEMMs); a checkpoint keeps its dtype where the device computes it natively
+    (bfloat16: CUDA, or a CPU with bf16 instructions; float16: CUDA), else float32."""
+    if name != "auto":
+        return _TORCH[name], False
+    cuda = torch.device(device).type == "cuda"
+    if source.kind == "gguf":
+        return torch.float32, not cuda
+    stored = source.config.get("torch_dtype") or source.config.get("dtype") or "float32"
+    if stored == "bfloat16" and (cuda or cpu_computes_bf16()):
+        return torch.bfloat16, False
+    if stored == "float16" and cuda:
+        return torch.float16, False
+    return torch.float32, False
+
 
 def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> ModelBase:
+                device: torch.device | str = "cpu", quantized: bool = False) -> ModelBase:
     """The model with its weights, in `dtype` on `device`, ready to serve: its `prepare`
-    (fused and prepacked GEMMs, where a family has them) runs once its weights are in place."""
-    cls = torch_model_for(spec)
-    if source.kind == "gguf":
-        from shared.gguf_source import load_gguf_weights
+    (fused and prepacked GEMMs, where a family has them) runs once its weights are in place.
 
-        config, arrays = load_gguf_weights(source.path, progress=True)
-        state = {name: torch.from_numpy(a) for name, a in arrays.items()}  # no copy
+    `quantized` (a GGUF file on the CPU, where the quantized GEMM kernel is built): the
+    linear layers and the embedding whose GGUF type `layers.quant` computes on stay
+    quantized (`QuantLinear`, `QuantEmbedding`); every other tensor is dequantized to
+    float32 as without it."""
+    cls = torch_model_for(spec)
+    quant_state: dict[str, QuantTensor] = {}
+    if source.kind == "gguf":
+        keep = quant.KEPT_TYPES if quantized and quant.available() and torch.device(device).type == "cpu" else None
+        config, arrays = load_gguf_weights(source.path, progress=True, keep_quantized=keep or frozenset())
+        quant_state = {name: a for name, a in arrays.items() if isinstance(a, QuantTensor)}
+        state = {name: torch.from_numpy(a) for name, a in arrays.items() if name not in quant_state}  # no copy
     else:
         config = source.config
         state = {}
@@ -40,6 +80,8 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     # Build on the meta device (no random init of weights about to be overwritten).
     with torch.device("meta"):
         model = cls(config)
+    if quant_state:
+        state.update(_install_quantized(model, quant_state, state))
     if not cls.assigns_weights:
         model = model.to_empty(device="cpu")  # its load_weights copies into real tensors
     model.load_weights(state)
@@ -47,3 +89,30 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     model = model.to(dtype).to(device).eval()
     model.prepare()
     return model
+
+
+def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
+                       state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Put a `QuantLinear` (`QuantEmbedding`) in place of each `nn.Linear` (`nn.Embedding`)
+    whose weight is in `quant_state` (its bias, if any, popped from `state`); returns the
+    weights it could not keep quantized (another module type, a Q8 byte of -128), dequantized."""
+    rest: dict[str, torch.Tensor] = {}
+    for name, qt in quant_state.items():
+        path = name.removesuffix(".weight")
+        parent_name, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, leaf, None)
+        try:
+            layer = quant.QuantLinear.from_gguf(qt.qtype, qt.data, qt.shape)
+        except ValueError:
+            layer = None
+        if layer is not None and isinstance(old, nn.Linear):
+            bias = state.pop(f"{path}.bias", None)
+            layer.bias = None if bias is None else bias.float().contiguous()
+            setattr(parent, leaf, layer)
+        elif layer is not None and isinstance(old, nn.Embedding):
+            setattr(parent, leaf, quant.QuantEmbedding(layer))
+        else:
+            deq = gguf.quants.dequantize(qt.data, gguf.GGMLQuantizationType[qt.qtype]).reshape(qt.shape)
+            rest[name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
+    return rest

@@ -30,6 +30,7 @@ OTHER = {
     "max_num_seqs": 7,
     "max_batch_tokens": 96,
     "dtype": "bfloat16",
+    "kv_cache_dtype": "float16",
     "admission": "max-seq-len",
     "prefix_cache": False,
     "speculative_k": 4,

@@ -28,6 +28,7 @@ from services.gpu_worker.layers.linear import (
     pack_linears,
     warm_packed,
 )
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
 from shared.model_config import FULL, ModelConfig, read_model_config
@@ -78,7 +79,8 @@ class Attention(nn.Module):
         """One GEMM for q, k and v (loaded under HF's three names, then concatenated)."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = _concat_linears([q, k, v])
-        del self.q_proj, self.k_proj, self.v_proj
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta: AttnMetadata):
         t = x.shape[0]
@@ -126,11 +128,12 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """One GEMM for gate and up."""
         self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        if self.gate_up_proj is not None:
+            del self.gate_proj, self.up_proj
 
     def fuse_silu(self) -> None:
         """The gate/up GEMM with silu * up in its epilogue (after `fuse`; bias-free only)."""
-        if self.silu and self.gate_up_proj is not None and self.gate_up_proj.bias is None:
+        if self.silu and isinstance(self.gate_up_proj, nn.Linear) and self.gate_up_proj.bias is None:
             self.gate_up_silu = KernelGateUpSilu(self.gate_up_proj)
             self.gate_up_proj = None
 
@@ -149,8 +152,11 @@ class MLP(nn.Module):
         return self.down_proj(act.mul_(up))  # the activation's output is fresh: multiply in place
 
 
-def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side (weights concatenated)."""
+def _concat_linears(parts: list[nn.Linear | QuantLinear]) -> nn.Linear | QuantLinear | None:
+    """One Linear whose output is the parts' outputs side by side (weights concatenated);
+    None where they cannot be (GGUF weights kept quantized in different forms, or some not)."""
+    if any(isinstance(p, QuantLinear) for p in parts):
+        return QuantLinear.concat(parts) if all(isinstance(p, QuantLinear) for p in parts) else None
     w = torch.cat([p.weight.detach() for p in parts], dim=0)
     fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
     fused.weight = nn.Parameter(w, requires_grad=False)
@@ -230,8 +236,9 @@ class DecoderLM(DecoderModel):
         for rotary in self.rotaries.values():
             rotary.reset_buffers()
 
-    #: the LM head through the C GEMM or oneDNN (CPU float32), set by `prepare`
-    head: KernelHead | PackedHead | None = None
+    #: the LM head through the C GEMM or oneDNN (CPU float32) or on quantized GGUF weights,
+    #: set by `prepare`
+    head: KernelHead | PackedHead | QuantLinear | None = None
 
     def prepare(self) -> None:
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
@@ -240,8 +247,12 @@ class DecoderLM(DecoderModel):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        self.head = make_head(w.detach())
+        head = self.model.embed_tokens if self.tied else self.lm_head
+        if isinstance(head, (QuantEmbedding, QuantLinear)):  # a GGUF head kept quantized
+            # a plain attribute, as the other heads (not a second registered submodule)
+            object.__setattr__(self, "head", head.table if isinstance(head, QuantEmbedding) else head)
+        else:
+            self.head = make_head(head.weight.detach())
         if isinstance(self.head, KernelHead):
             for layer in self.model.layers:
                 layer.mlp.fuse_silu()

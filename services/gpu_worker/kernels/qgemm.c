@@ -1,0 +1,202 @@
+/* GEMM on GGUF-quantized weights, computed on as they come (llama.cpp's method):
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), where w is never expanded to floats.
+ *
+ * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of two forms,
+ * both in blocks of 32 along k, every scale a float32 (the GGUF scales are float16 and
+ * small integers, so each product below is the one gguf's dequantization computes):
+ *   Q4 form: w = d[b] * q + m[b], q in 0..15, 16 bytes per block (byte j: q[j] | q[j+16] << 4)
+ *            (Q4_0: m = -8 d; Q4_1: d, m; Q4_K: d * scale, -dmin * min per 32-group)
+ *   Q8 form: w = d16[h] * q + m[b], q a signed byte, one scale per 16 (Q6_K's groups; Q8_0's
+ *            scale written twice), m per 32 or none (Q8_0, Q6_K, Q5_0: none; Q5_1, Q5_K: one)
+ *
+ * x is quantized per row and block of 32 to signed bytes with a float scale (amax / 127,
+ * round to nearest: llama.cpp's Q8_0), keeping each block's sum (of the rounded values,
+ * dx * sum(qx), as llama.cpp's Q8_1) for the m term.
+ * Each block's integer dot product is one VNNI instruction (vpdpbusd, 32 bytes), scaled
+ * by d * dx into eight float lanes; the m term is m * dx * sum(qx). So the result is the
+ * float32 GEMM of x rounded to 8 bits per block and the dequantized weight (up to the order
+ * of float additions): x's rounding is the only approximation. A Q8 form byte must not be
+ * -128 (the sign trick below cannot negate it; ggml's quantizers never write it and the
+ * loader dequantizes a tensor that has one).
+ *
+ * Output columns are split over `threads` OpenMP threads (each column's sum is computed
+ * the same way whichever thread runs it, so results do not depend on the thread count).
+ * Needs AVX-512 VNNI (mstar_qgemm_available() is 0 elsewhere and the caller dequantizes).
+ */
+#include <math.h>
+#include <stdint.h>
+
+int64_t mstar_qgemm_available(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* Block pairs: every layout here goes by pairs of 32-blocks (k padded to a multiple of 64
+ * with zero blocks, d = m = 0), each pair's 64 values in the order
+ *   [block 0 values 0-15 | block 1 values 0-15 | block 0 values 16-31 | block 1 values 16-31],
+ * which is what one 512-bit load of a Q4 pair's 32 bytes gives once split into low and high
+ * nibbles; Q8 weights and quantized x are stored in it, Q8 scales as [b0 h0, b1 h0, b0 h1, b1 h1]. */
+
+/* x [m, lda] floats, k values per row -> qx [m, kp] bytes in pair order, dx and sx [m, kp / 32]. */
+void mstar_quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int8_t *qx, float *dx, float *sx) {
+    const int64_t kp = (k + 63) / 64 * 64, kb = kp / 32;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < kb; b++) {
+            const float *src = x + r * lda + b * 32;
+            const int64_t left = k - b * 32;
+            const __mmask16 m0 = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            __m512 v0 = _mm512_maskz_loadu_ps(m0, src), v1 = _mm512_maskz_loadu_ps(m1, src + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127.f;
+            const float id = d > 0.f ? 1.f / d : 0.f;
+            __m512 iv = _mm512_set1_ps(id);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)); /* round to nearest even */
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+            dx[r * kb + b] = d;
+            /* the m term's sum of the rounded x (as llama.cpp's Q8_1): the offset then cancels
+             * exactly against d * q's share of it, and the result is x rounded times w */
+            sx[r * kb + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            int8_t *dst = qx + r * kp + (b / 2) * 64 + (b % 2) * 16;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm512_cvtsepi32_epi8(q1));
+        }
+    }
+}
+
+#define MR 4 /* rows per tile */
+#define NC 4 /* columns per tile: MR x NC accumulators of 16 floats */
+
+static inline __m512 pair_scale(const float *two) { /* [s0 x4, s1 x4, s0 x4, s1 x4] */
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)two))));
+}
+
+static inline __m512 quad_scale(const float *four) { /* [s0 x4, s1 x4, s2 x4, s3 x4] */
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(four)));
+}
+
+/* sum_b a[b] * c[b] over kb floats */
+static inline float dot_blocks(const float *a, const float *c, int64_t kb) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b += 16) {
+        const __mmask16 mk = kb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (kb - b)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + b), _mm512_maskz_loadu_ps(mk, c + b), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* rows [r0, r0 + mr) x columns [n0, n0 + nc); form 4 or 8 */
+static inline __attribute__((always_inline)) void tile(int form, const int8_t *qx, const float *dx, const float *sx,
+                                                       int64_t r0, int mr, int64_t kb, const void *w,
+                                                       const float *d, const float *mn, const float *bias,
+                                                       float *out, int64_t ldc, int64_t n0, int nc) {
+    const int64_t kp = kb * 32;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR][NC];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NC; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kb / 2; p++) {
+        __m512i wq[NC];
+        __m512 ws[NC];
+        for (int j = 0; j < nc; j++) {
+            const int64_t n = n0 + j;
+            if (form == 4) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + n * kb * 16 + p * 32));
+                wq[j] = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), low);
+                ws[j] = pair_scale(d + n * kb + 2 * p);
+            } else {
+                wq[j] = _mm512_loadu_si512((const void *)((const int8_t *)w + n * kp + p * 64));
+                ws[j] = quad_scale(d + n * kb * 2 + 4 * p);
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const int64_t r = r0 + i;
+            __m512i xq = _mm512_loadu_si512((const void *)(qx + r * kp + p * 64));
+            __m512 xs = pair_scale(dx + r * kb + 2 * p);
+            __m512i ax = _mm512_abs_epi8(xq);
+            const __mmask64 neg = _mm512_movepi8_mask(xq);
+            for (int j = 0; j < nc; j++) {
+                __m512i p32;
+                if (form == 4) {
+                    p32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[j], xq);
+                } else { /* |x| (unsigned) times w with x's sign: vpdpbusd multiplies unsigned by signed */
+                    __m512i sw = _mm512_mask_sub_epi8(wq[j], neg, _mm512_setzero_si512(), wq[j]);
+                    p32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw);
+                }
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), _mm512_mul_ps(ws[j], xs), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nc; j++) {
+            const int64_t r = r0 + i, n = n0 + j;
+            float v = _mm512_reduce_add_ps(acc[i][j]);
+            if (mn) v += dot_blocks(mn + n * kb, sx + r * kb, kb);
+            out[r * ldc + n] = v + (bias ? bias[n] : 0.f);
+        }
+}
+
+#define TILE_ROWS(form, nc)                                                                               \
+    switch (mr) {                                                                                         \
+    case 4: tile(form, qx, dx, sx, r0, 4, kb, w, d, mn, bias, out, ldc, c, nc); break;                   \
+    case 3: tile(form, qx, dx, sx, r0, 3, kb, w, d, mn, bias, out, ldc, c, nc); break;                   \
+    case 2: tile(form, qx, dx, sx, r0, 2, kb, w, d, mn, bias, out, ldc, c, nc); break;                   \
+    default: tile(form, qx, dx, sx, r0, 1, kb, w, d, mn, bias, out, ldc, c, nc);                         \
+    }
+
+static void run_slice(int form, const int8_t *qx, const float *dx, const float *sx, int64_t m, int64_t kb,
+                      const void *w, const float *d, const float *mn, const float *bias, float *out, int64_t ldc,
+                      int64_t c0, int64_t c1) {
+    for (int64_t r0 = 0; r0 < m; r0 += MR) {
+        const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+        int64_t c = c0;
+        for (; c + NC <= c1; c += NC) {
+            if (form == 4) { TILE_ROWS(4, NC) } else { TILE_ROWS(8, NC) }
+        }
+        for (; c < c1; c++) {
+            if (form == 4) { TILE_ROWS(4, 1) } else { TILE_ROWS(8, 1) }
+        }
+    }
+}
+
+/* Every row, output columns split in `threads` contiguous chunks. form 4 or 8; k the
+ * weight's columns (qx, dx, sx as mstar_quantize_rows leaves them; w, d, mn in the pair
+ * layout with k padded to a multiple of 64). Returns 0, or -1 for a form it does not take. */
+int mstar_qgemm(int form, const int8_t *qx, const float *dx, const float *sx, int64_t m, int64_t k,
+                const void *w, const float *d, const float *mn, int64_t n, const float *bias,
+                float *out, int64_t ldc, int threads) {
+    if ((form != 4 && form != 8) || (form == 4 && !mn)) return -1;
+    const int64_t kb = (k + 63) / 64 * 2;
+    if (threads < 1) threads = 1;
+    const int64_t chunk = ((n + threads - 1) / threads + NC - 1) / NC * NC;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+        const int64_t n0 = t * chunk, n1 = n0 + chunk < n ? n0 + chunk : n;
+        /* columns in slices that stay in L2 while every row group reads them */
+        for (int64_t c0 = n0; c0 < n1; c0 += 64)
+            run_slice(form, qx, dx, sx, m, kb, w, d, mn, bias, out, ldc, c0, c0 + 64 < n1 ? c0 + 64 : n1);
+    }
+    return 0;
+}
+
+#else
+void mstar_quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int8_t *qx, float *dx, float *sx) {
+    (void)x; (void)m; (void)k; (void)lda; (void)qx; (void)dx; (void)sx;
+}
+int mstar_qgemm(int form, const int8_t *qx, const float *dx, const float *sx, int64_t m, int64_t k,
+                const void *w, const float *d, const float *mn, int64_t n, const float *bias,
+                float *out, int64_t ldc, int threads) {
+    (void)form; (void)qx; (void)dx; (void)sx; (void)m; (void)k; (void)w; (void)d; (void)mn; (void)n;
+    (void)bias; (void)out; (void)ldc; (void)threads;
+    return -1;
+}
+#endif

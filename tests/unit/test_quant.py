@@ -1,0 +1,113 @@
+"""GGUF weights kept quantized (layers/quant.py, kernels/qgemm.c): each type's repack
+reproduces `gguf.quants.dequantize` bit for bit, the GEMM equals x rounded to 8 bits per
+block of 32 times that weight (the one approximation, as llama.cpp), and a quantized GGUF
+model loads with `--dtype auto` as `QuantLinear`s and with `--dtype float32` as today."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.layers import quant
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
+
+#: byte offsets of each type's float16 fields within a block
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [208]}
+TYPES = sorted(quant.KEPT_TYPES)
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, bytes per row] of valid random blocks: random bits, small finite float16 scales
+    (the `gguf` package cannot quantize the k-quants, so every type is tested this way)."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    if qtype == "Q8_0":
+        q = raw[:, :, 2:]
+        q[q == 128] = 129  # ggml never writes -128 (the kernel refuses it: tested below)
+    for off in F16_FIELDS[qtype]:
+        scale = rng.uniform(1e-3, 1e-2, (n, k // size)) * rng.choice([-1, 1], (n, k // size))
+        raw[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, k // size, 2)
+    return raw.reshape(n, -1)
+
+
+def dequantized(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).copy())
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: per block of 32, round(x / d) * d with d = amax / 127."""
+    k = x.shape[1]
+    xb = torch.nn.functional.pad(x, (0, -k % 32)).view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb / torch.where(d > 0, d, 1)) * d).view(x.shape[0], -1)[:, :k]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_repack_reproduces_gguf_dequantization(qtype):
+    k = 768 if qtype.endswith("_K") else 96  # 96: not a multiple of 64, the kernel's padding
+    raw = random_blocks(qtype, 40, k)
+    layer = QuantLinear.from_gguf(qtype, raw, (40, k))
+    assert layer.form == (4 if qtype in quant.FORM4 else 8)
+    assert torch.equal(layer.weight, dequantized(qtype, raw, 40, k))
+    ids = torch.tensor([[3, 0], [39, 3]])
+    assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):
+    k = 768 if qtype.endswith("_K") else 96
+    n = 45  # not a multiple of the kernel's 4-column tile
+    raw = random_blocks(qtype, n, k, seed=1)
+    bias = torch.randn(n)
+    layer = QuantLinear.from_gguf(qtype, raw, (n, k))
+    layer.bias = bias
+    w = dequantized(qtype, raw, n, k).double()
+    for rows in (1, 3, 4, 6, 17):
+        x = torch.randn(rows, k)
+        y = layer(x)
+        ref = (rounded(x).double() @ w.T + bias.double()).float()
+        assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())), (rows, (y - ref).abs().max())
+        # against the float32 weight, the 8-bit rounding of x is a small error
+        exact = x.double() @ w.T + bias.double()
+        assert float((y - exact).abs().max()) < 0.05 * float(exact.abs().max())
+
+
+@needs_kernel
+def test_threads_split_columns_without_changing_a_bit():
+    raw = random_blocks("Q4_1", 100, 256, seed=2)
+    layer = QuantLinear.from_gguf("Q4_1", raw, (100, 256))
+    x = torch.randn(7, 256)
+    before = quant.threads()
+    try:
+        quant.set_threads(1)
+        one = layer(x)
+        quant.set_threads(2)
+        two = layer(x)
+    finally:
+        quant.set_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_concat_is_the_parts_side_by_side():
+    a = QuantLinear.from_gguf("Q4_0", random_blocks("Q4_0", 8, 64, 3), (8, 64))
+    c = QuantLinear.from_gguf("Q4_1", random_blocks("Q4_1", 8, 64, 5), (8, 64))
+    both = QuantLinear.concat([a, c])
+    x = torch.randn(3, 64)
+    assert torch.equal(both(x), torch.cat([a(x), c(x)], dim=1))
+    assert torch.equal(both.weight, torch.cat([a.weight, c.weight]))
+    assert QuantLinear.concat([a, QuantLinear.from_gguf("Q8_0", random_blocks("Q8_0", 8, 64), (8, 64))]) is None
+
+
+def test_a_q8_byte_of_minus_128_is_refused():
+    raw = random_blocks("Q8_0", 4, 64)
+    raw[0, 5] = 128  # -128 as int8
+    with pytest.raises(ValueError, match="-128"):
+        QuantLinear.from_gguf("Q8_0", raw, (4, 64))

@@ -1,0 +1,76 @@
+"""A GGUF model with quantized matrices: `--dtype auto` keeps them quantized (`QuantLinear`,
+`QuantEmbedding`, the tied head on the quantized embedding), `--dtype float32` dequantizes
+as before; the quantized path's (and a bfloat16 KV pool's) perplexity stays within 1% of the
+float32 path's, on tiny checkpoints and on the default model (issue 19's quality rule; the
+whole text is `python -m bench.perplexity`)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bench.perplexity import load, perplexity, text_ids
+from services.gpu_worker.layers import quant
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
+from shared.gguf_source import load_gguf_weights
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")
+
+#: a mix: q/k/v in different forms (not fused), every type the gguf package can write
+QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1",
+          "attn_v.weight": "Q5_1", "attn_output.weight": "Q5_0", "ffn_gate.weight": "Q4_1",
+          "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0"}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def quantized_gguf(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"q-{request.param}")
+    ckpt = make_checkpoint(root / "ckpt", request.param)
+    return write_gguf(ckpt, root / "model.gguf", request.param, "gpt2" if request.param == "llama" else "qwen2",
+                      qtypes=QTYPES)
+
+
+def test_auto_keeps_gguf_matrices_quantized_and_float32_dequantizes(quantized_gguf):
+    model, _, _ = load(str(quantized_gguf), "auto", "float32")
+    kinds = [type(m) for m in model.modules()]
+    assert QuantLinear in kinds and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.head, QuantLinear)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj is None  # Q4_0 / Q4_1 / Q5_1: two forms, kept apart
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear)  # both Q4_1: one GEMM
+    # each kept matrix is gguf's dequantization, bit for bit
+    _, arrays = load_gguf_weights(quantized_gguf, progress=False)
+    assert torch.equal(layer.mlp.down_proj.weight, torch.from_numpy(arrays["model.layers.0.mlp.down_proj.weight"]))
+    assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(arrays["model.embed_tokens.weight"]))
+    plain, _, _ = load(str(quantized_gguf), "float32", "float32")
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in plain.modules())
+
+
+def test_quantized_and_bf16_kv_perplexity_within_one_percent(quantized_gguf):
+    ids = list(np.random.default_rng(0).integers(0, 200, 300))
+    base = perplexity(*load(str(quantized_gguf), "float32", "float32")[:2], ids)
+    for kv in ("float32", "bfloat16"):
+        model, spec, kvd = load(str(quantized_gguf), "auto", kv)
+        assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01, kv
+
+
+def test_default_model_perplexity_within_one_percent():
+    """The first 512 tokens of the shipped public-domain text (bench/perplexity.py runs all)."""
+    from shared.model_source import ModelSource
+
+    ids = text_ids(ModelSource("").tokenizer.tokenizer, 512)
+    base = perplexity(*load("", "float32", "float32")[:2], ids)
+    assert base < 60  # a model that reads English
+    for kv in ("float32", "bfloat16"):
+        model, spec, kvd = load("", "auto", kv)
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 30 * 3
+        assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01, kv
+
+
+def test_gguf_types_the_kernel_does_not_take_are_dequantized():
+    assert gguf.GGMLQuantizationType.Q2_K.name not in quant.KEPT_TYPES
