@@ -4,7 +4,7 @@ Every failure a client sees, from a validation 400 to a conductor's length refus
 server bug, becomes an `ApiError` and then OpenAI's error object
 `{"error": {"message", "type", "param", "error_id"}}` (DESIGN.md section 7), so clients
 and the OpenAI routes handle one shape. A few errors also carry OpenAI's `code`
-(`model_not_found`, `invalid_api_key`); the key is present only when there is one.
+(`model_not_found`, `invalid_api_key`); the key is always there, null when there is none.
 
 An error is named by its kind: a shared `ErrorKind` (what every service says went wrong,
 carried on `RequestError` frames) or an `HttpKind` (what only HTTP itself meets). This
@@ -96,11 +96,8 @@ class ApiError(Exception):
 
     def error_object(self) -> dict[str, Any]:
         """The inner `error` object (also used inside SSE / WebSocket error events)."""
-        obj: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param,
-                               "error_id": self.error_id}
-        if self.code is not None:
-            obj["code"] = self.code
-        return obj
+        return {"message": self.message, "type": self.type, "param": self.param, "error_id": self.error_id,
+                "code": self.code}
 
     def body(self) -> dict[str, Any]:
         return {"error": self.error_object()}

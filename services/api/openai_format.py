@@ -16,11 +16,15 @@ and `DoneEvent` for every route, and these classes turn them into `text_completi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from services.api.errors import ApiError
-from services.api.events import DeltaEvent, DoneEvent, encode
+from services.api.events import DeltaEvent, DoneEvent, encode, floor
+from shared.frames import TokenLogprobs
 
 DONE_LINE = b"data: [DONE]\n\n"
 
@@ -36,11 +40,22 @@ def usage_of(done: DoneEvent) -> OpenAIUsage:
     return OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's (and vLLM's) completions logprobs object: per token its text, its logprob,
+    a dict of the token and the `logprobs` most likely ones (text -> logprob), and the
+    character offset where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):
@@ -59,11 +74,28 @@ class ChatMessage(msgspec.Struct):
     role: str = "assistant"
 
 
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -84,7 +116,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -96,6 +128,53 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: OpenAIUsage | UnsetType | None = UNSET
 
 
+class TokenText:
+    """Each token's own text, as vLLM shows it in logprobs: the token decoded alone."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False) if self._tok is not None else ""
+            self._cache[token_id] = text
+        return text
+
+
+def completion_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[TokenLogprobs | None], k: int,
+                        offset: int = 0) -> CompletionLogprobs:
+    """The logprobs object of `ids` (a None entry: no logprob, the prompt's first token);
+    `top_logprobs` holds the token itself and the `k` most likely, at most k + 1 entries."""
+    out = CompletionLogprobs([], [], [], [])
+    for tok, lp in zip(ids, lps):
+        token = text_of(tok)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(floor(lp.logprob))
+        entries = [(tok, lp.logprob), *((i, v) for i, v in zip(lp.top_ids, lp.top_logprobs) if i != tok)]
+        out.top_logprobs.append({text_of(i): floor(v) for i, v in entries[: k + 1]})
+    return out
+
+
+def chat_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> ChatLogprobs:
+    """`logprobs.content`: per token its text, logprob and UTF-8 bytes, and the
+    `top_logprobs` most likely tokens (most likely first)."""
+    content = []
+    for tok, lp in zip(ids, lps):
+        token = text_of(tok)
+        top = [ChatTopLogprob(text_of(i), floor(v), list(text_of(i).encode("utf-8", errors="replace")))
+               for i, v in zip(lp.top_ids, lp.top_logprobs)]
+        content.append(ChatTokenLogprob(token, floor(lp.logprob), list(token.encode("utf-8", errors="replace")), top))
+    return ChatLogprobs(content)
+
+
 def _data(obj: msgspec.Struct) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
@@ -105,31 +184,59 @@ def error_chunk(err: ApiError) -> bytes:
 
 
 class CompletionReply:
-    """Answers one `/v1/completions` request, as JSON or as SSE chunks."""
+    """Answers one `/v1/completions` request, as JSON or as SSE chunks. With `logprobs`
+    (a count of alternatives), every choice carries the logprobs object of its tokens, the
+    echoed prompt's first (its first token has none)."""
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
-                 echo: str = "") -> None:
+                 echo: str = "", tokenizer: Any = None, logprobs: int | None = None) -> None:
         self.id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
         self._echo = echo
+        self._echoing = bool(echo)
         self._usage: OpenAIUsage | UnsetType | None = None if include_usage else UNSET
+        self._text_of = TokenText(tokenizer)
+        self._k = logprobs
+        self._sent = 0  # characters streamed so far: the text_offset of the next chunk
+
+    def _logprobs(self, event: DeltaEvent | DoneEvent, prompt: bool, offset: int = 0) -> CompletionLogprobs | None:
+        """The logprobs object of the event's tokens (of the echoed prompt's tokens first
+        when `prompt`), None when none were asked."""
+        if self._k is None:
+            return None
+        ids: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        if prompt and event.prompt_token_ids is not UNSET and event.prompt_logprobs is not UNSET:
+            ids, lps = list(event.prompt_token_ids), [None, *event.prompt_logprobs]
+        if event.logprobs is not UNSET:
+            ids += event.token_ids
+            lps += event.logprobs
+        return completion_logprobs(self._text_of, ids, lps, self._k, offset)
 
     def json(self, done: DoneEvent) -> Completion:
-        choice = CompletionChoice(0, self._echo + done.text, done.finish_reason)
+        choice = CompletionChoice(0, self._echo + done.text, done.finish_reason, self._logprobs(done, self._echoing))
         return Completion(self.id, self.created, self.model, [choice], usage=usage_of(done))
 
-    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
-        choice = CompletionChoice(0, text, finish_reason)
+    def _chunk(self, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None = None) -> bytes:
+        self._sent += len(text)
+        choice = CompletionChoice(0, text, finish_reason, logprobs)
         return _data(Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
         out = b""
-        if self._echo:
-            out, self._echo = self._chunk(self._echo, None), ""
+        if self._echoing:  # the prompt's text (and its tokens' logprobs) first, once
+            self._echoing = False
+            lps = None
+            if self._k is not None and event.prompt_token_ids is not UNSET:
+                lps = completion_logprobs(self._text_of, event.prompt_token_ids,
+                                          [None, *(event.prompt_logprobs or [])], self._k)
+            out = self._chunk(self._echo, None, lps)
         if type(event) is DeltaEvent:
-            return out + (self._chunk(event.text, None) if event.text else b"")
+            if event.text or (self._k is not None and event.token_ids):
+                out += self._chunk(event.text, None, self._logprobs(event, False, self._sent))
+            return out
         assert type(event) is DoneEvent
         out += self._chunk("", event.finish_reason)
         if self.include_usage:
@@ -144,23 +251,32 @@ class CompletionReply:
 
 
 class ChatReply:
-    """Answers one `/v1/chat/completions` request, as JSON or as SSE chunks."""
+    """Answers one `/v1/chat/completions` request, as JSON or as SSE chunks; with
+    `logprobs` (the number of `top_logprobs`), `logprobs.content` for every token."""
 
-    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
+                 tokenizer: Any = None, logprobs: int | None = None) -> None:
         self.id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
         self._usage: OpenAIUsage | UnsetType | None = None if include_usage else UNSET
         self._started = False
+        self._text_of = TokenText(tokenizer)
+        self._k = logprobs
+
+    def _logprobs(self, event: DeltaEvent | DoneEvent) -> ChatLogprobs | None:
+        if self._k is None or event.logprobs is UNSET:
+            return None
+        return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
     def json(self, done: DoneEvent) -> ChatCompletion:
-        choice = ChatChoice(0, ChatMessage(done.text), done.finish_reason)
+        choice = ChatChoice(0, ChatMessage(done.text), done.finish_reason, self._logprobs(done))
         return ChatCompletion(self.id, self.created, self.model, [choice], usage_of(done))
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None) -> bytes:
-        chunk = ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(0, delta, finish_reason)],
-                                    usage=self._usage)
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None, logprobs: ChatLogprobs | None = None) -> bytes:
+        chunk = ChatCompletionChunk(self.id, self.created, self.model,
+                                    [ChatChunkChoice(0, delta, finish_reason, logprobs)], usage=self._usage)
         return _data(chunk)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
@@ -169,7 +285,9 @@ class ChatReply:
             self._started = True
             out = self._chunk(ChatDelta(role="assistant", content=""), None)
         if type(event) is DeltaEvent:
-            return out + (self._chunk(ChatDelta(content=event.text), None) if event.text else b"")
+            if event.text or (self._k is not None and event.token_ids):
+                out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
+            return out
         assert type(event) is DoneEvent
         out += self._chunk(ChatDelta(), event.finish_reason)
         if self.include_usage:

@@ -40,6 +40,7 @@ from services.api.validation import (
     is_int,
     json_repr,
     parse_language,
+    parse_logprobs,
     parse_max_tokens,
     parse_sampling,
     parse_stop,
@@ -55,8 +56,8 @@ NEUTRAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_options"})
                  | NEUTRAL_FIELDS | SAMPLING_FIELDS)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "refusal"})
 TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "response_format", "temperature", "stream",
@@ -71,6 +72,9 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with usage and no choices
     echo: bool = False  # completions: the prompt text comes first in the choice's text
+    #: completions: alternatives per token in the logprobs object (None: no logprobs);
+    #: chat: `top_logprobs` when `logprobs` is true
+    logprobs: int | None = None
 
 
 class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,22 +179,26 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
     """Validate a `/v1/completions` body."""
     check_fields(obj, COMPLETION_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("echo", "stream_options"))
+    refuse_unsupported(obj, honoured=("echo", "stream_options", "logprobs", "prompt_logprobs"))
     check_model(obj, served)
     prompt, input_ids = parse_completion_prompt(obj)
     max_tokens = parse_max_tokens(obj)
     echo = get_bool(obj, "echo")
     stream, include_usage = parse_stream(obj)
+    logprobs = parse_logprobs(obj)
+    prompt_logprobs = parse_logprobs(obj, "prompt_logprobs")
+    if echo and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # the echoed prompt's tokens come with their logprobs (vLLM)
     params = GenerateParams(
         request_id=completion_id(),
-        sampling=parse_sampling(obj),
+        sampling=parse_sampling(obj, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
         max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         prompt=prompt,
         input_ids=input_ids,
         stream=stream,
         stop=parse_stop(obj),
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(echo))
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(echo), logprobs=logprobs)
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -275,21 +283,32 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
     the rendered template (see `with_prompt`)."""
     check_fields(obj, CHAT_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("stream_options",))
+    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs"))
     check_model(obj, served)
     messages = parse_messages(obj)
     max_tokens = parse_chat_max_tokens(obj)
     stream, include_usage = parse_stream(obj)
+    logprobs = parse_chat_logprobs(obj)
     params = GenerateParams(
         request_id=chat_completion_id(),
-        sampling=parse_sampling(obj),
+        sampling=parse_sampling(obj, logprobs=logprobs),
         max_tokens=max_tokens,
         prompt=None,
         stream=stream,
         stop=parse_stop(obj),
         add_special_tokens=False,
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage), messages
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs), messages
+
+
+def parse_chat_logprobs(obj: Mapping[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0-20, only with logprobs true):
+    None when no logprobs are asked, else the number of alternatives."""
+    logprobs = get_bool(obj, "logprobs")
+    top = parse_logprobs(obj, "top_logprobs")
+    if top is not None and top > 0 and not logprobs:
+        raise ApiError(ErrorKind.INVALID, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if logprobs else None
 
 
 def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:

@@ -54,7 +54,8 @@ def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
         echo = (params.prompt if params.prompt is not None
                 else state.tokenizer.decode(params.input_ids or [], skip_special_tokens=False))
     reply = CompletionReply(params.request_id, state.settings.model_name, int(time.time()),
-                            include_usage=req.include_usage, echo=echo)
+                            include_usage=req.include_usage, echo=echo, tokenizer=state.tokenizer,
+                            logprobs=req.logprobs)
     return Prepared(params, req.stream, reply)
 
 
@@ -65,7 +66,7 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
                        "use /v1/completions with a formatted prompt", "messages")
     req = with_prompt(req, state.chat_template.render(messages))
     reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()),
-                      include_usage=req.include_usage)
+                      include_usage=req.include_usage, tokenizer=state.tokenizer, logprobs=req.logprobs)
     return Prepared(req.params, req.stream, reply)
 
 

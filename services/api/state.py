@@ -13,7 +13,7 @@ from services.api.detokenize import IncrementalDetokenizer
 from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
-from services.api.validation import GenerateParams
+from services.api.validation import GenerateParams, check_token_ids
 from shared.frames import GenerateRequest
 
 
@@ -42,7 +42,9 @@ class ApiState:
 
     async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,
                                arrival_time: float | None = None) -> Generation:
-        """Submit to the data worker; raises ApiError (409 duplicate id, 503 shutting down)."""
+        """Submit to the data worker; raises ApiError (400 a token id out of the vocabulary,
+        409 duplicate id, 503 shutting down)."""
+        check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         req = GenerateRequest(
             request_id=params.request_id,
             model=self.settings.model_name,
@@ -66,4 +68,5 @@ class ApiState:
             started=started,
             prompt_tokens=len(params.input_ids or ()),
             stop=params.stop,
+            sampling=params.sampling,
         )

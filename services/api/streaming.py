@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, internal_error
-from services.api.events import DeltaEvent, DoneEvent, error_event, response_from_done, sse_chunk
+from services.api.events import DeltaEvent, DoneEvent, error_event, generate_event, response_from_done, sse_chunk
 from services.api.generation import Generation
 
 log = logging.getLogger("mstar.api")
@@ -69,7 +69,7 @@ class GenerateReply:
         return response_from_done(done)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
-        return sse_chunk(event)
+        return sse_chunk(generate_event(event))
 
     def error(self, err: ApiError) -> bytes:
         return sse_chunk(error_event(self.client_id, err))

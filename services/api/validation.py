@@ -43,10 +43,20 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_STOP_CHARS = 512  # per stop string: bounds the per-delta hold-back scan
 
-SAMPLING_FIELDS: frozenset[str] = frozenset({"temperature", "top_p", "top_k", "seed", "ignore_eos"})
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's chat allows 20)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range, vLLM's check)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_STOP_TOKEN_IDS = 256  # bounds the per-token stop check
+#: vLLM's logits processors: honoured on every route that samples text
+PROCESSOR_FIELDS: frozenset[str] = frozenset({"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                              "logit_bias", "min_tokens", "stop_token_ids"})
+SAMPLING_FIELDS: frozenset[str] = frozenset({"temperature", "top_p", "top_k", "seed", "ignore_eos"}) | PROCESSOR_FIELDS
 GENERATE_FIELDS: frozenset[str] = frozenset(
-    {"prompt", "input_ids", "max_tokens", "stop", "stream", "request_id"} | SAMPLING_FIELDS
+    {"prompt", "input_ids", "max_tokens", "stop", "stream", "request_id", "logprobs", "prompt_logprobs"}
+    | SAMPLING_FIELDS
 )
+#: the fields of the unsupported table that `/generate` honours
+GENERATE_HONOURED = ("logprobs", "prompt_logprobs")
 #: what a speech model's request may carry besides the audio file (the prompt is the audio)
 AUDIO_FIELDS: frozenset[str] = frozenset({"language", "task"})
 AUDIO_GENERATE_FIELDS: frozenset[str] = (GENERATE_FIELDS - {"prompt", "input_ids"}) | AUDIO_FIELDS
@@ -73,18 +83,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logprobs": (_unset_or(False), "logprobs is not supported"),
     "top_logprobs": (_unset_or(0), "top_logprobs is not supported"),
     "prompt_logprobs": (_unset_or(0), "prompt_logprobs is not supported"),
-    "stop_token_ids": (_unset_or([]), "stop_token_ids is not supported"),
     "tools": (_unset_or([]), "tools is not supported"),
     "tool_choice": (_unset_or("none"), "tool_choice is not supported"),
     "functions": (_unset_or([]), "functions is not supported"),
     "function_call": (_unset_or("none"), "function_call is not supported"),
     "parallel_tool_calls": (_unset_or(), "parallel_tool_calls is not supported (no tools)"),
-    "presence_penalty": (_unset_or(0, 0.0), "presence_penalty is not supported"),
-    "frequency_penalty": (_unset_or(0, 0.0), "frequency_penalty is not supported"),
-    "repetition_penalty": (_unset_or(1, 1.0), "repetition_penalty is not supported"),
-    "min_p": (_unset_or(0, 0.0), "min_p is not supported"),
-    "min_tokens": (_unset_or(0), "min_tokens is not supported"),
-    "logit_bias": (_unset_or({}), "logit_bias is not supported"),
     "echo": (_unset_or(False), "echo is not supported"),
     "response_format": (_unset_or({"type": "text"}), 'response_format is not supported; only {"type": "text"}'),
     "suffix": (_unset_or(""), "suffix is not supported"),
@@ -226,8 +229,9 @@ def get_bool(obj: Mapping[str, Any], name: str) -> bool | None:
 # ---- the field groups the routes share -----------------------------------------------
 
 
-def parse_sampling(obj: Mapping[str, Any]) -> SamplingParams:
-    """temperature / top_p / top_k / seed / ignore_eos -> the frame's SamplingParams.
+def parse_sampling(obj: Mapping[str, Any], **logprobs: int | None) -> SamplingParams:
+    """temperature / top_p / top_k / seed / ignore_eos and the logits processors -> the
+    frame's SamplingParams (`logprobs` / `prompt_logprobs`, already parsed by the route).
 
     top_k -1 is normalised to 0, the frame's single "off" value.
     """
@@ -243,7 +247,81 @@ def parse_sampling(obj: Mapping[str, Any]) -> SamplingParams:
         top_k=0 if top_k is None or top_k == -1 else top_k,
         seed=seed,
         ignore_eos=d.ignore_eos if ignore_eos is None else ignore_eos,
+        **parse_processors(obj),
+        **{k: v for k, v in logprobs.items() if v is not None},
     )
+
+
+def parse_processors(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The logits processors' fields that are set (absent or null: the default)."""
+    penalty = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+    out: dict[str, Any] = {
+        "presence_penalty": get_number(obj, "presence_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty),
+        "frequency_penalty": get_number(obj, "frequency_penalty", lambda v: abs(v) <= MAX_PENALTY, penalty),
+        "repetition_penalty": get_number(obj, "repetition_penalty", lambda v: v > 0.0, "a number > 0 (1 = off)"),
+        "min_p": get_number(obj, "min_p", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+        "min_tokens": get_int(obj, "min_tokens", minimum=0, maximum=INT32_MAX),
+        "logit_bias": parse_logit_bias(obj),
+        "stop_token_ids": parse_token_ids(obj, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+    }
+    max_tokens = obj.get("max_tokens") if obj.get("max_tokens") is not None else obj.get("max_completion_tokens")
+    if out["min_tokens"] and is_int(max_tokens) and out["min_tokens"] > max_tokens:
+        raise ApiError(ErrorKind.INVALID, f"min_tokens ({out['min_tokens']}) must be at most max_tokens ({max_tokens})",
+                       "min_tokens")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def parse_logit_bias(obj: Mapping[str, Any], name: str = "logit_bias") -> dict[int, float] | None:
+    """An object mapping token ids (as JSON keys: "50256") to a bias in [-100, 100]."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(name, "an object mapping token ids to numbers in [-100, 100]", value)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if not 0 <= tok <= INT32_MAX:
+            raise _bad(f"{name}[{json_repr(key)}]", "keyed by a token id (a non-negative integer)", key)
+        if not is_number(bias) or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise _bad(f"{name}[{json_repr(key)}]", f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
+        out[tok] = float(bias)
+    return out or None
+
+
+def parse_token_ids(obj: Mapping[str, Any], name: str, limit: int) -> list[int] | None:
+    """A list of up to `limit` token ids."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _bad(name, f"a list of up to {limit} token ids", value)
+    if len(value) > limit:
+        raise ApiError(ErrorKind.INVALID, f"{name} must have at most {limit} token ids, got {len(value)}", name)
+    for i, tok in enumerate(value):
+        if not is_int(tok) or not 0 <= tok <= INT32_MAX:
+            raise _bad(f"{name}[{i}]", f"an integer in [0, {INT32_MAX}]", tok)
+    return list(dict.fromkeys(value)) or None
+
+
+def parse_logprobs(obj: Mapping[str, Any], name: str = "logprobs") -> int | None:
+    """An integer count of alternatives per token, 0 (the token's own only) to 20."""
+    value = obj.get(name)
+    if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise _bad(name, f"an integer in [0, {MAX_LOGPROBS}]", value)
+    return value
+
+
+def check_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    """logit_bias keys and stop_token_ids must be tokens of the model's vocabulary."""
+    for tok in sampling.logit_bias:
+        if tok >= vocab_size:
+            raise ApiError(ErrorKind.INVALID, f"logit_bias token id {tok} is out of the vocabulary "
+                           f"(token ids are below {vocab_size})", "logit_bias")
+    for tok in sampling.stop_token_ids:
+        if tok >= vocab_size:
+            raise ApiError(ErrorKind.INVALID, f"stop_token_ids token id {tok} is out of the vocabulary "
+                           f"(token ids are below {vocab_size})", "stop_token_ids")
 
 
 def parse_max_tokens(obj: Mapping[str, Any], name: str = "max_tokens") -> int | None:
@@ -337,7 +415,7 @@ def _generate_params(obj: Mapping[str, Any], prompt: str | None, input_ids: list
                      **audio: Any) -> GenerateParams:
     """The fields `/generate` shares between a text prompt and an audio file."""
     max_tokens = parse_max_tokens(obj)
-    sampling = parse_sampling(obj)
+    sampling = parse_sampling(obj, logprobs=parse_logprobs(obj), prompt_logprobs=parse_logprobs(obj, "prompt_logprobs"))
     stop = parse_stop(obj)
     stream = get_bool(obj, "stream")
     request_id = parse_request_id(obj)
@@ -357,7 +435,7 @@ def parse_generate(obj: Mapping[str, Any], *, envelope: Iterable[str] = ()) -> G
     """Validate a `/generate` body (or a WebSocket frame, whose `envelope` keys such as
     `type` and `id` the caller checks itself) into `GenerateParams`; raises `ApiError`."""
     check_fields(obj, GENERATE_FIELDS | frozenset(envelope))
-    refuse_unsupported(obj)
+    refuse_unsupported(obj, honoured=GENERATE_HONOURED)
     prompt, input_ids = parse_prompt(obj)
     return _generate_params(obj, prompt, input_ids)
 
@@ -377,7 +455,7 @@ def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> Generat
     carries an audio file: the `/generate` fields less `prompt` / `input_ids` (the audio is
     the prompt; given, they are a 400), plus `language` and `task`."""
     check_fields(obj, GENERATE_FIELDS | AUDIO_FIELDS)
-    refuse_unsupported(obj)
+    refuse_unsupported(obj, honoured=GENERATE_HONOURED)
     for name in ("prompt", "input_ids"):
         if obj.get(name) is not None:
             raise ApiError(ErrorKind.INVALID,

@@ -26,7 +26,7 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from services.api.errors import ApiError, HttpKind, internal_error
-from services.api.events import DeltaEvent, encode, error_event
+from services.api.events import DeltaEvent, encode, error_event, generate_event
 from services.api.generation import Generation
 from services.api.metrics import status_label
 from services.api.state import ApiState
@@ -149,7 +149,7 @@ class WsSession:
             async for event in gen.events():
                 if not stream and type(event) is DeltaEvent:
                     continue
-                if not await self._send(encode(event)):
+                if not await self._send(encode(generate_event(event))):
                     break
         except ApiError as err:
             await self._send_error(gen.client_id, err)

@@ -22,7 +22,7 @@ import torch
 from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
 from services.gpu_worker.kv_manager import FootprintOverrun, KVManager
 from services.gpu_worker.request import Request
-from services.gpu_worker.sampler import sample
+from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.scheduler import StepPlan
 from shared.layout import KVLabel
 
@@ -124,6 +124,9 @@ class ModelRunner:
         prefill chunk that does not end its prompt, one per row for a verify step."""
         rows: dict[str, list] = {lab.name: [] for lab in self.step_labels}
         ids, positions, sample_rows, sample_reqs, counts = [], [], [], [], []
+        extras: list[list[int]] = []  # per sampled row: drafts generated before it (a verify step)
+        prompt_rows: list[int] = []  # rows whose logits give prompt logprobs (never sampled)
+        prompt_targets: list[tuple[Request, list[int]]] = []
         t = 0
         for e in plan.entries:
             r, n = e.request, e.rows
@@ -135,8 +138,12 @@ class ModelRunner:
             ids.extend(e.drafts)
             if e.drafts:  # a verify step samples every row: each checks the draft after it
                 sample_rows.extend(range(t, t + n))
+                extras.extend(e.drafts[:j] for j in range(n))
             elif r.num_computed + n == r.tokens_len:
                 sample_rows.append(t + n - 1)
+                extras.append([])
+            if r.sampling.prompt_logprobs is not None and not e.decode:
+                _prompt_rows(r, t, n, prompt_rows, prompt_targets)
             counts.append(len(sample_rows) - before)
             sample_reqs.extend([r] * counts[-1])
             positions.extend(range(r.num_computed, r.num_computed + n))
@@ -144,12 +151,15 @@ class ModelRunner:
         metas = self._metadata(rows)
         # ids, positions and the sampled rows as one tensor (three views): each tensor made
         # from a Python list has a fixed cost, a visible part of a one-row step
-        flat = torch.from_numpy(np.array(ids + positions + sample_rows, dtype=np.int64)).to(self.device)
+        flat = torch.from_numpy(np.array(ids + positions + sample_rows + prompt_rows, dtype=np.int64)).to(self.device)
         n = len(ids)
         with torch.inference_mode():
             logits = self.call_model(flat[:n], flat[n : 2 * n], metas, flat[2 * n :], plan)
+            if prompt_rows:  # the prompt rows come after the sampled ones
+                _keep_prompt_logprobs(logits[len(sample_rows) :], prompt_targets)
+                logits = logits[: len(sample_rows)]
             logits = self.process_logits(logits, sample_reqs)
-            toks = sample(logits, [r.sampling for r in sample_reqs], [r.generator for r in sample_reqs])
+            toks = _sample(logits, sample_reqs, extras)
         out, i = [], 0
         for count in counts:
             out.append(toks[i : i + count])
@@ -171,3 +181,37 @@ class ModelRunner:
                                   dtype=cache.dtype, sm_scale=cfg.attn_scale, softcap=cfg.attn_softcap)
         return metas
 
+
+# -- logprobs and the logits processors' inputs ----------------------------------------
+
+
+def _sample(logits: torch.Tensor, reqs: list[Request], extras: list[list[int]]) -> list[int]:
+    """Sample every row; a request that asked for logprobs gets this step's on
+    `step_logprobs` (one per sampled row, for the output processor to send)."""
+    rows = [Row(r.sampling, r.generator, r.prompt, [*r.output, *x] if x else r.output, r.stop_ids)
+            for r, x in zip(reqs, extras)]
+    toks, lps = sample(logits, rows)
+    for r in reqs:
+        if r.sampling.logprobs is not None:
+            r.step_logprobs = []
+    for r, lp in zip(reqs, lps):
+        if lp is not None:
+            r.step_logprobs.append(lp)
+    return toks
+
+
+def _prompt_rows(r: Request, t: int, n: int, rows: list[int], targets: list[tuple[Request, list[int]]]) -> None:
+    """A prefill chunk of a request that asked for prompt logprobs: the logits of each of
+    its rows that predicts a prompt token (position q predicts token q + 1)."""
+    start = r.num_computed
+    end = min(start + n, len(r.prompt) - 1)
+    if end > start:
+        rows.extend(range(t, t + end - start))
+        targets.append((r, r.prompt[start + 1 : end + 1]))
+
+
+def _keep_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, list[int]]]) -> None:
+    i = 0
+    for r, tokens in targets:
+        r.prompt_logprobs.extend(prompt_logprobs(logits[i : i + len(tokens)], tokens, r.sampling.prompt_logprobs or 0))
+        i += len(tokens)

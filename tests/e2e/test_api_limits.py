@@ -15,7 +15,7 @@ import websockets
 from services.api.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
 
 TOO_LARGE = {"message": f"request body exceeds {DEFAULT_MAX_BODY_BYTES} bytes", "type": "request_too_large",
-             "param": None, "error_id": None}
+             "param": None, "error_id": None, "code": None}
 BIG = "x" * (DEFAULT_MAX_BODY_BYTES + 10)
 
 
@@ -67,7 +67,7 @@ async def test_websocket_frame_too_large_is_413(llama_server):
         frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert frame == {"type": "error", "id": None, "status": 413,
                          "error": {"message": f"frame exceeds {DEFAULT_MAX_BODY_BYTES} bytes",
-                                   "type": "request_too_large", "param": None, "error_id": None}}
+                                   "type": "request_too_large", "param": None, "error_id": None, "code": None}}
         await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "hi", "max_tokens": 2, "temperature": 0,
                                   "ignore_eos": True}))
         while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] != "done":
@@ -92,7 +92,7 @@ async def test_websocket_live_limit_is_429(llama_server):
                 refused = frame
         assert refused == {"type": "error", "id": "extra", "status": 429,
                            "error": {"message": f"too many live requests on this socket (limit {DEFAULT_WS_MAX_LIVE})",
-                                     "type": "rate_limit_error", "param": None, "error_id": None}}
+                                     "type": "rate_limit_error", "param": None, "error_id": None, "code": None}}
 
         await ws.send(json.dumps({"type": "cancel", "id": "r63"}))
         while not ((frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "done"

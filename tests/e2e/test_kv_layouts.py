@@ -73,7 +73,7 @@ def test_prompt_plus_max_tokens_past_max_seq_len(debug_server):
     r = _gen(debug_server, input_ids=list(range(5, 105)), max_tokens=61)
     assert r.status_code == 400
     assert r.json()["error"] == {"message": "prompt (100 tokens) + max_tokens (61) = 161 exceeds max_seq_len 160",
-                                 "type": "invalid_request_error", "param": "max_tokens", "error_id": None}
+                                 "type": "invalid_request_error", "param": "max_tokens", "error_id": None, "code": None}
     assert _gen(debug_server, input_ids=list(range(5, 105)), max_tokens=60, ignore_eos=True).status_code == 200
 
 

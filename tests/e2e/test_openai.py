@@ -173,12 +173,12 @@ def test_chat_template_refusal_is_400(client, model, llama_server):
     ("kwargs", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -198,9 +198,9 @@ def test_chat_refusals(client, model, kwargs, param):
     [
         ({"n": 2}, "n"),
         ({"best_of": 2}, "best_of"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
-        ({"echo": True, "logprobs": 1}, "logprobs"),
+        ({"echo": True, "logprobs": -1}, "logprobs"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],

@@ -101,7 +101,8 @@ def test_chat_fields() -> None:
         ("completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported; n must be 1, got 2", "n"),
         ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of > 1 is not supported; best_of must be 1, got 2",
          "best_of"),
-        ("completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs is not supported, got 0", "logprobs"),
+        ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20], got 21",
+         "logprobs"),
         ("completions", {"prompt": "x", "suffix": "y"}, 400, 'suffix is not supported, got "y"', "suffix"),
         ("completions", {}, 400, "prompt is required: a string, a list of token ids, or a list holding one of those",
          "prompt"),
@@ -122,8 +123,10 @@ def test_chat_fields() -> None:
          "stop must have at most 4 strings, got 5", "stop"),
         ("chat", {"messages": []}, 400, "messages must be a non-empty list of message objects, got []", "messages"),
         ("chat", {"messages": USER, "n": 3}, 400, "n > 1 is not supported; n must be 1, got 3", "n"),
-        ("chat", {"messages": USER, "logprobs": True}, 400, "logprobs is not supported, got true", "logprobs"),
-        ("chat", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs is not supported, got 3", "top_logprobs"),
+        ("chat", {"messages": USER, "logprobs": 1}, 400, "logprobs must be a boolean, got 1", "logprobs"),
+        ("chat", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs needs logprobs: true", "top_logprobs"),
+        ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
+         "top_logprobs must be an integer in [0, 20], got 21", "top_logprobs"),
         ("chat", {"messages": USER, "tools": [{"type": "function"}]}, 400,
          'tools is not supported, got [{"type":"function"}]', "tools"),
         ("chat", {"messages": USER, "tool_choice": "auto"}, 400, 'tool_choice is not supported, got "auto"',
@@ -195,7 +198,7 @@ def test_http_refusals_use_the_error_shape(client: TestClient) -> None:
     status, body = post(client, "/v1/chat/completions", {"messages": USER, "n": 2})
     assert status == 400
     assert body == {"error": {"message": "n > 1 is not supported; n must be 1, got 2", "type": "invalid_request_error",
-                              "param": "n", "error_id": None}}
+                              "param": "n", "error_id": None, "code": None}}
     status, body = post(client, "/v1/completions", {"prompt": "x" * 5000})
     assert status == 413 and body["error"]["message"] == "request body exceeds 4096 bytes"
 
@@ -265,7 +268,7 @@ def test_error_chunk_is_openai_error() -> None:
     reply = CompletionReply("cmpl-1", MODEL, 7)
     assert _sse(reply.error(ApiError(ErrorKind.UNAVAILABLE, "server is shutting down"))) == [
         {"error": {"message": "server is shutting down", "type": "service_unavailable", "param": None,
-                   "error_id": None}}]
+                   "error_id": None, "code": None}}]
 
 
 # ---- stop strings inside Generation -------------------------------------------------------------

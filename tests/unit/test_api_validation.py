@@ -126,22 +126,42 @@ def test_null_means_not_given() -> None:
         ({"input_ids": [2**31]}, "input_ids[0] must be an integer <= 2147483647, got 2147483648", "input_ids[0]"),
         ({"prompt": "x", "n": 2}, "n > 1 is not supported; n must be 1, got 2", "n"),
         ({"prompt": "x", "best_of": 3}, "best_of > 1 is not supported; best_of must be 1, got 3", "best_of"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs is not supported, got 1", "logprobs"),
-        ({"prompt": "x", "logprobs": True}, "logprobs is not supported, got true", "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs must be an integer in [0, 20], got 21", "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs must be an integer in [0, 20], got true", "logprobs"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs must be an integer in [0, 20], got -1",
+         "prompt_logprobs"),
         ({"prompt": "x", "stop": 5}, "stop must be a string or a list of up to 4 strings, got 5", "stop"),
         ({"prompt": "x", "stop": ""}, 'stop must be a non-empty string, got ""', "stop"),
         ({"prompt": "x", "stop": ["a", ""]}, 'stop[1] must be a non-empty string, got ""', "stop[1]"),
         ({"prompt": "x", "stop": ["a", 1]}, "stop[1] must be a string, got 1", "stop[1]"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop must have at most 4 strings, got 5", "stop"),
         ({"prompt": "x", "stop": ["y" * 513]}, "stop[0] must be at most 512 characters, got 513", "stop[0]"),
-        ({"prompt": "x", "stop_token_ids": [7]}, "stop_token_ids is not supported, got [7]", "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [7, -1]}, "stop_token_ids[1] must be an integer in [0, 2147483647], got -1",
+         "stop_token_ids[1]"),
+        ({"prompt": "x", "stop_token_ids": 7}, "stop_token_ids must be a list of up to 256 token ids, got 7",
+         "stop_token_ids"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens must be an integer >= 0, got -1", "min_tokens"),
+        ({"prompt": "x", "min_tokens": 3, "max_tokens": 2}, "min_tokens (3) must be at most max_tokens (2)",
+         "min_tokens"),
+        ({"prompt": "x", "logit_bias": []}, "logit_bias must be an object mapping token ids to numbers in [-100, 100], "
+         "got []", "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-3": 1}}, 'logit_bias["-3"] must be keyed by a token id (a non-negative '
+         'integer), got "-3"', 'logit_bias["-3"]'),
+        ({"prompt": "x", "logit_bias": {"3": True}}, 'logit_bias["3"] must be a number in [-100, 100], got true',
+         'logit_bias["3"]'),
+        ({"prompt": "x", "min_p": -0.1}, "min_p must be a number in [0, 1], got -0.1", "min_p"),
+        ({"prompt": "x", "repetition_penalty": -1}, "repetition_penalty must be a number > 0 (1 = off), got -1",
+         "repetition_penalty"),
+        ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty must be a number in [-2, 2], got -2.5",
+         "frequency_penalty"),
         ({"prompt": "x", "stream_options": {"include_usage": True}},
          'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
         ({"prompt": "x", "response_format": {"type": "json_object"}},
          'response_format is not supported; only {"type": "text"}, got {"type":"json_object"}', "response_format"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]',
          "tools"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty is not supported, got 0.5", "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2], got 2.5",
+         "presence_penalty"),
     ],
 )
 def test_refusals(body: dict, message: str, param: str) -> None:
@@ -154,8 +174,19 @@ def test_refusals(body: dict, message: str, param: str) -> None:
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": False, "stop": [], "tools": [],
+    parse_generate({"prompt": "x", "n": 1, "best_of": 1, "logprobs": None, "stop": [], "tools": [],
                     "presence_penalty": 0.0, "response_format": {"type": "text"}})
+
+
+def test_sampling_fields_reach_the_frame() -> None:
+    got = parse_generate({"prompt": "x", "max_tokens": 9, "presence_penalty": -0.5, "frequency_penalty": 1,
+                          "repetition_penalty": 1.2, "min_p": 0.05, "logit_bias": {"7": -100, "12": 2.5},
+                          "min_tokens": 3, "stop_token_ids": [4, 4, 9], "logprobs": 0, "prompt_logprobs": 5}).sampling
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.min_p) == (-0.5, 1.0, 1.2, 0.05)
+    assert got.logit_bias == {7: -100.0, 12: 2.5} and got.min_tokens == 3 and got.stop_token_ids == [4, 9]
+    assert (got.logprobs, got.prompt_logprobs) == (0, 5) and got.processed
+    plain = parse_generate({"prompt": "x"}).sampling
+    assert not plain.processed and plain.logprobs is None and plain.prompt_logprobs is None
 
 
 def test_stop_forms() -> None:
@@ -169,7 +200,8 @@ def test_unknown_field_names_it() -> None:
     err = refused({"prompt": "x", "max_token": 5})
     assert err.param == "max_token"
     assert err.message.startswith("unknown field 'max_token'; "
-                                  "allowed fields: ignore_eos, input_ids, max_tokens, prompt,")
+                                  "allowed fields: frequency_penalty, ignore_eos, input_ids, logit_bias, logprobs, "
+                                  "max_tokens, min_p, min_tokens, presence_penalty, prompt,")
 
 
 def test_internal_fields_are_refused() -> None:
@@ -194,7 +226,7 @@ def test_http_error_body_shape(client: TestClient) -> None:
     status, body = post(client, {"prompt": "hi", "max_tokens": 0})
     assert status == 400
     assert body == {"error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error",
-                              "param": "max_tokens", "error_id": None}}
+                              "param": "max_tokens", "error_id": None, "code": None}}
 
 
 @pytest.mark.parametrize(
@@ -224,7 +256,7 @@ def test_http_body_too_large(client: TestClient) -> None:
     status, body = post(client, {"prompt": "x" * 5000})
     assert status == 413
     assert body["error"] == {"message": "request body exceeds 4096 bytes", "type": "request_too_large", "param": None,
-                             "error_id": None}
+                             "error_id": None, "code": None}
 
 
 def test_http_body_too_large_without_content_length(client: TestClient) -> None:
@@ -282,7 +314,7 @@ def test_ws_bad_frames_leave_the_socket_alone(client: TestClient) -> None:
         assert ws.receive_json() == {
             "type": "error", "id": "r1", "status": 400,
             "error": {"message": "max_tokens must be an integer >= 1, got 0", "type": "invalid_request_error",
-                      "param": "max_tokens", "error_id": None},
+                      "param": "max_tokens", "error_id": None, "code": None},
         }
 
         ws.send_text(json.dumps({"type": "nope", "id": "r2"}))
