@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from services.gpu_worker.attention import build_metadata, cross_metadata
-from services.gpu_worker.build import build_engine
+from services.gpu_worker.build import Assembled, build_engine, warm_up
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.weights import build_model
 from shared.audio import audio_features
+from shared.config import Deployment
 from shared.errors import ErrorKind
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.layout import LabelLayout, Span
@@ -350,7 +351,7 @@ def test_understated_growth_is_an_overrun_not_a_corruption(world, caplog):
 
 
 def test_warm_up_style_request_runs(world):
-    """The worker's warm-up sends `process_prompt(ids)` (silent audio) with max_tokens 2."""
+    """A decoder prompt sent as ids (silent audio) with max_tokens 2."""
     spec, model, _hf, _feats = world
     engine, kv, pools = make_engine(spec, model)
     ids = list(range(1, 17))
@@ -362,6 +363,17 @@ def test_warm_up_style_request_runs(world):
     engine.add(req, ppo.new_input_tensors)
     toks, _, errors = drain(engine)
     assert not errors and 1 <= len(toks["warmup"]) <= 2
+    assert_pools_empty(kv)
+
+
+def test_the_workers_warm_up_runs_the_language_probe(world, whisper_ckpt):  # noqa: F811
+    """The worker's warm-up takes a real request's path for a speech model (no ids, silent
+    audio): here that includes the language probe, and it leaves every page free."""
+    spec, model, _hf, _feats = world
+    engine, kv, pools = make_engine(spec, model)
+    calls = spy_scratch(engine)
+    warm_up(Assembled(ModelSource(str(whisper_ckpt)), spec, pools, model, kv, engine), Deployment())
+    assert [c[:2] for c in calls] == [("warmup", "self")]
     assert_pools_empty(kv)
 
 
