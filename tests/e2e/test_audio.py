@@ -5,7 +5,7 @@ transformers' `WhisperForConditionalGeneration.generate` gives greedily for the 
 forced ids, with the language transformers' `detect_language` picks when none is sent,
 the checkpoint's suppress lists applied by generate from its generation config), and
 verbose_json names the detected language; bad audio is a 400 that names the problem; a
-form over the body limit is a 413."""
+form over the body limit is a 413. The server runs with MSTAR_KV_DEBUG_ASSERTS=1."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     s = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "whisper.log", "--num-kv-pages", "64",
-                    "--page-size", "16")
+                    "--page-size", "16", env={"MSTAR_KV_DEBUG_ASSERTS": "1"})
     s.start()
     yield s
     s.stop()
@@ -291,5 +291,11 @@ def test_text_model_refuses_audio(llama_server, clips):
 
 
 def test_server_log_clean(server):
-    """No tracebacks from any service for all of the above."""
-    assert "Traceback" not in server.log(), server.log()[-4000:]
+    """No tracebacks from any service for all of the above; under debug asserts no
+    footprint was overrun or loose (the language probes' scratch included), and every
+    page came back."""
+    log = server.log()
+    assert "Traceback" not in log, log[-4000:]
+    assert "footprint not tight" not in log and "footprint overrun" not in log, log[-4000:]
+    assert server.metric("mstar_kv_footprint_overruns_total") == 0
+    assert server.wait_pages_free() == 0
