@@ -458,8 +458,8 @@ def _walk_peak(kv: RequestKV, st: LabelState) -> int:
     """The pages a label that ran to its caps must have held at its peak: its footprint,
     except for a label whose scratch was written only before its first commit (Whisper's
     language probe). The footprint lets scratch follow any commit, the last one too, so
-    for such a walk it may be a page above the true peak: the larger of the probe's pages
-    and the footprint without scratch."""
+    it may be above such a walk's true peak (by a page at most for Whisper's one-row
+    probe): the larger of the probe's pages and the footprint without scratch."""
     if not (st.layout.scratch and st.scratch_before and not st.scratch_after):
         return st.footprint
     bare = label_footprint(msgspec.structs.replace(st.layout, scratch=0), kv.caps, st.page_size, st.label.window)

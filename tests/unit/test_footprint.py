@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_manager import KVManager, _walk_peak
 from shared.frames import NewRequest, SamplingParams
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, Span, label_footprint
 
@@ -121,3 +121,45 @@ def test_span_validation():
         Span.rows(-1)
     with pytest.raises(ValueError):
         Span("ids", 3, (1, 2))
+
+
+def _probe_walk(layout: LabelLayout, caps: dict[str, int], page_size: int, window: int | None,
+                probe: bool) -> tuple[int, KVManager]:
+    """A walk whose scratch is written once, before the first commit (Whisper's language
+    probe), or never; commits as `_walk_kv_manager`'s."""
+    label = KVLabel("a", "kv", window=window, grows_on="decode_loop")
+    kv = KVManager({"kv": PagedKVConfig("kv", 1, 1, 1, "float32", page_size, 4096, 10**6)}, (label,))
+    kv.debug = True
+    kv.admit(kv.ingest_request(NewRequest("r", "", {}, SamplingParams(), "", layout.span_rows, 1, {"a": layout}, caps)))
+    peak = 0
+    if probe:
+        peak = len(kv.reserve_rows("r", "a", layout.scratch))
+        kv.drop_scratch("r", "a")
+    steps = [(s.length, None) for s in layout.spans if s.length]
+    for loop, g in layout.growth.items():
+        steps += [(g, loop)] * caps.get(loop, 0) if g else []
+    for n, loop in steps:
+        peak = max(peak, len(kv.reserve_rows("r", "a", n)))
+        kv.commit("r", "a", n, loop)
+    return peak, kv
+
+
+@settings(max_examples=200, deadline=None)
+@given(layout=layouts, caps=st.dictionaries(st.just("decode_loop"), st.integers(0, 30)),
+       page_size=st.sampled_from([1, 2, 4, 16]), window=st.one_of(st.none(), st.integers(1, 64)),
+       probe=st.booleans())
+def test_a_probe_before_the_first_commit_is_judged_by_its_own_peak(layout, caps, page_size, window, probe):
+    """The footprint lets scratch follow any commit, so a walk whose only scratch is a
+    probe before the first commit may peak below it. The debug tightness check judges
+    such a label by that walk's exact peak (`_walk_peak`), and every other label (scratch
+    declared but never written, or none) by its footprint."""
+    layout = LabelLayout(spans=layout.spans, scratch=layout.scratch,
+                         growth={k: v for k, v in layout.growth.items() if k == "decode_loop"})
+    probe = probe and layout.scratch > 0
+    peak, kv = _probe_walk(layout, caps, page_size, window, probe)
+    req = kv.requests["r"]
+    state = req.labels["a"]
+    assert peak <= state.footprint and kv.footprint_overruns == 0
+    assert _walk_peak(req, state) == (peak if probe else state.footprint)
+    kv.remove("r", ran_to_caps=True)
+    assert kv.pools["kv"].used == 0 and kv.pools["kv"].reserved == 0
