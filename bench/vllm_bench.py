@@ -2,7 +2,8 @@
 mstar and against the vLLM CPU peer, side by side in one run (issue 20: smooth streams).
 
 Both servers get the bench checkpoint (`bench/checkpoints.py`), the same KV memory, max
-sequence length, dtype and compute threads as in `python -m bench compare`; the client is
+sequence length, dtype and compute threads as in `python -m bench compare`, and the same
+token budget per step (`--max-batch-tokens`, default vLLM's own CPU default, 2048); the client is
 the peer venv's `vllm bench serve --backend openai` (random prompts of `--input-len`
 tokens, `--output-len` tokens, ignore_eos, `--max-concurrency` streams, the same seed for
 both), and its per-request detail (start times, TTFTs, every ITL) is kept. Rounds alternate
@@ -49,6 +50,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--torch-threads", type=int, default=0, help="mstar's compute threads (default: cores - 1)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="the step's token budget for both: mstar --max-batch-tokens, vLLM --max-num-batched-tokens "
+                        "(default 2048: vLLM's own default on the CPU)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` flag (repeat)")
     p.add_argument("--seed", type=int, default=0)
@@ -85,10 +89,12 @@ def _servers(args, ckpt: Path, venv: str | None, out: Path, rnd: int) -> dict[st
     if "mstar" in args.systems:
         made["mstar"] = MstarServer(str(ckpt), out / "logs" / f"mstar-r{rnd}.log",
                                     ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages),
-                                     "--page-size", "16", *args.serve_arg], env={"MSTAR_TORCH_THREADS": str(threads)})
+                                     "--page-size", "16", "--max-batch-tokens", str(args.max_batch_tokens),
+                                     *args.serve_arg], env={"MSTAR_TORCH_THREADS": str(threads)})
     if "vllm-cpu" in args.systems and venv:
         kv_env = str(int(args.kv_gib)) if float(args.kv_gib).is_integer() else str(args.kv_gib)
-        made["vllm-cpu"] = VllmServer(venv, str(ckpt), out / "logs" / f"vllm-r{rnd}.log", args.vllm_arg,
+        made["vllm-cpu"] = VllmServer(venv, str(ckpt), out / "logs" / f"vllm-r{rnd}.log",
+                                      ["--max-num-batched-tokens", str(args.max_batch_tokens), *args.vllm_arg],
                                       env={"VLLM_CPU_KVCACHE_SPACE": kv_env})
     return made
 
@@ -199,7 +205,8 @@ def vllm_bench(args) -> Path:
     info["machine"]["load_avg_end"] = os.getloadavg()
     goal_rows, info["goals"] = _goal_rows(rounds, args.concurrency)
     what = (f"{ckpt.name}: `vllm bench serve` random {args.input_len} in / {args.output_len} out, ignore_eos, "
-            f"greedy (ms, tokens/s)")
+            f"greedy; step token budget {args.max_batch_tokens}; mstar {' '.join(args.serve_arg) or 'defaults'} "
+            f"(ms, tokens/s)")
     report = [f"### {what}\n", table(HEADER, _rows(rounds))]
     if goal_rows:
         report += ["\n### mstar / vLLM against the goals (per round, median, range)\n",

@@ -15,7 +15,12 @@ Budgeting by time (`Limits.itl_target_s` > 0): every step, decode rows always go
 prefill chunks beside them are cut so the step's predicted time (`step_costs.StepCosts`,
 learned at warm-up and from every step since) stays within the target, since every
 running stream waits for the whole step. A step with no decode row (an idle engine) fills
-the token budget, so a lone prompt's first token is not held back. Two floors keep the
+the token budget, so a lone prompt's first token is not held back; so does a step whose
+decode rows are no more than `1 / IDLE_RATIO` of the prompts waiting beside them: a batch of
+prompts that arrived together (all but the few the previous step caught) is prefilled at
+once and then decodes in step with them, at the cost of one long gap for those few, rather
+than being dribbled in while they run ahead (which spreads every later prefill over every
+stream's decode steps). Two floors keep the
 waiting prompts moving whatever the target: at least `MIN_PREFILL_ROWS` rows, and at least
 `KEEP_UP` x the rate prompt rows have been arriving (per step, averaged over the last
 ~`1 / ARRIVAL_EMA` steps), so under a load the target cannot hold, prefill still keeps pace
@@ -39,6 +44,8 @@ MIN_PREFILL_ROWS = 16
 KEEP_UP = 1.25
 #: weight of the newest step in that average
 ARRIVAL_EMA = 1 / 32
+#: a step is as good as idle when its decode rows x this are no more than the prompts waiting
+IDLE_RATIO = 1.0
 
 
 @dataclass
@@ -162,9 +169,13 @@ class Scheduler:
     def _prefill_allowance(self, plan: StepPlan) -> tuple[float | None, int]:
         """(seconds the prefill chunks may add to this step, or None for no time limit;
         rows they may take whatever the time): no limit when the target is off, the costs
-        are not learned yet, or no decode row runs (an idle engine prefills at full budget)."""
+        are not learned yet, or the engine is (as good as) idle: no decode row runs, or no
+        more than 1 / IDLE_RATIO per prompt waiting beside them."""
         target = self.limits.itl_target_s
         if target <= 0 or not self.costs.ready or not plan.entries:
+            return None, 0
+        prompts = sum(1 for r in self.running if r.ready and not r.decoding)
+        if len(plan.entries) * IDLE_RATIO <= prompts:
             return None, 0
         floor = max(MIN_PREFILL_ROWS, int(KEEP_UP * self.arrival_rate + 0.5))
         return target - self.costs.predict(plan.shape), floor

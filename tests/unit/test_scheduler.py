@@ -126,6 +126,16 @@ def test_an_idle_engine_prefills_at_the_full_token_budget():
     assert plan_rows(s) == ([], [300, 212])
 
 
+def test_prompts_that_outnumber_the_decode_rows_go_at_the_full_budget():
+    s = scheduler(30, known_costs(5.0, 0.5, 1.0), budget=2048)
+    # 4 prompts of a wave the previous step caught now decode; the other 12 arrived meanwhile
+    s.running = [req(f"d{i}", 128, 128) for i in range(4)] + [req(f"p{i}", 128, 0) for i in range(12)]
+    assert plan_rows(s) == ([1] * 4, [128] * 12)
+    s.running = [req(f"d{i}", 128, 128) for i in range(13)] + [req(f"p{i}", 128, 0) for i in range(12)]
+    decodes, chunks = plan_rows(s)  # more decode rows than prompts: cut to the target
+    assert decodes == [1] * 13 and sum(chunks) < 128
+
+
 def test_target_off_or_costs_unknown_is_the_token_budget_alone():
     for s in (scheduler(0, known_costs(5.0, 0.5, 1.0)), scheduler(30)):
         s.running = [req(f"d{i}", 10, 10) for i in range(10)] + [req("p0", 300, 0), req("p1", 300, 0)]
@@ -195,15 +205,15 @@ def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=())
     return toks, chunks
 
 
-PROMPTS = [list(range(20, 61)), [7, 8, 9] * 10 + [40, 41], list(range(100, 150)), [3, 4]]
+PROMPTS = [list(range(20, 61)), [7, 8, 9] * 10 + [40, 41], list(range(100, 150)), [3, 4], list(range(200, 240))]
 
 
 def test_the_same_tokens_with_the_target_on_and_off(llama):
     spec, model = llama
-    plain, plain_chunks = run(spec, model, PROMPTS, 12, 0, arrive_late=(2, 3))
-    # costs that leave room for only a few prompt rows beside the decode rows
+    plain, plain_chunks = run(spec, model, PROMPTS, 12, 0, arrive_late=(3, 4))
+    # costs that leave room for only a few prompt rows beside the 3 decode rows the late 2 find
     tight = known_costs(5.0, 0.5, 1.0)
-    timed, timed_chunks = run(spec, model, PROMPTS, 12, 12, costs=tight, arrive_late=(2, 3))
+    timed, timed_chunks = run(spec, model, PROMPTS, 12, 12, costs=tight, arrive_late=(3, 4))
     assert timed == plain
     assert all(len(t) == 12 for t in timed.values())
     assert max(timed_chunks) > MIN_PREFILL_ROWS  # the first prompts went at the full budget (idle engine)
