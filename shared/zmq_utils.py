@@ -12,6 +12,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from shared.curve import secure_client, secure_server
 from shared.frames import FrameCodec
 
 log = logging.getLogger("mstar.zmq")
@@ -40,6 +41,7 @@ def bind(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.Socke
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     _prepare_ipc(address)
+    secure_server(sock, address)
     sock.bind(address)
     return sock
 
@@ -48,6 +50,7 @@ def connect(ctx: zmq.asyncio.Context, kind: int, address: str) -> zmq.asyncio.So
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
+    secure_client(sock, address)
     sock.connect(address)
     return sock
 

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from services.api.errors import ApiError
+from shared import curve
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
@@ -167,6 +168,7 @@ class Backend:
             for sock in (self._pull, self._control):
                 if sock is not None:
                     sock.close(linger=0)
+            curve.stop(self._ctx)
             self._ctx.term()
         if self._pull is not None:
             cleanup_ipc(self.api_addr)

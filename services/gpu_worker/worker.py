@@ -20,6 +20,7 @@ import zmq
 from services.gpu_worker.build import assemble
 from services.gpu_worker.engine import Finished, StepResult
 from services.gpu_worker.outputs import error_frame
+from shared import curve
 from shared.cgroup import available_cpus
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
@@ -62,9 +63,11 @@ class GpuWorker:
         self.pull.setsockopt(zmq.LINGER, 0)
         if bind_addr.startswith("ipc://") and os.path.exists(bind_addr[6:]):
             os.unlink(bind_addr[6:])
+        curve.secure_server(self.pull, bind_addr)
         self.pull.bind(bind_addr)
         self.conductor = self.ctx.socket(zmq.PUSH)
         self.conductor.setsockopt(zmq.LINGER, 1000)
+        curve.secure_client(self.conductor, conductor_addr)
         self.conductor.connect(conductor_addr)
         self.replies: dict[str, zmq.Socket] = {}
         self.in_codec = FrameCodec(ToWorker)
@@ -82,6 +85,7 @@ class GpuWorker:
         if sock is None:
             sock = self.replies[address] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            curve.secure_client(sock, address)
             sock.connect(address)
         return sock
 
@@ -180,5 +184,6 @@ class GpuWorker:
             sock.close(0)
         self.pull.close(0)
         self.conductor.close()
+        curve.stop(self.ctx)
         self.ctx.term()
         cleanup_ipc(self.bind_addr)
