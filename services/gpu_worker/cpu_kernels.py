@@ -127,9 +127,9 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qgemm_available.restype = i64
         lib.mstar_qgemm_available.argtypes = []
         lib.mstar_quantize_rows.restype = None
-        lib.mstar_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+        lib.mstar_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
         lib.mstar_qgemm.restype = ctypes.c_int
-        lib.mstar_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+        lib.mstar_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
                                     ctypes.c_int]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)

@@ -16,9 +16,11 @@ does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization b
 | Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.25 |
 | Q8_0 | 8 | d * q | 1.25 |
 
-The GEMM quantizes the activations to 8 bits per block of 32 (as llama.cpp's Q8_0): that
-rounding is the one approximation. Other types (Q2_K, Q3_K, the IQ types) are dequantized
-to float32 at load, as `--dtype float32` does for every type. Where the kernel is not built
+The GEMM rounds the activations per block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256)
+with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone SmolLM2's
+greedy answers drift from the float32 path's): that rounding is the one approximation.
+Other types (Q2_K, Q3_K, the IQ types) are dequantized to float32 at load, as
+`--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
 """
 
@@ -201,10 +203,12 @@ class QuantLinear(nn.Module):
         out = torch.empty(rows, n)
         if rows:
             lib = cpu_kernels.library()
-            qx = torch.empty(rows, self.kp, dtype=torch.int8)
+            qx = torch.empty(2, rows, self.kp, dtype=torch.int8)  # x ~ d * (q1 + q2 / 256), qgemm.c
             dx, sx = torch.empty(rows, self.kp // 32), torch.empty(rows, self.kp // 32)
-            lib.mstar_quantize_rows(x2.data_ptr(), rows, k, x2.stride(0), qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
-            rc = lib.mstar_qgemm(self.form, qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k, self.w.data_ptr(),
+            lib.mstar_quantize_rows(x2.data_ptr(), rows, k, x2.stride(0), qx[0].data_ptr(), qx[1].data_ptr(),
+                                    dx.data_ptr(), sx.data_ptr())
+            rc = lib.mstar_qgemm(self.form, qx[0].data_ptr(), qx[1].data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
+                                 self.w.data_ptr(),
                                  self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), n,
                                  None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), n, _threads)
             if rc:
