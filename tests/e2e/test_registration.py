@@ -25,7 +25,7 @@ def test_conductor_refuses_a_worker_with_another_model_or_deployment(llama_ckpt,
                         "--conductor-control-addr", f"ipc://{tmp_path}/ctl.sock"], cond_log, tmp_path)
     workers = {
         "other-model": ["--model", str(qwen2_ckpt)],
-        "other-page-size": ["--model", str(llama_ckpt), "--page-size", "8"],
+        "other-page-size": ["--model", str(llama_ckpt), "--page-size", "8", "--num-kv-pages", "128"],
         "matching": ["--model", str(llama_ckpt), "--num-kv-pages", "24"],  # its own pool size: fine
     }
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in workers}
