@@ -89,3 +89,13 @@ def test_dockerfiles_non_root_with_healthcheck():
         assert argv[:4] == ["python", "-m", "services.launcher", "serve"], name
         parser_for("services.launcher").parse_args(argv[3:])
     assert 'pip install ".[cuda]"' in (REPO / "Dockerfile.cuda").read_text()
+
+
+def test_cuda_override_puts_the_worker_on_a_gpu():
+    override = yaml.safe_load((REPO / "compose.cuda.yaml").read_text())["services"]
+    assert set(override) == {"gpu_worker"}  # the command, env and restarts stay compose.yaml's
+    worker = override["gpu_worker"]
+    assert worker["build"]["dockerfile"] == "Dockerfile.cuda" and (REPO / "Dockerfile.cuda").exists()
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "command" not in worker and "environment" not in worker
