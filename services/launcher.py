@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -109,7 +110,7 @@ class Launcher:
             code = self._wait_ready()
             if code is not None:
                 return code
-            print(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}", file=sys.stderr, flush=True)
+            say(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}")
             while not self.stopping:
                 self._supervise(env)
                 time.sleep(0.1)
@@ -132,8 +133,8 @@ class Launcher:
                 child.restarts += 1
                 child.restart_at = now + delay
                 kind = "crash loop: " if child.restarts > 3 else ""
-                print(f"mstar: {kind}{child.name} exited with code {code}; "
-                      f"restarting in {delay:.1f}s (restart {child.restarts})", file=sys.stderr, flush=True)
+                say(f"mstar: {kind}{child.name} exited with code {code}; "
+                    f"restarting in {delay:.1f}s (restart {child.restarts})", "ERROR")
             elif now >= child.restart_at:
                 child.start(env)
 
@@ -145,8 +146,7 @@ class Launcher:
         while not self.stopping:
             dead = self._dead()
             if dead is not None:
-                print(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above",
-                      file=sys.stderr, flush=True)
+                say(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above", "ERROR")
                 return 1
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
@@ -155,7 +155,7 @@ class Launcher:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                print(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", file=sys.stderr, flush=True)
+                say(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", "ERROR")
                 return 1
             time.sleep(0.2)
         return 0
@@ -274,28 +274,39 @@ def preflight(d: Deployment, chat_template: str | None) -> str | None:
     return None
 
 
+def say(text: str, level: str = "INFO") -> None:
+    """One line of the launcher's own on stderr: as is, or under --log-format json as the
+    services' JSON records are, so that the whole stream parses."""
+    if os.environ.get("MSTAR_LOG_FORMAT") == "json":
+        text = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "level": level,
+                           "service": "launcher", "pid": os.getpid(), "logger": "mstar.launcher", "message": text})
+    print(text, file=sys.stderr, flush=True)
+
+
 def _log_env(args: argparse.Namespace) -> None:
     """--log-level, --log-format and --access-log reach every child as its env vars."""
-    for value, env in ((args.log_level, "MSTAR_LOG_LEVEL"), (args.log_format, "MSTAR_LOG_FORMAT")):
+    for value, env in ((getattr(args, "log_level", None), "MSTAR_LOG_LEVEL"),
+                       (getattr(args, "log_format", None), "MSTAR_LOG_FORMAT")):
         if value is not None:
             os.environ[env] = value
-    if args.access_log is not None:
+    if getattr(args, "access_log", None) is not None:
         os.environ["MSTAR_ACCESS_LOG"] = "1" if args.access_log else "0"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _log_env(args)
     d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
     chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
     refused = preflight(d, chat_template)
     if args.command == "check":
-        print(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
-              file=sys.stderr, flush=True)
+        say(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
+            "ERROR" if refused else "INFO")
         return 2 if refused else 0
     if refused is None and args.served_model_name is not None and not args.served_model_name.strip():
         refused = "--served-model-name must be non-empty"
     if refused is not None:
-        print(f"mstar: deployment refused: {refused}", file=sys.stderr, flush=True)
+        say(f"mstar: deployment refused: {refused}", "ERROR")
         return 2
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     api_flags = ["--max-body-bytes", str(args.max_body_bytes)] if args.max_body_bytes else []
@@ -306,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
-    _log_env(args)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout).run()
 

@@ -64,6 +64,7 @@ def setup_logging(service: str, level: str | None = None, fmt: str | None = None
         # progress bars (weight loading) would break the one-object-per-line stream; tqdm
         # reads its TQDM_* overrides when first imported, which comes after this
         os.environ.setdefault("TQDM_DISABLE", "1")
+        logging.captureWarnings(True)  # Python warnings as records too, not bare text lines
     else:
         text = f"%(asctime)s %(levelname)s {service}[%(process)d] %(name)s: %(message)s"
         handler.setFormatter(logging.Formatter(text))
