@@ -18,9 +18,14 @@ this module for the config and the tokenizer alone.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import importlib.util
+import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,7 @@ __all__ = [
     "QuantTensor",
     "find_default_gguf",
     "gguf_config",
+    "gguf_summary",
     "load_gguf_tokenizer",
     "load_gguf_weights",
 ]
@@ -207,6 +213,11 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
     0x06, 0x13, 0x14, 0x16, 0x1D, and UTF-8 lead bytes 0xF1/0xF2, i.e. the
     unassigned planes U+40000-U+BFFFF), and those bytes are dropped.
     """
+    summary = gguf_summary(path)
+    if summary is not None:
+        tok = summary["tokenizer"]
+        return GGUFTokenizerInfo(tokenizer=Tokenizer.from_str(tok["json"]),
+                                 **{k: v for k, v in tok.items() if k != "json"})
     reader = _open(path)
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
@@ -498,39 +509,128 @@ def load_gguf_weights(
     As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
     absent when ``config["tie_word_embeddings"]`` is true.
     """
-    reader = _open(path)
-    config = _gguf_config(reader)
+    config, tensors = _config_and_tensors(path)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
-    permuted = _field(reader, gguf.Keys.General.ARCHITECTURE) == "llama"
+    permuted = config["model_type"] == "llama"
 
     state: dict[str, np.ndarray | QuantTensor] = {}
-    for tensor in tqdm(
-        reader.tensors,
+    for name, qtype, shape, data in tqdm(
+        tensors,
         desc="dequantizing GGUF",
         unit="tensor",
         file=sys.stderr,
         disable=not progress,
     ):
-        # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type.name in keep_quantized and len(shape) == 2:
-            w = tensor.data.reshape(shape[0], -1)
+        if qtype.name in keep_quantized and len(shape) == 2:
+            w = data.reshape(shape[0], -1)
         else:
-            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if permuted and tensor.name.startswith("blk.") and ".attn_q." in tensor.name:
+            w = gguf.quants.dequantize(data, qtype).reshape(shape)
+        if permuted and name.startswith("blk.") and ".attn_q." in name:
             w = _unpermute_rotary(w, n_head)
-        elif permuted and tensor.name.startswith("blk.") and ".attn_k." in tensor.name:
+        elif permuted and name.startswith("blk.") and ".attn_k." in name:
             w = _unpermute_rotary(w, n_kv_head)
         if w.dtype == np.uint8:  # kept quantized: the raw blocks, rows permuted if need be
-            state[_hf_name(tensor.name)] = QuantTensor(tensor.tensor_type.name, w, shape)
+            state[_hf_name(name)] = QuantTensor(qtype.name, w, shape)
             continue
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
-        state[_hf_name(tensor.name)] = w
+        state[_hf_name(name)] = w
     return config, state
+
+
+def _config_and_tensors(path: str | Path | gguf.GGUFReader) -> tuple[dict[str, Any], list[tuple]]:
+    """The config and (GGUF name, type, shape in torch's order, data) per tensor: from the
+    summary and a read-only map of the file where there is one, else from the reader. The
+    data is the file's bytes [rows, bytes per row] (the reader's own arrays on its path)."""
+    summary = gguf_summary(path)
+    if summary is None:
+        reader = _open(path)
+        # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
+        return _gguf_config(reader), [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                       t.data) for t in reader.tensors]
+    mapped = np.memmap(Path(path).resolve(), dtype=np.uint8, mode="r")
+    tensors = []
+    for t in summary["tensors"]:
+        qtype = gguf.GGMLQuantizationType[t["type"]]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = mapped[t["offset"] : t["offset"] + t["nbytes"]]
+        tensors.append((t["name"], qtype, tuple(reversed(t["ne"])), raw.reshape(-1, t["ne"][0] // block * size)))
+    return dict(summary["config"]), tensors
+
+
+def _cache_file(path: Path) -> Path:
+    """Where the summary of the GGUF at `path` is kept: MSTAR_GGUF_CACHE, else
+    ~/.cache/mstar/gguf (a temp dir if home is read-only), keyed by path, size and mtime."""
+    st = path.stat()
+    key = hashlib.sha256(f"{_SUMMARY_VERSION}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    base = Path(os.environ.get("MSTAR_GGUF_CACHE") or Path.home() / ".cache" / "mstar" / "gguf")
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path(tempfile.gettempdir())
+    return base / f"{key}.json"
+
+
+#: bumped whenever what a summary holds, or how it is made, changes
+_SUMMARY_VERSION = 1
+
+
+def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:
+    """What every process needs from a GGUF file, parsed once across processes: the config,
+    the tokenizer (as HF's JSON) and its special-token facts, and the tensor table (name,
+    type, ggml dims, byte offset and size). The first process to want it parses the file
+    (under a lock, so the four services starting together parse it once) and writes it
+    beside a cache of its own; the others, and every later start, read that (~0.1 s against
+    seconds of header parsing and the reader's memory). None for a reader or where it
+    cannot be made (a refused architecture or tokenizer: the direct path raises)."""
+    if isinstance(path, gguf.GGUFReader):
+        return None
+    try:
+        resolved = Path(path).resolve()
+        return _summary(str(resolved), str(_cache_file(resolved)))
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _summary(path: str, cache: str) -> dict[str, Any] | None:
+    out = Path(cache)
+    if out.exists():
+        try:
+            return json.loads(out.read_text())
+        except (OSError, ValueError):
+            pass
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if out.exists():
+            return json.loads(out.read_text())
+        summary = _summarize(path)
+        if summary is not None:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(summary, f)
+            os.replace(tmp, out)  # atomic: a reader sees the whole file or none
+        return summary
+
+
+def _summarize(path: str) -> dict[str, Any] | None:
+    reader = _open_path(path)
+    try:
+        config = _gguf_config(reader)
+        info = load_gguf_tokenizer(reader)
+    except (NotImplementedError, ValueError, KeyError):
+        return None  # refused: the direct functions raise it, by name
+    tensors = [{"name": t.name, "type": t.tensor_type.name, "ne": [int(d) for d in t.shape.tolist()],
+                "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]
+    tokenizer = {"json": info.tokenizer.to_str(), "chat_template": info.chat_template,
+                 "bos_token_id": info.bos_token_id, "bos_token": info.bos_token, "eos_token_id": info.eos_token_id,
+                 "eos_token": info.eos_token, "pad_token_id": info.pad_token_id, "add_bos_token": info.add_bos_token}
+    _open_path.cache_clear()  # the reader's arrays are most of a process's memory: not kept
+    return {"config": config, "tokenizer": tokenizer, "tensors": tensors}
 
 
 def gguf_config(path: str | Path | gguf.GGUFReader) -> dict[str, Any]:
     """The HF-style config alone (no dequantizing), for services that need no weights."""
-    return _gguf_config(_open(path))
+    summary = gguf_summary(path)
+    return dict(summary["config"]) if summary is not None else _gguf_config(_open(path))

@@ -7,6 +7,7 @@ The torch class comes from the explicit spec -> model table
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import gguf
@@ -22,6 +23,8 @@ from services.gpu_worker.modeling.registry import torch_model_for
 from shared.gguf_source import QuantTensor, load_gguf_weights
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
+
+log = logging.getLogger("mstar.weights")
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,6 +91,9 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     model.reset_buffers()
     model = model.to(dtype).to(device).eval()
     model.prepare()
+    if quant_state:
+        n = quant.tune_threads(model)
+        log.info("quantized GEMMs on %d thread%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1))
     return model
 
 

@@ -27,6 +27,7 @@ Other types (Q2_K, Q3_K, the IQ types) are dequantized to float32 at load, as
 from __future__ import annotations
 
 import os
+import time
 
 import gguf
 import numpy as np
@@ -55,6 +56,40 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _threads
+
+
+def tune_threads(model: nn.Module, most: int | None = None) -> int:
+    """Pick the threads the quantized GEMMs split over by measurement (MSTAR_COMPUTE_THREADS,
+    if set, wins): each distinct `QuantLinear` shape under `model` at a decode step's row
+    counts (1 and 16), best of three passes, per candidate count 1..`most` (default: every
+    core); more threads must be 10% faster to be chosen. Sets and returns the count."""
+    if os.environ.get("MSTAR_COMPUTE_THREADS"):
+        set_threads(int(os.environ["MSTAR_COMPUTE_THREADS"]))
+        return _threads
+    shapes: dict[tuple[int, int, int], QuantLinear] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            shapes.setdefault((m.form, m.in_features, m.out_features), m)
+    most = most or os.cpu_count() or 1
+    if not shapes or most < 2:
+        set_threads(1)
+        return 1
+    xs = {k: torch.randn(16, k) for k in {m.in_features for m in shapes.values()}}
+    best, best_s = 1, float("inf")
+    with torch.inference_mode():
+        for n in range(1, most + 1):
+            set_threads(n)
+            passes = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for layer in shapes.values():
+                    layer(xs[layer.in_features][:1])
+                    layer(xs[layer.in_features])
+                passes.append(time.perf_counter() - t0)
+            if min(passes) < 0.9 * best_s:
+                best, best_s = n, min(passes)
+    set_threads(best)
+    return best
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
