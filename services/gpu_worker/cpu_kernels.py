@@ -131,6 +131,11 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qgemm.restype = ctypes.c_int
         lib.mstar_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
                                     ctypes.c_int]
+        lib.mstar_qlinear_scratch.restype = i64
+        lib.mstar_qlinear_scratch.argtypes = [i64, i64]
+        lib.mstar_qlinear.restype = ctypes.c_int
+        lib.mstar_qlinear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int,
+                                      ptr]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None

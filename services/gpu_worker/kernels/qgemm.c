@@ -206,7 +206,35 @@ int mstar_qgemm(int form, const int8_t *qx, const int8_t *qx2, const float *dx, 
     return 0;
 }
 
+/* x [m, lda] floats -> out: mstar_quantize_rows into `scratch` (at least
+ * mstar_qlinear_scratch(m, k) bytes) then mstar_qgemm: one call per linear layer. */
+int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
+    const int64_t kp = (k + 63) / 64 * 64;
+    return 2 * m * kp + 2 * m * (kp / 32) * (int64_t)sizeof(float) + 64;
+}
+
+int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
+                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  void *scratch) {
+    const int64_t kp = (k + 63) / 64 * 64, kb = kp / 32;
+    int8_t *qx = (int8_t *)scratch, *qx2 = qx + m * kp;
+    float *dx = (float *)(qx2 + m * kp), *sx = dx + m * kb; /* 2 m kp is a multiple of 64: aligned */
+    mstar_quantize_rows(x, m, k, lda, qx, qx2, dx, sx);
+    return mstar_qgemm(form, qx, qx2, dx, sx, m, k, w, d, mn, n, bias, out, ldc, threads);
+}
+
 #else
+int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
+    (void)m; (void)k;
+    return 0;
+}
+int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
+                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  void *scratch) {
+    (void)form; (void)x; (void)m; (void)k; (void)lda; (void)w; (void)d; (void)mn; (void)n; (void)bias;
+    (void)out; (void)ldc; (void)threads; (void)scratch;
+    return -1;
+}
 void mstar_quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int8_t *qx, int8_t *qx2, float *dx,
                          float *sx) {
     (void)x; (void)m; (void)k; (void)lda; (void)qx; (void)qx2; (void)dx; (void)sx;

@@ -237,18 +237,32 @@ class QuantLinear(nn.Module):
         rows = x2.shape[0]
         out = torch.empty(rows, n)
         if rows:
+            ptrs = self._ptrs
+            if ptrs is None:  # the weight's pointers, once (its tensors never move)
+                ptrs = self._ptrs = (self.w.data_ptr(), self.d.data_ptr(),
+                                     None if self.m is None else self.m.data_ptr(),
+                                     None if self.bias is None else self.bias.data_ptr())
             lib = cpu_kernels.library()
-            qx = torch.empty(2, rows, self.kp, dtype=torch.int8)  # x ~ d * (q1 + q2 / 256), qgemm.c
-            dx, sx = torch.empty(rows, self.kp // 32), torch.empty(rows, self.kp // 32)
-            lib.mstar_quantize_rows(x2.data_ptr(), rows, k, x2.stride(0), qx[0].data_ptr(), qx[1].data_ptr(),
-                                    dx.data_ptr(), sx.data_ptr())
-            rc = lib.mstar_qgemm(self.form, qx[0].data_ptr(), qx[1].data_ptr(), dx.data_ptr(), sx.data_ptr(), rows, k,
-                                 self.w.data_ptr(),
-                                 self.d.data_ptr(), None if self.m is None else self.m.data_ptr(), n,
-                                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), n, _threads)
+            rc = lib.mstar_qlinear(self.form, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
+                                   ptrs[3], out.data_ptr(), n, _threads, _scratch(lib, rows, k))
             if rc:
-                raise RuntimeError(f"mstar_qgemm refused form {self.form}, {rows} x {k} x {n}")
+                raise RuntimeError(f"mstar_qlinear refused form {self.form}, {rows} x {k} x {n}")
         return out.view(*x.shape[:-1], n).to(x.dtype)
+
+    #: (w, d, m, bias) data pointers, set at the first call
+    _ptrs: tuple | None = None
+
+
+_scratch_buf = torch.empty(0, dtype=torch.uint8)
+
+
+def _scratch(lib, rows: int, k: int) -> int:
+    """A buffer for x's rounded copy (qgemm.c), grown as needed and reused by every call."""
+    global _scratch_buf
+    need = int(lib.mstar_qlinear_scratch(rows, k))
+    if _scratch_buf.numel() < need:
+        _scratch_buf = torch.empty(max(need, 2 * _scratch_buf.numel()), dtype=torch.uint8)
+    return _scratch_buf.data_ptr()
 
 
 class QuantEmbedding(nn.Module):
