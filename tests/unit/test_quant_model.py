@@ -74,3 +74,27 @@ def test_default_model_perplexity_within_one_percent():
 
 def test_gguf_types_the_kernel_does_not_take_are_dequantized():
     assert gguf.GGMLQuantizationType.Q2_K.name not in quant.KEPT_TYPES
+
+
+def test_dtype_auto_on_a_checkpoint_keeps_its_dtype_where_native(tmp_path):
+    """`--dtype auto` on safetensors: a bfloat16 checkpoint computes in bfloat16 on a CPU with
+    bf16 instructions (else float32); float32 is kept; an explicit dtype wins."""
+    import json
+
+    from services.gpu_worker.weights import cpu_computes_bf16, weight_dtype
+    from shared.model_source import ModelSource
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    assert weight_dtype("auto", ModelSource(str(ckpt)), "cpu") == (torch.float32, False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    want = torch.bfloat16 if cpu_computes_bf16() else torch.float32
+    assert weight_dtype("auto", ModelSource(str(ckpt)), "cpu") == (want, False)
+    assert weight_dtype("float32", ModelSource(str(ckpt)), "cpu") == (torch.float32, False)
+    # the bfloat16 compute path (and bfloat16 pages) stays within 1% of float32's perplexity
+    ids = list(np.random.default_rng(1).integers(0, 200, 200))
+    base = perplexity(*load(str(ckpt), "float32", "float32")[:2], ids)
+    model, spec, kvd = load(str(ckpt), "bfloat16", "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01
