@@ -181,8 +181,8 @@ class Scheduler:
         return target - self.costs.predict(plan.shape), floor
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
-        """A step ran: its wall time teaches the step-cost model."""
-        if plan.entries:
+        """A step ran: its wall time teaches the step-cost model (when a target uses it)."""
+        if plan.entries and self.limits.itl_target_s > 0:
             self.costs.observe(plan.shape, seconds)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:

@@ -39,6 +39,8 @@ TYPICAL = np.array([1.0, 64.0, 16.0, 64.0])
 MIN_STEPS = 4
 #: a step slower than this multiple of its prediction is clipped to it
 OUTLIER = 3.0
+#: steps observed between two solves of the fit
+RESOLVE = 16
 KEY_UNIT = 1024.0
 
 
@@ -69,12 +71,22 @@ class StepCosts:
         self.a = np.zeros((4, 4))
         self.b = np.zeros(4)
         self.steps = 0
-        self.coef = np.zeros(4)
+        self._coef = np.zeros(4)
+        self._unsolved = 0
         self.prior: np.ndarray | None = None
 
     @property
     def ready(self) -> bool:
         return self.steps >= MIN_STEPS
+
+    @property
+    def coef(self) -> np.ndarray:
+        """(c0, c_row, c_sample, c_key) in seconds, solved again once `RESOLVE` steps came in
+        since the last solve (a step's observation is a few µs; a solve some tens)."""
+        if self._unsolved and (self._unsolved >= RESOLVE or self.steps <= RESOLVE):
+            self._coef = self._solve()
+            self._unsolved = 0
+        return self._coef
 
     def predict(self, s: StepShape) -> float:
         return float(_x(s) @ self.coef)
@@ -88,11 +100,13 @@ class StepCosts:
         self.a += np.outer(x, x)
         self.b += x * seconds
         self.steps += 1
-        self.coef = self._solve()
+        self._unsolved += 1
 
     def anchor(self) -> None:
         """Keep the current fit as the prior later fits are pulled towards (after warm-up)."""
-        self.prior = self.coef.copy()
+        self._coef = self._solve()
+        self._unsolved = 0
+        self.prior = self._coef.copy()
 
     def _solve(self) -> np.ndarray:
         """Non-negative ridge least squares: drop a feature whose coefficient comes out
