@@ -36,10 +36,42 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's logits processors, in its order: logit_bias, min_tokens, then the penalties
+    # (presence / frequency on the output's tokens, repetition on prompt + output)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+    #: EOS and `stop_token_ids` are masked until this many tokens were generated
+    min_tokens: int = 0
+    #: more tokens that end the request (finish reason "stop"), as EOS does
+    stop_token_ids: list[int] = []
+    #: alternatives returned with each generated token's logprob (None: no logprobs)
+    logprobs: int | None = None
+    #: ... with each prompt token's (None: none; the prompt is then computed, never shared)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Its logits change before sampling (penalties, bias, min_p, min_tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_p != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One position's logprobs: the token's own (float32 log-softmax of the logits the
+    sampler used, after penalties), its rank (1 = most likely), and the `k` most likely
+    tokens with theirs, most likely first."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 # ---- api -> data_worker -------------------------------------------------------------
@@ -109,6 +141,12 @@ class Output(msgspec.Struct, **HOT):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: one per token id, when the request asked for logprobs
+    logprobs: list[TokenLogprobs] = []
+    #: one per prompt token after the first (on the request's first output), when asked
+    prompt_logprobs: list[TokenLogprobs] = []
+    #: the prompt's ids, with its logprobs (what they are the logprobs of)
+    prompt_token_ids: list[int] = []
     #: what the run learned for the client, on the request's first output (Whisper's
     #: detected "language")
     metadata: dict[str, str] = {}

@@ -22,7 +22,7 @@ from services.api.errors import from_request_error, internal_error
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.metrics import ApiMetrics, status_label
 from services.api.stop import StopMatcher
-from shared.frames import Output, RequestError
+from shared.frames import Output, RequestError, SamplingParams, TokenLogprobs
 
 
 class Generation:
@@ -42,6 +42,8 @@ class Generation:
         started: float,
         prompt_tokens: int = 0,
         stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        count_prompt: bool = True,
     ) -> None:
         self.handle = handle
         self.client_id = client_id
@@ -52,11 +54,27 @@ class Generation:
         self._last_token_at: float | None = None
         self._first_token_at: float | None = None
         self._prompt_tokens = prompt_tokens
-        self._prompt_seen = False  # its prompt tokens went to the stats window
+        # its prompt tokens went to the stats window (a prompt's later samples never send
+        # theirs: usage and the metrics count a prompt once however many samples it has)
+        self._prompt_seen = not count_prompt
+        self._count_prompt = count_prompt
         self.finished = False
         self._counted = False
         self._recorded = False  # its finish reason, usage and latencies went to the metrics
         self._metadata: dict[str, str] = {}  # what the engine reported of the run (Output.metadata)
+        sampling = sampling or SamplingParams()
+        self._stop_ids = frozenset(sampling.stop_token_ids)
+        self._hidden: list[int] = []  # a stop token that ended it: counted, its text not shown (vLLM)
+        self._want_logprobs = sampling.logprobs is not None
+        self._want_prompt = sampling.prompt_logprobs is not None
+        self._logprobs: list[TokenLogprobs] = []
+        self._prompt_logprobs: list[TokenLogprobs] = []
+        self._prompt_ids: list[int] = []
+        self._prompt_sent = False  # on a delta already
+
+    @property
+    def _token_ids(self) -> list[int]:
+        return self._detok.token_ids + self._hidden if self._hidden else self._detok.token_ids
 
     @property
     def request_id(self) -> str:
@@ -92,22 +110,54 @@ class Generation:
         if dispatched is None:
             dispatched = self._first_token_at
         queue = None if dispatched is None else dispatched - self._started
-        self._metrics.finished(finish_reason, self._prompt_tokens, len(self._detok.token_ids),
+        self._metrics.finished(finish_reason, self._prompt_tokens if self._count_prompt else 0, len(self._token_ids),
                                time.perf_counter() - self._started, queue)
 
     def _done(self, finish_reason: str) -> DoneEvent:
         self.finished = True
         self._count(status_label(None, finish_reason))
         self._record(finish_reason)
-        usage = Usage(self._prompt_tokens, len(self._detok.token_ids))
-        done = DoneEvent(self.client_id, self._stop.text, list(self._detok.token_ids), finish_reason, usage)
+        ids = list(self._token_ids)
+        usage = Usage(self._prompt_tokens, len(ids))
+        done = DoneEvent(self.client_id, self._stop.text, ids, finish_reason, usage)
         if self._metadata:
             done.metadata = dict(self._metadata)
+        if self._want_logprobs:
+            done.logprobs = self._logprobs[: len(ids)]
+        if self._want_prompt:
+            done.prompt_logprobs, done.prompt_token_ids = self._prompt_logprobs, self._prompt_ids
         return done
+
+    def _push(self, ids: list[int], finish: str | None) -> str:
+        """The text `ids` complete. A stop token (one of `stop_token_ids`) that ended the
+        request counts as generated but shows no text, as in vLLM."""
+        detok = self._detok
+        if finish == "stop" and ids and ids[-1] in self._stop_ids:
+            raw = detok.push(ids[:-1])
+            self._hidden.append(ids[-1])
+        else:
+            raw = detok.push(ids) if ids else ""
+        if finish is not None:
+            raw += detok.finish()
+        return raw
+
+    def _delta(self, text: str, ids: list[int]) -> DeltaEvent:
+        delta = DeltaEvent(self.client_id, text, ids)
+        if self._want_logprobs:
+            end = len(self._token_ids)
+            delta.logprobs = self._logprobs[end - len(ids) : end]
+        if self._want_prompt and not self._prompt_sent:
+            self._prompt_sent = True
+            delta.prompt_logprobs, delta.prompt_token_ids = self._prompt_logprobs, self._prompt_ids
+        return delta
 
     def _output_arrived(self, item: Output) -> None:
         if item.metadata:
             self._metadata.update(item.metadata)
+        if item.logprobs:
+            self._logprobs.extend(item.logprobs)
+        if item.prompt_token_ids:
+            self._prompt_logprobs, self._prompt_ids = item.prompt_logprobs, item.prompt_token_ids
         prompt = 0
         if item.prompt_tokens:
             self._prompt_tokens = item.prompt_tokens
@@ -138,29 +188,26 @@ class Generation:
             if type(item) is Output:
                 self._output_arrived(item)
                 for ids, finish in _pieces(item, stop.active):
-                    raw = detok.push(ids) if ids else ""
-                    if finish is not None:
-                        raw += detok.finish()
-                    text = stop.push(raw)
+                    text = stop.push(self._push(ids, finish))
                     if stop.matched is not None:
                         if item.finish_reason is None:
                             handle.abort("stop")  # free its pages now, not at max_tokens
-                        yield DeltaEvent(self.client_id, text, list(ids))
+                        yield self._delta(text, list(ids))
                         yield self._done("stop")
                         return
                     if finish is not None:
                         text += stop.flush()  # may settle a match held back until now
                         if text or ids:
-                            yield DeltaEvent(self.client_id, text, list(ids))
+                            yield self._delta(text, list(ids))
                         yield self._done("stop" if stop.matched is not None else finish)
                         return
                     if text or ids:
-                        yield DeltaEvent(self.client_id, text, list(ids))
+                        yield self._delta(text, list(ids))
             elif type(item) is Aborted:
                 text = stop.push(detok.finish())
                 text += stop.flush()
                 if text:
-                    yield DeltaEvent(self.client_id, text, [])
+                    yield self._delta(text, [])
                 yield self._done("abort")
                 return
             elif type(item) is RequestError:

@@ -84,7 +84,19 @@ class Engine:
                     inputs=inputs, metadata=dict(req.metadata))
         if self.ngram is not None and req.sampling.greedy:
             r.proposer = NgramProposer(*self.ngram)
+        self._sampling_extras(r)
         self.scheduler.add(r)
+
+    def _sampling_extras(self, r: Request) -> None:
+        """What min_tokens masks (EOS unless ignore_eos, and stop_token_ids); a request
+        that wants its prompt's logprobs computes every prompt row (no prefix-cache hit,
+        as vLLM skips the cache for it)."""
+        sp = r.sampling
+        if sp.min_tokens:
+            r.stop_ids = tuple(sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.outputs.eos)))
+        if sp.prompt_logprobs is not None:
+            for st in r.kv.labels.values():
+                st.key_ids = ()
 
     def abort(self, request_id: str) -> tuple[str, int] | None:
         """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""

@@ -3,7 +3,8 @@
 For each plan entry: keep what a speculative verify accepted, commit the rows to every
 label the step wrote (under `MSTAR_KV_DEBUG_ASSERTS=1` the KV manager checks each commit
 against the layout; a violation fails that request alone), count the loop's iterations,
-then emit the tokens with the first stop condition met: EOS (unless ignore_eos),
+then emit the tokens with the first stop condition met: EOS (unless ignore_eos) or one of
+the request's `stop_token_ids` (neither before `min_tokens` tokens),
 max_tokens, max_seq_len, or the loop's cap, which is never run past.
 """
 
@@ -107,9 +108,11 @@ class OutputProcessor:
         """Append the step's tokens (several after a verify step) and send them in one
         Output; the first stop condition met ends the request and drops what follows."""
         finish = None
+        sp = req.sampling
         for n, tok in enumerate(toks, 1):
             req.output.append(tok)
-            if tok in self.eos and not req.sampling.ignore_eos:
+            stop_token = (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids
+            if stop_token and len(req.output) >= sp.min_tokens:
                 finish = "stop"
             elif len(req.output) >= req.max_tokens or req.tokens_len >= self.max_seq_len:
                 finish = "length"
@@ -120,6 +123,11 @@ class OutputProcessor:
         if finish is None and any(at_cap):
             finish = "length"  # a loop's cap is reached: never run it further
         out = Output(req.request_id, toks, finish, len(req.prompt), len(req.output))
+        if sp.logprobs is not None:
+            out.logprobs = req.step_logprobs[: len(toks)]
+        if sp.prompt_logprobs is not None and len(req.output) == len(toks):  # the first output
+            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []  # computed by the prefill
+            out.prompt_token_ids = list(req.prompt)
         if req.report:  # sent once, with the first tokens
             out.metadata, req.report = req.report, {}
         res.outputs.append((req.reply_to, out))

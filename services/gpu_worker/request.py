@@ -45,6 +45,12 @@ class Request:
     #: what the run learned for the client (Whisper's detected language): sent once, on
     #: the request's first output
     report: dict[str, str] = field(default_factory=dict)
+    #: what min_tokens masks: EOS (unless ignore_eos) and the request's stop_token_ids
+    stop_ids: tuple[int, ...] = ()
+    #: this step's logprobs, one per sampled row (when the request asked for them)
+    step_logprobs: list[Any] = field(default_factory=list)
+    #: prompt tokens' logprobs computed so far, sent with the first output (when asked)
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def tokens_len(self) -> int:

@@ -335,7 +335,7 @@ def test_text_model_refuses_audio(text_client: TestClient, path: str) -> None:
     r = post_form(text_client, path, {"max_tokens": "3"})
     assert r.status_code == 400
     assert r.json()["error"] == {"message": "the served model does not take audio", "type": "invalid_request_error",
-                                 "param": "file", "error_id": None}
+                                 "param": "file", "error_id": None, "code": None}
 
 
 def test_json_generate_unchanged(text_client: TestClient) -> None:
@@ -512,7 +512,7 @@ def test_data_worker_refusal_passes_through(tmp_path, whisper_tok) -> None:
             r = post_form(c, "/v1/audio/transcriptions", fields, file=b"\x00garbage")
             assert r.status_code == 400
             assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "file",
-                                         "error_id": None}
+                                         "error_id": None, "code": None}
             r = post_form(c, "/generate", fields, file=b"\x00garbage")
             assert r.status_code == 400 and r.json()["error"]["param"] == "file"
 
