@@ -189,11 +189,14 @@ class CompletionReply:
     echoed prompt's first (its first token has none)."""
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
-                 echo: str = "", tokenizer: Any = None, logprobs: int | None = None) -> None:
+                 echo: str = "", tokenizer: Any = None, logprobs: int | None = None, index: int = 0,
+                 final_usage: bool = True) -> None:
         self.id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.index = index
+        self._final_usage = final_usage  # False: one choice of several (`ManyReply` sends the usage)
         self._echo = echo
         self._echoing = bool(echo)
         self._usage: OpenAIUsage | UnsetType | None = None if include_usage else UNSET
@@ -215,13 +218,19 @@ class CompletionReply:
             lps += event.logprobs
         return completion_logprobs(self._text_of, ids, lps, self._k, offset)
 
+    def choice(self, done: DoneEvent) -> CompletionChoice:
+        return CompletionChoice(self.index, self._echo + done.text, done.finish_reason,
+                                self._logprobs(done, self._echoing))
+
+    def wrap(self, choices: list, usage: OpenAIUsage | UnsetType | None) -> Completion:
+        return Completion(self.id, self.created, self.model, choices, usage=usage)
+
     def json(self, done: DoneEvent) -> Completion:
-        choice = CompletionChoice(0, self._echo + done.text, done.finish_reason, self._logprobs(done, self._echoing))
-        return Completion(self.id, self.created, self.model, [choice], usage=usage_of(done))
+        return self.wrap([self.choice(done)], usage_of(done))
 
     def _chunk(self, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None = None) -> bytes:
         self._sent += len(text)
-        choice = CompletionChoice(0, text, finish_reason, logprobs)
+        choice = CompletionChoice(self.index, text, finish_reason, logprobs)
         return _data(Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
@@ -239,8 +248,8 @@ class CompletionReply:
             return out
         assert type(event) is DoneEvent
         out += self._chunk("", event.finish_reason)
-        if self.include_usage:
-            out += _data(Completion(self.id, self.created, self.model, [], usage=usage_of(event)))
+        if self.include_usage and self._final_usage:
+            out += _data(self.wrap([], usage_of(event)))
         return out
 
     def error(self, err: ApiError) -> bytes:
@@ -255,11 +264,14 @@ class ChatReply:
     `logprobs` (the number of `top_logprobs`), `logprobs.content` for every token."""
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
-                 tokenizer: Any = None, logprobs: int | None = None) -> None:
+                 tokenizer: Any = None, logprobs: int | None = None, index: int = 0,
+                 final_usage: bool = True) -> None:
         self.id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.index = index
+        self._final_usage = final_usage
         self._usage: OpenAIUsage | UnsetType | None = None if include_usage else UNSET
         self._started = False
         self._text_of = TokenText(tokenizer)
@@ -270,13 +282,18 @@ class ChatReply:
             return None
         return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
+    def choice(self, done: DoneEvent) -> ChatChoice:
+        return ChatChoice(self.index, ChatMessage(done.text), done.finish_reason, self._logprobs(done))
+
+    def wrap(self, choices: list, usage: OpenAIUsage) -> ChatCompletion:
+        return ChatCompletion(self.id, self.created, self.model, choices, usage)
+
     def json(self, done: DoneEvent) -> ChatCompletion:
-        choice = ChatChoice(0, ChatMessage(done.text), done.finish_reason, self._logprobs(done))
-        return ChatCompletion(self.id, self.created, self.model, [choice], usage_of(done))
+        return self.wrap([self.choice(done)], usage_of(done))
 
     def _chunk(self, delta: ChatDelta, finish_reason: str | None, logprobs: ChatLogprobs | None = None) -> bytes:
         chunk = ChatCompletionChunk(self.id, self.created, self.model,
-                                    [ChatChunkChoice(0, delta, finish_reason, logprobs)], usage=self._usage)
+                                    [ChatChunkChoice(self.index, delta, finish_reason, logprobs)], usage=self._usage)
         return _data(chunk)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
@@ -290,8 +307,45 @@ class ChatReply:
             return out
         assert type(event) is DoneEvent
         out += self._chunk(ChatDelta(), event.finish_reason)
-        if self.include_usage:
+        if self.include_usage and self._final_usage:
             out += _data(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(event)))
+        return out
+
+    def error(self, err: ApiError) -> bytes:
+        return error_chunk(err)
+
+    def end(self) -> bytes:
+        return DONE_LINE
+
+
+class ManyReply:
+    """Answers a request of several choices (`n` > 1, a list of prompts): choice i is
+    `replies[i]`'s, events come `Indexed`. Usage counts each prompt once (`firsts`: the
+    choices that are a prompt's first sample) and every choice's tokens, as vLLM does."""
+
+    def __init__(self, replies: list[CompletionReply] | list[ChatReply], firsts: set[int]) -> None:
+        self.replies = replies
+        self.firsts = firsts
+        self._dones: dict[int, DoneEvent] = {}
+
+    def _usage(self, dones: dict[int, DoneEvent]) -> OpenAIUsage:
+        prompt = sum(d.usage.prompt_tokens for i, d in dones.items() if i in self.firsts)
+        completion = sum(d.usage.completion_tokens for d in dones.values())
+        return OpenAIUsage(prompt, completion, prompt + completion)
+
+    def json(self, dones: list[DoneEvent]) -> msgspec.Struct:
+        choices = [r.choice(d) for r, d in zip(self.replies, dones)]
+        return self.replies[0].wrap(choices, self._usage(dict(enumerate(dones))))
+
+    def event(self, item: Any) -> bytes:
+        out = self.replies[item.index].event(item.event)
+        if type(item.event) is DoneEvent:
+            self._dones[item.index] = item.event
+            first = self.replies[0]
+            if len(self._dones) == len(self.replies) and first.include_usage:
+                out += _data(first.wrap([], self._usage(self._dones)) if isinstance(first, CompletionReply)
+                             else ChatCompletionChunk(first.id, first.created, first.model, [],
+                                                      usage=self._usage(self._dones)))
         return out
 
     def error(self, err: ApiError) -> bytes:

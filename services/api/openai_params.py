@@ -13,8 +13,11 @@ Choices (OpenAI's and vLLM's behaviour, see the README):
 - `/v1/completions` without `max_tokens` gets 16 (OpenAI's documented default, also
   vLLM's); chat without `max_tokens` / `max_completion_tokens` gets the most the engine
   allows for the prompt, as `/generate` does.
-- `prompt` may be a string, a list of token ids, or a list holding one of those; batches
-  of several prompts are refused (400, param `prompt`).
+- `prompt` may be a string, a list of token ids, or a list of those (up to
+  `MAX_PROMPTS`): one choice per prompt (times `n`), in order, as vLLM answers a batch.
+- `n` (1-`MAX_N`) samples per prompt: choice `i * n + j` is sample j of prompt i, with
+  seed `seed + j` when a seed is given; `best_of` may only equal `n` (vLLM's V1 engine
+  ranks no samples either).
 - `user` is accepted and not used (it only labels the end user for the provider).
 - transcriptions: `temperature` defaults to 0 (greedy; OpenAI's default too), `prompt`
   (previous-text conditioning) is refused unless empty, `response_format` is `json`,
@@ -37,6 +40,7 @@ from services.api.validation import (
     check_audio,
     check_fields,
     get_bool,
+    get_int,
     is_int,
     json_repr,
     parse_language,
@@ -49,6 +53,9 @@ from services.api.validation import (
 from shared.errors import ErrorKind
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions call
+MAX_CHOICES = 256  # prompts x n
 #: OpenAI fields that cannot change the output: accepted (type-checked) and not acted on.
 #: `store` asks OpenAI to keep the completion for its dashboard, `service_tier` picks a
 #: price/latency class, `metadata` tags a stored completion: none of that exists here.
@@ -56,8 +63,8 @@ NEUTRAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_options"})
                  | NEUTRAL_FIELDS | SAMPLING_FIELDS)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs", "n", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "n"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "refusal"})
 TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "response_format", "temperature", "stream",
@@ -75,6 +82,11 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: completions: alternatives per token in the logprobs object (None: no logprobs);
     #: chat: `top_logprobs` when `logprobs` is true
     logprobs: int | None = None
+    #: samples per prompt
+    n: int = 1
+    #: completions: every prompt, as (text, token ids) with one of them None; the first is
+    #: also `params`'s
+    prompts: list[tuple[str | None, list[int] | None]] = []
 
 
 class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,28 +143,46 @@ def parse_stream(obj: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include)
 
 
-def parse_completion_prompt(obj: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
-    """A string, a list of token ids, or a one-element list of either."""
+def parse_completion_prompt(obj: Mapping[str, Any]) -> list[tuple[str | None, list[int] | None]]:
+    """A string, a list of token ids, or a list of up to MAX_PROMPTS of either."""
     value = obj.get("prompt")
-    requirement = "a string, a list of token ids, or a list holding one of those"
+    requirement = "a string, a list of token ids, or a list of those"
     if value is None:
         raise ApiError(ErrorKind.INVALID, f"prompt is required: {requirement}", "prompt")
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) != 1:
-            raise ApiError(ErrorKind.INVALID,
-                           f"prompt holds {len(value)} prompts; only one prompt per request is supported", "prompt")
-        value = value[0]
+        if len(value) > MAX_PROMPTS:
+            raise ApiError(ErrorKind.INVALID, f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} are allowed",
+                           "prompt")
+        return [_one_prompt(v, f"prompt[{i}]", requirement) for i, v in enumerate(value)]
+    return [_one_prompt(value, "prompt", requirement)]
+
+
+def _one_prompt(value: Any, where: str, requirement: str) -> tuple[str | None, list[int] | None]:
     if isinstance(value, str):
         if not value:
-            raise ApiError(ErrorKind.INVALID, 'prompt must be a non-empty string, got ""', "prompt")
+            raise ApiError(ErrorKind.INVALID, f'{where} must be a non-empty string, got ""', where)
         return value, None
     if not isinstance(value, list) or not value:
-        raise ApiError(ErrorKind.INVALID, f"prompt must be {requirement}, got {json_repr(value)}", "prompt")
+        raise ApiError(ErrorKind.INVALID, f"{where} must be {requirement}, got {json_repr(value)}", where)
     for tok in value:
         if not is_int(tok) or not 0 <= tok <= INT32_MAX:
             raise ApiError(ErrorKind.INVALID,
-                           f"prompt token ids must be integers in [0, {INT32_MAX}], got {json_repr(tok)}", "prompt")
+                           f"{where} token ids must be integers in [0, {INT32_MAX}], got {json_repr(tok)}", where)
     return None, list(value)
+
+
+def parse_n(obj: Mapping[str, Any], prompts: int = 1) -> int:
+    """`n` samples per prompt (1-MAX_N; prompts x n at most MAX_CHOICES); `best_of`, when
+    given, must equal n."""
+    n = get_int(obj, "n", minimum=1, maximum=MAX_N) or 1
+    if prompts * n > MAX_CHOICES:
+        raise ApiError(ErrorKind.INVALID, f"{prompts} prompts x n={n} is {prompts * n} choices; at most "
+                       f"{MAX_CHOICES} are allowed", "n")
+    best_of = obj.get("best_of")
+    if best_of is not None and (not is_int(best_of) or best_of != n):
+        raise ApiError(ErrorKind.INVALID, f"best_of must equal n ({n}): samples are not ranked, got "
+                       f"{json_repr(best_of)}", "best_of")
+    return n
 
 
 def check_neutral(obj: Mapping[str, Any]) -> None:
@@ -179,9 +209,11 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
     """Validate a `/v1/completions` body."""
     check_fields(obj, COMPLETION_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("echo", "stream_options", "logprobs", "prompt_logprobs"))
+    refuse_unsupported(obj, honoured=("echo", "stream_options", "logprobs", "prompt_logprobs", "n", "best_of"))
     check_model(obj, served)
-    prompt, input_ids = parse_completion_prompt(obj)
+    prompts = parse_completion_prompt(obj)
+    prompt, input_ids = prompts[0]
+    n = parse_n(obj, len(prompts))
     max_tokens = parse_max_tokens(obj)
     echo = get_bool(obj, "echo")
     stream, include_usage = parse_stream(obj)
@@ -198,7 +230,8 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
         stream=stream,
         stop=parse_stop(obj),
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(echo), logprobs=logprobs)
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(echo), logprobs=logprobs,
+                         n=n, prompts=prompts)
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -283,9 +316,10 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
     the rendered template (see `with_prompt`)."""
     check_fields(obj, CHAT_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs"))
+    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs", "n"))
     check_model(obj, served)
     messages = parse_messages(obj)
+    n = parse_n(obj)
     max_tokens = parse_chat_max_tokens(obj)
     stream, include_usage = parse_stream(obj)
     logprobs = parse_chat_logprobs(obj)
@@ -298,7 +332,7 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
         stop=parse_stop(obj),
         add_special_tokens=False,
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs), messages
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n), messages
 
 
 def parse_chat_logprobs(obj: Mapping[str, Any]) -> int | None:

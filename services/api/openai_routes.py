@@ -16,13 +16,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.errors import ApiError
+from services.api.fanout import Choice, expand
 from services.api.forms import Form, parse_form
-from services.api.openai_format import ChatReply, CompletionReply
+from services.api.openai_format import ChatReply, CompletionReply, ManyReply
 from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription, with_prompt
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
 from services.api.transcription import TranscriptionReply, language_code, require_speech_model
+from services.api.validation import GenerateParams
 from shared.errors import ErrorKind
 
 OWNED_BY = "mstar"
@@ -49,14 +51,26 @@ async def get_model(request: Request) -> Response:
 def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
     req = parse_completion(obj, state.settings.model_name)
     params = req.params
-    echo = ""
-    if req.echo:
-        echo = (params.prompt if params.prompt is not None
-                else state.tokenizer.decode(params.input_ids or [], skip_special_tokens=False))
-    reply = CompletionReply(params.request_id, state.settings.model_name, int(time.time()),
-                            include_usage=req.include_usage, echo=echo, tokenizer=state.tokenizer,
-                            logprobs=req.logprobs)
-    return Prepared(params, req.stream, reply)
+    created = int(time.time())
+
+    def reply(p: GenerateParams, index: int = 0, final_usage: bool = True) -> CompletionReply:
+        echo = ""
+        if req.echo:
+            echo = (p.prompt if p.prompt is not None
+                    else state.tokenizer.decode(p.input_ids or [], skip_special_tokens=False))
+        return CompletionReply(params.request_id, state.settings.model_name, created,
+                               include_usage=req.include_usage, echo=echo, tokenizer=state.tokenizer,
+                               logprobs=req.logprobs, index=index, final_usage=final_usage)
+
+    choices = expand(params, req.prompts, req.n)
+    if not choices:
+        return Prepared(params, req.stream, reply(params))
+    many = ManyReply([reply(c.params, i, False) for i, c in enumerate(choices)], _firsts(choices))
+    return Prepared(params, req.stream, many, choices)
+
+
+def _firsts(choices: list[Choice]) -> set[int]:
+    return {i for i, c in enumerate(choices) if c.after is None}
 
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
@@ -65,9 +79,17 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
         raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
                        "use /v1/completions with a formatted prompt", "messages")
     req = with_prompt(req, state.chat_template.render(messages))
-    reply = ChatReply(req.params.request_id, state.settings.model_name, int(time.time()),
-                      include_usage=req.include_usage, tokenizer=state.tokenizer, logprobs=req.logprobs)
-    return Prepared(req.params, req.stream, reply)
+    created = int(time.time())
+
+    def reply(index: int = 0, final_usage: bool = True) -> ChatReply:
+        return ChatReply(req.params.request_id, state.settings.model_name, created, include_usage=req.include_usage,
+                         tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage)
+
+    choices = expand(req.params, [], req.n)
+    if not choices:
+        return Prepared(req.params, req.stream, reply())
+    return Prepared(req.params, req.stream, ManyReply([reply(i, False) for i in range(len(choices))],
+                                                      _firsts(choices)), choices)
 
 
 def _accept_transcription(form: Form, state: ApiState) -> Prepared:

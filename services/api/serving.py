@@ -20,6 +20,7 @@ from starlette.websockets import WebSocket
 
 from services.api.errors import ApiError, HttpKind, internal_error
 from services.api.events import encode
+from services.api.fanout import Choice, FanOut
 from services.api.generation import Generation
 from services.api.metrics import status_label
 from services.api.state import ApiState
@@ -30,11 +31,13 @@ JSON = "application/json"
 
 
 class Prepared(NamedTuple):
-    """A validated request: what to generate, whether to stream, and how to answer."""
+    """A validated request: what to generate, whether to stream, and how to answer; with
+    `choices`, several generations answered as one (`fanout.py`: n > 1, a prompt list)."""
 
     params: GenerateParams
     stream: bool
     reply: Reply
+    choices: tuple[Choice, ...] | list[Choice] = ()
 
 
 def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -76,12 +79,18 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
     started = time.perf_counter()
     arrival = time.time()
     state = api_state(request)
-    gen: Generation | None = None
+    gen: Generation | FanOut | None = None
     try:
         body = await read_body(request, state.settings.max_body_bytes)
         prepared = accept(decode(body, request.headers.get("content-type")), state)
         params = prepared.params
-        gen = await state.start_generation(params, client_id=params.request_id, started=started, arrival_time=arrival)
+        if prepared.choices:
+            gen = await FanOut(prepared.choices, lambda c: state.start_generation(
+                c.params, client_id=c.params.request_id, started=started, arrival_time=arrival,
+                count_prompt=c.after is None), params.request_id).start()
+        else:
+            gen = await state.start_generation(params, client_id=params.request_id, started=started,
+                                               arrival_time=arrival)
     except ApiError as err:
         state.metrics.count(status_label(err.status))
         return error_response(err)

@@ -41,7 +41,7 @@ class ApiState:
         )
 
     async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,
-                               arrival_time: float | None = None) -> Generation:
+                               arrival_time: float | None = None, count_prompt: bool = True) -> Generation:
         """Submit to the data worker; raises ApiError (400 a token id out of the vocabulary,
         409 duplicate id, 503 shutting down)."""
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
@@ -69,4 +69,5 @@ class ApiState:
             prompt_tokens=len(params.input_ids or ()),
             stop=params.stop,
             sampling=params.sampling,
+            count_prompt=count_prompt,
         )

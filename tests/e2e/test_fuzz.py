@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 FIELDS = ["prompt", "input_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream",
           "request_id", "stop", "n", "logprobs", "model", "messages", "max_completion_tokens", "stream_options",
-          "tools", "echo", "best_of", "response_format", "__proto__", "kv_key", "prefix_key"]
+          "tools", "echo", "best_of", "response_format", "__proto__", "kv_key", "prefix_key", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids",
+          "top_logprobs", "prompt_logprobs"]
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),

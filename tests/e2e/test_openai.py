@@ -172,7 +172,7 @@ def test_chat_template_refusal_is_400(client, model, llama_server):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -196,12 +196,12 @@ def test_chat_refusals(client, model, kwargs, param):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"best_of": 2}, "best_of"),
         ({"logprobs": 21}, "logprobs"),
         ({"suffix": "x"}, "suffix"),
         ({"echo": True, "logprobs": -1}, "logprobs"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )
@@ -212,10 +212,10 @@ def test_completion_refusals(client, model, kwargs, param):
     assert info.value.param == param
 
 
-def test_n2_message(client, model):
+def test_n_limit_message(client, model):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model, prompt="Hello", n=2)
-    assert info.value.body["message"] == "n > 1 is not supported; n must be 1, got 2"
+        client.completions.create(model=model, prompt="Hello", n=17)
+    assert info.value.body["message"] == "n must be an integer <= 16, got 17" and info.value.body["code"] is None
 
 
 def test_unknown_model_is_404(client):

@@ -3,7 +3,8 @@ against transformers on the same checkpoint: logprobs (completions, chat, /gener
 float32 log-softmax of its logits within 1e-4, echo gives the prompt's logprobs, greedy's
 token is its top alternative; repetition / presence / frequency penalties, logit_bias,
 min_tokens and stop_token_ids give the tokens transformers' logits processors give; min_p;
-/metrics token counters equal the sum of usage."""
+n > 1 (seeded samples sharing the prompt's pages) and lists of prompts; /metrics token
+counters equal the sum of usage."""
 
 from __future__ import annotations
 
@@ -269,6 +270,51 @@ def test_chat_top_logprobs_needs_logprobs(client, model):
     assert info.value.param == "top_logprobs"
 
 
+# ---- n > 1 and lists of prompts ------------------------------------------------------------
+
+
+def test_n3_gives_three_seeded_choices_that_share_the_prompt_pages(client, model, llama_server, llama_ckpt):
+    prompt = "Seventeen quiet lanterns drift over the harbour while gulls argue about bread crumbs"
+    p = len(hf_ids(llama_ckpt, prompt))
+    shareable = (p - 1) // 4 * 4  # full pages before the last prompt row (page size 4)
+    hits0 = llama_server.metric("mstar_prefix_cache_hit_tokens_total")
+    body = dict(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=11, extra_body=NO_EOS)
+    r = client.completions.create(**body, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    # the later samples held the first one's prompt pages instead of computing them
+    want = hits0 + 2 * shareable
+    assert shareable > 0 and llama_server.wait_metric("mstar_prefix_cache_hit_tokens_total", want) == want
+    assert r.usage.prompt_tokens == p and r.usage.completion_tokens == 24  # the prompt counted once
+    # sample j is the request with seed + j
+    singles = [client.completions.create(**{**body, "seed": 11 + j}).choices[0].text for j in range(3)]
+    assert [c.text for c in r.choices] == singles and len(set(singles)) > 1
+    stream = list(client.completions.create(**body, n=3, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in stream[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == singles and stream[-1].usage == r.usage and stream[-1].choices == []
+
+
+def test_prompt_list_with_n(client, model, llama_ckpt):
+    prompts = ["The quick brown fox", hf_ids(llama_ckpt, "Hello world!")]
+    r = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=5, echo=True,
+                                  extra_body={**GREEDY, **NO_EOS})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    one = [client.completions.create(model=model, prompt=p, max_tokens=5, echo=True,
+                                     extra_body={**GREEDY, **NO_EOS}) for p in prompts]
+    assert [c.text for c in r.choices] == [one[0].choices[0].text] * 2 + [one[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == one[0].usage.prompt_tokens + one[1].usage.prompt_tokens
+    assert r.usage.completion_tokens == 20
+
+
+def test_chat_n2(client, model):
+    msgs = [{"role": "user", "content": "Say hello"}]
+    r = client.chat.completions.create(model=model, messages=msgs, n=2, max_tokens=4, logprobs=True,
+                                       extra_body={**GREEDY, **NO_EOS})
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.content == r.choices[1].message.content
+    assert all(len(c.logprobs.content) == 4 for c in r.choices) and r.usage.completion_tokens == 8
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 
@@ -280,6 +326,8 @@ def test_metrics_token_counters_equal_usage(client, model, llama_server):
               client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                              extra_body=NO_EOS).usage,
               client.completions.create(model=model, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                        extra_body=NO_EOS).usage,
+              client.completions.create(model=model, prompt=[PROMPT, "Other"], n=2, max_tokens=3,
                                         extra_body=NO_EOS).usage]
     want_prompt = sum(u.prompt_tokens for u in usages)
     want_gen = sum(u.completion_tokens for u in usages)

@@ -98,15 +98,19 @@ def test_chat_fields() -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status", "message", "param"),
     [
-        ("completions", {"prompt": "x", "n": 2}, 400, "n > 1 is not supported; n must be 1, got 2", "n"),
-        ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of > 1 is not supported; best_of must be 1, got 2",
+        ("completions", {"prompt": "x", "n": 17}, 400, "n must be an integer <= 16, got 17", "n"),
+        ("completions", {"prompt": "x", "n": 0}, 400, "n must be an integer >= 1, got 0", "n"),
+        ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of must equal n (1): samples are not ranked, got 2",
          "best_of"),
+        ("completions", {"prompt": ["x"] * 20, "n": 16}, 400, "20 prompts x n=16 is 320 choices; at most 256 are "
+         "allowed", "n"),
+        ("completions", {"prompt": ["a", ""]}, 400, 'prompt[1] must be a non-empty string, got ""', "prompt[1]"),
         ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20], got 21",
          "logprobs"),
         ("completions", {"prompt": "x", "suffix": "y"}, 400, 'suffix is not supported, got "y"', "suffix"),
-        ("completions", {}, 400, "prompt is required: a string, a list of token ids, or a list holding one of those",
+        ("completions", {}, 400, "prompt is required: a string, a list of token ids, or a list of those",
          "prompt"),
-        ("completions", {"prompt": ["a", "b"]}, 400, "prompt holds 2 prompts; only one prompt per request is supported",
+        ("completions", {"prompt": ["a"] * 65}, 400, "prompt holds 65 prompts; at most 64 are allowed",
          "prompt"),
         ("completions", {"prompt": [1, -1]}, 400, "prompt token ids must be integers in [0, 2147483647], got -1",
          "prompt"),
@@ -122,7 +126,9 @@ def test_chat_fields() -> None:
         ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400,
          "stop must have at most 4 strings, got 5", "stop"),
         ("chat", {"messages": []}, 400, "messages must be a non-empty list of message objects, got []", "messages"),
-        ("chat", {"messages": USER, "n": 3}, 400, "n > 1 is not supported; n must be 1, got 3", "n"),
+        ("chat", {"messages": USER, "n": 3.5}, 400, "n must be an integer >= 1, got 3.5", "n"),
+        ("chat", {"messages": USER, "best_of": 2}, 400, "best_of > 1 is not supported; best_of must be 1, got 2",
+         "best_of"),
         ("chat", {"messages": USER, "logprobs": 1}, 400, "logprobs must be a boolean, got 1", "logprobs"),
         ("chat", {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs needs logprobs: true", "top_logprobs"),
         ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
@@ -195,9 +201,9 @@ def test_models_routes(client: TestClient) -> None:
 
 
 def test_http_refusals_use_the_error_shape(client: TestClient) -> None:
-    status, body = post(client, "/v1/chat/completions", {"messages": USER, "n": 2})
+    status, body = post(client, "/v1/chat/completions", {"messages": USER, "n": 20})
     assert status == 400
-    assert body == {"error": {"message": "n > 1 is not supported; n must be 1, got 2", "type": "invalid_request_error",
+    assert body == {"error": {"message": "n must be an integer <= 16, got 20", "type": "invalid_request_error",
                               "param": "n", "error_id": None, "code": None}}
     status, body = post(client, "/v1/completions", {"prompt": "x" * 5000})
     assert status == 413 and body["error"]["message"] == "request body exceeds 4096 bytes"
