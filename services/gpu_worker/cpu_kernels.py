@@ -126,11 +126,6 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_gemm_silu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
         lib.mstar_qgemm_available.restype = i64
         lib.mstar_qgemm_available.argtypes = []
-        lib.mstar_quantize_rows.restype = None
-        lib.mstar_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
-        lib.mstar_qgemm.restype = ctypes.c_int
-        lib.mstar_qgemm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                                    ctypes.c_int]
         lib.mstar_qlinear_scratch.restype = i64
         lib.mstar_qlinear_scratch.argtypes = [i64, i64]
         lib.mstar_qlinear.restype = ctypes.c_int

@@ -101,7 +101,7 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
                        state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Put a `QuantLinear` (`QuantEmbedding`) in place of each `nn.Linear` (`nn.Embedding`)
     whose weight is in `quant_state` (its bias, if any, popped from `state`); returns the
-    weights it could not keep quantized (another module type, a Q8 byte of -128), dequantized."""
+    weights it could not keep quantized (another module type), dequantized."""
     rest: dict[str, torch.Tensor] = {}
     for name, qt in quant_state.items():
         path = name.removesuffix(".weight")

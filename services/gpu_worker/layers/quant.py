@@ -22,6 +22,12 @@ greedy answers drift from the float32 path's): that rounding is the one approxim
 Other types (Q2_K, Q3_K, the IQ types) are dequantized to float32 at load, as
 `--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
+
+The layout is the kernel's: output columns in tiles of 16, one per 32-bit lane, so that a
+block of 32 values is eight 64-byte vectors multiplied by x broadcast, never shuffled
+(qgemm.c). The kernel's scratch (x rounded) is one buffer per process, reused: calls come
+from one thread at a time (the worker's step loop), each call splitting its own columns
+over `threads()` OpenMP threads.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ def threads() -> int:
 def tune_threads(model: nn.Module, most: int | None = None) -> int:
     """Pick the threads the quantized GEMMs split over by measurement (MSTAR_COMPUTE_THREADS,
     if set, wins): each distinct `QuantLinear` shape under `model` at a decode step's row
-    counts (1 and 16), best of three passes, per candidate count 1..`most` (default: every
-    core); more threads must be 10% faster to be chosen. Sets and returns the count."""
+    counts (1 and 16), the median of five passes per candidate count 1..`most` (default:
+    every core). More threads must be 1.3x faster to be chosen: a thread the OS deschedules
+    stalls every GEMM at its barrier, so on a busy machine one thread is the safe choice.
+    Sets and returns the count."""
     if os.environ.get("MSTAR_COMPUTE_THREADS"):
         set_threads(int(os.environ["MSTAR_COMPUTE_THREADS"]))
         return _threads
@@ -80,14 +88,15 @@ def tune_threads(model: nn.Module, most: int | None = None) -> int:
         for n in range(1, most + 1):
             set_threads(n)
             passes = []
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
                 for layer in shapes.values():
                     layer(xs[layer.in_features][:1])
                     layer(xs[layer.in_features])
                 passes.append(time.perf_counter() - t0)
-            if min(passes) < 0.9 * best_s:
-                best, best_s = n, min(passes)
+            took = sorted(passes)[2]
+            if took * 1.3 < best_s or n == 1:
+                best, best_s = n, took
     set_threads(best)
     return best
 
@@ -152,31 +161,37 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     return q.reshape(rows, -1), d.reshape(rows, -1).astype(np.float32), None if m is None else m.reshape(rows, -1)
 
 
-def _padded(a: np.ndarray, width: int) -> np.ndarray:
-    return a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])))
+def _padded(a: np.ndarray, rows: int, width: int, value: int = 0) -> np.ndarray:
+    if a.shape == (rows, width):
+        return a
+    return np.pad(a, ((0, rows - a.shape[0]), (0, width - a.shape[1])), constant_values=value)
+
+
+#: output columns per tile of the kernel's layout (one 32-bit lane each, qgemm.c)
+TILE = 16
 
 
 def repack(qtype: str, raw: np.ndarray,
            shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGUF blocks -> (form, w, d, m) in qgemm.c's layout: k padded to a multiple of 64
-    with zero blocks; form 4: w [N, kb * 16] bytes (byte j of a block = q[j] | q[j + 16] << 4),
-    d and m [N, kb]; form 8: w [N, kp] and d [N, 2 kb] in block-pair order, m [N, kb] or None."""
+    """GGUF blocks -> (form, w, d, m) in qgemm.c's tiled layout (n padded to tiles of 16
+    columns, k to blocks of 32, with zero weights): form 4: w [tiles, kb, 4, 16, 4] bytes
+    (q[k] | q[k + 16] << 4 at k = 4 g + i), d and m [tiles, kb, 16]; form 8: w
+    [tiles, kb, 8, 16, 4] bytes (q + 128), d [tiles, kb, 2, 16], m [tiles, kb, 16] or None."""
     n, k = shape
     q, d, m = split_blocks(qtype, raw, n)
-    kp = -(-k // 64) * 64
-    kb = kp // 32
-    q = _padded(q, kp)
+    tiles, kb = -(-n // TILE), -(-k // 32)
+    np_, kp = tiles * TILE, kb * 32
     if m is not None:
-        m = _padded(m, kb)
+        m = np.ascontiguousarray(_padded(m, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1))
     if qtype in FORM4:
-        blocks = q.astype(np.uint8).reshape(n, kb, 2, 16)
-        return 4, (blocks[:, :, 0] | (blocks[:, :, 1] << np.uint8(4))).reshape(n, -1), _padded(d, kb), m
-    if (q == -128).any():  # the kernel cannot take it (qgemm.c); ggml's quantizers never write it
-        raise ValueError(f"{qtype} tensor holds -128")
-    # [pair, block, half, 16] -> [pair, half, block, 16]; scales [pair, block, half] -> [pair, half, block]
-    w = q.reshape(n, kb // 2, 2, 2, 16).transpose(0, 1, 3, 2, 4).reshape(n, kp)
-    d = _padded(d, 2 * kb).reshape(n, kb // 2, 2, 2).transpose(0, 1, 3, 2).reshape(n, 2 * kb)
-    return 8, w, d, m
+        q = _padded(q.astype(np.uint8), np_, kp).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
+        w = (q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
+        d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
+        return 4, np.ascontiguousarray(w), np.ascontiguousarray(d), m
+    u = _padded((q.astype(np.int16) + 128).astype(np.uint8), np_, kp, 128)  # 128: a zero weight
+    w = u.reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)
+    d = _padded(d, np_, 2 * kb).reshape(tiles, TILE, kb, 2).transpose(0, 2, 3, 1)
+    return 8, np.ascontiguousarray(w), np.ascontiguousarray(d), m
 
 
 class QuantLinear(nn.Module):
@@ -184,43 +199,48 @@ class QuantLinear(nn.Module):
     float32 copy (for tests and inspection), equal to gguf's dequantization."""
 
     def __init__(self, form: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 in_features: int, bias: torch.Tensor | None = None) -> None:
+                 in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.form, self.in_features, self.out_features = form, in_features, w.shape[0]
+        self.form, self.in_features, self.out_features = form, in_features, out_features
         self.w, self.d, self.m, self.bias = w, d, m, bias
-        self.kp = -(-in_features // 64) * 64
+        self.kp = -(-in_features // 32) * 32
 
     @classmethod
     def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantLinear:
         form, w, d, m = repack(qtype, raw, shape)
-        t = (lambda a: torch.from_numpy(np.ascontiguousarray(a)))  # noqa: E731
-        return cls(form, t(w), t(d.astype(np.float32)), None if m is None else t(m.astype(np.float32)), shape[1])
+        t = torch.from_numpy
+        return cls(form, t(w), t(d.astype(np.float32)), None if m is None else t(m.astype(np.float32)), shape[1],
+                   shape[0])
 
     @staticmethod
     def concat(parts: list[QuantLinear]) -> QuantLinear | None:
-        """One layer whose outputs are the parts' side by side, or None (different forms)."""
+        """One layer whose outputs are the parts' side by side, or None (different forms, or
+        a part before the last whose columns do not fill their tiles)."""
         first = parts[0]
         if any(p.form != first.form or (p.m is None) != (first.m is None) for p in parts):
+            return None
+        if any(p.out_features % TILE for p in parts[:-1]) or any(p.bias is not None for p in parts[:-1]) != (
+                first.bias is not None):
             return None
         cat = (lambda ts: torch.cat(ts, dim=0))  # noqa: E731
         bias = None if first.bias is None else cat([p.bias for p in parts])
         return QuantLinear(first.form, cat([p.w for p in parts]), cat([p.d for p in parts]),
-                           None if first.m is None else cat([p.m for p in parts]), first.in_features, bias)
+                           None if first.m is None else cat([p.m for p in parts]), first.in_features,
+                           sum(p.out_features for p in parts), bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32 (an embedding lookup), as gguf dequantizes them."""
-        w, d = self.w[ids], self.d[ids]
-        lead, pairs = w.shape[:-1], self.kp // 64
+        t, j = ids // TILE, ids % TILE
+        w = self.w[t, :, :, j]  # [*ids, kb, groups, 4]
+        lead, kb = ids.shape, self.w.shape[1]
         if self.form == 4:
-            w = w.view(*lead, 2 * pairs, 16)
-            q = torch.stack((w & 15, w >> 4), dim=-2).view(*lead, 2 * pairs, 32).float()
-            out = d.unsqueeze(-1) * q + self.m[ids].unsqueeze(-1)
-        else:  # undo the pair order: [pair, half, block, 16] -> [pair, block, half, 16]
-            q = w.view(*lead, pairs, 2, 2, 16).transpose(-3, -2).reshape(*lead, 4 * pairs, 16).float()
-            d = d.view(*lead, pairs, 2, 2).transpose(-2, -1).reshape(*lead, 4 * pairs, 1)
-            out = d * q
+            q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
+            out = self.d[t, :, j].unsqueeze(-1) * q + self.m[t, :, j].unsqueeze(-1)
+        else:
+            q = (w.reshape(*lead, kb, 2, 16).to(torch.int16) - 128).float()
+            out = self.d[t, :, :, j].unsqueeze(-1) * q
             if self.m is not None:
-                out = out.view(*lead, 2 * pairs, 32) + self.m[ids].unsqueeze(-1)
+                out = out.reshape(*lead, kb, 32) + self.m[t, :, j].unsqueeze(-1)
         return out.reshape(*lead, self.kp)[..., : self.in_features]
 
     @property
