@@ -3,8 +3,8 @@
 Everything a client sends goes through here before anything is submitted, so a bad request
 is a 400 naming the field and the limit, never a crash or a silently dropped field further
 down. The checks are strict on purpose: a bool is not an int, `"5"` is not a number, an
-unknown field is an error, and a field the engine cannot honour (`n` > 1, `logprobs`,
-`best_of`, `tools`, penalties, ...) is refused rather than ignored.
+unknown field is an error, and a field the engine cannot honour (`n` > 1 on `/generate`,
+`tools`, `response_format`, ...) is refused rather than ignored.
 
 Length limits (prompt + max_tokens vs max_seq_len, max_tokens vs the decode loop's cap,
 footprint vs pool) are not checked here: only the conductor knows them, and its

@@ -140,6 +140,27 @@ def test_generate_logprobs(llama_server, llama_ckpt):
     assert "logprobs" not in plain and plain["token_ids"] == r["token_ids"]
 
 
+async def test_websocket_logprobs(llama_server, llama_ckpt):
+    import asyncio
+    import json
+
+    import websockets
+
+    ids = hf_ids(llama_ckpt, PROMPT)
+    plain = generate(llama_server, input_ids=ids, max_tokens=4, logprobs=1, **GREEDY, **NO_EOS)
+    url = llama_server.url.replace("http://", "ws://") + "/generate/ws"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "w", "input_ids": ids, "max_tokens": 4, "logprobs": 1,
+                                  "stream": True, **GREEDY, **NO_EOS}))
+        deltas = []
+        while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "delta":
+            deltas.append(frame)
+    streamed = [e for d in deltas for e in d["logprobs"]]
+    assert frame["type"] == "done" and frame["logprobs"] == streamed and len(streamed) == 4
+    assert [e["token_id"] for e in streamed] == plain["token_ids"]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in plain["logprobs"]], abs=1e-5)
+
+
 # ---- logits processors ---------------------------------------------------------------------
 
 
