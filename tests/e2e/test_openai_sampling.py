@@ -191,7 +191,7 @@ def generate_ids(client, ids: list[int], n: int, **extra) -> list[int]:
     return r.json()["token_ids"]
 
 
-def test_presence_and_frequency_penalties(llama_server, llama_ckpt):
+def test_presence_and_frequency_penalties(client, model, llama_server, llama_ckpt):
     ids = hf_ids(llama_ckpt, PROMPT)
 
     def openai_penalties(x, out):
@@ -204,6 +204,15 @@ def test_presence_and_frequency_penalties(llama_server, llama_ckpt):
     r = generate(llama_server, input_ids=ids, max_tokens=12, presence_penalty=-1.5, frequency_penalty=-0.9, **GREEDY,
                  **NO_EOS)
     assert r["token_ids"] == want
+    c = client.completions.create(model=model, prompt=ids, max_tokens=12, presence_penalty=-1.5,
+                                  frequency_penalty=-0.9, extra_body={**GREEDY, **NO_EOS})
+    assert c.choices[0].text == r["text"]
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                          presence_penalty=-1.5, frequency_penalty=-0.9,
+                                          extra_body={**GREEDY, **NO_EOS})
+    plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                           extra_body={**GREEDY, **NO_EOS})
+    assert chat.choices[0].message.content != plain.choices[0].message.content
 
 
 def test_logit_bias_is_transformers_sequence_bias(client, model, llama_ckpt):
@@ -245,10 +254,13 @@ def test_stop_token_ids_and_min_tokens(client, model, llama_ckpt, llama_server):
     assert chat.usage.completion_tokens == len(want)
 
 
-def test_min_p_one_keeps_only_the_most_likely(llama_server, llama_ckpt):
+def test_min_p_one_keeps_only_the_most_likely(client, model, llama_server, llama_ckpt):
     ids = hf_ids(llama_ckpt, PROMPT)
     r = generate(llama_server, input_ids=ids, max_tokens=10, temperature=1.5, min_p=1.0, seed=7, **NO_EOS)
     assert r["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
+    c = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=1.5, seed=8,
+                                  extra_body={"min_p": 1.0, **NO_EOS})
+    assert c.choices[0].text == r["text"]
 
 
 # ---- refusals name the field and the limit -------------------------------------------------
