@@ -51,11 +51,23 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's `Logprob` of one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    #: vLLM's extension, when the request computed them (`prompt_logprobs`, or `echo` with
+    #: `logprobs`): per prompt position (the first null) the token's and the top ones',
+    #: keyed by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct):
@@ -163,6 +175,18 @@ def completion_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[To
     return out
 
 
+def prompt_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> list:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token a dict from token id
+    to its logprob, rank and text: the prompt's own token first, then the most likely."""
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for tok, lp in zip(ids[1:], lps):
+        entry = {str(tok): PromptLogprob(floor(lp.logprob), lp.rank, text_of(tok))}
+        for rank, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+            entry.setdefault(str(i), PromptLogprob(floor(v), rank, text_of(i)))
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> ChatLogprobs:
     """`logprobs.content`: per token its text, logprob and UTF-8 bytes, and the
     `top_logprobs` most likely tokens (most likely first)."""
@@ -219,8 +243,11 @@ class CompletionReply:
         return completion_logprobs(self._text_of, ids, lps, self._k, offset)
 
     def choice(self, done: DoneEvent) -> CompletionChoice:
-        return CompletionChoice(self.index, self._echo + done.text, done.finish_reason,
-                                self._logprobs(done, self._echoing))
+        out = CompletionChoice(self.index, self._echo + done.text, done.finish_reason,
+                               self._logprobs(done, self._echoing))
+        if done.prompt_logprobs is not UNSET and done.prompt_token_ids is not UNSET:
+            out.prompt_logprobs = prompt_logprobs(self._text_of, done.prompt_token_ids, done.prompt_logprobs)
+        return out
 
     def wrap(self, choices: list, usage: OpenAIUsage | UnsetType | None) -> Completion:
         return Completion(self.id, self.created, self.model, choices, usage=usage)

@@ -82,7 +82,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_unset_or(1), "best_of > 1 is not supported; best_of must be 1"),
     "logprobs": (_unset_or(False), "logprobs is not supported"),
     "top_logprobs": (_unset_or(0), "top_logprobs is not supported"),
-    "prompt_logprobs": (_unset_or(0), "prompt_logprobs is not supported"),
+    "prompt_logprobs": (_unset_or(), "prompt_logprobs is not supported"),
     "tools": (_unset_or([]), "tools is not supported"),
     "tool_choice": (_unset_or("none"), "tool_choice is not supported"),
     "functions": (_unset_or([]), "functions is not supported"),

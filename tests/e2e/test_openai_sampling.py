@@ -93,6 +93,26 @@ def test_echo_logprobs_are_prompt_log_likelihood(client, model, llama_ckpt):
     assert "".join(got.tokens[: len(ids)]) == r.choices[0].text[: len("".join(got.tokens[: len(ids)]))]
 
 
+def test_prompt_logprobs_alone_is_vllms_field(llama_server, llama_ckpt):
+    ids = hf_ids(llama_ckpt, PROMPT)
+    r = httpx.post(llama_server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2,
+                                                                 **GREEDY, **NO_EOS}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = hf_logprobs(llama_ckpt, ids)
+    got = choice["prompt_logprobs"]
+    assert choice["logprobs"] is None and got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        own = got[i][str(ids[i])]
+        assert own["logprob"] == pytest.approx(float(lp[i - 1, ids[i]]), abs=TOL)
+        assert own["rank"] == int((lp[i - 1] > lp[i - 1, ids[i]]).sum()) + 1
+        top = lp[i - 1].topk(2)
+        assert {int(t) for t in got[i]} == {ids[i], *top.indices.tolist()}
+    plain = httpx.post(llama_server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, **GREEDY},
+                       timeout=60).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+
+
 def test_echo_logprobs_stream_equal_json(client, model, llama_ckpt):
     body = dict(model=model, prompt=PROMPT, max_tokens=4, echo=True, logprobs=2, extra_body={**GREEDY, **NO_EOS})
     plain = client.completions.create(**body).choices[0]
