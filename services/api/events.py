@@ -78,6 +78,8 @@ class DoneEvent(msgspec.Struct, tag_field="type", tag="done"):
     prompt_token_ids: list[int] | UnsetType = UNSET
     #: what the engine reported of the run (a speech request's "language")
     metadata: dict[str, str] | UnsetType = UNSET
+    #: vLLM's: the stop string, or the `stop_token_ids` token, that ended it
+    stop_reason: int | str | UnsetType = UNSET
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):

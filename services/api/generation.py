@@ -122,6 +122,8 @@ class Generation:
         done = DoneEvent(self.client_id, self._stop.text, ids, finish_reason, usage)
         if self._metadata:
             done.metadata = dict(self._metadata)
+        if finish_reason == "stop" and (self._stop.matched is not None or self._hidden):
+            done.stop_reason = self._stop.matched if self._stop.matched is not None else self._hidden[-1]
         if self._want_logprobs:
             done.logprobs = self._logprobs[: len(ids)]
         if self._want_prompt:

@@ -64,6 +64,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    #: vLLM's: the stop string or stop token id that ended the choice (null otherwise)
+    stop_reason: int | str | None = None
     #: vLLM's extension, when the request computed them (`prompt_logprobs`, or `echo` with
     #: `logprobs`): per prompt position (the first null) the token's and the top ones',
     #: keyed by token id
@@ -108,6 +110,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -129,6 +132,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -199,6 +203,10 @@ def chat_logprobs(text_of: TokenText, ids: Sequence[int], lps: Sequence[TokenLog
     return ChatLogprobs(content)
 
 
+def _stop_reason(done: DoneEvent) -> int | str | None:
+    return None if done.stop_reason is UNSET else done.stop_reason
+
+
 def _data(obj: msgspec.Struct) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
@@ -244,7 +252,7 @@ class CompletionReply:
 
     def choice(self, done: DoneEvent) -> CompletionChoice:
         out = CompletionChoice(self.index, self._echo + done.text, done.finish_reason,
-                               self._logprobs(done, self._echoing))
+                               self._logprobs(done, self._echoing), _stop_reason(done))
         if done.prompt_logprobs is not UNSET and done.prompt_token_ids is not UNSET:
             out.prompt_logprobs = prompt_logprobs(self._text_of, done.prompt_token_ids, done.prompt_logprobs)
         return out
@@ -255,9 +263,10 @@ class CompletionReply:
     def json(self, done: DoneEvent) -> Completion:
         return self.wrap([self.choice(done)], usage_of(done))
 
-    def _chunk(self, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None = None) -> bytes:
+    def _chunk(self, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None = None,
+               stop_reason: int | str | None = None) -> bytes:
         self._sent += len(text)
-        choice = CompletionChoice(self.index, text, finish_reason, logprobs)
+        choice = CompletionChoice(self.index, text, finish_reason, logprobs, stop_reason)
         return _data(Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
@@ -274,7 +283,7 @@ class CompletionReply:
                 out += self._chunk(event.text, None, self._logprobs(event, False, self._sent))
             return out
         assert type(event) is DoneEvent
-        out += self._chunk("", event.finish_reason)
+        out += self._chunk("", event.finish_reason, stop_reason=_stop_reason(event))
         if self.include_usage and self._final_usage:
             out += _data(self.wrap([], usage_of(event)))
         return out
@@ -310,7 +319,8 @@ class ChatReply:
         return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
     def choice(self, done: DoneEvent) -> ChatChoice:
-        return ChatChoice(self.index, ChatMessage(done.text), done.finish_reason, self._logprobs(done))
+        return ChatChoice(self.index, ChatMessage(done.text), done.finish_reason, self._logprobs(done),
+                          _stop_reason(done))
 
     def wrap(self, choices: list, usage: OpenAIUsage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
@@ -318,9 +328,11 @@ class ChatReply:
     def json(self, done: DoneEvent) -> ChatCompletion:
         return self.wrap([self.choice(done)], usage_of(done))
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None, logprobs: ChatLogprobs | None = None) -> bytes:
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None, logprobs: ChatLogprobs | None = None,
+               stop_reason: int | str | None = None) -> bytes:
         chunk = ChatCompletionChunk(self.id, self.created, self.model,
-                                    [ChatChunkChoice(self.index, delta, finish_reason, logprobs)], usage=self._usage)
+                                    [ChatChunkChoice(self.index, delta, finish_reason, logprobs, stop_reason)],
+                                    usage=self._usage)
         return _data(chunk)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
@@ -333,7 +345,7 @@ class ChatReply:
                 out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
             return out
         assert type(event) is DoneEvent
-        out += self._chunk(ChatDelta(), event.finish_reason)
+        out += self._chunk(ChatDelta(), event.finish_reason, stop_reason=_stop_reason(event))
         if self.include_usage and self._final_usage:
             out += _data(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(event)))
         return out

@@ -256,7 +256,7 @@ def test_stop_strings_openai(client, model, llama_server):
     want = full[: full.find(stop)]
 
     r = client.completions.create(**body, stop=[stop, "never-appears-zzz"])
-    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop
     assert r.usage.completion_tokens < 60
 
     chunks = list(client.completions.create(**body, stop=stop, stream=True))

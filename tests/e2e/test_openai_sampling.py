@@ -269,6 +269,8 @@ def test_stop_token_ids_and_min_tokens(client, model, llama_ckpt, llama_server):
     want = want[: want.index(stop, 6) + 1] if stop in want[6:] else want
     chat = client.completions.create(model=model, prompt=ids, max_tokens=16,
                                      extra_body={**GREEDY, **NO_EOS, "min_tokens": 6, "stop_token_ids": [stop]})
+    if want[-1] == stop:  # vLLM's stop_reason: the token that stopped it
+        assert chat.choices[0].stop_reason == stop and chat.choices[0].finish_reason == "stop"
     got = generate(llama_server, input_ids=ids, max_tokens=16, min_tokens=6, stop_token_ids=[stop], **GREEDY, **NO_EOS)
     assert got["token_ids"] == want and len(want) > first + 1
     assert chat.usage.completion_tokens == len(want)

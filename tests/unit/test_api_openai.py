@@ -253,7 +253,8 @@ def test_chat_chunks() -> None:
     assert chunks[-1] == "[DONE]"
     base = {"id": "chatcmpl-1", "created": 7, "model": MODEL, "object": "chat.completion.chunk"}
     assert chunks[0] == {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None, "logprobs": None}], "usage": None}
+                                              "finish_reason": None, "logprobs": None, "stop_reason": None}],
+                         "usage": None}
     assert [c["choices"][0]["delta"] for c in chunks[1:4]] == [{"content": "a"}, {"content": "b"}, {}]
     assert chunks[3]["choices"][0]["finish_reason"] == "stop"
     assert chunks[4] == {**base, "choices": [],
