@@ -368,6 +368,15 @@ def test_chat_n2(client, model):
                                        extra_body={**GREEDY, **NO_EOS})
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.content == r.choices[1].message.content
     assert all(len(c.logprobs.content) == 4 for c in r.choices) and r.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model=model, messages=msgs, n=2, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={**GREEDY, **NO_EOS}))
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == [c.message.content for c in r.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert sorted(c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason) == [0, 1]
 
 
 # ---- metrics -------------------------------------------------------------------------------
