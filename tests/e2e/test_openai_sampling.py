@@ -93,6 +93,26 @@ def test_echo_logprobs_are_prompt_log_likelihood(client, model, llama_ckpt):
     assert "".join(got.tokens[: len(ids)]) == r.choices[0].text[: len("".join(got.tokens[: len(ids)]))]
 
 
+def test_batched_log_likelihood_as_evaluation_harnesses_ask(client, model, llama_ckpt):
+    """lm-eval's local-completions loglikelihood: a batch of token prompts, echo, logprobs
+    1, max_tokens 1; it sums token_logprobs over the continuation and checks greediness on
+    top_logprobs by token text."""
+    context = hf_ids(llama_ckpt, "The capital of France is")
+    batch = [context + hf_ids(llama_ckpt, " Paris"), context + hf_ids(llama_ckpt, " a city by the river")]
+    r = client.completions.create(model=model, prompt=batch, max_tokens=1, echo=True, logprobs=1, temperature=0,
+                                  extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1]
+    for ids, choice in zip(batch, r.choices):
+        lp = hf_logprobs(llama_ckpt, ids)
+        got = choice.logprobs.token_logprobs[len(context) : len(ids)]
+        want = [float(lp[i - 1, ids[i]]) for i in range(len(context), len(ids))]
+        assert sum(got) == pytest.approx(sum(want), abs=len(want) * TOL)
+        tops = choice.logprobs.top_logprobs[len(context) : len(ids)]
+        toks = choice.logprobs.tokens[len(context) : len(ids)]
+        greedy = all(t == max(top, key=top.get) for t, top in zip(toks, tops))
+        assert greedy == all(int(lp[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+
+
 def test_prompt_logprobs_alone_is_vllms_field(llama_server, llama_ckpt):
     ids = hf_ids(llama_ckpt, PROMPT)
     r = httpx.post(llama_server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2,
