@@ -106,3 +106,37 @@ def test_min_tokens_and_stop_token_ids_in_the_engine(llama):
     held, _ = run(spec, model, [(OTHER, SamplingParams(temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
                                                        min_tokens=5))], 16, k=4)
     assert stop not in held[0]["ids"][:5] and (held[0]["finish"] == "length" or held[0]["ids"][-1] == stop)
+
+
+def test_samples_sent_after_the_first_token_share_its_prompt_pages(llama):
+    """What `n` > 1 relies on: once sample 0 has its first token, its full prompt pages are
+    in the prefix cache, and samples 1 and 2 are admitted holding them (counted once), on a
+    pool too small for three separate footprints."""
+    _, spec, model = llama
+    pools = spec.paged_pools(5)  # 40 prompt rows + 7 written = 3 pages of 16 each; 2 of them shareable
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    kv.debug = True
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
+                       max_seq_len=spec.max_seq_len, speculation=Speculation(0, 3, 1))
+
+    def add(i: int) -> None:
+        ppo = spec.process_prompt(PromptRequest(OTHER[:40]))
+        caps = spec.clamp_caps(spec.get_loop_caps(8, prompt_len=40))
+        refs, _ = pack_tensors(ppo.new_input_tensors)
+        sp = SamplingParams(temperature=1.0, seed=5 + i, ignore_eos=True)
+        eng.add(NewRequest(f"s{i}", "", refs, sp, "", 40, 8, ppo.kv_layout, caps,
+                           spec.kv_configs(ppo.kv_layout, caps, pools)), ppo.new_input_tensors)
+
+    add(0)
+    assert eng.step().outputs  # prefill: sample 0's first token, its prompt pages indexed
+    add(1)
+    add(2)
+    eng.step()
+    assert len(eng.running) == 3 and kv.used_pages() == 5 and kv.prefix_hit_tokens == 2 * 32
+    toks: dict[str, list[int]] = {}
+    while eng.has_work:
+        for _, o in eng.step().outputs:
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+    assert kv.used_pages() == 0 and kv.footprint_overruns == 0 and len(toks) == 3
