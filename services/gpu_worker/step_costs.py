@@ -24,10 +24,13 @@ its core for a while) counts as `OUTLIER` x the prediction.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
 import numpy as np
+
+log = logging.getLogger("mstar.step_costs")
 
 #: per-step weight decay of past observations (half-life ~140 steps)
 DECAY = 0.995
@@ -181,9 +184,15 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
                 refs, _ = pack_tensors(ppo.new_input_tensors)
                 greedy = SamplingParams(temperature=0.0, ignore_eos=True)
                 extra = {"metadata": ppo.metadata} if "metadata" in NewRequest.__struct_fields__ else {}
-                engine.add(NewRequest(f"calibrate-{count}", "", refs, greedy, "", n, max_tokens, ppo.kv_layout, caps,
-                                      spec.kv_configs(ppo.kv_layout, caps, pools), **extra), ppo.new_input_tensors)
+                req = NewRequest(f"calibrate-{count}", "", refs, greedy, "", n, max_tokens, ppo.kv_layout, caps,
+                                 spec.kv_configs(ppo.kv_layout, caps, pools), **extra)
                 count += 1
+                try:
+                    engine.add(req, ppo.new_input_tensors)
+                except ValueError as exc:  # a small pool cannot hold this shape at all: learn from the rest
+                    if "footprint exceeds the pool" not in str(exc):
+                        raise
+                    log.info("step-cost calibration skips a %d-row prompt the pool cannot hold", n)
             while engine.has_work:
                 if engine.step().errors:
                     raise RuntimeError("a calibration request failed (see the error logged above)")
