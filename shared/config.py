@@ -124,7 +124,7 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speculative_ngram_min: int = 2
     #: a step's time target (ms) when decode rows run: prefill chunks beside them are cut to
     #: fit it by the learned step costs (0: throughput first, the token budget alone)
-    itl_target_ms: float = 30.0
+    itl_target_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:

@@ -20,13 +20,11 @@ decode rows are no more than `1 / IDLE_RATIO` of the prompts waiting beside them
 prompts that arrived together (all but the few the previous step caught) is prefilled at
 once and then decodes in step with them, at the cost of one long gap for those few, rather
 than being dribbled in while they run ahead (which spreads every later prefill over every
-stream's decode steps). Two floors keep the
-waiting prompts moving whatever the target: at least `MIN_PREFILL_ROWS` rows, and at least
-`KEEP_UP` x the rate prompt rows have been arriving (per step, averaged over the last
-~`1 / ARRIVAL_EMA` steps), so under a load the target cannot hold, prefill still keeps pace
-with arrivals and the batch stays full (the target yields rather than the queue growing
-without bound). The target changes only when rows run, never what they compute: each row
-sees the same keys whatever chunk it came in, so every request gets the same tokens.
+stream's decode steps). Prompts always move: at least `MIN_PREFILL_ROWS` rows a step
+whatever the target, and under a load the target cannot hold, prompts pile up until they
+outnumber the decode rows and the next step prefills at the full budget. The target
+changes only when rows run, never what they compute: each row sees the same keys whatever
+chunk it came in, so every request gets the same tokens.
 """
 
 from __future__ import annotations
@@ -40,10 +38,6 @@ from services.gpu_worker.step_costs import StepCosts, StepShape, chunk_shape
 
 #: prompt rows a step beside decode rows may always prefill, whatever the time target
 MIN_PREFILL_ROWS = 16
-#: ... and this multiple of the rate prompt rows arrive at (rows per step, averaged)
-KEEP_UP = 1.25
-#: weight of the newest step in that average
-ARRIVAL_EMA = 1 / 32
 #: a step is as good as idle when its decode rows x this are no more than the prompts waiting
 IDLE_RATIO = 1.0
 
@@ -91,9 +85,6 @@ class Scheduler:
         self.ids: dict[str, Request] = {}
         #: what a step costs, learned (the engine reports every step's time)
         self.costs = StepCosts()
-        #: prompt rows arrived since the last plan, and their average per step
-        self._arrived = 0
-        self.arrival_rate = 0.0
 
     # -- the request table -------------------------------------------------------------
 
@@ -101,7 +92,6 @@ class Scheduler:
         """Queue a request the engine has ingested (it refuses duplicate ids before that)."""
         self.ids[req.request_id] = req
         self.waiting.append(req)
-        self._arrived += len(req.prompt)
 
     def remove(self, request_id: str, ran_to_caps: bool = False) -> tuple[Request, int] | None:
         """Take a request out wherever it is; (the request, pages released) if it was here."""
@@ -144,8 +134,6 @@ class Scheduler:
             budget -= len(drafts)
             plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
             plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
-        self.arrival_rate += ARRIVAL_EMA * (self._arrived - self.arrival_rate)
-        self._arrived = 0
         seconds, floor = self._prefill_allowance(plan)
         for r in ready:
             if r.decoding:
@@ -177,8 +165,7 @@ class Scheduler:
         prompts = sum(1 for r in self.running if r.ready and not r.decoding)
         if len(plan.entries) * IDLE_RATIO <= prompts:
             return None, 0
-        floor = max(MIN_PREFILL_ROWS, int(KEEP_UP * self.arrival_rate + 0.5))
-        return target - self.costs.predict(plan.shape), floor
+        return target - self.costs.predict(plan.shape), MIN_PREFILL_ROWS
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A step ran: its wall time teaches the step-cost model (when a target uses it)."""

@@ -200,7 +200,6 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
                 engine.abort(r.request_id)
     costs = engine.scheduler.costs
     costs.anchor()
-    engine.scheduler.arrival_rate = 0.0
     return costs
 
 
