@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.checkpoints import make_checkpoint
@@ -48,3 +49,15 @@ def pages_back_to_zero(request):
     for value in list(request.node.funcargs.values()):
         if isinstance(value, MstarServer) and value.proc is not None and value.proc.poll() is None:
             assert value.wait_pages_free() == 0, "KV pages left in use after the test"
+
+
+@pytest.fixture()
+def client(llama_server) -> openai.OpenAI:
+    """The official openai client on the shared Llama server (modules with another server override it)."""
+    return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture()
+def model(llama_ckpt) -> str:
+    """The served model name of the shared Llama server."""
+    return llama_ckpt.name

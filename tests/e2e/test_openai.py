@@ -22,16 +22,6 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture()
-def client(llama_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture()
-def model(llama_ckpt) -> str:
-    return llama_ckpt.name
-
-
 def hf_chat_ids(ckpt, messages: list[dict]) -> list[int]:
     out = hf_tokenizer(str(ckpt)).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)

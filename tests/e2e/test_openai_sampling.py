@@ -21,16 +21,6 @@ PROMPT = "Hello world! Hello again, world."
 TOL = 1e-4
 
 
-@pytest.fixture()
-def client(llama_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-@pytest.fixture()
-def model(llama_ckpt) -> str:
-    return llama_ckpt.name
-
-
 def hf_logprobs(ckpt, ids: list[int]) -> torch.Tensor:
     """Row i: transformers' float32 log-softmax predicting ids[i + 1]."""
     with torch.no_grad():

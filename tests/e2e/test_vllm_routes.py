@@ -11,8 +11,6 @@ import sys
 import time
 
 import httpx
-import openai
-import pytest
 
 from shared.version import mstar_version
 from tests.e2e.test_openai import GREEDY, MESSAGES, NO_EOS, _pick_stop, hf_chat_ids
@@ -20,11 +18,6 @@ from tests.reference import hf_ids, hf_tokenizer
 from tests.servers import REPO, MstarServer, parse_labels
 
 PROMPT = "Hello world! Numbers like 12345 and emoji 🎉"
-
-
-@pytest.fixture()
-def client(llama_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def post(server: MstarServer, path: str, body: dict) -> dict:
