@@ -60,16 +60,16 @@ def test_quantized_and_bf16_kv_perplexity_within_one_percent(quantized_gguf):
 
 
 def test_default_model_perplexity_within_one_percent():
-    """The first 512 tokens of the shipped public-domain text (bench/perplexity.py runs all)."""
+    """The first 384 tokens of the shipped public-domain text (bench/perplexity.py runs all)."""
     from shared.model_source import ModelSource
 
-    ids = text_ids(ModelSource("").tokenizer.tokenizer, 512)
+    ids = text_ids(ModelSource("").tokenizer.tokenizer, 384)
     base = perplexity(*load("", "float32", "float32")[:2], ids)
     assert base < 60  # a model that reads English
-    for kv in ("float32", "bfloat16"):
-        model, spec, kvd = load("", "auto", kv)
-        assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 30 * 3
-        assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01, kv
+    model, spec, _ = load("", "auto", "float32")
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 30 * 3
+    for kv in (torch.float32, torch.bfloat16):  # the same model over float32 and bfloat16 pages
+        assert abs(perplexity(model, spec, ids, kv) / base - 1) < 0.01, kv
 
 
 def test_gguf_types_the_kernel_does_not_take_are_dequantized():
