@@ -611,7 +611,23 @@ def _summary(path: str, cache: str) -> dict[str, Any] | None:
             with os.fdopen(fd, "w") as f:
                 json.dump(summary, f)
             os.replace(tmp, out)  # atomic: a reader sees the whole file or none
+            _prune(out.parent)
         return summary
+
+
+#: summaries kept in the cache folder (the most recently written; tests write many files)
+SUMMARIES_KEPT = 32
+
+
+def _prune(folder: Path) -> None:
+    """Drop all but the `SUMMARIES_KEPT` newest summaries (and their lock files)."""
+    try:
+        found = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in found[SUMMARIES_KEPT:]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".lock").unlink(missing_ok=True)
+    except OSError:
+        pass  # another process pruned it first
 
 
 def _summarize(path: str) -> dict[str, Any] | None:

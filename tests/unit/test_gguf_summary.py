@@ -65,3 +65,14 @@ def test_a_refused_file_is_not_summarized(cache, tmp_path):
     assert g.gguf_summary(path) is None
     with pytest.raises(NotImplementedError, match="gpt2"):
         g.gguf_config(path)
+
+
+def test_the_cache_keeps_the_newest_summaries(cache, quantized_llama, monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setattr(g, "SUMMARIES_KEPT", 2)
+    for i in range(3):
+        copy = tmp_path / f"copy{i}.gguf"
+        shutil.copy(quantized_llama, copy)
+        assert g.gguf_summary(copy) is not None
+    assert len(list(cache.glob("*.json"))) == 2
