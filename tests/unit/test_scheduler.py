@@ -226,3 +226,16 @@ def test_warm_up_calibration_learns_a_usable_model(llama):
     assert costs.ready and costs.prior is not None and (costs.coef >= 0).all()
     assert costs.predict(StepShape(64, 1, 64 * 65 // 2)) >= costs.predict(StepShape(1, 1, 10)) > 0
     assert not eng.running and not eng.waiting and kv.used_pages() == 0
+
+
+def test_calibration_skips_a_shape_a_small_pool_cannot_hold(llama):
+    spec, model = llama
+    pools = spec.paged_pools(8)  # 128 rows: the 256-row calibration prompt cannot fit at all
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=512,
+                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
+    with kv.untracked():
+        costs = calibrate(eng, spec, pools, 512, 8)
+    assert costs.ready and not eng.running and not eng.waiting and kv.used_pages() == 0
