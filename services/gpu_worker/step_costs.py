@@ -170,6 +170,7 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     allocations and is forgotten), then kept as the prior later fits lean on. Runs inside
     the worker's untracked warm-up: its pages all go back."""
     from shared.frames import NewRequest, SamplingParams, pack_tensors
+    from shared.specs.base import PromptRequest
 
     n_big = max(1, min(CALIBRATION_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
     k = max(1, min(8, max_num_seqs, max_batch_tokens // 16))
@@ -179,13 +180,12 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
         engine.scheduler.costs = StepCosts()
         for group in groups:
             for n, max_tokens in group:
-                ppo = prompt_layout(spec, [j % 199 + 1 for j in range(count, count + n)])
+                ppo = spec.process_prompt(PromptRequest([j % 199 + 1 for j in range(count, count + n)]))
                 caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=n))
                 refs, _ = pack_tensors(ppo.new_input_tensors)
                 greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-                extra = {"metadata": ppo.metadata} if "metadata" in NewRequest.__struct_fields__ else {}
                 req = NewRequest(f"calibrate-{count}", "", refs, greedy, "", n, max_tokens, ppo.kv_layout, caps,
-                                 spec.kv_configs(ppo.kv_layout, caps, pools), **extra)
+                                 spec.kv_configs(ppo.kv_layout, caps, pools), metadata=ppo.metadata)
                 count += 1
                 try:
                     engine.add(req, ppo.new_input_tensors)
@@ -201,12 +201,3 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     costs = engine.scheduler.costs
     costs.anchor()
     return costs
-
-
-def prompt_layout(spec, ids: list[int]):
-    """The spec's layouts for prompt `ids` (in a `PromptRequest` where the spec takes one)."""
-    try:
-        from shared.specs.base import PromptRequest
-    except ImportError:
-        return spec.process_prompt(ids)
-    return spec.process_prompt(PromptRequest(ids))

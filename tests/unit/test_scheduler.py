@@ -11,10 +11,11 @@ from services.gpu_worker.build import build_engine
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.scheduler import MIN_PREFILL_ROWS, Limits, Scheduler
-from services.gpu_worker.step_costs import StepCosts, StepShape, calibrate, chunk_shape, prompt_layout
+from services.gpu_worker.step_costs import StepCosts, StepShape, calibrate, chunk_shape
 from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
 from tests.checkpoints import make_checkpoint
 
 MS = 1e-3
@@ -168,12 +169,12 @@ def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=())
         eng.scheduler.costs = costs
 
     def add(i, ids):
-        ppo = prompt_layout(spec, ids)
+        ppo = spec.process_prompt(PromptRequest(ids))
         caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=len(ids)))
         refs, _ = pack_tensors(ppo.new_input_tensors)
-        extra = {"metadata": ppo.metadata} if "metadata" in NewRequest.__struct_fields__ else {}
         eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids),
-                           max_tokens, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools), **extra),
+                           max_tokens, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools),
+                           metadata=ppo.metadata),
                 ppo.new_input_tensors)
 
     for i, ids in enumerate(prompts):
