@@ -107,7 +107,7 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_memory_fraction: float = 0.1
     max_seq_len: int = 0  # 0: the model's own context length
     max_num_seqs: int = 64
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 2048
     #: weights' dtype; "auto": a GGUF file's own quantized types (CPU), a checkpoint's dtype
     #: where the device computes it natively, else float32 (`WEIGHT_DTYPES`)
     dtype: str = "auto"
