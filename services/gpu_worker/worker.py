@@ -44,6 +44,41 @@ log = logging.getLogger("mstar.gpu_worker")
 
 STATS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 1.0
+#: an idle engine starts its first step once arrivals pause this long...
+GATHER_QUIET_S = 0.004
+#: ...or this long after the first arrival, whichever comes first
+GATHER_MAX_S = 0.025
+
+
+class Gather:
+    """Hold an idle engine's first step until a burst of arrivals has landed.
+
+    Clients that send together (a closed loop whose requests all finished in one step) reach
+    the worker spread over a few ms, through the api, data worker and conductor. Without a
+    pause the first step prefills only the first few, the rest join beside streams already
+    decoding, and the group never runs in step again (issue 20: the P99 ITL of a round where
+    the waves came apart). The cost is at most GATHER_MAX_S of TTFT, and only from idle."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+
+    def arrived(self, idle: bool) -> None:
+        now = time.monotonic()
+        if idle and self.first is None:
+            self.first = now
+        self.last = now
+
+    def wait_s(self) -> float:
+        """Seconds the step should still wait (0: step now)."""
+        if self.first is None:
+            return 0.0
+        now = time.monotonic()
+        left = min(self.last + GATHER_QUIET_S, self.first + GATHER_MAX_S) - now
+        if left <= 0:
+            self.first = None
+            return 0.0
+        return left
 
 
 class GpuWorker:
@@ -73,6 +108,7 @@ class GpuWorker:
         self.in_codec = FrameCodec(ToWorker)
         self.out_codec = FrameCodec(ToApi)
         self.running = True
+        self.gather = Gather()
         self.incarnation = uuid.uuid4().hex
         self.fingerprint = fingerprint(d)
         self.refused: str | None = None  # the conductor's reason, when it refused this worker
@@ -116,6 +152,7 @@ class GpuWorker:
             log.error("protocol error from conductor: %s (frame dropped)", exc)
             return
         if isinstance(msg, NewRequest):
+            self.gather.arrived(idle=not self.engine.running)
             try:
                 self.engine.add(msg, unpack_tensors(msg.input_tensors, bufs))
             except Exception as exc:
@@ -157,7 +194,8 @@ class GpuWorker:
         poller.register(self.pull, zmq.POLLIN)
         last_stats = last_beat = time.monotonic()
         while self.running:
-            timeout = 0 if self.engine.has_work else 50
+            wait = self.gather.wait_s()
+            timeout = wait * 1e3 if wait else 0 if self.engine.has_work else 50
             if poller.poll(timeout):
                 while True:
                     try:
@@ -165,7 +203,7 @@ class GpuWorker:
                     except zmq.Again:
                         break
                     self._handle([f.buffer for f in frames])
-            if self.engine.has_work:
+            if self.engine.has_work and not self.gather.wait_s():
                 self._send_results(self.engine.step())
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
