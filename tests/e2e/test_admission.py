@@ -126,11 +126,16 @@ async def test_requests_spread_over_two_workers(two_workers):
                                                                    "temperature": 0, "ignore_eos": True})
                                     for _ in range(8)))
     assert all(r.status_code == 200 for r in rs)
-    served = {}
-    for line in two_workers.log().splitlines():
-        if "finished on" in line:
-            served[line.rsplit(" ", 1)[1]] = True
-    assert set(served) == {"worker-0", "worker-1"}, "both workers served requests"
+    # The replies come straight from the workers; the conductor logs each finish when the
+    # worker's RequestFinished reaches it, a moment later: wait for all eight lines.
+    deadline = time.monotonic() + 10
+    while True:
+        finished = [line.rsplit(" ", 1)[1] for line in two_workers.log().splitlines() if "finished on" in line]
+        if len(finished) >= 8 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert len(finished) == 8
+    assert set(finished) == {"worker-0", "worker-1"}, "both workers served requests"
 
 
 async def test_sigkill_of_one_worker_fails_only_its_requests(two_workers):
