@@ -2,7 +2,7 @@
 same GGUF file (the default model, SmolLM2-135M-Instruct Q4_1), same client, one run
 (issue 19: weights as they come, at llama.cpp's speed).
 
-llama-server runs from /work/shared/peers/serve-llama-server (16 slots, 1,024 tokens of
+llama-server runs from ../shared/peers/serve-llama-server (16 slots, 1,024 tokens of
 context each, its default threads: every core); its binary is found with --llama-bin,
 $LLAMA_SERVER_BIN, or the peer build's place. mstar runs `mstar serve` with its defaults
 (the GGUF kept quantized) plus --serve-arg flags. Per system and round: start-up (launch
