@@ -113,14 +113,9 @@ class GenerateDelta(msgspec.Struct, tag_field="type", tag="delta"):
     prompt_logprobs: list[Logprob | None] | UnsetType = UNSET
 
 
-class GenerateDone(msgspec.Struct, tag_field="type", tag="done"):
-    id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    usage: Usage
-    logprobs: list[Logprob] | UnsetType = UNSET
-    prompt_logprobs: list[Logprob | None] | UnsetType = UNSET
+class GenerateDone(GenerateResponse, tag_field="type", tag="done"):
+    """`/generate`'s last stream event for a request that asked for logprobs: the
+    non-streaming reply's fields, tagged."""
 
 
 def error_event(client_id: str | None, err: ApiError) -> ErrorEvent:
