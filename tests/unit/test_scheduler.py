@@ -157,14 +157,20 @@ def llama(tmp_path_factory):
     return spec, build_model(src, spec, torch.float32)
 
 
-def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=()):
-    pools = spec.paged_pools(128)
+def engine(spec, model, num_pages, max_batch_tokens, target_s):
+    """A real engine on `num_pages` pages of the tiny model, with a time target."""
+    pools = spec.paged_pools(num_pages)
     caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
               for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=max_batch_tokens,
+                       max_seq_len=spec.max_seq_len, itl_target_s=target_s)
+    return pools, kv, eng
+
+
+def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=()):
+    pools, kv, eng = engine(spec, model, 128, 64, target_ms * MS)
     kv.debug = True
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
-                       max_seq_len=spec.max_seq_len, itl_target_s=target_ms * MS)
     if costs is not None:
         eng.scheduler.costs = costs
 
@@ -216,12 +222,7 @@ def test_the_same_tokens_with_the_target_on_and_off(llama):
 
 def test_warm_up_calibration_learns_a_usable_model(llama):
     spec, model = llama
-    pools = spec.paged_pools(64)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
-                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
+    pools, kv, eng = engine(spec, model, 64, 64, 0.03)
     with kv.untracked():
         costs = calibrate(eng, spec, pools, 64, 8)
     assert costs.ready and costs.prior is not None and (costs.coef >= 0).all()
@@ -231,12 +232,7 @@ def test_warm_up_calibration_learns_a_usable_model(llama):
 
 def test_calibration_skips_a_shape_a_small_pool_cannot_hold(llama):
     spec, model = llama
-    pools = spec.paged_pools(8)  # 128 rows: the 256-row calibration prompt cannot fit at all
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=512,
-                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
+    pools, kv, eng = engine(spec, model, 8, 512, 0.03)  # 128 rows: the 256-row calibration prompt cannot fit
     with kv.untracked():
         costs = calibrate(eng, spec, pools, 512, 8)
     assert costs.ready and not eng.running and not eng.waiting and kv.used_pages() == 0
