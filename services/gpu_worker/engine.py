@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_manager import DoesNotFit, KVManager
 from services.gpu_worker.outputs import Finished, OutputProcessor, StepResult, error_frame
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
@@ -77,7 +77,7 @@ class Engine:
         prompt, inputs = self.runner.make_request(tensors)
         kv = self.kv.ingest_request(req)
         if not self.kv.fits_at_all(kv):
-            raise ValueError("footprint exceeds the pool")
+            raise DoesNotFit("footprint exceeds the pool")
         r = Request(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps), prompt, kv,
                     make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
                     ready=not self.runner.needs_prepare,

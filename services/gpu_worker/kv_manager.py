@@ -39,6 +39,10 @@ class LayoutViolation(Exception):
     """Under MSTAR_KV_DEBUG_ASSERTS=1, a commit that does not match the declared layout."""
 
 
+class DoesNotFit(ValueError):
+    """A request whose footprint exceeds a whole pool: no wait would ever admit it."""
+
+
 class FootprintOverrun(Exception):
     """A label needs a page past its footprint and every free page is reserved by other
     requests: only the overrunning request may fail for it, never one that kept its word."""

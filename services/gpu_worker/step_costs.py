@@ -169,6 +169,7 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     prefill), run twice through the real engine (the first pass pays for first-call
     allocations and is forgotten), then kept as the prior later fits lean on. Runs inside
     the worker's untracked warm-up: its pages all go back."""
+    from services.gpu_worker.kv_manager import DoesNotFit
     from shared.frames import NewRequest, SamplingParams, pack_tensors
     from shared.specs.base import PromptRequest
 
@@ -189,9 +190,7 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
                 count += 1
                 try:
                     engine.add(req, ppo.new_input_tensors)
-                except ValueError as exc:  # a small pool cannot hold this shape at all: learn from the rest
-                    if "footprint exceeds the pool" not in str(exc):
-                        raise
+                except DoesNotFit:  # a small pool cannot hold this shape at all: learn from the rest
                     log.info("step-cost calibration skips a %d-row prompt the pool cannot hold", n)
             while engine.has_work:
                 if engine.step().errors:
