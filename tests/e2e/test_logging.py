@@ -8,9 +8,23 @@ import json
 import logging
 
 import httpx
+import pytest
 
 from shared.logs import JsonFormatter, setup_logging
 from tests.servers import MstarServer
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger():
+    """setup_logging configures this process's root logger (a handler on the test's
+    captured stderr, DEBUG): put it back, or every later test's log records (httpx logs
+    each request at INFO) go to a closed stream, each with a traceback."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)
 
 
 def test_json_logs_and_access_log_through_the_launcher(llama_ckpt, tmp_path):
