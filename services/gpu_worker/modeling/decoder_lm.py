@@ -31,6 +31,7 @@ from services.gpu_worker.layers.linear import (
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
+from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
 from shared.model_config import FULL, ModelConfig, read_model_config
 
 _apply_rope = apply_rope  # the name the kernel tests compare against
@@ -239,6 +240,9 @@ class DecoderLM(DecoderModel):
     #: the LM head through the C GEMM or oneDNN (CPU float32) or on quantized GGUF weights,
     #: set by `prepare`
     head: KernelHead | PackedHead | QuantLinear | None = None
+    #: a decode step's layer loop in one C call (quantized Llama-shaped models on the CPU),
+    #: set by `prepare` where it applies
+    cpu_stack: CpuDecodeStack | None = None
 
     def prepare(self) -> None:
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
@@ -260,6 +264,8 @@ class DecoderLM(DecoderModel):
             pack_linears(self.model.layers)
             if not self.tied:
                 del self.lm_head  # the head has its own copy (oneDNN's keeps the plain one too)
+        if next(self.parameters()).device.type == "cpu":
+            self.cpu_stack = CpuDecodeStack.build(self)
 
     def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
         """Build every oneDNN GEMM kernel a step of up to `max_rows` rows (and
@@ -275,8 +281,10 @@ class DecoderLM(DecoderModel):
         if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         ropes = {t: rot.tables(positions, x.dtype) for t, rot in self.rotaries.items()}
-        for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
-            x = layer(x, ropes[kind], cache, meta)
+        stack = self.cpu_stack
+        if stack is None or not stack.run(x, ropes.get(FULL), kv_caches, metas):
+            for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
+                x = layer(x, ropes[kind], cache, meta)
         x = self.model.norm(x[sample_rows])
         if self.head is not None:
             logits = self.head(x)

@@ -1,0 +1,110 @@
+/* A decode step's whole layer stack in one call, for a Llama-shaped decoder on quantized
+ * GGUF weights (services/gpu_worker/modeling/cpu_stack.py decides when it applies).
+ *
+ * Why: on the CPU a one-row decode step of a small model is mostly the per-op cost around
+ * the kernels (a torch module call, a ctypes call, a fresh tensor per op: about a dozen per
+ * layer), not the kernels. Here the same kernels run in the same order on the same inputs
+ * as the torch modules' path (modeling/decoder_lm.py on the CPU): RMSNorm, the fused q/k/v
+ * GEMM, RoPE in place on q and k, the K/V rows into their pages, paged decode attention,
+ * the o GEMM, the residual add, RMSNorm, the gate/up GEMM, silu * up, the down GEMM, the
+ * residual add. So the result is bitwise the modules' (tests/unit/test_cpu_stack.py), only
+ * the Python around the kernels is gone. The residual add is o + x, as the modules'
+ * `o.add_(x)` (float addition commutes bitwise).
+ *
+ * Built at first use by services/gpu_worker/cpu_kernels.py with the other kernels.
+ */
+#include <stdint.h>
+
+/* the kernels it chains (elementwise.c, qgemm.c, paged_attention.c) */
+void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t rows,
+                    int64_t dim);
+void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d, const float *cos,
+                const float *sin_signed, int64_t tab_stride);
+void mstar_silu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
+int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
+                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads, void *scratch);
+int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, const int64_t *pages, int64_t width,
+                       const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi, int64_t n_rows,
+                       int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,
+                       int64_t max_keys);
+void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                    const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
+
+/* One quantized GEMM's weight (layers/quant.py QuantLinear: form, tiled w, d, m, bias). */
+typedef struct {
+    int64_t form, k, n;
+    const void *w;
+    const float *d, *m, *bias;
+} MstarQWeight;
+
+/* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]. */
+typedef struct {
+    const float *ln1, *ln2;
+    MstarQWeight qkv, o, gate_up, down;
+    float *cache;
+} MstarLayer;
+
+/* The shapes every layer shares. */
+typedef struct {
+    int64_t n_layers, hidden, hq, hkv, d, inter, page_size;
+    float eps, scale;
+} MstarStackShape;
+
+/* The step: T rows, all decode query rows of one label (the metadata's decode_query
+ * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d]. */
+typedef struct {
+    int64_t rows;
+    const float *cos, *sin_signed;
+    const int64_t *slot_pages, *slot_offsets;
+    const int64_t *pages;
+    int64_t width;
+    const int64_t *qrow, *entry, *lo, *hi;
+    int64_t n_query, max_keys;
+} MstarDecodeStep;
+
+/* floats of workspace the stack needs for `rows` rows (the caller also passes the
+ * quantized GEMMs' scratch, mstar_qlinear_scratch(rows, max k), and the attention's,
+ * hq * max_keys floats) */
+int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
+    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
+    return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter);
+}
+
+static void add_into(float *x, const float *o, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
+}
+
+static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
+    return mstar_qlinear((int)w->form, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, w->n, threads,
+                         qscratch);
+}
+
+/* x [rows, hidden] in place through every layer. Returns 0, or the first kernel's error
+ * code (a GEMM's -1 as -10 - layer * 8 - which, the attention's as -20000 - layer). */
+int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *st, float *x,
+                       float *work, void *qscratch, float *ascratch, int threads) {
+    const int64_t t = st->rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
+    float *h = work, *qkv = h + t * hid, *attn = qkv + t * nqkv, *o = attn + t * s->hq * s->d;
+    float *gu = o + t * hid, *act = gu + t * 2 * s->inter;
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        const MstarLayer *L = layers + l;
+        mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
+        if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
+        mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
+        mstar_write_kv(L->cache, qkv + s->hq * s->d, nqkv, qkv + (s->hq + s->hkv) * s->d, nqkv, st->slot_pages,
+                       st->slot_offsets, t, s->hkv * s->d, s->page_size);
+        const int rc = mstar_paged_decode(qkv, nqkv, L->cache, st->pages, st->width, st->qrow, st->entry, st->lo,
+                                          st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, attn,
+                                          ascratch, st->max_keys);
+        if (rc) return (int)(-20000 - l);
+        if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
+        add_into(x, o, t * hid);
+        mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
+        if (qgemm(&L->gate_up, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
+        mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
+        if (qgemm(&L->down, act, t, o, threads, qscratch)) return (int)(-13 - l * 8);
+        add_into(x, o, t * hid);
+    }
+    return 0;
+}

@@ -1,0 +1,118 @@
+"""The decode step's layer stack in one C call (modeling/cpu_stack.py, kernels/decode_stack.c)
+gives bitwise the torch modules' result: the same logits and the same KV pages, on
+quantized Llama and Qwen2 (q/k/v bias) GGUF models, for decode steps of one and several
+rows at different lengths; steps it does not take (a prefill, bfloat16 pages) go through
+the modules."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from bench.perplexity import load
+from services.gpu_worker.attention import build_metadata
+from services.gpu_worker.kv_memory import kv_cache
+from services.gpu_worker.layers import quant
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")
+
+#: q/k/v in one form (fused into one GEMM), gate/up too, both forms present
+QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1",
+          "attn_v.weight": "Q4_1", "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q4_1",
+          "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0"}
+PAGE = 16
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"stack-{request.param}")
+    ckpt = make_checkpoint(root / "ckpt", request.param)
+    path = write_gguf(ckpt, root / "model.gguf", request.param, "gpt2" if request.param == "llama" else "qwen2",
+                      qtypes=QTYPES)
+    model, spec, _ = load(str(path), "auto", "float32")
+    return model, spec
+
+
+def _caches(model, spec, dtype=torch.float32):
+    pool = next(iter(spec.paged_pools(64).values()))
+    return kv_cache(pool.num_layers, pool.num_pages, PAGE, pool.kv_heads, pool.head_dim, dtype, torch.device("cpu"))
+
+
+def _forward(model, caches, ids, positions, rows, stack: bool):
+    saved = model.cpu_stack
+    if not stack:
+        model.cpu_stack = None
+    try:
+        meta = build_metadata(rows, PAGE, flashinfer=False)
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.tensor(positions), caches, [meta] * len(caches),
+                         torch.arange(len(ids)))
+    finally:
+        model.cpu_stack = saved
+
+
+def _prefilled(model, spec, lens, dtype=torch.float32):
+    """Caches holding prompts of `lens` rows (request r on pages 8r..8r+7)."""
+    caches = _caches(model, spec, dtype)
+    for r, n in enumerate(lens):
+        ids = [(7 * r + j) % 90 + 3 for j in range(n)]
+        _forward(model, caches, ids, list(range(n)), [(list(range(8 * r, 8 * r + 8)), 0, 0, n, False)], stack=False)
+    return caches
+
+
+@contextmanager
+def _runs(m):
+    """The stack's answers (True: it ran the layers) while the block runs."""
+    calls: list[bool] = []
+    real = type(m.cpu_stack).run
+
+    def spy(self, *args):
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    type(m.cpu_stack).run = spy
+    try:
+        yield calls
+    finally:
+        type(m.cpu_stack).run = real
+
+
+def test_the_stack_applies_to_a_quantized_llama_shape(model):
+    assert model[0].cpu_stack is not None
+
+
+@pytest.mark.parametrize("lens", [[5], [17, 40, 3], [16, 33]])
+def test_decode_steps_are_bitwise_the_modules(model, lens):
+    m, spec = model
+    a, b = _prefilled(m, spec, lens), _prefilled(m, spec, lens)
+    for step in range(20):  # crosses page boundaries (16 rows a page)
+        rows = [(list(range(8 * r, 8 * r + 8)), 0, n + step, 1, True) for r, n in enumerate(lens)]
+        ids = [(11 * r + step) % 90 + 3 for r in range(len(lens))]
+        pos = [n + step for n in lens]
+        with _runs(m) as ran:
+            got = _forward(m, a, ids, pos, rows, stack=True)
+        want = _forward(m, b, ids, pos, rows, stack=False)
+        assert ran == [True] and torch.equal(got, want), step
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_prefill_step_goes_through_the_modules(model):
+    m, spec = model
+    caches = _prefilled(m, spec, [4])
+    rows = [(list(range(8)), 0, 4, 1, True), (list(range(8, 16)), 0, 0, 6, False)]
+    with _runs(m) as ran:
+        _forward(m, caches, [5, *range(10, 16)], [4, *range(6)], rows, stack=True)
+    assert ran == [False]
+
+
+def test_bfloat16_pages_go_through_the_modules(model):
+    m, spec = model
+    a, b = _prefilled(m, spec, [9], torch.bfloat16), _prefilled(m, spec, [9], torch.bfloat16)
+    rows = [(list(range(8)), 0, 9, 1, True)]
+    with _runs(m) as ran:
+        got = _forward(m, a, [4], [9], rows, stack=True)
+    assert ran == [False] and torch.equal(got, _forward(m, b, [4], [9], rows, stack=False))
