@@ -1,6 +1,7 @@
 """The decode step's layer stack in one C call (modeling/cpu_stack.py, kernels/decode_stack.c)
 gives bitwise the torch modules' result: the same logits and the same KV pages, on
-quantized Llama and Qwen2 (q/k/v bias) GGUF models, for decode steps of one and several
+quantized Llama and Qwen2 (q/k/v bias) GGUF models and on their float32 checkpoints
+(gemm.c's packed GEMMs, the gate/up GEMM with silu * up fused), for decode steps of one and several
 rows at different lengths; steps it does not take (a prefill, bfloat16 pages) go through
 the modules."""
 
@@ -27,13 +28,23 @@ QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight":
 PAGE = 16
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-float32", "qwen2-float32"])
 def model(request, tmp_path_factory):
+    """A quantized GGUF model, or a float32 checkpoint on gemm.c's packed GEMMs (those are
+    used with one torch thread, as the worker has on a 2-core machine)."""
+    arch, _, float32 = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"stack-{request.param}")
-    ckpt = make_checkpoint(root / "ckpt", request.param)
-    path = write_gguf(ckpt, root / "model.gguf", request.param, "gpt2" if request.param == "llama" else "qwen2",
-                      qtypes=QTYPES)
-    model, spec, _ = load(str(path), "auto", "float32")
+    ckpt = make_checkpoint(root / "ckpt", arch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if float32:
+            model, spec, _ = load(str(ckpt), "float32", "float32")
+        else:
+            path = write_gguf(ckpt, root / "model.gguf", arch, "gpt2" if arch == "llama" else "qwen2", qtypes=QTYPES)
+            model, spec, _ = load(str(path), "auto", "float32")
+    finally:
+        torch.set_num_threads(threads)
     return model, spec
 
 
@@ -81,7 +92,7 @@ def _runs(m):
         type(m.cpu_stack).run = real
 
 
-def test_the_stack_applies_to_a_quantized_llama_shape(model):
+def test_the_stack_applies_to_a_llama_shape_on_the_c_gemms(model):
     assert model[0].cpu_stack is not None
 
 

@@ -1,5 +1,6 @@
-/* A decode step's whole layer stack in one call, for a Llama-shaped decoder on quantized
- * GGUF weights (services/gpu_worker/modeling/cpu_stack.py decides when it applies).
+/* A decode step's whole layer stack in one call, for a Llama-shaped decoder whose GEMMs are
+ * C kernels: quantized GGUF weights (qgemm.c) or float32 in the packed panels of gemm.c
+ * (services/gpu_worker/modeling/cpu_stack.py decides when it applies).
  *
  * Why: on the CPU a one-row decode step of a small model is mostly the per-op cost around
  * the kernels (a torch module call, a ctypes call, a fresh tensor per op: about a dozen per
@@ -23,6 +24,10 @@ void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t
 void mstar_silu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
 int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
                   const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads, void *scratch);
+int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+               const float *bias, float *out, int64_t ldo);
+int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
+                    float *out, int64_t ldo);
 int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, const int64_t *pages, int64_t width,
                        const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi, int64_t n_rows,
                        int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,
@@ -30,7 +35,12 @@ int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, con
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
 
-/* One quantized GEMM's weight (layers/quant.py QuantLinear: form, tiled w, d, m, bias). */
+/* One GEMM's weight. form 4 or 8: a quantized one (layers/quant.py QuantLinear: tiled w,
+ * d, m, bias); GEMM_F32: float32 packed panels in w (layers/linear.py KernelLinear, with
+ * bias); GEMM_F32_SILU: the MLP's gate/up panels with silu * up in the epilogue
+ * (KernelGateUpSilu; n is inter, its output is the activation). */
+#define GEMM_F32 32
+#define GEMM_F32_SILU 33
 typedef struct {
     int64_t form, k, n;
     const void *w;
@@ -76,6 +86,8 @@ static void add_into(float *x, const float *o, int64_t n) {
 }
 
 static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
+    if (w->form == GEMM_F32) return mstar_gemm(x, m, w->k, w->k, (const float *)w->w, w->n, w->bias, out, w->n);
+    if (w->form == GEMM_F32_SILU) return mstar_gemm_silu(x, m, w->k, w->k, (const float *)w->w, w->n, out, w->n);
     return mstar_qlinear((int)w->form, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, w->n, threads,
                          qscratch);
 }
@@ -101,8 +113,12 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
         add_into(x, o, t * hid);
         mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
-        if (qgemm(&L->gate_up, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
-        mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
+        if (L->gate_up.form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
+            if (qgemm(&L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);
+        } else {
+            if (qgemm(&L->gate_up, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
+            mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
+        }
         if (qgemm(&L->down, act, t, o, threads, qscratch)) return (int)(-13 - l * 8);
         add_into(x, o, t * hid);
     }

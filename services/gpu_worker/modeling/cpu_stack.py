@@ -1,6 +1,6 @@
 """A decode step's layer stack in one C call (kernels/decode_stack.c) on the CPU.
 
-On a quantized GGUF model (the default SmolLM2) a one-row decode step runs ~13 kernels per
+On a small model (the default SmolLM2, quantized) a one-row decode step runs ~13 kernels per
 layer; through the torch modules each is a module call, a ctypes call and a fresh tensor,
 and that Python was about half of the step. `CpuDecodeStack` hands the kernel the layers'
 weight pointers once (at `prepare`) and each decode step's metadata pointers, and the C
@@ -10,8 +10,9 @@ model's math lives here.
 
 It applies only where the modules' path would run exactly those kernels: a Llama-shaped
 decoder (no q/k norm, no sandwich norms, silu MLP, no soft-cap, one RoPE, full attention
-on every layer) whose four GEMMs per layer are `QuantLinear` (q/k/v and gate/up fused),
-float32 activations and KV pages, and a step whose every row is a decode query row of the
+on every layer) whose four GEMMs per layer are C kernels (q/k/v and gate/up fused):
+`QuantLinear` (GGUF weights kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32
+in gemm.c's panels), float32 activations and KV pages, and a step whose every row is a decode query row of the
 one label (no prefill chunk). Anything else (a prefill, a bfloat16 pool, a Gemma) takes
 the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
 """
@@ -25,6 +26,7 @@ import torch
 
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers import quant
+from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
 from services.gpu_worker.layers.quant import QuantLinear
 from shared.model_config import FULL
 
@@ -51,10 +53,22 @@ class _Step(ctypes.Structure):
                 ("n_query", _i64), ("max_keys", _i64)]
 
 
-def _qweight(layer: QuantLinear) -> _QWeight:
+#: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4 and 8)
+GEMM_F32, GEMM_F32_SILU = 32, 33
+
+
+def _qweight(layer) -> _QWeight | None:
+    """The C struct of one of a layer's GEMMs, or None for a kind the stack does not run."""
     ptr = (lambda t: None if t is None else t.data_ptr())  # noqa: E731
-    return _QWeight(layer.form, layer.in_features, layer.out_features, layer.w.data_ptr(), layer.d.data_ptr(),
-                    ptr(layer.m), ptr(layer.bias))
+    if isinstance(layer, QuantLinear):
+        return _QWeight(layer.form, layer.in_features, layer.out_features, layer.w.data_ptr(), layer.d.data_ptr(),
+                        ptr(layer.m), ptr(layer.bias))
+    if isinstance(layer, KernelLinear):
+        return _QWeight(GEMM_F32, layer.in_features, layer.out_features, layer.packed.data_ptr(), None, None,
+                        ptr(layer.bias))
+    if isinstance(layer, KernelGateUpSilu):
+        return _QWeight(GEMM_F32_SILU, layer.in_features, layer.inter, layer.packed.data_ptr(), None, None, None)
+    return None
 
 
 def _library():
@@ -98,16 +112,17 @@ class CpuDecodeStack:
         layers, norms = [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            gemms = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, getattr(mlp, "down_proj", None))
+            gate_up = mlp.gate_up_silu if mlp.gate_up_silu is not None else mlp.gate_up_proj
+            gemms = [_qweight(g) for g in (attn.qkv_proj, attn.o_proj, gate_up, getattr(mlp, "down_proj", None))]
             ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-            if (not all(isinstance(g, QuantLinear) for g in gemms) or mlp.gate_up_silu is not None
+            if (any(g is None for g in gemms)
                     or any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
                            for w in (ln1, ln2))
                     or layer.input_layernorm.eps != cfg.rms_norm_eps
                     or layer.post_attention_layernorm.eps != cfg.rms_norm_eps):
                 return None
             norms.append((ln1, ln2))
-            layers.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), *(_qweight(g) for g in gemms), None))
+            layers.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), *gemms, None))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                        cfg.intermediate_size, 0, cfg.rms_norm_eps, cfg.attn_scale)
         return cls(lib, shape, layers, norms)
