@@ -11,6 +11,8 @@ over a gathered copy of their pages).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -20,6 +22,41 @@ import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
 from shared.pages import pages_for
+
+
+def _bf16_kernels() -> tuple | None:
+    """(`mstar_write_kv_bf16`, `mstar_paged_decode_bf16`): the bfloat16-page variants of
+    the float32 kernels (kernels/paged_attention.c), same arguments; None where the
+    kernels are not built (or an older build lacks them)."""
+    lib = cpu_kernels.library()
+    return None if lib is None else _bf16_functions(lib)
+
+
+@functools.cache
+def _bf16_functions(lib: ctypes.CDLL) -> tuple | None:
+    """`lib`'s two bfloat16-page kernels with their argument types declared (once per library)."""
+    try:
+        write, decode = lib.mstar_write_kv_bf16, lib.mstar_paged_decode_bf16
+    except AttributeError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    write.restype = None
+    write.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    decode.restype = ctypes.c_int
+    decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                       ptr, i64]
+    return write, decode
+
+
+def _kernel_pages(cache: torch.Tensor) -> int | None:
+    """Which C kernels take `cache`'s pages: 0 float32, 1 bfloat16, None (torch's path)."""
+    if cache.device.type != "cpu" or not cache.is_contiguous():
+        return None
+    if cache.dtype == torch.float32:
+        return 0
+    if cache.dtype == torch.bfloat16 and _bf16_kernels() is not None:
+        return 1
+    return None
 
 
 class AttnRows(NamedTuple):
@@ -241,13 +278,16 @@ def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
-    """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D]."""
-    if (cache.device.type == "cpu" and cache.dtype == torch.float32 == k.dtype == v.dtype and cache.is_contiguous()
+    """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D]. Float32
+    rows into float32 or bfloat16 pages go through a C kernel (bfloat16: rounded to nearest
+    even, as `.to(torch.bfloat16)`), others through torch's indexing."""
+    kind = _kernel_pages(cache)
+    if (kind is not None and torch.float32 == k.dtype == v.dtype
             and k.shape[0] == meta.slot_pages.shape[0] == meta.slot_offsets.shape[0]
             and _rows_contiguous(k) and _rows_contiguous(v)
             and meta.slot_pages.dtype == meta.slot_offsets.dtype == torch.long
             and meta.slot_pages.is_contiguous() and meta.slot_offsets.is_contiguous()):
-        kernel = cpu_kernels.write_kv()
+        kernel = cpu_kernels.write_kv() if kind == 0 else _bf16_kernels()[0]
         if kernel is not None:
             kernel(cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
                    meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], cache.shape[2])
@@ -282,8 +322,8 @@ def paged_attention(
         # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
         # result, so the reshape is a view; advanced indexing on the strided K view is slower.
         flat = meta.decode_pages.view(-1)
-        # (a KV pool in another dtype than q's, e.g. bfloat16 pages under float32 compute, is
-        # read into q's dtype: the C decode kernel takes float32 pages only)
+        # (a KV pool in another dtype than q's, e.g. float16 pages under float32 compute, is
+        # read into q's dtype: the C decode kernels take float32 and bfloat16 pages only)
         k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
         v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
         if meta.decode_rows.dim() == 2:
@@ -315,12 +355,14 @@ def paged_attention(
 def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
                    out: torch.Tensor) -> torch.Tensor | None:
     """Every decode query row through the C kernel, into `out` (returned); None (nothing
-    written) where it does not apply: no kernel built, not float32 on the CPU, or a layout
-    it does not take (q's heads must be contiguous rows of head_dim; the cache contiguous).
-    The convention of every CPU kernel wrapper: the result, or None for the torch path."""
-    if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.dtype != torch.float32:
+    written) where it does not apply: no kernel built, not float32 queries on float32 or
+    bfloat16 pages on the CPU, or a layout it does not take (q's heads must be contiguous
+    rows of head_dim; the cache contiguous). The convention of every CPU kernel wrapper: the
+    result, or None for the torch path."""
+    kind = _kernel_pages(cache)
+    if kind is None or q.dtype != torch.float32:
         return None
-    kernel = cpu_kernels.paged_decode()
+    kernel = cpu_kernels.paged_decode() if kind == 0 else _bf16_kernels()[1]
     hq, d = q.shape[1], q.shape[2]
     if (kernel is None or q.stride(2) != 1 or q.stride(1) != d or not cache.is_contiguous()
             or hq > 128 or hq % cache.shape[3]):
