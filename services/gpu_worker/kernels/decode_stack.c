@@ -32,6 +32,13 @@ int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, con
                        const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi, int64_t n_rows,
                        int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,
                        int64_t max_keys);
+int mstar_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *cache, const int64_t *pages,
+                            int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo,
+                            const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
+                            float scale, float *out, float *scratch, int64_t max_keys);
+void mstar_write_kv_bf16(uint16_t *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                         const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row,
+                         int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
 
@@ -47,16 +54,18 @@ typedef struct {
     const float *d, *m, *bias;
 } MstarQWeight;
 
-/* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]. */
+/* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]
+ * (float32, or bfloat16 where the shape says so). */
 typedef struct {
     const float *ln1, *ln2;
     MstarQWeight qkv, o, gate_up, down;
-    float *cache;
+    void *cache;
 } MstarLayer;
 
-/* The shapes every layer shares. */
+/* The shapes every layer shares; kv_bf16: the pages are bfloat16 (paged_attention.c's
+ * _bf16 kernels, as attention.py picks them for such a pool). */
 typedef struct {
-    int64_t n_layers, hidden, hq, hkv, d, inter, page_size;
+    int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_bf16;
     float eps, scale;
 } MstarStackShape;
 
@@ -104,11 +113,21 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
         if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
         mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
-        mstar_write_kv(L->cache, qkv + s->hq * s->d, nqkv, qkv + (s->hq + s->hkv) * s->d, nqkv, st->slot_pages,
-                       st->slot_offsets, t, s->hkv * s->d, s->page_size);
-        const int rc = mstar_paged_decode(qkv, nqkv, L->cache, st->pages, st->width, st->qrow, st->entry, st->lo,
-                                          st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, attn,
-                                          ascratch, st->max_keys);
+        const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
+        int rc;
+        if (s->kv_bf16) {
+            mstar_write_kv_bf16((uint16_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
+                                s->hkv * s->d, s->page_size);
+            rc = mstar_paged_decode_bf16(qkv, nqkv, (const uint16_t *)L->cache, st->pages, st->width, st->qrow,
+                                         st->entry, st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size,
+                                         s->scale, attn, ascratch, st->max_keys);
+        } else {
+            mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
+                           s->page_size);
+            rc = mstar_paged_decode(qkv, nqkv, (const float *)L->cache, st->pages, st->width, st->qrow, st->entry,
+                                    st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, attn,
+                                    ascratch, st->max_keys);
+        }
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
         add_into(x, o, t * hid);

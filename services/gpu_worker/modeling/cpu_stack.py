@@ -12,9 +12,9 @@ It applies only where the modules' path would run exactly those kernels: a Llama
 decoder (no q/k norm, no sandwich norms, silu MLP, no soft-cap, one RoPE, full attention
 on every layer) whose four GEMMs per layer are C kernels (q/k/v and gate/up fused):
 `QuantLinear` (GGUF weights kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32
-in gemm.c's panels), float32 activations and KV pages, and a step whose every row is a decode query row of the
-one label (no prefill chunk). Anything else (a prefill, a bfloat16 pool, a Gemma) takes
-the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
+in gemm.c's panels), float32 activations, float32 or bfloat16 KV pages, and a step whose
+every row is a decode query row of the one label (no prefill chunk). Anything else (a
+prefill, a float16 pool, a Gemma) takes the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import torch
 
 from services.gpu_worker import cpu_kernels
+from services.gpu_worker.attention import _kernel_pages
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
 from services.gpu_worker.layers.quant import QuantLinear
@@ -44,7 +45,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
-                ("page_size", _i64), ("eps", _f32), ("scale", _f32)]
+                ("page_size", _i64), ("kv_bf16", _i64), ("eps", _f32), ("scale", _f32)]
 
 
 class _Step(ctypes.Structure):
@@ -92,6 +93,7 @@ class CpuDecodeStack:
         self.layers = (_Layer * len(layers))(*layers)
         self._norms = norms  # kept alive: the structs hold their pointers
         self._caches: list[torch.Tensor] | None = None  # the KV tensors the structs point at
+        self._refused: list[torch.Tensor] | None = None  # KV tensors it does not take
         self._work = torch.empty(0)
         self._step = _Step()
 
@@ -124,18 +126,23 @@ class CpuDecodeStack:
             norms.append((ln1, ln2))
             layers.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), *gemms, None))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       cfg.intermediate_size, 0, cfg.rms_norm_eps, cfg.attn_scale)
+                       cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale)
         return cls(lib, shape, layers, norms)
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at the pool's KV tensors (once: the runner passes the same list
-        every step); False where a pool is not float32 pages the kernels take."""
+        every step); False where the pages are not ones the attention's C kernels take
+        (float32, or bfloat16 where attention.py has its kernels), all alike."""
         s = self.shape
-        page_size = kv_caches[0].shape[2]
+        first = kv_caches[0]
+        page_size, kind = first.shape[2], _kernel_pages(first)
+        if kind is None:
+            return False
         for c in kv_caches:
-            if (c.dtype != torch.float32 or c.device.type != "cpu" or not c.is_contiguous() or c.dim() != 5
-                    or c.shape[1] != 2 or c.shape[2] != page_size or c.shape[3] != s.hkv or c.shape[4] != s.d):
+            if (c.dtype != first.dtype or _kernel_pages(c) != kind or c.dim() != 5 or c.shape[1] != 2
+                    or c.shape[2] != page_size or c.shape[3] != s.hkv or c.shape[4] != s.d):
                 return False
+        s.kv_bf16 = kind
         for lay, c in zip(self.layers, kv_caches):
             lay.cache = c.data_ptr()
         s.page_size = page_size
@@ -152,7 +159,8 @@ class CpuDecodeStack:
         if (dq is None or meta.prefills or meta.wrapper is not None or dq.shape[1] != t or t == 0
                 or x.dtype != torch.float32 or not x.is_contiguous() or any(m is not meta for m in metas)):
             return False
-        if kv_caches is not self._caches and not self._bind(kv_caches):
+        if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
+            self._refused = kv_caches  # asked once per pool list, not every step
             return False
         cos, sin = rope
         if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
