@@ -82,10 +82,44 @@ WEIGHT_DTYPES = ("auto", *DTYPE_BYTES)
 
 
 def kv_dtype(d: Deployment) -> str:
-    """The KV pages' dtype a deployment asks for (always one of DTYPE_BYTES)."""
+    """The KV pages' dtype a deployment asks for (always one of DTYPE_BYTES).
+
+    `auto`: the weights' dtype where --dtype names one; bfloat16 for a GGUF file with
+    quantized matrices under --dtype auto on the CPU (its weights are approximate already:
+    llama.cpp's own default KV type is f16; half the KV bytes, perplexity within 0.1% of
+    float32 KV on the default model, and the C decode kernels take bfloat16 pages); else
+    float32, so a float checkpoint (safetensors, or a GGUF of F32 / F16 tensors) keeps its
+    exact path."""
     if d.kv_cache_dtype != "auto":
         return d.kv_cache_dtype
-    return d.dtype if d.dtype in DTYPE_BYTES else "float32"
+    if d.dtype in DTYPE_BYTES:
+        return d.dtype
+    return "bfloat16" if d.dtype == "auto" and _quantized_gguf_on_cpu(d.model) else "float32"
+
+
+#: GGUF tensor types that are not quantized
+_FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _quantized_gguf_on_cpu(model: str) -> bool:
+    """`model` is a GGUF file with a quantized 2-D tensor, served on the CPU: MSTAR_DEVICE
+    says cpu, or (auto) the host has no NVIDIA driver (where it has one the worker may pick
+    CUDA, which computes a GGUF dequantized: float32 KV, as before). Read from the GGUF
+    summary every process shares (no torch here: the api and conductor never import it)."""
+    device = os.environ.get("MSTAR_DEVICE", "auto")
+    if device != "cpu" and (device != "auto" or os.path.exists("/proc/driver/nvidia/version")):
+        return False
+    try:
+        from shared.gguf_source import gguf_summary
+        from shared.model_source import ModelSource
+
+        source = ModelSource(model)
+        summary = gguf_summary(source.path) if source.kind == "gguf" else None
+    except Exception:  # an unreadable model is refused where it is loaded, not here
+        return False
+    if summary is None:
+        return False
+    return any(len(t["ne"]) == 2 and t["type"] not in _FLOAT_GGUF_TYPES for t in summary["tensors"])
 
 
 #: most draft tokens one step verifies, and the longest n-gram prompt lookup matches
@@ -111,7 +145,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: weights' dtype; "auto": a GGUF file's own quantized types (CPU), a checkpoint's dtype
     #: where the device computes it natively, else float32 (`WEIGHT_DTYPES`)
     dtype: str = "auto"
-    #: the KV pages' dtype; "auto": `dtype` when that names a float type, else float32
+    #: the KV pages' dtype; "auto": `dtype` when that names a float type, bfloat16 for a
+    #: quantized GGUF file on the CPU, else float32 (`kv_dtype`)
     kv_cache_dtype: str = "auto"
     #: "footprint" (mstar) or "max-seq-len": reserve max_seq_len rows per request, the
     #: baseline a server without layouts must use to never preempt (for benchmarks)
@@ -165,8 +200,8 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "dtype": ("dtype of the weights: auto keeps a GGUF file's quantized weights quantized (on the CPU) and a "
               "checkpoint's dtype where the device computes it natively (else float32); float32 dequantizes "
               "a GGUF file", WEIGHT_DTYPES),
-    "kv_cache_dtype": ("dtype of the KV pages (auto: --dtype when it names one, else float32; bfloat16 halves "
-                       "the KV bytes)", WEIGHT_DTYPES),
+    "kv_cache_dtype": ("dtype of the KV pages (auto: --dtype when it names one, bfloat16 for a quantized GGUF "
+                       "file on the CPU, else float32; bfloat16 halves the KV bytes)", WEIGHT_DTYPES),
     "admission": ("admit by each request's footprint, or by a max_seq_len reservation (a baseline for benchmarks)",
                   ADMISSION_MODES),
     "prefix_cache": ("share KV pages of repeated prompt prefixes (--no-prefix-cache: off)", None),
