@@ -56,20 +56,27 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def _pss_kb(pid: int) -> int:
+def _rollup_kb(pid: int) -> dict[str, int]:
+    """/proc/<pid>/smaps_rollup's kB fields (Pss, Pss_Anon, Pss_File, Anonymous, ...); {} if gone."""
+    out: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0])
     except OSError:
         pass
-    return 0
+    return out
 
 
 def tree_memory(root: int) -> dict:
     """Summed RSS (counts shared pages once per process, so it overstates) and summed PSS
-    (shared pages split between their users: what the tree costs the machine), in MiB."""
+    (shared pages split between their users: what the tree costs the machine), in MiB.
+    Per process also its PSS split into anonymous memory (heap, tensors, KV pages: what
+    the process itself allocated) and file pages (libraries, mapped weights), and its
+    anonymous RSS."""
     pids = process_tree(root)
     procs = []
     for pid in pids:
@@ -77,12 +84,16 @@ def tree_memory(root: int) -> dict:
             name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
         except OSError:
             continue
+        roll = _rollup_kb(pid)
         procs.append({"pid": pid, "cmd": name, "rss_mib": _status_kb(pid, "VmRSS") / 1024,
-                      "pss_mib": _pss_kb(pid) / 1024})
+                      "pss_mib": roll.get("Pss", 0) / 1024, "pss_anon_mib": roll.get("Pss_Anon", 0) / 1024,
+                      "pss_file_mib": roll.get("Pss_File", 0) / 1024, "anon_rss_mib": roll.get("Anonymous", 0) / 1024})
     return {
         "processes": len(procs),
         "rss_mib": sum(p["rss_mib"] for p in procs),
         "pss_mib": sum(p["pss_mib"] for p in procs),
+        "pss_anon_mib": sum(p["pss_anon_mib"] for p in procs),
+        "pss_file_mib": sum(p["pss_file_mib"] for p in procs),
         "per_process": procs,
     }
 
