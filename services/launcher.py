@@ -33,6 +33,8 @@ PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
 STABLE_S = 30.0  # a child that lived this long is no longer crash-looping
 MAX_BACKOFF_S = 30.0
+#: how often start-up asks /ready (a poll is one local HTTP request; ready is seen this much later at most)
+READY_POLL_S = 0.05
 
 
 def _die_with_parent() -> None:
@@ -157,7 +159,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 say(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", "ERROR")
                 return 1
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
         return 0
 
     def stop(self) -> None:
