@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
@@ -23,7 +24,7 @@ from services.gpu_worker.kv_memory import kv_cache, size_pool
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
-from services.gpu_worker.step_costs import calibrate
+from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
 from services.gpu_worker.weights import build_model, weight_dtype
 from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -154,6 +155,42 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     if d.itl_target_ms > 0 and spec.engine == "decoder":  # step costs for the time-budgeted scheduler
         t0 = time.time()
         with kv.untracked():
-            costs = calibrate(engine, spec, parts.pools, d.max_batch_tokens, d.max_num_seqs)
-        log.info("step costs learned in %.2fs: %s; prefill beside decode rows sized to %g ms steps",
-                 time.time() - t0, costs.describe(), d.itl_target_ms)
+            costs, cached = calibrate_cached(engine, spec, parts.pools, d.max_batch_tokens, d.max_num_seqs,
+                                             calibration_key_parts(parts, d))
+        log.info("step costs %s in %.2fs: %s; prefill beside decode rows sized to %g ms steps",
+                 "read from the cache" if cached else "learned", time.time() - t0, costs.describe(),
+                 d.itl_target_ms)
+
+
+def _device_name(model: torch.nn.Module) -> str:
+    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def calibration_key_parts(parts: Assembled, d: Deployment) -> dict | None:
+    """What a step-cost calibration depends on, for its cache key: the model's files (path,
+    size, mtime), the machine and kernel build, the threads, the pools (where too small to
+    hold every calibration prompt) and the deployment's limits; None when the model's files
+    cannot be read."""
+    from services.gpu_worker import tuning_cache
+    from services.gpu_worker.layers import quant
+    from shared.version import mstar_version
+
+    try:
+        model = tuning_cache.files_identity(parts.source.path)
+    except (OSError, TypeError):
+        return None
+    spec = parts.spec
+    # a pool's size matters only where it cannot hold every calibration prompt at once
+    prompts = [shape for group in calibration_groups(spec, d.max_batch_tokens, d.max_num_seqs) for shape in group]
+    pools = {}
+    for name, p in parts.pools.items():
+        enough = sum(pages_for(n + t + 1, p.page_size) for n, t in prompts) * max(1, len(spec.kv_labels))
+        pools[name] = [min(p.num_pages, enough), p.page_size, p.num_layers, p.kv_heads, p.head_dim]
+    limits = {k: v for k, v in msgspec.structs.asdict(d).items()
+              if k not in ("model", "num_kv_pages", "kv_memory_fraction")}
+    return {
+        "model": model, "spec": [type(spec).__name__, spec.engine, spec.max_seq_len], "limits": limits,
+        "pools": pools, "machine": tuning_cache.machine_identity(), "device": _device_name(parts.model),
+        "threads": [torch.get_num_threads(), quant.threads()], "software": [mstar_version(), torch.__version__],
+    }

@@ -163,6 +163,13 @@ class StepCosts:
 CALIBRATION_ROWS = 256
 
 
+def calibration_groups(spec, max_batch_tokens: int, max_num_seqs: int) -> list[list[tuple[int, int]]]:
+    """The prompts calibration runs, (rows, max_tokens) each, in groups run one after another."""
+    n_big = max(1, min(CALIBRATION_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
+    k = max(1, min(8, max_num_seqs, max_batch_tokens // 16))
+    return [[(n_big, 4)], [(min(16, n_big), 6)] * k, [(max(1, n_big // 4), 2)]]
+
+
 def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: int) -> StepCosts:
     """Learn the step costs before the first request: steps of known, varied shapes (a long
     prefill, a batch of short prompts, decode rows one and several at a time, a shorter
@@ -173,9 +180,7 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     from shared.frames import NewRequest, SamplingParams, pack_tensors
     from shared.specs.base import PromptRequest
 
-    n_big = max(1, min(CALIBRATION_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
-    k = max(1, min(8, max_num_seqs, max_batch_tokens // 16))
-    groups = [[(n_big, 4)], [(min(16, n_big), 6)] * k, [(max(1, n_big // 4), 2)]]
+    groups = calibration_groups(spec, max_batch_tokens, max_num_seqs)
     count = 0
     for _ in range(2):
         engine.scheduler.costs = StepCosts()
@@ -200,3 +205,60 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     costs = engine.scheduler.costs
     costs.anchor()
     return costs
+
+
+# -- the calibration, kept across starts ---------------------------------------------------
+#
+# A calibration measures this machine running this model through this build of the
+# kernels under these limits; the next start with all of them the same reads the fit back
+# (`tuning_cache`: ~/.cache/mstar/tuning, MSTAR_TUNING_CACHE) instead of spending a second
+# or more of steps on it. What is kept is the fit's sums (a, b, steps), from which `anchor`
+# solves the very prior the calibration left, and its coefficients, to check it by.
+
+#: bumped whenever what calibration runs changes
+CALIBRATION_VERSION = 1
+
+
+def costs_from_sums(a, b, steps: int) -> StepCosts:
+    """The model a calibration with these sums left: the same prior, the same fit."""
+    costs = StepCosts()
+    costs.a = np.array(a, dtype=np.float64).reshape(4, 4)
+    costs.b = np.array(b, dtype=np.float64).reshape(4)
+    costs.steps = int(steps)
+    costs.anchor()
+    return costs
+
+
+def costs_record(costs: StepCosts) -> dict:
+    return {"a": costs.a.tolist(), "b": costs.b.tolist(), "steps": costs.steps, "coef": costs.coef.tolist()}
+
+
+def costs_from_record(record: dict) -> StepCosts | None:
+    """The kept calibration, or None where it is not one calibration could have left
+    (non-finite, too few steps, or its coefficients not what its sums solve to)."""
+    try:
+        costs = costs_from_sums(record["a"], record["b"], record["steps"])
+    except np.linalg.LinAlgError:
+        return None
+    coef = np.array(record["coef"], dtype=np.float64)
+    fine = (np.isfinite(costs.a).all() and np.isfinite(costs.b).all() and costs.steps >= MIN_STEPS
+            and coef.shape == (4,) and np.allclose(costs.coef, coef, rtol=1e-9, atol=1e-15)
+            and costs.predict(StepShape(1, 1, 1)) > 0)
+    return costs if fine else None
+
+
+def calibrate_cached(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: int,
+                     key_parts: dict | None) -> tuple[StepCosts, bool]:
+    """`calibrate`'s model from the tuning cache when a calibration with the same
+    `key_parts` was kept, else `calibrate` (workers starting together calibrate once) and
+    kept; the engine's scheduler gets it either way. Returns (costs, whether cached).
+    `key_parts` None: always calibrated."""
+    from services.gpu_worker import tuning_cache
+
+    def measure() -> StepCosts:
+        return calibrate(engine, spec, pools, max_batch_tokens, max_num_seqs)
+
+    parts = None if key_parts is None else [CALIBRATION_VERSION, key_parts]
+    costs, hit = tuning_cache.cached("step-costs", parts, measure, costs_record, costs_from_record)
+    engine.scheduler.costs = costs
+    return costs, hit

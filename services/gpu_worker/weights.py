@@ -7,7 +7,9 @@ The torch class comes from the explicit spec -> model table
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 
 import gguf
@@ -17,7 +19,8 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from services.gpu_worker.layers import quant
+from services.gpu_worker import tuning_cache
+from services.gpu_worker.layers import quant, repack_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
 from shared.gguf_source import QuantTensor, load_gguf_weights
@@ -81,37 +84,101 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
         for f in tqdm(files, desc="loading safetensors", unit="file", file=sys.stderr):
             state.update(load_file(str(f)))
     # Build on the meta device (no random init of weights about to be overwritten).
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(config)
     if quant_state:
-        state.update(_install_quantized(model, quant_state, state))
+        state.update(_install_quantized(model, quant_state, state, source.path))
     if not cls.assigns_weights:
         model = model.to_empty(device="cpu")  # its load_weights copies into real tensors
     model.load_weights(state)
     model.reset_buffers()
     model = model.to(dtype).to(device).eval()
-    model.prepare()
+    with _single_threaded(bool(quant_state)):
+        model.prepare()
     if quant_state:
-        n = quant.tune_threads(model)
-        log.info("quantized GEMMs on %d thread%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1))
+        n, kept = _tune_threads(model, source)
+        log.info("quantized GEMMs on %d thread%s%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1),
+                 ", as measured at an earlier start" if kept else "")
     return model
 
 
+def _tune_threads(model: nn.Module, source: ModelSource) -> tuple[int, bool]:
+    """`quant.tune_threads`'s choice, measured once per model file, machine, kernel build
+    and `layers/quant.py` (`tuning_cache`), and set; (threads, whether kept from before)."""
+    if os.environ.get("MSTAR_COMPUTE_THREADS"):
+        return quant.tune_threads(model), False
+    try:
+        parts = [tuning_cache.files_identity(source.path), tuning_cache.machine_identity(),
+                 repack_cache.layout_digest(), torch.get_num_threads()]
+    except (OSError, TypeError):
+        parts = None
+    most = os.cpu_count() or 1
+
+    def check(record: dict) -> int | None:
+        n = record["threads"]
+        return n if isinstance(n, int) and 1 <= n <= most else None
+
+    n, kept = tuning_cache.cached("threads", parts, lambda: quant.tune_threads(model), lambda n: {"threads": n}, check)
+    quant.set_threads(n)
+    return n, kept
+
+
+#: the `nn.init` fills a module's constructor may call
+_INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+               "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """`nn.init`'s fills do nothing while the model is built on the meta device, where they
+    have no values to fill anyway: torch's meta `normal_` (nn.Embedding's init) runs a
+    Python reference wrapped to disable dynamo, whose first call imports torch._dynamo
+    (~1.4 s of a worker's start-up, for nothing). Only the main thread builds models."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FILLS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+@contextlib.contextmanager
+def _single_threaded(on: bool):
+    """torch's intra-op threads at 1 while `on`: a quantized model's `prepare` is copies
+    (torch.cat of the repacked weights, ~100 MB for SmolLM2-135M), which one thread does in
+    ~0.1 s, while two OpenMP threads on a two-core machine other processes also use took
+    0.9-2.4 s (each small cat waits at a barrier for a descheduled thread). Exact either way."""
+    n = torch.get_num_threads()
+    if on and n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
-                       state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                       state: dict[str, torch.Tensor], gguf_path=None) -> dict[str, torch.Tensor]:
     """Put a `QuantLinear` (`QuantEmbedding`) in place of each `nn.Linear` (`nn.Embedding`)
     whose weight is in `quant_state` (its bias, if any, popped from `state`); returns the
-    weights it could not keep quantized (another module type), dequantized."""
+    weights it could not keep quantized (another module type), dequantized. The repacked
+    forms come from the cache of the GGUF file at `gguf_path` (`repack_cache`), made and kept
+    there on a miss."""
+    repacked = repack_cache.repacked(gguf_path, quant_state)
     rest: dict[str, torch.Tensor] = {}
     for name, qt in quant_state.items():
         path = name.removesuffix(".weight")
         parent_name, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, leaf, None)
-        try:
-            layer = quant.QuantLinear.from_gguf(qt.qtype, qt.data, qt.shape)
-        except ValueError:
-            layer = None
+        layer = repack_cache.layer(repacked[name], qt.shape)
         if layer is not None and isinstance(old, nn.Linear):
             bias = state.pop(f"{path}.bias", None)
             layer.bias = None if bias is None else bias.float().contiguous()

@@ -1,0 +1,165 @@
+"""What a worker measures at start about this machine running this model, kept across
+starts: the quantized GEMMs' thread count (`quant.tune_threads`) and the scheduler's
+step-cost calibration (`step_costs.calibrate`). Both take a second or more of a start on a
+busy two-core machine; the next start with the same model files, kernel build, machine
+and limits reads them back.
+
+One small JSON file per measurement in `~/.cache/mstar/tuning` (`MSTAR_TUNING_CACHE`
+places it; `off`, `0`, `no` or `false` turns it off, and every start measures again),
+named by its kind and a hash of what it depends on, written to a temp file renamed into
+place, under a lock (workers starting together measure once), the `FILES_KEPT` most
+recently used kept. A file that does not parse, was made for another key, or that its
+reader's check refuses is measured again and overwritten, never used. Deleting the folder
+re-measures everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mstar.tuning_cache")
+
+#: bumped whenever what a file holds changes
+VERSION = 1
+#: files kept (the most recently used)
+FILES_KEPT = 64
+_OFF = ("0", "off", "no", "false", "none")
+
+
+def cache_dir() -> Path | None:
+    """`MSTAR_TUNING_CACHE`, else ~/.cache/mstar/tuning (a temp dir if home is read-only);
+    None when the cache is turned off."""
+    env = (os.environ.get("MSTAR_TUNING_CACHE") or "").strip()
+    if env.lower() in _OFF:
+        return None
+    base = Path(env) if env else Path.home() / ".cache" / "mstar" / "tuning"
+    for folder in (base, Path(tempfile.gettempdir()) / "mstar-tuning"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return folder
+        except OSError:
+            continue
+    return None
+
+
+def files_identity(path: str | Path) -> list:
+    """(path, size, mtime) of a model file, or of every file of a model folder."""
+    root = Path(path).resolve()
+    files = [root] if root.is_file() else sorted(f for f in root.iterdir() if f.is_file())
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def machine_identity() -> list:
+    """The CPU (model and feature flags), the CPUs this process may use, its cgroup's CPU
+    limit, and the C kernels' build (its file name carries the hash of sources and flags)."""
+    from services.gpu_worker import cpu_kernels
+    from shared.cgroup import cpu_limit
+
+    lib = cpu_kernels.library()
+    name = getattr(lib, "_name", None)
+    return [platform.machine(), cpu_kernels.cpu_signature(), os.cpu_count(), len(os.sched_getaffinity(0)),
+            cpu_limit(), None if name is None else Path(name).name, os.environ.get("MSTAR_CPU_KERNELS", "1")]
+
+
+def key(kind: str, parts: Any) -> str:
+    blob = json.dumps([VERSION, kind, parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _path(folder: Path, kind: str, parts: Any) -> tuple[Path, str]:
+    k = key(kind, parts)
+    return folder / f"{kind}-{k}.json", k
+
+
+def read(path: Path, k: str, check: Callable[[dict], Any]) -> Any:
+    """`check(record)` of the file at `path` for key `k`, or None: missing, unparsable,
+    another key, or refused by `check` (which raises or returns None)."""
+    try:
+        kept = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("tuning cache file %s is unreadable (%s); measuring again", path.name, exc)
+        return None
+    try:
+        if not isinstance(kept, dict) or kept.get("key") != k or kept.get("version") != VERSION:
+            raise ValueError("made for another key")
+        value = check(kept["record"])
+        if value is None:
+            raise ValueError("refused by its check")
+    except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+        log.warning("tuning cache file %s is unusable (%s); measuring again", path.name, exc)
+        return None
+    try:
+        os.utime(path)  # recently used: the last to be pruned
+    except OSError:
+        pass
+    return value
+
+
+def write(path: Path, k: str, record: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "key": k, "record": record}, f)
+        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    prune(path.parent)
+
+
+def prune(folder: Path) -> None:
+    try:
+        found = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in found[FILES_KEPT:]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".lock").unlink(missing_ok=True)
+    except OSError:
+        pass  # another process pruned it first
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    try:
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        yield False
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield True
+
+
+def cached(kind: str, parts: Any, measure: Callable[[], Any], to_record: Callable[[Any], dict],
+           check: Callable[[dict], Any]) -> tuple[Any, bool]:
+    """(value, whether it came from the cache): `check(record)` of the kept record for
+    (`kind`, `parts`), else `measure()` (under the lock), kept as `to_record(value)`.
+    `parts` None, or the cache off: always measured, nothing kept."""
+    folder = cache_dir() if parts is not None else None
+    if folder is None:
+        return measure(), False
+    path, k = _path(folder, kind, parts)
+    value = read(path, k, check)
+    if value is not None:
+        return value, True
+    with _locked(path):
+        value = read(path, k, check)  # another worker may have measured while this one waited
+        if value is not None:
+            return value, True
+        value = measure()
+        try:
+            write(path, k, to_record(value))
+        except OSError as exc:
+            log.warning("could not keep the %s measurement in %s: %s", kind, folder, exc)
+        return value, False

@@ -1,0 +1,175 @@
+"""The tuning cache (services/gpu_worker/tuning_cache.py): the step-cost calibration and the
+quantized GEMMs' thread count, measured once and read back at the next start with the
+same key; another key, a corrupt file or a tampered fit is measured again and never used;
+MSTAR_TUNING_CACHE=off measures every time and keeps nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker import step_costs, tuning_cache
+from services.gpu_worker.build import build_engine
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.step_costs import StepShape, calibrate_cached
+from services.gpu_worker.weights import build_model
+from shared.model_source import ModelSource
+from tests.checkpoints import make_checkpoint
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSTAR_TUNING_CACHE", str(tmp_path / "tuning"))
+    return tmp_path / "tuning"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("tuning") / "llama", "llama")
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    return spec, build_model(src, spec, torch.float32)
+
+
+def engine(spec, model):
+    pools = spec.paged_pools(64)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
+                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
+    return pools, kv, eng
+
+
+@pytest.fixture
+def calibrations(monkeypatch):
+    """How many times the engine was calibrated (cache misses)."""
+    calls = []
+    real = step_costs.calibrate
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_costs, "calibrate", counted)
+    return calls
+
+
+def cal(spec, model, parts):
+    pools, kv, eng = engine(spec, model)
+    with kv.untracked():
+        costs, hit = calibrate_cached(eng, spec, pools, 64, 8, parts)
+    assert eng.scheduler.costs is costs and kv.used_pages() == 0
+    return costs, hit
+
+
+def same_model(a, b) -> None:
+    assert np.array_equal(a.a, b.a) and np.array_equal(a.b, b.b) and a.steps == b.steps
+    assert np.array_equal(a.coef, b.coef) and np.array_equal(a.prior, b.prior)
+    assert a.predict(StepShape(64, 1, 2080)) == b.predict(StepShape(64, 1, 2080))
+
+
+PARTS = {"model": "m", "limits": {"max_batch_tokens": 64}}
+
+
+def test_a_calibration_is_kept_and_read_back_as_the_same_model(cache, calibrations, llama):
+    spec, model = llama
+    first, hit = cal(spec, model, PARTS)
+    assert not hit and calibrations == [1] and len(list(cache.glob("step-costs-*.json"))) == 1
+    second, hit = cal(spec, model, PARTS)
+    assert hit and calibrations == [1]
+    same_model(first, second)
+    assert second.ready and second.prior is not None
+
+
+def test_another_key_calibrates_again(cache, calibrations, llama):
+    spec, model = llama
+    cal(spec, model, PARTS)
+    _, hit = cal(spec, model, {**PARTS, "limits": {"max_batch_tokens": 128}})
+    assert not hit and len(calibrations) == 2 and len(list(cache.glob("step-costs-*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["not json", "truncated", "tampered coef", "another key", "too few steps", "nan"])
+def test_a_corrupt_or_tampered_calibration_is_measured_again(cache, calibrations, llama, damage):
+    spec, model = llama
+    cal(spec, model, PARTS)
+    (path,) = cache.glob("step-costs-*.json")
+    text = path.read_text()
+    kept = json.loads(text)
+    if damage == "not json":
+        text = "{nope"
+    elif damage == "truncated":
+        text = text[: len(text) // 2]
+    else:
+        if damage == "tampered coef":
+            kept["record"]["coef"][0] += 1.0
+        elif damage == "another key":
+            kept["key"] = "0" * 32
+        elif damage == "too few steps":
+            kept["record"]["steps"] = 1
+        else:
+            kept["record"]["b"][0] = float("nan")
+        text = json.dumps(kept)
+    path.write_text(text)
+    again, hit = cal(spec, model, PARTS)
+    assert not hit and len(calibrations) == 2
+    assert json.loads(path.read_text())["record"]["coef"] == again.coef.tolist()  # rewritten whole
+    _, hit = cal(spec, model, PARTS)
+    assert hit
+
+
+def test_off_by_env_or_no_key_always_calibrates(tmp_path, monkeypatch, calibrations, llama):
+    spec, model = llama
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MSTAR_TUNING_CACHE", "off")
+    assert tuning_cache.cache_dir() is None
+    for _ in range(2):
+        assert not cal(spec, model, PARTS)[1]
+    monkeypatch.setenv("MSTAR_TUNING_CACHE", str(tmp_path / "tuning"))
+    assert not cal(spec, model, None)[1]
+    assert len(calibrations) == 3 and not list(tmp_path.rglob("*.json"))
+
+
+def test_the_thread_count_is_measured_once(cache, tmp_path, monkeypatch):
+    from services.gpu_worker.layers import quant
+    from services.gpu_worker.weights import _tune_threads
+
+    monkeypatch.delenv("MSTAR_COMPUTE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    calls = []
+
+    def tune(model):
+        calls.append(1)
+        quant.set_threads(3)
+        return 3
+
+    monkeypatch.setattr(quant, "tune_threads", tune)
+    before = quant.threads()
+    try:
+        src = ModelSource(str(make_checkpoint(tmp_path / "m", "llama")))
+        assert _tune_threads(None, src) == (3, False)
+        quant.set_threads(1)
+        assert _tune_threads(None, src) == (3, True) and quant.threads() == 3 and calls == [1]
+        (path,) = cache.glob("threads-*.json")
+        kept = json.loads(path.read_text())
+        kept["record"]["threads"] = 99  # more than the machine has: refused, measured again
+        path.write_text(json.dumps(kept))
+        assert _tune_threads(None, src) == (3, False) and len(calls) == 2
+        monkeypatch.setenv("MSTAR_COMPUTE_THREADS", "2")  # set by hand: tune_threads reads it, nothing kept
+        _tune_threads(None, src)
+        assert len(calls) == 3
+    finally:
+        quant.set_threads(before)
+
+
+def test_the_key_follows_the_model_files(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    a = tuning_cache.key("k", tuning_cache.files_identity(f))
+    assert a == tuning_cache.key("k", tuning_cache.files_identity(f))
+    os.utime(f, ns=(0, 10**9))
+    assert a != tuning_cache.key("k", tuning_cache.files_identity(f))
