@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.aio import run_service
 from shared.config import (
     add_address_flags,
     add_deployment_flags,
     deployment_from_args,
     resolve_addresses,
 )
-from shared.fingerprint import fingerprint
 from shared.logs import add_logging_flags, setup_logging
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError, ModelSpec
@@ -42,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log = setup_logging("conductor", args.log_level, args.log_format)
     d = deployment_from_args(args)
+    # here, not at the top: the launcher imports validate_deployment alone (its preflight)
+    # and would carry the event loop, ZMQ and the frames for the rest of its life
+    from shared.aio import run_service
+    from shared.fingerprint import fingerprint
+
     try:
         spec = validate_deployment(d.model, d.page_size, d.max_seq_len)
         ours = fingerprint(d)
