@@ -131,6 +131,14 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qlinear.restype = ctypes.c_int
         lib.mstar_qlinear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int,
                                       ptr]
+        lib.mstar_pool_threads.restype = ctypes.c_int
+        lib.mstar_pool_threads.argtypes = []
+        lib.mstar_pool_set_threads.restype = lib.mstar_pool_set_spin_us.restype = lib.mstar_pool_stats.restype = None
+        lib.mstar_pool_set_threads.argtypes = [ctypes.c_int]
+        lib.mstar_pool_set_spin_us.argtypes = [ctypes.c_double]
+        lib.mstar_pool_stats.argtypes = [ptr]
+        lib.mstar_pool_check.restype = i64
+        lib.mstar_pool_check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None

@@ -25,12 +25,15 @@
  * float additions): x's rounding is the only approximation. The Q8 form's +128 is taken
  * back exactly in int32: 128 * (256 sum(q1) + sum(q2)) per half block.
  *
- * Output column tiles are split over `threads` OpenMP threads (each column's sum is computed
- * the same way whichever thread runs it, so results do not depend on the thread count).
+ * Output column tiles and row blocks are split over the threads of pool.c's pool (tasks taken
+ * from a shared counter: a busy core's thread just takes fewer); each output is computed the
+ * same way whichever thread runs it, so results do not depend on the thread count or split.
  * Needs AVX-512 VNNI (mstar_qgemm_available() is 0 elsewhere and the caller dequantizes).
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "pool.h"
 
 int64_t mstar_qgemm_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -157,35 +160,93 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t);                    \
     }
 
+/* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
+ * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
+ * each output element is made by the same tile() call on the same rows (row groups of MR
+ * start at multiples of MR either way), so the result does not depend on the split. */
+struct qjob {
+    int form;
+    const float *x;
+    int8_t *q1s, *q2s;
+    float *dx, *sx;
+    int32_t *corr;
+    int64_t m, k, lda, kp, n, ldc, tiles;
+    const uint8_t *w;
+    const float *d, *mn, *bias;
+    float *out;
+    int64_t ct, rb, nrb, qrows;
+};
+
+static void gemm_task(void *p, int task) {
+    const struct qjob *j = (const struct qjob *)p;
+    const int8_t *q1s = j->q1s, *q2s = j->q2s;
+    const float *dx = j->dx, *sx = j->sx, *d = j->d, *mn = j->mn, *bias = j->bias;
+    const int32_t *corr = j->corr;
+    const uint8_t *w = j->w;
+    float *out = j->out;
+    const int64_t kp = j->kp, ldc = j->ldc, n = j->n;
+    const int64_t t0 = task / j->nrb * j->ct, t1 = t0 + j->ct < j->tiles ? t0 + j->ct : j->tiles;
+    const int64_t ra = task % j->nrb * j->rb, rz = ra + j->rb < j->m ? ra + j->rb : j->m;
+    /* column tiles in slices that stay in L1/L2 while every row group reads them */
+    for (int64_t s0 = t0; s0 < t1; s0 += 8) {
+        const int64_t s1 = s0 + 8 < t1 ? s0 + 8 : t1;
+        for (int64_t r0 = ra; r0 < rz; r0 += MR) {
+            const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
+            for (int64_t t = s0; t < s1; t++) {
+                if (j->form == 4) { TILE_ROWS(4) } else { TILE_ROWS(8) }
+            }
+        }
+    }
+}
+
+static void quantize_task(void *p, int task) {
+    const struct qjob *j = (const struct qjob *)p;
+    const int64_t r0 = task * j->qrows, r1 = r0 + j->qrows < j->m ? r0 + j->qrows : j->m, kb = j->kp / 32;
+    quantize_rows(j->x + r0 * j->lda, r1 - r0, j->k, j->lda, j->q1s + r0 * j->kp, j->q2s + r0 * j->kp,
+                  j->dx + r0 * kb, j->sx + r0 * kb, j->corr + r0 * kb * 2);
+}
+
+#define TASK_NS 2000 /* the least work a task is given (task claims cost ~0.1 us) */
+#define TASKS_PER_THREAD 8
+
 /* x [m, lda] floats -> out [m, ldc] (columns < n). form 4 or 8; w, d, mn in the tiled
- * layout above; scratch: at least mstar_qlinear_scratch(m, k) bytes. Returns 0, or -1
- * for a form it does not take. */
+ * layout above; scratch: at least mstar_qlinear_scratch(m, k) bytes. `threads` > 0: run on
+ * up to that many threads of the pool (pool.c; its workers are started if fewer), <= 0: on
+ * the pool's default count (mstar_pool_threads()); the result is the same bits either way.
+ * Returns 0, or -1 for a form it does not take. */
 int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp, const float *d,
                   const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
     if ((form != 4 && form != 8) || (form == 4 && !mn)) return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
-    int8_t *q1s = (int8_t *)scratch, *q2s = q1s + m * kp;
-    float *dx = (float *)(q2s + m * kp), *sx = dx + m * kb; /* 2 m kp is a multiple of 64: aligned */
-    int32_t *corr = (int32_t *)(sx + m * kb);
-    const uint8_t *w = (const uint8_t *)wp;
-    quantize_rows(x, m, k, lda, q1s, q2s, dx, sx, corr);
-    if (threads < 1) threads = 1;
-    const int64_t chunk = (tiles + threads - 1) / threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int th = 0; th < threads; th++) {
-        const int64_t t0 = th * chunk, t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
-        /* column tiles in slices that stay in L2 while every row group reads them */
-        for (int64_t s0 = t0; s0 < t1; s0 += 8) {
-            const int64_t s1 = s0 + 8 < t1 ? s0 + 8 : t1;
-            for (int64_t r0 = 0; r0 < m; r0 += MR) {
-                const int mr = m - r0 < MR ? (int)(m - r0) : MR;
-                for (int64_t t = s0; t < s1; t++) {
-                    if (form == 4) { TILE_ROWS(4) } else { TILE_ROWS(8) }
-                }
-            }
-        }
-    }
+    struct qjob j = {.form = form, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
+                     .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias, .out = out};
+    j.q1s = (int8_t *)scratch;
+    j.q2s = j.q1s + m * kp;
+    j.dx = (float *)(j.q2s + m * kp); /* 2 m kp is a multiple of 64: aligned */
+    j.sx = j.dx + m * kb;
+    j.corr = (int32_t *)(j.sx + m * kb);
+    if (threads <= 0) threads = mstar_pool_threads();
+    if (m <= 0 || tiles <= 0) return 0;
+    /* x rounded: in blocks of 8 rows over the threads when there are many */
+    j.qrows = 8;
+    if (threads > 1 && m >= 32)
+        mstar_parallel_for_n((int)((m + j.qrows - 1) / j.qrows), threads, quantize_task, &j);
+    else
+        quantize_rows(x, m, k, lda, j.q1s, j.q2s, j.dx, j.sx, j.corr);
+    /* the grid: row blocks of 32, column chunks of about tiles / (8 threads / row blocks)
+     * tiles, but at least TASK_NS of work (~ kb (weight + 6 ns per row) ns per tile) */
+    j.rb = m > 32 ? 32 : m;
+    j.nrb = (m + j.rb - 1) / j.rb;
+    const int64_t per_tile = kb * ((form == 4 ? 8 : 25) + 6 * j.rb);
+    const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
+    int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
+    int64_t ct = (tiles + chunks - 1) / chunks;
+    if (ct < least) ct = least;
+    if (ct > tiles) ct = tiles;
+    j.ct = ct;
+    chunks = (tiles + ct - 1) / ct;
+    mstar_parallel_for_n((int)(chunks * j.nrb), threads, gemm_task, &j);
     return 0;
 }
 

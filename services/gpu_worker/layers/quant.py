@@ -26,14 +26,14 @@ Other types (Q2_K, Q3_K, the IQ types) are dequantized to float32 at load, as
 The layout is the kernel's: output columns in tiles of 16, one per 32-bit lane, so that a
 block of 32 values is eight 64-byte vectors multiplied by x broadcast, never shuffled
 (qgemm.c). The kernel's scratch (x rounded) is one buffer per process, reused: calls come
-from one thread at a time (the worker's step loop), each call splitting its own columns
-over `threads()` OpenMP threads.
+from one thread at a time (the worker's step loop), each call splitting its columns and rows
+over `threads()` threads of a persistent pool (kernels/pool.c: a busy core's thread takes
+fewer tasks, the calling thread the rest).
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import gguf
 import numpy as np
@@ -41,12 +41,21 @@ import torch
 from torch import nn
 
 from services.gpu_worker import cpu_kernels
+from shared.cgroup import available_cpus
 
 FORM4 = ("Q4_0", "Q4_1", "Q4_K")
 FORM8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 KEPT_TYPES = frozenset(FORM4 + FORM8)
 
-_threads = max(1, int(os.environ.get("MSTAR_COMPUTE_THREADS", "1")))
+def default_threads() -> int:
+    """`MSTAR_COMPUTE_THREADS` if set, else every CPU the process may use (affinity mask and
+    cgroup quota, shared/cgroup.py): the pool (kernels/pool.c) degrades to the calling thread
+    alone when the other cores are busy, so more threads than are free cost about nothing."""
+    env = os.environ.get("MSTAR_COMPUTE_THREADS")
+    return max(1, int(env)) if env else available_cpus()
+
+
+_threads = default_threads()
 
 
 def available() -> bool:
@@ -55,9 +64,13 @@ def available() -> bool:
 
 
 def set_threads(n: int) -> None:
-    """Threads each quantized GEMM splits its output columns over."""
+    """Threads each quantized GEMM splits its work over (the caller and n - 1 pool workers;
+    1: the calling thread alone); starts or stops the pool's workers."""
     global _threads
     _threads = max(1, int(n))
+    lib = cpu_kernels.library()
+    if lib is not None:
+        lib.mstar_pool_set_threads(_threads)
 
 
 def threads() -> int:
@@ -65,40 +78,20 @@ def threads() -> int:
 
 
 def tune_threads(model: nn.Module, most: int | None = None) -> int:
-    """Pick the threads the quantized GEMMs split over by measurement (MSTAR_COMPUTE_THREADS,
-    if set, wins): each distinct `QuantLinear` shape under `model` at a decode step's row
-    counts (1 and 16), the median of five passes per candidate count 1..`most` (default:
-    every core). More threads must be 1.3x faster to be chosen: a thread the OS deschedules
-    stalls every GEMM at its barrier, so on a busy machine one thread is the safe choice.
-    Sets and returns the count."""
-    if os.environ.get("MSTAR_COMPUTE_THREADS"):
-        set_threads(int(os.environ["MSTAR_COMPUTE_THREADS"]))
-        return _threads
-    shapes: dict[tuple[int, int, int], QuantLinear] = {}
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            shapes.setdefault((m.form, m.in_features, m.out_features), m)
-    most = most or os.cpu_count() or 1
-    if not shapes or most < 2:
-        set_threads(1)
-        return 1
-    xs = {k: torch.randn(16, k) for k in {m.in_features for m in shapes.values()}}
-    best, best_s = 1, float("inf")
-    with torch.inference_mode():
-        for n in range(1, most + 1):
-            set_threads(n)
-            passes = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for layer in shapes.values():
-                    layer(xs[layer.in_features][:1])
-                    layer(xs[layer.in_features])
-                passes.append(time.perf_counter() - t0)
-            took = sorted(passes)[2]
-            if took * 1.3 < best_s or n == 1:
-                best, best_s = n, took
-    set_threads(best)
-    return best
+    """Set the quantized GEMMs' threads for `model` (kept for the loader's call; nothing is
+    measured any more): `MSTAR_COMPUTE_THREADS` if set, else the CPUs available (at most
+    `most`), or 1 where the model has no `QuantLinear`. With OpenMP a descheduled thread
+    stalled every GEMM at its barrier, so this used to demand 1.3x at load; the pool's caller
+    runs every task a busy worker does not take, so more threads are no longer a risk.
+    Returns the count."""
+    n = default_threads()
+    if not os.environ.get("MSTAR_COMPUTE_THREADS"):
+        if most:
+            n = min(n, most)
+        if not any(isinstance(m, QuantLinear) for m in model.modules()):
+            n = 1
+    set_threads(n)
+    return n
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
