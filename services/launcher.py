@@ -263,13 +263,14 @@ def _add_check(sub) -> None:
 def preflight(d: Deployment, chat_template: str | None) -> str | None:
     """What the conductor would refuse, checked here before any child starts: None when
     the deployment is fine, else the one-line reason."""
-    from services.api.chat_template import read_template_file
     from services.conductor.__main__ import validate_deployment
     from shared.specs.base import DeploymentError
 
     try:
         validate_deployment(d.model, d.page_size, d.max_seq_len)
-        if chat_template:
+        if chat_template:  # imported only then: the api's modules are ~0.1 s of every start
+            from services.api.chat_template import read_template_file
+
             read_template_file(chat_template)
     except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
         return " ".join(str(exc).split()) or type(exc).__name__
