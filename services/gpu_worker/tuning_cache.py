@@ -31,8 +31,9 @@ log = logging.getLogger("mstar.tuning_cache")
 
 #: bumped whenever what a file holds changes
 VERSION = 1
-#: files kept (the most recently used)
-FILES_KEPT = 64
+#: files kept (the most recently used; ~0.5 KB each, so that a test suite's tiny models do
+#: not push out the served model's)
+FILES_KEPT = 512
 _OFF = ("0", "off", "no", "false", "none")
 
 

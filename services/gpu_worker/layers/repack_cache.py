@@ -49,8 +49,9 @@ LAYOUT_VERSION = 1
 MAGIC = b"MSTARRP1"
 ALIGN = 64
 SUFFIX = ".rpk"
-#: files kept in the cache folder at most (the most recently used)
-FILES_KEPT = 16
+#: files kept in the cache folder at most (the most recently used): the byte cap is what
+#: binds for real models; the count only bounds a folder of tiny ones (a test suite's)
+FILES_KEPT = 256
 DEFAULT_MAX_BYTES = 8 << 30
 _OFF = ("0", "off", "no", "false", "none")
 
