@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import time
@@ -32,6 +33,13 @@ SHAPES = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 
 def layer(qtype: str, n: int, k: int, rng) -> quant.QuantLinear:
     raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
     return quant.QuantLinear.from_gguf(qtype, raw, (n, k))
+
+
+def cpu_busy() -> float:
+    """CPU-seconds the whole machine has spent busy (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -53,6 +61,7 @@ def main() -> None:
     xs = {(r, k): torch.randn(r, k) for r in a.rows for k in {s[2] for s in shapes}}
     busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(a.busy)]
     times: dict[tuple, list[float]] = {}
+    busy0, own0, wall0 = cpu_busy(), time.process_time(), time.monotonic()
     try:
         time.sleep(0.2 if busy else 0)
         with torch.inference_mode():
@@ -73,8 +82,10 @@ def main() -> None:
     finally:
         for p in busy:
             p.kill()
+    others = (cpu_busy() - busy0 - (time.process_time() - own0)) / (time.monotonic() - wall0)
     print(f"us per call: median of {a.rounds} rounds [min-max] (each round the median of {a.calls} calls)"
-          + (f", {a.busy} busy-loop process(es)" if a.busy else ""))
+          + (f", {a.busy} busy-loop process(es)" if a.busy else "")
+          + f"; other processes used {others:.2f} of {len(os.sched_getaffinity(0))} CPUs meanwhile")
     lib = cpu_kernels.library()
     if hasattr(lib, "mstar_pool_stats"):
         st = (ctypes.c_int64 * 4)()

@@ -38,6 +38,7 @@ def test_every_task_runs_once_per_job(restore_threads):
     lib = cpu_kernels.library()
     for threads in (2, 3, 5):
         assert lib.mstar_pool_check(2000, 37, threads) == 0
+    assert lib.mstar_pool_check(100, 3001, 2) == 0  # more tasks than slots: claimed in runs
     quant.set_threads(2)
     assert lib.mstar_pool_check(500, 9, 0) == 0  # the pool's default count
     quant.set_threads(1)

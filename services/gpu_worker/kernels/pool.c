@@ -1,20 +1,22 @@
 /* The CPU kernels' thread pool (pool.h): persistent workers that spin briefly after each job
  * (the gaps between a decode step's GEMMs are ~5-30 us of Python), then sleep on a futex.
  *
- * One job at a time: the caller writes (fn, ctx, ntasks, threads), then publishes the 64-bit
- * `counter` = generation << 32 | next task, and `seq` = generation (the workers' futex word,
- * woken only when one sleeps). Everyone, the caller included, claims a task by a CAS on
- * `counter` that keeps the generation, so a worker that read an older job's descriptor can
- * never take a newer job's task: when a job is done the caller closes its counter (index
- * CLOSED) before writing the next descriptor (a seqlock: a worker whose read of the
- * descriptor overlapped that write sees the closed counter after its acquire fence, so its
- * claim fails). Finished tasks are counted in `done`; the caller waits until the workers
- * have finished every task they claimed (spinning, then on a futex), never for a worker that
- * has not claimed one: with the other cores busy it runs every task itself.
+ * One job at a time. The caller writes the job (fn, ctx, ntasks, threads), opens its task
+ * slots (slot[s] = generation << 1: tasks in up to SLOTS runs), then publishes `seq` = the
+ * generation (the workers' futex word, woken only when one sleeps). Everyone, the caller
+ * included, claims a slot by a CAS from "open in generation g" to "claimed": a worker that
+ * read an older job's descriptor expects its own generation, which no slot holds any more,
+ * so it can never run a newer job's task with an old job's pointers. Each thread starts at
+ * its own share of the slots (the caller at the first, worker i at the (i + 1)-th of
+ * `threads`) and goes on round the rest, so on an idle machine each thread gets the same
+ * columns call after call (they stay in its L2), and a late thread's share is taken by the
+ * others. Finished slots are counted in `done`; the caller waits until the workers have
+ * finished every slot they claimed (spinning, then on a futex), never for a worker that has
+ * not claimed one: with the other cores busy it runs every task itself.
  *
- * A worker that finds it was descheduled while spinning (a jump of the clock) sleeps at once:
- * spinning on a core another process wants only slows both. fork() leaves the child with
- * no workers; they are started again at its first job.
+ * A worker that finds it was descheduled while spinning (a jump of the clock) sleeps at once,
+ * and a spinning worker yields every few microseconds: spinning on a core another thread
+ * wants only slows both. fork() leaves the child with no workers; its first job starts them.
  */
 #define _GNU_SOURCE
 #include "pool.h"
@@ -32,9 +34,10 @@
 #include <unistd.h>
 
 #define MAX_THREADS 64
-#define CLOSED 0xFFFFFFFFu
+#define SLOTS 1024 /* a job's tasks are claimed in at most this many runs */
 #define PREEMPTED_NS 40000 /* a clock jump this long while spinning: the worker was descheduled */
 #define YIELD_NS 8000      /* a spinning worker yields this often (lets a thread sharing its core run) */
+#define WORK_YIELD_NS 10000 /* and a working one between tasks: descheduled then, it holds none */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -59,55 +62,70 @@ static void futex_wake(_Atomic uint32_t *word, int n) {
 }
 
 static struct {
-    _Alignas(64) _Atomic uint64_t counter; /* generation << 32 | next task index (CLOSED: none) */
-    _Alignas(64) _Atomic uint32_t done;    /* tasks the workers finished in this job */
-    _Atomic uint32_t caller_waiting;       /* the caller sleeps on `done` */
-    _Alignas(64) _Atomic uint32_t seq;     /* generation of the latest job: the workers' futex word */
+    _Alignas(64) _Atomic uint32_t slot[SLOTS]; /* generation << 1 | claimed */
+    _Alignas(64) _Atomic uint32_t done;        /* slots the workers finished in this job */
+    _Atomic uint32_t caller_waiting;           /* the caller sleeps on `done` */
+    _Alignas(64) _Atomic uint32_t seq;         /* generation of the latest job: the workers' futex word */
     _Atomic uint32_t sleepers;
-    _Atomic(mstar_task_fn) fn;            /* the job: written only while `counter` is closed */
+    _Atomic(mstar_task_fn) fn;                /* the job, written before `seq` is published */
     _Atomic(void *) ctx;
-    _Atomic uint32_t ntasks;
-    _Atomic int nthreads;
-    _Alignas(64) _Atomic int busy;         /* a job is being run (another one runs inline) */
-    _Atomic int keep;                      /* workers with an index below this stay */
+    _Atomic int ntasks, per, nslots, nthreads;
+    _Alignas(64) _Atomic int busy;             /* a job is being run (another one runs inline) */
+    _Atomic int keep;                          /* workers with an index below this stay */
     _Atomic int64_t spin_ns;
-    int started;                           /* workers running (indexes 0 .. started - 1) */
-    int threads;                           /* the default thread count */
-    uint32_t gen;                          /* the caller's last generation */
+    int started;                               /* workers running (indexes 0 .. started - 1) */
+    int threads;                               /* the default thread count */
+    uint32_t gen;                              /* the latest generation (31 bits, never 0) */
     pthread_t tids[MAX_THREADS];
-    uint32_t born[MAX_THREADS];            /* the generation each worker was started at */
-    _Atomic int64_t stats[4];              /* jobs, tasks, tasks run by workers, wakes */
+    uint32_t born[MAX_THREADS];                /* the generation each worker was started at */
+    _Atomic int64_t stats[4];                  /* jobs, tasks, tasks run by workers, wakes */
 } P = {.threads = 1, .spin_ns = 100000};
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static void claim_loop(uint32_t g, uint32_t n, mstar_task_fn fn, void *ctx, int worker, uint32_t *mine) {
-    uint64_t c = atomic_load_explicit(&P.counter, memory_order_relaxed);
-    for (;;) {
-        if ((uint32_t)(c >> 32) != g || (uint32_t)c >= n) return;
-        if (!atomic_compare_exchange_weak(&P.counter, &c, c + 1)) continue;
-        fn(ctx, (int)(uint32_t)c);
+static uint32_t next_gen(void) {
+    P.gen = (P.gen + 1) & 0x7FFFFFFF;
+    if (!P.gen) P.gen = 1;
+    return P.gen;
+}
+
+/* claim and run open slots of generation g, from slot `home` round; returns how many */
+static uint32_t claim(uint32_t g, int home, int nslots, int per, int ntasks, mstar_task_fn fn, void *ctx,
+                      int worker) {
+    const uint32_t open = g << 1;
+    uint32_t ran = 0;
+    int64_t since = worker ? now_ns() : 0;
+    for (int i = 0; i < nslots; i++) {
+        const int s = home + i < nslots ? home + i : home + i - nslots;
+        uint32_t v = atomic_load_explicit(&P.slot[s], memory_order_relaxed);
+        if (v != open || !atomic_compare_exchange_strong(&P.slot[s], &v, open | 1)) continue;
+        const int t1 = (s + 1) * per < ntasks ? (s + 1) * per : ntasks;
+        for (int t = s * per; t < t1; t++) fn(ctx, t);
+        ran++;
         if (worker) {
             atomic_fetch_add(&P.done, 1);
             if (atomic_load(&P.caller_waiting)) futex_wake(&P.done, 1);
-        } else {
-            ++*mine;
+            const int64_t t = now_ns();
+            if (t - since > WORK_YIELD_NS) { /* holding no task: let a thread waiting for this core run now */
+                sched_yield();
+                since = t;
+            }
         }
-        c = atomic_load_explicit(&P.counter, memory_order_relaxed);
     }
+    return ran;
 }
 
-/* a worker's part of the job published as `counter` holds now */
-static void help(int index) {
-    uint64_t c = atomic_load_explicit(&P.counter, memory_order_acquire);
-    if ((uint32_t)c == CLOSED) return;
+/* a worker's part of job g (nothing if that job is over: no slot is open in g any more) */
+static void help(int index, uint32_t g) {
     mstar_task_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
     void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
-    uint32_t n = atomic_load_explicit(&P.ntasks, memory_order_relaxed);
-    int nthreads = atomic_load_explicit(&P.nthreads, memory_order_relaxed);
-    atomic_thread_fence(memory_order_acquire); /* then a torn read sees the counter closed */
-    if (index + 1 >= nthreads) return;
-    claim_loop((uint32_t)(c >> 32), n, fn, ctx, 1, NULL);
+    const int ntasks = atomic_load_explicit(&P.ntasks, memory_order_relaxed);
+    const int per = atomic_load_explicit(&P.per, memory_order_relaxed);
+    const int nslots = atomic_load_explicit(&P.nslots, memory_order_relaxed);
+    const int nthreads = atomic_load_explicit(&P.nthreads, memory_order_relaxed);
+    if (index + 1 >= nthreads || nslots <= 0 || nslots > SLOTS) return;
+    const int home = (int)((int64_t)(index + 1) * nslots / nthreads);
+    claim(g, home, nslots, per, ntasks, fn, ctx, 1);
 }
 
 static void *worker_main(void *arg) {
@@ -139,7 +157,7 @@ static void *worker_main(void *arg) {
         }
         seen = s;
         if (index >= atomic_load(&P.keep)) return NULL;
-        help(index);
+        help(index, s);
     }
 }
 
@@ -159,9 +177,8 @@ static void init(void) {
 
 /* a new generation with no tasks (wakes every worker: those past `keep` exit) */
 static void publish_empty(void) {
-    const uint32_t g = ++P.gen;
-    atomic_store(&P.counter, (uint64_t)g << 32 | CLOSED);
-    atomic_store(&P.seq, g);
+    atomic_store_explicit(&P.nslots, 0, memory_order_relaxed);
+    atomic_store(&P.seq, next_gen());
     futex_wake(&P.seq, INT_MAX);
 }
 
@@ -229,27 +246,27 @@ void mstar_parallel_for_n(int ntasks, int threads, mstar_task_fn fn, void *ctx) 
     }
     pthread_once(&once, init);
     if (P.started < threads - 1) resize(threads - 1);
-    const uint32_t g = ++P.gen;
-    atomic_thread_fence(memory_order_release); /* the last job's counter is closed before this */
+    const uint32_t g = next_gen();
+    const int per = (ntasks + SLOTS - 1) / SLOTS, nslots = (ntasks + per - 1) / per;
     atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&P.ntasks, (uint32_t)ntasks, memory_order_relaxed);
+    atomic_store_explicit(&P.ntasks, ntasks, memory_order_relaxed);
+    atomic_store_explicit(&P.per, per, memory_order_relaxed);
+    atomic_store_explicit(&P.nslots, nslots, memory_order_relaxed);
     atomic_store_explicit(&P.nthreads, threads, memory_order_relaxed);
+    for (int s = 0; s < nslots; s++) atomic_store_explicit(&P.slot[s], g << 1, memory_order_relaxed);
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
-    atomic_store_explicit(&P.counter, (uint64_t)g << 32, memory_order_release);
-    atomic_store(&P.seq, g);
+    atomic_store(&P.seq, g); /* releases all of the above */
     if (atomic_load(&P.sleepers)) {
         futex_wake(&P.seq, threads - 1);
         atomic_fetch_add_explicit(&P.stats[3], 1, memory_order_relaxed);
     }
-    uint32_t mine = 0;
-    claim_loop(g, (uint32_t)ntasks, fn, ctx, 0, &mine);
-    const uint32_t theirs = (uint32_t)ntasks - mine;
+    const uint32_t theirs = (uint32_t)nslots - claim(g, 0, nslots, per, ntasks, fn, ctx, 0);
     if (atomic_load(&P.done) != theirs) {
         const int64_t t0 = now_ns();
         for (unsigned i = 1; atomic_load(&P.done) != theirs; i++) {
             cpu_relax();
-            if (i % 32 == 0 && now_ns() - t0 > 20000) { /* a worker holds a task: sleep until it ends */
+            if (i % 32 == 0 && now_ns() - t0 > 20000) { /* a worker holds a slot: sleep until it ends */
                 atomic_store(&P.caller_waiting, 1);
                 uint32_t d;
                 while ((d = atomic_load(&P.done)) != theirs) futex_wait(&P.done, d);
@@ -258,10 +275,9 @@ void mstar_parallel_for_n(int ntasks, int threads, mstar_task_fn fn, void *ctx) 
             }
         }
     }
-    atomic_store(&P.counter, (uint64_t)g << 32 | CLOSED);
     atomic_fetch_add_explicit(&P.stats[0], 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&P.stats[1], ntasks, memory_order_relaxed);
-    atomic_fetch_add_explicit(&P.stats[2], theirs, memory_order_relaxed);
+    atomic_fetch_add_explicit(&P.stats[2], (int64_t)theirs * per, memory_order_relaxed);
     atomic_store(&P.busy, 0);
 }
 

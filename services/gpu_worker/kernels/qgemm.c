@@ -206,7 +206,8 @@ static void quantize_task(void *p, int task) {
                   j->dx + r0 * kb, j->sx + r0 * kb, j->corr + r0 * kb * 2);
 }
 
-#define TASK_NS 2000 /* the least work a task is given (task claims cost ~0.1 us) */
+#define TASK_NS 2000  /* the least work a task is given (a claim costs ~0.1 us) */
+#define TASK_MAX_NS 30000 /* the most: the caller waits out a task a descheduled worker holds */
 #define TASKS_PER_THREAD 8
 
 /* x [m, lda] floats -> out [m, ldc] (columns < n). form 4 or 8; w, d, mn in the tiled
@@ -235,13 +236,15 @@ int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, c
     else
         quantize_rows(x, m, k, lda, j.q1s, j.q2s, j.dx, j.sx, j.corr);
     /* the grid: row blocks of 32, column chunks of about tiles / (8 threads / row blocks)
-     * tiles, but at least TASK_NS of work (~ kb (weight + 6 ns per row) ns per tile) */
+     * tiles, but at least TASK_NS and at most TASK_MAX_NS of work (~ kb (weight + 6 ns per
+     * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
     const int64_t per_tile = kb * ((form == 4 ? 8 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;
+    if (ct > TASK_MAX_NS / per_tile) ct = TASK_MAX_NS / per_tile;
     if (ct < least) ct = least;
     if (ct > tiles) ct = tiles;
     j.ct = ct;
