@@ -102,37 +102,64 @@ class RequestKV:
         return self.footprint(pool) + self.extra.get(pool, 0)
 
 
+#: resident pages the prefix cache may keep however few the running requests have held
+MIN_RESIDENT_PAGES = 64
+
+
 class Pool:
     """Pages of one pool: free, held (reference-counted: shared prefix pages have several
-    holders) or cached-but-evictable (indexed, held by nobody; allocatable)."""
+    holders) or cached-but-evictable (indexed, held by nobody; allocatable).
+
+    Free pages are of two kinds. On the CPU a page's memory is first made resident when it
+    is written, so the pool hands out pages given back before (`free`, last in first out)
+    before fresh ones (`fresh` onwards, never taken), and once the pages ever taken reach the
+    most the requests have held at once (at least `MIN_RESIDENT_PAGES`), it reuses the
+    least recently used cached page before touching a fresh one: the prefix cache lives in
+    memory the load has already made resident, and the worker's memory follows its peak
+    load, not the pool's size (a pool sized to 10% of memory would otherwise become resident
+    page by page as distinct prompts are cached)."""
 
     def __init__(self, config: PagedKVConfig) -> None:
         self.config = config
-        # Pop from the end: low page ids go out first, which keeps tests readable.
-        self.free: list[int] = list(range(config.num_pages - 1, -1, -1))
+        self.free: list[int] = []  # given back, reused first (the last one given back first)
+        self.fresh = 0  # pages [fresh, num_pages) were never taken; low ids go out first
         self.refs: dict[int, int] = {}
         self.index = PrefixIndex()
         self.reserved = 0
         self.peak_used = 0
+        self.peak_held = 0  # the most pages held at once, ever (the warm-up's too): the cache's budget
 
     @property
     def available(self) -> int:
-        return len(self.free) + len(self.index.evictable)
+        return len(self.free) + (self.config.num_pages - self.fresh) + len(self.index.evictable)
 
     @property
     def used(self) -> int:
         return self.config.num_pages - self.available
+
+    def free_pages(self) -> list[int]:
+        """Every page nobody holds and the cache does not index."""
+        return [*self.free, *range(self.fresh, self.config.num_pages)]
 
     def stats(self) -> PoolStats:
         return PoolStats(self.config.name, self.config.num_pages, self.available, self.reserved, self.peak_used,
                          len(self.index))
 
     def take(self) -> int:
-        """A free page, else the least recently used evictable cached one."""
-        page = self.free.pop() if self.free else self.index.evict_lru()
+        """A page given back before; else, past the resident budget, the least recently used
+        cached one; else a fresh one; else a cached one."""
+        if self.free:
+            page = self.free.pop()
+        elif self.index.evictable and self.fresh >= max(self.peak_held, MIN_RESIDENT_PAGES):
+            page = self.index.evict_lru()
+        elif self.fresh < self.config.num_pages:
+            page, self.fresh = self.fresh, self.fresh + 1
+        else:
+            page = self.index.evict_lru()
         if page is None:
             raise MemoryError(f"pool {self.config.name!r} has no free page")
         self.refs[page] = 1
+        self.peak_held = max(self.peak_held, len(self.refs))
         return page
 
     def hold(self, page: int) -> None:
@@ -448,8 +475,8 @@ class KVManager:
                     if st.label.pool == name:
                         for pg in st.pages:
                             held[pg] = held.get(pg, 0) + 1
-            free, cached = set(pool.free), set(pool.index.evictable)
-            if len(free) != len(pool.free) or free & cached or (free | cached) & set(held):
+            free, cached = set(pool.free_pages()), set(pool.index.evictable)
+            if len(free) != len(pool.free_pages()) or free & cached or (free | cached) & set(held):
                 raise AssertionError(f"pool {name!r}: a page is both free (or cached) and owned")
             if held != pool.refs:
                 raise AssertionError(f"pool {name!r}: page holders {held} != reference counts {pool.refs}")

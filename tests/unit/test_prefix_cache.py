@@ -106,3 +106,32 @@ def test_random_traffic_conserves_pages(seed, pages):
         kv.remove(rid)
     pool = kv.pools["kv"]
     assert pool.used == 0 and pool.reserved == 0 and not pool.refs
+
+
+def test_cached_pages_stay_within_the_resident_budget():
+    """Distinct prompts one after another on a large pool: pages given back are reused
+    first, and past the most pages ever held at once (at least MIN_RESIDENT_PAGES) the
+    least recently used cached page is reused before a fresh page is touched, so the pages
+    ever taken (resident memory on the CPU) stop growing while the cache keeps hitting on
+    what it still holds."""
+    from services.gpu_worker.kv_manager import MIN_RESIDENT_PAGES
+
+    kv = _manager(4096)
+    pool = kv.pools["kv"]
+    for i in range(200):  # 200 distinct prompts of 10 full pages, one at a time
+        assert _run_prefill(kv, f"r{i}", Span.ids([1000 * i + j for j in range(41)])) == 0
+        kv.remove(f"r{i}")
+    assert pool.peak_held == 11 and pool.fresh == MIN_RESIDENT_PAGES  # 11 pages a request, 64 ever taken
+    assert pool.used == 0 and len(pool.index.evictable) + len(pool.free) == MIN_RESIDENT_PAGES
+    # the most recent prompt is still cached; the first was evicted long ago
+    assert _run_prefill(kv, "again", Span.ids([1000 * 199 + j for j in range(41)])) == 40
+    assert _run_prefill(kv, "first", Span.ids(list(range(41)))) == 0
+    for rid in ("again", "first"):
+        kv.remove(rid)
+    # a load that holds more at once raises the budget to its peak
+    for i in range(8):
+        assert _run_prefill(kv, f"w{i}", Span.ids([7 * 10**6 + 1000 * i + j for j in range(41)])) == 0
+    assert pool.peak_held == 88 and pool.fresh == 88
+    for i in range(8):
+        kv.remove(f"w{i}")
+    assert pool.used == 0 and pool.available == 4096
