@@ -8,7 +8,6 @@ closes the ZMQ sockets (aborting live requests) and removes the bound ipc socket
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.logs import add_logging_flags, setup_logging
+from shared.memory import release_free_heap
 from shared.zmq_utils import cleanup_ipc
 
 if TYPE_CHECKING:
@@ -178,16 +178,6 @@ def max_model_len(source: ModelSource, d: Deployment) -> int:
     spec's pools, as the conductor's length check takes it (the spec is torch-free)."""
     spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d))
     return min(p.max_seq_len for p in spec.paged_pools(1).values())
-
-
-def release_free_heap() -> None:
-    """Hand the heap that start-up freed back to the OS: glibc keeps the freed pages of
-    the tokenizer's load (its JSON parsed into Python objects, then dropped), about a
-    quarter of this process's resident memory. A no-op where the libc has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 if __name__ == "__main__":

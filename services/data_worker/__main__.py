@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 
 from shared.aio import run_service
@@ -14,6 +13,7 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.logs import add_logging_flags, setup_logging
+from shared.memory import release_free_heap
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError
 
@@ -49,16 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     release_free_heap()
     run_service(worker.run())
     return 0
-
-
-def release_free_heap() -> None:
-    """Hand the heap that start-up freed back to the OS: glibc keeps the freed pages of
-    the tokenizer's load (its JSON parsed into Python objects, then dropped), about a
-    quarter of this process's resident memory. A no-op where the libc has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 if __name__ == "__main__":

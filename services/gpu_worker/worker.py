@@ -38,11 +38,14 @@ from shared.frames import (
     WorkerStats,
     unpack_tensors,
 )
+from shared.memory import release_free_heap
 from shared.zmq_utils import cleanup_ipc
 
 log = logging.getLogger("mstar.gpu_worker")
 
 STATS_INTERVAL_S = 0.25
+#: the heap goes back to the OS once the engine has been idle this long (shared/memory.py)
+TRIM_AFTER_IDLE_S = 1.0
 HEARTBEAT_INTERVAL_S = 1.0
 #: an idle engine starts its first step once arrivals pause this long...
 GATHER_QUIET_S = 0.004
@@ -203,7 +206,9 @@ class GpuWorker:
         self._stats(force=True)
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
-        last_stats = last_beat = time.monotonic()
+        last_stats = last_beat = busy_at = time.monotonic()
+        release_free_heap()  # what loading and the warm-up freed
+        trimmed = True
         while self.running:
             wait = self.gather.wait_s()
             timeout = wait * 1e3 if wait else 0 if self.engine.has_work else 50
@@ -218,6 +223,11 @@ class GpuWorker:
                 self._send_results(self.engine.step())
                 self.gather.stepped()
             now = time.monotonic()
+            if self.engine.has_work:
+                busy_at, trimmed = now, False
+            elif not trimmed and now - busy_at >= TRIM_AFTER_IDLE_S:
+                release_free_heap()  # a load's step buffers, freed: resident memory follows the load
+                trimmed = True
             if now - last_stats >= STATS_INTERVAL_S:
                 self._stats()
                 last_stats = now
