@@ -3,16 +3,12 @@
 On the CPU the pools are anonymous private mappings: the kernel hands out zeroed pages on
 first write, so a pool sized for the whole machine costs resident memory only for the pages
 requests have written (`torch.zeros` would touch, and keep resident, every byte at start-up:
-most of an idle server's memory). The KV manager reuses freed pages last-in first-out, so
-pages that go back to the free list keep the resident set at the peak the traffic needed.
-Pages the prefix cache keeps (a finished request's full prompt pages, indexed for reuse)
-stay resident until evicted, though, and a page is taken from the free list (a fresh page,
-first touched then) before a cached one is evicted: under many distinct prompts the
-resident KV grows by their full pages up to the pool's size. `--num-kv-pages` or
-`--kv-memory-fraction` bound it; so would a prefix cache that evicts before touching a
-fresh page past a resident budget (kv_manager.Pool.take). Zero (not uninitialised) memory
-matters: attention masks unused rows, but a masked score times a NaN left in an unwritten
-row would still be NaN.
+most of an idle server's memory). The KV manager reuses pages given back first (last in,
+first out), and the prefix cache keeps its pages within the most pages ever held at once
+(kv_manager.Pool.take: past that it reuses its least recently used page before touching a
+fresh one), so the resident KV follows the peak the traffic needed, not the pool's size.
+Zero (not uninitialised) memory matters: attention masks unused rows, but a masked score
+times a NaN left in an unwritten row would still be NaN.
 
 The address space is still reserved up front, and `MSTAR_KV_PREFAULT=1` writes every page
 at start-up instead, for a deployment that wants an out-of-memory to happen at boot rather
