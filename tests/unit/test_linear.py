@@ -186,3 +186,28 @@ def test_gate_up_silu_is_the_gemm_then_silu_mul_bit_for_bit(rows, inter):
     assert out.shape == (rows, inter) and torch.equal(out, unfused)
     ref = _ref(x, gate_up.weight, None).double()
     torch.testing.assert_close(out.double(), F.silu(ref[:, :inter]) * ref[:, inter:], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_kernel_results_do_not_depend_on_the_pool_threads(rows):
+    # gemm.c splits panels (and blocks of rows) over the pool's threads: each output is the
+    # same FMA chain whichever thread computes it, with bias, and through the silu epilogue
+    lib = cpu_kernels.library()
+    if not hasattr(lib, "mstar_pool_set_threads"):
+        pytest.skip("kernels built without the pool")
+    torch.manual_seed(rows)
+    lin, gate_up = nn.Linear(96, 1000), nn.Linear(96, 2 * 700, bias=False)
+    layer, silu, head = KernelLinear(lin), KernelGateUpSilu(gate_up), KernelHead(torch.randn(5000, 96))
+    x = torch.randn(rows, 96)
+    before = lib.mstar_pool_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            lib.mstar_pool_set_threads(n)
+            outs.append((layer(x), silu(x), head(x)))
+    finally:
+        lib.mstar_pool_set_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+    torch.testing.assert_close(outs[0][0], F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)

@@ -16,6 +16,8 @@
  */
 #include <stdint.h>
 
+#include "pool.h"
+
 /* the kernels it chains (elementwise.c, qgemm.c, paged_attention.c) */
 void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t rows,
                     int64_t dim);
@@ -81,9 +83,13 @@ typedef struct {
     int64_t n_query, max_keys;
 } MstarDecodeStep;
 
+/* Attention tasks per step: query rows are split over the pool's threads in this many
+ * groups at most, each with its own scores scratch (hq * max_keys floats). */
+#define ATTN_TASKS 8
+
 /* floats of workspace the stack needs for `rows` rows (the caller also passes the
  * quantized GEMMs' scratch, mstar_qlinear_scratch(rows, max k), and the attention's,
- * hq * max_keys floats) */
+ * ATTN_TASKS * hq * max_keys floats) */
 int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
     return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter);
@@ -92,6 +98,50 @@ int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
 static void add_into(float *x, const float *o, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
+}
+
+/* One layer's decode attention, its query rows split in groups over the pool (each row's
+ * result is the kernel's whichever group it is in: rows are independent). */
+typedef struct {
+    const MstarStackShape *s;
+    const MstarDecodeStep *st;
+    const float *qkv;
+    const void *cache;
+    float *out, *scratch;
+    int64_t per;
+    int rc[ATTN_TASKS];
+} Attn;
+
+static void attn_task(void *ctx, int task) {
+    Attn *a = (Attn *)ctx;
+    const MstarStackShape *s = a->s;
+    const MstarDecodeStep *st = a->st;
+    const int64_t r0 = task * a->per, n = st->n_query - r0 < a->per ? st->n_query - r0 : a->per;
+    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
+    float *scratch = a->scratch + task * s->hq * st->max_keys;
+    if (s->kv_bf16)
+        a->rc[task] = mstar_paged_decode_bf16(a->qkv, nqkv, (const uint16_t *)a->cache, st->pages, st->width,
+                                              st->qrow + r0, st->entry + r0, st->lo + r0, st->hi + r0, n, s->hq,
+                                              s->hkv, s->d, s->page_size, s->scale, a->out, scratch, st->max_keys);
+    else
+        a->rc[task] = mstar_paged_decode(a->qkv, nqkv, (const float *)a->cache, st->pages, st->width,
+                                         st->qrow + r0, st->entry + r0, st->lo + r0, st->hi + r0, n, s->hq, s->hkv,
+                                         s->d, s->page_size, s->scale, a->out, scratch, st->max_keys);
+}
+
+static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
+                     float *out, float *scratch, int threads) {
+    Attn a = {s, st, qkv, cache, out, scratch, 0, {0}};
+    const int64_t groups = st->n_query < ATTN_TASKS ? st->n_query : ATTN_TASKS;
+    a.per = (st->n_query + groups - 1) / groups;
+    const int tasks = (int)((st->n_query + a.per - 1) / a.per);
+    if (tasks <= 1)
+        attn_task(&a, 0);
+    else
+        mstar_parallel_for_n(tasks, threads, attn_task, &a);
+    for (int i = 0; i < tasks; i++)
+        if (a.rc[i]) return a.rc[i];
+    return 0;
 }
 
 static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
@@ -114,20 +164,13 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
         mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
         const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
-        int rc;
-        if (s->kv_bf16) {
+        if (s->kv_bf16)
             mstar_write_kv_bf16((uint16_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
                                 s->hkv * s->d, s->page_size);
-            rc = mstar_paged_decode_bf16(qkv, nqkv, (const uint16_t *)L->cache, st->pages, st->width, st->qrow,
-                                         st->entry, st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size,
-                                         s->scale, attn, ascratch, st->max_keys);
-        } else {
+        else
             mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
                            s->page_size);
-            rc = mstar_paged_decode(qkv, nqkv, (const float *)L->cache, st->pages, st->width, st->qrow, st->entry,
-                                    st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, attn,
-                                    ascratch, st->max_keys);
-        }
+        const int rc = attention(s, st, qkv, L->cache, attn, ascratch, threads);
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
         add_into(x, o, t * hid);

@@ -13,13 +13,15 @@
  * 1.15-1.5x oneDNN on the layer shapes and 1.2-1.3x on the head; 512 rows, 0.9-1.0x.
  *
  * Each output is one left-to-right FMA chain over k whatever M is and whichever rows
- * share the call: a row's result does not depend on the batch it is in.
+ * share the call: a row's result does not depend on the batch it is in, nor on the threads
+ * (pool.h) its blocks of panels are split over.
  *
  * Only built for AVX-512 (mstar_gemm_nr() is 0 elsewhere, and the caller keeps oneDNN).
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
 #include "silu_mul.h"
 
 #define NR 48 /* output columns per panel: three 16-float vectors */
@@ -124,44 +126,85 @@ static void micro_any(int mr, const float *x, int64_t ldx, const float *b, int64
 #endif
 
 #ifdef __AVX512F__
-/* Both entry points: MC-row blocks, each panel in turn, MR rows per micro-kernel call.
- * `silu`: the panels hold 24 gate + 24 up columns and each tile goes through
- * silu_mul_rows into 24 output columns, else a panel is NR output columns (+ bias). */
-static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
-                  const float *bias, float *out, int64_t ldo, int silu) {
-    const int64_t width = silu ? NR / 2 : NR, panels = (n + width - 1) / width;
+/* One GEMM: both entry points' arguments. `silu`: the panels hold 24 gate + 24 up columns
+ * and each tile goes through silu_mul_rows into 24 output columns, else a panel is NR
+ * output columns (+ bias). */
+typedef struct {
+    const float *x, *packed, *bias;
+    float *out;
+    int64_t m, k, ldx, n, ldo, width, panels, chunk, chunks;
+    int silu;
+} Gemm;
+
+/* Rows [m0, m0 + mc) x panels [p0, p1): each panel in turn, MR rows per micro-kernel call. */
+static void drive_range(const Gemm *g, int64_t m0, int64_t mc, int64_t p0, int64_t p1) {
+    const float *x = g->x, *packed = g->packed, *bias = g->bias;
+    const int64_t k = g->k, ldx = g->ldx, n = g->n, ldo = g->ldo, width = g->width;
     float bias_tail[NR], tile[MR * NR];
-    for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t mc = m - m0 < MC ? m - m0 : MC, calls = (mc + MR - 1) / MR;
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t col = p * width, cols = n - col < width ? n - col : width;
-            const float *b = packed + p * k * NR, *bp = NULL;
-            if (bias != NULL) {
-                if (cols == NR) {
-                    bp = bias + col;
-                } else { /* don't read past the bias's end */
-                    memset(bias_tail, 0, sizeof bias_tail);
-                    memcpy(bias_tail, bias + col, (size_t)cols * sizeof(float));
-                    bp = bias_tail;
-                }
+    const int64_t calls = (mc + MR - 1) / MR;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t col = p * width, cols = n - col < width ? n - col : width;
+        const float *b = packed + p * k * NR, *bp = NULL;
+        if (bias != NULL) {
+            if (cols == NR) {
+                bp = bias + col;
+            } else { /* don't read past the bias's end */
+                memset(bias_tail, 0, sizeof bias_tail);
+                memcpy(bias_tail, bias + col, (size_t)cols * sizeof(float));
+                bp = bias_tail;
             }
-            for (int64_t r = 0; r < mc; r += MR) {
-                const int mr = (int)(mc - r < MR ? mc - r : MR);
-                /* the panel PF_AHEAD ahead, its lines split evenly between this panel's calls, so
-                 * the memory stays busy through all of them */
-                const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
-                const int ahead = p + PF_AHEAD < panels;
-                const float *pf = ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b;
-                float *o = out + (m0 + r) * ldo + col;
-                if (silu) {
-                    micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR, pf, ahead ? j1 - j0 : 0);
-                    silu_mul_rows(tile, NR, NR / 2, cols, o, ldo, mr);
-                } else {
-                    micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, o, ldo, cols, pf, ahead ? j1 - j0 : 0);
-                }
+        }
+        for (int64_t r = 0; r < mc; r += MR) {
+            const int mr = (int)(mc - r < MR ? mc - r : MR);
+            /* the panel PF_AHEAD ahead (in this range), its lines split evenly between this
+             * panel's calls, so the memory stays busy through all of them */
+            const int64_t lines = k * NR / 16, i = r / MR, j0 = i * lines / calls, j1 = (i + 1) * lines / calls;
+            const int ahead = p + PF_AHEAD < p1;
+            const float *pf = ahead ? b + PF_AHEAD * k * NR + j0 * 16 : b;
+            float *o = g->out + (m0 + r) * ldo + col;
+            if (g->silu) {
+                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, NULL, tile, NR, NR, pf, ahead ? j1 - j0 : 0);
+                silu_mul_rows(tile, NR, NR / 2, cols, o, ldo, mr);
+            } else {
+                micro_any(mr, x + (m0 + r) * ldx, ldx, b, k, bp, o, ldo, cols, pf, ahead ? j1 - j0 : 0);
             }
         }
     }
+}
+
+/* Task t: MC-row block t / chunks, panel chunk t % chunks. */
+static void gemm_task(void *ctx, int task) {
+    const Gemm *g = (const Gemm *)ctx;
+    const int64_t blk = task / g->chunks, c = task % g->chunks, m0 = blk * MC;
+    const int64_t mc = g->m - m0 < MC ? g->m - m0 : MC, p0 = c * g->chunk;
+    const int64_t p1 = p0 + g->chunk < g->panels ? p0 + g->chunk : g->panels;
+    drive_range(g, m0, mc, p0, p1);
+}
+
+/* Fewer multiply-adds than this run on the calling thread alone (a job's hand-off costs
+ * more than it saves). */
+#define POOL_MIN_MACS (1 << 17)
+
+/* The GEMM over MC-row blocks x chunks of panels, split over the pool's threads (pool.h).
+ * Each output is the same FMA chain whichever task computes it: the result does not
+ * depend on the thread count or the split. */
+static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                  const float *bias, float *out, int64_t ldo, int silu) {
+    Gemm g = {x, packed, bias, out, m, k, ldx, n, ldo, silu ? NR / 2 : NR, 0, 0, 0, silu};
+    g.panels = (n + g.width - 1) / g.width;
+    const int threads = mstar_pool_threads();
+    if (threads <= 1 || m * n * k < POOL_MIN_MACS) {
+        for (int64_t m0 = 0; m0 < m; m0 += MC) drive_range(&g, m0, m - m0 < MC ? m - m0 : MC, 0, g.panels);
+        return;
+    }
+    /* about 8 chunks per thread and MC block: small enough to balance a lost core, large
+     * enough that each streams a few panels with its prefetch running ahead */
+    const int64_t want = 8 * (int64_t)threads;
+    g.chunk = (g.panels + want - 1) / want;
+    if (g.chunk < PF_AHEAD + 1 && g.panels >= PF_AHEAD + 1) g.chunk = PF_AHEAD + 1;
+    g.chunks = (g.panels + g.chunk - 1) / g.chunk;
+    const int64_t blocks = (m + MC - 1) / MC;
+    mstar_parallel_for((int)(blocks * g.chunks), gemm_task, &g);
 }
 #endif
 

@@ -54,6 +54,8 @@ class _Step(ctypes.Structure):
                 ("n_query", _i64), ("max_keys", _i64)]
 
 
+#: decode_stack.c's groups of attention query rows (each has its own scores scratch)
+ATTN_TASKS = 8
 #: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4 and 8)
 GEMM_F32, GEMM_F32_SILU = 32, 33
 
@@ -168,7 +170,8 @@ class CpuDecodeStack:
         s, st, lib = self.shape, self._step, self.lib
         pages = meta.decode_pages
         max_keys = pages.shape[1] * s.page_size
-        need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + s.hq * max_keys
+        attn_scratch = ATTN_TASKS * s.hq * max_keys
+        need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + attn_scratch
         if self._work.numel() < need:
             self._work = torch.empty(max(need, 2 * self._work.numel()))
         work = self._work.data_ptr()
@@ -180,7 +183,7 @@ class CpuDecodeStack:
         st.n_query, st.max_keys = t, max_keys
         k_max = max(s.hidden, s.inter, s.hq * s.d)
         qscratch = quant._scratch(lib, t, k_max)
-        ascratch = work + 4 * (need - s.hq * max_keys)
+        ascratch = work + 4 * (need - attn_scratch)
         rc = lib.mstar_decode_stack(ctypes.byref(s), self.layers, ctypes.byref(st), x.data_ptr(), work, qscratch,
                                     ascratch, quant.threads())
         if rc:
