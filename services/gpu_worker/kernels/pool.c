@@ -17,6 +17,10 @@
  * A worker that finds it was descheduled while spinning (a jump of the clock) sleeps at once,
  * and a spinning worker yields every few microseconds: spinning on a core another thread
  * wants only slows both. fork() leaves the child with no workers; its first job starts them.
+ *
+ * Tunables (environment, read at the first job): MSTAR_POOL_SPIN_US, how long an idle worker
+ * spins before it sleeps (default 100); MSTAR_POOL_YIELD_US, how often a working worker yields
+ * between tasks (default 10).
  */
 #define _GNU_SOURCE
 #include "pool.h"
@@ -82,6 +86,7 @@ static struct {
 } P = {.threads = 1, .spin_ns = 100000};
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int64_t work_yield_ns = WORK_YIELD_NS;
 
 static uint32_t next_gen(void) {
     P.gen = (P.gen + 1) & 0x7FFFFFFF;
@@ -106,7 +111,7 @@ static uint32_t claim(uint32_t g, int home, int nslots, int per, int ntasks, mst
             atomic_fetch_add(&P.done, 1);
             if (atomic_load(&P.caller_waiting)) futex_wake(&P.done, 1);
             const int64_t t = now_ns();
-            if (t - since > WORK_YIELD_NS) { /* holding no task: let a thread waiting for this core run now */
+            if (t - since > work_yield_ns) { /* holding no task: let a thread waiting for this core run now */
                 sched_yield();
                 since = t;
             }
@@ -172,6 +177,8 @@ static void after_fork_child(void) {
 static void init(void) {
     const char *env = getenv("MSTAR_POOL_SPIN_US");
     if (env && *env) atomic_store(&P.spin_ns, (int64_t)(atof(env) * 1000));
+    env = getenv("MSTAR_POOL_YIELD_US");
+    if (env && *env) work_yield_ns = (int64_t)(atof(env) * 1000);
     pthread_atfork(NULL, NULL, after_fork_child);
 }
 
