@@ -5,9 +5,12 @@ Thread counts are interleaved round by round (each round: every shape, rows and 
 the median of `--calls` back-to-back calls), so a noisy shared machine biases none of them;
 the table gives each cell's median over the rounds and its spread (min-max of the rounds).
 `--busy N` starts N busy-loop processes for the run (contention: does the pool degrade to one
-thread's speed when a core is taken?).
+thread's speed when a core is taken?). `--kernels DIR` builds the kernels from another folder
+(e.g. an older qgemm.c, with today's pool.c beside it so the library loads) for before/after.
+The line above the table gives the other processes' CPU use during the run: on a shared
+machine, compare runs made in like conditions.
 
-    .venv/bin/python bench/qgemm_threads.py [--threads 1 2] [--rounds 7] [--busy 1]
+    .venv/bin/python bench/qgemm_threads.py [--threads 1 2] [--rounds 7] [--busy 1] [--kernels DIR]
 """
 
 from __future__ import annotations
