@@ -169,9 +169,9 @@ def _device_name(model: torch.nn.Module) -> str:
 
 def calibration_key_parts(parts: Assembled, d: Deployment) -> dict | None:
     """What a step-cost calibration depends on, for its cache key: the model's files (path,
-    size, mtime), the machine and kernel build, the threads, the pools (where too small to
-    hold every calibration prompt) and the deployment's limits; None when the model's files
-    cannot be read."""
+    size, mtime), the machine and kernel build, the gpu worker's code, the threads, the pools
+    (where too small to hold every calibration prompt) and the deployment's limits; None
+    when the model's files cannot be read."""
     from services.gpu_worker import tuning_cache
     from services.gpu_worker.layers import quant
     from shared.version import mstar_version
@@ -192,5 +192,6 @@ def calibration_key_parts(parts: Assembled, d: Deployment) -> dict | None:
     return {
         "model": model, "spec": [type(spec).__name__, spec.engine, spec.max_seq_len], "limits": limits,
         "pools": pools, "machine": tuning_cache.machine_identity(), "device": _device_name(parts.model),
-        "threads": [torch.get_num_threads(), quant.threads()], "software": [mstar_version(), torch.__version__],
+        "threads": [torch.get_num_threads(), quant.threads()],
+        "software": [mstar_version(), torch.__version__, tuning_cache.code_digest()],
     }

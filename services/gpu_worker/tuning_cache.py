@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -70,6 +71,18 @@ def machine_identity() -> list:
     name = getattr(lib, "_name", None)
     return [platform.machine(), cpu_kernels.cpu_signature(), os.cpu_count(), len(os.sched_getaffinity(0)),
             cpu_limit(), None if name is None else Path(name).name, os.environ.get("MSTAR_CPU_KERNELS", "1")]
+
+
+@functools.cache
+def code_digest() -> str:
+    """A hash of the gpu worker's Python sources (the C kernels' build is in
+    `machine_identity`): a step's cost follows the code that runs it, so a changed engine
+    or model module measures again (~10 ms to read them)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:32]
 
 
 def key(kind: str, parts: Any) -> str:

@@ -173,3 +173,29 @@ def test_the_key_follows_the_model_files(tmp_path):
     assert a == tuning_cache.key("k", tuning_cache.files_identity(f))
     os.utime(f, ns=(0, 10**9))
     assert a != tuning_cache.key("k", tuning_cache.files_identity(f))
+
+
+def test_the_calibration_key_follows_the_model_file_the_code_and_the_limits_not_a_big_pools_size(
+        tmp_path, monkeypatch, llama):
+    from types import SimpleNamespace
+
+    from services.gpu_worker.build import calibration_key_parts
+    from shared.config import Deployment
+
+    spec, model = llama
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+
+    def parts(pages):
+        return SimpleNamespace(source=SimpleNamespace(path=f), spec=spec, pools=spec.paged_pools(pages), model=model)
+
+    d = Deployment()
+    a = calibration_key_parts(parts(1000), d)
+    assert a == calibration_key_parts(parts(2000), d)  # both hold every calibration prompt
+    assert a != calibration_key_parts(parts(4), d)  # too small: the calibration it runs differs
+    assert a != calibration_key_parts(parts(1000), Deployment(max_num_seqs=8))
+    monkeypatch.setattr(tuning_cache, "code_digest", lambda: "other")
+    assert a != calibration_key_parts(parts(1000), d)
+    monkeypatch.undo()
+    os.utime(f, ns=(0, 10**9))
+    assert a != calibration_key_parts(parts(1000), d)
