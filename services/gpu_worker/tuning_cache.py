@@ -1,8 +1,7 @@
 """What a worker measures at start about this machine running this model, kept across
-starts: the quantized GEMMs' thread count (`quant.tune_threads`) and the scheduler's
-step-cost calibration (`step_costs.calibrate`). Both take a second or more of a start on a
-busy two-core machine; the next start with the same model files, kernel build, machine
-and limits reads them back.
+starts: the scheduler's step-cost calibration (`step_costs.calibrate`), a second or more
+of a start on a busy two-core machine; the next start with the same model files, kernel
+build, machine and limits reads it back.
 
 One small JSON file per measurement in `~/.cache/mstar/tuning` (`MSTAR_TUNING_CACHE`
 places it; `off`, `0`, `no` or `false` turns it off, and every start measures again),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 
 import gguf
@@ -19,7 +18,6 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from services.gpu_worker import tuning_cache
 from services.gpu_worker.layers import quant, repack_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
@@ -95,32 +93,11 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     model = model.to(dtype).to(device).eval()
     with _single_threaded(bool(quant_state)):
         model.prepare()
-    if quant_state:
-        n, kept = _tune_threads(model, source)
-        log.info("quantized GEMMs on %d thread%s%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1),
-                 ", as measured at an earlier start" if kept else "")
+    if torch.device(device).type == "cpu":  # the C GEMMs' pool (kernels/pool.c), quantized or float32
+        n = quant.default_threads()
+        quant.set_threads(n)
+        log.info("CPU GEMMs on %d thread%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1))
     return model
-
-
-def _tune_threads(model: nn.Module, source: ModelSource) -> tuple[int, bool]:
-    """`quant.tune_threads`'s choice, measured once per model file, machine, kernel build
-    and `layers/quant.py` (`tuning_cache`), and set; (threads, whether kept from before)."""
-    if os.environ.get("MSTAR_COMPUTE_THREADS"):
-        return quant.tune_threads(model), False
-    try:
-        parts = [tuning_cache.files_identity(source.path), tuning_cache.machine_identity(),
-                 repack_cache.layout_digest(), torch.get_num_threads()]
-    except (OSError, TypeError):
-        parts = None
-    most = os.cpu_count() or 1
-
-    def check(record: dict) -> int | None:
-        n = record["threads"]
-        return n if isinstance(n, int) and 1 <= n <= most else None
-
-    n, kept = tuning_cache.cached("threads", parts, lambda: quant.tune_threads(model), lambda n: {"threads": n}, check)
-    quant.set_threads(n)
-    return n, kept
 
 
 #: the `nn.init` fills a module's constructor may call

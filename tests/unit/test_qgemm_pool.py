@@ -159,13 +159,9 @@ def test_default_threads_are_the_available_cpus(monkeypatch):
 
 
 @needs_kernel
-def test_tune_threads_sets_the_policy(monkeypatch, restore_threads):
-    monkeypatch.delenv("MSTAR_COMPUTE_THREADS", raising=False)
-    monkeypatch.setattr(quant, "available_cpus", lambda: 3)
+def test_set_threads_sets_the_pool(restore_threads):
     model = torch.nn.Sequential(layers()[4])
-    assert quant.tune_threads(model) == 3 and quant.threads() == 3
-    assert quant.tune_threads(model, most=2) == 2
-    assert quant.tune_threads(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 1
-    monkeypatch.setenv("MSTAR_COMPUTE_THREADS", "5")
-    assert quant.tune_threads(model, most=2) == 5
-    assert np.isfinite(model(torch.randn(2, 320)).numpy()).all()
+    for n in (3, 1, 2):
+        quant.set_threads(n)
+        assert quant.threads() == n and cpu_kernels.library().mstar_pool_threads() == n
+        assert np.isfinite(model(torch.randn(2, 320)).numpy()).all()

@@ -134,38 +134,6 @@ def test_off_by_env_or_no_key_always_calibrates(tmp_path, monkeypatch, calibrati
     assert len(calibrations) == 3 and not list(tmp_path.rglob("*.json"))
 
 
-def test_the_thread_count_is_measured_once(cache, tmp_path, monkeypatch):
-    from services.gpu_worker.layers import quant
-    from services.gpu_worker.weights import _tune_threads
-
-    monkeypatch.delenv("MSTAR_COMPUTE_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    calls = []
-
-    def tune(model):
-        calls.append(1)
-        quant.set_threads(3)
-        return 3
-
-    monkeypatch.setattr(quant, "tune_threads", tune)
-    before = quant.threads()
-    try:
-        src = ModelSource(str(make_checkpoint(tmp_path / "m", "llama")))
-        assert _tune_threads(None, src) == (3, False)
-        quant.set_threads(1)
-        assert _tune_threads(None, src) == (3, True) and quant.threads() == 3 and calls == [1]
-        (path,) = cache.glob("threads-*.json")
-        kept = json.loads(path.read_text())
-        kept["record"]["threads"] = 99  # more than the machine has: refused, measured again
-        path.write_text(json.dumps(kept))
-        assert _tune_threads(None, src) == (3, False) and len(calls) == 2
-        monkeypatch.setenv("MSTAR_COMPUTE_THREADS", "2")  # set by hand: tune_threads reads it, nothing kept
-        _tune_threads(None, src)
-        assert len(calls) == 3
-    finally:
-        quant.set_threads(before)
-
-
 def test_the_key_follows_the_model_files(tmp_path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x" * 10)

@@ -77,23 +77,6 @@ def threads() -> int:
     return _threads
 
 
-def tune_threads(model: nn.Module, most: int | None = None) -> int:
-    """Set the quantized GEMMs' threads for `model` (kept for the loader's call; nothing is
-    measured any more): `MSTAR_COMPUTE_THREADS` if set, else the CPUs available (at most
-    `most`), or 1 where the model has no `QuantLinear`. With OpenMP a descheduled thread
-    stalled every GEMM at its barrier, so this used to demand 1.3x at load; the pool's caller
-    runs every task a busy worker does not take, so more threads are no longer a risk.
-    Returns the count."""
-    n = default_threads()
-    if not os.environ.get("MSTAR_COMPUTE_THREADS"):
-        if most:
-            n = min(n, most)
-        if not any(isinstance(m, QuantLinear) for m in model.modules()):
-            n = 1
-    set_threads(n)
-    return n
-
-
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
