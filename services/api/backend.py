@@ -312,7 +312,11 @@ class Backend:
             if time.monotonic() - self._status_at < STATUS_CACHE_S:
                 return self._status
             status = await self._query_status()
-            self._status, self._status_at = status, time.monotonic()
+            # an answer of no ready worker is not kept: a deployment that just became ready is
+            # seen at the next poll, not up to STATUS_CACHE_S later (the launcher's start-up
+            # wait); no answer at all is kept (each query waits for the status timeout)
+            starting = status is not None and status.ready_workers == 0
+            self._status, self._status_at = status, -1e9 if starting else time.monotonic()
             return status
 
     async def _query_status(self) -> ClusterStatus | None:
