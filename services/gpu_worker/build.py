@@ -113,7 +113,7 @@ def assemble(d: Deployment) -> Assembled:
     if device.type == "cuda" and spec.engine == "decoder" and flashinfer_available():
         planner = FlashInferPlanner(device)
     kv = KVManager(pools, spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len", prefix_cache=d.prefix_cache)
-    engine = build_engine(model, spec, kv, caches, eos_ids=source.tokenizer.eos_token_ids, max_num_seqs=d.max_num_seqs,
+    engine = build_engine(model, spec, kv, caches, eos_ids=source.eos_token_ids, max_num_seqs=d.max_num_seqs,
                           max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
                           itl_target_s=d.itl_target_ms / 1000)

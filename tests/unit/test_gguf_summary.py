@@ -76,3 +76,11 @@ def test_the_cache_keeps_the_newest_summaries(cache, quantized_llama, monkeypatc
         shutil.copy(quantized_llama, copy)
         assert g.gguf_summary(copy) is not None
     assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_eos_ids_come_from_the_summary_without_building_the_tokenizer(cache, quantized_llama):
+    from shared.model_source import ModelSource
+
+    src = ModelSource(str(quantized_llama))
+    assert src.eos_token_ids == ModelSource(str(quantized_llama)).tokenizer.eos_token_ids
+    assert "tokenizer" not in src.__dict__  # the gpu worker never builds it
