@@ -44,6 +44,8 @@ from tokenizers import (
 )
 from tqdm import tqdm
 
+from shared import disk_cache
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_PRE_TOKENIZERS",
@@ -579,12 +581,8 @@ def _cache_file(path: Path) -> Path:
     ~/.cache/mstar/gguf (a temp dir if home is read-only), keyed by path, size and mtime."""
     st = path.stat()
     key = hashlib.sha256(f"{_SUMMARY_VERSION}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    base = Path(os.environ.get("MSTAR_GGUF_CACHE") or Path.home() / ".cache" / "mstar" / "gguf")
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        base = Path(tempfile.gettempdir())
-    return base / f"{key}.json"
+    base = disk_cache.cache_folder("MSTAR_GGUF_CACHE", "gguf", can_turn_off=False)
+    return (base or Path(tempfile.gettempdir())) / f"{key}.json"
 
 
 #: bumped whenever what a summary holds, or how it is made, changes
@@ -636,13 +634,7 @@ SUMMARIES_KEPT = 32
 
 def _prune(folder: Path) -> None:
     """Drop all but the `SUMMARIES_KEPT` newest summaries (and their lock files)."""
-    try:
-        found = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
-        for old in found[SUMMARIES_KEPT:]:
-            old.unlink(missing_ok=True)
-            old.with_suffix(".lock").unlink(missing_ok=True)
-    except OSError:
-        pass  # another process pruned it first
+    disk_cache.prune(folder, "*.json", SUMMARIES_KEPT)
 
 
 def _summarize(path: str) -> dict[str, Any] | None:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shared import disk_cache
+
 log = logging.getLogger("mstar.tuning_cache")
 
 #: bumped whenever what a file holds changes
@@ -34,23 +36,12 @@ VERSION = 1
 #: files kept (the most recently used; ~0.5 KB each, so that a test suite's tiny models do
 #: not push out the served model's)
 FILES_KEPT = 512
-_OFF = ("0", "off", "no", "false", "none")
 
 
 def cache_dir() -> Path | None:
-    """`MSTAR_TUNING_CACHE`, else ~/.cache/mstar/tuning (a temp dir if home is read-only);
-    None when the cache is turned off."""
-    env = (os.environ.get("MSTAR_TUNING_CACHE") or "").strip()
-    if env.lower() in _OFF:
-        return None
-    base = Path(env) if env else Path.home() / ".cache" / "mstar" / "tuning"
-    for folder in (base, Path(tempfile.gettempdir()) / "mstar-tuning"):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            return folder
-        except OSError:
-            continue
-    return None
+    """`MSTAR_TUNING_CACHE`, else ~/.cache/mstar/tuning (shared/disk_cache.py); None when
+    the cache is turned off."""
+    return disk_cache.cache_folder("MSTAR_TUNING_CACHE", "tuning")
 
 
 def files_identity(path: str | Path) -> list:
@@ -113,10 +104,7 @@ def read(path: Path, k: str, check: Callable[[dict], Any]) -> Any:
     except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
         log.warning("tuning cache file %s is unusable (%s); measuring again", path.name, exc)
         return None
-    try:
-        os.utime(path)  # recently used: the last to be pruned
-    except OSError:
-        pass
+    disk_cache.touch(path)
     return value
 
 
@@ -133,13 +121,7 @@ def write(path: Path, k: str, record: dict) -> None:
 
 
 def prune(folder: Path) -> None:
-    try:
-        found = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
-        for old in found[FILES_KEPT:]:
-            old.unlink(missing_ok=True)
-            old.with_suffix(".lock").unlink(missing_ok=True)
-    except OSError:
-        pass  # another process pruned it first
+    disk_cache.prune(folder, "*.json", FILES_KEPT)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from services.gpu_worker.layers import quant
+from shared import disk_cache
 
 log = logging.getLogger("mstar.repack_cache")
 
@@ -53,26 +54,15 @@ SUFFIX = ".rpk"
 #: binds for real models; the count only bounds a folder of tiny ones (a test suite's)
 FILES_KEPT = 256
 DEFAULT_MAX_BYTES = 8 << 30
-_OFF = ("0", "off", "no", "false", "none")
 
 #: one tensor repacked: (form, w, d, m), or None where `quant.repack` refused it
 Entry = tuple[int, np.ndarray, np.ndarray, np.ndarray | None] | None
 
 
 def cache_dir() -> Path | None:
-    """`MSTAR_REPACK_CACHE`, else ~/.cache/mstar/repack (a temp dir if home is read-only);
-    None when the cache is turned off."""
-    env = (os.environ.get("MSTAR_REPACK_CACHE") or "").strip()
-    if env.lower() in _OFF:
-        return None
-    base = Path(env) if env else Path.home() / ".cache" / "mstar" / "repack"
-    for folder in (base, Path(tempfile.gettempdir()) / "mstar-repack"):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            return folder
-        except OSError:
-            continue
-    return None
+    """`MSTAR_REPACK_CACHE`, else ~/.cache/mstar/repack (shared/disk_cache.py); None when
+    the cache is turned off."""
+    return disk_cache.cache_folder("MSTAR_REPACK_CACHE", "repack")
 
 
 def max_bytes() -> int:
@@ -227,10 +217,7 @@ def read(out: Path, key: str) -> dict[str, Entry] | None:
     except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
         log.warning("repacked-weights cache file %s is unusable (%s); repacking", out.name, exc)
         return None
-    try:
-        os.utime(out)  # recently used: the last to be pruned
-    except OSError:
-        pass
+    disk_cache.touch(out)
     return entries
 
 
@@ -273,17 +260,6 @@ def _parse(mm: np.ndarray, key: str) -> dict[str, Entry]:
 
 
 def prune(folder: Path, keep: Path | None = None) -> None:
-    """Delete the least recently used files beyond `FILES_KEPT` or the byte cap (never
-    `keep`, the file just written); a mapped file lives on until its last user exits."""
-    try:
-        files = sorted(folder.glob(f"*{SUFFIX}"), key=lambda f: f.stat().st_mtime, reverse=True)
-        total, cap = 0, max_bytes()
-        for i, f in enumerate(files):
-            size = f.stat().st_size
-            if f != keep and (i >= FILES_KEPT or total + size > cap):
-                f.unlink(missing_ok=True)
-                f.with_suffix(".lock").unlink(missing_ok=True)
-                continue
-            total += size
-    except OSError:
-        pass  # another process pruned it first
+    """The least recently written files past `FILES_KEPT` or the byte cap go (never `keep`,
+    the file just written)."""
+    disk_cache.prune(folder, f"*{SUFFIX}", FILES_KEPT, max_bytes(), keep)
