@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
 from shared.logs import add_logging_flags
+from shared.memory import release_free_heap
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
@@ -113,6 +114,7 @@ class Launcher:
             if code is not None:
                 return code
             say(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}")
+            release_free_heap()  # what the preflight check freed (a first start parses the model)
             while not self.stopping:
                 self._supervise(env)
                 time.sleep(0.1)

@@ -202,3 +202,30 @@ def test_a_model_built_from_the_cache_computes_as_one_repacked(cache, model_gguf
     for a, b in pairs:
         x = torch.linspace(-1, 1, 3 * a.in_features).reshape(3, a.in_features)
         assert torch.equal(a.weight, b.weight) and torch.equal(a(x), b(x))
+
+
+def _mapped_rss_kib(path) -> int:
+    """This process's resident KiB of the mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_released_tensors_leave_the_resident_set_and_read_back_the_same(cache, model_gguf):
+    state = quant_state(model_gguf)
+    repack_cache.repacked(model_gguf, state)  # written
+    entries = repack_cache.repacked(model_gguf, state)  # mapped (and read whole by the checksum)
+    (path,) = files(cache)
+    arrays = [torch.from_numpy(a) for e in entries.values() if e is not None for a in e[1:] if a is not None]
+    copies = [a.clone() for a in arrays]
+    before = _mapped_rss_kib(path)
+    assert before > 0
+    released = repack_cache.release(arrays)
+    assert released > 0 and _mapped_rss_kib(path) <= before - released // 1024 + 4
+    assert all(torch.equal(a, c) for a, c in zip(arrays, copies))  # read back from the file
+    heap = torch.arange(100_000, dtype=torch.float32)
+    assert repack_cache.release([heap]) == 0 and torch.equal(heap, torch.arange(100_000, dtype=torch.float32))

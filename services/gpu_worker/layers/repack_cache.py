@@ -23,12 +23,14 @@ are deleted least recently used first; a model larger than the cap alone is not 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
+import mmap
 import os
 import struct
 import tempfile
@@ -205,6 +207,37 @@ def write(out: Path, key: str, entries: dict[str, Entry]) -> bool:
     return True
 
 
+#: [start, end) addresses of the cache files this process has mapped (see `release`)
+_MAPPED: list[tuple[int, int]] = []
+_MADV_DONTNEED = 4
+
+
+def release(tensors) -> int:
+    """Hand back the pages of mapped tensors that are no longer used: the q/k/v and
+    gate/up parts the model concatenates into new memory at `prepare`, whose mapped pages
+    (read once, by the checksum) would stay in this process's resident set beside their
+    copy. `madvise(MADV_DONTNEED)` on the pages wholly inside each tensor; the mapping is
+    private and never written, so a page touched again is read back from the file, the
+    same bytes. Tensors not in a cache file of this process are left alone (anonymous
+    memory would be zeroed). Returns the bytes released."""
+    page, done = mmap.PAGESIZE, 0
+    libc = None
+    for t in tensors:
+        if t is None or not t.numel():
+            continue
+        a = t.data_ptr()
+        n = t.numel() * t.element_size()
+        if not any(lo <= a and a + n <= hi for lo, hi in _MAPPED):
+            continue
+        lo, hi = -(-a // page) * page, (a + n) // page * page
+        if hi <= lo:
+            continue
+        libc = libc or ctypes.CDLL(None, use_errno=True)
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0:
+            done += hi - lo
+    return done
+
+
 def read(out: Path, key: str) -> dict[str, Entry] | None:
     """The entries of the cache file `out` mapped, or None when it is missing, partial,
     corrupt or made for another key (the caller then rebuilds it)."""
@@ -217,6 +250,7 @@ def read(out: Path, key: str) -> dict[str, Entry] | None:
     except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
         log.warning("repacked-weights cache file %s is unusable (%s); repacking", out.name, exc)
         return None
+    _MAPPED.append((mm.ctypes.data, mm.ctypes.data + mm.size))
     disk_cache.touch(out)
     return entries
 

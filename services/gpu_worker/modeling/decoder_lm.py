@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
-from services.gpu_worker.layers import fused
+from services.gpu_worker.layers import fused, repack_cache
 from services.gpu_worker.layers.linear import (
     KernelGateUpSilu,
     KernelHead,
@@ -157,7 +157,10 @@ def _concat_linears(parts: list[nn.Linear | QuantLinear]) -> nn.Linear | QuantLi
     """One Linear whose output is the parts' outputs side by side (weights concatenated);
     None where they cannot be (GGUF weights kept quantized in different forms, or some not)."""
     if any(isinstance(p, QuantLinear) for p in parts):
-        return QuantLinear.concat(parts) if all(isinstance(p, QuantLinear) for p in parts) else None
+        fused = QuantLinear.concat(parts) if all(isinstance(p, QuantLinear) for p in parts) else None
+        if fused is not None:  # the parts' pages mapped from the repack cache are not read again
+            repack_cache.release([t for p in parts for t in (p.w, p.d, p.m)])
+        return fused
     w = torch.cat([p.weight.detach() for p in parts], dim=0)
     fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
     fused.weight = nn.Parameter(w, requires_grad=False)
