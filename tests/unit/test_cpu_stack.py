@@ -131,3 +131,20 @@ def test_bfloat16_pages_are_bitwise_the_modules_and_float16_goes_through_them(mo
             assert ran == [runs], dtype
             assert torch.equal(got, _forward(m, b, [4, 7], [9 + step, 20 + step], rows, stack=False)), dtype
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_long_prefill_runs_the_mlp_in_slices_with_the_same_bits(model, monkeypatch):
+    """Past MLP_ROWS rows the MLP runs slice by slice (its intermediate is most of a long
+    step's memory); on the C kernels rows are independent, so the logits are the same."""
+    from services.gpu_worker.modeling import decoder_lm
+
+    m, spec = model
+    ids = [(5 * j) % 90 + 3 for j in range(300)]
+    rows = [(list(range(64)), 0, 0, 300, False)]
+    sliced = _forward(m, _caches(m, spec), ids, list(range(300)), rows, stack=False)
+    monkeypatch.setattr(decoder_lm, "MLP_ROWS", 10**6)
+    whole = _forward(m, _caches(m, spec), ids, list(range(300)), rows, stack=False)
+    monkeypatch.setattr(decoder_lm, "MLP_ROWS", 64)
+    assert torch.equal(sliced, whole)
+    assert torch.equal(_forward(m, _caches(m, spec), ids, list(range(300)), rows, stack=False), whole)
+    assert m.model.layers[0].mlp._rows_independent()

@@ -23,6 +23,7 @@ from services.gpu_worker.layers import fused, repack_cache
 from services.gpu_worker.layers.linear import (
     KernelGateUpSilu,
     KernelHead,
+    KernelLinear,
     PackedHead,
     make_head,
     pack_linears,
@@ -35,6 +36,9 @@ from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
 from shared.model_config import FULL, ModelConfig, read_model_config
 
 _apply_rope = apply_rope  # the name the kernel tests compare against
+
+#: rows of a step the MLP runs at once on the C kernels (longer prefills go in slices)
+MLP_ROWS = 256
 
 
 class RMSNorm(nn.Module):
@@ -139,6 +143,21 @@ class MLP(nn.Module):
             self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MLP_ROWS and self._rows_independent():
+            # a long prefill in slices: the [T, 2 x inter] intermediate is most of a step's
+            # memory (25 MB at 2,048 rows of SmolLM2), and these kernels give every row the
+            # same bits whatever batch it is in, so the result is the unsliced one
+            return torch.cat([self._forward(part) for part in x.split(MLP_ROWS)])
+        return self._forward(x)
+
+    def _rows_independent(self) -> bool:
+        """Every GEMM here is a C kernel whose rows do not depend on each other's (oneDNN's
+        blocking, and so its rounding, changes with the row count: not sliced)."""
+        kernels = (QuantLinear, KernelLinear, KernelGateUpSilu)
+        gate_up = self.gate_up_silu if self.gate_up_silu is not None else self.gate_up_proj
+        return isinstance(gate_up, kernels) and isinstance(getattr(self, "down_proj", None), kernels)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_silu is not None:
             return self.down_proj(self.gate_up_silu(x))
         if self.gate_up_proj is not None:
