@@ -12,6 +12,7 @@ from shared.config import (
     resolve_addresses,
 )
 from shared.logs import add_logging_flags, setup_logging
+from shared.memory import release_free_heap
 from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError, ModelSpec
 
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
     addrs = resolve_addresses(args, ADDRESSES)
     log.info("listening on %s (control %s) for model %s", addrs["conductor"], addrs["conductor_control"], ours.model)
-    run_service(Conductor(d, spec, addrs, ours).run())
+    conductor = Conductor(d, spec, addrs, ours)
+    release_free_heap()  # what reading the model's config and spec freed
+    run_service(conductor.run())
     return 0
 
 

@@ -44,8 +44,11 @@ from shared.zmq_utils import cleanup_ipc
 log = logging.getLogger("mstar.gpu_worker")
 
 STATS_INTERVAL_S = 0.25
-#: the heap goes back to the OS once the engine has been idle this long (shared/memory.py)
+#: the heap goes back to the OS once the engine has been idle this long (shared/memory.py)...
 TRIM_AFTER_IDLE_S = 1.0
+#: ...and this often while it is busy (a trim takes ~1 ms; the pages it frees fault back in
+#: at the next large step, ~10 ms of a busy second at most)
+TRIM_EVERY_S = 2.0
 HEARTBEAT_INTERVAL_S = 1.0
 #: an idle engine starts its first step once arrivals pause this long...
 GATHER_QUIET_S = 0.004
@@ -206,7 +209,7 @@ class GpuWorker:
         self._stats(force=True)
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
-        last_stats = last_beat = busy_at = time.monotonic()
+        last_stats = last_beat = busy_at = trimmed_at = time.monotonic()
         release_free_heap()  # what loading and the warm-up freed
         trimmed = True
         while self.running:
@@ -225,9 +228,12 @@ class GpuWorker:
             now = time.monotonic()
             if self.engine.has_work:
                 busy_at, trimmed = now, False
+                if now - trimmed_at >= TRIM_EVERY_S:  # under a long load too: glibc keeps freed step buffers
+                    release_free_heap()
+                    trimmed_at = now
             elif not trimmed and now - busy_at >= TRIM_AFTER_IDLE_S:
                 release_free_heap()  # a load's step buffers, freed: resident memory follows the load
-                trimmed = True
+                trimmed, trimmed_at = True, now
             if now - last_stats >= STATS_INTERVAL_S:
                 self._stats()
                 last_stats = now
