@@ -182,3 +182,29 @@ def test_model_positional_and_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["serve", "--model", "a/b", "c/d"])
     assert info.value.code == 2 and "give MODEL or --model, not both" in capsys.readouterr().err
+
+
+def test_the_preflight_check_runs_in_a_child_and_reports_its_crash(monkeypatch, capsys):
+    """The check runs in a forked child (its imports stay out of the supervising launcher):
+    a refusal comes back as the reason, a crash of the check itself as one line (its
+    traceback on stderr), and the launcher never imports what the check needs."""
+    from services import launcher
+    from shared.config import Deployment
+
+    monkeypatch.setattr(launcher, "_check", lambda d, t: "config.json hidden_act='relu2' is not supported")
+    assert launcher.preflight(Deployment(model="m"), None) == "config.json hidden_act='relu2' is not supported"
+    monkeypatch.setattr(launcher, "_check", lambda d, t: None)
+    assert launcher.preflight(Deployment(model="m"), None) is None
+
+    def crash(d, t):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(launcher, "_check", crash)
+    assert launcher.preflight(Deployment(model="m"), None) == \
+        "the deployment check itself failed (its traceback is above)"
+    out = subprocess.run([sys.executable, "-c", "import sys\nfrom services import launcher\n"
+                          "from shared.config import Deployment\n"
+                          "launcher.preflight(Deployment(model=''), None)\n"
+                          "print(sorted(m for m in ('numpy', 'tokenizers') if m in sys.modules))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
