@@ -4,15 +4,26 @@ GGUF summaries, the repacked weights, the start-up measurements).
 Each cache is a folder of files named by a hash of what they depend on: an env var places
 it (`MSTAR_GGUF_CACHE`, `MSTAR_REPACK_CACHE`, `MSTAR_TUNING_CACHE`), else it lives under
 ~/.cache/mstar/, or under the temp dir where home is read-only; the off words turn a cache
-off where that is allowed. After each write the least recently written files past a count
-(and a byte cap, where given) are deleted with their lock files.
+off where that is allowed. A file is made once by whichever process gets there first
+(`read_or_make`: the others wait on its lock, then read it), is written whole or not at all
+(`atomic_write`), and after each write the least recently written files past a count (and a
+byte cap, where given) are deleted with their lock files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, TypeVar
+
+log = logging.getLogger("mstar.disk_cache")
+
+T = TypeVar("T")
 
 #: what an env var says to turn a cache off
 OFF_WORDS = ("0", "off", "no", "false", "none")
@@ -59,3 +70,54 @@ def touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def read_or_make(path: Path, read: Callable[[], T | None], make: Callable[[], T | None],
+                 write: Callable[[T], object]) -> tuple[T | None, bool]:
+    """(`read()`, True) where the cache file at `path` is usable (`read` returns None for a
+    missing or unusable one), else (`make()`, False), made under the file's lock (processes
+    starting together make it once: the others, reading again inside the lock, find it)
+    and kept by `write` (a value of None is not kept; an OSError of `write` is logged: the
+    value is still returned)."""
+    value = read()
+    if value is not None:
+        return value, True
+    with _lock(path):
+        value = read()
+        if value is not None:
+            return value, True
+        value = make()
+        if value is not None:
+            try:
+                write(value)
+            except OSError as exc:
+                log.warning("could not keep %s in %s: %s", path.name, path.parent, exc)
+        return value, False
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """`path`'s .lock file held exclusively for the block; no lock where it cannot be
+    opened (a read-only folder: the write then fails and is only logged)."""
+    try:
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, mode: str = "wb") -> Iterator[IO]:
+    """A temporary file beside `path`, renamed onto it when the block ends without an
+    error (removed otherwise): a reader sees the whole file or none."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

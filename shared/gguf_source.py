@@ -18,12 +18,10 @@ this module for the config and the tokenizer alone.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -609,23 +607,22 @@ def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:
 @functools.lru_cache(maxsize=4)
 def _summary(path: str, cache: str) -> dict[str, Any] | None:
     out = Path(cache)
-    if out.exists():
-        try:
-            return json.loads(out.read_text())
-        except (OSError, ValueError):
-            pass
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if out.exists():
-            return json.loads(out.read_text())
-        summary = _summarize(path)
-        if summary is not None:
-            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(summary, f)
-            os.replace(tmp, out)  # atomic: a reader sees the whole file or none
-            _prune(out.parent)
-        return summary
+    summary, _ = disk_cache.read_or_make(out, lambda: _read_summary(out), lambda: _summarize(path),
+                                         lambda made: _write_summary(out, made))
+    return summary
+
+
+def _read_summary(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(out.read_text())
+    except (OSError, ValueError):  # missing, or not whole JSON: made again
+        return None
+
+
+def _write_summary(out: Path, summary: dict[str, Any]) -> None:
+    with disk_cache.atomic_write(out, "w") as f:
+        json.dump(summary, f)
+    _prune(out.parent)
 
 
 #: summaries kept in the cache folder (the most recently written; tests write many files)

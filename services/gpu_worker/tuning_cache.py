@@ -14,16 +14,13 @@ re-measures everything.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
 import platform
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,31 +106,13 @@ def read(path: Path, k: str, check: Callable[[dict], Any]) -> Any:
 
 
 def write(path: Path, k: str, record: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": VERSION, "key": k, "record": record}, f)
-        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with disk_cache.atomic_write(path, "w") as f:
+        json.dump({"version": VERSION, "key": k, "record": record}, f)
     prune(path.parent)
 
 
 def prune(folder: Path) -> None:
     disk_cache.prune(folder, "*.json", FILES_KEPT)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[bool]:
-    try:
-        lock = open(path.with_suffix(".lock"), "w")
-    except OSError:
-        yield False
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield True
 
 
 def cached(kind: str, parts: Any, measure: Callable[[], Any], to_record: Callable[[Any], dict],
@@ -145,16 +124,5 @@ def cached(kind: str, parts: Any, measure: Callable[[], Any], to_record: Callabl
     if folder is None:
         return measure(), False
     path, k = _path(folder, kind, parts)
-    value = read(path, k, check)
-    if value is not None:
-        return value, True
-    with _locked(path):
-        value = read(path, k, check)  # another worker may have measured while this one waited
-        if value is not None:
-            return value, True
-        value = measure()
-        try:
-            write(path, k, to_record(value))
-        except OSError as exc:
-            log.warning("could not keep the %s measurement in %s: %s", kind, folder, exc)
-        return value, False
+    return disk_cache.read_or_make(path, lambda: read(path, k, check), measure,
+                                   lambda value: write(path, k, to_record(value)))

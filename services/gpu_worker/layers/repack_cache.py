@@ -24,7 +24,6 @@ are deleted least recently used first; a model larger than the cap alone is not 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -33,7 +32,6 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -132,24 +130,9 @@ def repacked(path: str | Path | None, quant_state: dict) -> dict[str, Entry]:
     except OSError:
         return build(quant_state)
     out = folder / f"{key}{SUFFIX}"
-    hit = read(out, key)
-    if hit is not None:
-        return hit
-    try:
-        lock = open(out.with_suffix(".lock"), "w")
-    except OSError:
-        return build(quant_state)
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        hit = read(out, key)  # another worker may have made it while this one waited
-        if hit is not None:
-            return hit
-        entries = build(quant_state)
-        try:
-            write(out, key, entries)
-        except OSError as exc:
-            log.warning("could not keep the repacked weights in %s: %s", folder, exc)
-        return entries
+    entries, _ = disk_cache.read_or_make(out, lambda: read(out, key), lambda: build(quant_state),
+                                         lambda made: write(out, key, made))
+    return entries
 
 
 def _arrays(entry: Entry) -> list[np.ndarray]:
@@ -191,18 +174,12 @@ def write(out: Path, key: str, entries: dict[str, Entry]) -> bool:
         pos = off + a.nbytes
     header = json.dumps({"key": key, "data_bytes": data_bytes, "crc32": crc, "entries": table}).encode()
     start = _align(len(MAGIC) + 8 + len(header))
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            f.write(bytes(start - f.tell()))
-            for off, a in chunks:
-                f.write(bytes(start + off - f.tell()))
-                f.write(a.reshape(-1).view(np.uint8).data)
-        os.replace(tmp, out)  # atomic: a reader sees the whole file or none
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with disk_cache.atomic_write(out) as f:
+        f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+        f.write(bytes(start - f.tell()))
+        for off, a in chunks:
+            f.write(bytes(start + off - f.tell()))
+            f.write(a.reshape(-1).view(np.uint8).data)
     prune(out.parent, keep=out)
     return True
 
