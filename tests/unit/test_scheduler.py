@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from services.gpu_worker.build import build_engine
-from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.scheduler import MIN_PREFILL_ROWS, Limits, Scheduler
 from services.gpu_worker.step_costs import StepCosts, StepShape, calibrate, chunk_shape
-from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
-from shared.model_source import ModelSource
 from shared.specs.base import PromptRequest
-from tests.checkpoints import make_checkpoint
+from tests.engines import tiny_engine, tiny_model
 
 MS = 1e-3
 
@@ -151,25 +146,11 @@ def test_several_prompts_share_what_the_target_leaves():
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("sched") / "llama", "llama")
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    return spec, build_model(src, spec, torch.float32)
-
-
-def engine(spec, model, num_pages, max_batch_tokens, target_s):
-    """A real engine on `num_pages` pages of the tiny model, with a time target."""
-    pools = spec.paged_pools(num_pages)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=max_batch_tokens,
-                       max_seq_len=spec.max_seq_len, itl_target_s=target_s)
-    return pools, kv, eng
+    return tiny_model(tmp_path_factory.mktemp("sched") / "llama")
 
 
 def run(spec, model, prompts, max_tokens, target_ms, costs=None, arrive_late=()):
-    pools, kv, eng = engine(spec, model, 128, 64, target_ms * MS)
+    pools, kv, eng = tiny_engine(spec, model, 128, 64, target_ms * MS)
     kv.debug = True
     if costs is not None:
         eng.scheduler.costs = costs
@@ -222,7 +203,7 @@ def test_the_same_tokens_with_the_target_on_and_off(llama):
 
 def test_warm_up_calibration_learns_a_usable_model(llama):
     spec, model = llama
-    pools, kv, eng = engine(spec, model, 64, 64, 0.03)
+    pools, kv, eng = tiny_engine(spec, model, 64, 64, 0.03)
     with kv.untracked():
         costs = calibrate(eng, spec, pools, 64, 8)
     assert costs.ready and costs.prior is not None and (costs.coef >= 0).all()
@@ -232,7 +213,7 @@ def test_warm_up_calibration_learns_a_usable_model(llama):
 
 def test_calibration_skips_a_shape_a_small_pool_cannot_hold(llama):
     spec, model = llama
-    pools, kv, eng = engine(spec, model, 8, 512, 0.03)  # 128 rows: the 256-row calibration prompt cannot fit
+    pools, kv, eng = tiny_engine(spec, model, 8, 512, 0.03)  # 128 rows: the 256-row calibration prompt cannot fit
     with kv.untracked():
         costs = calibrate(eng, spec, pools, 512, 8)
     assert costs.ready and not eng.running and not eng.waiting and kv.used_pages() == 0

@@ -10,15 +10,10 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from services.gpu_worker import step_costs, tuning_cache
-from services.gpu_worker.build import build_engine
-from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.step_costs import StepShape, calibrate_cached
-from services.gpu_worker.weights import build_model
-from shared.model_source import ModelSource
-from tests.checkpoints import make_checkpoint
+from tests.engines import tiny_engine, tiny_model
 
 
 @pytest.fixture
@@ -29,20 +24,11 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("tuning") / "llama", "llama")
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    return spec, build_model(src, spec, torch.float32)
+    return tiny_model(tmp_path_factory.mktemp("tuning") / "llama")
 
 
 def engine(spec, model):
-    pools = spec.paged_pools(64)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=64,
-                       max_seq_len=spec.max_seq_len, itl_target_s=0.03)
-    return pools, kv, eng
+    return tiny_engine(spec, model, 64, 64, 0.03)
 
 
 @pytest.fixture
