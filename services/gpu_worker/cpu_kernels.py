@@ -133,9 +133,8 @@ def library() -> ctypes.CDLL | None:
                                       ptr]
         lib.mstar_pool_threads.restype = ctypes.c_int
         lib.mstar_pool_threads.argtypes = []
-        lib.mstar_pool_set_threads.restype = lib.mstar_pool_set_spin_us.restype = lib.mstar_pool_stats.restype = None
+        lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None
         lib.mstar_pool_set_threads.argtypes = [ctypes.c_int]
-        lib.mstar_pool_set_spin_us.argtypes = [ctypes.c_double]
         lib.mstar_pool_stats.argtypes = [ptr]
         lib.mstar_pool_check.restype = i64
         lib.mstar_pool_check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]

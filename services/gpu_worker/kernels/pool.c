@@ -235,8 +235,6 @@ void mstar_pool_set_threads(int threads) {
     atomic_store(&P.busy, 0);
 }
 
-void mstar_pool_set_spin_us(double us) { atomic_store(&P.spin_ns, (int64_t)(us * 1000)); }
-
 void mstar_pool_stats(int64_t *out) {
     for (int i = 0; i < 4; i++) out[i] = atomic_load_explicit(&P.stats[i], memory_order_relaxed);
 }
