@@ -234,8 +234,14 @@ class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **HOT):
+    """A sign of life. A gpu worker sends one every second from a thread of its own, so it
+    beats through a long step: `step_s` says for how long the running step has run (0.0
+    between steps), and `incarnation` which process of the worker beats."""
+
     sender: str
     time: float
+    incarnation: str = ""
+    step_s: float = 0.0
 
 
 # ---- conductor -> gpu_worker ---------------------------------------------------------

@@ -49,8 +49,12 @@ from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 log = logging.getLogger("mstar.conductor")
 
 TOMBSTONE_TTL_S = 60.0
-#: a worker silent this long (no heartbeat: SIGSTOPped, hung) is declared failed
+#: a worker silent this long (no heartbeat: SIGSTOPped, dead, deadlocked) is declared
+#: failed; workers beat from a thread of their own, so a long step never counts
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MSTAR_HEARTBEAT_TIMEOUT", "5"))
+#: a worker whose heartbeat reports one step running longer than this is hung (the worker
+#: exits itself at this point: services/gpu_worker/liveness.py); 0 turns it off
+STEP_WATCHDOG_S = float(os.environ.get("MSTAR_STEP_WATCHDOG_S", "300"))
 
 
 class Refusal(Exception):
@@ -76,6 +80,8 @@ class WorkerState:
     #: chain keys of prompt pages recently sent here: an estimate of its prefix cache
     cached: OrderedDict = field(default_factory=OrderedDict)
     dispatched: int = 0
+    #: how long the worker's running step had run at its last heartbeat (0.0: between steps)
+    step_s: float = 0.0
 
     def remember(self, keys: dict[str, tuple[list[int], int]]) -> None:
         """What the worker's prefix index holds once the request's prompt ran: every full
@@ -232,9 +238,7 @@ class Conductor:
             if w is not None:
                 w.stats, w.last_seen = msg, time.monotonic()
         elif isinstance(msg, Heartbeat):
-            w = self.workers.get(msg.sender)
-            if w is not None:
-                w.last_seen = time.monotonic()
+            await self._heartbeat(msg)
 
     async def _new_request(self, req: NewRequest, bufs: list) -> None:
         self._prune_tombstones()
@@ -402,6 +406,20 @@ class Conductor:
             pass
         finally:
             mon.close(0)
+
+    async def _heartbeat(self, msg: Heartbeat) -> None:
+        """A worker's beat (from its own thread, so also during a long step). A beat of an
+        earlier incarnation, or of a worker not (yet) registered, says nothing about the
+        one registered."""
+        w = self.workers.get(msg.sender)
+        if w is None or (msg.incarnation and msg.incarnation != w.incarnation):
+            return
+        w.last_seen = time.monotonic()
+        w.step_s = msg.step_s
+        if STEP_WATCHDOG_S > 0 and msg.step_s > STEP_WATCHDOG_S:
+            log.error("worker %s has run one step for %.0fs (watchdog %gs) holding %d request(s): %s",
+                      w.worker_id, msg.step_s, STEP_WATCHDOG_S, len(w.requests), list(w.requests)[:16])
+            await self._worker_failed(w, f"a step ran past the {STEP_WATCHDOG_S:g}s step watchdog")
 
     async def _watch_heartbeats(self) -> None:
         while True:

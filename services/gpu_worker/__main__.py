@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if worker.refused is not None:  # a configuration error: restarting cannot fix it
         print(f"gpu_worker: refused by the conductor: {worker.refused}", file=sys.stderr, flush=True)
         return 2
-    return 0
+    return worker.exit_code
 
 
 if __name__ == "__main__":

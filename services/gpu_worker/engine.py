@@ -30,7 +30,33 @@ from shared.frames import NewRequest
 
 log = logging.getLogger("mstar.engine")
 
-__all__ = ["Engine", "Finished", "StepResult"]
+__all__ = ["DeviceLost", "Engine", "Finished", "StepResult", "device_lost"]
+
+#: CUDA errors after which the context is unusable: every later kernel launch fails too
+#: (the "sticky" errors of the CUDA runtime), so the worker process must start again
+STICKY_CUDA_ERRORS = (
+    "illegal memory access", "uncorrectable ECC error", "unspecified launch failure",
+    "device-side assert triggered", "misaligned address", "illegal instruction",
+    "CUDA error: unknown error", "device not ready", "hardware stack error",
+    "ECC error",
+)
+
+
+def device_lost(exc: BaseException) -> bool:
+    """True for an exception that leaves the accelerator unusable (not for a step that
+    failed on bad input, an out-of-memory, or anything on the CPU)."""
+    text = str(exc)
+    return ("CUDA error" in text or "cudaError" in text or "CUDA" in type(exc).__name__
+            or type(exc).__name__ == "AcceleratorError") and any(e in text for e in STICKY_CUDA_ERRORS)
+
+
+class DeviceLost(Exception):
+    """A step failed with an error that leaves the device unusable: `result` fails every
+    request the worker holds; the worker sends it and exits so it is restarted."""
+
+    def __init__(self, cause: BaseException, result: StepResult) -> None:
+        super().__init__(str(cause))
+        self.cause, self.result = cause, result
 
 
 class Engine:
@@ -118,13 +144,18 @@ class Engine:
             for failure in self.runner.reserve(plan):  # an overrun with no page to spare fails alone
                 self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
             sampled = self.runner.execute(plan) if plan.entries else []
-        except Exception:
+        except Exception as exc:
             error_id = new_error_id()
             log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(plan.entries))
             for e in plan.entries:
                 res.errors.append((e.request.reply_to, error_frame(e.request.request_id, ErrorKind.INTERNAL,
                                                                   "internal error in the model step", error_id)))
                 self._end(e.request, False, "error", res)
+            if device_lost(exc):
+                rest = self.fail_all(ErrorKind.WORKER_FAILED, "the worker's device failed; it is restarting")
+                res.errors += rest.errors
+                res.finished += rest.finished
+                raise DeviceLost(exc, res) from exc
             return res
         self.outputs.update(plan, sampled, end, res)
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time

@@ -18,7 +18,8 @@ import torch
 import zmq
 
 from services.gpu_worker.build import assemble
-from services.gpu_worker.engine import Finished, StepResult
+from services.gpu_worker.engine import DeviceLost, Finished, StepResult
+from services.gpu_worker.liveness import Liveness
 from services.gpu_worker.outputs import error_frame
 from shared import curve
 from shared.cgroup import available_cpus
@@ -49,7 +50,9 @@ TRIM_AFTER_IDLE_S = 1.0
 #: ...and this often while it is busy (a trim takes ~1 ms; the pages it frees fault back in
 #: at the next large step, ~10 ms of a busy second at most)
 TRIM_EVERY_S = 2.0
-HEARTBEAT_INTERVAL_S = 1.0
+#: how often the step loop repeats its `WorkerReady` (between steps), so a restarted
+#: conductor learns this worker again; liveness itself is `Liveness`'s thread
+ANNOUNCE_INTERVAL_S = 1.0
 #: an idle engine starts its first step once arrivals pause this long...
 GATHER_QUIET_S = 0.004
 #: ...or this long after the first arrival, whichever comes first
@@ -130,6 +133,9 @@ class GpuWorker:
         self.fingerprint = fingerprint(d)
         self.refused: str | None = None  # the conductor's reason, when it refused this worker
         self._last_stats: tuple | None = None
+        self.liveness = Liveness(self.ctx, conductor_addr, worker_id, self.incarnation, self._held)
+        #: the exit status `__main__` returns (a lost device or a hung step: non-zero, restarted)
+        self.exit_code = 0
 
     # -- wire ------------------------------------------------------------------------
 
@@ -200,6 +206,26 @@ class GpuWorker:
                                            kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens,
                                            drafted, accepted))
 
+    def _held(self) -> str:
+        """The requests this worker holds, for the step watchdog's log line."""
+        running = [r.request_id for r in list(self.engine.running)]
+        return f"{len(running)} running request(s) {running[:16]}, {len(self.engine.waiting)} waiting"
+
+    def _step(self) -> None:
+        self.liveness.step_began()
+        try:
+            res = self.engine.step()
+        except DeviceLost as lost:
+            # The device cannot run another step: fail what the step held, then exit so the
+            # supervisor starts a fresh process (every later step would fail the same way).
+            log.critical("the device is unusable (%s); failing every request and exiting", lost.cause)
+            self._send_results(lost.result)
+            self.exit_code, self.running = 1, False
+            return
+        finally:
+            self.liveness.step_ended()
+        self._send_results(res)
+
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "running", False))
@@ -207,6 +233,7 @@ class GpuWorker:
                             self.fingerprint)
         self._to_conductor(ready)
         self._stats(force=True)
+        self.liveness.start()
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         last_stats = last_beat = busy_at = trimmed_at = time.monotonic()
@@ -223,7 +250,7 @@ class GpuWorker:
                         break
                     self._handle([f.buffer for f in frames])
             if self.engine.has_work and not self.gather.wait_s():
-                self._send_results(self.engine.step())
+                self._step()
                 self.gather.stepped()
             now = time.monotonic()
             if self.engine.has_work:
@@ -237,8 +264,8 @@ class GpuWorker:
             if now - last_stats >= STATS_INTERVAL_S:
                 self._stats()
                 last_stats = now
-            if now - last_beat >= HEARTBEAT_INTERVAL_S:
-                self._to_conductor(ready)  # the heartbeat, with fresh stats for a conductor that just (re)met us
+            if now - last_beat >= ANNOUNCE_INTERVAL_S:
+                self._to_conductor(ready)  # for a conductor that just (re)started, with fresh stats
                 self._stats(force=True)
                 last_beat = now
         self.shutdown()
@@ -246,6 +273,7 @@ class GpuWorker:
     def shutdown(self) -> None:
         self._send_results(self.engine.fail_all(ErrorKind.WORKER_FAILED, "the worker is shutting down"))
         self._stats(force=True)
+        self.liveness.stop()
         for sock in self.replies.values():
             sock.close(0)
         self.pull.close(0)
