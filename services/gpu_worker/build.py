@@ -63,11 +63,32 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     if k and (spec.engine != "decoder" or any(lab.window is not None for lab in spec.kv_labels)):
         log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
         k = 0
-    limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s)
+    limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s,
+                    max_logit_rows(_vocab_size(spec)))
     scheduler = Scheduler(kv, limits, spec.step_loops, k)
     outputs = OutputProcessor(kv, runner.step_labels, spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
     return Engine(kv, scheduler, runner, outputs, ngram)
+
+
+#: the float32 logits a step may hold for prompt logprobs (their log-softmax and the
+#: copies beside it take about 3x this): docs/reliability.md
+LOGIT_BYTES = 64 << 20
+#: ...but never fewer rows than this a step (a huge vocabulary would crawl otherwise)
+MIN_LOGIT_ROWS = 32
+
+
+def max_logit_rows(vocab_size: int | None) -> int:
+    """Prompt rows a step puts through the LM head for prompt logprobs (0: no cap known)."""
+    return max(MIN_LOGIT_ROWS, LOGIT_BYTES // (4 * vocab_size)) if vocab_size else 0
+
+
+def _vocab_size(spec) -> int | None:
+    cfg = getattr(spec, "config", None)
+    vocab = getattr(spec, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    if vocab is None and isinstance(cfg, dict):
+        vocab = cfg.get("vocab_size")
+    return int(vocab) if vocab else None
 
 
 @dataclass

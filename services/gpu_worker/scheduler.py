@@ -25,6 +25,13 @@ whatever the target, and under a load the target cannot hold, prompts pile up un
 outnumber the decode rows and the next step prefills at the full budget. The target
 changes only when rows run, never what they compute: each row sees the same keys whatever
 chunk it came in, so every request gets the same tokens.
+
+Prompt logprobs (`prompt_logprobs`, OpenAI's `echo` + `logprobs`) need the LM head over
+every prompt row, a `[rows x vocabulary]` float32 block (393 MB for a 2,000-token prompt on
+a 49k vocabulary). The step's rows of such chunks are capped at `Limits.max_logit_rows`,
+so its extra memory is bounded by that many rows x the vocabulary whatever the prompt
+length; those rows count as sampled rows in the step's shape, so a time target cuts
+them as it cuts prefill.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class Limits:
     max_admissions: int | None = None
     #: a step's time target in seconds when decode rows run (0: the token budget alone)
     itl_target_s: float = 0.0
+    #: most prompt rows a step puts through the LM head for prompt logprobs (0: no cap)
+    max_logit_rows: int = 0
 
 
 class Scheduler:
@@ -135,6 +144,7 @@ class Scheduler:
             plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
             plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
         seconds, floor = self._prefill_allowance(plan)
+        logit_rows = self.limits.max_logit_rows or self.limits.max_batch_tokens
         for r in ready:
             if r.decoding:
                 continue
@@ -142,15 +152,21 @@ class Scheduler:
                 break
             left = len(r.prompt) - r.num_computed
             n = min(left, budget)
+            scored = r.sampling.prompt_logprobs is not None
+            if scored:
+                if logit_rows <= 0:
+                    continue  # this step's logit rows are spent: a later step takes it
+                n = min(n, logit_rows)
             if seconds is not None:
-                n = max(self.costs.chunk_within(seconds, r.num_computed, n), min(n, floor))
+                n = max(self.costs.chunk_within(seconds, r.num_computed, n, scored), min(n, floor))
                 if n <= 0:
                     break
-                shape = chunk_shape(r.num_computed, n, int(n == left))
-                seconds -= self.costs.predict(shape) - self.costs.predict(StepShape())
+                seconds -= self.costs.predict(_shape(r, n, left)) - self.costs.predict(StepShape())
                 floor -= n
+            if scored:
+                logit_rows -= n
             plan.entries.append(PlanEntry(r, n, False))
-            plan.shape += chunk_shape(r.num_computed, n, int(n == left))
+            plan.shape += _shape(r, n, left)
             budget -= n
         return plan
 
@@ -179,3 +195,12 @@ class Scheduler:
         k = min(self.speculative_k, budget, left - 1,
                 req.max_tokens - len(req.output) - 1, self.limits.max_seq_len - req.tokens_len - 1)
         return req.proposer.propose(req.prompt + req.output, k) if k > 0 else []
+
+
+def _shape(r: Request, n: int, left: int) -> StepShape:
+    """A prefill chunk's shape: its rows, and as sampled rows (through the LM head) the one
+    that ends the prompt plus, for prompt logprobs, every row that predicts a prompt token."""
+    head = int(n == left)
+    if r.sampling.prompt_logprobs is not None:
+        head += max(0, min(r.num_computed + n, len(r.prompt) - 1) - r.num_computed)
+    return chunk_shape(r.num_computed, n, head)

@@ -129,15 +129,16 @@ class StepCosts:
             active &= coef > 0
         return np.maximum(coef, 0.0)
 
-    def chunk_within(self, seconds: float, offset: int, remaining: int) -> int:
+    def chunk_within(self, seconds: float, offset: int, remaining: int, scored: bool = False) -> int:
         """The most rows (<= `remaining`) of one prompt, `offset` rows of it cached, that
-        cost at most `seconds` more in a step; sampling their last row when they end it."""
+        cost at most `seconds` more in a step; sampling their last row when they end it,
+        and every row when `scored` (prompt logprobs put each through the LM head)."""
         if seconds <= 0 or remaining <= 0:
             return 0
-        _, c_row, _, c_key = self.coef
+        _, c_row, c_sample, c_key = self.coef
         # n rows cost c_row n + c_key (n offset + n (n + 1) / 2) / KEY_UNIT: solve for n
         qa = c_key / (2 * KEY_UNIT)
-        qb = c_row + c_key * (offset + 0.5) / KEY_UNIT
+        qb = c_row + (c_sample if scored else 0.0) + c_key * (offset + 0.5) / KEY_UNIT
         if qa > 0:
             n = int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa) + 1e-6)
         elif qb > 0:

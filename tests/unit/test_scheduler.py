@@ -141,6 +141,36 @@ def test_several_prompts_share_what_the_target_leaves():
     assert plan.shape == StepShape(6 + 8 + 22, 6 + 1, sum(11 for _ in range(6)) + 36 + 22 * 23 // 2)
 
 
+def scored(rid: str, prompt_len: int, computed: int) -> Request:
+    """A prefilling request that asked for prompt logprobs."""
+    r = req(rid, prompt_len, computed)
+    r.sampling = SamplingParams(temperature=0.0, prompt_logprobs=5)
+    return r
+
+
+def test_prompt_logprob_rows_per_step_are_capped_whatever_the_prompt_length():
+    s = Scheduler(None, Limits(64, 2048, 4096, None, 0.0, max_logit_rows=100), ("decode_loop",))
+    s.running = [scored("a", 2000, 0), scored("b", 2000, 0), req("plain", 500, 0)]
+    plan = s.schedule()
+    # a takes the step's 100 logit rows; b waits for the next step; the plain prompt goes whole
+    assert [(e.request.request_id, e.rows) for e in plan.entries] == [("a", 100), ("plain", 500)]
+    assert plan.shape.sampled == 100 + 1  # a's rows all go through the head; plain samples its last row
+    s.running = [scored("a", 2000, 1950), scored("b", 2000, 0)]
+    plan = s.schedule()
+    # a's last 50 rows: 49 predict a prompt token, the 50th samples; b gets the other 50
+    assert [(e.request.request_id, e.rows) for e in plan.entries] == [("a", 50), ("b", 50)]
+    assert plan.shape.sampled == 49 + 1 + 50
+
+
+def test_a_time_target_counts_prompt_logprob_rows_as_head_rows():
+    costs = known_costs(5.0, 0.5, 1.0)  # ms: a scored row costs 1.5, a plain one 0.5
+    s = scheduler(60, costs)
+    s.running = [req(f"d{i}", 10, 10) for i in range(10)] + [scored("p", 128, 0)]
+    decodes, chunks = plan_rows(s)
+    # 10 decode rows: 5 + 15 = 20 ms; 40 ms left = 26 scored rows (39 ms), not 80 plain ones
+    assert decodes == [1] * 10 and chunks == [26]
+
+
 # -- the engine: the same tokens, whatever the chunks ----------------------------------------
 
 
