@@ -47,12 +47,12 @@ def serve_until_exit(*argv: str, env: dict[str, str] | None = None,
 class MstarServer:
     """`mstar serve` as a child process (the launcher starts the four services)."""
 
-    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port),
-                     *args]
+        self.argv = [python, "-m", "services.launcher", "serve", "--model", model, "--port", str(self.port), *args]
         self.env = service_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 
