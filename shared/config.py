@@ -160,6 +160,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: a step's time target (ms) when decode rows run: prefill chunks beside them are cut to
     #: fit it by the learned step costs (0: throughput first, the token budget alone)
     itl_target_ms: float = 100.0
+    #: with no gpu worker ready, how long a request waits for one before a 503 (0: forever)
+    queue_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
@@ -178,6 +180,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("max_batch_tokens must be >= 16 and max_num_seqs >= 1")
         if not 0 <= self.itl_target_ms <= 60_000:
             raise ValueError(f"itl_target_ms must be in [0, 60000], got {self.itl_target_ms}")
+        if not 0 <= self.queue_timeout_s <= 86_400:
+            raise ValueError(f"queue_timeout_s must be in [0, 86400], got {self.queue_timeout_s}")
         if not 0 <= self.speculative_k <= MAX_SPECULATIVE_K:
             raise ValueError(f"speculative_k must be in [0, {MAX_SPECULATIVE_K}], got {self.speculative_k}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_NGRAM:
@@ -213,6 +217,8 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       "from step costs learned at warm-up and as it runs (streams stay smooth while prompts arrive); "
                       "an idle engine still prefills at the full --max-batch-tokens; 0: throughput first, "
                       "chunks by the token budget alone", None),
+    "queue_timeout_s": ("with no gpu worker ready (none started yet, all failed), seconds a request waits for one "
+                        "before a 503 naming the reason; 0: it waits until one comes", None),
 }
 
 DEPLOYMENT_ENV = "MSTAR_DEPLOYMENT"

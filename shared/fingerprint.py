@@ -25,9 +25,10 @@ from shared.config import Deployment
 from shared.frames import Fingerprint
 
 #: Deployment fields a worker may set for itself (its memory, its batch): the conductor plans
-#: against each worker's announced pools, so these need not agree.
+#: against each worker's announced pools, so these need not agree (nor the conductor's own
+#: queue timeout, which no worker reads).
 PER_WORKER = frozenset({"model", "num_kv_pages", "kv_memory_fraction", "max_num_seqs", "max_batch_tokens",
-                        "itl_target_ms"})
+                        "itl_target_ms", "queue_timeout_s"})
 
 
 def model_identity(model: str) -> str:

@@ -266,6 +266,8 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
     ready_workers: int
     workers: list[WorkerStats] = []
     waiting: int = 0
+    #: worker id -> requests the conductor placed there since it registered
+    dispatched: dict[str, int] = {}
 
 
 ToDataWorker = GenerateRequest | Abort

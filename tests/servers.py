@@ -125,3 +125,80 @@ class MstarServer:
             pass
         self._log.close()
         return self.proc.returncode
+
+
+class ServiceStack:
+    """The four services as separate processes with explicit ipc addresses, as compose.yaml
+    runs them (one per container), so a test can start, kill or restart any one of them.
+    `workers` maps a worker id to its extra flags."""
+
+    def __init__(self, model: str, tmp_path: Path, workers: dict[str, list[str]],
+                 conductor_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        run = tmp_path / "run"
+        run.mkdir(exist_ok=True)
+        self.tmp_path = tmp_path
+        self.addr = {n: f"ipc://{run}/{n}.sock" for n in ("api", "dw", "cond", "ctl", *workers)}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = service_env(MSTAR_RUN_DIR=str(run), **(env or {}))
+        common = ["--model", model]
+        a = self.addr
+        self.argvs: dict[str, list[str]] = {
+            "conductor": ["services.conductor", *common, "--conductor-addr", a["cond"],
+                          "--conductor-control-addr", a["ctl"], *conductor_args],
+            **{wid: ["services.gpu_worker", *common, *flags, "--worker-id", wid, "--bind-addr", a[wid],
+                     "--conductor-addr", a["cond"]] for wid, flags in workers.items()},
+            "data_worker": ["services.data_worker", *common, "--data-worker-addr", a["dw"], "--conductor-addr",
+                            a["cond"]],
+            "api": ["services.api", *common, "--port", str(self.port), "--api-addr", a["api"],
+                    "--data-worker-addr", a["dw"], "--conductor-addr", a["cond"], "--conductor-control-addr",
+                    a["ctl"]],
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str | None = None) -> ServiceStack:
+        for n in [name] if name else list(self.argvs):
+            log = open(self.tmp_path / f"{n}.log", "ab")
+            self.procs[n] = subprocess.Popen([sys.executable, "-m", *self.argvs[n]], cwd=REPO, env=self.env,
+                                             stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+        return self
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def wait_ready(self, workers: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(self.url + "/ready", timeout=2)
+                if r.status_code == 200 and r.json().get("ready_workers") == workers:
+                    return
+            except httpx.HTTPError:
+                pass
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            assert not dead, (dead, {n: self.log(n)[-2000:] for n in dead})
+            time.sleep(0.2)
+        raise TimeoutError(f"not {workers} ready workers after {timeout}s")
+
+    def kill(self, name: str) -> None:
+        p = self.procs.pop(name)
+        p.kill()
+        p.wait()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        want = parse_labels(labels).items()
+        pat = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})?\s+([0-9.eE+-]+)$", re.M)
+        return sum(float(v) for got, v in pat.findall(text) if want <= parse_labels(got).items())
+
+    def stop(self) -> None:
+        for p in reversed(list(self.procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

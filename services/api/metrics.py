@@ -123,6 +123,12 @@ class ClusterCollector(Collector):
         yield self._counter("mstar_kv_footprint_overruns",
                             "pages taken past a label's footprint (bugs), summed over workers",
                             sum(w.footprint_overruns for w in ws))
+        placed = CounterMetricFamily("mstar_worker_requests_dispatched",
+                                     "requests the conductor placed on each ready worker (since it registered)",
+                                     labels=["model_name", "worker_id"])
+        for worker_id, n in sorted(st.dispatched.items()):
+            placed.add_metric([self.model_name, worker_id], n)
+        yield placed
 
     def _pools(self, st: ClusterStatus) -> Iterator[Metric]:
         used: dict[str, int] = {}

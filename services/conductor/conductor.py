@@ -6,6 +6,16 @@ of the footprints of requests dispatched there and not yet finished). A request 
 only to a worker whose unpromised pages cover its footprint; otherwise it waits in one
 FIFO queue. The queue is served strictly oldest first (a head that does not fit blocks
 the rest), so a large request is never starved by small ones behind it.
+
+Placement (issue 27): among the workers whose unpromised pages fit, the least loaded one
+(requests placed there and not finished: the conductor knows it at once, where a
+worker's stats trail by a tick), ties broken round-robin. Free pages are not a measure of
+load: a worker with a bigger pool once took every request of a 16-client burst while its
+peer idled. A worker whose prefix cache holds the request's leading pages wins if its load
+is within `AFFINITY_SLACK` of the least (SGLang's cache-aware router balances the same way).
+
+With no worker registered a request waits at most `Deployment.queue_timeout_s` (30 s),
+then gets a 503 naming the reason, instead of hanging until a worker comes back.
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 log = logging.getLogger("mstar.conductor")
 
 TOMBSTONE_TTL_S = 60.0
+#: a worker holding a request's prefix may have this many more requests in flight than the
+#: least loaded one (or a quarter more, when more) and still be preferred for it
+AFFINITY_SLACK = 2
 #: a worker silent this long (no heartbeat: SIGSTOPped, dead, deadlocked) is declared
 #: failed; workers beat from a thread of their own, so a long step never counts
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MSTAR_HEARTBEAT_TIMEOUT", "5"))
@@ -82,6 +95,8 @@ class WorkerState:
     dispatched: int = 0
     #: how long the worker's running step had run at its last heartbeat (0.0: between steps)
     step_s: float = 0.0
+    #: when the conductor last placed a request here (round-robin among equals)
+    picked: int = 0
 
     def remember(self, keys: dict[str, tuple[list[int], int]]) -> None:
         """What the worker's prefix index holds once the request's prompt ran: every full
@@ -165,6 +180,17 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     return msgspec.structs.replace(req, max_tokens=max_tokens, loop_caps=caps, kv_configs=configs)
 
 
+def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple[WorkerState, dict[str, int]]:
+    """The worker for a request, of (worker, pages to promise, prefix pages it shares) for
+    each worker it fits: the least loaded (requests in flight there), except that one
+    sharing the request's prefix wins while its load is within `AFFINITY_SLACK` (or a
+    quarter) of the least; equals in turn (round-robin: the one picked longest ago)."""
+    least = min(len(w.requests) for w, _, _ in options)
+    near = [o for o in options if len(o[0].requests) <= least + max(AFFINITY_SLACK, least // 4)]
+    w, need, _ = min(near, key=lambda o: (-o[2], len(o[0].requests), o[0].picked))
+    return w, need
+
+
 class Conductor:
     def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str],
                  fingerprint: Fingerprint | None = None) -> None:
@@ -185,12 +211,18 @@ class Conductor:
         # incarnation of a worker declared failed -> the requests it held, aborted on it if
         # it ever speaks again (a SIGSTOPped worker resumed)
         self.dead: OrderedDict[str, list[str]] = OrderedDict()
+        #: request id -> when it joined the queue (monotonic)
+        self.queued_at: dict[str, float] = {}
+        #: since when no worker has been registered (None while one is)
+        self.no_worker_since: float | None = time.monotonic()
+        self._picks = 0
 
     async def run(self) -> None:
         pull = bind(self.ctx, zmq.PULL, self.addrs["conductor"])
         router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         try:
-            await asyncio.gather(self._intake(pull), self._control(router), self._watch_heartbeats())
+            await asyncio.gather(self._intake(pull), self._control(router), self._watch_heartbeats(),
+                                 self._expire_queue())
         finally:
             pull.close(0)
             router.close(0)
@@ -219,7 +251,8 @@ class Conductor:
 
     def status(self) -> ClusterStatus:
         stats = [w.stats for w in self.workers.values() if w.stats is not None]
-        return ClusterStatus(len(self.workers), stats, len(self.queue))
+        return ClusterStatus(len(self.workers), stats, len(self.queue),
+                             {w.worker_id: w.dispatched for w in self.workers.values()})
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -250,6 +283,7 @@ class Conductor:
             pools = self._reference_pools()
             if pools is None:
                 self.queue.append((req, bufs))  # no worker yet: plan once one announces itself
+                self.queued_at[req.request_id] = time.monotonic()
                 return
             planned = plan_request(self.spec, req, pools)
             for name, n in self._need(planned).items():
@@ -262,6 +296,7 @@ class Conductor:
             await self._refuse(req, r)
             return
         self.queue.append((planned, bufs))
+        self.queued_at[req.request_id] = time.monotonic()
         await self._drain_queue()
 
     def _reference_pools(self) -> dict[str, PagedKVConfig] | None:
@@ -289,6 +324,7 @@ class Conductor:
                     req = plan_request(self.spec, req, self._reference_pools())
                 except Refusal as r:
                     self.queue.popleft()
+                    self.queued_at.pop(req.request_id, None)
                     await self._refuse(req, r)
                     continue
                 self.queue[0] = (req, bufs)
@@ -301,21 +337,45 @@ class Conductor:
                 hits = w.hit_pages(keys) if self.d.admission == "footprint" and self.d.prefix_cache else 0
                 need = {pool: n - (hits if pool in keys else 0) for pool, n in base.items()}
                 if w.fits(need):
-                    options.append((hits, sum(w.free(p) for p in need), -w.dispatched, w, need))
+                    options.append((w, need, hits))
             if not options:
                 return
-            # Most shared pages first (cache-aware routing), then most free pages (keeps
-            # room for large requests), then the worker given the fewest requests so far.
-            *_, w, need = max(options, key=lambda o: o[:3])
+            w, need = pick_worker(options)
             w.remember(keys)
             w.dispatched += 1
+            self._picks += 1
+            w.picked = self._picks
             self.queue.popleft()
+            self.queued_at.pop(req.request_id, None)
             for pool, n in need.items():
                 w.promised[pool] = w.promised.get(pool, 0) + n
             w.requests[req.request_id] = (need, req.reply_to)
             self.placement[req.request_id] = w.worker_id
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
             await self.pushers.send(req.reply_to, self.codec.encode(Dispatched(req.request_id, w.worker_id)))
+
+    async def _expire_queue(self) -> None:
+        """With no worker registered, fail what has waited `queue_timeout_s` for one (a
+        request queued for pages while workers exist waits its turn however long)."""
+        timeout = self.d.queue_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4) if timeout > 0 else 1.0)
+            if timeout <= 0 or self.workers or self.no_worker_since is None:
+                continue
+            now = time.monotonic()
+            keep: deque[tuple[NewRequest, list]] = deque()
+            expired: list[NewRequest] = []
+            for entry in self.queue:
+                waited = now - max(self.queued_at.get(entry[0].request_id, now), self.no_worker_since)
+                (expired.append(entry[0]) if waited >= timeout else keep.append(entry))
+            self.queue = keep
+            for req in expired:
+                self.queued_at.pop(req.request_id, None)
+                gone = now - self.no_worker_since
+                await self._refuse(req, Refusal(
+                    ErrorKind.UNAVAILABLE,
+                    f"no gpu worker is ready (none for {gone:.0f}s); the request waited the queue timeout "
+                    f"({timeout:g}s, --queue-timeout-s) and was not run"))
 
     def _prefix_keys(self, req: NewRequest) -> dict[str, tuple[list[int], int]]:
         """Per pool: chain keys of the keyed label's full prompt pages and how many of them
@@ -372,6 +432,7 @@ class Conductor:
         w = self.workers[msg.worker_id] = WorkerState(msg.worker_id, msg.address, {p.name: p for p in msg.pools},
                                                       msg.incarnation)
         w.monitor = asyncio.ensure_future(self._watch_connection(w))
+        self.no_worker_since = None
         log.info("worker %s ready at %s: %s", msg.worker_id, msg.address, {p.name: p.num_pages for p in msg.pools})
         await self._drain_queue()
 
@@ -435,6 +496,8 @@ class Conductor:
         if self.workers.get(w.worker_id) is not w:
             return
         del self.workers[w.worker_id]
+        if not self.workers:
+            self.no_worker_since = time.monotonic()
         error_id = new_error_id()
         log.error("worker %s failed (%s); failing its %d request(s) (error_id=%s)",
                   w.worker_id, reason, len(w.requests), error_id)
@@ -457,6 +520,7 @@ class Conductor:
         for i, (req, _) in enumerate(self.queue):
             if req.request_id == msg.request_id:
                 del self.queue[i]
+                self.queued_at.pop(req.request_id, None)
                 return
         worker_id = self.placement.get(msg.request_id)
         if worker_id is not None and worker_id in self.workers:

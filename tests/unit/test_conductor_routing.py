@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.conductor.conductor import Conductor, WorkerState, plan_request
+from services.conductor.conductor import AFFINITY_SLACK, Conductor, WorkerState, plan_request
 from shared.config import Deployment
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.specs.base import PromptRequest
@@ -65,6 +65,46 @@ async def test_queue_is_served_oldest_first(tmp_path):
     assert not cond.placement, "the small request must not overtake the big one"
     cond.workers["w1"].promised["kv"] = 0
     await cond._drain_queue()
-    assert cond.placement == {"big": "w1", "small": "w1"}
+    # big first; then small goes to the worker with less in flight
+    assert cond.placement == {"big": "w1", "small": "w0"}
+    cond.pushers.close()
+    cond.ctx.term()
+
+
+async def test_load_is_spread_over_workers_whatever_their_pool_sizes(tmp_path):
+    """Placement by requests in flight, not free pages: a pool 60% bigger takes no more."""
+    spec, cond, pools = _setup(tmp_path)
+    cond.workers["w1"].pools = spec.paged_pools(100)  # w0 has 64 pages
+    for i in range(16):
+        cond.queue.append((_request(spec, pools, f"r{i}", list(range(100 + 10 * i, 108 + 10 * i)), 4), []))
+    await cond._drain_queue()
+    placed = list(cond.placement.values())
+    assert placed.count("w0") == placed.count("w1") == 8
+    assert placed[:4] == ["w0", "w1", "w0", "w1"]  # equals take turns
+    # w0's requests finish: the next ones go there until the loads are even again
+    for rid in [r for r, w in cond.placement.items() if w == "w0"][:4]:
+        cond._release("w0", rid)
+    for i in range(16, 20):
+        cond.queue.append((_request(spec, pools, f"r{i}", list(range(400 + 10 * i, 408 + 10 * i)), 4), []))
+    await cond._drain_queue()
+    assert [cond.placement[f"r{i}"] for i in range(16, 20)] == ["w0"] * 4
+    assert cond.status().dispatched == {"w0": 12, "w1": 8}
+    cond.pushers.close()
+    cond.ctx.term()
+
+
+async def test_a_prefix_holder_is_preferred_only_within_the_affinity_slack(tmp_path):
+    spec, cond, pools = _setup(tmp_path)
+    prompt = list(range(3, 203))
+    cond.queue.append((_request(spec, pools, "a", prompt), []))
+    await cond._drain_queue()
+    assert cond.placement["a"] == "w0"
+    for i in range(AFFINITY_SLACK):  # w0 holds the prefix and AFFINITY_SLACK more in flight
+        cond.queue.append((_request(spec, pools, f"rep{i}", prompt), []))
+        await cond._drain_queue()
+        assert cond.placement[f"rep{i}"] == "w0"
+    cond.queue.append((_request(spec, pools, "late", prompt), []))
+    await cond._drain_queue()
+    assert cond.placement["late"] == "w1"  # past the slack: load wins over the cache
     cond.pushers.close()
     cond.ctx.term()

@@ -37,6 +37,7 @@ OTHER = {
     "speculative_ngram_max": 5,
     "speculative_ngram_min": 1,
     "itl_target_ms": 12.5,
+    "queue_timeout_s": 7.5,
 }
 SERVICES = ("conductor", "gpu_worker", "data_worker")
 
