@@ -99,3 +99,26 @@ def test_cuda_override_puts_the_worker_on_a_gpu():
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "command" not in worker and "environment" not in worker
+
+
+def test_one_service_builds_the_image_and_the_others_run_it():
+    """`up` builds the image once (five `build: .` built it five times), and a builder with
+    no Docker Hub or PyTorch index sets the base image and the torch index."""
+    services = _compose()["services"]
+    assert [n for n, s in services.items() if "build" in s] == ["check"]
+    assert len({s["image"] for s in services.values()}) == 1
+    assert all(s["pull_policy"] == "never" for n, s in services.items() if n != "check")
+    args = services["check"]["build"]["args"]
+    assert args == {"BASE_IMAGE": "${MSTAR_BASE_IMAGE:-python:3.11-slim}",
+                    "TORCH_INDEX_URL": "${MSTAR_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"}
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        text = (REPO / name).read_text()
+        assert "ARG TORCH_INDEX_URL=" in text and '--index-url "${TORCH_INDEX_URL}"' in text, name
+    assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in (REPO / "Dockerfile").read_text()
+
+
+def test_the_api_turns_unhealthy_soon_after_the_last_worker_goes():
+    hc = _compose()["services"]["api"]["healthcheck"]
+    interval = int(hc["interval"].rstrip("s"))
+    assert interval * hc["retries"] <= 20  # was 5 s x 60: 'healthy' for 5 minutes with no worker
+    assert "/ready" in str(hc["test"])
