@@ -51,10 +51,17 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     logprobs: int | None = None
     #: ... with each prompt token's (None: none; the prompt is then computed, never shared)
     prompt_logprobs: int | None = None
+    #: an llguidance grammar the output must match (structured outputs; None: free text),
+    #: compiled and checked by the api (services/api/structured.py)
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
     @property
     def processed(self) -> bool:

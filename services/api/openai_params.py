@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from services.api.errors import ApiError, HttpKind
+from services.api.structured import STRUCTURED_FIELDS
 from services.api.validation import (
     INT32_MAX,
     SAMPLING_FIELDS,
@@ -62,7 +63,7 @@ MAX_CHOICES = 256  # prompts x n
 NEUTRAL_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_options"})
-                 | NEUTRAL_FIELDS | SAMPLING_FIELDS)
+                 | NEUTRAL_FIELDS | SAMPLING_FIELDS | STRUCTURED_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs", "n", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "n"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -209,7 +210,8 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
     """Validate a `/v1/completions` body."""
     check_fields(obj, COMPLETION_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("echo", "stream_options", "logprobs", "prompt_logprobs", "n", "best_of"))
+    refuse_unsupported(obj, honoured=("echo", "stream_options", "logprobs", "prompt_logprobs", "n", "best_of",
+                                      "response_format"))
     check_model(obj, served)
     prompts = parse_completion_prompt(obj)
     prompt, input_ids = prompts[0]
@@ -316,7 +318,7 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
     the rendered template (see `with_prompt`)."""
     check_fields(obj, CHAT_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs", "n"))
+    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs", "n", "response_format"))
     check_model(obj, served)
     messages = parse_messages(obj)
     n = parse_n(obj)
@@ -387,7 +389,7 @@ def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str
         obj = {**obj, "temperature": 0.0}
     params = GenerateParams(
         request_id=transcription_id(),
-        sampling=parse_sampling(obj),
+        sampling=parse_sampling(obj, structured=False),
         max_tokens=parse_max_tokens(obj),
         stream=stream,
         audio=audio,

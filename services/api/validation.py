@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from services.api.errors import ApiError
+from services.api.structured import STRUCTURED_FIELDS, parse_structured
 from shared.errors import ErrorKind
 from shared.frames import SamplingParams
 
@@ -53,13 +54,13 @@ PROCESSOR_FIELDS: frozenset[str] = frozenset({"presence_penalty", "frequency_pen
 SAMPLING_FIELDS: frozenset[str] = frozenset({"temperature", "top_p", "top_k", "seed", "ignore_eos"}) | PROCESSOR_FIELDS
 GENERATE_FIELDS: frozenset[str] = frozenset(
     {"prompt", "input_ids", "max_tokens", "stop", "stream", "request_id", "logprobs", "prompt_logprobs"}
-    | SAMPLING_FIELDS
+    | SAMPLING_FIELDS | STRUCTURED_FIELDS
 )
 #: the fields of the unsupported table that `/generate` honours
-GENERATE_HONOURED = ("logprobs", "prompt_logprobs")
+GENERATE_HONOURED = ("logprobs", "prompt_logprobs", "response_format")
 #: what a speech model's request may carry besides the audio file (the prompt is the audio)
 AUDIO_FIELDS: frozenset[str] = frozenset({"language", "task"})
-AUDIO_GENERATE_FIELDS: frozenset[str] = (GENERATE_FIELDS - {"prompt", "input_ids"}) | AUDIO_FIELDS
+AUDIO_GENERATE_FIELDS: frozenset[str] = (GENERATE_FIELDS - {"prompt", "input_ids"} - STRUCTURED_FIELDS) | AUDIO_FIELDS
 AUDIO_TASKS = ("transcribe", "translate")
 #: a language code ("en", "haw", "pt-BR") or a Whisper language token ("<|en|>"); whether the
 #: model knows it is the data worker's answer (400 with param "language")
@@ -229,9 +230,11 @@ def get_bool(obj: Mapping[str, Any], name: str) -> bool | None:
 # ---- the field groups the routes share -----------------------------------------------
 
 
-def parse_sampling(obj: Mapping[str, Any], **logprobs: int | None) -> SamplingParams:
-    """temperature / top_p / top_k / seed / ignore_eos and the logits processors -> the
-    frame's SamplingParams (`logprobs` / `prompt_logprobs`, already parsed by the route).
+def parse_sampling(obj: Mapping[str, Any], *, structured: bool = True, **logprobs: int | None) -> SamplingParams:
+    """temperature / top_p / top_k / seed / ignore_eos, the logits processors and the
+    structured-output constraint (`services/api/structured.py`; not on routes where
+    `response_format` means something else: `structured=False`) -> the frame's
+    SamplingParams (`logprobs` / `prompt_logprobs`, already parsed by the route).
 
     top_k -1 is normalised to 0, the frame's single "off" value.
     """
@@ -249,6 +252,7 @@ def parse_sampling(obj: Mapping[str, Any], **logprobs: int | None) -> SamplingPa
         ignore_eos=d.ignore_eos if ignore_eos is None else ignore_eos,
         **parse_processors(obj),
         **{k: v for k, v in logprobs.items() if v is not None},
+        grammar=parse_structured(obj) if structured else None,
     )
 
 
@@ -454,8 +458,8 @@ def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> Generat
     """Validate the fields of a multipart `/generate` (already typed by `forms.py`) that
     carries an audio file: the `/generate` fields less `prompt` / `input_ids` (the audio is
     the prompt; given, they are a 400), plus `language` and `task`."""
-    check_fields(obj, GENERATE_FIELDS | AUDIO_FIELDS)
-    refuse_unsupported(obj, honoured=GENERATE_HONOURED)
+    check_fields(obj, (GENERATE_FIELDS - STRUCTURED_FIELDS) | AUDIO_FIELDS)
+    refuse_unsupported(obj, honoured=("logprobs", "prompt_logprobs"))  # no grammar over a transcript
     for name in ("prompt", "input_ids"):
         if obj.get(name) is not None:
             raise ApiError(ErrorKind.INVALID,

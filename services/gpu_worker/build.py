@@ -19,6 +19,7 @@ import torch
 from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
+from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool
 from services.gpu_worker.outputs import OutputProcessor
@@ -54,7 +55,8 @@ class Speculation:
 
 def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *, eos_ids: list[int],
                  max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
-                 speculation: Speculation = Speculation(), itl_target_s: float = 0.0) -> Engine:
+                 speculation: Speculation = Speculation(), itl_target_s: float = 0.0,
+                 guides: Guides | None = None) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
     runner = runner_cls(model, spec, kv, caches, planner)
     k = speculation.k
@@ -68,7 +70,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     scheduler = Scheduler(kv, limits, spec.step_loops, k)
     outputs = OutputProcessor(kv, runner.step_labels, spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
-    return Engine(kv, scheduler, runner, outputs, ngram)
+    return Engine(kv, scheduler, runner, outputs, ngram, guides)
 
 
 #: the float32 logits a step may hold for prompt logprobs (their log-softmax and the
@@ -81,6 +83,12 @@ MIN_LOGIT_ROWS = 32
 def max_logit_rows(vocab_size: int | None) -> int:
     """Prompt rows a step puts through the LM head for prompt logprobs (0: no cap known)."""
     return max(MIN_LOGIT_ROWS, LOGIT_BYTES // (4 * vocab_size)) if vocab_size else 0
+
+
+def _logits_width(spec, model) -> int:
+    """The width of the model's logits rows (its head's vocabulary, which may be wider than
+    the tokenizer's)."""
+    return _vocab_size(spec) or int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
 
 
 def _vocab_size(spec) -> int | None:
@@ -137,7 +145,9 @@ def assemble(d: Deployment) -> Assembled:
     engine = build_engine(model, spec, kv, caches, eos_ids=source.eos_token_ids, max_num_seqs=d.max_num_seqs,
                           max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
-                          itl_target_s=d.itl_target_ms / 1000)
+                          itl_target_s=d.itl_target_ms / 1000,
+                          guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), _logits_width(spec, model),
+                                        source.eos_token_ids))
     log.info("model loaded in %.1fs; pools %s", time.time() - t0,
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
     parts = Assembled(source, spec, pools, model, kv, engine)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import DoesNotFit, KVManager
 from services.gpu_worker.outputs import Finished, OutputProcessor, StepResult, error_frame
 from services.gpu_worker.request import Request
@@ -61,13 +62,15 @@ class DeviceLost(Exception):
 
 class Engine:
     def __init__(self, kv: KVManager, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
-                 ngram: tuple[int, int] | None = None) -> None:
+                 ngram: tuple[int, int] | None = None, guides: Guides | None = None) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
         #: (longest, shortest) n-gram of prompt lookup, for requests that speculate; None: off
         self.ngram = ngram
+        #: grammar state for constrained requests, over the model's tokenizer (None: none known)
+        self.guides = guides
 
     # -- what the worker reads ---------------------------------------------------------
 
@@ -108,8 +111,12 @@ class Engine:
                     make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
                     ready=not self.runner.needs_prepare,
                     inputs=inputs, metadata=dict(req.metadata))
-        if self.ngram is not None and req.sampling.greedy:
-            r.proposer = NgramProposer(*self.ngram)
+        if req.sampling.constrained:
+            if self.guides is None:
+                raise ValueError("this worker has no tokenizer for constrained decoding")
+            r.guide = self.guides.new(req.sampling.grammar)
+        elif self.ngram is not None and req.sampling.greedy:
+            r.proposer = NgramProposer(*self.ngram)  # a constrained request does not speculate
         self._sampling_extras(r)
         self.scheduler.add(r)
 

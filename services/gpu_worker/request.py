@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from services.gpu_worker.guided import Guide
 from services.gpu_worker.kv_manager import RequestKV
 from services.gpu_worker.speculative import NgramProposer
 from shared.frames import SamplingParams
@@ -40,6 +41,8 @@ class Request:
     inputs: dict[str, Any] = field(default_factory=dict)
     #: prompt lookup, for a request that speculates (greedy, on a model without windows)
     proposer: NgramProposer | None = None
+    #: the grammar state of a constrained request (structured outputs)
+    guide: Guide | None = None
     #: `process_prompt`'s metadata (NewRequest.metadata), for the runner's hooks
     metadata: dict[str, Any] = field(default_factory=dict)
     #: what the run learned for the client (Whisper's detected language): sent once, on

@@ -188,7 +188,7 @@ class ModelRunner:
 def _sample(logits: torch.Tensor, reqs: list[Request], extras: list[list[int]]) -> list[int]:
     """Sample every row; a request that asked for logprobs gets this step's on
     `step_logprobs` (one per sampled row, for the output processor to send)."""
-    rows = [Row(r.sampling, r.generator, r.prompt, [*r.output, *x] if x else r.output, r.stop_ids)
+    rows = [Row(r.sampling, r.generator, r.prompt, [*r.output, *x] if x else r.output, r.stop_ids, r.guide)
             for r, x in zip(reqs, extras)]
     toks, lps = sample(logits, rows)
     for r in reqs:

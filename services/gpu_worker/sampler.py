@@ -12,7 +12,9 @@ takes the per-row path, in vLLM's order:
 2. logprobs, when asked: the float32 log-softmax of those logits (before temperature,
    min_p, top-k and top-p, which only choose among them), the chosen token's rank and the
    `k` most likely tokens;
-3. greedy: the argmax; otherwise temperature, then min_p (tokens whose probability is
+3. a constrained request's grammar (`guided.py`): tokens it does not allow next are
+   dropped, and the token chosen advances it;
+4. greedy: the argmax; otherwise temperature, then min_p (tokens whose probability is
    below `min_p` times the most likely one's are dropped), then top-k, then top-p.
 
 Rows that ask for none of this cost what they did before: one argmax over the batch.
@@ -25,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from services.gpu_worker.guided import Guide
 from shared.frames import SamplingParams, TokenLogprobs
 
 
@@ -38,6 +41,8 @@ class Row(NamedTuple):
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
     stop_ids: Sequence[int] = ()
+    #: the request's grammar state (structured outputs), advanced by the token sampled here
+    guide: Guide | None = None
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -55,15 +60,18 @@ def sample(logits: torch.Tensor, rows: Sequence[Row]) -> tuple[list[int], list[T
     lps: list[TokenLogprobs | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         p = row.params
-        if p.greedy and not p.processed and p.logprobs is None:
+        if p.greedy and not p.processed and p.logprobs is None and row.guide is None:
             continue
         x = process(logits[i], row) if p.processed else logits[i]
+        choose = x if row.guide is None else row.guide.mask(x)  # the grammar chooses among them, as top-k does
         if p.greedy:
-            out[i] = int(x.numpy().argmax())
+            out[i] = int(choose.numpy().argmax())
         else:
-            out[i] = _draw(x, p, row.generator)
+            out[i] = _draw(choose, p, row.generator)
         if p.logprobs is not None:
             lps[i] = token_logprobs(torch.log_softmax(x, dim=-1), out[i], p.logprobs)
+        if row.guide is not None:
+            row.guide.accept(out[i])
     return out, lps
 
 

@@ -138,7 +138,7 @@ def test_chat_fields() -> None:
         ("chat", {"messages": USER, "tool_choice": "auto"}, 400, 'tool_choice is not supported, got "auto"',
          "tool_choice"),
         ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
-         'response_format is not supported; only {"type": "text"}, got {"type":"json_schema"}', "response_format"),
+         'response_format.json_schema must be an object with "name" and "schema"', "response_format.json_schema"),
         ("chat", {"messages": USER, "echo": True}, 400, "echo is not supported, got true", "echo"),
         ("chat", {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, 400,
          "max_tokens (3) and max_completion_tokens (4) disagree; give one", "max_completion_tokens"),

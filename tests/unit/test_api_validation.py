@@ -156,8 +156,8 @@ def test_null_means_not_given() -> None:
          "frequency_penalty"),
         ({"prompt": "x", "stream_options": {"include_usage": True}},
          'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}},
-         'response_format is not supported; only {"type": "text"}, got {"type":"json_object"}', "response_format"),
+        ({"prompt": "x", "response_format": {"type": "xml"}},
+         'response_format.type must be "text", "json_object" or "json_schema", got \'xml\'', "response_format"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]',
          "tools"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2], got 2.5",
@@ -200,8 +200,9 @@ def test_unknown_field_names_it() -> None:
     err = refused({"prompt": "x", "max_token": 5})
     assert err.param == "max_token"
     assert err.message.startswith("unknown field 'max_token'; "
-                                  "allowed fields: frequency_penalty, ignore_eos, input_ids, logit_bias, logprobs, "
-                                  "max_tokens, min_p, min_tokens, presence_penalty, prompt,")
+                                  "allowed fields: frequency_penalty, guided_choice, guided_grammar, guided_json, "
+                                  "guided_regex, ignore_eos, input_ids, logit_bias, logprobs, max_tokens, min_p, "
+                                  "min_tokens, presence_penalty, prompt,")
 
 
 def test_internal_fields_are_refused() -> None:

@@ -1,0 +1,95 @@
+"""The structured-output fields compile to one llguidance grammar, or a 400 naming the field
+and the reason (issue 30); the grammar enforced by a real matcher over a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from services.api.errors import ApiError
+from services.api.structured import parse_structured
+from services.gpu_worker.guided import Guides
+from tests.checkpoints import make_tokenizer
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                           "tag": {"enum": ["a", "b"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"response_format": {"type": "text"}},
+    {"response_format": None, "guided_json": None},
+])
+def test_no_constraint(body):
+    assert parse_structured(body) is None
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+    {"structured_outputs": {"json": SCHEMA}},
+    {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+    {"structured_outputs": {"regex": "[a-z]+@[a-z]+\\.com"}},
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"grammar": 'start: "x" ("," "x")*'}},
+    {"structured_outputs": {"json_object": True}},
+    {"guided_json": SCHEMA},
+    {"guided_regex": "\\d{3}"},
+    {"guided_choice": ["red", "green"]},
+    {"guided_grammar": 'root ::= "a" | "b"'},
+])
+def test_each_form_compiles(body):
+    grammar = parse_structured(body)
+    assert grammar and llguidance.LLMatcher.validate_grammar(grammar) == ""
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "xml"}}, "response_format", 'response_format.type must be "text"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", '"name" and "schema"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema", 'Unimplemented keys: ["not"]'),
+    ({"guided_regex": "(abc"}, "guided_regex", "unclosed group"),
+    ({"guided_choice": []}, "guided_choice", "a list of 1 to 1024 non-empty strings"),
+    ({"guided_grammar": "start: foo"}, "guided_grammar", 'unknown name: "foo"'),
+    ({"guided_json": "{not json"}, "guided_json", "its string is not JSON"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "is not supported"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "only one"),
+])
+def test_bad_constraints_are_400s_naming_the_field(body, param, words):
+    with pytest.raises(ApiError) as info:
+        parse_structured(body)
+    assert info.value.param == param and words in str(info.value), str(info.value)
+
+
+@pytest.fixture(scope="module")
+def guides(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(folder)
+    text = (folder / "tokenizer.json").read_text()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(text)
+    return Guides(lambda: text, tok.get_vocab_size() + 7, [tok.token_to_id("<|im_end|>")]), tok
+
+
+def test_a_guide_allows_only_what_the_grammar_does_then_eos(guides):
+    factory, tok = guides
+    g = factory.new(parse_structured({"guided_choice": ["yes", "no"]}))
+    allowed = g.allowed()
+    assert allowed.shape == (factory.vocab_size,) and not allowed[-7:].any()  # the head's extra rows
+    ok = {tok.decode([t]) for t in allowed.nonzero().flatten().tolist()}
+    assert ok and all("yes".startswith(s) or "no".startswith(s) for s in ok), ok
+    for t in tok.encode("yes", add_special_tokens=False).ids:
+        assert g.allowed()[t]
+        g.accept(t)
+    assert g.allowed().nonzero().flatten().tolist() == factory.eos_ids
+
+
+def test_a_grammar_the_tokenizer_cannot_compile_is_a_value_error(guides):
+    factory, _ = guides
+    with pytest.raises(ValueError, match="does not compile"):
+        factory.new('start: foo')
