@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                        help=CHAT_TEMPLATE_HELP)
+    serve.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
+                       choices=("auto", "hermes", "llama3_json", "mistral"),
+                       help="the format the model writes tool calls in: auto (chosen from the chat template), "
+                            "hermes, llama3_json or mistral (env MSTAR_TOOL_CALL_PARSER; default auto)")
     serve.add_argument("--host", default=os.environ.get("MSTAR_API_HOST") or "127.0.0.1",
                        help="address the HTTP api binds (env MSTAR_API_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT") or 8000),
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         api_flags += ["--served-model-name", args.served_model_name]
     if chat_template:
         api_flags += ["--chat-template", chat_template]
+    if args.tool_call_parser != "auto":
+        api_flags += ["--tool-call-parser", args.tool_call_parser]
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key

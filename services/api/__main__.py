@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
                    help="the name /v1/models lists and OpenAI requests must give as `model` "
                         "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
+    p.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
+                   choices=("auto", "hermes", "llama3_json", "mistral"),
+                   help="the format the model writes tool calls in: hermes, llama3_json, mistral, or auto "
+                        "(chosen from the chat template) (env MSTAR_TOOL_CALL_PARSER; default auto)")
     p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                    help="a Jinja chat template file that replaces the checkpoint's "
                         "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")
@@ -169,6 +173,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         audio_language=default_language(source) if takes_audio else None,
         max_model_len=max_model_len(source, d),
         log_stats_s=args.log_stats_s,
+        tool_call_parser=args.tool_call_parser,
     )
     return settings, tokenizer
 

@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode, floor
+from services.api.tools import ToolCall, ToolCallDelta, ToolStream, extract
 from shared.frames import TokenLogprobs
 
 DONE_LINE = b"data: [DONE]\n\n"
@@ -84,8 +85,9 @@ class Completion(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -125,6 +127,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -301,8 +304,11 @@ class ChatReply:
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
                  tokenizer: Any = None, logprobs: int | None = None, index: int = 0,
-                 final_usage: bool = True) -> None:
+                 final_usage: bool = True, tool_format: str | None = None, tools_forced: bool = False) -> None:
         self.id = request_id
+        #: the format tool calls are parsed from (None: the request has no tools)
+        self.tool_format = tool_format
+        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
         self.model = model
         self.created = created
         self.include_usage = include_usage
@@ -319,6 +325,11 @@ class ChatReply:
         return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
     def choice(self, done: DoneEvent) -> ChatChoice:
+        if self.tool_format is not None:
+            content, calls = extract(done.text, self.tool_format)
+            if calls:
+                return ChatChoice(self.index, ChatMessage(content, tool_calls=calls), "tool_calls",
+                                  self._logprobs(done), _stop_reason(done))
         return ChatChoice(self.index, ChatMessage(done.text), done.finish_reason, self._logprobs(done),
                           _stop_reason(done))
 
@@ -341,11 +352,21 @@ class ChatReply:
             self._started = True
             out = self._chunk(ChatDelta(role="assistant", content=""), None)
         if type(event) is DeltaEvent:
-            if event.text or (self._k is not None and event.token_ids):
-                out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
+            text = event.text if self._tools is None else self._tools.feed(event.text)
+            if text or (self._k is not None and event.token_ids and self._tools is None):
+                out += self._chunk(ChatDelta(content=text), None, self._logprobs(event))
             return out
         assert type(event) is DoneEvent
-        out += self._chunk(ChatDelta(), event.finish_reason, stop_reason=_stop_reason(event))
+        finish = event.finish_reason
+        if self._tools is not None:
+            rest, calls = self._tools.finish()
+            if rest:
+                out += self._chunk(ChatDelta(content=rest), None)
+            if calls:
+                out += self._chunk(ChatDelta(tool_calls=[ToolCallDelta(i, c.id, c.function)
+                                                          for i, c in enumerate(calls)]), None)
+                finish = "tool_calls"
+        out += self._chunk(ChatDelta(), finish, stop_reason=_stop_reason(event))
         if self.include_usage and self._final_usage:
             out += _data(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(event)))
         return out

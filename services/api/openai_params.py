@@ -33,7 +33,8 @@ from typing import Any
 import msgspec
 
 from services.api.errors import ApiError, HttpKind
-from services.api.structured import STRUCTURED_FIELDS
+from services.api.structured import STRUCTURED_FIELDS, validated
+from services.api.tools import TOOL_FIELDS, Tools, parse_history_calls, parse_tools
 from services.api.validation import (
     INT32_MAX,
     SAMPLING_FIELDS,
@@ -66,8 +67,8 @@ COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_opt
                  | NEUTRAL_FIELDS | SAMPLING_FIELDS | STRUCTURED_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs", "n", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "n"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "refusal"})
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "response_format", "temperature", "stream",
                                   "max_tokens", "ignore_eos", "seed"})
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
@@ -88,6 +89,8 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: completions: every prompt, as (text, token ids) with one of them None; the first is
     #: also `params`'s
     prompts: list[tuple[str | None, list[int] | None]] = []
+    #: chat: the request's tools (None: none, or tool_choice "none")
+    tools: Tools | None = None
 
 
 class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -282,9 +285,12 @@ def parse_messages(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
                                f"unknown field {key!r} in {where}; allowed fields: {', '.join(sorted(MESSAGE_FIELDS))}",
                                f"{where}.{key}")
         role = msg.get("role")
-        if role == "tool" or msg.get("tool_calls"):
-            raise ApiError(ErrorKind.INVALID, "tool messages and tool_calls are not supported (no tools)",
-                           f"{where}.role" if role == "tool" else f"{where}.tool_calls")
+        if msg.get("tool_calls") and role != "assistant":
+            raise ApiError(ErrorKind.INVALID, f"{where}.tool_calls is only for an assistant message",
+                           f"{where}.tool_calls")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise ApiError(ErrorKind.INVALID, f"{where}.tool_call_id must be the id of the call this result answers",
+                           f"{where}.tool_call_id")
         if role not in CHAT_ROLES:
             raise ApiError(ErrorKind.INVALID,
                            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json_repr(role)}",
@@ -298,6 +304,10 @@ def parse_messages(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
                 raise ApiError(ErrorKind.INVALID, f"{where}.name must be a string, got {json_repr(name)}",
                                f"{where}.name")
             entry["name"] = name
+        if msg.get("tool_calls"):
+            entry["tool_calls"] = parse_history_calls(msg["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            entry["tool_call_id"] = msg["tool_call_id"]
         out.append(entry)
     return out
 
@@ -318,7 +328,8 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
     the rendered template (see `with_prompt`)."""
     check_fields(obj, CHAT_FIELDS)
     check_neutral(obj)
-    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs", "n", "response_format"))
+    refuse_unsupported(obj, honoured=("stream_options", "logprobs", "top_logprobs", "n", "response_format",
+                                      *TOOL_FIELDS))
     check_model(obj, served)
     messages = parse_messages(obj)
     n = parse_n(obj)
@@ -334,7 +345,12 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
         stop=parse_stop(obj),
         add_special_tokens=False,
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n), messages
+    tools = parse_tools(obj)
+    if tools is not None and tools.forced and params.sampling.grammar is not None:
+        raise ApiError(ErrorKind.INVALID, "tool_choice required or a named function cannot be combined with a "
+                       "structured-output constraint (response_format, structured_outputs, guided_*)", "tool_choice")
+    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
+                         tools=tools), messages
 
 
 def parse_chat_logprobs(obj: Mapping[str, Any]) -> int | None:
@@ -352,6 +368,14 @@ def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
     if not prompt:
         raise ApiError(ErrorKind.INVALID, "the chat template rendered an empty prompt for these messages", "messages")
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
+
+
+def with_grammar(req: OpenAIRequest, grammar: str) -> OpenAIRequest:
+    """The request constrained to the calls of `tool_choice` "required" or a named function
+    (compiled and checked: a function's `parameters` that do not compile are a 400)."""
+    grammar = validated(grammar, "tools")
+    sampling = msgspec.structs.replace(req.params.sampling, grammar=grammar)
+    return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, sampling=sampling))
 
 
 def parse_response_format(obj: Mapping[str, Any]) -> str:

@@ -19,10 +19,18 @@ from services.api.errors import ApiError
 from services.api.fanout import Choice, expand
 from services.api.forms import Form, parse_form
 from services.api.openai_format import ChatReply, CompletionReply, ManyReply
-from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription, with_prompt
+from services.api.openai_params import (
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_transcription,
+    with_grammar,
+    with_prompt,
+)
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
+from services.api.tools import pick_format, prepare_messages, tool_grammar
 from services.api.transcription import TranscriptionReply, language_code, require_speech_model
 from services.api.validation import GenerateParams
 from shared.errors import ErrorKind
@@ -78,12 +86,20 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     if state.chat_template is None:
         raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
                        "use /v1/completions with a formatted prompt", "messages")
-    req = with_prompt(req, state.chat_template.render(messages))
+    fmt, native = pick_format(state.chat_template.source, state.settings.tool_call_parser)
+    tools = req.tools
+    if tools is not None and tools.forced:
+        req = with_grammar(req, tool_grammar(tools, fmt))
+    messages = prepare_messages(messages, tools, fmt, native)
+    listed = tools.tools if tools is not None and native else None
+    req = with_prompt(req, state.chat_template.render(messages, tools=listed))
     created = int(time.time())
 
     def reply(index: int = 0, final_usage: bool = True) -> ChatReply:
         return ChatReply(req.params.request_id, state.settings.model_name, created, include_usage=req.include_usage,
-                         tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage)
+                         tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage,
+                         tool_format=fmt if tools is not None else None,
+                         tools_forced=tools is not None and tools.forced)
 
     choices = expand(req.params, [], req.n)
     if not choices:

@@ -33,6 +33,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0
     log_stats_s: float = DEFAULT_LOG_STATS_S  # the stats line's period while there is traffic; 0: off
+    #: the format tool calls are parsed from ("auto": chosen from the chat template)
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_name.strip():

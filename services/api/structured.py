@@ -146,7 +146,8 @@ def _compile(kind: str, value: Any, param: str) -> str:
     return _from_grammar(value, param)
 
 
-def _validated(grammar: str, param: str) -> str:
+def validated(grammar: str, param: str) -> str:
+    """`grammar` if llguidance compiles it, else a 400 naming `param` with its reason."""
     error, messages = _llg().validate_grammar_with_warnings(grammar)
     if error:
         raise _bad(param, f"{param} does not compile: {messages[0] if messages else 'unknown error'}")
@@ -175,4 +176,4 @@ def parse_structured(obj: Mapping[str, Any]) -> str | None:
         names = [p.split(".")[0] for _, p in found]
         raise _bad(names[1], f"only one structured-output constraint may be set per request, got {', '.join(names)}")
     grammar, param = found[0]
-    return _validated(grammar, param)
+    return validated(grammar, param)

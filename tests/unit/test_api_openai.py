@@ -95,6 +95,10 @@ def test_chat_fields() -> None:
     assert parse_chat({"messages": USER}, MODEL)[0].params.max_tokens is None  # the most the engine allows
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "message", "param"),
     [
@@ -134,18 +138,27 @@ def test_chat_fields() -> None:
         ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
          "top_logprobs must be an integer in [0, 20], got 21", "top_logprobs"),
         ("chat", {"messages": USER, "tools": [{"type": "function"}]}, 400,
-         'tools is not supported, got [{"type":"function"}]', "tools"),
-        ("chat", {"messages": USER, "tool_choice": "auto"}, 400, 'tool_choice is not supported, got "auto"',
+         'tools[0] must be {"type": "function", "function": {"name", "parameters"}}, got {"type":"function"}',
+         "tools[0]"),
+        ("chat", {"messages": USER, "tool_choice": "required"}, 400, 'tool_choice "required" needs tools',
          "tool_choice"),
+        ("chat", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         400, 'tool_choice names function "x", which is not in tools (get_weather)', "tool_choice.function.name"),
+        ("chat", {"messages": USER, "tools": [TOOL], "tool_choice": "required",
+                  "response_format": {"type": "json_object"}}, 400,
+         "tool_choice required or a named function cannot be combined with a structured-output constraint "
+         "(response_format, structured_outputs, guided_*)", "tool_choice"),
         ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
          'response_format.json_schema must be an object with "name" and "schema"', "response_format.json_schema"),
         ("chat", {"messages": USER, "echo": True}, 400, "echo is not supported, got true", "echo"),
         ("chat", {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, 400,
          "max_tokens (3) and max_completion_tokens (4) disagree; give one", "max_completion_tokens"),
         ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400,
-         'messages[0].role must be one of system, developer, user, assistant, got "robot"', "messages[0].role"),
+         'messages[0].role must be one of system, developer, user, assistant, tool, got "robot"', "messages[0].role"),
         ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400,
-         "tool messages and tool_calls are not supported (no tools)", "messages[0].role"),
+         "messages[0].tool_call_id must be the id of the call this result answers", "messages[0].tool_call_id"),
+        ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
+         "messages[0].tool_calls is only for an assistant message", "messages[0].tool_calls"),
         ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message",
          "messages[0].content"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,

@@ -1,0 +1,376 @@
+"""Tool calling on `/v1/chat/completions`: the request's `tools`, `tool_choice` and
+`parallel_tool_calls`, tool calls and results in the history, and the calls the model writes.
+
+A model writes calls in the format its chat template teaches it; mstar picks that format
+from the template (`pick_format`), or `--tool-call-parser` names it:
+- `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per
+  call (Qwen2.5 / Qwen3, Hermes, SmolLM3 and every template that says `<tool_call>`);
+- `llama3_json`: a bare `{"name": ..., "parameters": {...}}` (Llama 3.1+; several joined
+  by `;`), optionally after `<|python_tag|>`;
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
+
+A template that never mentions `tools` (the default SmolLM2, most small chat models) is
+taught the hermes format by a system message listing the tools, as llama.cpp does for
+templates without native support; the history's calls and results are written into
+messages the template can render.
+
+`tool_choice`: `none` (the tools are not shown), `auto` (the model chooses; what it writes
+is parsed), `required` or a named function: enforced with a grammar (llguidance, as
+structured outputs are), so the reply always parses into calls whose arguments match each
+function's `parameters` schema. Replies carry `message.tool_calls` and finish reason
+`tool_calls`; a stream holds back the text from where a call begins and sends each call as
+one `delta.tool_calls` entry at the end, so the chunks join to exactly the unstreamed calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from services.api.errors import ApiError
+from services.api.structured import JSON_OPTIONS
+from services.api.validation import json_repr
+from shared.errors import ErrorKind
+
+FORMATS = ("hermes", "llama3_json", "mistral")
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+MAX_TOOLS = 128
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARKER = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"
+
+#: taught to a template without tool support (Qwen2.5's own words for the hermes format)
+PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct):
+    """One call in a stream: sent whole, once (its fragments would join to the same)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class Tools(msgspec.Struct, frozen=True):
+    """What a request asked of its tools: the validated tool objects (as templates take
+    them), the choice ("auto", "required" or "named": `name`), and parallel calls."""
+
+    tools: list[dict[str, Any]]
+    choice: str
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(ErrorKind.INVALID, message, param)
+
+
+def _function(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise _bad(where, f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, '
+                          f"got {json_repr(tool)}")
+    fn = tool["function"]
+    unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise _bad(f"{where}.function.{unknown[0]}", f"unknown field {unknown[0]!r} in {where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 characters of [A-Za-z0-9_.-], "
+                                             f"got {json_repr(name)}")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise _bad(f"{where}.function.description", f"{where}.function.description must be a string")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise _bad(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
+    out = {"name": name, "parameters": params if params is not None else EMPTY_PARAMETERS}
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    return {"type": "function", "function": out}
+
+
+def parse_tools(obj: Mapping[str, Any]) -> Tools | None:
+    """The request's tools, or None when it has none or `tool_choice` is "none"."""
+    raw = obj.get("tools")
+    if raw is None or raw == []:
+        choice = obj.get("tool_choice")
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", f"tool_choice {json_repr(choice)} needs tools")
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise _bad("tools", f"tools must be a list of at most {MAX_TOOLS} tool objects")
+    tools = [_function(t, i) for i, t in enumerate(raw)]
+    names = [t["function"]["name"] for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise _bad("tools", f"tools name function {dup!r} twice")
+    parallel = obj.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    choice = obj.get("tool_choice", "auto")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return None
+    if choice in ("auto", "required"):
+        return Tools(tools, choice, parallel=parallel is not False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise _bad("tool_choice.function.name", f"tool_choice names function {json_repr(name)}, "
+                                                    f"which is not in tools ({', '.join(names)})")
+        return Tools([tools[names.index(name)]], "named", name, parallel=False)
+    raise _bad("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                              f'{{"type": "function", "function": {{"name": ...}}}}, got {json_repr(choice)}')
+
+
+def parse_history_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, as templates take them (arguments as an object)."""
+    if not isinstance(value, list) or not value:
+        raise _bad(where, f"{where} must be a non-empty list of tool calls")
+    out = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise _bad(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
+                                                       f"got {json_repr(args)}") from None
+        if not isinstance(args, dict):
+            raise _bad(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+# -- formats ---------------------------------------------------------------------------------
+
+
+def pick_format(template: str | None, override: str = "auto") -> tuple[str, bool]:
+    """(the format calls are written in, whether the template renders tools itself)."""
+    source = template or ""
+    native = "tools" in source
+    if override != "auto":
+        return override, native
+    if MISTRAL_MARKER in source:
+        return "mistral", native
+    if HERMES_OPEN in source or not native:
+        return "hermes", native
+    if PYTHON_TAG in source or "ipython" in source or '"parameters"' in source:
+        return "llama3_json", native
+    return "hermes", native
+
+
+def _call_text(name: str, args: dict[str, Any], fmt: str) -> str:
+    if fmt == "llama3_json":
+        return json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
+    body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+    return f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
+
+
+def prepare_messages(messages: list[dict[str, Any]], tools: Tools | None, fmt: str,
+                     native: bool) -> list[dict[str, Any]]:
+    """The messages as the template renders them: for a template without tool support,
+    the tools taught in the system message, past calls written into the assistant's text
+    and tool results as `<tool_response>` user turns (Qwen's convention)."""
+    if native:
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join(_call_text(c["function"]["name"], c["function"]["arguments"], fmt)
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.get("content"), calls]))})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append(m)
+    if tools is not None:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.tools)
+        preamble = PREAMBLE.format(tools=listing)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}"}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def _fn_schema(tool: dict[str, Any], key: str) -> dict[str, Any]:
+    fn = tool["function"]
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: fn["parameters"]},
+            "required": ["name", key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+
+
+def tool_grammar(tools: Tools, fmt: str) -> str:
+    """The llguidance (Lark) grammar of a reply that is only calls, for `required` and a
+    named function; every call's arguments match that function's `parameters`."""
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    alts = [json.dumps(_fn_schema(t, key)) for t in tools.tools]
+    if fmt == "mistral":
+        items = {"anyOf": [_fn_schema(t, key) for t in tools.tools]}
+        array = {"type": "array", "items": items, "minItems": 1, **({} if tools.parallel else {"maxItems": 1})}
+        return f"start: {json.dumps(MISTRAL_MARKER)} %json {json.dumps(array)}\n"
+    lines = ["body: " + " | ".join(f"fn{i}" for i in range(len(alts)))]
+    lines += [f"fn{i}: %json {a}" for i, a in enumerate(alts)]
+    if fmt == "llama3_json":
+        head = 'start: body (";" body)*' if tools.parallel else "start: body"
+    else:
+        head = 'start: call ("\\n" call)*' if tools.parallel else "start: call"
+        lines.insert(0, f'call: {json.dumps(HERMES_OPEN + chr(10))} body {json.dumps(chr(10) + HERMES_CLOSE)}')
+    return "\n".join([head, *lines]) + "\n"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _as_call(obj: Any, key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False)))
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values `text` is made of (separated by whitespace or `;`), or None."""
+    dec, i, out = json.JSONDecoder(), 0, []
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            value, i = dec.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(value)
+
+
+def extract(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
+    """(the content before the calls, or None; the calls) of a whole reply; no calls when
+    what follows the marker does not parse (the text is then all content)."""
+    if fmt == "hermes":
+        at = text.find(HERMES_OPEN)
+        if at < 0:
+            return text, []
+        bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.S)
+        calls = [_as_call(_one(b), "arguments") for b in bodies]
+    elif fmt == "mistral":
+        at = text.find(MISTRAL_MARKER)
+        if at < 0:
+            return text, []
+        values = _json_values(text[at + len(MISTRAL_MARKER):])
+        items = [v for value in values or [] for v in (value if isinstance(value, list) else [value])]
+        calls = [_as_call(v, "arguments") for v in items] if values else [None]
+    else:
+        stripped = text.strip()
+        if stripped.startswith(PYTHON_TAG):
+            stripped = stripped[len(PYTHON_TAG):].strip()
+        if not stripped.startswith("{"):
+            return text, []
+        at = 0
+        values = _json_values(stripped)
+        calls = [_as_call(v, "parameters") for v in values] if values else [None]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    content = text[:at]
+    return content if content.strip() else None, [c for c in calls if c is not None]
+
+
+def _one(body: str) -> Any:
+    values = _json_values(body)
+    return values[0] if values and len(values) == 1 else None
+
+
+def _marker(fmt: str) -> str:
+    return {"hermes": HERMES_OPEN, "mistral": MISTRAL_MARKER}.get(fmt, "{")
+
+
+class ToolStream:
+    """A streamed reply's text as content until a call may have begun: from there it is
+    held back, and at the end parsed (`finish`) into the rest of the content and the calls."""
+
+    def __init__(self, fmt: str, forced: bool) -> None:
+        self.fmt, self.forced = fmt, forced
+        self.text = ""
+        self.sent = 0  # characters of `text` already sent as content
+        self.holding = forced
+        self.free = False  # llama3_json: the reply began as text, so it holds no call
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` that can go out as content now."""
+        self.text += delta
+        if self.holding:
+            return ""
+        marker = _marker(self.fmt)
+        if self.fmt == "llama3_json" and not self.free:  # a call is the whole reply
+            head = self.text.lstrip()
+            if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+                return ""  # it may still begin a call: wait
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
+                self.holding = True
+                return ""
+            self.free = True  # it begins as text: all of it is content
+        if self.fmt == "llama3_json":
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        at = self.text.find(marker, self.sent)
+        if at >= 0:
+            self.holding = True
+            out, self.sent = self.text[self.sent:at], at
+            return out
+        # keep back a tail that could be the marker's beginning
+        keep = next((k for k in range(min(len(marker) - 1, len(self.text) - self.sent), 0, -1)
+                     if marker.startswith(self.text[-k:])), 0)
+        end = len(self.text) - keep
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet sent, the calls) once the reply is whole."""
+        content, calls = extract(self.text, self.fmt)
+        if not calls:
+            return self.text[self.sent:], []
+        return (content or "")[self.sent:], calls
