@@ -113,7 +113,8 @@ class ChatTemplate:
         return {k: v for k, v in specials.items() if v is not None}
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+               extra: dict[str, Any] | None = None) -> str:
         """The prompt; raises ApiError 400 when the template refuses the conversation
         (its `raise_exception`, e.g. roles that do not alternate), 500 on a template bug.
         `continue_final_message` (`/tokenize`) ends the text right after the last message's
@@ -121,7 +122,7 @@ class ChatTemplate:
         if self._template is None:
             raise internal_error("rendering the chat template (it did not compile)", self._broken)
         try:
-            text = self._template.render(messages=messages, tools=tools, documents=None,
+            text = self._template.render(**(extra or {}), messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._specials())
         except jinja2.TemplateError as exc:
             raise ApiError(ErrorKind.INVALID, f"the model's chat template refused these messages: {exc}",

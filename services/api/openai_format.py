@@ -24,6 +24,7 @@ from msgspec import UNSET, UnsetType
 
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode, floor
+from services.api.reasoning import ReasoningStream, split
 from services.api.tools import ToolCall, ToolCallDelta, ToolStream, extract
 from shared.frames import TokenLogprobs
 
@@ -88,6 +89,8 @@ class ChatMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    #: a reasoning model's thinking (vLLM's field), split from `content`
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -128,6 +131,7 @@ class ChatDelta(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -300,15 +304,16 @@ class CompletionReply:
 
 class ChatReply:
     """Answers one `/v1/chat/completions` request, as JSON or as SSE chunks; with
-    `logprobs` (the number of `top_logprobs`), `logprobs.content` for every token."""
+    `logprobs` (the number of `top_logprobs`), `logprobs.content` for every token. A
+    reasoning model's thinking goes to `reasoning_content` (`reasoning`: where the prompt
+    left it, `services/api/reasoning.py`), and with tools the calls in the answer go to
+    `tool_calls` (`tool_format`: how they are written, `services/api/tools.py`)."""
 
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
                  tokenizer: Any = None, logprobs: int | None = None, index: int = 0,
-                 final_usage: bool = True, tool_format: str | None = None, tools_forced: bool = False) -> None:
+                 final_usage: bool = True, tool_format: str | None = None, tools_forced: bool = False,
+                 reasoning: str | None = None) -> None:
         self.id = request_id
-        #: the format tool calls are parsed from (None: the request has no tools)
-        self.tool_format = tool_format
-        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
         self.model = model
         self.created = created
         self.include_usage = include_usage
@@ -318,6 +323,12 @@ class ChatReply:
         self._started = False
         self._text_of = TokenText(tokenizer)
         self._k = logprobs
+        #: the format tool calls are parsed from (None: the request has no tools)
+        self.tool_format = tool_format
+        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
+        #: the prompt's thinking state (None: not a reasoning template)
+        self.reasoning = reasoning
+        self._thinking = ReasoningStream(reasoning) if reasoning is not None else None
 
     def _logprobs(self, event: DeltaEvent | DoneEvent) -> ChatLogprobs | None:
         if self._k is None or event.logprobs is UNSET:
@@ -325,13 +336,16 @@ class ChatReply:
         return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
     def choice(self, done: DoneEvent) -> ChatChoice:
+        thinking, answer = (None, done.text) if self.reasoning is None else split(done.text, self.reasoning)
+        reasoning_content: str | UnsetType = UNSET if thinking is None else thinking
         if self.tool_format is not None:
-            content, calls = extract(done.text, self.tool_format)
+            content, calls = extract(answer, self.tool_format)
             if calls:
-                return ChatChoice(self.index, ChatMessage(content, tool_calls=calls), "tool_calls",
-                                  self._logprobs(done), _stop_reason(done))
-        return ChatChoice(self.index, ChatMessage(done.text), done.finish_reason, self._logprobs(done),
-                          _stop_reason(done))
+                return ChatChoice(self.index, ChatMessage(content, tool_calls=calls,
+                                                          reasoning_content=reasoning_content),
+                                  "tool_calls", self._logprobs(done), _stop_reason(done))
+        return ChatChoice(self.index, ChatMessage(answer, reasoning_content=reasoning_content), done.finish_reason,
+                          self._logprobs(done), _stop_reason(done))
 
     def wrap(self, choices: list, usage: OpenAIUsage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
@@ -346,18 +360,33 @@ class ChatReply:
                                     usage=self._usage)
         return _data(chunk)
 
+    def _parts(self, thinking: str, answer: str, logprobs: ChatLogprobs | None = None) -> bytes:
+        """Chunks for text cut into thinking and answer (the answer through the tool-call hold-back)."""
+        out = b""
+        if thinking:
+            out += self._chunk(ChatDelta(reasoning_content=thinking), None)
+        if self._tools is not None:
+            answer = self._tools.feed(answer)
+        if answer or logprobs is not None:
+            out += self._chunk(ChatDelta(content=answer), None, logprobs)
+        return out
+
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
         out = b""
         if not self._started:
             self._started = True
             out = self._chunk(ChatDelta(role="assistant", content=""), None)
         if type(event) is DeltaEvent:
-            text = event.text if self._tools is None else self._tools.feed(event.text)
-            if text or (self._k is not None and event.token_ids and self._tools is None):
-                out += self._chunk(ChatDelta(content=text), None, self._logprobs(event))
-            return out
+            if self._thinking is None and self._tools is None:  # plain text: as it comes, with its logprobs
+                if event.text or (self._k is not None and event.token_ids):
+                    out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
+                return out
+            thinking, answer = (("", event.text) if self._thinking is None else self._thinking.feed(event.text))
+            return out + self._parts(thinking, answer)
         assert type(event) is DoneEvent
         finish = event.finish_reason
+        if self._thinking is not None:
+            out += self._parts(*self._thinking.finish())
         if self._tools is not None:
             rest, calls = self._tools.finish()
             if rest:

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from services.api.errors import ApiError, HttpKind
+from services.api.reasoning import RESERVED
 from services.api.structured import STRUCTURED_FIELDS, validated
 from services.api.tools import TOOL_FIELDS, Tools, parse_history_calls, parse_tools
 from services.api.validation import (
@@ -66,7 +67,8 @@ SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
 COMMON_FIELDS = (frozenset({"model", "max_tokens", "stop", "stream", "stream_options"})
                  | NEUTRAL_FIELDS | SAMPLING_FIELDS | STRUCTURED_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "prompt_logprobs", "n", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "n"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "n",
+                               "chat_template_kwargs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "response_format", "temperature", "stream",
@@ -91,6 +93,8 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompts: list[tuple[str | None, list[int] | None]] = []
     #: chat: the request's tools (None: none, or tool_choice "none")
     tools: Tools | None = None
+    #: chat: extra variables for the chat template (vLLM's `chat_template_kwargs`)
+    template_kwargs: dict[str, Any] = {}
 
 
 class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -350,7 +354,23 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
         raise ApiError(ErrorKind.INVALID, "tool_choice required or a named function cannot be combined with a "
                        "structured-output constraint (response_format, structured_outputs, guided_*)", "tool_choice")
     return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
-                         tools=tools), messages
+                         tools=tools, template_kwargs=parse_template_kwargs(obj)), messages
+
+
+def parse_template_kwargs(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: variables the template reads (`enable_thinking`, ...); the
+    ones the server sets itself are refused by name."""
+    value = obj.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(ErrorKind.INVALID, f"chat_template_kwargs must be an object, got {json_repr(value)}",
+                       "chat_template_kwargs")
+    for key in value:
+        if key in RESERVED:
+            raise ApiError(ErrorKind.INVALID, f"chat_template_kwargs.{key} is set by the server, not the request",
+                           f"chat_template_kwargs.{key}")
+    return value
 
 
 def parse_chat_logprobs(obj: Mapping[str, Any]) -> int | None:
@@ -370,10 +390,11 @@ def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
 
 
-def with_grammar(req: OpenAIRequest, grammar: str) -> OpenAIRequest:
+def with_grammar(req: OpenAIRequest, grammar: str, replace: bool = False) -> OpenAIRequest:
     """The request constrained to the calls of `tool_choice` "required" or a named function
-    (compiled and checked: a function's `parameters` that do not compile are a 400)."""
-    grammar = validated(grammar, "tools")
+    (compiled and checked: a function's `parameters` that do not compile are a 400), or
+    (`replace`) its constraint moved after a reasoning model's thinking."""
+    grammar = validated(grammar, "response_format" if replace and req.tools is None else "tools")
     sampling = msgspec.structs.replace(req.params.sampling, grammar=grammar)
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, sampling=sampling))
 

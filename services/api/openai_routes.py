@@ -27,6 +27,7 @@ from services.api.openai_params import (
     with_grammar,
     with_prompt,
 )
+from services.api.reasoning import after_thinking, prompt_state, thinks
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
@@ -92,14 +93,17 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
         req = with_grammar(req, tool_grammar(tools, fmt))
     messages = prepare_messages(messages, tools, fmt, native)
     listed = tools.tools if tools is not None and native else None
-    req = with_prompt(req, state.chat_template.render(messages, tools=listed))
+    req = with_prompt(req, state.chat_template.render(messages, tools=listed, extra=req.template_kwargs))
+    reasoning = prompt_state(req.params.prompt or "") if thinks(state.chat_template.source) else None
+    if reasoning is not None and req.params.sampling.grammar is not None:  # the constraint binds the answer
+        req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), replace=True)
     created = int(time.time())
 
     def reply(index: int = 0, final_usage: bool = True) -> ChatReply:
         return ChatReply(req.params.request_id, state.settings.model_name, created, include_usage=req.include_usage,
                          tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage,
                          tool_format=fmt if tools is not None else None,
-                         tools_forced=tools is not None and tools.forced)
+                         tools_forced=tools is not None and tools.forced, reasoning=reasoning)
 
     choices = expand(req.params, [], req.n)
     if not choices:

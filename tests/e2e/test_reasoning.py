@@ -1,0 +1,59 @@
+"""A Qwen3-style thinking template through real services (issue 30): the template's own
+`enable_thinking` switch reaches it through `chat_template_kwargs`, and with thinking off a
+structured-output constraint binds the whole reply, which parses; a variable the server
+sets itself is refused by name."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.checkpoints import make_checkpoint
+from tests.servers import MstarServer
+
+QWEN3_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.role == 'assistant' and '</think>' in message.content %}{{ message.content.split('</think>')[-1] }}\
+{% else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+class Answer(BaseModel):
+    value: int = Field(ge=0, le=99)
+    sure: bool
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    ckpt = make_checkpoint(folder / "tiny-qwen3", "qwen3", max_position_embeddings=2048)
+    (folder / "qwen3.jinja").write_text(QWEN3_TEMPLATE)
+    server = MstarServer(str(ckpt), folder / "log.txt", "--num-kv-pages", "256",
+                         "--chat-template", str(folder / "qwen3.jinja")).start()
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120), ckpt.name
+    server.stop()
+
+
+def test_enable_thinking_false_reaches_the_template_and_the_answer_is_constrained(qwen3):
+    client, model = qwen3
+    ask = [{"role": "user", "content": "What is 6 x 7?"}]
+    on = client.chat.completions.create(model=model, messages=ask, max_tokens=1)
+    done = client.chat.completions.parse(model=model, messages=ask, response_format=Answer, max_tokens=60,
+                                         temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert done.usage.prompt_tokens > on.usage.prompt_tokens  # the empty thinking block is in the prompt
+    message = done.choices[0].message
+    assert isinstance(message.parsed, Answer) and done.choices[0].finish_reason == "stop"
+    assert getattr(message, "reasoning_content", None) is None
+
+
+def test_a_variable_the_server_sets_is_refused(qwen3):
+    client, model = qwen3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert info.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
