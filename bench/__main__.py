@@ -10,6 +10,7 @@ Modes (the first argument; none means `run`):
             the bench checkpoint, same prompt ids, same client, one run
   floor     only the raw pyzmq + msgspec round trip
   spec      prompt-lookup speculation on and off, on repetitive and on random text
+  structured  time per output token with a JSON schema against free text, and the mask's cost
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
             one run: output tok/s, TTFT / TPOT / ITL medians and P99s, ITL over time
 
@@ -23,7 +24,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor", "spec", "vllm-bench")
+MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "vllm-bench")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
@@ -105,6 +106,15 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=600.0)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
+    elif mode == "structured":
+        p.add_argument("--model", default="", help="'' (default): the embedded SmolLM2-135M-Instruct")
+        p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 16])
+        p.add_argument("--num-requests", "-n", type=int, default=16, help="prompts per level and round")
+        p.add_argument("--max-tokens", type=int, default=400, help="cap of a constrained reply")
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--timeout", type=float, default=600.0)
+        p.add_argument("--serve-arg", action="append", default=[])
+        p.add_argument("--out", default=None)
     elif mode == "vllm-bench":
         from bench.vllm_bench import add_flags
 
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if mode == "spec":
         from bench.speculative import spec as run_mode
+    elif mode == "structured":
+        from bench.structured import structured as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:

@@ -74,6 +74,8 @@ class Backend:
     """How to ask one server for a streamed, greedy completion of token ids."""
 
     path = "/generate"
+    #: every request must return exactly max_tokens (ignore_eos); False where the reply ends itself
+    exact_length = True
 
     def __init__(self, model: str = "") -> None:
         self.model = model
@@ -246,7 +248,7 @@ async def _one(events, backend: Backend, req: RequestSpec) -> RequestResult:
     if isinstance(backend, OpenAIBackend) and not res.output_tokens:
         res.output_tokens = len(res.token_times)
     _spread(res)
-    if res.error is None and res.output_tokens != req.max_tokens:
+    if res.error is None and backend.exact_length and res.output_tokens != req.max_tokens:
         res.error = f"got {res.output_tokens} tokens, asked for {req.max_tokens} (ignore_eos)"
     return res
 

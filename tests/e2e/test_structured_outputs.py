@@ -119,3 +119,20 @@ def test_parse_on_the_default_model(smollm):
     model = client.models.list().data[0].id
     order = _parse(client, model)
     assert order.items
+
+
+async def test_generate_ws_takes_a_constraint_per_request(llama_server):
+    import websockets
+
+    url = llama_server.url.replace("http://", "ws://") + "/generate/ws"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "c", "prompt": "Pick:", "max_tokens": 8,
+                                  "guided_choice": ["left", "right"]}))
+        await ws.send(json.dumps({"type": "generate", "id": "bad", "prompt": "x", "guided_regex": "(unclosed"}))
+        frames = {}
+        while len(frames) < 2:
+            f = json.loads(await ws.recv())
+            if f["type"] in ("done", "error"):
+                frames[f["id"]] = f
+    assert frames["c"]["type"] == "done" and frames["c"]["text"] in ("left", "right")
+    assert frames["bad"]["type"] == "error" and frames["bad"]["error"]["param"] == "guided_regex"
