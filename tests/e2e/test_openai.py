@@ -153,7 +153,7 @@ def test_chat_stream_with_usage(client, model):
 def test_chat_template_refusal_is_400(client, model, llama_server):
     r = httpx.post(llama_server.url + "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]},
                    timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_call_id"
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -165,9 +165,11 @@ def test_chat_template_refusal_is_400(client, model, llama_server):
         ({"n": 17}, "n"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools[0].function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object", "json_schema": 1}, "extra_body": {"guided_regex": "a"}},
+         "guided_regex"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
