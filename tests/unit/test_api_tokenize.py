@@ -108,7 +108,7 @@ def test_tokenize_messages_is_the_chat_prompt(client: TestClient, tokenizer: Tok
         ({"prompt": "x", "model": "other"}, 404, "model", None),
         ({"prompt": "x", "model": 3}, 400, "model", "model must be a string, got 3"),
         ({"messages": []}, 400, "messages", None),
-        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id", None),
         ({"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message", None),
     ],
 )
