@@ -68,7 +68,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s,
                     max_logit_rows(_vocab_size(spec)))
     scheduler = Scheduler(kv, limits, spec.step_loops, k)
-    outputs = OutputProcessor(kv, runner.step_labels, spec.step_loops, eos_ids, max_seq_len)
+    outputs = OutputProcessor(spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
     return Engine(kv, scheduler, runner, outputs, ngram, guides)
 

@@ -4,16 +4,17 @@ The step loop, admission, footprints and stop checks are the decoder's; what dif
 the request's walk:
 
 1. at admission (at most `MAX_ENCODES_PER_STEP` a step, so running requests' next token
-   is not held up by a burst of encodes): run the encoder on the request's features,
-   `reserve_rows` + write each decoder layer's cross K/V of the frames into the "cross"
-   label, and commit them as its one span; only then is the request ready to schedule;
+   is not held up by a burst of encodes): run the encoder on the request's features and
+   write each decoder layer's cross K/V of the frames into the "cross" label's pages (the
+   scheduler reserves them, `admission_rows`, and commits them as its one span); only
+   then is the request ready to schedule;
 2. for a request whose metadata says `detect_language` (no language sent, none the
    model's default): the language probe, batched across the step's admitted requests,
    as transformers' `detect_language`: the decoder on <|startoftranscript|> alone, its
-   row written into the "self" label's scratch (`reserve_rows` past the committed rows,
-   none yet), the argmax of the logits over the language tokens (no suppress lists),
-   then `drop_scratch` gives the page back. The detected token goes in at index 1 of
-   the prompt, and the language is reported with the first output;
+   row written into the "self" label's scratch (`scratch_rows`: reserved by the scheduler
+   past the committed rows, none yet, and given back after the probe), the argmax of the
+   logits over the language tokens (no suppress lists). The detected token goes in at
+   index 1 of the prompt, and the language is reported with the first output;
 3. prefill of the forced decoder prompt on "self" (its `rows` span), which samples the
    first token;
 4. one decode row per step on "self" (growth on "decode_loop"), batched across requests,
@@ -31,10 +32,9 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, CrossRows, build_metadata, cross_metadata
-from services.gpu_worker.kv_manager import FootprintOverrun, LayoutViolation
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import LAYOUT_VIOLATED, OVERRUN, Failure, ModelRunner
-from services.gpu_worker.scheduler import StepPlan
+from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
 
 log = logging.getLogger("mstar.encdec_runner")
@@ -87,72 +87,48 @@ class EncoderDecoderRunner(ModelRunner):
         if labels != want:
             raise ValueError(f"an encoder-decoder request needs layouts for labels {sorted(want)}")
 
-    def prepare(self, admitted: list[Request]) -> list[Failure]:
-        """Encode the newly admitted requests and commit their cross rows; returns those
-        that failed (the engine fails them, with their pages)."""
+    def admission_rows(self, req: Request) -> dict[str, int]:
+        return {self.cross_label.name: self.n_frames}
+
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """Encode the newly admitted requests into their reserved cross pages; returns
+        those that failed (the engine fails them, with their pages)."""
         # the cross label is never keyed: a prefix-cache hit here is a bug
         failed = [Failure(r, "internal error",
                           ValueError(f"{r.num_computed} prefix-cache rows on an encoder-decoder request"))
                   for r in admitted if r.num_computed]
-        todo, rows = [], []
-        for r in admitted:
-            if r.num_computed:
-                continue
-            try:
-                pages = self.kv.reserve_rows(r.request_id, self.cross_label.name, self.n_frames)
-            except FootprintOverrun as exc:
-                failed.append(Failure(r, OVERRUN, exc))
-                continue
-            todo.append(r)
-            rows.append(AttnRows(pages, 0, 0, self.n_frames, False))
+        todo = [r for r in admitted if not r.num_computed]
         if not todo:
             return failed
+        rows = [AttnRows(pages[r.request_id][self.cross_label.name], 0, 0, self.n_frames, False) for r in todo]
         try:
             self._encode(todo, rows)
         except Exception as exc:
             log.exception("the encoder failed on %d request(s)", len(todo))
             return failed + [Failure(r, "internal error in the encoder", exc) for r in todo]
         for r in todo:
-            try:
-                self.kv.commit(r.request_id, self.cross_label.name, self.n_frames, None)
-            except LayoutViolation as exc:
-                failed.append(Failure(r, LAYOUT_VIOLATED, exc))
-                continue
-            r.ready = True
-            r.inputs.clear()  # the features are no longer needed
-        return failed + self._detect_languages([r for r in todo if r.ready])
+            if not r.metadata.get("detect_language") and isinstance(r.metadata.get("language"), str):
+                r.report = {"language": r.metadata["language"]}  # the language its prompt names
+        return failed
 
-    def _detect_languages(self, reqs: list[Request]) -> list[Failure]:
+    def scratch_rows(self, req: Request) -> dict[str, int]:
+        return {self.self_label.name: self.spec.probe_rows} if req.metadata.get("detect_language") else {}
+
+    def probe(self, reqs: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
         """Put each detecting request's language token into its prompt (step 2 of the
-        module docstring); the others report the language their prompt names."""
-        failed, probes, rows = [], [], []
+        module docstring)."""
         name = self.self_label.name
-        for r in reqs:
-            if not r.metadata.get("detect_language"):
-                if isinstance(r.metadata.get("language"), str):
-                    r.report = {"language": r.metadata["language"]}
-                continue
-            try:
-                pages = self.kv.reserve_rows(r.request_id, name, self.spec.probe_rows)
-            except FootprintOverrun as exc:
-                failed.append(Failure(r, OVERRUN, exc))
-                continue
-            probes.append(r)
-            rows.append(AttnRows(pages, r.kv.labels[name].first_page, 0, self.spec.probe_rows, False))
-        if not probes:
-            return failed
+        rows = [AttnRows(pages[r.request_id][name], r.kv.labels[name].first_page, 0, self.spec.probe_rows, False)
+                for r in reqs]
         try:
-            found = self._probe(probes, rows)
+            found = self._probe(reqs, rows)
         except Exception as exc:
-            log.exception("the language probe failed on %d request(s)", len(probes))
-            failed += [Failure(r, "internal error in the language probe", exc) for r in probes]
-            found = []
-        for r in probes:
-            self.kv.drop_scratch(r.request_id, name)  # the probe's rows are scratch: released now
-        for r, lang in zip(probes, found):
+            log.exception("the language probe failed on %d request(s)", len(reqs))
+            return [Failure(r, "internal error in the language probe", exc) for r in reqs]
+        for r, lang in zip(reqs, found):
             r.prompt.insert(1, lang)
             r.report = {"language": self.spec.language_code(lang)}
-        return failed
+        return []
 
     def _probe(self, reqs: list[Request], rows: list[AttnRows]) -> list[int]:
         """One decoder step on <|startoftranscript|> per request (its rows: `rows`, over its

@@ -1,8 +1,16 @@
 """Continuous batching: one engine step in three parts, as vLLM names them.
 
-    plan = scheduler.schedule()        # scheduler.py: admit + which rows run -> StepPlan
-    sampled = runner.execute(plan)     # runner.py: plan -> inputs -> model -> sampled tokens
-    outputs.update(plan, sampled)      # outputs.py: commit, stop checks, caps -> StepResult
+    plan = scheduler.schedule()                 # scheduler.py: admit + which rows run -> StepPlan
+    scheduler.reserve(plan)                     #   ... and the pages they write
+    sampled = runner.execute(plan)              # runner.py: plan -> inputs -> model -> sampled tokens
+    kept = outputs.kept(plan, sampled)          # outputs.py: what a verify step keeps
+    scheduler.commit(plan, kept)                # scheduler.py: the kept rows committed
+    outputs.emit(request, tokens)               # outputs.py: stop checks, caps -> Output, ended?
+    scheduler.remove(ended)                     # scheduler.py: pages back -> Finished
+
+The three parts are peers that exchange the values of step_types.py; only the scheduler
+changes KV state (reserve, commit, remove, admission and scratch rows), the runner and
+the output processor read it.
 
 Requests join the running batch between steps, and prefill chunks share a step with
 decode rows under a token budget. Every model runs through this one loop; what is special
@@ -19,13 +27,14 @@ import time
 import numpy as np
 
 from services.gpu_worker.guided import Guides
-from services.gpu_worker.kv_manager import DoesNotFit, KVManager
-from services.gpu_worker.outputs import Finished, OutputProcessor, StepResult, error_frame
+from services.gpu_worker.kv_manager import FootprintOverrun, KVManager
+from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.sampler import make_generator
 from services.gpu_worker.scheduler import Scheduler
 from services.gpu_worker.speculative import NgramProposer
+from services.gpu_worker.step_types import OVERRUN, Failure, Finished, StepResult, error_frame
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest
 
@@ -104,9 +113,7 @@ class Engine:
             raise ValueError("NewRequest reached the worker without max_tokens")
         self.runner.check_layout(set(req.kv_layout))
         prompt, inputs = self.runner.make_request(tensors)
-        kv = self.kv.ingest_request(req)
-        if not self.kv.fits_at_all(kv):
-            raise DoesNotFit("footprint exceeds the pool")
+        kv = self.scheduler.ingest(req)
         r = Request(req.request_id, req.reply_to, req.sampling, req.max_tokens, dict(req.loop_caps), prompt, kv,
                     make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
                     ready=not self.runner.needs_prepare,
@@ -121,15 +128,10 @@ class Engine:
         self.scheduler.add(r)
 
     def _sampling_extras(self, r: Request) -> None:
-        """What min_tokens masks (EOS unless ignore_eos, and stop_token_ids); a request
-        that wants its prompt's logprobs computes every prompt row (no prefix-cache hit,
-        as vLLM skips the cache for it)."""
+        """What min_tokens masks: EOS unless ignore_eos, and stop_token_ids."""
         sp = r.sampling
         if sp.min_tokens:
             r.stop_ids = tuple(sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.outputs.eos)))
-        if sp.prompt_logprobs is not None:
-            for st in r.kv.labels.values():
-                st.key_ids = ()
 
     def abort(self, request_id: str) -> tuple[str, int] | None:
         """Drop a request wherever it is; returns (reply_to, pages released) if it was here."""
@@ -140,16 +142,15 @@ class Engine:
 
     def step(self) -> StepResult:
         res = StepResult()
-        end = self._end_with(res)
         admitted = self.scheduler.admit()
         if admitted and self.runner.needs_prepare:
-            for failure in self.runner.prepare(admitted):
-                self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
+            self._prepare(admitted, res)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        labels = self.runner.step_labels
         try:
-            for failure in self.runner.reserve(plan):  # an overrun with no page to spare fails alone
-                self.outputs.fail(failure.request, failure.message, end, res, failure.cause)
+            for failure in self.scheduler.reserve(plan, labels):  # an overrun with no page to spare fails alone
+                self._fail(failure, res)
             sampled = self.runner.execute(plan) if plan.entries else []
         except Exception as exc:
             error_id = new_error_id()
@@ -157,21 +158,84 @@ class Engine:
             for e in plan.entries:
                 res.errors.append((e.request.reply_to, error_frame(e.request.request_id, ErrorKind.INTERNAL,
                                                                   "internal error in the model step", error_id)))
-                self._end(e.request, False, "error", res)
+                self._finish(e.request, False, "error", res)
             if device_lost(exc):
                 rest = self.fail_all(ErrorKind.WORKER_FAILED, "the worker's device failed; it is restarting")
                 res.errors += rest.errors
                 res.finished += rest.finished
                 raise DeviceLost(exc, res) from exc
             return res
-        self.outputs.update(plan, sampled, end, res)
+        kept = self.outputs.kept(plan, sampled)
+        broken = self.scheduler.commit(plan, kept, labels)  # a layout violation fails its request alone
+        for failure in broken:
+            self._fail(failure, res)
+        gone = {id(f.request) for f in broken}
+        for entry, k in zip(plan.entries, kept):
+            if id(entry.request) in gone or not k.tokens:
+                continue
+            emitted = self.outputs.emit(entry.request, k.tokens)
+            res.outputs.append((emitted.reply_to, emitted.output))
+            if emitted.ended:
+                self._finish(entry.request, emitted.ran_to_caps, "ok", res)
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time
         return res
 
-    def _end_with(self, res: StepResult):
-        return lambda req, ran_to_caps, status: self._end(req, ran_to_caps, status, res)
+    def _prepare(self, admitted: list[Request], res: StepResult) -> None:
+        """Admission work (an encoder pass, a probe): the scheduler reserves the rows it
+        writes, the runner writes them, the scheduler commits them (a probe's scratch is
+        given back); then the request is ready to schedule."""
+        pages: dict[str, dict[str, list[int]]] = {}
+        todo = []
+        for r in admitted:
+            try:
+                pages[r.request_id] = self.scheduler.reserve_rows(r, self.runner.admission_rows(r))
+            except FootprintOverrun as exc:
+                self._fail(Failure(r, OVERRUN, exc), res)
+                continue
+            todo.append(r)
+        failed = {id(f.request) for f in self._fail_each(self.runner.prepare(todo, pages), res)}
+        ready = []
+        for r in todo:
+            if id(r) in failed:
+                continue
+            broken = self.scheduler.commit_rows(r, self.runner.admission_rows(r))
+            if broken is not None:
+                self._fail(broken, res)
+                continue
+            r.ready = True
+            r.inputs.clear()  # what the admission work read is no longer needed
+            ready.append(r)
+        probes, scratch = [], {}
+        for r in ready:
+            rows = self.runner.scratch_rows(r)
+            if not rows:
+                continue
+            try:
+                scratch[r.request_id] = self.scheduler.reserve_rows(r, rows)
+            except FootprintOverrun as exc:
+                self._fail(Failure(r, OVERRUN, exc), res)
+                continue
+            probes.append(r)
+        if probes:
+            failures = self.runner.probe(probes, scratch)
+            for r in probes:
+                self.scheduler.drop_scratch(r, list(scratch[r.request_id]))  # scratch: released after its step
+            self._fail_each(failures, res)
 
-    def _end(self, req: Request, ran_to_caps: bool, status: str, res: StepResult) -> None:
+    def _fail_each(self, failures: list[Failure], res: StepResult) -> list[Failure]:
+        for failure in failures:
+            self._fail(failure, res)
+        return failures
+
+    def _fail(self, failure: Failure, res: StepResult) -> None:
+        """End a request that failed alone: an error with an id (the cause logged under it)."""
+        req = failure.request
+        error_id = new_error_id()
+        log.error("request %s failed (error_id=%s): %s", req.request_id, error_id, failure.cause or failure.message)
+        res.errors.append((req.reply_to, error_frame(req.request_id, ErrorKind.INTERNAL, failure.message, error_id)))
+        self._finish(req, False, "error", res)
+
+    def _finish(self, req: Request, ran_to_caps: bool, status: str, res: StepResult) -> None:
         found = self.scheduler.remove(req.request_id, ran_to_caps)
         if found is not None:
             res.finished.append(Finished(req.request_id, found[1], status))

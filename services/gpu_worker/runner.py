@@ -6,7 +6,9 @@ then the token ids, positions and the rows that sample, as one tensor. What is s
 about a kind of model is a few hooks of a subclass, not a second step loop:
 
 - `make_request`: which input tensors a request brings and what its prompt is;
-- `prepare`: work at admission (the encoder pass of an encoder-decoder model);
+- `admission_rows` / `prepare`: rows written at admission, and the work that writes them
+  (the encoder pass of an encoder-decoder model), into pages the scheduler reserved;
+- `scratch_rows` / `probe`: a non-committing step at admission (Whisper's language probe);
 - `call_model` and `process_logits`: extra inputs of the forward (the encoder's cross
   attention rows) and changes to the logits before sampling (Whisper's suppress lists).
 """
@@ -14,33 +16,18 @@ about a kind of model is a few hooks of a subclass, not a second step loop:
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
-from services.gpu_worker.kv_manager import FootprintOverrun, KVManager
+from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
-from services.gpu_worker.scheduler import StepPlan
+from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
 
 log = logging.getLogger("mstar.runner")
-
-#: what a client is told when its request broke its own layout
-LAYOUT_VIOLATED = "internal error: the model's KV layout was violated"
-#: ... and when it needed a page past its footprint with none left that nobody reserved
-OVERRUN = "internal error: the model's KV layout under-stated what this request writes"
-
-
-class Failure(NamedTuple):
-    """A request the runner could not prepare: the client-safe message, and the cause
-    (logged under the error id)."""
-
-    request: Request
-    message: str
-    cause: BaseException
 
 
 class ModelRunner:
@@ -89,9 +76,22 @@ class ModelRunner:
             raise ValueError("a decoder request needs tensor 'input_ids'")
         return [int(t) for t in tensors["input_ids"].reshape(-1)], {}
 
-    def prepare(self, admitted: list[Request]) -> list[Failure]:
-        """Admission work for newly admitted requests; returns those it could not do (for
-        the engine to fail). A decoder has none: its requests are ready at once."""
+    def admission_rows(self, req: Request) -> dict[str, int]:
+        """Rows `prepare` writes per label at admission (the scheduler reserves, then
+        commits them); a decoder writes none: its requests are ready at once."""
+        return {}
+
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """Admission work for newly admitted requests, into the pages reserved for their
+        `admission_rows` (request id -> label -> pages); returns those it could not do."""
+        return []
+
+    def scratch_rows(self, req: Request) -> dict[str, int]:
+        """Scratch rows a prepared request's probe writes per label (none: no probe)."""
+        return {}
+
+    def probe(self, reqs: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """A non-committing step over `scratch_rows` (the scheduler gives them back after)."""
         return []
 
     def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
@@ -102,22 +102,6 @@ class ModelRunner:
         return logits
 
     # -- the forward ---------------------------------------------------------------------
-
-    def reserve(self, plan: StepPlan) -> list[Failure]:
-        """Pages for every entry's rows, before the forward writes them. A request whose
-        layout under-states what it writes and finds no page nobody reserved fails alone
-        (its entry leaves the plan); every other entry runs."""
-        failed = []
-        for e in plan.entries:
-            try:
-                for lab in self.step_labels:
-                    e.pages[lab.name] = self.kv.reserve_rows(e.request.request_id, lab.name, e.rows)
-            except FootprintOverrun as exc:
-                failed.append(Failure(e.request, OVERRUN, exc))
-        if failed:
-            gone = {id(f.request) for f in failed}
-            plan.entries = [e for e in plan.entries if id(e.request) not in gone]
-        return failed
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """One forward over the plan; per entry, the tokens sampled for it: none for a

@@ -37,36 +37,19 @@ them as it cuts prefill.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.kv_manager import DoesNotFit, FootprintOverrun, KVManager, LayoutViolation, RequestKV
 from services.gpu_worker.request import Request
 from services.gpu_worker.step_costs import StepCosts, StepShape, chunk_shape
+from services.gpu_worker.step_types import LAYOUT_VIOLATED, OVERRUN, Failure, Kept, PlanEntry, StepPlan
+from shared.frames import NewRequest
+from shared.layout import KVLabel
 
 #: prompt rows a step beside decode rows may always prefill, whatever the time target
 MIN_PREFILL_ROWS = 16
 #: a step is as good as idle when its decode rows x this are no more than the prompts waiting
 IDLE_RATIO = 1.0
-
-
-@dataclass
-class PlanEntry:
-    """One request's part of a step: `rows` rows written (the last of them sampled when
-    the request's prompt ends there), of which the trailing `drafts` are speculative."""
-
-    request: Request
-    rows: int
-    decode: bool
-    drafts: list[int] = field(default_factory=list)
-    #: per label the step writes, the request's live pages once the runner reserved its rows
-    pages: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class StepPlan:
-    entries: list[PlanEntry] = field(default_factory=list)
-    #: rows, sampled rows and attention keys of the plan: what the step-cost model sees
-    shape: StepShape = field(default_factory=StepShape)
 
 
 @dataclass(frozen=True)
@@ -94,6 +77,80 @@ class Scheduler:
         self.ids: dict[str, Request] = {}
         #: what a step costs, learned (the engine reports every step's time)
         self.costs = StepCosts()
+
+    # -- KV changes: the scheduler is the one part of a step that makes them ------------
+
+    def ingest(self, req: NewRequest) -> RequestKV:
+        """The request's KV bookkeeping from its layouts (each label's footprint); DoesNotFit
+        when its footprint exceeds a whole pool. A request that wants its prompt's logprobs
+        computes every prompt row (no prefix-cache hit, as vLLM skips the cache for it)."""
+        kv = self.kv.ingest_request(req)
+        if not self.kv.fits_at_all(kv):
+            raise DoesNotFit("footprint exceeds the pool")
+        if req.sampling.prompt_logprobs is not None:
+            for st in kv.labels.values():
+                st.key_ids = ()
+        return kv
+
+    def reserve(self, plan: StepPlan, labels: tuple[KVLabel, ...]) -> list[Failure]:
+        """Pages for every entry's rows on each label the step writes, before the forward
+        writes them. An entry whose layout under-states what it writes and finds no page
+        nobody reserved fails alone (it leaves the plan); every other entry runs."""
+        failed = []
+        for e in plan.entries:
+            try:
+                for lab in labels:
+                    e.pages[lab.name] = self.kv.reserve_rows(e.request.request_id, lab.name, e.rows)
+            except FootprintOverrun as exc:
+                failed.append(Failure(e.request, OVERRUN, exc))
+        if failed:
+            gone = {id(f.request) for f in failed}
+            plan.entries = [e for e in plan.entries if id(e.request) not in gone]
+        return failed
+
+    def reserve_rows(self, req: Request, rows: dict[str, int]) -> dict[str, list[int]]:
+        """Pages for rows a request writes outside a plan (an encoder's rows at admission,
+        a probe's scratch), per label; FootprintOverrun as `reserve`."""
+        return {label: self.kv.reserve_rows(req.request_id, label, n) for label, n in rows.items()}
+
+    def commit(self, plan: StepPlan, kept: list[Kept], labels: tuple[KVLabel, ...]) -> list[Failure]:
+        """Commit the rows each entry keeps on every label the step wrote; in the decode
+        loop each row is one iteration of every step loop (a verify step commits the last
+        token and its accepted drafts). A commit that breaks the request's layout (checked
+        under MSTAR_KV_DEBUG_ASSERTS=1) fails that request alone."""
+        failed = []
+        for entry, k in zip(plan.entries, kept):
+            req = entry.request
+            try:
+                for lab in labels:
+                    if entry.decode:
+                        for _ in range(k.rows):
+                            self.kv.commit(req.request_id, lab.name, 1, lab.grows_on)
+                    else:
+                        self.kv.commit(req.request_id, lab.name, k.rows, None)
+            except LayoutViolation as exc:
+                failed.append(Failure(req, LAYOUT_VIOLATED, exc))
+                continue
+            req.num_computed += k.rows
+            if entry.decode:
+                for loop in self.loops:
+                    req.iters[loop] += k.rows
+        return failed
+
+    def commit_rows(self, req: Request, rows: dict[str, int]) -> Failure | None:
+        """Commit rows `reserve_rows` gave (one span per label); a Failure if that breaks
+        the layout."""
+        try:
+            for label, n in rows.items():
+                self.kv.commit(req.request_id, label, n, None)
+        except LayoutViolation as exc:
+            return Failure(req, LAYOUT_VIOLATED, exc)
+        return None
+
+    def drop_scratch(self, req: Request, labels: list[str]) -> None:
+        """Give back the scratch rows a probe wrote (never committed)."""
+        for label in labels:
+            self.kv.drop_scratch(req.request_id, label)
 
     # -- the request table -------------------------------------------------------------
 

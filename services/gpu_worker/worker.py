@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from services.gpu_worker.build import assemble
-from services.gpu_worker.engine import DeviceLost, Finished, StepResult
+from services.gpu_worker.engine import DeviceLost
 from services.gpu_worker.liveness import Liveness
-from services.gpu_worker.outputs import error_frame
+from services.gpu_worker.step_types import Finished, StepResult, error_frame
 from shared import curve
 from shared.cgroup import available_cpus
 from shared.config import Deployment
