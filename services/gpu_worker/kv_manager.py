@@ -15,8 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import msgspec
-
+from services.gpu_worker.kv_checks import LayoutChecker, LayoutViolation
 from services.gpu_worker.prefix_cache import ROOT, PrefixIndex
 from shared.frames import NewRequest, PoolStats
 from shared.layout import (
@@ -26,7 +25,6 @@ from shared.layout import (
     PagedKVConfig,
     label_footprint,
     leading_ids,
-    pages_in,
     prompt_pages,
     shareable_count,
 )
@@ -34,9 +32,7 @@ from shared.pages import pages_for
 
 log = logging.getLogger("mstar.kv")
 
-
-class LayoutViolation(Exception):
-    """Under MSTAR_KV_DEBUG_ASSERTS=1, a commit that does not match the declared layout."""
+__all__ = ["DoesNotFit", "FootprintOverrun", "KVManager", "LabelState", "LayoutViolation", "RequestKV"]
 
 
 class DoesNotFit(ValueError):
@@ -58,6 +54,9 @@ def debug_asserts_enabled() -> bool:
 
 @dataclass
 class LabelState:
+    """One label of one request: its footprint, the pages it holds, the rows it committed,
+    and its prefix-cache keys (what the debug checks remember lives in kv_checks.Walk)."""
+
     label: KVLabel
     layout: LabelLayout
     footprint: int
@@ -65,19 +64,11 @@ class LabelState:
     pages: list[int] = field(default_factory=list)
     rows: int = 0  # rows committed (label positions 0..rows-1)
     first_page: int = 0  # label page index of pages[0] (pages before it were released)
-    peak_pages: int = 0
     overrun_logged: bool = False
-    span_cursor: int = 0  # which span the next commit continues (debug asserts)
-    span_done: int = 0  # rows of that span already committed
-    span_rows_done: int = 0
-    split_spans: bool = False  # a span committed in chunks (chunked prefill)
-    loop_commits: dict[str, int] = field(default_factory=dict)
     key_ids: tuple[int, ...] = ()  # ids of the leading ids spans, when the label is keyed
     key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
     keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
     key_parent: int = ROOT  # entry id the next keyed page chains from
-    scratch_before: bool = False  # scratch was written before the first commit (a probe)
-    scratch_after: bool = False  # ... after a commit (rejected drafts)
 
     def page_for_row(self, row: int) -> int:
         return self.pages[row // self.page_size - self.first_page]
@@ -191,7 +182,17 @@ class KVManager:
         self.labels = {lab.name: lab for lab in labels}
         self.requests: dict[str, RequestKV] = {}
         self.footprint_overruns = 0
-        self.debug = debug_asserts_enabled()
+        #: the debug checks, only while debugging (`debug`)
+        self.checker: LayoutChecker | None = LayoutChecker() if debug_asserts_enabled() else None
+
+    @property
+    def debug(self) -> bool:
+        return self.checker is not None
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        if on != self.debug:
+            self.checker = LayoutChecker() if on else None
 
     # -- intake -------------------------------------------------------------------------
 
@@ -271,24 +272,11 @@ class KVManager:
                 st.key_parent = entry
             st.keyed_pages = len(hits)
             st.rows = kv.hit_rows
-            st.peak_pages = len(st.pages)
-            self._advance_spans(st, kv.hit_rows)
+            if self.checker is not None:
+                self.checker.shared(kv, st, kv.hit_rows)
         self.prefix_hit_tokens += kv.hit_rows
         self._check_conservation()
         return kv.hit_rows
-
-    @staticmethod
-    def _advance_spans(st: LabelState, rows: int) -> None:
-        """Count shared rows as committed span rows, for the debug layout check."""
-        st.span_rows_done += rows
-        while rows:
-            left = st.layout.spans[st.span_cursor].length - st.span_done
-            step = min(left, rows)
-            st.span_done += step
-            rows -= step
-            st.split_spans |= 0 < step < st.layout.spans[st.span_cursor].length
-            if st.span_done == st.layout.spans[st.span_cursor].length and rows:
-                st.span_cursor, st.span_done = st.span_cursor + 1, 0
 
     # -- the step ----------------------------------------------------------------------
 
@@ -302,7 +290,8 @@ class KVManager:
         need = pages_for(st.rows + n, st.page_size) - st.first_page
         while len(st.pages) < need:
             st.pages.append(self._alloc(kv, st))
-        st.peak_pages = max(st.peak_pages, len(st.pages))
+        if self.checker is not None:
+            self.checker.held(kv, st)
         return st.pages
 
     def _alloc(self, kv: RequestKV, st: LabelState) -> int:
@@ -335,8 +324,8 @@ class KVManager:
         rows are growth (None while committing spans). Then apply window retention."""
         kv = self.requests[request_id]
         st = kv.labels[label]
-        if self.debug:
-            self._check_commit(kv, st, n, loop)
+        if self.checker is not None:
+            self.checker.commit(kv, st, n, loop)
         st.rows += n
         if st.key_ids and self.prefix_cache:
             self._index_full_pages(st)
@@ -344,33 +333,6 @@ class KVManager:
             self._retain(kv, st)
         if self.debug:
             self._check_conservation()
-
-    def _check_commit(self, kv: RequestKV, st: LabelState, n: int, loop: str | None) -> None:
-        spans = st.layout.spans
-        if loop is None:
-            # Span commits continue the declared spans in order; a chunk may be part of one.
-            while st.span_cursor < len(spans) and spans[st.span_cursor].length == st.span_done:
-                st.span_cursor, st.span_done = st.span_cursor + 1, 0
-            if st.span_cursor >= len(spans):
-                raise LayoutViolation(f"label {st.label.name!r} commits {n} span rows past its declared spans")
-            left = spans[st.span_cursor].length - st.span_done
-            if n > left:
-                raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span "
-                                      f"{st.span_cursor} ({left} left)")
-            st.span_done += n
-            st.span_rows_done += n
-            st.split_spans |= n < spans[st.span_cursor].length
-            return
-        if st.span_rows_done != st.layout.span_rows:
-            raise LayoutViolation(f"label {st.label.name!r} grows on {loop!r} before its spans are committed")
-        want = st.layout.growth.get(loop, 0)
-        if n != want:
-            raise LayoutViolation(f"label {st.label.name!r} commits {n} rows on {loop!r}; "
-                                  f"its layout grows {want} per iteration")
-        count = st.loop_commits.get(loop, 0) + 1
-        if count > kv.caps.get(loop, 0):
-            raise LayoutViolation(f"label {st.label.name!r} runs {loop!r} past its cap {kv.caps.get(loop, 0)}")
-        st.loop_commits[loop] = count
 
     def _index_full_pages(self, st: LabelState) -> None:
         """Key every page that is now full of declared ids (`prompt_pages`), chained from
@@ -393,11 +355,10 @@ class KVManager:
     def drop_scratch(self, request_id: str, label: str) -> None:
         """After a non-committing step wrote rows past the committed ones (a probe,
         rejected drafts), return the pages that hold no committed row."""
-        st = self.requests[request_id].labels[label]
-        if st.rows:
-            st.scratch_after = True
-        else:
-            st.scratch_before = True
+        kv = self.requests[request_id]
+        st = kv.labels[label]
+        if self.checker is not None:
+            self.checker.scratch(kv, st)
         keep = pages_for(st.rows, st.page_size) - st.first_page
         while len(st.pages) > keep:
             self._release(st, st.pages.pop())
@@ -419,17 +380,10 @@ class KVManager:
         kv = self.requests.pop(request_id, None)
         if kv is None:
             return 0
+        if self.checker is not None:
+            self.checker.removed(kv, ran_to_caps)
         released = 0
         for st in kv.labels.values():
-            # A windowed label whose spans were committed in chunks never holds a whole span
-            # at once, so it may peak below the footprint (which bounds every chunking).
-            chunked_window = st.split_spans and st.label.window is not None
-            if self.debug and ran_to_caps and st.peak_pages < _walk_peak(kv, st) and not chunked_window:
-                log.error(
-                    "request %s label %r ran to its caps but held at most %d of its %d footprint pages "
-                    "(footprint not tight)",
-                    request_id, st.label.name, st.peak_pages, st.footprint,
-                )
             released += len(st.pages)
             while st.pages:
                 self._release(st, st.pages.pop())
@@ -465,33 +419,5 @@ class KVManager:
         return sum(p.used for p in self.pools.values())
 
     def _check_conservation(self) -> None:
-        """Every page is exactly one of: free, cached-evictable, held; holders match refs."""
-        if not self.debug:
-            return
-        for name, pool in self.pools.items():
-            held: dict[int, int] = {}
-            for kv in self.requests.values():
-                for st in kv.labels.values():
-                    if st.label.pool == name:
-                        for pg in st.pages:
-                            held[pg] = held.get(pg, 0) + 1
-            free, cached = set(pool.free_pages()), set(pool.index.evictable)
-            if len(free) != len(pool.free_pages()) or free & cached or (free | cached) & set(held):
-                raise AssertionError(f"pool {name!r}: a page is both free (or cached) and owned")
-            if held != pool.refs:
-                raise AssertionError(f"pool {name!r}: page holders {held} != reference counts {pool.refs}")
-            if len(free) + len(cached) + len(held) != pool.config.num_pages:
-                raise AssertionError(f"pool {name!r}: {len(free)} free + {len(cached)} cached + {len(held)} held "
-                                     f"!= {pool.config.num_pages}")
-
-
-def _walk_peak(kv: RequestKV, st: LabelState) -> int:
-    """The pages a label that ran to its caps must have held at its peak: its footprint,
-    except for a label whose scratch was written only before its first commit (Whisper's
-    language probe). The footprint lets scratch follow any commit, the last one too, so
-    it may be above such a walk's true peak (by a page at most for Whisper's one-row
-    probe): the larger of the probe's pages and the footprint without scratch."""
-    if not (st.layout.scratch and st.scratch_before and not st.scratch_after):
-        return st.footprint
-    bare = label_footprint(msgspec.structs.replace(st.layout, scratch=0), kv.caps, st.page_size, st.label.window)
-    return max(pages_in(0, st.layout.scratch, st.page_size), bare)
+        if self.checker is not None:
+            self.checker.conservation(self)

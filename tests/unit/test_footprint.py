@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gpu_worker.kv_manager import KVManager, _walk_peak
+from services.gpu_worker.kv_checks import _walk_peak
+from services.gpu_worker.kv_manager import KVManager
 from shared.frames import NewRequest, SamplingParams
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, Span, label_footprint
 
@@ -160,6 +161,7 @@ def test_a_probe_before_the_first_commit_is_judged_by_its_own_peak(layout, caps,
     req = kv.requests["r"]
     state = req.labels["a"]
     assert peak <= state.footprint and kv.footprint_overruns == 0
-    assert _walk_peak(req, state) == (peak if probe else state.footprint)
+    walk = kv.checker.walk("r", "a")
+    assert _walk_peak(req, state, walk) == (peak if probe else state.footprint)
     kv.remove("r", ran_to_caps=True)
     assert kv.pools["kv"].used == 0 and kv.pools["kv"].reserved == 0
