@@ -31,7 +31,7 @@ from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
-from shared.specs.base import PromptRequest
+from shared.specs.base import PromptRequest, refuse_runner_gaps
 
 log = logging.getLogger("mstar.build")
 
@@ -58,6 +58,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
                  speculation: Speculation = Speculation(), itl_target_s: float = 0.0,
                  guides: Guides | None = None) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
+    refuse_runner_gaps(spec, runner_cls.SPEC)
     runner = runner_cls(model, spec, kv, caches, planner)
     k = speculation.k
     # A windowed label releases pages behind its window as rows commit; draft rows past

@@ -36,6 +36,7 @@ from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
+from shared.specs.base import EncoderDecoderRunnerSpec
 
 log = logging.getLogger("mstar.encdec_runner")
 
@@ -45,6 +46,7 @@ MAX_ENCODES_PER_STEP = 4
 
 class EncoderDecoderRunner(ModelRunner):
     needs_prepare = True
+    SPEC = EncoderDecoderRunnerSpec
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         self.self_label, self.cross_label = spec.label(spec.self_label), spec.label(spec.cross_label)

@@ -16,6 +16,7 @@ about a kind of model is a few hooks of a subclass, not a second step loop:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
+from shared.specs.base import DecoderRunnerSpec, RunnerSpec
 
 log = logging.getLogger("mstar.runner")
 
@@ -34,9 +36,12 @@ class ModelRunner:
     """A decoder LM: every label is written by every step, layer i reads label
     `spec.layer_labels[i]` in its pool's i-th layer tensor."""
 
+    #: what this runner reads of its spec (checked at build: `refuse_runner_gaps`)
+    SPEC: type[RunnerSpec] = DecoderRunnerSpec
+
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         self.model = model
-        self.spec = spec
+        self.spec: Any = spec
         self.kv = kv
         #: FlashInferPlanner on CUDA, None for the torch path
         self.planner = planner

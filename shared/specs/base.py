@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Protocol, Self, runtime_checkable
 
 from shared.frames import MetaValue
 from shared.layout import (
@@ -175,3 +175,71 @@ def _refuse_undeclared_pools(pools: dict[str, PagedKVConfig], labels: tuple[KVLa
     if unused:
         raise DeploymentError(f"paged KV pool(s) {unused} are used by no KV label; "
                               "declare a KVLabel for each pool or drop the pool")
+
+
+# -- what the gpu worker's runners read of a spec ------------------------------------------
+
+
+@runtime_checkable
+class RunnerSpec(Protocol):
+    """What every runner (services/gpu_worker/runner.py and its subclasses) reads of a
+    spec, beyond the `ModelSpec` methods the engine calls."""
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]: ...
+
+    @property
+    def step_loops(self) -> tuple[str, ...]: ...
+
+    def label(self, name: str) -> KVLabel: ...
+
+
+@runtime_checkable
+class DecoderRunnerSpec(RunnerSpec, Protocol):
+    """The decoder runner's: layer i reads label `layer_labels[i]`; `config` gives the
+    attention shape FlashInfer plans with (`num_attention_heads`, `attn_scale`,
+    `attn_softcap`)."""
+
+    layer_labels: list[str]
+    config: Any
+
+
+@runtime_checkable
+class EncoderDecoderRunnerSpec(RunnerSpec, Protocol):
+    """The encoder-decoder runner's (encdec_runner.py): the two labels, the encoder's
+    input and output frames, the language probe and the suppress lists."""
+
+    self_label: str
+    cross_label: str
+    n_frames: int
+    n_mels: int
+    input_frames: int
+    probe_rows: int
+    decoder_start_token_id: int
+    suppress_tokens: tuple[int, ...]
+    begin_suppress_tokens: tuple[int, ...]
+
+    def language_ids(self) -> list[int]: ...
+
+    def language_code(self, token_id: int) -> str | None: ...
+
+
+def protocol_members(proto: type) -> list[str]:
+    """The names a runner protocol declares (its own and its bases')."""
+    names: list[str] = []
+    for cls in reversed(proto.__mro__):
+        if cls in (object, Protocol) or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
+            if not name.startswith("_") and name not in names:
+                names.append(name)
+    return names
+
+
+def refuse_runner_gaps(spec: Any, proto: type) -> None:
+    """DeploymentError naming what `spec` lacks of what its runner reads (`proto`), before
+    any weight is read."""
+    missing = [n for n in protocol_members(proto) if not hasattr(spec, n)]
+    if missing:
+        raise DeploymentError(f"{type(spec).__name__} runs on the {spec.engine!r} engine, whose runner reads "
+                              f"{missing} of its spec, which it does not have ({proto.__name__})")
