@@ -1,7 +1,8 @@
 """A Qwen3-style thinking template through real services (issue 30): the template's own
 `enable_thinking` switch reaches it through `chat_template_kwargs`, and with thinking off a
-structured-output constraint binds the whole reply, which parses; a variable the server
-sets itself is refused by name."""
+structured-output constraint binds the whole reply, which parses; a prompt that opens the
+thinking (DeepSeek-R1 style, here a template variable) sends the reply to
+`reasoning_content`, streamed alike; a variable the server sets itself is refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ QWEN3_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
 
 </think>
 
+{% elif think_first is defined and think_first %}<think>
 {% endif %}{% endif %}"""
 
 
@@ -49,6 +51,23 @@ def test_enable_thinking_false_reaches_the_template_and_the_answer_is_constraine
     message = done.choices[0].message
     assert isinstance(message.parsed, Answer) and done.choices[0].finish_reason == "stop"
     assert getattr(message, "reasoning_content", None) is None
+
+
+def test_a_reply_inside_opened_thinking_is_reasoning_content(qwen3):
+    """A random model never closes its thinking: the whole reply (cut by max_tokens) is
+    thinking, none of it content, in the whole reply and in the stream alike."""
+    client, model = qwen3
+    kw = {"model": model, "messages": [{"role": "user", "content": "Think first."}], "max_tokens": 12,
+          "temperature": 0, "extra_body": {"chat_template_kwargs": {"think_first": True}}}
+    done = client.chat.completions.create(**kw)
+    message = done.choices[0].message
+    assert message.reasoning_content and message.content == "" and done.usage.completion_tokens == 12
+    thinking = content = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            thinking += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert thinking == message.reasoning_content and content == ""
 
 
 def test_a_variable_the_server_sets_is_refused(qwen3):
