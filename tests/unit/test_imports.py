@@ -29,17 +29,7 @@ TORCH = ("torch", "torchaudio", "torchvision", "flashinfer", "triton", "transfor
 #: Known violations of the torch rule, each with its reason; the test fails when one is
 #: gone too, so the entry is removed with the fix rather than left to excuse a new one.
 #: (module, function holding the torch import) -> why it is still there
-KNOWN_TORCH_IMPORTS: dict[tuple[str, str], str] = {
-    # The data worker computes Whisper's log-mel features (and resamples audio) with
-    # torch.stft / torch ops at run time, inside the spec's process_prompt (the data worker
-    # itself never touches audio): shared.specs.whisper (WhisperSpec.process_prompt ->
-    # features_of) -> shared.audio.audio_features -> log_mel_features / resample ->
-    # `import torch`. Moving them to numpy changes the features' float
-    # rounding (the tests compare them with transformers'), so that is its own change.
-    ("shared.audio", "resample"): "torch in the data worker for audio requests",
-    ("shared.audio", "_filters"): "torch in the data worker for audio requests",
-    ("shared.audio", "log_mel_features"): "torch in the data worker for audio requests",
-}
+KNOWN_TORCH_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
