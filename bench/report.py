@@ -150,3 +150,17 @@ def plot(path: Path, servers: dict[str, dict], hf: dict | None = None, title: st
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def finish_tpot_bars(fig, ax, path: Path, title: str) -> None:
+    """The tail of a bar plot of TPOT p50 per set (bench spec, bench structured): axis
+    label, legend, grid, title; written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel("time per output token, p50 (ms)")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import Backend, RequestSpec, run_load
-from bench.report import machine, results_dir, table, write_json
+from bench.report import finish_tpot_bars, machine, results_dir, table, write_json
 from bench.server import MstarServer
 from bench.stats import summarize
 
@@ -161,10 +161,4 @@ def _plot(path: Path, base: dict, fast: dict, k: int, title: str) -> None:
     ax.bar([i - 0.2 for i in x], [base[q]["tpot_ms"]["p50"] for q in keys], 0.4, label="k=0")
     ax.bar([i + 0.2 for i in x], [fast[q]["tpot_ms"]["p50"] for q in keys], 0.4, label=f"k={k}")
     ax.set_xticks(list(x), keys)
-    ax.set_ylabel("time per output token, p50 (ms)")
-    ax.legend()
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_tpot_bars(fig, ax, path, title)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import Backend, RequestResult, RequestSpec, run_load
-from bench.report import machine, results_dir, table, write_json
+from bench.report import finish_tpot_bars, machine, results_dir, table, write_json
 from bench.server import MstarServer
 from bench.stats import summarize
 
@@ -168,10 +168,4 @@ def _plot(path: Path, runs: dict, levels: list[int], title: str) -> None:
                    label=kind if i == 0 else None)
             ax.plot([i + dx] * len(ys), ys, "k.", ms=4)
     ax.set_xticks(range(len(levels)), [f"c{c}" for c in levels])
-    ax.set_ylabel("time per output token, p50 (ms)")
-    ax.legend()
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_tpot_bars(fig, ax, path, title)

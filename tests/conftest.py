@@ -40,6 +40,16 @@ def qwen2_server(qwen2_ckpt, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def smollm_server(tmp_path_factory):
+    """The embedded default model (SmolLM2-135M-Instruct), served once for the session."""
+    from tests.servers import MstarServer
+
+    server = MstarServer("", tmp_path_factory.mktemp("logs") / "smollm.log", "--num-kv-pages", "128").start(timeout=300)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
 def pages_back_to_zero(request):
     """After every test that used a server, its pools' used pages are back to zero."""

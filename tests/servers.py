@@ -10,9 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.checkpoints import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,3 +206,20 @@ class ServiceStack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@contextmanager
+def served_with_template(folder: Path, family: str, template: str, max_positions: int,
+                         pages: int) -> Iterator[tuple]:
+    """(an openai client, the served name) of a random `family` checkpoint made in `folder`
+    with `max_positions` positions, served with chat template `template`."""
+    import openai
+
+    ckpt = make_checkpoint(folder / f"tiny-{family}", family, max_position_embeddings=max_positions)
+    (folder / "template.jinja").write_text(template)
+    server = MstarServer(str(ckpt), folder / "log.txt", "--num-kv-pages", str(pages),
+                         "--chat-template", str(folder / "template.jinja")).start()
+    try:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120), ckpt.name
+    finally:
+        server.stop()

@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import httpx
 import jinja2
-import pytest
 
 from shared.model_source import ModelSource
-from tests.servers import MstarServer
-
-
-@pytest.fixture(scope="module")
-def smollm_server(tmp_path_factory):
-    server = MstarServer("", tmp_path_factory.mktemp("logs") / "smollm.log", "--num-kv-pages", "128").start(timeout=300)
-    yield server
-    server.stop()
 
 
 def test_default_model_answers_paris(smollm_server):

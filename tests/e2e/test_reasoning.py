@@ -10,8 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.checkpoints import make_checkpoint
-from tests.servers import MstarServer
+from tests.servers import served_with_template
 
 QWEN3_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
 {% if message.role == 'assistant' and '</think>' in message.content %}{{ message.content.split('</think>')[-1] }}\
@@ -32,13 +31,8 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3")
-    ckpt = make_checkpoint(folder / "tiny-qwen3", "qwen3", max_position_embeddings=2048)
-    (folder / "qwen3.jinja").write_text(QWEN3_TEMPLATE)
-    server = MstarServer(str(ckpt), folder / "log.txt", "--num-kv-pages", "256",
-                         "--chat-template", str(folder / "qwen3.jinja")).start()
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120), ckpt.name
-    server.stop()
+    with served_with_template(tmp_path_factory.mktemp("qwen3"), "qwen3", QWEN3_TEMPLATE, 2048, 256) as served:
+        yield served
 
 
 def test_enable_thinking_false_reaches_the_template_and_the_answer_is_constrained(qwen3):

@@ -17,8 +17,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.servers import MstarServer
-
 
 class Color(enum.StrEnum):
     RED = "red"
@@ -107,15 +105,8 @@ def test_a_keyword_llguidance_cannot_enforce_is_a_400(client, model):
     assert 'Unimplemented keys: ["not"]' in err["message"]
 
 
-@pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
-    server = MstarServer("", tmp_path_factory.mktemp("logs") / "smollm.log", "--num-kv-pages", "128").start(timeout=300)
-    yield server
-    server.stop()
-
-
-def test_parse_on_the_default_model(smollm):
-    client = openai.OpenAI(base_url=smollm.url + "/v1", api_key="x", max_retries=0, timeout=120)
+def test_parse_on_the_default_model(smollm_server):
+    client = openai.OpenAI(base_url=smollm_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     order = _parse(client, model)
     assert order.items

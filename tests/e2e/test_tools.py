@@ -13,8 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.checkpoints import make_checkpoint
-from tests.servers import MstarServer
+from tests.servers import served_with_template
 
 # a compact Qwen2.5-style template: tools in the system turn, calls as <tool_call> blocks
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -72,14 +71,9 @@ def _check_calls(message) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools")
     # the tiny tokenizer (512 ids) spends a token per ~2 characters: room for the tools' JSON
-    ckpt = make_checkpoint(folder / "tiny-llama", "llama", max_position_embeddings=4096)
-    (folder / "hermes.jinja").write_text(HERMES_TEMPLATE)
-    server = MstarServer(str(ckpt), folder / "log.txt", "--num-kv-pages", "512",
-                         "--chat-template", str(folder / "hermes.jinja")).start()
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120), ckpt.name
-    server.stop()
+    with served_with_template(tmp_path_factory.mktemp("tools"), "llama", HERMES_TEMPLATE, 4096, 512) as served:
+        yield served
 
 
 def test_required_calls_validate_against_their_schemas(native):
@@ -159,16 +153,9 @@ def test_langchain_bind_tools_and_structured_output(native):
     assert isinstance(city, City)
 
 
-@pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
-    server = MstarServer("", tmp_path_factory.mktemp("logs") / "smollm.log", "--num-kv-pages", "128").start(timeout=300)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    yield client, client.models.list().data[0].id
-    server.stop()
-
-
-def test_required_on_the_default_model_whose_template_knows_no_tools(smollm):
-    client, model = smollm
+def test_required_on_the_default_model_whose_template_knows_no_tools(smollm_server):
+    client = openai.OpenAI(base_url=smollm_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
     done = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                           max_tokens=200, temperature=0)
     assert done.choices[0].finish_reason == "tool_calls"
