@@ -228,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                        help=CHAT_TEMPLATE_HELP)
     serve.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
-                       choices=("auto", "hermes", "llama3_json", "mistral"),
+                       choices=("auto", "hermes", "llama3_json", "mistral", "mistral_args"),
                        help="the format the model writes tool calls in: auto (chosen from the chat template), "
-                            "hermes, llama3_json or mistral (env MSTAR_TOOL_CALL_PARSER; default auto)")
+                            "hermes, llama3_json, mistral or mistral_args (env MSTAR_TOOL_CALL_PARSER; default auto)")
     serve.add_argument("--host", default=os.environ.get("MSTAR_API_HOST") or "127.0.0.1",
                        help="address the HTTP api binds (env MSTAR_API_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT") or 8000),

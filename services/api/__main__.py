@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name /v1/models lists and OpenAI requests must give as `model` "
                         "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
     p.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
-                   choices=("auto", "hermes", "llama3_json", "mistral"),
-                   help="the format the model writes tool calls in: hermes, llama3_json, mistral, or auto "
-                        "(chosen from the chat template) (env MSTAR_TOOL_CALL_PARSER; default auto)")
+                   choices=("auto", "hermes", "llama3_json", "mistral", "mistral_args"),
+                   help="the format the model writes tool calls in: hermes, llama3_json, mistral, mistral_args, "
+                        "or auto (chosen from the chat template) (env MSTAR_TOOL_CALL_PARSER; default auto)")
     p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                    help="a Jinja chat template file that replaces the checkpoint's "
                         "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")

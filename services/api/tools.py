@@ -7,7 +7,11 @@ from the template (`pick_format`), or `--tool-call-parser` names it:
   call (Qwen2.5 / Qwen3, Hermes, SmolLM3 and every template that says `<tool_call>`);
 - `llama3_json`: a bare `{"name": ..., "parameters": {...}}` (Llama 3.1+; several joined
   by `;`), optionally after `<|python_tag|>`;
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (v3
+  tokenizers: Mistral 7B v0.3, Nemo);
+- `mistral_args`: `[TOOL_CALLS]name[ARGS]{...}`, one marker per call (v11+ tokenizers:
+  Mistral Small 3.1+, Magistral, Devstral; their templates say `[ARGS]`). Either Mistral
+  parser reads both forms.
 
 A template that never mentions `tools` (the default SmolLM2, most small chat models) is
 taught the hermes format by a system message listing the tools, as llama.cpp does for
@@ -37,14 +41,14 @@ from services.api.structured import JSON_OPTIONS
 from services.api.validation import json_repr
 from shared.errors import ErrorKind
 
-FORMATS = ("hermes", "llama3_json", "mistral")
+FORMATS = ("hermes", "llama3_json", "mistral", "mistral_args")
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 MAX_TOOLS = 128
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-MISTRAL_MARKER = "[TOOL_CALLS]"
+MISTRAL_MARKER, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
 
 #: taught to a template without tool support (Qwen2.5's own words for the hermes format)
@@ -188,7 +192,7 @@ def pick_format(template: str | None, override: str = "auto") -> tuple[str, bool
     if override != "auto":
         return override, native
     if MISTRAL_MARKER in source:
-        return "mistral", native
+        return ("mistral_args" if MISTRAL_ARGS in source else "mistral"), native
     if HERMES_OPEN in source or not native:
         return "hermes", native
     if PYTHON_TAG in source or "ipython" in source or '"parameters"' in source:
@@ -245,6 +249,12 @@ def tool_grammar(tools: Tools, fmt: str) -> str:
         items = {"anyOf": [_fn_schema(t, key) for t in tools.tools]}
         array = {"type": "array", "items": items, "minItems": 1, **({} if tools.parallel else {"maxItems": 1})}
         return f"start: {json.dumps(MISTRAL_MARKER)} %json {json.dumps(array)}\n"
+    if fmt == "mistral_args":
+        fns = [f"fn{i}: {json.dumps(t['function']['name'] + MISTRAL_ARGS)} "
+               f"%json {json.dumps({**t['function']['parameters'], 'x-guidance': JSON_OPTIONS})}"
+               for i, t in enumerate(tools.tools)]
+        call = f"call: {json.dumps(MISTRAL_MARKER)} (" + " | ".join(f"fn{i}" for i in range(len(fns))) + ")"
+        return "\n".join(["start: call+" if tools.parallel else "start: call", call, *fns]) + "\n"
     lines = ["body: " + " | ".join(f"fn{i}" for i in range(len(alts)))]
     lines += [f"fn{i}: %json {a}" for i, a in enumerate(alts)]
     if fmt == "llama3_json":
@@ -297,13 +307,11 @@ def extract(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.S)
         calls = [_as_call(_one(b), "arguments") for b in bodies]
-    elif fmt == "mistral":
+    elif fmt in ("mistral", "mistral_args"):
         at = text.find(MISTRAL_MARKER)
         if at < 0:
             return text, []
-        values = _json_values(text[at + len(MISTRAL_MARKER):])
-        items = [v for value in values or [] for v in (value if isinstance(value, list) else [value])]
-        calls = [_as_call(v, "arguments") for v in items] if values else [None]
+        calls = _mistral_calls(text[at:])
     else:
         stripped = text.strip()
         if stripped.startswith(PYTHON_TAG):
@@ -319,13 +327,29 @@ def extract(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     return content if content.strip() else None, [c for c in calls if c is not None]
 
 
+def _mistral_calls(text: str) -> list[ToolCall | None]:
+    """`[TOOL_CALLS]` + a JSON list (v3), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11+)."""
+    rest = text[len(MISTRAL_MARKER):]
+    if rest.lstrip()[:1] in ("[", "{"):
+        values = _json_values(rest)
+        items = [v for value in values or [] for v in (value if isinstance(value, list) else [value])]
+        return [_as_call(v, "arguments") for v in items] if values else [None]
+    calls: list[ToolCall | None] = []
+    for part in text.split(MISTRAL_MARKER)[1:]:
+        name, sep, args = part.partition(MISTRAL_ARGS)
+        values = _json_values(args) if sep and NAME_RE.fullmatch(name.strip()) else None
+        calls.append(_as_call({"name": name.strip(), "arguments": values[0]}, "arguments")
+                     if values is not None and len(values) == 1 else None)
+    return calls
+
+
 def _one(body: str) -> Any:
     values = _json_values(body)
     return values[0] if values and len(values) == 1 else None
 
 
 def _marker(fmt: str) -> str:
-    return {"hermes": HERMES_OPEN, "mistral": MISTRAL_MARKER}.get(fmt, "{")
+    return {"hermes": HERMES_OPEN, "mistral": MISTRAL_MARKER, "mistral_args": MISTRAL_MARKER}.get(fmt, "{")
 
 
 class ToolStream:

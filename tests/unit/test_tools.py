@@ -31,6 +31,7 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
     ("{{ messages }}", ("hermes", False)),
     ("{% if tools %}<tool_call>{% endif %}", ("hermes", True)),
     ("{% if tools %}[TOOL_CALLS]{% endif %}", ("mistral", True)),
+    ("{% if tools %}[TOOL_CALLS]{{ name }}[ARGS]{% endif %}", ("mistral_args", True)),
     ("{% if tools %}<|python_tag|>{% endif %}", ("llama3_json", True)),
 ])
 def test_the_format_follows_the_template(template, want):
@@ -47,6 +48,10 @@ def test_the_format_follows_the_template(template, want):
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 1}}', None, [("f", {"x": 1})]),
     ("llama3_json", "The answer is {x}", "The answer is {x}", []),
     ("mistral", 'Sure[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', "Sure", [("f", {"x": 1})]),
+    ("mistral_args", 'Sure[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', "Sure", [("f", {"x": 1}), ("g", {})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1}', None, [("f", {"x": 1})]),  # either parser reads both forms
+    ("mistral_args", '[TOOL_CALLS][{"name": "f", "arguments": {}}]', None, [("f", {})]),
+    ("mistral_args", "[TOOL_CALLS]f[ARGS]{broken", "[TOOL_CALLS]f[ARGS]{broken", []),
 ])
 def test_calls_are_parsed_from_each_format(fmt, text, content, calls):
     got_content, got = extract(text, fmt)
@@ -78,6 +83,23 @@ def test_forced_grammars_compile(fmt, parallel):
     tools = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": parallel})
     assert tools == Tools([WEATHER], "required", parallel=parallel)
     assert llguidance.LLMatcher.validate_grammar_with_warnings(tool_grammar(tools, fmt)) == (False, [])
+
+
+def test_a_forced_mistral_args_grammar_writes_calls_the_parser_reads(tmp_path):
+    """The grammar's calls, written by a matcher over a real tokenizer, parse back."""
+    from tokenizers import Tokenizer
+
+    from tests.checkpoints import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    lt = llguidance.LLTokenizer(tok.to_str(), eos_token=tok.token_to_id("<|im_end|>"))
+    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_weather[ARGS]{"city":"Rome"}'
+    m = llguidance.LLMatcher(lt, tool_grammar(tools, "mistral_args"))
+    assert m.consume_tokens(tok.encode(text, add_special_tokens=False).ids) and m.is_accepting()
+    _, calls = extract(text, "mistral_args")
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Oslo"}, {"city": "Rome"}]
 
 
 def test_a_template_without_tools_is_taught_them_and_the_history():
