@@ -67,7 +67,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
         log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
         k = 0
     limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s,
-                    max_logit_rows(_vocab_size(spec)))
+                    max_logit_rows(spec.vocab_size))
     scheduler = Scheduler(kv, limits, spec.step_loops, k)
     outputs = OutputProcessor(spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
@@ -81,23 +81,9 @@ LOGIT_BYTES = 64 << 20
 MIN_LOGIT_ROWS = 32
 
 
-def max_logit_rows(vocab_size: int | None) -> int:
+def max_logit_rows(vocab_size: int) -> int:
     """Prompt rows a step puts through the LM head for prompt logprobs (0: no cap known)."""
     return max(MIN_LOGIT_ROWS, LOGIT_BYTES // (4 * vocab_size)) if vocab_size else 0
-
-
-def _logits_width(spec, model) -> int:
-    """The width of the model's logits rows (its head's vocabulary, which may be wider than
-    the tokenizer's)."""
-    return _vocab_size(spec) or int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-
-
-def _vocab_size(spec) -> int | None:
-    cfg = getattr(spec, "config", None)
-    vocab = getattr(spec, "vocab_size", None) or getattr(cfg, "vocab_size", None)
-    if vocab is None and isinstance(cfg, dict):
-        vocab = cfg.get("vocab_size")
-    return int(vocab) if vocab else None
 
 
 @dataclass
@@ -147,7 +133,7 @@ def assemble(d: Deployment) -> Assembled:
                           max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
                           itl_target_s=d.itl_target_ms / 1000,
-                          guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), _logits_width(spec, model),
+                          guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), spec.vocab_size,
                                         source.eos_token_ids))
     log.info("model loaded in %.1fs; pools %s", time.time() - t0,
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})

@@ -36,24 +36,19 @@ class Guide:
         self.eos_ids = list(eos_ids)
 
     def allowed(self) -> torch.Tensor:
-        """bool[vocab_size]: the tokens the grammar allows next (only EOS once it is complete)."""
+        """bool[vocab_size]: the tokens the grammar allows next (only EOS once it is complete).
+        The matcher's tokenizer was built with the model's `vocab_size`, so its bitmask
+        covers every row of the logits (ids the tokenizer lacks are never allowed)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if not allowed.any():  # a matcher in its error state allows nothing: end the request
             log.error("grammar matcher allows no token (%s); allowing only EOS", self.matcher.get_error())
             allowed[[t for t in self.eos_ids if t < self.vocab_size]] = True
-        out = torch.from_numpy(allowed)
-        if out.numel() < self.vocab_size:  # the model's head may be wider than the tokenizer
-            out = torch.cat([out, torch.zeros(self.vocab_size - out.numel(), dtype=torch.bool)])
-        return out
+        return torch.from_numpy(allowed)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (one row of logits) with every token the grammar forbids at -inf (a new tensor)."""
-        allowed = self.allowed()
-        n = min(x.numel(), allowed.numel())
-        out = torch.full_like(x, float("-inf"))
-        out[:n] = torch.where(allowed[:n], x[:n], out[:n])
-        return out
+        return x.masked_fill(~self.allowed(), float("-inf"))
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token) and token not in self.eos_ids:

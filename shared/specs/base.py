@@ -70,6 +70,8 @@ class ModelSpec(ABC):
     #: generation config lists them; none for most families)
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    #: the width of the model's logits rows (its LM head's vocabulary); 0: not known
+    vocab_size: int = 0
 
     @property
     def step_loops(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ class DecoderLMSpec(ModelSpec):
                  dtype: str = "float32") -> None:
         cfg = config if isinstance(config, ModelConfig) else read_model_config(config)
         self.config = cfg
+        self.vocab_size = cfg.vocab_size
         self.page_size = page_size
         self.dtype = dtype
         self.num_layers = cfg.num_hidden_layers
