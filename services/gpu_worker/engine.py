@@ -45,10 +45,9 @@ __all__ = ["DeviceLost", "Engine", "Finished", "StepResult", "device_lost"]
 #: CUDA errors after which the context is unusable: every later kernel launch fails too
 #: (the "sticky" errors of the CUDA runtime), so the worker process must start again
 STICKY_CUDA_ERRORS = (
-    "illegal memory access", "uncorrectable ECC error", "unspecified launch failure",
+    "illegal memory access", "ECC error", "unspecified launch failure",
     "device-side assert triggered", "misaligned address", "illegal instruction",
     "CUDA error: unknown error", "device not ready", "hardware stack error",
-    "ECC error",
 )
 
 
@@ -166,10 +165,8 @@ class Engine:
                 raise DeviceLost(exc, res) from exc
             return res
         kept = self.outputs.kept(plan, sampled)
-        broken = self.scheduler.commit(plan, kept, labels)  # a layout violation fails its request alone
-        for failure in broken:
-            self._fail(failure, res)
-        gone = {id(f.request) for f in broken}
+        # a layout violation fails its request alone
+        gone = {id(f.request) for f in self._fail_each(self.scheduler.commit(plan, kept, labels), res)}
         for entry, k in zip(plan.entries, kept):
             if id(entry.request) in gone or not k.tokens:
                 continue
@@ -185,10 +182,11 @@ class Engine:
         writes, the runner writes them, the scheduler commits them (a probe's scratch is
         given back); then the request is ready to schedule."""
         pages: dict[str, dict[str, list[int]]] = {}
+        rows = {r.request_id: self.runner.admission_rows(r) for r in admitted}
         todo = []
         for r in admitted:
             try:
-                pages[r.request_id] = self.scheduler.reserve_rows(r, self.runner.admission_rows(r))
+                pages[r.request_id] = self.scheduler.reserve_rows(r, rows[r.request_id])
             except FootprintOverrun as exc:
                 self._fail(Failure(r, OVERRUN, exc), res)
                 continue
@@ -198,7 +196,7 @@ class Engine:
         for r in todo:
             if id(r) in failed:
                 continue
-            broken = self.scheduler.commit_rows(r, self.runner.admission_rows(r))
+            broken = self.scheduler.commit_rows(r, rows[r.request_id])
             if broken is not None:
                 self._fail(broken, res)
                 continue
@@ -207,11 +205,11 @@ class Engine:
             ready.append(r)
         probes, scratch = [], {}
         for r in ready:
-            rows = self.runner.scratch_rows(r)
-            if not rows:
+            writes = self.runner.scratch_rows(r)
+            if not writes:
                 continue
             try:
-                scratch[r.request_id] = self.scheduler.reserve_rows(r, rows)
+                scratch[r.request_id] = self.scheduler.reserve_rows(r, writes)
             except FootprintOverrun as exc:
                 self._fail(Failure(r, OVERRUN, exc), res)
                 continue

@@ -331,8 +331,7 @@ class KVManager:
             self._index_full_pages(st)
         if st.label.window is not None:
             self._retain(kv, st)
-        if self.debug:
-            self._check_conservation()
+        self._check_conservation()
 
     def _index_full_pages(self, st: LabelState) -> None:
         """Key every page that is now full of declared ids (`prompt_pages`), chained from
@@ -362,8 +361,7 @@ class KVManager:
         keep = pages_for(st.rows, st.page_size) - st.first_page
         while len(st.pages) > keep:
             self._release(st, st.pages.pop())
-        if self.debug:
-            self._check_conservation()
+        self._check_conservation()
 
     def _release(self, st: LabelState, page: int) -> None:
         pool = self.pools[st.label.pool]
@@ -419,5 +417,6 @@ class KVManager:
         return sum(p.used for p in self.pools.values())
 
     def _check_conservation(self) -> None:
+        """Under the debug checks, every page is exactly one of free, cached or held."""
         if self.checker is not None:
             self.checker.conservation(self)
