@@ -63,11 +63,9 @@ TOMBSTONE_TTL_S = 60.0
 #: least loaded one (or a quarter more, when more) and still be preferred for it
 AFFINITY_SLACK = 2
 #: a worker silent this long (no heartbeat: SIGSTOPped, dead, deadlocked) is declared
-#: failed; workers beat from a thread of their own, so a long step never counts
+#: failed; workers beat from a thread of their own, so a long step never counts (a step
+#: past the step watchdog is the worker's to end: services/gpu_worker/liveness.py)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MSTAR_HEARTBEAT_TIMEOUT", "5"))
-#: a worker whose heartbeat reports one step running longer than this is hung (the worker
-#: exits itself at this point: services/gpu_worker/liveness.py); 0 turns it off
-STEP_WATCHDOG_S = float(os.environ.get("MSTAR_STEP_WATCHDOG_S", "300"))
 
 
 class Refusal(Exception):
@@ -93,7 +91,8 @@ class WorkerState:
     #: chain keys of prompt pages recently sent here: an estimate of its prefix cache
     cached: OrderedDict = field(default_factory=OrderedDict)
     dispatched: int = 0
-    #: how long the worker's running step had run at its last heartbeat (0.0: between steps)
+    #: how long the worker's running step had run at its last heartbeat (0.0: between steps),
+    #: said when it goes silent
     step_s: float = 0.0
     #: when the conductor last placed a request here (round-robin among equals)
     picked: int = 0
@@ -271,7 +270,7 @@ class Conductor:
             if w is not None:
                 w.stats, w.last_seen = msg, time.monotonic()
         elif isinstance(msg, Heartbeat):
-            await self._heartbeat(msg)
+            self._heartbeat(msg)
 
     async def _new_request(self, req: NewRequest, bufs: list) -> None:
         self._prune_tombstones()
@@ -468,7 +467,7 @@ class Conductor:
         finally:
             mon.close(0)
 
-    async def _heartbeat(self, msg: Heartbeat) -> None:
+    def _heartbeat(self, msg: Heartbeat) -> None:
         """A worker's beat (from its own thread, so also during a long step). A beat of an
         earlier incarnation, or of a worker not (yet) registered, says nothing about the
         one registered."""
@@ -477,10 +476,6 @@ class Conductor:
             return
         w.last_seen = time.monotonic()
         w.step_s = msg.step_s
-        if STEP_WATCHDOG_S > 0 and msg.step_s > STEP_WATCHDOG_S:
-            log.error("worker %s has run one step for %.0fs (watchdog %gs) holding %d request(s): %s",
-                      w.worker_id, msg.step_s, STEP_WATCHDOG_S, len(w.requests), list(w.requests)[:16])
-            await self._worker_failed(w, f"a step ran past the {STEP_WATCHDOG_S:g}s step watchdog")
 
     async def _watch_heartbeats(self) -> None:
         while True:
@@ -488,7 +483,8 @@ class Conductor:
             now = time.monotonic()
             for w in list(self.workers.values()):
                 if now - w.last_seen > HEARTBEAT_TIMEOUT_S:
-                    await self._worker_failed(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+                    during = f", in a step of {w.step_s:.1f}s at its last beat" if w.step_s else ""
+                    await self._worker_failed(w, f"no heartbeat for {now - w.last_seen:.1f}s{during}")
 
     async def _worker_failed(self, w: WorkerState, reason: str) -> None:
         """Fail every request the worker held (worker_failed, one error id logged with the
