@@ -106,6 +106,11 @@ class ApiError(Exception):
         return f"ApiError({self.kind.value}, {self.status}, {self.message!r}, param={self.param!r})"
 
 
+def invalid(param: str, message: str) -> ApiError:
+    """A 400 for the client's request: `message` names the field `param` and the rule."""
+    return ApiError(ErrorKind.INVALID, message, param)
+
+
 def internal_error(context: str, exc: BaseException | None = None) -> ApiError:
     """Log a server bug with its traceback under a new error id; return the client-safe 500."""
     error_id = new_error_id()

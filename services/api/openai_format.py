@@ -360,15 +360,15 @@ class ChatReply:
                                     usage=self._usage)
         return _data(chunk)
 
-    def _parts(self, thinking: str, answer: str, logprobs: ChatLogprobs | None = None) -> bytes:
+    def _parts(self, thinking: str, answer: str) -> bytes:
         """Chunks for text cut into thinking and answer (the answer through the tool-call hold-back)."""
         out = b""
         if thinking:
             out += self._chunk(ChatDelta(reasoning_content=thinking), None)
         if self._tools is not None:
             answer = self._tools.feed(answer)
-        if answer or logprobs is not None:
-            out += self._chunk(ChatDelta(content=answer), None, logprobs)
+        if answer:
+            out += self._chunk(ChatDelta(content=answer), None)
         return out
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:

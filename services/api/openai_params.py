@@ -390,11 +390,13 @@ def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
 
 
-def with_grammar(req: OpenAIRequest, grammar: str, replace: bool = False) -> OpenAIRequest:
-    """The request constrained to the calls of `tool_choice` "required" or a named function
-    (compiled and checked: a function's `parameters` that do not compile are a 400), or
-    (`replace`) its constraint moved after a reasoning model's thinking."""
-    grammar = validated(grammar, "response_format" if replace and req.tools is None else "tools")
+def with_grammar(req: OpenAIRequest, grammar: str, check: str | None = "tools") -> OpenAIRequest:
+    """The request constrained by `grammar`: the calls of `tool_choice` "required" or a
+    named function, checked (a function's `parameters` that do not compile are a 400 naming
+    `check`), or (`check` None) a constraint already checked, moved after a reasoning
+    model's thinking."""
+    if check is not None:
+        grammar = validated(grammar, check)
     sampling = msgspec.structs.replace(req.params.sampling, grammar=grammar)
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, sampling=sampling))
 

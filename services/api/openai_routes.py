@@ -96,7 +96,7 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     req = with_prompt(req, state.chat_template.render(messages, tools=listed, extra=req.template_kwargs))
     reasoning = prompt_state(req.params.prompt or "") if thinks(state.chat_template.source) else None
     if reasoning is not None and req.params.sampling.grammar is not None:  # the constraint binds the answer
-        req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), replace=True)
+        req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), check=None)
     created = int(time.time())
 
     def reply(index: int = 0, final_usage: bool = True) -> ChatReply:

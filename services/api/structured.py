@@ -21,8 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from services.api.errors import ApiError
-from shared.errors import ErrorKind
+from services.api.errors import invalid
 
 #: the request fields this module reads (the routes accept them)
 STRUCTURED_FIELDS: frozenset[str] = frozenset(
@@ -43,9 +42,6 @@ def _llg():
     return llguidance.LLMatcher
 
 
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(ErrorKind.INVALID, message, param)
-
 
 def _schema(value: Any, param: str) -> dict[str, Any] | bool:
     """A JSON schema given as an object, a boolean, or a JSON string of one."""
@@ -53,9 +49,9 @@ def _schema(value: Any, param: str) -> dict[str, Any] | bool:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise _bad(param, f"{param} must be a JSON schema (an object); its string is not JSON: {exc}") from None
+            raise invalid(param, f"{param} must be a JSON schema (an object); its string is not JSON: {exc}") from None
     if not isinstance(value, dict | bool):
-        raise _bad(param, f"{param} must be a JSON schema (an object), got {type(value).__name__}")
+        raise invalid(param, f"{param} must be a JSON schema (an object), got {type(value).__name__}")
     return value
 
 
@@ -63,40 +59,40 @@ def _from_schema(schema: dict[str, Any] | bool, param: str) -> str:
     try:
         return _llg().grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
-        raise _bad(param, f"{param} is not a usable JSON schema: {exc}") from None
+        raise invalid(param, f"{param} is not a usable JSON schema: {exc}") from None
 
 
 def _from_regex(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
-        raise _bad(param, f"{param} must be a non-empty string (a regular expression)")
+        raise invalid(param, f"{param} must be a non-empty string (a regular expression)")
     return _llg().grammar_from_regex(value)
 
 
 def _from_choice(value: Any, param: str) -> str:
     if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
             or not all(isinstance(c, str) and c for c in value)):
-        raise _bad(param, f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        raise invalid(param, f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings")
     # a Lark rule of string literals (JSON strings are valid Lark literals)
     return _llg().grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value)))
 
 
 def _from_grammar(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _bad(param, f"{param} must be a non-empty string (a Lark grammar, or GBNF with ::=)")
+        raise invalid(param, f"{param} must be a non-empty string (a Lark grammar, or GBNF with ::=)")
     if "::=" in value:
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:
             value = gbnf_to_lark(value)
         except Exception as exc:  # the converter's own parse error
-            raise _bad(param, f"{param} is not a valid GBNF grammar: {exc}") from None
+            raise invalid(param, f"{param} is not a valid GBNF grammar: {exc}") from None
     return _llg().grammar_from_lark(value)
 
 
 def _response_format(value: Any) -> tuple[str, str] | None:
     param = "response_format"
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise _bad(param, 'response_format must be an object with "type": "text", "json_object" or "json_schema"')
+        raise invalid(param, 'response_format must be an object with "type": "text", "json_object" or "json_schema"')
     kind = value["type"]
     if kind == "text":
         return None
@@ -105,27 +101,27 @@ def _response_format(value: Any) -> tuple[str, str] | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise _bad("response_format.json_schema",
+            raise invalid("response_format.json_schema",
                        'response_format.json_schema must be an object with "name" and "schema"')
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _bad("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
+            raise invalid("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
         param = "response_format.json_schema.schema"
         return _from_schema(_schema(spec["schema"], param), param), param
-    raise _bad(param, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}')
+    raise invalid(param, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}')
 
 
 def _structured_outputs(value: Any) -> tuple[str, str] | None:
     param = "structured_outputs"
     if not isinstance(value, dict):
-        raise _bad(param, f"structured_outputs must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+        raise invalid(param, f"structured_outputs must be an object with one of {', '.join(STRUCTURED_KINDS)}")
     unknown = sorted(set(value) - set(STRUCTURED_KINDS) - STRUCTURED_NEUTRAL)
     if unknown:
-        raise _bad(f"structured_outputs.{unknown[0]}",
+        raise invalid(f"structured_outputs.{unknown[0]}",
                    f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(STRUCTURED_KINDS)}")
     kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
     if len(kinds) != 1:
-        raise _bad(param, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}, "
+        raise invalid(param, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}, "
                           f"got {kinds or 'none'}")
     kind = kinds[0]
     param = f"structured_outputs.{kind}"
@@ -137,7 +133,7 @@ def _compile(kind: str, value: Any, param: str) -> str:
         return _from_schema(_schema(value, param), param)
     if kind == "json_object":
         if value is not True:
-            raise _bad(param, f"{param} must be true")
+            raise invalid(param, f"{param} must be true")
         return _from_schema({"type": "object"}, param)
     if kind == "regex":
         return _from_regex(value, param)
@@ -150,7 +146,7 @@ def validated(grammar: str, param: str) -> str:
     """`grammar` if llguidance compiles it, else a 400 naming `param` with its reason."""
     error, messages = _llg().validate_grammar_with_warnings(grammar)
     if error:
-        raise _bad(param, f"{param} does not compile: {messages[0] if messages else 'unknown error'}")
+        raise invalid(param, f"{param} does not compile: {messages[0] if messages else 'unknown error'}")
     return grammar
 
 
@@ -174,6 +170,6 @@ def parse_structured(obj: Mapping[str, Any]) -> str | None:
         return None
     if len(found) > 1:
         names = [p.split(".")[0] for _, p in found]
-        raise _bad(names[1], f"only one structured-output constraint may be set per request, got {', '.join(names)}")
+        raise invalid(names[1], f"only one structured-output constraint may be set per request, got {', '.join(names)}")
     grammar, param = found[0]
     return validated(grammar, param)

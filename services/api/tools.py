@@ -36,10 +36,9 @@ from typing import Any
 
 import msgspec
 
-from services.api.errors import ApiError
+from services.api.errors import invalid
 from services.api.structured import JSON_OPTIONS
 from services.api.validation import json_repr
-from shared.errors import ErrorKind
 
 FORMATS = ("hermes", "llama3_json", "mistral", "mistral_args")
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -95,28 +94,25 @@ class Tools(msgspec.Struct, frozen=True):
         return self.choice != "auto"
 
 
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(ErrorKind.INVALID, message, param)
-
 
 def _function(tool: Any, i: int) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise _bad(where, f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, '
+        raise invalid(where, f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, '
                           f"got {json_repr(tool)}")
     fn = tool["function"]
     unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
     if unknown:
-        raise _bad(f"{where}.function.{unknown[0]}", f"unknown field {unknown[0]!r} in {where}.function")
+        raise invalid(f"{where}.function.{unknown[0]}", f"unknown field {unknown[0]!r} in {where}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 characters of [A-Za-z0-9_.-], "
+        raise invalid(f"{where}.function.name", f"{where}.function.name must be 1-64 characters of [A-Za-z0-9_.-], "
                                              f"got {json_repr(name)}")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise _bad(f"{where}.function.description", f"{where}.function.description must be a string")
+        raise invalid(f"{where}.function.description", f"{where}.function.description must be a string")
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
-        raise _bad(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
+        raise invalid(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
     out = {"name": name, "parameters": params if params is not None else EMPTY_PARAMETERS}
     if fn.get("description"):
         out["description"] = fn["description"]
@@ -129,18 +125,18 @@ def parse_tools(obj: Mapping[str, Any]) -> Tools | None:
     if raw is None or raw == []:
         choice = obj.get("tool_choice")
         if choice not in (None, "none", "auto"):
-            raise _bad("tool_choice", f"tool_choice {json_repr(choice)} needs tools")
+            raise invalid("tool_choice", f"tool_choice {json_repr(choice)} needs tools")
         return None
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise _bad("tools", f"tools must be a list of at most {MAX_TOOLS} tool objects")
+        raise invalid("tools", f"tools must be a list of at most {MAX_TOOLS} tool objects")
     tools = [_function(t, i) for i, t in enumerate(raw)]
     names = [t["function"]["name"] for t in tools]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        raise _bad("tools", f"tools name function {dup!r} twice")
+        raise invalid("tools", f"tools name function {dup!r} twice")
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+        raise invalid("parallel_tool_calls", "parallel_tool_calls must be a boolean")
     choice = obj.get("tool_choice", "auto")
     if choice is None:
         choice = "auto"
@@ -151,32 +147,32 @@ def parse_tools(obj: Mapping[str, Any]) -> Tools | None:
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise _bad("tool_choice.function.name", f"tool_choice names function {json_repr(name)}, "
+            raise invalid("tool_choice.function.name", f"tool_choice names function {json_repr(name)}, "
                                                     f"which is not in tools ({', '.join(names)})")
         return Tools([tools[names.index(name)]], "named", name, parallel=False)
-    raise _bad("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+    raise invalid("tool_choice", 'tool_choice must be "none", "auto", "required" or '
                               f'{{"type": "function", "function": {{"name": ...}}}}, got {json_repr(choice)}')
 
 
 def parse_history_calls(value: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, as templates take them (arguments as an object)."""
     if not isinstance(value, list) or not value:
-        raise _bad(where, f"{where} must be a non-empty list of tool calls")
+        raise invalid(where, f"{where} must be a non-empty list of tool calls")
     out = []
     for j, call in enumerate(value):
         at = f"{where}[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+            raise invalid(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise _bad(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
+                raise invalid(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
                                                        f"got {json_repr(args)}") from None
         if not isinstance(args, dict):
-            raise _bad(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object")
+            raise invalid(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object")
         out.append({"id": str(call.get("id") or ""), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
