@@ -149,7 +149,7 @@ def resample(audio: np.ndarray, orig_sr: int, new_sr: int, lowpass_filter_width:
 # -- features ------------------------------------------------------------------------------
 
 
-def _hertz_to_mel_slaney(freq: np.ndarray) -> np.ndarray:
+def _hertz_to_mel_slaney(freq: float | np.ndarray) -> np.ndarray:
     freq = np.asarray(freq, dtype=np.float64)
     mels = 3.0 * freq / 200.0
     logstep = 27.0 / np.log(6.4)

@@ -70,10 +70,10 @@ def memory_available(root: str | Path = "/") -> int | None:
     found: list[int] = []
     if "" in own and (root / "sys/fs/cgroup/cgroup.controllers").exists():  # v2
         for d in _dirs(root / "sys/fs/cgroup", own[""]):
-            limit, usage = _read(d / "memory.max"), _int(_read(d / "memory.current"))
-            if limit not in (None, "max") and _int(limit) is not None and usage is not None:
+            limit, usage = _int(_read(d / "memory.max")), _int(_read(d / "memory.current"))  # "max" reads as None
+            if limit is not None and usage is not None:
                 cache = _inactive_file(_read(d / "memory.stat"), "inactive_file")
-                found.append(_int(limit) - (usage - cache))
+                found.append(limit - (usage - cache))
     elif "memory" in own:  # v1
         for d in _dirs(root / "sys/fs/cgroup/memory", own["memory"]):
             limit, usage = _int(_read(d / "memory.limit_in_bytes")), _int(_read(d / "memory.usage_in_bytes"))
@@ -91,9 +91,10 @@ def cpu_limit(root: str | Path = "/") -> float | None:
     found: list[float] = []
     if "" in own and (root / "sys/fs/cgroup/cgroup.controllers").exists():  # v2: "max 100000" or "200000 100000"
         for d in _dirs(root / "sys/fs/cgroup", own[""]):
-            quota, _, period = (_read(d / "cpu.max") or "max").partition(" ")
-            if quota != "max" and _int(quota) and _int(period):
-                found.append(_int(quota) / _int(period))
+            quota_s, _, period_s = (_read(d / "cpu.max") or "max").partition(" ")
+            quota, period = _int(quota_s), _int(period_s)  # "max" reads as None
+            if quota and period:
+                found.append(quota / period)
     else:
         mount = next((root / "sys/fs/cgroup" / m for m in ("cpu", "cpu,cpuacct")
                       if (root / "sys/fs/cgroup" / m).is_dir()), None)

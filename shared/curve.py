@@ -44,7 +44,13 @@ def _keys(secret: str | None, path: str | None) -> tuple[bytes, bytes] | None:
             text = open(path).read()
         except OSError as exc:
             raise SystemExit(f"{SECRET_FILE_ENV}={path}: {exc.strerror}") from None
-        secret = zmq.auth.load_certificate(path)[1].decode() if "secret-key" in text else text.strip()
+        if "secret-key" in text:
+            key = zmq.auth.load_certificate(path)[1]
+            if key is None:  # "secret-key" only in a comment: a public certificate
+                raise SystemExit(f"{SECRET_FILE_ENV}={path}: a ZMQ certificate without a secret-key")
+            secret = key.decode()
+        else:
+            secret = text.strip()
     if not secret:
         return None
     secret = secret.strip()

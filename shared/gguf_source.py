@@ -169,7 +169,7 @@ class _PlainReader(gguf.GGUFReader):
     for SmolLM2's 49k-token vocabulary, the GGUF summary's cold start). The same bytes, the
     same fields and tensors (plain ndarray views of the same map, not memmaps)."""
 
-    @property
+    @property  # type: ignore[override]  # a plain ndarray where gguf declares np.memmap, on purpose (above)
     def data(self) -> np.ndarray:
         return self._plain
 
@@ -253,7 +253,7 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
     # llama.cpp's default when the key is absent: on for the Llama 3 pre-tokenizers.
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES))
     add_bos = add_bos and bos_id is not None
-    tokenizer.post_processor = _post_processor(tokens[bos_id] if add_bos else None, bos_id)
+    tokenizer.post_processor = _post_processor(tokens[bos_id] if add_bos and bos_id is not None else None, bos_id)
     return GGUFTokenizerInfo(
         tokenizer=tokenizer,
         chat_template=_field(reader, "tokenizer.chat_template"),
@@ -559,7 +559,7 @@ def _config_and_tensors(path: str | Path | gguf.GGUFReader) -> tuple[dict[str, A
     summary and a read-only map of the file where there is one, else from the reader. The
     data is the file's bytes [rows, bytes per row] (the reader's own arrays on its path)."""
     summary = gguf_summary(path)
-    if summary is None:
+    if summary is None or isinstance(path, gguf.GGUFReader):  # a reader has no summary
         reader = _open(path)
         # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
         return _gguf_config(reader), [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
@@ -607,9 +607,9 @@ def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:
 @functools.lru_cache(maxsize=4)
 def _summary(path: str, cache: str) -> dict[str, Any] | None:
     out = Path(cache)
-    summary, _ = disk_cache.read_or_make(out, lambda: _read_summary(out), lambda: _summarize(path),
-                                         lambda made: _write_summary(out, made))
-    return summary
+    # [0], not a tuple unpacking: mypy solves read_or_make's T as the Optional itself there
+    return disk_cache.read_or_make(out, lambda: _read_summary(out), lambda: _summarize(path),
+                                   lambda made: _write_summary(out, made))[0]
 
 
 def _read_summary(out: Path) -> dict[str, Any] | None:

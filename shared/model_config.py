@@ -258,7 +258,7 @@ def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple
         raise _refuse("layer_types", list(types), f"need {n} entries of {FULL!r} or {SLIDING!r}")
     if SLIDING in types and not window:
         raise _refuse("sliding_window", window, "sliding-attention layers need a window")
-    return types, (int(window) if SLIDING in types else None)
+    return types, (int(window) if SLIDING in types and window else None)  # checked above: SLIDING needs a window
 
 
 def _rope_dicts(raw: Mapping[str, Any], model_type: str, types: tuple[str, ...]) -> dict[str, dict]:
