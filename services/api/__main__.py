@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,  # uvicorn's records go through this process's handler (text or json)
         access_log=args.access_log,
         timeout_keep_alive=args.keep_alive_s,
-        timeout_graceful_shutdown=DRAIN_S + 3.0,  # only reached if draining itself hangs
+        # uvicorn annotates an int but only passes it to asyncio.timeout: a float is fine
+        timeout_graceful_shutdown=DRAIN_S + 3.0,  # type: ignore[arg-type]  # only reached if draining itself hangs
     )
     if args.access_log:  # uvicorn set its access logger to log_level (warning): its lines are info
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -237,7 +238,8 @@ class Backend:
         if self._to_conductor is None:
             self._to_conductor = self._socket(zmq.PUSH, self.conductor_addr)
         # A PUSH with an unlimited HWM sends at once; the future only reports failures.
-        fut = self._to_conductor.send_multipart(self._codec.encode(Abort(request_id, reason)), copy=False)
+        sent = self._to_conductor.send_multipart(self._codec.encode(Abort(request_id, reason)), copy=False)
+        fut = cast("asyncio.Future[Any]", sent)  # an asyncio.Future at run time; pyzmq's stub says only Awaitable
         fut.add_done_callback(_log_send_failure)
 
     # ---- receiving -------------------------------------------------------------------
@@ -328,7 +330,8 @@ class Backend:
         sock = self._control
         try:
             await sock.send_multipart(self._codec.encode(StatusQuery()))
-            if not await sock.poll(int(self.status_timeout_s * 1000), zmq.POLLIN):
+            # pyzmq's stub gives the async poll no flags argument (run time: flags=POLLIN, returns the events)
+            if not await sock.poll(int(self.status_timeout_s * 1000), zmq.POLLIN):  # type: ignore[call-arg]
                 # Replies carry no query id: drop the socket so a late answer can never be
                 # taken for the next query's.
                 self._reset_control()

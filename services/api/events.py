@@ -139,7 +139,7 @@ def _logprob_fields(done: DoneEvent | DeltaEvent) -> tuple[list[Logprob] | Unset
 
 def generate_event(event: DeltaEvent | DoneEvent) -> msgspec.Struct:
     """The `/generate` stream / WebSocket object of an event (logprobs in `Logprob` form)."""
-    if type(event) is DeltaEvent:
+    if isinstance(event, DeltaEvent):  # a msgspec tagged union: no subclasses
         if event.logprobs is UNSET and event.prompt_logprobs is UNSET:
             return event
         return GenerateDelta(event.id, event.text, event.token_ids, *_logprob_fields(event))

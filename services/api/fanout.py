@@ -13,8 +13,9 @@ whole request's answer; any choice's failure ends the others.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, cast
 
 import msgspec
 
@@ -24,8 +25,9 @@ from services.api.generation import Generation
 from services.api.validation import SEED_MAX, GenerateParams
 
 
-class Indexed(NamedTuple):
-    """An event of choice `index`."""
+@dataclass(frozen=True, slots=True)
+class Indexed:
+    """An event of choice `index` (not a NamedTuple: its field would shadow tuple.index)."""
 
     index: int
     event: DeltaEvent | DoneEvent
@@ -42,7 +44,7 @@ def expand(params: GenerateParams, prompts: list[tuple[str | None, list[int] | N
     """Every choice of a request with these prompts and `n` samples each ([] for one)."""
     if n == 1 and len(prompts) <= 1:
         return []
-    out = []
+    out: list[Choice] = []
     for i, (prompt, input_ids) in enumerate(prompts or [(params.prompt, params.input_ids)]):
         for j in range(n):
             seed = params.sampling.seed
@@ -58,7 +60,7 @@ class FanOut:
     """Drives the choices' generations; quacks like one `Generation` for `serve` and the
     SSE stream (`events`, `collect`, `cancel`, `close`), its events `Indexed`."""
 
-    def __init__(self, choices: list[Choice], start: Callable[[Choice], Awaitable[Generation]],
+    def __init__(self, choices: Sequence[Choice], start: Callable[[Choice], Awaitable[Generation]],
                  client_id: str) -> None:
         self.choices = choices
         self.client_id = client_id
@@ -147,4 +149,4 @@ class FanOut:
                 dones[item.index] = item.event
         if any(d is None for d in dones):
             raise internal_error(f"collecting {self.request_id}: a choice ended without a done")
-        return dones  # type: ignore[return-value]
+        return cast("list[DoneEvent]", dones)  # no None left: checked above

@@ -412,8 +412,8 @@ class ManyReply:
     `replies[i]`'s, events come `Indexed`. Usage counts each prompt once (`firsts`: the
     choices that are a prompt's first sample) and every choice's tokens, as vLLM does."""
 
-    def __init__(self, replies: list[CompletionReply] | list[ChatReply], firsts: set[int]) -> None:
-        self.replies = replies
+    def __init__(self, replies: Sequence[CompletionReply] | Sequence[ChatReply], firsts: set[int]) -> None:
+        self.replies: Sequence[CompletionReply | ChatReply] = replies
         self.firsts = firsts
         self._dones: dict[int, DoneEvent] = {}
 

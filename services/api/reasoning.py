@@ -24,7 +24,7 @@ RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
 
 
 def thinks(template: str | None) -> bool:
-    return bool(template) and THINK_OPEN in template and THINK_CLOSE in template
+    return bool(template and THINK_OPEN in template and THINK_CLOSE in template)
 
 
 def prompt_state(prompt: str) -> str:

@@ -11,9 +11,10 @@ request everywhere whether it was waiting for JSON or reading a stream.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.websockets import WebSocket
@@ -32,16 +33,18 @@ JSON = "application/json"
 
 class Prepared(NamedTuple):
     """A validated request: what to generate, whether to stream, and how to answer; with
-    `choices`, several generations answered as one (`fanout.py`: n > 1, a prompt list)."""
+    `choices`, several generations answered as one (`fanout.py`: n > 1, a prompt list), and
+    `reply` reads a `FanOut`'s results (a `ManyReply`) instead of one `Generation`'s."""
 
     params: GenerateParams
     stream: bool
-    reply: Reply
+    reply: Reply[Any, Any]
     choices: tuple[Choice, ...] | list[Choice] = ()
 
 
-def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(encode(obj), status_code=status, media_type=JSON, headers=headers)  # type: ignore[arg-type]
+def json_response(obj: msgspec.Struct | dict[str, Any], status: int = 200,
+                  headers: Mapping[str, str] | None = None) -> Response:
+    return Response(encode(obj), status_code=status, media_type=JSON, headers=headers)
 
 
 def error_response(err: ApiError) -> Response:

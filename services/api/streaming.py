@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -25,7 +25,6 @@ from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, internal_error
 from services.api.events import DeltaEvent, DoneEvent, error_event, generate_event, response_from_done, sse_chunk
-from services.api.generation import Generation
 
 log = logging.getLogger("mstar.api")
 
@@ -36,7 +35,25 @@ SSE_HEADERS = [
 ]
 
 
-async def _cancel_on_disconnect(receive: Receive, gen: Generation) -> None:
+D_contra = TypeVar("D_contra", contravariant=True)
+E_contra = TypeVar("E_contra", contravariant=True)
+
+
+class Generating(Protocol):
+    """What the stream and the disconnect watcher use of a `Generation`, or of a `FanOut`
+    (several generations answered as one)."""
+
+    client_id: str
+
+    @property
+    def request_id(self) -> str: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self, label: str = ..., /) -> None: ...
+
+
+async def _cancel_on_disconnect(receive: Receive, gen: Generating) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -44,14 +61,16 @@ async def _cancel_on_disconnect(receive: Receive, gen: Generation) -> None:
             return
 
 
-class Reply(Protocol):
+class Reply(Protocol[D_contra, E_contra]):
     """How one route answers: the JSON body of a non-streamed reply (or a whole `Response`,
     e.g. a transcription as text/plain), and the SSE bytes of each event, of a failure after
-    the stream began, and of its end."""
+    the stream began, and of its end. `D_contra` and `E_contra` are what its generation's
+    `collect()` and `events()` give: a `DoneEvent` and `DeltaEvent | DoneEvent` events for
+    one `Generation`, a list of them and `Indexed` events for a `FanOut` (`ManyReply`)."""
 
-    def json(self, done: DoneEvent) -> msgspec.Struct | dict[str, Any] | Response: ...
+    def json(self, done: D_contra, /) -> msgspec.Struct | dict[str, Any] | Response: ...
 
-    def event(self, event: DeltaEvent | DoneEvent) -> bytes: ...
+    def event(self, event: E_contra, /) -> bytes: ...
 
     def error(self, err: ApiError) -> bytes: ...
 
@@ -78,7 +97,7 @@ class GenerateReply:
         return b""
 
 
-def watch_disconnect(receive: Receive, gen: Generation) -> asyncio.Task[None]:
+def watch_disconnect(receive: Receive, gen: Generating) -> asyncio.Task[None]:
     """Start the watcher; call only after the request body has been read."""
     return asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, gen),
                                                   name=f"disconnect-{gen.request_id}")
@@ -89,15 +108,17 @@ class EventStream:
 
     `first` is the event already taken from `events` (the route waits for it before
     answering, so an early refusal is a proper HTTP error instead of an SSE error event).
+    The events are whatever `gen` yields (`Indexed` ones for a `FanOut`): `reply` is the one
+    that reads them (`GenerateReply` by default, for a `Generation`'s).
     """
 
     def __init__(
         self,
-        gen: Generation,
-        events: AsyncIterator[DeltaEvent | DoneEvent],
-        first: DeltaEvent | DoneEvent,
+        gen: Generating,
+        events: AsyncIterator[Any],
+        first: Any,
         watcher: asyncio.Task[None],
-        reply: Reply | None = None,
+        reply: Reply[Any, Any] | None = None,
     ) -> None:
         self.gen = gen
         self.events = events
@@ -120,8 +141,8 @@ class EventStream:
                 raise
             except Exception as exc:
                 gen.close("error_5xx")
-                err = internal_error(f"streaming {gen.request_id}", exc)
-                await self._body(send, reply.error(err))
+                failure = internal_error(f"streaming {gen.request_id}", exc)
+                await self._body(send, reply.error(failure))
             await send({"type": "http.response.body", "body": reply.end(), "more_body": False})
         except OSError:
             log.debug("client of %s went away mid-stream", gen.request_id)

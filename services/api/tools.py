@@ -281,7 +281,8 @@ def _as_call(obj: Any, key: str) -> ToolCall | None:
 
 def _json_values(text: str) -> list[Any] | None:
     """The JSON values `text` is made of (separated by whitespace or `;`), or None."""
-    dec, i, out = json.JSONDecoder(), 0, []
+    dec, i = json.JSONDecoder(), 0
+    out: list[Any] = []
     while True:
         while i < len(text) and (text[i].isspace() or text[i] == ";"):
             i += 1

@@ -116,10 +116,10 @@ class WsSession:
                 self.state.metrics.count(status_label(err.status))
             await self._send_error(client_id, err)
         except Exception as exc:
-            err = internal_error("handling a websocket frame", exc)
+            failure = internal_error("handling a websocket frame", exc)
             if kind == "generate":
-                self.state.metrics.count(status_label(err.status))
-            await self._send_error(client_id, err)
+                self.state.metrics.count(status_label(failure.status))
+            await self._send_error(client_id, failure)
 
     async def _generate(self, obj: dict[str, Any]) -> None:
         started = time.perf_counter()
