@@ -171,7 +171,7 @@ class Launcher:
         rest = [c for c in self.children if c.name != "api"]
         for group in (front, rest):
             for child in group:
-                if child.poll() is None:
+                if child.proc is not None and child.poll() is None:  # a start that failed left later ones unstarted
                     child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + GRACE_S
             for child in group:

@@ -319,8 +319,10 @@ class Conductor:
         while self.queue and self.workers:
             req, bufs = self.queue[0]
             if not req.loop_caps:  # queued before any worker existed
+                pools = self._reference_pools()
+                assert pools is not None  # there are workers
                 try:
-                    req = plan_request(self.spec, req, self._reference_pools())
+                    req = plan_request(self.spec, req, pools)
                 except Refusal as r:
                     self.queue.popleft()
                     self.queued_at.pop(req.request_id, None)
@@ -407,7 +409,7 @@ class Conductor:
         w = self.workers.get(worker_id)
         if w is None:
             return
-        need, _ = w.requests.pop(request_id, None) or ({}, "")
+        need, _ = w.requests.pop(request_id, ({}, ""))
         log.debug("request %s finished on %s", request_id, worker_id)
         for pool, n in need.items():
             w.promised[pool] -= n
@@ -439,6 +441,8 @@ class Conductor:
         """Refuse a worker whose model or deployment differs from this conductor's: one
         error line naming both, and a `WorkerRefused` (again on each of its heartbeats,
         should the first be lost) that makes it exit with status 2. True if refused."""
+        if self.fingerprint is None:  # nothing to compare with: every worker is welcome
+            return False
         reason = mismatch(self.fingerprint, msg.fingerprint)
         if reason is None:
             return False

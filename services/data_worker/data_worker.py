@@ -152,7 +152,7 @@ class DataWorker:
 def model_options(req: GenerateRequest) -> dict[str, MetaValue]:
     """The request's per-model options: `options`, and the typed fields (language, task)
     the api sets for speech models; None values are left out."""
-    options = {k: v for k, v in req.options.items() if v is not None}
+    options: dict[str, MetaValue] = {k: v for k, v in req.options.items() if v is not None}
     for name, value in (("language", req.language), ("task", req.task)):
         if value is not None:
             options[name] = value
