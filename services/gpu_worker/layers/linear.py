@@ -26,6 +26,8 @@ and every layer stays a plain `nn.Linear`.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,6 +108,13 @@ class PackedHead:
         return packed_linear(x, self.packed, None)
 
 
+def _kernels() -> ctypes.CDLL:
+    """The built C kernels: only asked for once `kernel_available()` (or `gemm_panel()`) said so."""
+    lib = cpu_kernels.library()
+    assert lib is not None, "the C kernels are not built"
+    return lib
+
+
 def kernel_available() -> bool:
     """The C GEMM is used: built for this CPU, and one compute thread (it is single-threaded;
     with more, oneDNN's threaded GEMM is the faster)."""
@@ -118,13 +127,13 @@ def kernel_pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     nr = cpu_kernels.gemm_panel()
     packed = torch.empty(ceil_div(n, nr) * nr * k)
-    cpu_kernels.library().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
+    _kernels().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
 def kernel_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     w = torch.empty(n, k)
-    cpu_kernels.library().mstar_gemm_unpack(packed.data_ptr(), n, k, w.data_ptr())
+    _kernels().mstar_gemm_unpack(packed.data_ptr(), n, k, w.data_ptr())
     return w
 
 
@@ -140,9 +149,9 @@ def kernel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
     x2 = _kernel_rows(x)
     out = torch.empty(x2.shape[0], out_features)
     if x2.shape[0]:
-        cpu_kernels.library().mstar_gemm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), packed.data_ptr(),
-                                         out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                         out_features)
+        _kernels().mstar_gemm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), packed.data_ptr(),
+                              out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                              out_features)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -171,6 +180,10 @@ class KernelGateUpSilu(nn.Module):
     row of a prefill chunk) is never written and read back. Same bits as
     `KernelLinear` followed by `fused.silu_mul`. No bias (no checkpoint here has one)."""
 
+    in_features: int
+    inter: int
+    packed: torch.Tensor
+
     def __init__(self, gate_up: nn.Linear) -> None:
         super().__init__()
         if gate_up.bias is not None or gate_up.out_features % 2:
@@ -188,8 +201,8 @@ class KernelGateUpSilu(nn.Module):
         x2 = _kernel_rows(x)
         out = torch.empty(x2.shape[0], self.inter)
         if x2.shape[0]:
-            cpu_kernels.library().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
-                                                  self.packed.data_ptr(), self.inter, out.data_ptr(), self.inter)
+            _kernels().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
+                                       self.packed.data_ptr(), self.inter, out.data_ptr(), self.inter)
         return out.view(*x.shape[:-1], self.inter)
 
 
@@ -242,9 +255,9 @@ def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead 
         if isinstance(m, PackedLinear):
             shapes.setdefault((m.in_features, m.out_features, m.plain is not None), m)
     # (packed weight, bias, in features, most rows, fewest rows that reach oneDNN)
-    todo = [(layer.packed, layer.bias, layer.in_features, max_rows,
-             PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
-            for layer in shapes.values()]
+    todo: list[tuple[torch.Tensor, torch.Tensor | None, int, int, int]] = [
+        (layer.packed, layer.bias, layer.in_features, max_rows, PLAIN_MAX_ROWS + 1 if layer.plain is not None else 1)
+        for layer in shapes.values()]
     if isinstance(head, PackedHead):
         todo.append((head.packed, None, head.plain.shape[1], max_head_rows, PLAIN_MAX_ROWS + 1))
     runs = 0

@@ -210,6 +210,7 @@ class QuantLinear(nn.Module):
         w = self.w[t, :, :, j]  # [*ids, kb, groups, 4]
         lead, kb = ids.shape, self.w.shape[1]
         if self.form == 4:
+            assert self.m is not None  # form 4 always has offsets
             q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
             out = self.d[t, :, j].unsqueeze(-1) * q + self.m[t, :, j].unsqueeze(-1)
         else:
@@ -239,6 +240,7 @@ class QuantLinear(nn.Module):
                                      None if self.m is None else self.m.data_ptr(),
                                      None if self.bias is None else self.bias.data_ptr())
             lib = cpu_kernels.library()
+            assert lib is not None  # quantized weights are kept only where quant.available()
             rc = lib.mstar_qlinear(self.form, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
                                    ptrs[3], out.data_ptr(), n, _threads, _scratch(lib, rows, k))
             if rc:

@@ -123,15 +123,17 @@ def repacked(path: str | Path | None, quant_state: dict) -> dict[str, Entry]:
     """Every tensor of `quant_state` repacked: mapped from the cache when it holds them,
     else repacked and written there (under the lock) for the next start."""
     folder = cache_dir() if path is not None and quant_state else None
-    if folder is None:
+    if folder is None or path is None:
         return build(quant_state)
     try:
         key = cache_key(path, quant_state)
     except OSError:
         return build(quant_state)
     out = folder / f"{key}{SUFFIX}"
-    entries, _ = disk_cache.read_or_make(out, lambda: read(out, key), lambda: build(quant_state),
-                                         lambda made: write(out, key, made))
+    # [0], not a tuple unpacking: mypy solves read_or_make's T as the Optional itself there
+    entries = disk_cache.read_or_make(out, lambda: read(out, key), lambda: build(quant_state),
+                                      lambda made: write(out, key, made))[0]
+    assert entries is not None  # build() always makes them
     return entries
 
 
@@ -152,7 +154,7 @@ def write(out: Path, key: str, entries: dict[str, Entry]) -> bool:
         if entry is None:
             table[name] = None
             continue
-        specs = []
+        specs: list[list[Any] | None] = []
         for a in entry[1:]:
             if a is None:
                 specs.append(None)
@@ -170,7 +172,8 @@ def write(out: Path, key: str, entries: dict[str, Entry]) -> bool:
     pos = 0
     for off, a in chunks:  # the CRC covers the padding too: the data region as written
         crc = zlib.crc32(bytes(off - pos), crc)
-        crc = zlib.crc32(a.reshape(-1).view(np.uint8), crc)
+        # numpy's stubs give ndarray __buffer__ (typing.Buffer) only for Python >= 3.12
+        crc = zlib.crc32(a.reshape(-1).view(np.uint8), crc)  # type: ignore[arg-type]
         pos = off + a.nbytes
     header = json.dumps({"key": key, "data_bytes": data_bytes, "crc32": crc, "entries": table}).encode()
     start = _align(len(MAGIC) + 8 + len(header))
@@ -247,14 +250,14 @@ def _parse(mm: np.ndarray, key: str) -> dict[str, Entry]:
     if mm.size != start + data_bytes:
         raise ValueError(f"{mm.size} bytes, not {start + data_bytes} (partial)")
     data = mm[start:]
-    if zlib.crc32(data) != header["crc32"]:
+    if zlib.crc32(data) != header["crc32"]:  # type: ignore[arg-type]  # numpy: ndarray is a Buffer (stubs: >= 3.12)
         raise ValueError("checksum mismatch")
     entries: dict[str, Entry] = {}
     for name, spec in header["entries"].items():
         if spec is None:
             entries[name] = None
             continue
-        arrays = []
+        arrays: list[np.ndarray | None] = []
         for a in spec["arrays"]:
             if a is None:
                 arrays.append(None)

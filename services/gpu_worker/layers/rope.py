@@ -132,6 +132,9 @@ class Rotary(nn.Module):
     """HF's rotate_half RoPE with cos / sin tables by position, grown on demand up to
     `max_pos`. The sin table has its first half negated (see `apply_rope`)."""
 
+    cos: torch.Tensor  # buffers (register_buffer)
+    sin_signed: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_pos: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_pos = rope, head_dim, max_pos
