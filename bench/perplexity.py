@@ -61,7 +61,7 @@ def perplexity(model, spec, ids: list[int], kv_dtype: torch.dtype = torch.float3
     nll, count = 0.0, 0
     for start in range(0, len(ids), chunk):
         new = min(chunk, len(ids) - start)
-        meta = build_metadata([(pages, 0, start, new, False)], page, flashinfer=False)
+        meta = build_metadata([(pages, 0, start, new, False)], page)
         x = torch.tensor(ids[start : start + new])
         logits = model(x, torch.arange(start, start + new), caches, [meta] * len(caches), torch.arange(new))
         targets = torch.tensor(ids[start + 1 : start + new + 1])

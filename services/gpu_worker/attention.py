@@ -4,9 +4,11 @@ that reads the pages in place (`cpu_kernels`, where they build), else torch.
 Pages are `[num_pages, 2, page_size, kv_heads, head_dim]` per layer; a request's KV is the
 pages in `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
 `kv_last_page_len[b]`. `AttnMetadata` is built once per step and shared by every layer,
-so layers do no Python work per request beyond one SDPA call per prefill chunk; all decode
-rows of a step go through one kernel call (or, on the torch path, one batched SDPA call
-over a gathered copy of their pages).
+by the builder of the backend the runner picked (`BUILDERS`: the C kernels, torch, or
+FlashInfer on CUDA), with that backend's view of the batch only, so layers do no Python
+work per request beyond one SDPA call per prefill chunk; all decode rows of a step go
+through one kernel call (or, on the torch path, one batched SDPA call over a gathered copy
+of their pages).
 """
 
 from __future__ import annotations
@@ -89,39 +91,66 @@ class PrefillChunk:
 
 
 @dataclass
-class AttnMetadata:
-    slot_pages: torch.Tensor  # long [T]: page each new row is written to
-    slot_offsets: torch.Tensor  # long [T]: row inside that page
+class KernelDecode:
+    """The C decode kernel's view of a step's decode entries (`kernels/paged_attention.c`)."""
+
+    pages: torch.Tensor  # long [B, max_pages]: each entry's live pages (padded with page 0)
+    #: long [4, N] per decode query row: its row of T, its entry (row of `pages`), and the
+    #: held rows [lo, hi) it sees
+    query: torch.Tensor
+
+
+@dataclass
+class TorchDecode:
+    """The torch path's view of a step's decode entries: one batched SDPA call over their
+    gathered pages, under a key mask."""
+
+    pages: torch.Tensor  # long [B, max_pages] (padded with page 0, masked)
     #: long [B]: rows of T that are single-token decodes; or long [B, Q] when some decode
     #: entries carry speculative drafts (Q rows each, short entries padded with their last)
-    decode_rows: torch.Tensor | None = None
-    decode_pages: torch.Tensor | None = None  # long [B, max_pages] (padded with page 0)
-    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1 or Q, max_pages * page_size]
-    decode_keep: torch.Tensor | None = None  # long [N]: with [B, Q] rows, the real ones of B * Q
-    decode_out: torch.Tensor | None = None  # long [N]: the rows of T they are
-    #: long [4, N] per decode query row (the kernel's view): its row of T, its entry (row of
-    #: decode_pages), and the held rows [lo, hi) it sees
-    decode_query: torch.Tensor | None = None
-    #: long [B, 5] per decode entry: first row held, rows held, rows cached, rows new, row of T
-    decode_info: torch.Tensor | None = None
+    rows: torch.Tensor
+    mask: torch.Tensor  # bool [B, 1, 1 or Q, max_pages * page_size]
+    keep: torch.Tensor | None = None  # long [N]: with [B, Q] rows, the real ones of B * Q
+    out: torch.Tensor | None = None  # long [N]: the rows of T they are
+
+
+@dataclass
+class FlashInferView:
+    """FlashInfer's CSR page table of the whole batch, and the wrapper planned from it."""
+
+    kv_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indices: torch.Tensor  # int32: every request's live pages, in order
+    kv_last_page_len: torch.Tensor  # int32 [B]
+    qo_indptr: torch.Tensor  # int32 [B + 1]: each request's rows of T
+    wrapper: object | None = None  # the planned `BatchPrefillWithPagedKVCacheWrapper`
+
+
+@dataclass
+class AttnMetadata:
+    """One step's attention metadata for one label, shared by the label's layers: where the
+    new rows go (slots), and the view of the batch that the backend which built it reads.
+    `decode` is the kernel's or the torch path's; `flashinfer` is set by that backend alone
+    (it takes every row, so no prefill chunks or decode view are built beside it)."""
+
+    slot_pages: torch.Tensor  # long [T]: page each new row is written to
+    slot_offsets: torch.Tensor  # long [T]: row inside that page
     window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # FlashInfer-layout view of the same batch, for backends that take it directly.
-    kv_indptr: torch.Tensor | None = None
-    kv_indices: torch.Tensor | None = None
-    kv_last_page_len: torch.Tensor | None = None
-    qo_indptr: torch.Tensor | None = None  # int32 [B + 1]: each request's rows of T
-    #: a planned FlashInfer wrapper (CUDA); when set, attention runs through it
-    wrapper: object | None = None
+    decode: KernelDecode | TorchDecode | None = None
+    flashinfer: FlashInferView | None = None
 
     def to(self, device: torch.device | str) -> AttnMetadata:
         """The same metadata with every tensor on `device` (the CUDA path)."""
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in vars(self).items()}
-        moved["prefills"] = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len,
-                                          None if c.mask is None else c.mask.to(device))
-                             for c in self.prefills]
-        return AttnMetadata(**moved)
+        def move(view):
+            if view is None:
+                return None
+            return type(view)(**{k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                                 for k, v in vars(view).items()})
+
+        prefills = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len,
+                                 None if c.mask is None else c.mask.to(device)) for c in self.prefills]
+        return AttnMetadata(self.slot_pages.to(device), self.slot_offsets.to(device), self.window, prefills,
+                            move(self.decode), move(self.flashinfer))
 
 
 def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
@@ -140,141 +169,226 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
     return mask
 
 
-def build_metadata(
-    rows: list[AttnRows], page_size: int, window: int | None = None, flashinfer: bool = True
-) -> AttnMetadata:
-    """Build one step's metadata for one label.
+# -- the builders: one per backend -------------------------------------------------------
 
-    `rows` holds one `AttnRows` per request, in batch order, decode entries first.
-    `flashinfer`: also build the CSR view FlashInfer plans from (the CPU path has no use
-    for it). This runs once per label per step, so it makes few tensors: a decode step's
-    per-call cost is most of the null model's per-token time. The torch path's decode
-    fields (rows, mask) are derived on first use (`torch_decode_fields`).
+
+class _Step:
+    """What one pass over a step's rows gathers, for a builder to turn into tensors."""
+
+    __slots__ = ("csr", "entries", "prefills", "slot_offsets", "slot_pages")
+
+    def __init__(self) -> None:
+        self.slot_pages: list[int] = []
+        self.slot_offsets: list[int] = []
+        self.prefills: list[PrefillChunk] = []
+        #: per decode entry: (its live pages, first row held, rows held, rows cached, rows new, row of T)
+        self.entries: list[tuple[list[int], int, int, int, int, int]] = []
+        #: FlashInfer's (indptr, indices, last page lengths, query indptr)
+        self.csr: tuple[list[int], list[int], list[int], list[int]] = ([0], [], [], [0])
+
+
+class MetadataBuilder:
+    """Builds one step's `AttnMetadata` for one label, for one backend.
+
+    The pass over the rows (slots, prefill chunks, decode entries) is shared; each backend
+    makes only the view it reads (`_finish`). `rows` holds one `AttnRows` per request, in
+    batch order, decode entries first. This runs once per label per step, so it makes few
+    tensors: a decode step's per-call cost is most of the null model's per-token time.
     """
-    slot_pages: list[int] = []
-    slot_offsets: list[int] = []
-    indptr = [0]
-    qo_indptr = [0]
-    indices: list[int] = []
-    last_lens: list[int] = []
-    decode_pages: list[list[int]] = []
-    decode_info: list[tuple[int, int, int, int, int]] = []  # (first row held, rows held, first query row, queries, t)
-    query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
-    prefills: list[PrefillChunk] = []
-    t = 0
-    for pages, first_page, cached, new, is_decode in rows:
-        if new == 1:
-            slot_pages.append(pages[cached // page_size - first_page])
-            slot_offsets.append(cached % page_size)
-        else:
-            slot_pages.extend(pages[r // page_size - first_page] for r in range(cached, cached + new))
-            slot_offsets.extend(r % page_size for r in range(cached, cached + new))
-        first_row = first_page * page_size
-        kv_len = cached + new - first_row  # rows held in the live pages
-        n_pages = pages_for(kv_len, page_size)
-        used = pages[:n_pages]
-        if flashinfer:
-            indices.extend(used)
-            indptr.append(len(indices))
-            last_lens.append(kv_len - (n_pages - 1) * page_size)
-        if is_decode:
-            decode_pages.append(used)
-            decode_info.append((first_row, kv_len, cached, new, t))
-            for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
-                query[0].append(t + i)
-                query[1].append(len(decode_pages) - 1)
-                query[2].append(0 if window is None else max(0, cached + i - window - first_row + 1))
-                query[3].append(kv_len - (new - 1 - i))
-        else:
-            if first_row == 0 and cached == 0 and window is None:
-                mask = None  # plain causal: torch's fast path
+
+    name = ""
+    #: whether the backend reads FlashInfer's CSR page table
+    csr = False
+
+    def build(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> AttnMetadata:
+        step = _Step()
+        slot_pages, slot_offsets, csr = step.slot_pages, step.slot_offsets, step.csr
+        t = 0
+        for pages, first_page, cached, new, is_decode in rows:
+            if new == 1:
+                slot_pages.append(pages[cached // page_size - first_page])
+                slot_offsets.append(cached % page_size)
             else:
-                q_pos = torch.arange(cached, cached + new)
-                k_pos = torch.arange(first_row, first_row + kv_len)
-                mask = window_mask(q_pos, k_pos, window)
-            prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
-        t += new
-        qo_indptr.append(t)
-    csr = (indptr, indices, last_lens, qo_indptr) if flashinfer else None
-    return _assemble(slot_pages, slot_offsets, prefills, window, decode_pages, decode_info, query, csr)
+                slot_pages.extend(pages[r // page_size - first_page] for r in range(cached, cached + new))
+                slot_offsets.extend(r % page_size for r in range(cached, cached + new))
+            first_row = first_page * page_size
+            kv_len = cached + new - first_row  # rows held in the live pages
+            n_pages = pages_for(kv_len, page_size)
+            used = pages[:n_pages]
+            if self.csr:
+                csr[1].extend(used)
+                csr[0].append(len(csr[1]))
+                csr[2].append(kv_len - (n_pages - 1) * page_size)
+                csr[3].append(t + new)
+            elif is_decode:
+                step.entries.append((used, first_row, kv_len, cached, new, t))
+            elif first_row == 0 and cached == 0 and window is None:
+                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None))
+            else:  # cached rows or a window: an explicit mask (else torch's plain causal fast path)
+                mask = window_mask(torch.arange(cached, cached + new), torch.arange(first_row, first_row + kv_len),
+                                   window)
+                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
+            t += new
+        return self._finish(step, page_size, window)
+
+    def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
+        raise NotImplementedError
+
+    def cross(self, rows: list[CrossRows], page_size: int) -> AttnMetadata:
+        """Metadata for attention over rows written earlier, with no causal order: every
+        query of a request sees all of its held rows (the torch path's view on every
+        backend: one query row per request goes through its batched decode, others as a
+        chunk). Nothing is written (no slots)."""
+        empty = torch.zeros(0, dtype=torch.long)
+        prefills: list[PrefillChunk] = []
+        decode_rows, decode_pages, decode_lens = [], [], []
+        t = 0
+        for pages, kv_len, q in rows:
+            used = list(pages[: pages_for(kv_len, page_size)])
+            if q == 1:
+                decode_rows.append(t)
+                decode_pages.append(used)
+                decode_lens.append(kv_len)
+            else:
+                mask = torch.ones(q, kv_len, dtype=torch.bool)
+                prefills.append(PrefillChunk(t, t + q, torch.tensor(used, dtype=torch.long), kv_len, mask))
+            t += q
+        meta = AttnMetadata(empty, empty, None, prefills)
+        if decode_rows:
+            padded = _padded(decode_pages)
+            j = torch.arange(padded.shape[1] * page_size).unsqueeze(0)
+            mask = j < torch.tensor(decode_lens).unsqueeze(1)
+            meta.decode = TorchDecode(padded, torch.tensor(decode_rows, dtype=torch.long), mask[:, None, None, :])
+        return meta
 
 
-def _assemble(slot_pages: list[int], slot_offsets: list[int], prefills: list[PrefillChunk], window: int | None,
-              decode_pages: list[list[int]], decode_info: list[tuple[int, int, int, int, int]],
-              query: list[list[int]], csr: tuple[list[int], list[int], list[int], list[int]] | None) -> AttnMetadata:
-    """The tensors of `build_metadata`, from the lists its loop gathered.
-
-    Apart from the loop so that the loop reads as one pass over the rows; this runs once
-    per call, not per row. One tensor holds all of the step's int64 fields (views into
-    it): each tensor made from a Python list has a fixed cost, and this runs per label
-    per step. `csr` is FlashInfer's (indptr, indices, last page lengths, query indptr),
-    None on the CPU path.
-    """
-    n_slots, n_query = len(slot_pages), len(query[0])
-    flat = slot_pages + slot_offsets
-    width = max((len(p) for p in decode_pages), default=0)
-    if decode_pages:
-        for col in query:
-            flat += col
-        for p in decode_pages:
-            flat += p
-            flat += [0] * (width - len(p))  # pad: page 0, masked
-        for info in decode_info:
-            flat += info
-    ints = torch.from_numpy(np.array(flat, dtype=np.int64))
-    meta = AttnMetadata(slot_pages=ints[:n_slots], slot_offsets=ints[n_slots : 2 * n_slots], prefills=prefills,
-                        window=window)
-    if csr is not None:
-        indptr, indices, last_lens, qo_indptr = csr
-        meta.kv_indptr = torch.tensor(indptr, dtype=torch.int32)
-        meta.kv_indices = torch.tensor(indices, dtype=torch.int32)
-        meta.kv_last_page_len = torch.tensor(last_lens, dtype=torch.int32)
-        meta.qo_indptr = torch.tensor(qo_indptr, dtype=torch.int32)
-    if decode_pages:
-        b, at = len(decode_pages), 2 * n_slots
-        meta.decode_query = ints[at : at + 4 * n_query].view(4, n_query)
-        at += 4 * n_query
-        meta.decode_pages = ints[at : at + b * width].view(b, width)
-        meta.decode_info = ints[at + b * width :].view(b, 5)
-    return meta
+def _padded(pages: list[list[int]]) -> torch.Tensor:
+    """long [B, max pages]: each entry's pages, padded with page 0 (masked by its users)."""
+    width = max(len(p) for p in pages)
+    return torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long)
 
 
-def torch_decode_fields(meta: AttnMetadata, page_size: int) -> None:
-    """The torch path's view of the decode entries (rows of T, key mask; for entries of
-    several rows also which padded rows are real), from `decode_info`; once per step, on
-    the first layer that needs it."""
-    info, window = meta.decode_info, meta.window
-    width = meta.decode_pages.shape[1] * page_size
-    q = int(info[:, 3].max())
-    if q == 1:
-        j = torch.arange(width, device=info.device).unsqueeze(0)
-        mask = j < info[:, 1:2]  # only rows the live pages hold
-        if window is not None:
-            mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
-        meta.decode_rows = info[:, 4].contiguous()
-        meta.decode_mask = mask[:, None, None, :]
-    else:
-        _multi_row_decode(meta, info, q, width, window)
+class TorchBuilder(MetadataBuilder):
+    """torch's SDPA: prefill chunks one call each, decode entries one batched call over
+    their gathered pages under a key mask (entries of several rows padded to the longest)."""
+
+    name = "torch"
+
+    def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
+        meta = AttnMetadata(*_slots(step), window, step.prefills)
+        if not step.entries:
+            return meta
+        pages = _padded([e[0] for e in step.entries])
+        info = torch.tensor([e[1:] for e in step.entries], dtype=torch.long)  # [B, 5]
+        width = pages.shape[1] * page_size
+        q = int(info[:, 3].max())
+        if q == 1:
+            j = torch.arange(width).unsqueeze(0)
+            mask = j < info[:, 1:2]  # only rows the live pages hold
+            if window is not None:
+                mask &= (info[:, 0:1] + j) > info[:, 2:3] - window
+            meta.decode = TorchDecode(pages, info[:, 4].contiguous(), mask[:, None, None, :])
+        else:
+            meta.decode = _multi_row_decode(pages, info, q, width, window)
+        return meta
 
 
-def _multi_row_decode(meta: AttnMetadata, info: torch.Tensor, q: int, width: int, window: int | None) -> None:
+def _multi_row_decode(pages: torch.Tensor, info: torch.Tensor, q: int, width: int,
+                      window: int | None) -> TorchDecode:
     """Decode entries of several rows (the last token and its speculative drafts) as one
     batched attention: entry b's query i (i < its rows) sits at row `cached + i` and sees
     the held rows up to it; shorter entries are padded to `q` queries with their last row
     (computed, then dropped)."""
     first, held, cached, new, t = (info[:, c : c + 1] for c in range(5))
-    i = torch.arange(q, device=info.device).unsqueeze(0)  # [1, Q]
+    i = torch.arange(q).unsqueeze(0)  # [1, Q]
     real = i < new  # [B, Q]
     ii = torch.minimum(i, new - 1)
     visible = held - (new - 1 - ii)  # keys held up to and including query ii's own row
-    j = torch.arange(width, device=info.device).view(1, 1, -1)
+    j = torch.arange(width).view(1, 1, -1)
     mask = j < visible.unsqueeze(-1)  # [B, Q, L]
     if window is not None:
         mask &= (first.unsqueeze(-1) + j) > (cached + ii).unsqueeze(-1) - window
-    meta.decode_rows = t + ii
-    meta.decode_mask = mask[:, None]
-    meta.decode_keep = real.reshape(-1).nonzero().squeeze(1)
-    meta.decode_out = meta.decode_rows[real]
+    rows = t + ii
+    return TorchDecode(pages, rows, mask[:, None], real.reshape(-1).nonzero().squeeze(1), rows[real])
+
+
+class KernelBuilder(MetadataBuilder):
+    """The C kernels (`cpu_kernels`): every decode query row in one kernel call that reads
+    the pages in place; prefill chunks through torch's SDPA. One int64 tensor holds all of
+    the step's fields (views into it): each tensor made from a Python list has a fixed cost."""
+
+    name = "kernel"
+
+    def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
+        n_slots = len(step.slot_pages)
+        flat = step.slot_pages + step.slot_offsets
+        if not step.entries:
+            ints = torch.from_numpy(np.array(flat, dtype=np.int64))
+            return AttnMetadata(ints[:n_slots], ints[n_slots:], window, step.prefills)
+        query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
+        width = max(len(e[0]) for e in step.entries)
+        for b, (_, first_row, held, cached, new, t) in enumerate(step.entries):
+            for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
+                query[0].append(t + i)
+                query[1].append(b)
+                query[2].append(0 if window is None else max(0, cached + i - window - first_row + 1))
+                query[3].append(held - (new - 1 - i))
+        n_query = len(query[0])
+        for col in query:
+            flat += col
+        for e in step.entries:
+            flat += e[0]
+            flat += [0] * (width - len(e[0]))  # pad: page 0, never read (hi bounds the keys)
+        ints = torch.from_numpy(np.array(flat, dtype=np.int64))
+        at = 2 * n_slots
+        decode = KernelDecode(ints[at + 4 * n_query :].view(len(step.entries), width),
+                              ints[at : at + 4 * n_query].view(4, n_query))
+        return AttnMetadata(ints[:n_slots], ints[n_slots:at], window, step.prefills, decode)
+
+
+class FlashInferBuilder(MetadataBuilder):
+    """FlashInfer (CUDA): the CSR page table its wrapper plans from; the wrapper takes
+    every row of the step, so no chunks or decode view are built."""
+
+    name = "flashinfer"
+    csr = True
+
+    def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
+        indptr, indices, last_lens, qo_indptr = step.csr
+        view = FlashInferView(*(torch.tensor(x, dtype=torch.int32) for x in (indptr, indices, last_lens, qo_indptr)))
+        return AttnMetadata(*_slots(step), window, flashinfer=view)
+
+
+def _slots(step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    ints = torch.from_numpy(np.array(step.slot_pages + step.slot_offsets, dtype=np.int64))
+    n = len(step.slot_pages)
+    return ints[:n], ints[n:]
+
+
+BUILDERS: dict[str, MetadataBuilder] = {b.name: b for b in (TorchBuilder(), KernelBuilder(), FlashInferBuilder())}
+
+
+def cpu_backend(cache_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
+                softcap: float | None = None, heads: int = 1, kv_heads: int = 1) -> str:
+    """The backend a CPU model's attention runs on: the C kernels where they are built and
+    take the step (float32 queries on float32 or bfloat16 pages, no soft-capping, at most
+    128 query heads in whole groups per KV head), else torch."""
+    kind = {torch.float32: 0, torch.bfloat16: 1}.get(cache_dtype)
+    built = cpu_kernels.library() is not None and (kind == 0 or (kind == 1 and _bf16_kernels() is not None))
+    ok = built and compute_dtype == torch.float32 and softcap is None and heads <= 128 and heads % kv_heads == 0
+    return "kernel" if ok else "torch"
+
+
+def build_metadata(rows: list[AttnRows], page_size: int, window: int | None = None,
+                   backend: str | None = None) -> AttnMetadata:
+    """One step's metadata for one label on `backend` (None: `cpu_backend()`'s pick for
+    float32)."""
+    return BUILDERS[backend or cpu_backend()].build(rows, page_size, window)
+
+
+def cross_metadata(rows: list[CrossRows], page_size: int) -> AttnMetadata:
+    """`MetadataBuilder.cross`: every query of a request sees all of its held rows."""
+    return BUILDERS["torch"].cross(rows, page_size)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
@@ -304,42 +418,45 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 def paged_attention(
     q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv).
-    `softcap`: scores become tanh(s / softcap) * softcap before the softmax (Gemma 2)."""
-    if meta.wrapper is not None:
-        return meta.wrapper.run(q, cache)
+    """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv),
+    on the backend whose builder made `meta`. `softcap`: scores become
+    tanh(s / softcap) * softcap before the softmax (Gemma 2; not the C kernel's)."""
+    if meta.flashinfer is not None:
+        return meta.flashinfer.wrapper.run(q, cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     page_size = cache.shape[2]
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
-    if meta.decode_query is not None and softcap is None and _decode_kernel(q, cache, meta, scale, out) is not None:
+    dec = meta.decode
+    if isinstance(dec, KernelDecode):
+        if softcap is not None:
+            raise ValueError("the C decode kernel has no soft-capping: build this model's metadata for torch")
+        _decode_kernel(q, cache, dec, scale, out)
         if not meta.prefills:
             return out
-    elif meta.decode_info is not None or meta.decode_rows is not None:
-        if meta.decode_rows is None:
-            torch_decode_fields(meta, page_size)
-        b, width = meta.decode_pages.shape
+    elif dec is not None:
+        b, width = dec.pages.shape
         # index_select copies whole pages (contiguous [ps, H, D] blocks) into a contiguous
         # result, so the reshape is a view; advanced indexing on the strided K view is slower.
-        flat = meta.decode_pages.view(-1)
+        flat = dec.pages.view(-1)
         # (a KV pool in another dtype than q's, e.g. float16 pages under float32 compute, is
         # read into q's dtype: the C decode kernels take float32 and bfloat16 pages only)
         k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
         v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
-        if meta.decode_rows.dim() == 2:
-            out[meta.decode_out] = _multi_row_decode_attention(q, k, v, meta, scale, softcap)
+        if dec.rows.dim() == 2:
+            out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap)
         else:
             hq = q.shape[1]
-            every_row = meta.decode_rows.shape[0] == q.shape[0]  # a step of decodes only
-            qd = q if every_row else q[meta.decode_rows]  # [B, Hq, D]
+            every_row = dec.rows.shape[0] == q.shape[0]  # a step of decodes only
+            qd = q if every_row else q[dec.rows]  # [B, Hq, D]
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
             # against [B, Hkv, L, D]): one GEMM per KV head, with fewer GQA copies than SDPA's
             # expansion of K and V to every query head.
-            o = _sdpa(qd.reshape(b, h, hq // h, d), k, v, scale, softcap, attn_mask=meta.decode_mask)
+            o = _sdpa(qd.reshape(b, h, hq // h, d), k, v, scale, softcap, attn_mask=dec.mask)
             o = o.reshape(b, hq, d)
             if every_row:
                 return o
-            out[meta.decode_rows] = o
+            out[dec.rows] = o
     for chunk in meta.prefills:
         k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -352,27 +469,24 @@ def paged_attention(
     return out
 
 
-def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float,
-                   out: torch.Tensor) -> torch.Tensor | None:
-    """Every decode query row through the C kernel, into `out` (returned); None (nothing
-    written) where it does not apply: no kernel built, not float32 queries on float32 or
-    bfloat16 pages on the CPU, or a layout it does not take (q's heads must be contiguous
-    rows of head_dim; the cache contiguous). The convention of every CPU kernel wrapper: the
-    result, or None for the torch path."""
+def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scale: float,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Every decode query row through the C kernel, into `out` (returned). The runner picked
+    this backend for float32 queries on float32 or bfloat16 pages (`cpu_backend`), so a
+    call it cannot take is a bug, raised as such."""
     kind = _kernel_pages(cache)
-    if kind is None or q.dtype != torch.float32:
-        return None
-    kernel = cpu_kernels.paged_decode() if kind == 0 else _bf16_kernels()[1]
+    kernel = None if kind is None else cpu_kernels.paged_decode() if kind == 0 else _bf16_kernels()[1]
     hq, d = q.shape[1], q.shape[2]
-    if (kernel is None or q.stride(2) != 1 or q.stride(1) != d or not cache.is_contiguous()
-            or hq > 128 or hq % cache.shape[3]):
-        return None
-    dq = meta.decode_query
-    n = dq.shape[1]
-    pages = meta.decode_pages
+    if kernel is None or q.dtype != torch.float32 or hq > 128 or hq % cache.shape[3]:
+        raise RuntimeError(f"metadata built for the C decode kernel, which cannot take {q.dtype} queries of "
+                           f"{hq} heads on {cache.dtype} pages of {cache.shape[3]} heads on {cache.device}")
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()  # the kernel reads each row's heads as contiguous head_dim blocks
+    n = dec.query.shape[1]
+    pages = dec.pages
     keys = pages.shape[1] * cache.shape[2]
     scratch = torch.empty(hq * keys, dtype=torch.float32)
-    base, step = dq.data_ptr(), dq.stride(0) * dq.element_size()
+    base, step = dec.query.data_ptr(), dec.query.stride(0) * dec.query.element_size()
     rc = kernel(q.data_ptr(), q.stride(0), cache.data_ptr(), pages.data_ptr(), pages.shape[1],
                 base, base + step, base + 2 * step, base + 3 * step, n, hq, cache.shape[3], d, cache.shape[2],
                 scale, out.data_ptr(), scratch.data_ptr(), keys)
@@ -381,19 +495,19 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sca
     return out
 
 
-def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, scale: float,
+def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: TorchDecode, scale: float,
                                 softcap: float | None = None) -> torch.Tensor:
     """Decode entries of Q rows each in one SDPA call: per KV head, its G query heads' Q
     rows form one [G * Q] query block against the entry's keys (the mask tiled G times);
-    returns the real rows, in `meta.decode_out` order."""
-    b, qn = meta.decode_rows.shape
+    returns the real rows, in `dec.out` order."""
+    b, qn = dec.rows.shape
     h, d = k.shape[1], k.shape[-1]
     hq = q.shape[1]
     g = hq // h
-    qd = q[meta.decode_rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
-    o = _sdpa(qd, k, v, scale, softcap, attn_mask=meta.decode_mask.repeat(1, 1, g, 1))
+    qd = q[dec.rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
+    o = _sdpa(qd, k, v, scale, softcap, attn_mask=dec.mask.repeat(1, 1, g, 1))
     o = o.view(b, h, g, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, hq, d)
-    return o[meta.decode_keep]
+    return o[dec.keep]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None, *,
@@ -413,44 +527,3 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softc
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
-
-
-def cross_metadata(rows: list[CrossRows], page_size: int) -> AttnMetadata:
-    """Metadata for attention over rows written earlier, with no causal order: every query
-    of a request sees all of its `kv_len` rows. `rows` holds, per request in batch order,
-    (its pages, rows held, query rows this step). Nothing is written (no slots); a request
-    with one query row goes through the batched decode path, others as a chunk."""
-    empty = torch.zeros(0, dtype=torch.long)
-    indptr, indices, last_lens = [0], [], []
-    decode_rows, decode_pages, decode_lens = [], [], []
-    prefills: list[PrefillChunk] = []
-    t = 0
-    for pages, kv_len, q in rows:
-        n_pages = pages_for(kv_len, page_size)
-        used = list(pages[:n_pages])
-        indices.extend(used)
-        indptr.append(len(indices))
-        last_lens.append(kv_len - (n_pages - 1) * page_size)
-        if q == 1:
-            decode_rows.append(t)
-            decode_pages.append(used)
-            decode_lens.append(kv_len)
-        else:
-            mask = torch.ones(q, kv_len, dtype=torch.bool)
-            prefills.append(PrefillChunk(t, t + q, torch.tensor(used, dtype=torch.long), kv_len, mask))
-        t += q
-    meta = AttnMetadata(slot_pages=empty, slot_offsets=empty, prefills=prefills,
-                        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
-                        kv_indices=torch.tensor(indices, dtype=torch.int32),
-                        kv_last_page_len=torch.tensor(last_lens, dtype=torch.int32))
-    if decode_rows:
-        width = max(len(p) for p in decode_pages)
-        padded = torch.zeros(len(decode_pages), width, dtype=torch.long)
-        for b, p in enumerate(decode_pages):
-            padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        j = torch.arange(width * page_size).unsqueeze(0)
-        mask = j < torch.tensor(decode_lens).unsqueeze(1)
-        meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        meta.decode_pages = padded
-        meta.decode_mask = mask[:, None, None, :]
-    return meta

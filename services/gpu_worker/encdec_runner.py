@@ -31,7 +31,7 @@ import logging
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import AttnMetadata, AttnRows, CrossRows, build_metadata, cross_metadata
+from services.gpu_worker.attention import AttnMetadata, AttnRows, CrossRows
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
@@ -61,6 +61,9 @@ class EncoderDecoderRunner(ModelRunner):
 
     def _layer_caches(self) -> list[torch.Tensor]:
         return []  # the model takes its "self" and "cross" pools whole
+
+    def attention_shape(self) -> tuple[int, float | None]:
+        return self.caches[self.self_label.pool][0].shape[3], None  # multi-head: a KV head per query head
 
     @property
     def step_labels(self) -> tuple[KVLabel, ...]:
@@ -138,7 +141,8 @@ class EncoderDecoderRunner(ModelRunner):
         n = len(reqs)
         metas = self._metadata({self.self_label.name: rows})
         held = [r.kv.labels[self.cross_label.name] for r in reqs]
-        cross = cross_metadata([CrossRows(h.pages, h.rows, 1) for h in held], self.page_sizes[self.cross_label.name])
+        cross = self.builder.cross([CrossRows(h.pages, h.rows, 1) for h in held],
+                                   self.page_sizes[self.cross_label.name])
         ids = torch.full((n,), self.spec.decoder_start_token_id, dtype=torch.long, device=self.device)
         positions = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -148,7 +152,7 @@ class EncoderDecoderRunner(ModelRunner):
         return lang[logits[:, lang].argmax(-1)].tolist()
 
     def _encode(self, reqs: list[Request], rows: list[AttnRows]) -> None:
-        meta = build_metadata(rows, self.page_sizes[self.cross_label.name])
+        meta = self.builder.build(rows, self.page_sizes[self.cross_label.name])
         feats = torch.cat([r.inputs["features"] for r in reqs]).to(self.dtype)
         with torch.inference_mode():
             enc = self.model.encode(feats)  # [B, n_frames, d]
@@ -157,7 +161,7 @@ class EncoderDecoderRunner(ModelRunner):
     def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
         held = [e.request.kv.labels[self.cross_label.name] for e in plan.entries]
         cross = [CrossRows(h.pages, h.rows, e.rows) for h, e in zip(held, plan.entries)]
-        cross_meta = cross_metadata(cross, self.page_sizes[self.cross_label.name])
+        cross_meta = self.builder.cross(cross, self.page_sizes[self.cross_label.name])
         return self.model(ids, positions, self.self_caches, metas[self.self_label.name], self.cross_caches, cross_meta,
                           sample_rows).float()
 

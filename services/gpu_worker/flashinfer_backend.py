@@ -1,7 +1,7 @@
 """The CUDA attention path: FlashInfer's batch prefill wrapper over the same pages.
 
 The pages are already FlashInfer's NHD layout (`[num_pages, 2, page_size, kv_heads,
-head_dim]`) and `build_metadata` already makes its CSR page table (`kv_indptr`,
+head_dim]`) and `FlashInferBuilder` makes its CSR page table (`kv_indptr`,
 `kv_indices`, `kv_last_page_len`) and `qo_indptr`, so the CUDA path only plans one wrapper
 per label per step (shared by every layer of that label) and `paged_attention` hands the
 query to it. One prefill wrapper serves decode rows too (a query block of one row), with
@@ -41,11 +41,14 @@ class FlashInferPlanner:
         wrapper = self._wrappers.get(label)
         if wrapper is None:
             wrapper = self._wrappers[label] = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        view = meta.flashinfer
+        if view is None:
+            raise ValueError("FlashInfer plans from metadata its own builder made (BUILDERS['flashinfer'])")
         wrapper.plan(
-            meta.qo_indptr.to(self.device), meta.kv_indptr.to(self.device), meta.kv_indices.to(self.device),
-            meta.kv_last_page_len.to(self.device), num_qo_heads, num_kv_heads, head_dim, page_size,
+            view.qo_indptr.to(self.device), view.kv_indptr.to(self.device), view.kv_indices.to(self.device),
+            view.kv_last_page_len.to(self.device), num_qo_heads, num_kv_heads, head_dim, page_size,
             causal=True, window_left=-1 if window is None else window - 1, q_data_type=dtype, kv_data_type=dtype,
             sm_scale=sm_scale, logits_soft_cap=softcap,
         )
-        meta.wrapper = wrapper
+        view.wrapper = wrapper
         return meta

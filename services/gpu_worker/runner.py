@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
+from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows, MetadataBuilder, cpu_backend
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
@@ -50,6 +50,25 @@ class ModelRunner:
         self.caches = caches
         self.device = next(iter(caches.values()))[0].device
         self.layer_caches = self._layer_caches()
+        #: the one metadata builder of the attention backend every layer runs on
+        self.builder: MetadataBuilder = BUILDERS[self._backend()]
+
+    def _backend(self) -> str:
+        """FlashInfer where a planner is given (CUDA); on the CPU the C kernels where they
+        take this model's attention in every pool (`cpu_backend`), else torch."""
+        if self.planner is not None:
+            return "flashinfer"
+        if self.device.type != "cpu":
+            return "torch"
+        heads, softcap = self.attention_shape()
+        compute = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        picks = {cpu_backend(layers[0].dtype, compute, softcap, heads, layers[0].shape[3])
+                 for layers in self.caches.values()}
+        return "kernel" if picks == {"kernel"} else "torch"
+
+    def attention_shape(self) -> tuple[int, float | None]:
+        """(query heads, score soft-cap) of the model's attention, as the backend pick needs."""
+        return self.spec.config.num_attention_heads, self.spec.config.attn_softcap
 
     def _layer_caches(self) -> list[torch.Tensor]:
         """Layer i's KV tensor: the next unused layer of its label's pool."""
@@ -156,8 +175,7 @@ class ModelRunner:
         return out
 
     def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
-        metas = {name: build_metadata(r, self.page_sizes[name], self.windows[name], flashinfer=self.planner is not None)
-                 for name, r in rows.items()}
+        metas = {name: self.builder.build(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
         if self.device.type == "cpu":
             return metas
         metas = {name: m.to(self.device) for name, m in metas.items()}

@@ -87,13 +87,15 @@ def check_paged_against_dense(shapes, window=None, seed=0, page_size=4, heads=(4
 def test_paged_matches_dense(decode_path):
     # (cached rows, new rows, decode?) per request; decodes first.
     shapes = [(9, 1, True), (3, 1, True), (0, 7, False), (5, 6, False), (12, 3, False)]
-    meta = check_paged_against_dense(shapes)
+    check_paged_against_dense(shapes)
     page_size = 4
     # FlashInfer's view of the same batch: lengths = (pages - 1) * page_size + last_page_len.
-    lens = [(meta.kv_indptr[i + 1] - meta.kv_indptr[i] - 1) * page_size + meta.kv_last_page_len[i]
+    rows = [(list(range(-(-(c + n) // page_size))), 0, c, n, d) for c, n, d in shapes]
+    fi = build_metadata(rows, page_size, None, "flashinfer").flashinfer
+    lens = [(fi.kv_indptr[i + 1] - fi.kv_indptr[i] - 1) * page_size + fi.kv_last_page_len[i]
             for i in range(len(shapes))]
     assert [int(x) for x in lens] == [c + n for c, n, _ in shapes]
-    assert meta.kv_indices.dtype == torch.int32
+    assert fi.kv_indices.dtype == torch.int32
 
 
 def test_windowed_paged_matches_dense_after_release(decode_path):
@@ -133,9 +135,10 @@ def test_multi_row_decode_entries_match_dense(window, decode_path):
     one-row decodes and padded), beside prefill chunks: each row sees exactly its prefix."""
     shapes = [(9, 1, True), (3, 4, True), (20, 5, True), (6, 2, True), (0, 7, False), (5, 6, False)]
     meta = check_paged_against_dense(shapes, window, seed=1)
-    assert meta.decode_query.shape == (4, 1 + 4 + 5 + 2)  # every real decode row, for the kernel
-    if decode_path == "torch":
-        assert meta.decode_rows.shape == (4, 5)  # the torch path pads entries to 5 rows
+    if decode_path == "kernel":
+        assert meta.decode.query.shape == (4, 1 + 4 + 5 + 2)  # every real decode row, for the kernel
+    else:
+        assert meta.decode.rows.shape == (4, 5)  # the torch path pads entries to 5 rows
 
 
 @pytest.mark.parametrize("heads", [(8, 2, 64), (6, 6, 32), (16, 1, 128)])
@@ -144,3 +147,23 @@ def test_head_shapes_match_dense(heads, decode_path):
     prefixes over 16-row pages, a decode-only step."""
     shapes = [(150, 1, True), (37, 1, True), (16, 1, True), (15, 1, True), (0, 1, True)]
     check_paged_against_dense(shapes, seed=2, page_size=16, heads=heads)
+
+
+def test_each_backend_builds_only_its_own_view():
+    """One builder per backend: the kernel's metadata has no torch fields, torch's none of
+    the kernel's, FlashInfer's only its page table; the runner's pick follows what the
+    kernel takes."""
+    rows = [([3, 5], 0, 6, 1, True), ([7], 0, 0, 4, False)]
+    kern, tor, fi = (build_metadata(rows, 4, None, b) for b in ("kernel", "torch", "flashinfer"))
+    assert isinstance(kern.decode, attention.KernelDecode) and kern.decode.query.tolist() == [[0], [0], [0], [7]]
+    assert isinstance(tor.decode, attention.TorchDecode) and tor.decode.rows.tolist() == [0]
+    assert fi.decode is None and not fi.prefills and fi.flashinfer.kv_indptr.tolist() == [0, 2, 3]
+    assert fi.flashinfer.qo_indptr.tolist() == [0, 1, 5] and fi.flashinfer.kv_last_page_len.tolist() == [3, 4]
+    assert len(kern.prefills) == len(tor.prefills) == 1 and kern.flashinfer is tor.flashinfer is None
+    if cpu_kernels.library() is not None:
+        assert attention.cpu_backend(torch.float32, torch.float32, None, 8, 2) == "kernel"
+        with pytest.raises(ValueError, match="no soft-capping"):
+            paged_attention(torch.zeros(5, 2, 8), torch.zeros(8, 2, 4, 1, 8), kern, 1.0, softcap=30.0)
+    assert attention.cpu_backend(torch.float32, torch.float32, 30.0, 8, 2) == "torch"  # Gemma 2's soft-cap
+    assert attention.cpu_backend(torch.float16, torch.float32, None, 8, 2) == "torch"  # no float16 kernel
+    assert attention.cpu_backend(torch.float32, torch.bfloat16, None, 8, 2) == "torch"  # bf16 queries

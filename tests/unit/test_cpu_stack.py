@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.perplexity import load
-from services.gpu_worker.attention import build_metadata
+from services.gpu_worker.attention import build_metadata, cpu_backend
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.layers import quant
 from tests.checkpoints import make_checkpoint
@@ -58,7 +58,7 @@ def _forward(model, caches, ids, positions, rows, stack: bool):
     if not stack:
         model.cpu_stack = None
     try:
-        meta = build_metadata(rows, PAGE, flashinfer=False)
+        meta = build_metadata(rows, PAGE, None, cpu_backend(caches[0].dtype))  # the runner's pick
         with torch.inference_mode():
             return model(torch.tensor(ids), torch.tensor(positions), caches, [meta] * len(caches),
                          torch.arange(len(ids)))

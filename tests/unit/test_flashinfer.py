@@ -25,11 +25,12 @@ def test_flashinfer_matches_torch_paged_attention(window):
     for cached, new, dec in shapes:
         pages = [perm.pop() for _ in range(-(-(cached + new) // page_size))]
         rows.append((pages, 0, cached, new, dec))
-    meta = build_metadata(rows, page_size, window).to(dev)
+    ref_meta = build_metadata(rows, page_size, window, backend="torch").to(dev)
+    meta = build_metadata(rows, page_size, window, backend="flashinfer").to(dev)
     t = sum(n for _, n, _ in shapes)
     q, k, v = torch.randn(t, hq, d, device=dev), torch.randn(t, hkv, d, device=dev), torch.randn(t, hkv, d, device=dev)
     write_kv(cache, k, v, meta)
-    ref = paged_attention(q, cache, meta, d**-0.5)
+    ref = paged_attention(q, cache, ref_meta, d**-0.5)
     planner = FlashInferPlanner(dev)
     planner.plan("text", meta, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, window=window,
                  dtype=torch.float32)

@@ -45,7 +45,7 @@ def test_write_kv_rounds_as_torch(monkeypatch):
     k[0, 0, : edge.numel()] = edge
     v[1, 2, -edge.numel() :] = edge
     pages = torch.randperm(12)[:-(-t // ps)].tolist()
-    meta = build_metadata([(pages, 0, 0, t, False)], ps, flashinfer=False)
+    meta = build_metadata([(pages, 0, 0, t, False)], ps)
     ours = torch.zeros(12, 2, ps, hkv, d, dtype=torch.bfloat16)
     write_kv(ours, k, v, meta)
     torch_path(monkeypatch)
@@ -62,7 +62,7 @@ def test_write_kv_bf16_calls_the_kernel(monkeypatch):
     monkeypatch.setattr(attention, "_bf16_kernels", lambda: (lambda *a: calls.append(a) or write(*a), decode))
     k, v = strided_rows(3, 2, 8, 1)
     cache = torch.zeros(4, 2, 4, 2, 8, dtype=torch.bfloat16)
-    write_kv(cache, k, v, build_metadata([([2], 0, 0, 3, False)], 4, flashinfer=False))
+    write_kv(cache, k, v, build_metadata([([2], 0, 0, 3, False)], 4))
     assert len(calls) == 1
     assert torch.equal(cache[2, 0, :3], k.to(torch.bfloat16)) and torch.equal(cache[2, 1, :3], v.to(torch.bfloat16))
 
@@ -85,7 +85,7 @@ def step(shapes, hq, hkv, d, ps, window=None, seed=0):
         new_v.append(v[cached:])
     k, v = torch.cat(new_k), torch.cat(new_v)
     q = torch.randn(k.shape[0], hq, d, generator=g)
-    return cache, q, k, v, build_metadata(rows, ps, window, flashinfer=False)
+    return cache, q, k, v, build_metadata(rows, ps, window)
 
 
 def run(cache, q, k, v, meta, scale):
@@ -113,7 +113,7 @@ def test_decode_matches_torch_path(monkeypatch, shapes, heads, ps, window):
     ours, ours_cache = run(cache, q, k, v, meta, d**-0.5)
     assert used and all(u is not None for u in used), "the decode rows did not go through the bf16 kernel"
     torch_path(monkeypatch)
-    _, _, _, _, meta_t = step(shapes, hq, hkv, d, ps, window)  # fresh metadata: the torch path adds its fields
+    _, _, _, _, meta_t = step(shapes, hq, hkv, d, ps, window)  # the torch path's own metadata
     ref, ref_cache = run(cache, q, k, v, meta_t, d**-0.5)
     assert torch.equal(bits(ours_cache), bits(ref_cache))
     torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-6)
@@ -126,16 +126,24 @@ def test_decode_is_the_float32_kernel_on_widened_pages(shapes, heads, ps, window
     cache, q, k, v, meta = step(shapes, hq, hkv, d, ps, window)
     ours, filled = run(cache, q, k, v, meta, d**-0.5)
     wide = filled.float()
-    rows = meta.decode_query[0]
+    rows = meta.decode.query[0]
     out_f32 = torch.zeros_like(q)
-    assert attention._decode_kernel(q, wide, meta, d**-0.5, out_f32) is not None
+    assert attention._decode_kernel(q, wide, meta.decode, d**-0.5, out_f32) is not None
     out_bf16 = torch.zeros_like(q)
-    assert attention._decode_kernel(q, filled, meta, d**-0.5, out_bf16) is not None
+    assert attention._decode_kernel(q, filled, meta.decode, d**-0.5, out_bf16) is not None
     assert torch.equal(out_bf16[rows], out_f32[rows])
     assert torch.equal(ours[rows], out_bf16[rows])
 
 
 def test_float16_pages_keep_the_torch_path():
+    """No kernel reads float16 pages: the runner's pick is torch's builder, which reads them
+    into the queries' dtype (and the kernel's metadata on them is refused, not misread)."""
+    assert attention.cpu_backend(torch.float16) == "torch"
     cache, q, _, _, meta = step([(5, 1, True)], 4, 2, 16, 4)
     half = cache.to(torch.float16)
-    assert attention._decode_kernel(q, half, meta, 0.25, torch.empty_like(q)) is None
+    rows = [([0, 1], 0, 5, 1, True)]
+    with pytest.raises(RuntimeError, match=r"cannot take torch\.float32 queries of 4 heads on torch\.float16 pages"):
+        attention._decode_kernel(q, half, meta.decode, 0.25, torch.empty_like(q))
+    out = paged_attention(q, half, build_metadata(rows, 4, None, "torch"), 0.25)
+    ref = paged_attention(q, half.float(), build_metadata(rows, 4, None, "torch"), 0.25)
+    torch.testing.assert_close(out, ref)

@@ -134,6 +134,6 @@ def _logits(model, spec, ids: list[int]) -> torch.Tensor:
     pool = next(iter(spec.paged_pools(len(ids) // 16 + 2).values()))
     caches = kv_cache(pool.num_layers, pool.num_pages, 16, pool.kv_heads, pool.head_dim, torch.float32,
                       torch.device("cpu"))
-    meta = build_metadata([(list(range(pool.num_pages)), 0, 0, len(ids), False)], 16, flashinfer=False)
+    meta = build_metadata([(list(range(pool.num_pages)), 0, 0, len(ids), False)], 16)
     with torch.inference_mode():
         return model(torch.tensor(ids), torch.arange(len(ids)), caches, [meta] * len(caches), torch.arange(len(ids)))

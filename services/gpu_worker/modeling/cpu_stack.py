@@ -25,7 +25,7 @@ import os
 import torch
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.attention import _kernel_pages
+from services.gpu_worker.attention import KernelDecode, _kernel_pages
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
 from services.gpu_worker.layers.quant import QuantLinear
@@ -157,8 +157,8 @@ class CpuDecodeStack:
         is one the stack takes; False (x untouched) otherwise."""
         meta = metas[0]
         t = x.shape[0]
-        dq = meta.decode_query
-        if (dq is None or meta.prefills or meta.wrapper is not None or dq.shape[1] != t or t == 0
+        dec = meta.decode
+        if (not isinstance(dec, KernelDecode) or meta.prefills or dec.query.shape[1] != t or t == 0
                 or x.dtype != torch.float32 or not x.is_contiguous() or any(m is not meta for m in metas)):
             return False
         if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
@@ -168,7 +168,7 @@ class CpuDecodeStack:
         if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
             return False
         s, st, lib = self.shape, self._step, self.lib
-        pages = meta.decode_pages
+        pages, dq = dec.pages, dec.query
         max_keys = pages.shape[1] * s.page_size
         attn_scratch = ATTN_TASKS * s.hq * max_keys
         need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + attn_scratch
