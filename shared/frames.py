@@ -157,6 +157,9 @@ class Output(msgspec.Struct, **HOT):
     #: what the run learned for the client, on the request's first output (Whisper's
     #: detected "language")
     metadata: dict[str, str] = {}
+    #: a pooling request's result (its one output): the embedding or the scores, float32
+    #: little-endian (4 bytes a value: a frame a fifth the size of a float list)
+    pooled: bytes = b""
 
 
 class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):

@@ -148,6 +148,11 @@ def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     if not tok_file.exists():
         raise DeploymentError(f"model folder {path} has no tokenizer.json")
     tok = Tokenizer.from_file(str(tok_file))
+    # A tokenizer.json may carry padding or truncation (sentence-transformers' exports pad
+    # to 128 and cut at 128): ids are the prompt, whole; the length limit is the
+    # conductor's 400, or the client's explicit cut (truncate_prompt_tokens).
+    tok.no_padding()
+    tok.no_truncation()
     tcfg = {}
     if (path / "tokenizer_config.json").exists():
         tcfg = json.loads((path / "tokenizer_config.json").read_text())

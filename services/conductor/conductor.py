@@ -146,6 +146,8 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     except ValueError as exc:
         raise Refusal(ErrorKind.INTERNAL, str(exc)) from exc
     max_seq_len = min(p.max_seq_len for p in pools.values())
+    if spec.task != "generate":
+        return _plan_pooling(spec, req, pools, max_seq_len)
     loops = spec.graph_loops()
     decode_iters = loops.get(spec.decode_loop)
     if req.prompt_len >= max_seq_len:
@@ -177,6 +179,23 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
                           f"the request needs {cfg.total_pages} KV pages of pool {name!r}, "
                           f"which holds {pools[name].num_pages} in all", "max_tokens")
     return msgspec.structs.replace(req, max_tokens=max_tokens, loop_caps=caps, kv_configs=configs)
+
+
+def _plan_pooling(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfig],
+                  max_seq_len: int) -> NewRequest:
+    """A pooling request (embeddings, scores): its prompt and no output. The model's max
+    length bounds the input (sentence-transformers' `max_seq_length`), never cut here."""
+    if req.prompt_len > max_seq_len:
+        raise Refusal(ErrorKind.TOO_LONG,
+                      f"input is {req.prompt_len} tokens; the model's max length is {max_seq_len} "
+                      "(set truncate_prompt_tokens to cut it)", "input")
+    configs = spec.kv_configs(req.kv_layout, {}, pools)
+    for name, cfg in configs.items():
+        if cfg.total_pages > pools[name].num_pages:
+            raise Refusal(ErrorKind.TOO_LONG, f"the input needs {cfg.total_pages} KV pages of pool {name!r}, "
+                                              f"which holds {pools[name].num_pages} in all", "input")
+    # max_tokens 1: the engine's one output is the pooled result, no token
+    return msgspec.structs.replace(req, max_tokens=1, loop_caps={}, kv_configs=configs)
 
 
 def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple[WorkerState, dict[str, int]]:

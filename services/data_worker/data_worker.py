@@ -78,10 +78,27 @@ class DataWorker:
                 raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size}), got {bad[0]}")
             ids = list(req.input_ids)
         else:
-            ids = self.tok.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens).ids
+            ids = self._encode(req.prompt or "", req.add_special_tokens, req.options.get("truncate_prompt_tokens"))
+        cut = req.options.get("truncate_prompt_tokens")
+        if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0:
+            ids = ids[:cut]  # ids the client sent: its first `cut`
         if not ids:
             raise ValueError("the prompt is empty after tokenization")
         return ids
+
+    def _encode(self, text: str, specials: bool, cut: object) -> list[int]:
+        """`text`'s ids; with `cut` (truncate_prompt_tokens), at most that many, cut as
+        the tokenizer's own truncation does (sentence-transformers' way: the special tokens
+        kept at both ends). The tokenizer is shared, so its truncation is set and unset
+        within this one synchronous call."""
+        tok = self.tok.tokenizer
+        if not isinstance(cut, int) or isinstance(cut, bool) or cut <= 0:
+            return tok.encode(text, add_special_tokens=specials).ids
+        tok.enable_truncation(cut)
+        try:
+            return tok.encode(text, add_special_tokens=specials).ids
+        finally:
+            tok.no_truncation()
 
     def prepare(self, req: GenerateRequest):
         """(prompt ids, ProcessPromptOutput, the engine's metadata) for the request; raises

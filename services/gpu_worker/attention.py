@@ -87,7 +87,8 @@ class PrefillChunk:
     q_end: int
     pages: torch.Tensor  # int32 [n_pages]
     kv_len: int
-    mask: torch.Tensor | None  # bool [q, kv_len] or None when plain causal (no cached rows)
+    mask: torch.Tensor | None  # bool [q, kv_len] or None when plain causal (no cached rows), or not causal
+    causal: bool = True  # False: every query row sees every held row (an encoder's attention)
 
 
 @dataclass
@@ -148,7 +149,7 @@ class AttnMetadata:
                                  for k, v in vars(view).items()})
 
         prefills = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len,
-                                 None if c.mask is None else c.mask.to(device)) for c in self.prefills]
+                                 None if c.mask is None else c.mask.to(device), c.causal) for c in self.prefills]
         return AttnMetadata(self.slot_pages.to(device), self.slot_offsets.to(device), self.window, prefills,
                             move(self.decode), move(self.flashinfer))
 
@@ -200,7 +201,10 @@ class MetadataBuilder:
     #: whether the backend reads FlashInfer's CSR page table
     csr = False
 
-    def build(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> AttnMetadata:
+    def build(self, rows: list[AttnRows], page_size: int, window: int | None = None,
+              causal: bool = True) -> AttnMetadata:
+        """`causal=False`: every new row sees every row its request holds (an encoder's
+        prompt, which runs whole; no decode entries)."""
         step = _Step()
         slot_pages, slot_offsets, csr = step.slot_pages, step.slot_offsets, step.csr
         t = 0
@@ -222,6 +226,9 @@ class MetadataBuilder:
                 csr[3].append(t + new)
             elif is_decode:
                 step.entries.append((used, first_row, kv_len, cached, new, t))
+            elif not causal:
+                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
+                                                  False))
             elif first_row == 0 and cached == 0 and window is None:
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None))
             else:  # cached rows or a window: an explicit mask (else torch's plain causal fast path)
@@ -462,7 +469,7 @@ def paged_attention(
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if chunk.mask is None:
-            o = _sdpa(qp, k, v, scale, softcap, is_causal=True, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True)
         else:
             o = _sdpa(qp, k, v, scale, softcap, attn_mask=chunk.mask, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)

@@ -22,7 +22,9 @@ from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer
 from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool
+from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
+from services.gpu_worker.pooling_runner import PoolingRunner
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
@@ -31,7 +33,7 @@ from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
-from shared.specs.base import PromptRequest, refuse_runner_gaps
+from shared.specs.base import ModelSpec, PromptRequest, refuse_runner_gaps
 
 log = logging.getLogger("mstar.build")
 
@@ -41,6 +43,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "decoder": (ModelRunner, None),
     "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
+    "pooling": (PoolingRunner, None),
 }
 
 
@@ -66,9 +69,14 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     if k and (spec.engine != "decoder" or any(lab.window is not None for lab in spec.kv_labels)):
         log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
         k = 0
+    if spec.whole_prompts and max_batch_tokens < max_seq_len:
+        # a prompt runs in one step: the budget must hold the longest, or it would wait forever
+        log.warning("max_batch_tokens %d raised to the model's max length %d: its prompts run whole",
+                    max_batch_tokens, max_seq_len)
+        max_batch_tokens = max_seq_len
     limits = Limits(max_num_seqs, max_batch_tokens, max_seq_len, max_admissions, itl_target_s,
                     max_logit_rows(spec.vocab_size))
-    scheduler = Scheduler(kv, limits, spec.step_loops, k)
+    scheduler = Scheduler(kv, limits, spec.step_loops, k, spec.whole_prompts)
     outputs = OutputProcessor(spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
     return Engine(kv, scheduler, runner, outputs, ngram, guides)
@@ -91,9 +99,9 @@ class Assembled:
     """Everything a worker process serves with."""
 
     source: ModelSource
-    spec: object
+    spec: ModelSpec
     pools: dict
-    model: torch.nn.Module
+    model: ModelBase
     kv: KVManager
     engine: Engine
 

@@ -14,7 +14,8 @@ the output processor read it.
 
 Requests join the running batch between steps, and prefill chunks share a step with
 decode rows under a token budget. Every model runs through this one loop; what is special
-about a kind of model is its runner (encdec_runner.py for Whisper). A failed forward fails
+about a kind of model is its runner (encdec_runner.py for Whisper, pooling_runner.py for
+embedding and scoring models, whose one step ends the request with its pooled result). A failed forward fails
 the requests in it; a layout violation fails only its request; every page a request held
 returns to its pool however it ends.
 """
@@ -117,10 +118,11 @@ class Engine:
                     make_generator(req.sampling.seed), iters=dict.fromkeys(self.scheduler.loops, 0),
                     ready=not self.runner.needs_prepare,
                     inputs=inputs, metadata=dict(req.metadata))
-        if req.sampling.constrained:
+        grammar = req.sampling.grammar
+        if grammar is not None:  # constrained
             if self.guides is None:
                 raise ValueError("this worker has no tokenizer for constrained decoding")
-            r.guide = self.guides.new(req.sampling.grammar)
+            r.guide = self.guides.new(grammar)
         elif self.ngram is not None and req.sampling.greedy:
             r.proposer = NgramProposer(*self.ngram)  # a constrained request does not speculate
         self._sampling_extras(r)
@@ -168,7 +170,7 @@ class Engine:
         # a layout violation fails its request alone
         gone = {id(f.request) for f in self._fail_each(self.scheduler.commit(plan, kept, labels), res)}
         for entry, k in zip(plan.entries, kept):
-            if id(entry.request) in gone or not k.tokens:
+            if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue
             emitted = self.outputs.emit(entry.request, k.tokens)
             res.outputs.append((emitted.reply_to, emitted.output))
@@ -242,7 +244,8 @@ class Engine:
         """End every request (at shutdown); pages all return to the pools."""
         res = StepResult()
         for r in list(self.scheduler.running) + list(self.scheduler.waiting):
-            _, pages = self.scheduler.remove(r.request_id)
-            res.finished.append(Finished(r.request_id, pages, "error"))
+            found = self.scheduler.remove(r.request_id)
+            assert found is not None  # it was running or waiting
+            res.finished.append(Finished(r.request_id, found[1], "error"))
             res.errors.append((r.reply_to, error_frame(r.request_id, kind, message)))
         return res

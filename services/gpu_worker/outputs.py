@@ -48,7 +48,11 @@ class OutputProcessor:
 
     def emit(self, req: Request, toks: list[int]) -> Emitted:
         """Append the step's tokens (several after a verify step) as one Output; the first
-        stop condition met ends the request and drops what follows."""
+        stop condition met ends the request and drops what follows. A pooling request's
+        result is its one output, which ends it."""
+        if req.pooled is not None:
+            out = Output(req.request_id, [], "stop", len(req.prompt), 0, pooled=req.pooled)
+            return Emitted(out, req.reply_to, True, True)
         finish = None
         sp = req.sampling
         for n, tok in enumerate(toks, 1):

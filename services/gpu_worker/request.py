@@ -54,6 +54,8 @@ class Request:
     step_logprobs: list[Any] = field(default_factory=list)
     #: prompt tokens' logprobs computed so far, sent with the first output (when asked)
     prompt_logprobs: list[Any] = field(default_factory=list)
+    #: a pooling request's result (float32 bytes), set by the step that ran its prompt
+    pooled: bytes | None = None
 
     @property
     def tokens_len(self) -> int:

@@ -66,8 +66,11 @@ class Limits:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, limits: Limits, step_loops: tuple[str, ...], speculative_k: int = 0) -> None:
+    def __init__(self, kv: KVManager, limits: Limits, step_loops: tuple[str, ...], speculative_k: int = 0,
+                 whole_prompts: bool = False) -> None:
         self.kv = kv
+        #: a prompt runs in one step or waits (an encoder's bidirectional attention)
+        self.whole_prompts = whole_prompts
         self.limits = limits
         #: the loops a decode step iterates: drafts never run any of them past its cap
         self.loops = step_loops
@@ -220,6 +223,8 @@ class Scheduler:
                     break
                 seconds -= self.costs.predict(_shape(r, n, left)) - self.costs.predict(StepShape())
                 floor -= n
+            if self.whole_prompts and n < left:
+                break  # it waits for a step with room for all of it, and nothing behind it jumps ahead
             if scored:
                 logit_rows -= n
             plan.entries.append(PlanEntry(r, n, False))
@@ -251,6 +256,7 @@ class Scheduler:
         left = min(req.caps.get(loop, 0) - req.iters[loop] for loop in self.loops)
         k = min(self.speculative_k, budget, left - 1,
                 req.max_tokens - len(req.output) - 1, self.limits.max_seq_len - req.tokens_len - 1)
+        assert req.proposer is not None  # asked only for a request that speculates
         return req.proposer.propose(req.prompt + req.output, k) if k > 0 else []
 
 

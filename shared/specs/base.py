@@ -56,9 +56,21 @@ class PromptRequest:
 
 
 class ModelSpec(ABC):
-    #: which runner its steps need: "decoder" (services/gpu_worker/runner.py) or
-    #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding)
+    #: which runner its steps need: "decoder" (services/gpu_worker/runner.py),
+    #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding) or
+    #: "pooling" (pooling_runner.py: a prompt's forward, pooled; no decode loop)
     engine: str = "decoder"
+    #: what its requests ask: "generate" (tokens), "embed" (a vector per input) or "score"
+    #: (a classifier's scores of a text pair); the api routes by it
+    task: str = "generate"
+    #: a prompt runs in one step, never in chunks (bidirectional attention sees every row)
+    whole_prompts: bool = False
+    #: a pooling model's output width (0 for generating models), and whether a client may
+    #: ask for fewer dimensions (a Matryoshka-trained embedding model)
+    dimensions: int = 0
+    matryoshka: bool = False
+    #: a pooling model's vectors are L2-normalized (sentence-transformers' Normalize module)
+    normalize: bool = False
     #: True for models whose requests are audio (the data worker needs a file)
     takes_audio: bool = False
     #: the loop that emits one token per iteration (its cap bounds max_tokens)
@@ -72,6 +84,8 @@ class ModelSpec(ABC):
     begin_suppress_tokens: tuple[int, ...] = ()
     #: the width of the model's logits rows (its LM head's vocabulary); 0: not known
     vocab_size: int = 0
+    #: the longest request, prompt and output rows (each family's constructor sets it)
+    max_seq_len: int
 
     @property
     def step_loops(self) -> tuple[str, ...]:
@@ -204,6 +218,17 @@ class DecoderRunnerSpec(RunnerSpec, Protocol):
 
     layer_labels: list[str]
     config: Any
+
+
+@runtime_checkable
+class PoolingRunnerSpec(RunnerSpec, Protocol):
+    """The pooling runner's (pooling_runner.py): how rows become one vector, and whether
+    it is normalized; `heads` for the attention backend's pick."""
+
+    label_name: str
+    pooling: str
+    normalize: bool
+    heads: int
 
 
 @runtime_checkable

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import ModelSpec
 from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.encoder import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
     NULL_ARCHITECTURE: NullLMSpec,
     WHISPER_ARCHITECTURE: WhisperSpec,
+    **dict.fromkeys(EMBED_ARCHITECTURES + SCORE_ARCHITECTURES, EncoderSpec),
 }
 
 

@@ -87,8 +87,24 @@ class EncoderDecoderModel(ModelBase):
                 sample_rows: torch.Tensor) -> torch.Tensor: ...
 
 
-#: the spec's `engine` kind -> the base class its torch model must have
-ENGINE_MODELS: dict[str, type[ModelBase]] = {
+class PoolingModel(ModelBase):
+    """An encoder whose rows are pooled into one vector per request, with no decode loop:
+    `forward(input_ids [T], positions [T], token_types [T], kv_caches, metas)` -> hidden
+    states [T, hidden] (layer i's pool tensor and metadata as a decoder's); `score` maps
+    pooled rows to a classifier's logits (cross-encoders)."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+                kv_caches: list[torch.Tensor], metas: list[AttnMetadata]) -> torch.Tensor: ...
+
+    def score(self, pooled: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} has no classifier head")
+
+
+#: the spec's `engine` kind -> the base class its torch model must have (abstract, for
+#: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
+ENGINE_MODELS: dict[str, ABCMeta] = {
     "decoder": DecoderModel,
     "encoder_decoder": EncoderDecoderModel,
+    "pooling": PoolingModel,
 }
