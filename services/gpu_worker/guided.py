@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = logging.getLogger("mstar.guided")
 
@@ -62,9 +66,9 @@ class Guides:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
-        self._tokenizer = None
+        self._tokenizer: llguidance.LLTokenizer | None = None
 
-    def tokenizer(self):
+    def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             import llguidance
 

@@ -139,6 +139,7 @@ class Pool:
     def take(self) -> int:
         """A page given back before; else, past the resident budget, the least recently used
         cached one; else a fresh one; else a cached one."""
+        page: int | None
         if self.free:
             page = self.free.pop()
         elif self.index.evictable and self.fresh >= max(self.peak_held, MIN_RESIDENT_PAGES):
@@ -330,7 +331,7 @@ class KVManager:
         if st.key_ids and self.prefix_cache:
             self._index_full_pages(st)
         if st.label.window is not None:
-            self._retain(kv, st)
+            self._retain(kv, st, st.label.window)
         self._check_conservation()
 
     def _index_full_pages(self, st: LabelState) -> None:
@@ -343,10 +344,10 @@ class KVManager:
             st.key_parent = index.insert(st.key_parent, st.key_pages[i], st.pages[i])
             st.keyed_pages += 1
 
-    def _retain(self, kv: RequestKV, st: LabelState) -> None:
-        """Release pages wholly behind the window; drop them from the label's page list so
+    def _retain(self, kv: RequestKV, st: LabelState, window: int) -> None:
+        """Release pages wholly behind the label's `window`; drop them from its page list so
         the footprint check compares live pages with the windowed footprint."""
-        first_kept = max(0, st.rows - st.label.window) // st.page_size
+        first_kept = max(0, st.rows - window) // st.page_size
         while st.first_page < first_kept and st.pages:
             self._release(st, st.pages.pop(0))
             st.first_page += 1

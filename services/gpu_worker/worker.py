@@ -241,7 +241,7 @@ class GpuWorker:
         trimmed = True
         while self.running:
             wait = self.gather.wait_s()
-            timeout = wait * 1e3 if wait else 0 if self.engine.has_work else 50
+            timeout = int(wait * 1e3) if wait else 0 if self.engine.has_work else 50  # ms (pyzmq truncates too)
             if poller.poll(timeout):
                 while True:
                     try:

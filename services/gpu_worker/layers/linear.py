@@ -244,7 +244,7 @@ def pack_linears(module: nn.Module, keep_plain: bool = True) -> int:
     return swapped
 
 
-def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead | None = None,
+def warm_packed(module: nn.Module, max_rows: int, head: KernelHead | PackedHead | nn.Module | None = None,
                 max_head_rows: int = 0) -> int:
     """Build oneDNN's kernel for every row bucket of every packed weight shape under
     `module` (and of `head` up to `max_head_rows`) now, at start-up, rather than under load;

@@ -11,8 +11,8 @@ RoPE per layer type.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Linear | QuantLinear | None = None
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (loaded under HF's three names, then concatenated)."""
@@ -126,7 +126,7 @@ class MLP(nn.Module):
         #: silu (the C kernels' activation) or GELU with the tanh approximation (Gemma)
         self.silu = cfg.hidden_act == "silu"
 
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Linear | QuantLinear | None = None
         #: gate/up GEMM and silu * up in one C call (CPU, the GEMM kernel's path)
         self.gate_up_silu: KernelGateUpSilu | None = None
 
@@ -175,17 +175,19 @@ class MLP(nn.Module):
 def _concat_linears(parts: list[nn.Linear | QuantLinear]) -> nn.Linear | QuantLinear | None:
     """One Linear whose output is the parts' outputs side by side (weights concatenated);
     None where they cannot be (GGUF weights kept quantized in different forms, or some not)."""
-    if any(isinstance(p, QuantLinear) for p in parts):
-        fused = QuantLinear.concat(parts) if all(isinstance(p, QuantLinear) for p in parts) else None
-        if fused is not None:  # the parts' pages mapped from the repack cache are not read again
-            repack_cache.release([t for p in parts for t in (p.w, p.d, p.m)])
-        return fused
-    w = torch.cat([p.weight.detach() for p in parts], dim=0)
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
-    fused.weight = nn.Parameter(w, requires_grad=False)
-    if parts[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
-    return fused
+    quants = [p for p in parts if isinstance(p, QuantLinear)]
+    if quants:
+        joined = QuantLinear.concat(quants) if len(quants) == len(parts) else None
+        if joined is not None:  # the parts' pages mapped from the repack cache are not read again
+            repack_cache.release([t for p in quants for t in (p.w, p.d, p.m)])
+        return joined
+    linears = cast("list[nn.Linear]", parts)  # none is quantized
+    w = torch.cat([p.weight.detach() for p in linears], dim=0)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if linears[0].bias is not None:
+        out.bias = nn.Parameter(torch.cat([p.bias.detach() for p in linears]), requires_grad=False)
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -256,7 +258,7 @@ class DecoderLM(DecoderModel):
 
     def reset_buffers(self) -> None:
         """The RoPE tables (not in any checkpoint), once the model is off the meta device."""
-        for rotary in self.rotaries.values():
+        for rotary in cast("Iterable[Rotary]", self.rotaries.values()):
             rotary.reset_buffers()
 
     #: the LM head through the C GEMM or oneDNN (CPU float32) or on quantized GGUF weights,
@@ -270,7 +272,8 @@ class DecoderLM(DecoderModel):
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
         one GEMM each, and on the CPU put every GEMM weight in the C kernel's (else
         oneDNN's) layout."""
-        for layer in self.model.layers:
+        layers = cast("Iterable[DecoderLayer]", self.model.layers)
+        for layer in layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
         head = self.model.embed_tokens if self.tied else self.lm_head
@@ -280,7 +283,7 @@ class DecoderLM(DecoderModel):
         else:
             self.head = make_head(head.weight.detach())
         if isinstance(self.head, KernelHead):
-            for layer in self.model.layers:
+            for layer in layers:
                 layer.mlp.fuse_silu()
         if self.head is not None:
             pack_linears(self.model.layers)
@@ -302,9 +305,10 @@ class DecoderLM(DecoderModel):
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        ropes = {t: rot.tables(positions, x.dtype) for t, rot in self.rotaries.items()}
-        stack = self.cpu_stack
-        if stack is None or not stack.run(x, ropes.get(FULL), kv_caches, metas):
+        rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
+        ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
+        stack, full = self.cpu_stack, ropes.get(FULL)  # a stack is built for all-FULL models only
+        if stack is None or full is None or not stack.run(x, full, kv_caches, metas):
             for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
                 x = layer(x, ropes[kind], cache, meta)
         x = self.model.norm(x[sample_rows])

@@ -13,6 +13,9 @@ then attention with scale 1), and Whisper's `scale_embedding` is not applied.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -176,7 +179,7 @@ class WhisperModel(EncoderDecoderModel):
                     cross_meta: AttnMetadata) -> None:
         """Each decoder layer's cross K/V of the encoder rows, into the "cross" pages the
         metadata's slots name (rows of several requests may be concatenated)."""
-        for layer, cache in zip(self.model.decoder.layers, cross_caches):
+        for layer, cache in zip(cast("Iterable[DecoderLayer]", self.model.decoder.layers), cross_caches):
             k, v = layer.encoder_attn.kv(encoder_rows)
             write_kv(cache, k, v, cross_meta)
 
