@@ -43,7 +43,10 @@ class PoolingRunner(ModelRunner):
         """One forward over every entry's whole prompt; each entry's pooled result on its
         request. No token is sampled."""
         label = self.spec.label_name
-        rows, ids, types, positions = [], [], [], []
+        rows: list[AttnRows] = []
+        ids: list[int] = []
+        types: list[int] = []
+        positions: list[int] = []
         for e in plan.entries:
             r, n = e.request, e.rows
             if r.num_computed != 0 or n != len(r.prompt):
