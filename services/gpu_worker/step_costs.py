@@ -54,7 +54,7 @@ class StepShape(NamedTuple):
     sampled: int = 0
     keys: int = 0
 
-    def __add__(self, other: StepShape) -> StepShape:  # type: ignore[override]
+    def __add__(self, other: StepShape) -> StepShape:  # type: ignore[override]  # element-wise, not tuple's concat
         return StepShape(self.rows + other.rows, self.sampled + other.sampled, self.keys + other.keys)
 
 
