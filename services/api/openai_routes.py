@@ -28,6 +28,7 @@ from services.api.openai_params import (
     with_prompt,
 )
 from services.api.reasoning import after_thinking, prompt_state, thinks
+from services.api.schemas import ModelCard, ModelList
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
@@ -36,24 +37,21 @@ from services.api.transcription import TranscriptionReply, language_code, requir
 from services.api.validation import GenerateParams
 from shared.errors import ErrorKind
 
-OWNED_BY = "mstar"
 
-
-def _model_card(state: ApiState) -> dict[str, Any]:
+def _model_card(state: ApiState) -> ModelCard:
     """OpenAI's model object plus vLLM's `max_model_len` (the deployment's max_seq_len)."""
-    return {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": OWNED_BY,
-            "max_model_len": state.settings.max_model_len}
+    return ModelCard(state.settings.model_name, state.created, state.settings.max_model_len)
 
 
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the one served model."""
-    return json_response({"object": "list", "data": [_model_card(api_state(request))]})
+    return json_response(ModelList([_model_card(api_state(request))]))
 
 
 async def get_model(request: Request) -> Response:
     """GET /v1/models/{model}: the served model, or 404 model_not_found."""
     state = api_state(request)
-    check_model({"model": request.path_params["model"]}, state.settings.model_name)
+    check_model(request.path_params["model"], state.settings.model_name)
     return json_response(_model_card(state))
 
 

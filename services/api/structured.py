@@ -1,8 +1,8 @@
 """Structured outputs: the request fields that constrain what a model may write, compiled
 to one llguidance grammar that the gpu worker's sampler enforces token by token.
 
-Accepted, at most one per request (each is a 400 naming the field when it is malformed or
-does not compile, with llguidance's reason):
+Accepted, at most one per request (their shapes are declared in `schemas.py`; a value that
+does not compile is a 400 naming the field, with llguidance's reason):
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`
   (any JSON object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
 - vLLM's `structured_outputs`: one of `json` (a schema, object or string), `regex`, `choice`
@@ -18,20 +18,21 @@ never ignored.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from services.api.errors import invalid
 
-#: the request fields this module reads (the routes accept them)
-STRUCTURED_FIELDS: frozenset[str] = frozenset(
-    {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
+if TYPE_CHECKING:  # schemas imports tools, which imports this module
+    from services.api.schemas import (
+        ConstrainedFields,
+        JsonObjectFormat,
+        JsonSchemaFormat,
+        StructuredOutputs,
+        TextFormat,
+    )
+
 #: the keys of vLLM's `structured_outputs` that name a constraint
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-#: vLLM's options beside them that change nothing here
-STRUCTURED_NEUTRAL = frozenset({"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                                "whitespace_pattern", "backend"})
-MAX_CHOICES = 1024
 #: JSON the model writes is compact-friendly but may use whitespace as the schema allows
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
@@ -42,8 +43,7 @@ def _llg():
     return llguidance.LLMatcher
 
 
-
-def _schema(value: Any, param: str) -> dict[str, Any] | bool:
+def _schema(value: dict[str, Any] | bool | str, param: str) -> dict[str, Any] | bool:
     """A JSON schema given as an object, a boolean, or a JSON string of one."""
     if isinstance(value, str):
         try:
@@ -62,23 +62,7 @@ def _from_schema(schema: dict[str, Any] | bool, param: str) -> str:
         raise invalid(param, f"{param} is not a usable JSON schema: {exc}") from None
 
 
-def _from_regex(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise invalid(param, f"{param} must be a non-empty string (a regular expression)")
-    return _llg().grammar_from_regex(value)
-
-
-def _from_choice(value: Any, param: str) -> str:
-    if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
-            or not all(isinstance(c, str) and c for c in value)):
-        raise invalid(param, f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings")
-    # a Lark rule of string literals (JSON strings are valid Lark literals)
-    return _llg().grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value)))
-
-
-def _from_grammar(value: Any, param: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise invalid(param, f"{param} must be a non-empty string (a Lark grammar, or GBNF with ::=)")
+def _from_grammar(value: str, param: str) -> str:
     if "::=" in value:
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -89,57 +73,36 @@ def _from_grammar(value: Any, param: str) -> str:
     return _llg().grammar_from_lark(value)
 
 
-def _response_format(value: Any) -> tuple[str, str] | None:
-    param = "response_format"
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise invalid(param, 'response_format must be an object with "type": "text", "json_object" or "json_schema"')
-    kind = value["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return _from_schema({"type": "object"}, param), param
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise invalid("response_format.json_schema",
-                       'response_format.json_schema must be an object with "name" and "schema"')
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise invalid("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
-        param = "response_format.json_schema.schema"
-        return _from_schema(_schema(spec["schema"], param), param), param
-    raise invalid(param, f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}')
-
-
-def _structured_outputs(value: Any) -> tuple[str, str] | None:
-    param = "structured_outputs"
-    if not isinstance(value, dict):
-        raise invalid(param, f"structured_outputs must be an object with one of {', '.join(STRUCTURED_KINDS)}")
-    unknown = sorted(set(value) - set(STRUCTURED_KINDS) - STRUCTURED_NEUTRAL)
-    if unknown:
-        raise invalid(f"structured_outputs.{unknown[0]}",
-                   f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(STRUCTURED_KINDS)}")
-    kinds = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
-    if len(kinds) != 1:
-        raise invalid(param, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}, "
-                          f"got {kinds or 'none'}")
-    kind = kinds[0]
-    param = f"structured_outputs.{kind}"
-    return _compile(kind, value[kind], param), param
-
-
 def _compile(kind: str, value: Any, param: str) -> str:
+    """The grammar of one constraint, its value already of the declared type."""
     if kind == "json":
         return _from_schema(_schema(value, param), param)
     if kind == "json_object":
-        if value is not True:
-            raise invalid(param, f"{param} must be true")
         return _from_schema({"type": "object"}, param)
     if kind == "regex":
-        return _from_regex(value, param)
-    if kind == "choice":
-        return _from_choice(value, param)
+        return _llg().grammar_from_regex(value)
+    if kind == "choice":  # a Lark rule of string literals (JSON strings are valid Lark literals)
+        return _llg().grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value)))
     return _from_grammar(value, param)
+
+
+def _response_format(value: TextFormat | JsonObjectFormat | JsonSchemaFormat) -> tuple[str, str] | None:
+    kind = type(value).__struct_config__.tag
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _compile("json_object", True, "response_format"), "response_format"
+    param = "response_format.json_schema.schema"
+    return _compile("json", cast("JsonSchemaFormat", value).json_schema.schema, param), param
+
+
+def _structured_outputs(value: StructuredOutputs) -> tuple[str, str]:
+    kinds = [k for k in STRUCTURED_KINDS if getattr(value, k) not in (None, False)]
+    if len(kinds) != 1:
+        raise invalid("structured_outputs", "structured_outputs must set exactly one of "
+                      f"{', '.join(STRUCTURED_KINDS)}, got {kinds or 'none'}")
+    param = f"structured_outputs.{kinds[0]}"
+    return _compile(kinds[0], getattr(value, kinds[0]), param), param
 
 
 def validated(grammar: str, param: str) -> str:
@@ -150,22 +113,18 @@ def validated(grammar: str, param: str) -> str:
     return grammar
 
 
-def parse_structured(obj: Mapping[str, Any]) -> str | None:
-    """The llguidance grammar the request's structured-output fields ask for (None: none),
-    compiled and checked; raises `ApiError` (400) naming the field."""
+def parse_structured(req: ConstrainedFields) -> str | None:
+    """The llguidance grammar a decoded body's structured-output fields ask for (None:
+    none), compiled and checked; raises `ApiError` (400) naming the field."""
     found: list[tuple[str, str]] = []
-    if obj.get("response_format") is not None:
-        got = _response_format(obj["response_format"])
-        if got is not None:
-            found.append(got)
-    if obj.get("structured_outputs") is not None:
-        got = _structured_outputs(obj["structured_outputs"])
-        if got is not None:
-            found.append(got)
+    if req.response_format is not None and (got := _response_format(req.response_format)) is not None:
+        found.append(got)
+    if req.structured_outputs is not None:
+        found.append(_structured_outputs(req.structured_outputs))
     for kind in ("json", "regex", "choice", "grammar"):
         name = f"guided_{kind}"
-        if obj.get(name) is not None:
-            found.append((_compile(kind, obj[name], name), name))
+        if getattr(req, name) is not None:
+            found.append((_compile(kind, getattr(req, name), name), name))
     if not found:
         return None
     if len(found) > 1:

@@ -13,9 +13,9 @@ request and reply shapes).
   and the limit.
 - `GET /version`: `{"version"}`, mstar's.
 
-`model`, when given, must be the served name (404 `model_not_found`, as the OpenAI
-routes); an unknown field is a 400 naming it. Nothing here reaches the other services:
-the api's own tokenizer answers.
+The bodies are declared in `schemas.py`; `model`, when given, must be the served name
+(404 `model_not_found`, as the OpenAI routes); an unknown field is a 400 naming it.
+Nothing here reaches the other services: the api's own tokenizer answers.
 """
 
 from __future__ import annotations
@@ -26,88 +26,69 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.errors import ApiError
+from services.api.errors import invalid
 from services.api.openai_params import check_model, parse_messages
+from services.api.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from services.api.serving import api_state, json_response, read_body
 from services.api.state import ApiState
-from services.api.validation import decode_json_object, get_bool, is_int, json_repr
-from shared.errors import ErrorKind
+from services.api.validation import decode_json_object, load
 from shared.version import mstar_version
 
-PROMPT_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
-CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-               "return_token_strs")
-DETOKENIZE_FIELDS = ("model", "tokens")
 
-
-def _check_fields(obj: Mapping[str, Any], allowed: tuple[str, ...], form: str) -> None:
-    for name in obj:
-        if name not in allowed:
-            raise ApiError(ErrorKind.INVALID, f"unknown field {name!r}{form}; allowed fields: "
-                           f"{', '.join(sorted(allowed))}", name)
-
-
-def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = get_bool(obj, name)
-    return default if value is None else value
-
-
-def _render_chat(obj: Mapping[str, Any], state: ApiState) -> str:
+def _render_chat(req: TokenizeChatRequest, state: ApiState) -> str:
     """The chat prompt as `/v1/chat/completions` would send it (or its variants)."""
-    messages = parse_messages(obj)
-    add_generation_prompt = _flag(obj, "add_generation_prompt", True)
-    continue_final = _flag(obj, "continue_final_message", False)
+    messages = parse_messages(req.messages)
+    add_generation_prompt = req.add_generation_prompt is not False
+    continue_final = bool(req.continue_final_message)
     if add_generation_prompt and continue_final:
-        raise ApiError(ErrorKind.INVALID, "continue_final_message and add_generation_prompt cannot both be true; "
-                       "set add_generation_prompt to false", "continue_final_message")
+        raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                      "true; set add_generation_prompt to false")
     if state.chat_template is None:
-        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
-                       "tokenize a formatted prompt instead", "messages")
+        raise invalid("messages", f"the model `{state.settings.model_name}` has no chat template; "
+                      "tokenize a formatted prompt instead")
     return state.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final)
 
 
-def tokenize_body(obj: Mapping[str, Any], state: ApiState) -> dict[str, Any]:
-    """A validated `/tokenize` body -> its reply."""
-    if "messages" in obj and "prompt" in obj:
-        raise ApiError(ErrorKind.INVALID, "give prompt or messages, not both", "messages")
+def tokenize_body(obj: Mapping[str, Any], state: ApiState) -> TokenizeResponse:
+    """A `/tokenize` body (`schemas.TokenizeCompletionRequest` or `TokenizeChatRequest`,
+    by whether it has `messages`) -> its reply."""
+    req: TokenizeCompletionRequest | TokenizeChatRequest
     if "messages" in obj:
-        _check_fields(obj, CHAT_FIELDS, " with messages")
+        if "prompt" in obj:
+            raise invalid("messages", "give prompt or messages, not both")
+        req = load(obj, TokenizeChatRequest, " with messages")
+        check_model(req.model, state.settings.model_name)
+        text = _render_chat(req, state)
+        special = req.add_special_tokens is True  # the template holds them (vLLM's default)
     else:
-        _check_fields(obj, PROMPT_FIELDS, " with prompt")
-    check_model(obj, state.settings.model_name)
-    token_strs = _flag(obj, "return_token_strs", False)
-    if "messages" in obj:
-        text = _render_chat(obj, state)
-        special = _flag(obj, "add_special_tokens", False)  # the template holds them (vLLM's default)
-    else:
-        text = obj.get("prompt")
-        if not isinstance(text, str):
-            raise ApiError(ErrorKind.INVALID, f"prompt is required: a string (or give messages), got {json_repr(text)}",
-                           "prompt")
-        special = _flag(obj, "add_special_tokens", True)
+        req = load(obj, TokenizeCompletionRequest, " with prompt")
+        check_model(req.model, state.settings.model_name)
+        text, special = req.prompt, req.add_special_tokens is not False
     tokenizer = state.tokenizer
     ids = tokenizer.encode(text, add_special_tokens=special).ids
-    reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.settings.max_model_len, "tokens": ids}
-    if token_strs:
-        reply["token_strs"] = [tokenizer.id_to_token(i) or "" for i in ids]
-    return reply
+    strs = [tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+    return TokenizeResponse(len(ids), state.settings.max_model_len, ids, strs)
 
 
-def detokenize_body(obj: Mapping[str, Any], state: ApiState) -> dict[str, Any]:
-    """A validated `/detokenize` body -> its reply."""
-    _check_fields(obj, DETOKENIZE_FIELDS, "")
-    check_model(obj, state.settings.model_name)
-    tokens = obj.get("tokens")
-    if not isinstance(tokens, list):
-        raise ApiError(ErrorKind.INVALID, f"tokens is required: a list of token ids, got {json_repr(tokens)}",
-                       "tokens")
+def detokenize_body(obj: Mapping[str, Any], state: ApiState) -> DetokenizeResponse:
+    """A `/detokenize` body (`schemas.DetokenizeRequest`) -> its reply; the ids must be
+    of the vocabulary (a limit known at run time)."""
+    req = load(obj, DetokenizeRequest)
+    check_model(req.model, state.settings.model_name)
     vocab = state.tokenizer.get_vocab_size(with_added_tokens=True)
-    for i, tok in enumerate(tokens):
-        if not is_int(tok) or not 0 <= tok < vocab:
-            raise ApiError(ErrorKind.INVALID, f"tokens[{i}] is {json_repr(tok)}; token ids must be integers "
-                           f"in [0, {vocab - 1}] (the vocabulary has {vocab} tokens)", "tokens")
-    return {"prompt": state.tokenizer.decode(tokens, skip_special_tokens=False)}
+    for i, tok in enumerate(req.tokens):
+        if not 0 <= tok < vocab:
+            raise invalid("tokens", f"tokens[{i}] is {tok}; token ids must be integers in [0, {vocab - 1}] "
+                          f"(the vocabulary has {vocab} tokens)")
+    return DetokenizeResponse(state.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
 
 async def _json_object(request: Request, state: ApiState) -> dict[str, Any]:
@@ -128,4 +109,4 @@ async def detokenize(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     """GET /version."""
-    return json_response({"version": mstar_version()})
+    return json_response(VersionResponse(mstar_version()))

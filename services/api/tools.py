@@ -31,18 +31,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from services.api.errors import invalid
 from services.api.structured import JSON_OPTIONS
-from services.api.validation import json_repr
+
+if TYPE_CHECKING:  # schemas imports this module (through openai_format)
+    from services.api.schemas import ChatCompletionRequest, HistoryToolCall, ToolDefinition
 
 FORMATS = ("hermes", "llama3_json", "mistral", "mistral_args")
-TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
-MAX_TOOLS = 128
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -95,86 +94,56 @@ class Tools(msgspec.Struct, frozen=True):
 
 
 
-def _function(tool: Any, i: int) -> dict[str, Any]:
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise invalid(where, f'{where} must be {{"type": "function", "function": {{"name", "parameters"}}}}, '
-                          f"got {json_repr(tool)}")
-    fn = tool["function"]
-    unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
-    if unknown:
-        raise invalid(f"{where}.function.{unknown[0]}", f"unknown field {unknown[0]!r} in {where}.function")
-    name = fn.get("name")
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise invalid(f"{where}.function.name", f"{where}.function.name must be 1-64 characters of [A-Za-z0-9_.-], "
-                                             f"got {json_repr(name)}")
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise invalid(f"{where}.function.description", f"{where}.function.description must be a string")
-    params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise invalid(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
-    out = {"name": name, "parameters": params if params is not None else EMPTY_PARAMETERS}
-    if fn.get("description"):
-        out["description"] = fn["description"]
+def _function(tool: ToolDefinition) -> dict[str, Any]:
+    """A tool as templates take it (`parameters` defaults to an empty object)."""
+    fn = tool.function
+    parameters = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
+    out: dict[str, Any] = {"name": fn.name, "parameters": parameters}
+    if fn.description:
+        out["description"] = fn.description
     return {"type": "function", "function": out}
 
 
-def parse_tools(obj: Mapping[str, Any]) -> Tools | None:
-    """The request's tools, or None when it has none or `tool_choice` is "none"."""
-    raw = obj.get("tools")
-    if raw is None or raw == []:
-        choice = obj.get("tool_choice")
+def parse_tools(req: ChatCompletionRequest) -> Tools | None:
+    """The request's tools, or None when it has none or `tool_choice` is "none" (their
+    shapes are declared in `schemas.py`; here, the rules across fields)."""
+    choice = req.tool_choice
+    if not req.tools:
         if choice not in (None, "none", "auto"):
-            raise invalid("tool_choice", f"tool_choice {json_repr(choice)} needs tools")
+            raise invalid("tool_choice", f"tool_choice {msgspec.json.encode(choice).decode()} needs tools")
         return None
-    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise invalid("tools", f"tools must be a list of at most {MAX_TOOLS} tool objects")
-    tools = [_function(t, i) for i, t in enumerate(raw)]
+    tools = [_function(t) for t in req.tools]
     names = [t["function"]["name"] for t in tools]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise invalid("tools", f"tools name function {dup!r} twice")
-    parallel = obj.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("parallel_tool_calls", "parallel_tool_calls must be a boolean")
-    choice = obj.get("tool_choice", "auto")
-    if choice is None:
-        choice = "auto"
     if choice == "none":
         return None
-    if choice in ("auto", "required"):
-        return Tools(tools, choice, parallel=parallel is not False)
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in names:
-            raise invalid("tool_choice.function.name", f"tool_choice names function {json_repr(name)}, "
-                                                    f"which is not in tools ({', '.join(names)})")
-        return Tools([tools[names.index(name)]], "named", name, parallel=False)
-    raise invalid("tool_choice", 'tool_choice must be "none", "auto", "required" or '
-                              f'{{"type": "function", "function": {{"name": ...}}}}, got {json_repr(choice)}')
+    if choice is None or isinstance(choice, str):
+        return Tools(tools, choice or "auto", parallel=req.parallel_tool_calls is not False)
+    name = choice.function.name
+    if name not in names:
+        raise invalid("tool_choice.function.name", f"tool_choice names function {json.dumps(name)}, "
+                                                   f"which is not in tools ({', '.join(names)})")
+    return Tools([tools[names.index(name)]], "named", name, parallel=False)
 
 
-def parse_history_calls(value: Any, where: str) -> list[dict[str, Any]]:
+def parse_history_calls(calls: list[HistoryToolCall], where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, as templates take them (arguments as an object)."""
-    if not isinstance(value, list) or not value:
-        raise invalid(where, f"{where} must be a non-empty list of tool calls")
     out = []
-    for j, call in enumerate(value):
-        at = f"{where}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
-        args = fn.get("arguments", "{}")
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}].function.arguments"
+        args = call.function.arguments
         if isinstance(args, str):
+            text = args
             try:
-                args = json.loads(args) if args.strip() else {}
+                args = json.loads(text) if text.strip() else {}
             except ValueError:
-                raise invalid(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
-                                                       f"got {json_repr(args)}") from None
+                raise invalid(at, f"{at} must be a JSON object (as text), got {json.dumps(text[:60])}") from None
         if not isinstance(args, dict):
-            raise invalid(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object")
-        out.append({"id": str(call.get("id") or ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+            raise invalid(at, f"{at} must be a JSON object")
+        out.append({"id": call.id or "", "type": "function", "function": {"name": call.function.name,
+                                                                          "arguments": args}})
     return out
 
 

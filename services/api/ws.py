@@ -1,9 +1,10 @@
 """`/generate/ws`: many requests over one WebSocket (DESIGN.md section 7).
 
-Client frames: `{"type": "generate", "id": ..., <the /generate fields>}` and
-`{"type": "cancel", "id": ...}`. Server frames: the delta / done / error objects of the SSE
-stream, each carrying the client's `id`. A bad frame gets an error frame (naming the id if
-the frame had a string one) and leaves the socket and every other request alone.
+Client frames (`schemas.GenerateFrame`, `schemas.CancelFrame`): `{"type": "generate", "id":
+..., <the /generate fields>}` and `{"type": "cancel", "id": ...}`. Server frames: the delta /
+done / error objects of the SSE stream, each carrying the client's `id`. A bad frame gets an
+error frame (naming the id if the frame had a string one) and leaves the socket and every
+other request alone.
 
 Choices (documented in the report / docs):
 - `id` is required on both frame types: a string of 1-128 characters, unique among this
@@ -29,24 +30,12 @@ from services.api.errors import ApiError, HttpKind, internal_error
 from services.api.events import DeltaEvent, encode, error_event, generate_event
 from services.api.generation import Generation
 from services.api.metrics import status_label
+from services.api.schemas import CancelFrame, GenerateFrame
 from services.api.state import ApiState
-from services.api.validation import check_fields, decode_json_object, json_repr, parse_generate
+from services.api.validation import decode_json_object, generate_params, json_repr, load
 from shared.errors import ErrorKind
 
 log = logging.getLogger("mstar.api.ws")
-
-ENVELOPE = ("type", "id")
-
-
-def _echo_id(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _client_id(obj: dict[str, Any]) -> str:
-    value = obj.get("id")
-    if not isinstance(value, str) or not 1 <= len(value) <= 128:
-        raise ApiError(ErrorKind.INVALID, f"id must be a string of 1-128 characters, got {json_repr(value)}", "id")
-    return value
 
 
 class WsSession:
@@ -103,7 +92,7 @@ class WsSession:
             if len(data) > limit:
                 raise ApiError(HttpKind.TOO_LARGE, f"frame exceeds {limit} bytes")
             obj = decode_json_object(data, what="frame")
-            client_id = _echo_id(obj.get("id"))
+            client_id = obj["id"] if isinstance(obj.get("id"), str) else None  # echoed on an error
             kind = obj.get("type")
             if kind == "generate":
                 await self._generate(obj)
@@ -124,24 +113,23 @@ class WsSession:
     async def _generate(self, obj: dict[str, Any]) -> None:
         started = time.perf_counter()
         arrival = time.time()
-        client_id = _client_id(obj)
-        if client_id in self.live:
-            raise ApiError(ErrorKind.CONFLICT, f"id {client_id!r} is already live on this socket", "id")
+        frame = load(obj, GenerateFrame)
+        if frame.id in self.live:
+            raise ApiError(ErrorKind.CONFLICT, f"id {frame.id!r} is already live on this socket", "id")
         limit = self.state.settings.ws_max_live
         if len(self.live) >= limit:
             raise ApiError(HttpKind.RATE_LIMITED, f"too many live requests on this socket (limit {limit})")
-        params = parse_generate(obj, envelope=ENVELOPE)
-        gen = await self.state.start_generation(params, client_id=client_id, started=started, arrival_time=arrival)
+        params = generate_params(frame)
+        gen = await self.state.start_generation(params, client_id=frame.id, started=started, arrival_time=arrival)
         stream = True if params.stream is None else params.stream
         task = asyncio.get_running_loop().create_task(self._drive(gen, stream), name=f"ws-{gen.request_id}")
-        self.live[client_id] = (gen, task)
+        self.live[frame.id] = (gen, task)
 
     def _cancel(self, obj: dict[str, Any]) -> None:
-        check_fields(obj, ENVELOPE)
-        client_id = _client_id(obj)
-        entry = self.live.get(client_id)
+        frame = load(obj, CancelFrame)
+        entry = self.live.get(frame.id)
         if entry is None:
-            raise ApiError(HttpKind.NOT_FOUND, f"no live request with id {client_id!r} on this socket", "id")
+            raise ApiError(HttpKind.NOT_FOUND, f"no live request with id {frame.id!r} on this socket", "id")
         entry[0].cancel()  # its task then sends done with finish_reason "abort"
 
     async def _drive(self, gen: Generation, stream: bool) -> None:

@@ -183,9 +183,10 @@ def test_audio_generate_defaults_and_fields() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
-    ({"prompt": "hi"}, "prompt", "prompt must be absent when an audio file is sent: the audio is the prompt"),
+    ({"prompt": "hi"}, "prompt",
+     'prompt must be absent when an audio file is sent: the audio is the prompt, got "hi"'),
     ({"input_ids": "[1, 2]"}, "input_ids",
-     "input_ids must be absent when an audio file is sent: the audio is the prompt"),
+     "input_ids must be absent when an audio file is sent: the audio is the prompt, got [1,2]"),
     ({"max_tokens": "abc"}, "max_tokens", 'max_tokens must be an integer >= 1, got "abc"'),
     ({"max_tokens": "5.0"}, "max_tokens", "max_tokens must be an integer >= 1, got 5.0"),
     ({"max_tokens": "0"}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
@@ -251,12 +252,14 @@ def test_transcription_fields() -> None:
 @pytest.mark.parametrize(("fields", "status", "param", "message"), [
     ({"model": "whisper-1"}, 404, "model", "The model `whisper-1` does not exist; this server serves `tiny-whisper`."),
     ({"prompt": "earlier text"}, 400, "prompt",
-     "prompt is not supported (no conditioning on previous text); leave it out or empty"),
+     'prompt must be left out or empty (no conditioning on previous text), got "earlier text"'),
     ({"response_format": "srt"}, 400, "response_format",
-     "response_format 'srt' is not supported (no timestamps); use json, text or verbose_json"),
+     'response_format must be one of json, text, verbose_json (no timestamps: not srt, vtt or diarized_json), '
+     'got "srt"'),
     ({"response_format": "vtt"}, 400, "response_format", None),
     ({"response_format": "xml"}, 400, "response_format",
-     'response_format must be one of json, text, verbose_json, got "xml"'),
+     'response_format must be one of json, text, verbose_json (no timestamps: not srt, vtt or diarized_json), '
+     'got "xml"'),
     ({"response_format": "verbose_json", "stream": "true"}, 400, "stream",
      "stream is not supported with response_format verbose_json; use json or text"),
     ({"temperature": "hot"}, 400, "temperature", 'temperature must be a number >= 0 (0 = greedy), got "hot"'),

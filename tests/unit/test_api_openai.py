@@ -116,8 +116,10 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
          "prompt"),
         ("completions", {"prompt": ["a"] * 65}, 400, "prompt holds 65 prompts; at most 64 are allowed",
          "prompt"),
-        ("completions", {"prompt": [1, -1]}, 400, "prompt token ids must be integers in [0, 2147483647], got -1",
-         "prompt"),
+        ("completions", {"prompt": [1, -1]}, 400, "prompt[1] must be an integer in [0, 2147483647], got -1",
+         "prompt[1]"),
+        ("completions", {"prompt": [1, "a"]}, 400,
+         'prompt[1] must be an integer (prompt[0] is a token id), got "a"', "prompt[1]"),
         ("completions", {"prompt": ""}, 400, 'prompt must be a non-empty string, got ""', "prompt"),
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
          "stream_options is only allowed when stream is true", "stream_options"),
@@ -138,8 +140,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
         ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
          "top_logprobs must be an integer in [0, 20], got 21", "top_logprobs"),
         ("chat", {"messages": USER, "tools": [{"type": "function"}]}, 400,
-         'tools[0] must be {"type": "function", "function": {"name", "parameters"}}, got {"type":"function"}',
-         "tools[0]"),
+         'tools[0].function is required: an object {"name", "description", "parameters"}', "tools[0].function"),
+        ("chat", {"messages": USER, "tools": [5]}, 400,
+         'tools[0] must be {"type": "function", "function": {"name", "parameters"}}, got 5', "tools[0]"),
         ("chat", {"messages": USER, "tool_choice": "required"}, 400, 'tool_choice "required" needs tools',
          "tool_choice"),
         ("chat", {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
@@ -149,7 +152,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
          "tool_choice required or a named function cannot be combined with a structured-output constraint "
          "(response_format, structured_outputs, guided_*)", "tool_choice"),
         ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
-         'response_format.json_schema must be an object with "name" and "schema"', "response_format.json_schema"),
+         'response_format.json_schema is required: an object with "name" and "schema"', "response_format.json_schema"),
         ("chat", {"messages": USER, "echo": True}, 400, "echo is not supported, got true", "echo"),
         ("chat", {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4}, 400,
          "max_tokens (3) and max_completion_tokens (4) disagree; give one", "max_completion_tokens"),
@@ -157,12 +160,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
          'messages[0].role must be one of system, developer, user, assistant, tool, got "robot"', "messages[0].role"),
         ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400,
          "messages[0].tool_call_id must be the id of the call this result answers", "messages[0].tool_call_id"),
-        ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
+        ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
          "messages[0].tool_calls is only for an assistant message", "messages[0].tool_calls"),
         ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message",
          "messages[0].content"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-         'messages[0].content[0].type "image_url" is not supported; only "text" parts are',
+         'messages[0].content[0].type must be "text" (the only kind of content part served), got "image_url"',
          "messages[0].content[0].type"),
         ("chat", {"messages": [{"role": "user", "content": "x", "audio": 1}]}, 400, None, "messages[0].audio"),
         ("chat", {"messages": USER, "prompt": "x"}, 400, None, "prompt"),
@@ -182,16 +186,18 @@ def test_output_neutral_fields_are_accepted_and_type_checked() -> None:
                "prompt_cache_key": "k", "safety_identifier": "s"}
     assert parse_completion({"prompt": "x", **neutral}, MODEL).params.max_tokens == 16
     assert parse_chat({"messages": USER, **neutral}, MODEL)[0].params.max_tokens is None
-    for field, value, message in [
-        ("store", "yes", 'store must be a boolean, got "yes"'),
-        ("service_tier", "gold", "service_tier must be one of ['auto', 'default', 'flex', 'priority', 'scale'], "
-                                 'got "gold"'),
-        ("user", 5, "user must be a string, got 5"),
-        ("metadata", {"k": 1}, "metadata must be an object of at most 16 string values (keys up to 64 characters, "
-                               "values up to 512)"),
+    for field, value, message, param in [
+        ("store", "yes", 'store must be a boolean, got "yes"', "store"),
+        ("service_tier", "gold", 'service_tier must be one of auto, default, flex, priority, scale, got "gold"',
+         "service_tier"),
+        ("user", 5, "user must be a string, got 5", "user"),
+        ("metadata", [], "metadata must be an object of at most 16 string values (keys up to 64 characters, "
+                         "values up to 512), got []", "metadata"),
+        ("metadata", {"k": 1}, 'metadata["k"] must be a string of up to 512 characters, got 1', 'metadata["k"]'),
+        ("metadata", {str(i): "v" for i in range(17)}, "metadata must have at most 16 entries, got 17", "metadata"),
     ]:
         err = refused("chat", {"messages": USER, field: value})
-        assert (err.status, err.message, err.param) == (400, message, field)
+        assert (err.status, err.message, err.param) == (400, message, param)
 
 
 def test_model_not_found_has_openai_code() -> None:

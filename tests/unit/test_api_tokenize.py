@@ -102,8 +102,8 @@ def test_tokenize_messages_is_the_chat_prompt(client: TestClient, tokenizer: Tok
         ({"prompt": "x", "add_generation_prompt": True}, 400, "add_generation_prompt", None),
         ({"messages": MESSAGES, "tools": []}, 400, "tools", None),
         ({"messages": MESSAGES, "prompt": "x"}, 400, "messages", "give prompt or messages, not both"),
-        ({}, 400, "prompt", "prompt is required: a string (or give messages), got null"),
-        ({"prompt": 5}, 400, "prompt", "prompt is required: a string (or give messages), got 5"),
+        ({}, 400, "prompt", "prompt is required: a string (or give messages)"),
+        ({"prompt": 5}, 400, "prompt", "prompt must be a string (or give messages), got 5"),
         ({"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", None),
         ({"prompt": "x", "model": "other"}, 404, "model", None),
         ({"prompt": "x", "model": 3}, 400, "model", "model must be a string, got 3"),
@@ -152,9 +152,12 @@ def test_detokenize_refusals(client: TestClient, tokenizer: Tokenizer) -> None:
     assert status == 400 and body["error"]["param"] == "tokens"
     assert body["error"]["message"] == (f"tokens[1] is {vocab}; token ids must be integers in [0, {vocab - 1}] "
                                         f"(the vocabulary has {vocab} tokens)")
-    for bad in ([-1], [True], [1.5], ["a"]):
+    status, body = post(client, "/detokenize", {"tokens": [-1]})
+    assert status == 400 and body["error"]["param"] == "tokens" and str(vocab - 1) in body["error"]["message"]
+    for bad in ([True], [1.5], ["a"]):  # not an integer: the element is named
         status, body = post(client, "/detokenize", {"tokens": bad})
-        assert status == 400 and body["error"]["param"] == "tokens" and str(vocab - 1) in body["error"]["message"]
+        assert (status, body["error"]["param"]) == (400, "tokens[0]")
+        assert body["error"]["message"] == f"tokens[0] must be an integer, got {json.dumps(bad[0])}"
     for body_in, param in (({"tokens": "1 2"}, "tokens"), ({}, "tokens"), ({"tokens": [1], "prompt": "x"}, "prompt"),
                            ({"tokens": [1], "model": "other"}, "model")):
         status, body = post(client, "/detokenize", body_in)

@@ -103,7 +103,7 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for off, got -2", "top_k"),
         ({"prompt": "x", "top_k": 1.5}, "top_k must be an integer >= 1, or 0 or -1 for off, got 1.5", "top_k"),
         ({"prompt": "x", "seed": -1}, f"seed must be an integer in [0, {SEED_MAX}], got -1", "seed"),
-        ({"prompt": "x", "seed": 2**63}, f"seed must be an integer <= {SEED_MAX}, got {2**63}", "seed"),
+        ({"prompt": "x", "seed": 2**63}, f"seed must be an integer in [0, {SEED_MAX}], got {2**63}", "seed"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos must be a boolean, got 1", "ignore_eos"),
         ({"prompt": "x", "stream": "true"}, 'stream must be a boolean, got "true"', "stream"),
         ({"prompt": "x", "request_id": ""},
@@ -121,9 +121,10 @@ def test_null_means_not_given() -> None:
         ({"prompt": ["a"]}, 'prompt must be a non-empty string, got ["a"]', "prompt"),
         ({"input_ids": []}, "input_ids must be a non-empty list of integers >= 0, got []", "input_ids"),
         ({"input_ids": "1 2"}, 'input_ids must be a non-empty list of integers >= 0, got "1 2"', "input_ids"),
-        ({"input_ids": [1, -1]}, "input_ids[1] must be an integer >= 0, got -1", "input_ids[1]"),
-        ({"input_ids": [1, 2, True]}, "input_ids[2] must be an integer >= 0, got true", "input_ids[2]"),
-        ({"input_ids": [2**31]}, "input_ids[0] must be an integer <= 2147483647, got 2147483648", "input_ids[0]"),
+        ({"input_ids": [1, -1]}, "input_ids[1] must be an integer in [0, 2147483647], got -1", "input_ids[1]"),
+        ({"input_ids": [1, 2, True]}, "input_ids[2] must be an integer in [0, 2147483647], got true", "input_ids[2]"),
+        ({"input_ids": [2**31]}, "input_ids[0] must be an integer in [0, 2147483647], got 2147483648",
+         "input_ids[0]"),
         ({"prompt": "x", "n": 2}, "n > 1 is not supported; n must be 1, got 2", "n"),
         ({"prompt": "x", "best_of": 3}, "best_of > 1 is not supported; best_of must be 1, got 3", "best_of"),
         ({"prompt": "x", "logprobs": 21}, "logprobs must be an integer in [0, 20], got 21", "logprobs"),
@@ -133,7 +134,7 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "stop": 5}, "stop must be a string or a list of up to 4 strings, got 5", "stop"),
         ({"prompt": "x", "stop": ""}, 'stop must be a non-empty string, got ""', "stop"),
         ({"prompt": "x", "stop": ["a", ""]}, 'stop[1] must be a non-empty string, got ""', "stop[1]"),
-        ({"prompt": "x", "stop": ["a", 1]}, "stop[1] must be a string, got 1", "stop[1]"),
+        ({"prompt": "x", "stop": ["a", 1]}, "stop[1] must be a non-empty string, got 1", "stop[1]"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop must have at most 4 strings, got 5", "stop"),
         ({"prompt": "x", "stop": ["y" * 513]}, "stop[0] must be at most 512 characters, got 513", "stop[0]"),
         ({"prompt": "x", "stop_token_ids": [7, -1]}, "stop_token_ids[1] must be an integer in [0, 2147483647], got -1",
@@ -157,7 +158,7 @@ def test_null_means_not_given() -> None:
         ({"prompt": "x", "stream_options": {"include_usage": True}},
          'stream_options is only supported on the /v1 routes, got {"include_usage":true}', "stream_options"),
         ({"prompt": "x", "response_format": {"type": "xml"}},
-         'response_format.type must be "text", "json_object" or "json_schema", got \'xml\'', "response_format"),
+         'response_format.type must be one of text, json_object, json_schema, got "xml"', "response_format.type"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 'tools is not supported, got [{"type":"function"}]',
          "tools"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2], got 2.5",
@@ -326,7 +327,7 @@ def test_ws_bad_frames_leave_the_socket_alone(client: TestClient) -> None:
         ws.send_text(json.dumps({"type": "generate", "prompt": "x"}))
         e = ws.receive_json()
         assert (e["id"], e["error"]["message"], e["error"]["param"]) == (
-            None, "id must be a string of 1-128 characters, got null", "id")
+            None, "id is required: a string of 1-128 characters", "id")
 
         ws.send_text(json.dumps({"type": "generate", "id": "r3", "prompt": "x", "type2": 1}))
         e = ws.receive_json()

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.openai_format import ChatReply
 from services.api.reasoning import after_thinking, prompt_state, split, thinks
+from services.api.schemas import ConstrainedFields
 from services.api.structured import parse_structured
 from tests.checkpoints import make_tokenizer
 
@@ -64,8 +65,8 @@ def test_a_grammar_binds_only_the_answer_after_the_thinking(tmp_path: Path):
     make_tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     lt = llguidance.LLTokenizer(tok.to_str(), eos_token=tok.token_to_id("<|im_end|>"))
-    grammar = parse_structured({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                                "required": ["a"]}})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = parse_structured(ConstrainedFields(guided_json=schema))
 
     def accepts(state: str, text: str) -> bool:
         m = llguidance.LLMatcher(lt, after_thinking(grammar, state))

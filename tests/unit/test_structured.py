@@ -9,9 +9,17 @@ import llguidance
 import pytest
 
 from services.api.errors import ApiError
+from services.api.schemas import ConstrainedFields
 from services.api.structured import parse_structured
+from services.api.validation import load
 from services.gpu_worker.guided import Guides
 from tests.checkpoints import make_tokenizer
+
+
+def structured(body: dict) -> str | None:
+    """The grammar of a body's structured-output fields, decoded as the routes decode them."""
+    return parse_structured(load(body, ConstrainedFields))
+
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9},
                                            "tag": {"enum": ["a", "b"]}},
@@ -24,7 +32,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1
     {"response_format": None, "guided_json": None},
 ])
 def test_no_constraint(body):
-    assert parse_structured(body) is None
+    assert structured(body) is None
 
 
 @pytest.mark.parametrize("body", [
@@ -42,12 +50,13 @@ def test_no_constraint(body):
     {"guided_grammar": 'root ::= "a" | "b"'},
 ])
 def test_each_form_compiles(body):
-    grammar = parse_structured(body)
+    grammar = structured(body)
     assert grammar and llguidance.LLMatcher.validate_grammar(grammar) == ""
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "xml"}}, "response_format", 'response_format.type must be "text"'),
+    ({"response_format": {"type": "xml"}}, "response_format.type",
+     'response_format.type must be one of text, json_object, json_schema, got "xml"'),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", '"name" and "schema"'),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format.json_schema.schema", 'Unimplemented keys: ["not"]'),
@@ -56,12 +65,13 @@ def test_each_form_compiles(body):
     ({"guided_grammar": "start: foo"}, "guided_grammar", 'unknown name: "foo"'),
     ({"guided_json": "{not json"}, "guided_json", "its string is not JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "is not supported"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag",
+     "unknown field 'structural_tag' in structured_outputs"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "only one"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(body, param, words):
     with pytest.raises(ApiError) as info:
-        parse_structured(body)
+        structured(body)
     assert info.value.param == param and words in str(info.value), str(info.value)
 
 
@@ -78,7 +88,7 @@ def guides(tmp_path_factory):
 
 def test_a_guide_allows_only_what_the_grammar_does_then_eos(guides):
     factory, tok = guides
-    g = factory.new(parse_structured({"guided_choice": ["yes", "no"]}))
+    g = factory.new(structured({"guided_choice": ["yes", "no"]}))
     allowed = g.allowed()
     assert allowed.shape == (factory.vocab_size,) and not allowed[-7:].any()  # the head's extra rows
     ok = {tok.decode([t]) for t in allowed.nonzero().flatten().tolist()}

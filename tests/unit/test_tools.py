@@ -9,6 +9,7 @@ import json
 import llguidance
 import pytest
 
+from services.api.schemas import ChatCompletionRequest
 from services.api.tools import (
     FORMATS,
     Tools,
@@ -19,9 +20,17 @@ from services.api.tools import (
     prepare_messages,
     tool_grammar,
 )
+from services.api.validation import load
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tools_of(**fields) -> Tools | None:
+    """The tools of a chat request with these fields (decoded as the route decodes them)."""
+    return parse_tools(load({"messages": [{"role": "user", "content": "x"}], **fields}, ChatCompletionRequest))
+
+
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
 
@@ -80,7 +89,7 @@ def test_text_that_only_looks_like_a_marker_is_sent():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("parallel", [True, False])
 def test_forced_grammars_compile(fmt, parallel):
-    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": parallel})
+    tools = tools_of(tools=[WEATHER], tool_choice="required", parallel_tool_calls=parallel)
     assert tools == Tools([WEATHER], "required", parallel=parallel)
     assert llguidance.LLMatcher.validate_grammar_with_warnings(tool_grammar(tools, fmt)) == (False, [])
 
@@ -94,7 +103,7 @@ def test_a_forced_mistral_args_grammar_writes_calls_the_parser_reads(tmp_path):
     make_tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     lt = llguidance.LLTokenizer(tok.to_str(), eos_token=tok.token_to_id("<|im_end|>"))
-    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
+    tools = tools_of(tools=[WEATHER], tool_choice="required")
     text = '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_weather[ARGS]{"city":"Rome"}'
     m = llguidance.LLMatcher(lt, tool_grammar(tools, "mistral_args"))
     assert m.consume_tokens(tok.encode(text, add_special_tokens=False).ids) and m.is_accepting()
@@ -103,7 +112,7 @@ def test_a_forced_mistral_args_grammar_writes_calls_the_parser_reads(tmp_path):
 
 
 def test_a_template_without_tools_is_taught_them_and_the_history():
-    tools = parse_tools({"tools": [WEATHER]})
+    tools = tools_of(tools=[WEATHER])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "X"}}}]},

@@ -1,0 +1,570 @@
+"""The declared shapes of the api's request bodies (and of its simple replies), as msgspec
+Structs, and the OpenAPI document generated from them (`/openapi.json`).
+
+One declaration per route says a field's type, its bounds and whether unknown fields are
+refused; decoding against it (`validation.load`) is the check, and `openapi()` publishes
+the same declarations (`msgspec.json.schema_components`), so what a client generates code
+from is what the server enforces. Adding a route is one line in `ROUTES`.
+
+Conventions the checks rely on:
+- a field a client may leave out is `X | None = None`: `null` means "not given";
+- a `Meta(description=...)` is written as the requirement, because the 400 quotes it:
+  "<field> must be <description>, got <value>". A type error, or a bound the description
+  names, uses the description; a bound it does not name gets the generic wording ("an
+  integer <= 2147483647"); `extra={"noun": ...}` names a list's items in "at most N <noun>";
+- nested objects that today ignore unknown keys (`response_format`, tool calls in the
+  history) do not set `forbid_unknown_fields`; every route body does;
+- rules across fields, and limits only known at run time (the deployment's max_model_len,
+  the vocabulary, the served model's name), are not declared here: `validation.py`,
+  `openai_params.py`, `tokenization.py` and the conductor check them after decoding;
+- fields of the OpenAI / vLLM APIs the engine does not honour are in `UNSUPPORTED`, not in
+  a route's Struct: a request may send them only with a neutral value (`n: 1`,
+  `tools: []`), and the document lists them with those values.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+
+import msgspec
+from msgspec import Meta
+
+from services.api.events import GenerateResponse
+from services.api.openai_format import ChatCompletion, Completion
+from services.api.tools import NAME_RE
+
+INT32_MAX = 2**31 - 1  # ceiling for counts and token ids: keeps every frame encodable
+SEED_MAX = 2**63 - 1  # seeds must fit torch / numpy generators on every worker
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 512  # per stop string: bounds the per-delta hold-back scan
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's chat allows 20)
+MAX_PENALTY = 2  # presence / frequency penalties lie in [-2, 2] (OpenAI's range, vLLM's check)
+MAX_LOGIT_BIAS = 100  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_STOP_TOKEN_IDS = 256  # bounds the per-token stop check
+MAX_N = 16  # samples per prompt
+MAX_TOOLS = 128
+MAX_GUIDED_CHOICES = 1024
+#: a string that is only one of these characters (a portable "end of string": `$` also
+#: matches before a final newline in Python)
+END = r"(?![\s\S])"
+
+# ---- field types shared by the routes ------------------------------------------------------
+
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX, description=f"an integer in [0, {INT32_MAX}]")]
+Temperature = Annotated[float, Meta(ge=0, description="a number >= 0 (0 = greedy)")]
+TopP = Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")]
+TopK = Annotated[int, Meta(ge=-1, le=INT32_MAX, description="an integer >= 1, or 0 or -1 for off")]
+Seed = Annotated[int, Meta(ge=0, le=SEED_MAX, description=f"an integer in [0, {SEED_MAX}]")]
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY,
+                                description=f"a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")]
+RepetitionPenalty = Annotated[float, Meta(gt=0, description="a number > 0 (1 = off)")]
+MinP = Annotated[float, Meta(ge=0, le=1, description="a number in [0, 1]")]
+LogitBias = Annotated[
+    dict[Annotated[int, Meta(ge=0, le=INT32_MAX, description="keyed by a token id (a non-negative integer)")],
+         Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS,
+                               description=f"a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")]],
+    Meta(description=f"an object mapping token ids to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+         extra_json_schema={"propertyNames": {"pattern": "^[0-9]+$"}})]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS, extra={"noun": "token ids"},
+                                             description=f"a list of up to {MAX_STOP_TOKEN_IDS} token ids")]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")]
+NonEmpty = Annotated[str, Meta(min_length=1, description="a non-empty string")]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS, description="a non-empty string")]
+#: an empty stop string is refused rather than read as "no stop": it would match at once
+Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP, extra={"noun": "strings"})],
+                 Meta(description=f"a string or a list of up to {MAX_STOP} strings")]
+RequestId = Annotated[str, Meta(pattern=f"^[A-Za-z0-9._:-]{{1,128}}{END}",
+                                description="a string of 1-128 characters from [A-Za-z0-9._:-]")]
+ClientId = Annotated[str, Meta(min_length=1, max_length=128, description="a string of 1-128 characters")]
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+#: a language code ("en", "haw", "pt-BR") or a Whisper language token ("<|en|>"); whether
+#: the model knows it is the data worker's answer (400 with param "language")
+Language = Annotated[str, Meta(pattern=f"^(?:<\\|[A-Za-z_-]{{1,28}}\\|>|[A-Za-z_-]{{1,32}}){END}",
+                               description='a language code such as "en" (letters, "-" or "_", 1-32 characters)')]
+Task = Annotated[Literal["transcribe", "translate"], Meta(description='"transcribe" or "translate"')]
+#: a JSON schema as an object (or `true` / `false`), or as its JSON text (vLLM takes both)
+JsonSchema = Annotated[dict[str, Any] | bool | str, Meta(description="a JSON schema (an object, or its JSON text)")]
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
+                          Annotated[str, Meta(max_length=512, description="a string of up to 512 characters")]],
+                     Meta(max_length=16, extra={"noun": "entries"},
+                          description="an object of at most 16 string values (keys up to 64 characters, values up "
+                                      "to 512)")]
+ServiceTier = Literal["auto", "default", "flex", "priority", "scale"]
+
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The base of every route body: keyword fields, unknown fields refused."""
+
+    #: the body may carry the `UNSUPPORTED` fields with a neutral value (the routes that
+    #: generate take them, as vLLM does; /tokenize and the WebSocket's cancel do not)
+    takes_unsupported: ClassVar[bool] = False
+
+
+# ---- the fields /generate and the OpenAI routes share -------------------------------------
+
+
+class SamplingFields(Body):
+    """temperature / top_p / top_k / seed / ignore_eos and vLLM's logits processors
+    (honoured on every route that samples text)."""
+
+    takes_unsupported: ClassVar[bool] = True
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: Count | None = None
+    stop_token_ids: StopTokenIds | None = None
+
+
+class TextFormat(msgspec.Struct, tag="text", tag_field="type"):
+    """`response_format` text: no constraint."""
+
+
+class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type"):
+    """`response_format` json_object: any JSON object."""
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    """OpenAI's `json_schema` object (other keys are ignored, as OpenAI's clients send more)."""
+
+    schema: JsonSchema
+    name: str | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type"):
+    """`response_format` json_schema: JSON matching `json_schema.schema`."""
+
+    json_schema: Annotated[JsonSchemaSpec, Meta(description='an object with "name" and "schema"')]
+
+
+#: OpenAI's `response_format`, tagged by `type`
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+Regex = Annotated[str, Meta(min_length=1, description="a non-empty string (a regular expression)")]
+Choices = Annotated[list[NonEmpty], Meta(min_length=1, max_length=MAX_GUIDED_CHOICES, extra={"noun": "strings"},
+                                         description=f"a list of 1 to {MAX_GUIDED_CHOICES} non-empty strings")]
+Grammar = Annotated[str, Meta(pattern=r"\S", description="a non-empty string (a Lark grammar, or GBNF with ::=)")]
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar,
+    json_object; the other keys are vLLM's options, accepted and not needed here."""
+
+    json: JsonSchema | None = None
+    regex: Regex | None = None
+    choice: Choices | None = None
+    grammar: Grammar | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+
+
+class ConstrainedFields(SamplingFields):
+    """The sampling fields plus the structured-output constraint (`structured.py`; at most
+    one per request)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
+
+
+# ---- /generate, its WebSocket frames and its audio form ------------------------------------
+
+
+class GenerateRequest(ConstrainedFields):
+    """`POST /generate` (DESIGN.md section 7): exactly one of `prompt` or `input_ids`."""
+
+    prompt: NonEmpty | None = None
+    input_ids: Annotated[list[TokenId], Meta(min_length=1, description="a non-empty list of integers >= 0")] | None = (
+        None)
+    max_tokens: MaxTokens | None = None
+    stop: Stop | None = None
+    stream: bool | None = None
+    request_id: RequestId | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+
+class GenerateFrame(GenerateRequest, tag="generate", tag_field="type", kw_only=True):
+    """A `/generate/ws` client frame that starts a request: the `/generate` fields plus the
+    client's `id` (unique among the socket's live requests)."""
+
+    id: ClientId
+
+
+class CancelFrame(Body, tag="cancel", tag_field="type"):
+    """A `/generate/ws` client frame that cancels the live request `id`."""
+
+    id: ClientId
+
+
+#: what a `/generate/ws` client sends, tagged by `type`
+ClientFrame = GenerateFrame | CancelFrame
+#: a field a form with an audio file may not carry: the audio is the prompt
+NoPrompt = Annotated[None, Meta(description="absent when an audio file is sent: the audio is the prompt")]
+
+
+class AudioGenerateForm(SamplingFields):
+    """`POST /generate` as multipart/form-data for a speech model: the `file` part is the
+    prompt; the other parts are the `/generate` fields (no grammar over a transcript)."""
+
+    prompt: NoPrompt = None
+    input_ids: NoPrompt = None
+    max_tokens: MaxTokens | None = None
+    stop: Stop | None = None
+    stream: bool | None = None
+    request_id: RequestId | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    language: Language | None = None
+    task: Task | None = None
+
+
+# ---- the OpenAI routes -----------------------------------------------------------------------
+
+
+class StreamOptions(Body):
+    """`stream_options` (only with `stream: true`)."""
+
+    include_usage: bool | None = None
+
+
+class OpenAIFields(ConstrainedFields):
+    """What `/v1/completions` and `/v1/chat/completions` share. `user`, `metadata`, `store`,
+    `service_tier`, `prompt_cache_key` and `safety_identifier` cannot change the output: they
+    are type-checked (as OpenAI does) and not acted on."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    stop: Stop | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+#: a prompt of `/v1/completions`: a string, token ids, or a list of either (a batch)
+CompletionPrompt = Annotated[
+    NonEmpty | Annotated[list[Annotated[
+        NonEmpty | TokenId | Annotated[list[TokenId], Meta(min_length=1, description="a non-empty list of token ids")],
+        Meta(description="a string, a token id or a list of token ids")]], Meta(min_length=1)],
+    Meta(description="a string, a list of token ids, or a list of those")]
+
+
+class CompletionRequest(OpenAIFields, kw_only=True):
+    """`POST /v1/completions`. A list of prompts gives one choice per prompt (times `n`)."""
+
+    prompt: CompletionPrompt
+    echo: bool | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    n: N | None = None
+    best_of: int | None = None
+
+
+class TextPart(Body):
+    """A content part. Only text is served, so `type` is a one-value field rather than the
+    tag of a union (msgspec would let a lone tagged Struct omit its tag); a second kind of
+    part makes these tagged Structs of one union."""
+
+    type: Annotated[Literal["text"], Meta(description='"text" (the only kind of content part served)')]
+    text: str
+
+
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON object as text (OpenAI's shape), or the object
+
+
+class HistoryToolCall(msgspec.Struct, kw_only=True):
+    """A call in an assistant message of the history (other keys are ignored)."""
+
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessageParam(Body):
+    """One message. `content` may be null only for an assistant; `tool_calls` only on an
+    assistant message; a `tool` message names the call it answers (`tool_call_id`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextPart], Meta(description="a string or a list of text parts")] | None = None
+    name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+Messages = Annotated[list[ChatMessageParam], Meta(min_length=1, description="a non-empty list of message objects")]
+
+
+class FunctionDefinition(Body):
+    name: Annotated[str, Meta(pattern=f"^{NAME_RE.pattern}{END}",
+                              description="1-64 characters of [A-Za-z0-9_.-]")]
+    description: str | None = None
+    parameters: Annotated[dict[str, Any], Meta(description="a JSON schema object")] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: Annotated[FunctionDefinition, Meta(description='an object {"name", "description", "parameters"}')]
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: Annotated[ToolChoiceFunction, Meta(description='an object {"name": ...}')]
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Meta(
+    description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')]
+
+
+class ChatCompletionRequest(OpenAIFields, kw_only=True):
+    """`POST /v1/chat/completions`: `messages` rendered by the model's chat template."""
+
+    messages: Messages
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
+    n: N | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Annotated[ToolDefinition, Meta(
+        description='{"type": "function", "function": {"name", "parameters"}}')]],
+        Meta(max_length=MAX_TOOLS, extra={"noun": "tools"})] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TranscriptionForm(Body):
+    """`POST /v1/audio/transcriptions` (multipart/form-data with the `file` part): OpenAI's
+    fields, and mstar's `max_tokens`, `ignore_eos`, `seed`."""
+
+    takes_unsupported: ClassVar[bool] = True
+    model: str | None = None
+    language: Language | None = None
+    prompt: Annotated[None, Meta(description="left out or empty (no conditioning on previous text)")] = None
+    response_format: Annotated[Literal["json", "text", "verbose_json"], Meta(
+        description="one of json, text, verbose_json (no timestamps: not srt, vtt or diarized_json)")] | None = None
+    temperature: Temperature | None = None
+    stream: bool | None = None
+    max_tokens: MaxTokens | None = None
+    ignore_eos: bool | None = None
+    seed: Seed | None = None
+
+
+# ---- vLLM's /tokenize and /detokenize ---------------------------------------------------------
+
+
+class TokenizeCompletionRequest(Body):
+    """`POST /tokenize` with a prompt (special tokens added unless `add_special_tokens` is false)."""
+
+    prompt: Annotated[str, Meta(description="a string (or give messages)")]
+    model: str | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeChatRequest(Body):
+    """`POST /tokenize` with messages: the chat prompt as `/v1/chat/completions` renders it."""
+
+    messages: Messages
+    model: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Body):
+    """`POST /detokenize`: ids of the model's vocabulary (checked against it at run time)."""
+
+    tokens: Annotated[list[int], Meta(description="a list of token ids")]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class ModelCard(msgspec.Struct):
+    """OpenAI's model object plus vLLM's `max_model_len`."""
+
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "mstar"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
+class ErrorObject(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    error_id: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every error (DESIGN.md section 7): `param` names the offending field."""
+
+    error: ErrorObject
+
+
+# ---- fields this engine does not honour ------------------------------------------------------
+
+#: name -> (the neutral values besides null, the 400's message). A route whose Struct does
+#: not declare the name accepts it only with one of those values; a route that honours it
+#: declares it (the completions route declares `echo`, chat `tools`, ...).
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "n > 1 is not supported; n must be 1"),
+    "best_of": ((1,), "best_of > 1 is not supported; best_of must be 1"),
+    "logprobs": ((False,), "logprobs is not supported"),
+    "top_logprobs": ((0,), "top_logprobs is not supported"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported"),
+    "tools": (([],), "tools is not supported"),
+    "tool_choice": (("none",), "tool_choice is not supported"),
+    "functions": (([],), "functions is not supported"),
+    "function_call": (("none",), "function_call is not supported"),
+    "parallel_tool_calls": ((), "parallel_tool_calls is not supported (no tools)"),
+    "echo": ((False,), "echo is not supported"),
+    "response_format": (({"type": "text"},), 'response_format is not supported; only {"type": "text"}'),
+    "suffix": (("",), "suffix is not supported"),
+    "stream_options": ((), "stream_options is only supported on the /v1 routes"),
+    "modalities": ((["text"],), 'modalities is not supported; only ["text"]'),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "prediction (predicted outputs) is not supported"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "web_search_options": ((), "web_search_options is not supported"),
+}
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """`value` asks nothing of the unsupported field `name` (null, or a neutral value of the
+    same JSON type: `n: 1` is, `n: true` is not)."""
+    return value is None or any(type(value) is type(n) and value == n for n in UNSUPPORTED[name][0])
+
+
+# ---- the routes and their document -----------------------------------------------------------
+
+
+class Route(NamedTuple):
+    """A route's declared shapes: its JSON body, its multipart/form-data fields (the `file`
+    part besides them), its 200 reply where one Struct says it."""
+
+    body: type[Body] | tuple[type[Body], ...] | None = None  # a tuple: one of them
+    response: type[msgspec.Struct] | None = None
+    form: type[Body] | None = None
+
+
+#: (path, method) -> its shapes; `/openapi.json` is generated from this table
+ROUTES: dict[tuple[str, str], Route] = {
+    ("/generate", "post"): Route(GenerateRequest, GenerateResponse, form=AudioGenerateForm),
+    ("/v1/completions", "post"): Route(CompletionRequest, Completion),
+    ("/v1/chat/completions", "post"): Route(ChatCompletionRequest, ChatCompletion),
+    ("/v1/audio/transcriptions", "post"): Route(form=TranscriptionForm),
+    ("/tokenize", "post"): Route((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
+    ("/detokenize", "post"): Route(DetokenizeRequest, DetokenizeResponse),
+    ("/v1/models", "get"): Route(response=ModelList),
+    ("/v1/models/{model}", "get"): Route(response=ModelCard),
+    ("/version", "get"): Route(response=VersionResponse),
+}
+#: components published besides the routes' (OpenAPI has no WebSocket operations)
+EXTRA_COMPONENTS: dict[str, Any] = {"WebSocketClientFrame": ClientFrame}
+FILE_PART = {"type": "string", "contentMediaType": "application/octet-stream",
+             "description": "the audio file (WAV or FLAC)"}
+REF = "#/components/schemas/{name}"
+
+
+def _declare_unsupported(component: dict[str, Any], cls: type[Body]) -> None:
+    """List in a body's schema the unsupported fields it tolerates with their neutral values."""
+    if not cls.takes_unsupported:
+        return
+    declared = {f.encode_name for f in msgspec.structs.fields(cls)}
+    properties = component.setdefault("properties", {})
+    for name, (neutral, message) in UNSUPPORTED.items():
+        if name not in declared:
+            properties[name] = {"enum": [None, *neutral], "description": message}
+
+
+def openapi(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `ROUTES`: paths with their bodies and replies, and every
+    Struct as a component."""
+    bodies = {route: route.body if isinstance(route.body, tuple) else (route.body,) for route in ROUTES.values()
+              if route.body is not None}
+    types: list[Any] = [t for route in ROUTES.values() for t in (route.response, route.form) if t is not None]
+    types += [t for group in bodies.values() for t in group] + [ErrorResponse, *EXTRA_COMPONENTS.values()]
+    schemas, components = msgspec.json.schema_components(types, ref_template=REF)
+    schema_of = dict(zip(types, schemas, strict=True))
+    components.update({name: schema_of[tp] for name, tp in EXTRA_COMPONENTS.items()})
+    error = {"application/json": {"schema": schema_of[ErrorResponse]}}
+    paths: dict[str, dict[str, Any]] = {}
+    for (path, method), route in ROUTES.items():
+        content: dict[str, Any] = {}
+        if route in bodies:
+            for cls in bodies[route]:
+                _declare_unsupported(components[cls.__name__], cls)
+            refs = [schema_of[cls] for cls in bodies[route]]
+            content["application/json"] = {"schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}
+        if route.form is not None:
+            form = components[route.form.__name__]
+            _declare_unsupported(form, route.form)
+            form["properties"]["file"] = FILE_PART
+            form["required"] = sorted({*form.get("required", ()), "file"})
+            content["multipart/form-data"] = {"schema": schema_of[route.form]}
+        streams = any("stream" in t.__struct_fields__ for t in (*bodies.get(route, ()), route.form) if t is not None)
+        ok: dict[str, Any] = {"description": "OK (with `stream: true`, Server-Sent Events)" if streams else "OK"}
+        if route.response is not None:
+            ok["content"] = {"application/json": {"schema": schema_of[route.response]}}
+        name = "_".join(part.strip("{}") for part in path.split("/") if part)
+        operation: dict[str, Any] = {"operationId": f"{method}_{name}",
+                                     "responses": {"200": ok, "default": {"description": "an error", "content": error}}}
+        params = [part.strip("{}") for part in path.split("/") if part.startswith("{")]
+        if params:
+            operation["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for p in params]
+        if content:
+            operation["requestBody"] = {"required": True, "content": content}
+        paths.setdefault(path, {})[method] = operation
+    return {"openapi": "3.1.0", "info": {"title": "mstar", "version": version}, "paths": paths,
+            "components": {"schemas": components}}
