@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/v1/audio/transcriptions` (multipart/form-data, speech models only).
+`/v1/audio/transcriptions` (multipart/form-data, speech models only), and `/openapi.json`
+(generated from the bodies declared in `schemas.py`, as vLLM and SGLang publish theirs).
 
 They run on the same machinery as `/generate` (`serving.serve`: body limit, submission,
 disconnect aborts, SSE) and differ only in how a body is read (`openai_params.py`) and
@@ -9,9 +10,11 @@ template rendered here (`chat_template.py`) and sent with `add_special_tokens=Fa
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -28,7 +31,7 @@ from services.api.openai_params import (
     with_prompt,
 )
 from services.api.reasoning import after_thinking, prompt_state, thinks
-from services.api.schemas import ModelCard, ModelList
+from services.api.schemas import ModelCard, ModelList, openapi
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
@@ -36,6 +39,7 @@ from services.api.tools import pick_format, prepare_messages, tool_grammar
 from services.api.transcription import TranscriptionReply, language_code, require_speech_model
 from services.api.validation import GenerateParams
 from shared.errors import ErrorKind
+from shared.version import mstar_version
 
 
 def _model_card(state: ApiState) -> ModelCard:
@@ -53,6 +57,16 @@ async def get_model(request: Request) -> Response:
     state = api_state(request)
     check_model(request.path_params["model"], state.settings.model_name)
     return json_response(_model_card(state))
+
+
+@functools.cache
+def _openapi_document() -> bytes:
+    return msgspec.json.encode(openapi(mstar_version()))
+
+
+async def openapi_json(request: Request) -> Response:
+    """GET /openapi.json: the OpenAPI 3.1 document of the routes' declared shapes (`schemas.py`)."""
+    return Response(_openapi_document(), media_type="application/json")
 
 
 def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:

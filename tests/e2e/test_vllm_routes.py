@@ -1,5 +1,5 @@
 """What a vLLM user's tools expect, through real processes: `/tokenize`, `/detokenize`,
-`/version`, `max_model_len` on `/v1/models`, `mstar --version`, and `/metrics`' usage
+`/version`, `/openapi.json`, `max_model_len` on `/v1/models`, `mstar --version`, and `/metrics`' usage
 counters, histograms and `model_name` labels (measured as deltas: the server is shared)."""
 
 from __future__ import annotations
@@ -55,6 +55,17 @@ def test_tokenize_and_detokenize_refusals(llama_server, llama_ckpt):
     r = httpx.post(llama_server.url + "/detokenize", json={"tokens": [0, 10**6]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert f"[0, {vocab - 1}]" in r.json()["error"]["message"]
+
+
+def test_openapi_json_is_served(llama_server):
+    """The document clients generate code from, with the POST routes' bodies."""
+    r = httpx.get(llama_server.url + "/openapi.json", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1") and doc["info"]["version"] == mstar_version()
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"], path
+    assert "max_tokens" in doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
 
 
 def test_models_show_max_model_len(client, llama_ckpt):

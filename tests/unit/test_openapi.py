@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from services.api import schemas
 from services.api.app import create_app
@@ -150,3 +151,11 @@ def test_forms_match_their_schema() -> None:
     transcription = validator("/v1/audio/transcriptions", "multipart/form-data")
     assert transcription.is_valid({"file": "x", "response_format": "verbose_json", "temperature": 0.2})
     assert not transcription.is_valid({"file": "x", "response_format": "srt"})
+
+
+def test_served_by_the_app(app) -> None:
+    with TestClient(app) as client:
+        r = client.get("/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    got = r.json()
+    assert got["paths"].keys() == DOC["paths"].keys() and got["components"] == DOC["components"]
