@@ -1,0 +1,79 @@
+"""The pooling engine in process against transformers: random-weight BERT checkpoints
+(a bare encoder, mean-pooled; a cross-encoder, whose text pair gets token types 0 and 1
+and whose score is the sigmoid of its logit, as `CrossEncoder.predict`), whole prompts
+only, pages back to zero."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.build import build_engine
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.weights import build_model
+from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
+
+transformers = pytest.importorskip("transformers")
+
+
+def checkpoint(path, arch: str):
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=96, max_position_embeddings=64, num_labels=1,
+                                  architectures=[arch])
+    torch.manual_seed(0)
+    cls = transformers.BertForSequenceClassification if arch == "BertForSequenceClassification" \
+        else transformers.BertModel
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def run(path, prompts: list[tuple[list[int], int | None]], budget: int = 512):
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    pools = spec.paged_pools(64)
+    model = build_model(src, spec, torch.float32)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=budget,
+                       max_seq_len=spec.max_seq_len)
+    for i, (ids, pair_start) in enumerate(prompts):
+        ppo = spec.process_prompt(PromptRequest(ids, options={} if pair_start is None else {"pair_start": pair_start}))
+        refs, _ = pack_tensors(ppo.new_input_tensors)
+        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(), "", len(ids), 1, ppo.kv_layout, {},
+                           spec.kv_configs(ppo.kv_layout, {}, pools)), ppo.new_input_tensors)
+    got, steps = {}, 0
+    while eng.has_work:
+        res = eng.step()
+        steps += 1
+        for _, o in res.outputs:
+            assert o.finish_reason == "stop" and o.token_ids == []
+            got[o.request_id] = np.frombuffer(o.pooled, "<f4")
+    assert kv.used_pages() == 0
+    return [got[f"r{i}"] for i in range(len(prompts))], steps
+
+
+def test_encoder_mean_pooling_equals_transformers(tmp_path):
+    ref_model = checkpoint(tmp_path, "BertModel")
+    prompts = [[2, 5, 9, 3], list(range(3, 58)), list(range(60, 70))]
+    got, steps = run(tmp_path, [(p, None) for p in prompts], budget=64)
+    assert steps == 2  # whole prompts: the third waits for a step with room for all of it
+    with torch.no_grad():
+        for ids, vec in zip(prompts, got):
+            ref = ref_model(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
+            np.testing.assert_allclose(vec, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_encoder_scores_equal_transformers(tmp_path):
+    ref_model = checkpoint(tmp_path, "BertForSequenceClassification")
+    pairs = [([1, 4, 6, 2], [8, 9, 2]), ([1, 30, 2], [50, 51, 52, 53, 2])]
+    got, _ = run(tmp_path, [(a + b, len(a)) for a, b in pairs])
+    with torch.no_grad():
+        for (a, b), score in zip(pairs, got):
+            types = torch.tensor([[0] * len(a) + [1] * len(b)])
+            logit = ref_model(torch.tensor([a + b]), token_type_ids=types).logits[0]
+            np.testing.assert_allclose(score, torch.sigmoid(logit).numpy(), rtol=1e-5, atol=1e-6)
