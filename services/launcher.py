@@ -306,7 +306,7 @@ def _check(d: Deployment, chat_template: str | None) -> str | None:
     from shared.specs.base import DeploymentError
 
     try:
-        validate_deployment(d.model, d.page_size, d.max_seq_len)
+        validate_deployment(d.model, d.page_size, d.max_seq_len, d.task)
         if chat_template:  # imported only then: the api's modules are ~0.1 s of every start
             from services.api.chat_template import read_template_file
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from shared.layout import DTYPE_BYTES
+from shared.specs.base import TASKS
 
 ADDRESS_NAMES = {
     "api": "where the api pulls outputs and errors",
@@ -77,6 +78,7 @@ def advertised(bind_address: str, advertise: str | None) -> str:
 
 
 ADMISSION_MODES = ("footprint", "max-seq-len")
+
 #: --dtype and --kv-cache-dtype values
 WEIGHT_DTYPES = ("auto", *DTYPE_BYTES)
 
@@ -162,8 +164,13 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     itl_target_ms: float = 100.0
     #: with no gpu worker ready, how long a request waits for one before a 503 (0: forever)
     queue_timeout_s: float = 30.0
+    #: what the model serves: "auto" (its checkpoint says: a sentence-transformers folder
+    #: embeds, a classifier scores, else it generates) or one asked for (vLLM's --task)
+    task: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in WEIGHT_DTYPES:
@@ -219,6 +226,9 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
                       "chunks by the token budget alone", None),
     "queue_timeout_s": ("with no gpu worker ready (none started yet, all failed), seconds a request waits for one "
                         "before a 503 naming the reason; 0: it waits until one comes", None),
+    "task": ("what the model serves: auto (what the checkpoint is: a sentence-transformers folder serves "
+             "/v1/embeddings, a sequence classifier /v1/score and /v1/rerank, anything else generates), or embed to "
+             "serve a decoder LM's last-token embeddings (vLLM's --task embed)", TASKS),
 }
 
 DEPLOYMENT_ENV = "MSTAR_DEPLOYMENT"

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from shared.specs import null_lm
 from shared.specs.base import DeploymentError, ModelSpec
-from shared.specs.registry import MODEL_REGISTRY, load_plugins
+from shared.specs.registry import load_plugins, spec_factory
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -90,15 +90,26 @@ class ModelSource:
                 return [int(summary["tokenizer"]["eos_token_id"])]
         return self.tokenizer.eos_token_ids
 
-    def spec(self, page_size: int, max_seq_len: int = 0, dtype: str = "float32") -> ModelSpec:
+    def spec(self, page_size: int, max_seq_len: int = 0, dtype: str = "float32", task: str = "auto") -> ModelSpec:
+        """The model's spec for `task` ("auto": the checkpoint's own: an embedding model for
+        a sentence-transformers folder with a Pooling module, a classifier's scores, else
+        generation); a DeploymentError when the model cannot do the task asked."""
         archs = self.config.get("architectures") or [self.config.get("model_type", "?")]
-        factory = MODEL_REGISTRY.get(archs[0])
-        if factory is None:
-            raise DeploymentError(f"architecture {archs[0]!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+        factory = spec_factory(archs[0], task, self.kind == "hf" and _pooled_folder(self.path))
         spec = factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
         if self.kind == "hf":
             spec.load_folder(self.path)  # e.g. Whisper's generation and feature-extractor settings
+        if task != "auto" and spec.task != task:
+            raise DeploymentError(f"--task {task}: {archs[0]} models serve task {spec.task!r} here")
         return spec
+
+
+def _pooled_folder(path: Path) -> bool:
+    """A sentence-transformers folder whose modules pool (it was saved as an embedding model)."""
+    modules = path / "modules.json"
+    if not modules.exists():
+        return False
+    return any(str(m.get("type", "")).endswith(".Pooling") for m in json.loads(modules.read_text()))
 
 
 def _token_str(value) -> str | None:

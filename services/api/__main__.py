@@ -160,6 +160,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         tokenizer = msgspec.structs.replace(tokenizer, chat_template=read_template_file(args.chat_template))
     api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
     takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
+    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)  # torch-free: what the model does
     settings = ApiSettings(
         model_name=args.served_model_name if args.served_model_name is not None else source.name,
         api_addr=addrs["api"],
@@ -175,6 +176,10 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         max_model_len=max_model_len(source, d),
         log_stats_s=args.log_stats_s,
         tool_call_parser=args.tool_call_parser,
+        task=spec.task,
+        dimensions=spec.dimensions,
+        matryoshka=spec.matryoshka,
+        normalized=spec.normalize,
     )
     return settings, tokenizer
 
@@ -182,7 +187,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
 def max_model_len(source: ModelSource, d: Deployment) -> int:
     """The longest prompt + output the deployment serves: the smallest `max_seq_len` of the
     spec's pools, as the conductor's length check takes it (the spec is torch-free)."""
-    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d))
+    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)
     return min(p.max_seq_len for p in spec.paged_pools(1).values())
 
 

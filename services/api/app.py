@@ -28,7 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import openai_routes, tokenization
+from services.api import embeddings, openai_routes, scoring, tokenization
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -167,6 +167,9 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/v1/models", _guard(openai_routes.list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _guard(openai_routes.get_model), methods=["GET"]),
         Route("/openapi.json", _guard(openai_routes.openapi_json), methods=["GET"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+        *(Route(path, scoring.score, methods=["POST"]) for path in ("/v1/score", "/score")),
+        *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),

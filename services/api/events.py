@@ -80,6 +80,8 @@ class DoneEvent(msgspec.Struct, tag_field="type", tag="done"):
     metadata: dict[str, str] | UnsetType = UNSET
     #: vLLM's: the stop string, or the `stop_token_ids` token, that ended it
     stop_reason: int | str | UnsetType = UNSET
+    #: a pooling request's result: float32 little-endian (the embedding routes decode it)
+    pooled: bytes | UnsetType = UNSET
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):

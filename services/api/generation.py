@@ -71,6 +71,7 @@ class Generation:
         self._prompt_logprobs: list[TokenLogprobs] = []
         self._prompt_ids: list[int] = []
         self._prompt_sent = False  # on a delta already
+        self._pooled = b""  # a pooling request's result (its one output)
 
     @property
     def _token_ids(self) -> list[int]:
@@ -122,6 +123,8 @@ class Generation:
         done = DoneEvent(self.client_id, self._stop.text, ids, finish_reason, usage)
         if self._metadata:
             done.metadata = dict(self._metadata)
+        if self._pooled:
+            done.pooled = self._pooled
         if finish_reason == "stop" and (self._stop.matched is not None or self._hidden):
             done.stop_reason = self._stop.matched if self._stop.matched is not None else self._hidden[-1]
         if self._want_logprobs:
@@ -154,6 +157,8 @@ class Generation:
         return delta
 
     def _output_arrived(self, item: Output) -> None:
+        if item.pooled:
+            self._pooled = item.pooled
         if item.metadata:
             self._metadata.update(item.metadata)
         if item.logprobs:

@@ -485,6 +485,117 @@ def is_neutral(name: str, value: Any) -> bool:
     return value is None or any(type(value) is type(n) and value == n for n in UNSUPPORTED[name][0])
 
 
+# ---- pooling routes: /v1/embeddings, /v1/score, /v1/rerank ----------------------------------
+
+#: inputs of one pooling request (OpenAI's limit on an embeddings call)
+MAX_INPUTS = 2048
+
+
+class EmbeddingRequest(Body):
+    """The body of `POST /v1/embeddings`."""
+
+    input: Annotated[str | list[str | Annotated[int, Meta(ge=0, le=INT32_MAX)] | list[int]],
+                     Meta(description="a string, a list of strings, a list of token ids, or a list of lists of "
+                                      "token ids")]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1, le=INT32_MAX, description="an integer >= 1")] | None = None
+    user: str | None = None
+    #: vLLM's: cut each input to this many tokens (-1: the model's max length) instead of a 400
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX,
+                                                description="an integer >= 1, or -1 for the model's max length")
+                                      ] | None = None
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    id: str
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+    created: int = 0
+
+
+Cut = Annotated[int, Meta(ge=-1, le=INT32_MAX, description="an integer >= 1, or -1 for the model's max length")]
+
+
+class ScoreRequest(Body):
+    """The body of `POST /v1/score`: text_1 against each text_2 (one against many), or
+    pairwise when both are lists of one length."""
+
+    text_1: Annotated[str | list[str], Meta(description="a string or a list of strings")]
+    text_2: Annotated[str | list[str], Meta(description="a string or a list of strings")]
+    model: str | None = None
+    truncate_prompt_tokens: Cut | None = None
+    user: str | None = None
+
+
+class RerankRequest(Body):
+    """The body of `POST /v1/rerank`: the documents ordered by relevance to the query."""
+
+    query: str
+    documents: list[str]
+    model: str | None = None
+    #: the best this many (None or 0: all)
+    top_n: Annotated[int, Meta(ge=0, le=INT32_MAX, description="an integer >= 0 (0: all)")] | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Cut | None = None
+    user: str | None = None
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    data: list[ScoreData]
+    model: str
+    usage: ScoreUsage
+    object: str = "list"
+    created: int = 0
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(msgspec.Struct):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 # ---- the routes and their document -----------------------------------------------------------
 
 
@@ -508,6 +619,9 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("/v1/models", "get"): Route(response=ModelList),
     ("/v1/models/{model}", "get"): Route(response=ModelCard),
     ("/version", "get"): Route(response=VersionResponse),
+    ("/v1/embeddings", "post"): Route(EmbeddingRequest, EmbeddingResponse),
+    **{(path, "post"): Route(ScoreRequest, ScoreResponse) for path in ("/v1/score", "/score")},
+    **{(path, "post"): Route(RerankRequest, RerankResponse) for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
 }
 #: components published besides the routes' (OpenAPI has no WebSocket operations)
 EXTRA_COMPONENTS: dict[str, Any] = {"WebSocketClientFrame": ClientFrame}

@@ -35,6 +35,14 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     log_stats_s: float = DEFAULT_LOG_STATS_S  # the stats line's period while there is traffic; 0: off
     #: the format tool calls are parsed from ("auto": chosen from the chat template)
     tool_call_parser: str = "auto"
+    #: what the served model does (`ModelSpec.task`): "generate", "embed" or "score"; the
+    #: routes of the other tasks answer 400 naming it
+    task: str = "generate"
+    #: a pooling model's output width, whether a client may ask for fewer (Matryoshka),
+    #: and whether its vectors are normalized (so a cut one is normalized again)
+    dimensions: int = 0
+    matryoshka: bool = False
+    normalized: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name.strip():

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from services.api.backend import Backend
 from services.api.chat_template import ChatTemplate
 from services.api.detokenize import IncrementalDetokenizer
+from services.api.errors import invalid
 from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
@@ -41,9 +42,12 @@ class ApiState:
         )
 
     async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,
-                               arrival_time: float | None = None, count_prompt: bool = True) -> Generation:
+                               arrival_time: float | None = None, count_prompt: bool = True,
+                               task: str = "generate") -> Generation:
         """Submit to the data worker; raises ApiError (400 a token id out of the vocabulary,
         409 duplicate id, 503 shutting down)."""
+        if task != self.settings.task:
+            raise invalid("model", task_refusal(self.settings.model_name, self.settings.task, task))
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         req = GenerateRequest(
             request_id=params.request_id,
@@ -58,6 +62,7 @@ class ApiState:
             audio=params.audio,
             language=params.language,
             task=params.task,
+            options=dict(params.options),
         )
         handle = await self.backend.submit(req)
         return Generation(
@@ -71,3 +76,14 @@ class ApiState:
             sampling=params.sampling,
             count_prompt=count_prompt,
         )
+
+
+#: the route family of each task, for the refusal of another task's route
+TASK_ROUTES = {"generate": "/generate, /v1/completions and /v1/chat/completions", "embed": "/v1/embeddings",
+               "score": "/v1/score and /v1/rerank"}
+
+
+def task_refusal(model: str, served: str, asked: str) -> str:
+    """Why a route of task `asked` does not serve a model of task `served` (a 400)."""
+    return (f"the served model {model!r} is a {served!r} model: this route is for {asked!r} models; "
+            f"it serves {TASK_ROUTES.get(served, served)}")

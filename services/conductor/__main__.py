@@ -19,10 +19,10 @@ from shared.specs.base import DeploymentError, ModelSpec
 ADDRESSES = ["conductor", "conductor_control"]
 
 
-def validate_deployment(model: str, page_size: int, max_seq_len: int) -> ModelSpec:
+def validate_deployment(model: str, page_size: int, max_seq_len: int, task: str = "auto") -> ModelSpec:
     """Everything that can be refused before any worker starts: the model resolves, its
     architecture is supported, and every paged pool is used by a declared label."""
-    spec = ModelSource(model).spec(page_size, max_seq_len)
+    spec = ModelSource(model).spec(page_size, max_seq_len, task=task)
     spec.validate()
     return spec
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.fingerprint import fingerprint
 
     try:
-        spec = validate_deployment(d.model, d.page_size, d.max_seq_len)
+        spec = validate_deployment(d.model, d.page_size, d.max_seq_len, d.task)
         ours = fingerprint(d)
     except (DeploymentError, FileNotFoundError, ValueError) as exc:
         log.error("deployment refused: %s", exc)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     d = deployment_from_args(args)
     try:
         source = ModelSource(d.model)
-        spec = source.spec(d.page_size, d.max_seq_len)
+        spec = source.spec(d.page_size, d.max_seq_len, task=d.task)
         tokenizer = source.tokenizer
     except (DeploymentError, FileNotFoundError, ValueError) as exc:
         log.error("cannot start: %s", exc)

@@ -50,6 +50,8 @@ class DataWorker:
         self.spec = spec
         self.tok = tokenizer
         self.vocab_size = tokenizer.tokenizer.get_vocab_size()
+        #: where the last pair tokenized starts its second text (a cross-encoder's token type 1)
+        self.pair_start: int | None = None
         self.addrs = addrs
         self.ctx = zmq.asyncio.Context()
         self.pushers = Pushers(self.ctx)
@@ -78,7 +80,9 @@ class DataWorker:
                 raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size}), got {bad[0]}")
             ids = list(req.input_ids)
         else:
-            ids = self._encode(req.prompt or "", req.add_special_tokens, req.options.get("truncate_prompt_tokens"))
+            pair = req.options.get("text_pair")
+            ids = self._encode(req.prompt or "", req.add_special_tokens, req.options.get("truncate_prompt_tokens"),
+                               pair if isinstance(pair, str) else None)
         cut = req.options.get("truncate_prompt_tokens")
         if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0:
             ids = ids[:cut]  # ids the client sent: its first `cut`
@@ -86,19 +90,25 @@ class DataWorker:
             raise ValueError("the prompt is empty after tokenization")
         return ids
 
-    def _encode(self, text: str, specials: bool, cut: object) -> list[int]:
-        """`text`'s ids; with `cut` (truncate_prompt_tokens), at most that many, cut as
-        the tokenizer's own truncation does (sentence-transformers' way: the special tokens
-        kept at both ends). The tokenizer is shared, so its truncation is set and unset
-        within this one synchronous call."""
+    def _encode(self, text: str, specials: bool, cut: object, pair: str | None = None) -> list[int]:
+        """`text`'s ids (with `pair`, the pair's, by the tokenizer's pair template: a
+        cross-encoder's input); with `cut` (truncate_prompt_tokens), at most that many, cut
+        as the tokenizer's own truncation does (sentence-transformers' way: the special
+        tokens kept at both ends). The tokenizer is shared, so its truncation is set and
+        unset within this one synchronous call. A pair's second text starts at
+        `self.pair_start`, which `prepare` hands to the model as the option "pair_start"."""
         tok = self.tok.tokenizer
-        if not isinstance(cut, int) or isinstance(cut, bool) or cut <= 0:
-            return tok.encode(text, add_special_tokens=specials).ids
-        tok.enable_truncation(cut)
+        limit = cut if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0 else None
+        if limit is not None:
+            tok.enable_truncation(limit)
         try:
-            return tok.encode(text, add_special_tokens=specials).ids
+            enc = tok.encode(text, pair, add_special_tokens=specials)
         finally:
-            tok.no_truncation()
+            if limit is not None:
+                tok.no_truncation()
+        self.pair_start = None if pair is None else next((i for i, t in enumerate(enc.type_ids) if t == 1),
+                                                        len(enc.ids))
+        return enc.ids
 
     def prepare(self, req: GenerateRequest):
         """(prompt ids, ProcessPromptOutput, the engine's metadata) for the request; raises
@@ -114,6 +124,9 @@ class DataWorker:
             except ValueError as exc:
                 raise _ClientError("input_ids" if req.input_ids is not None else "prompt", str(exc)) from exc
         options = model_options(req)
+        options.pop("text_pair", None)  # the api's, read by tokenize: the model sees where it starts
+        if req.options.get("text_pair") is not None and req.input_ids is None:
+            options["pair_start"] = self.pair_start
         try:
             ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options))
         except PromptError as exc:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from services.gpu_worker import cpu_kernels
 from shared.pages import pages_for
 
 
-def _bf16_kernels() -> tuple | None:
+def _bf16_kernels() -> tuple[Any, Any] | None:
     """(`mstar_write_kv_bf16`, `mstar_paged_decode_bf16`): the bfloat16-page variants of
     the float32 kernels (kernels/paged_attention.c), same arguments; None where the
     kernels are not built (or an older build lacks them)."""
@@ -35,7 +35,7 @@ def _bf16_kernels() -> tuple | None:
 
 
 @functools.cache
-def _bf16_functions(lib: ctypes.CDLL) -> tuple | None:
+def _bf16_functions(lib: ctypes.CDLL) -> tuple[Any, Any] | None:
     """`lib`'s two bfloat16-page kernels with their argument types declared (once per library)."""
     try:
         write, decode = lib.mstar_write_kv_bf16, lib.mstar_paged_decode_bf16
@@ -123,7 +123,7 @@ class FlashInferView:
     kv_indices: torch.Tensor  # int32: every request's live pages, in order
     kv_last_page_len: torch.Tensor  # int32 [B]
     qo_indptr: torch.Tensor  # int32 [B + 1]: each request's rows of T
-    wrapper: object | None = None  # the planned `BatchPrefillWithPagedKVCacheWrapper`
+    wrapper: Any = None  # the planned `BatchPrefillWithPagedKVCacheWrapper` (flashinfer is untyped)
 
 
 @dataclass
@@ -408,7 +408,8 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMe
             and _rows_contiguous(k) and _rows_contiguous(v)
             and meta.slot_pages.dtype == meta.slot_offsets.dtype == torch.long
             and meta.slot_pages.is_contiguous() and meta.slot_offsets.is_contiguous()):
-        kernel = cpu_kernels.write_kv() if kind == 0 else _bf16_kernels()[0]
+        bf16 = _bf16_kernels()
+        kernel = cpu_kernels.write_kv() if kind == 0 else None if bf16 is None else bf16[0]
         if kernel is not None:
             kernel(cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
                    meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], cache.shape[2])
@@ -482,7 +483,8 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scal
     this backend for float32 queries on float32 or bfloat16 pages (`cpu_backend`), so a
     call it cannot take is a bug, raised as such."""
     kind = _kernel_pages(cache)
-    kernel = None if kind is None else cpu_kernels.paged_decode() if kind == 0 else _bf16_kernels()[1]
+    bf16 = _bf16_kernels()
+    kernel = None if kind is None else cpu_kernels.paged_decode() if kind == 0 else None if bf16 is None else bf16[1]
     hq, d = q.shape[1], q.shape[2]
     if kernel is None or q.dtype != torch.float32 or hq > 128 or hq % cache.shape[3]:
         raise RuntimeError(f"metadata built for the C decode kernel, which cannot take {q.dtype} queries of "

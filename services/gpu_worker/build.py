@@ -118,7 +118,7 @@ def pick_device() -> torch.device:
 def assemble(d: Deployment) -> Assembled:
     """Load the model, size and allocate the pools, build and warm up the engine."""
     source = ModelSource(d.model)
-    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d))
+    spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)
     spec.validate()
     device = pick_device()
     if spec.engine != "decoder" and device.type != "cpu":

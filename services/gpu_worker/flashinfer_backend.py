@@ -12,6 +12,7 @@ FlashInfer's causal mask, which is bottom-right aligned as DESIGN.md section 5 a
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ class FlashInferPlanner:
         self._fi = flashinfer
         self.device = device
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers: dict[str, object] = {}
+        self._wrappers: dict[str, Any] = {}  # flashinfer's wrappers (the package is untyped)
 
     def plan(self, label: str, meta: AttnMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, window: int | None, dtype: torch.dtype, sm_scale: float | None = None,

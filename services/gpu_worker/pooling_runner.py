@@ -56,7 +56,7 @@ class PoolingRunner(ModelRunner):
             ids.extend(r.prompt)
             types.extend(r.inputs.get("token_type_ids") or [0] * n)
             positions.extend(range(n))
-        meta = self.builder.build(rows, self.page_sizes[label], None, causal=False)
+        meta = self.builder.build(rows, self.page_sizes[label], None, causal=not self.spec.bidirectional)
         t = len(ids)
         flat = torch.from_numpy(np.array(ids + positions + types, dtype=np.int64)).to(self.device)
         with torch.inference_mode():

@@ -27,7 +27,7 @@ from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
-from shared.specs.base import DecoderRunnerSpec, RunnerSpec
+from shared.specs.base import DecoderRunnerSpec
 
 log = logging.getLogger("mstar.runner")
 
@@ -37,7 +37,7 @@ class ModelRunner:
     `spec.layer_labels[i]` in its pool's i-th layer tensor."""
 
     #: what this runner reads of its spec (checked at build: `refuse_runner_gaps`)
-    SPEC: type[RunnerSpec] = DecoderRunnerSpec
+    SPEC: type = DecoderRunnerSpec  # a Protocol class (abstract, so not type[RunnerSpec])
 
     def __init__(self, model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         self.model = model
@@ -131,7 +131,11 @@ class ModelRunner:
         """One forward over the plan; per entry, the tokens sampled for it: none for a
         prefill chunk that does not end its prompt, one per row for a verify step."""
         rows: dict[str, list] = {lab.name: [] for lab in self.step_labels}
-        ids, positions, sample_rows, sample_reqs, counts = [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        counts: list[int] = []
         extras: list[list[int]] = []  # per sampled row: drafts generated before it (a verify step)
         prompt_rows: list[int] = []  # rows whose logits give prompt logprobs (never sampled)
         prompt_targets: list[tuple[Request, list[int]]] = []

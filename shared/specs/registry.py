@@ -14,10 +14,11 @@ import os
 from collections.abc import Callable
 
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
-from shared.specs.base import ModelSpec
+from shared.specs.base import TASKS, DeploymentError, ModelSpec
+from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.encoder import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
+from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
 
@@ -44,3 +45,22 @@ def load_plugins() -> None:
     `register_model` calls add its architectures after the built-in ones."""
     for mod in filter(None, (m.strip() for m in os.environ.get("MSTAR_MODEL_PLUGINS", "").split(","))):
         importlib.import_module(mod)
+
+
+#: the embedding variant of a generating family (`--task embed`, a sentence-transformers folder)
+EMBED_VARIANTS: dict[SpecFactory, SpecFactory] = {DecoderLMSpec: DecoderEmbedSpec}
+
+
+def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = False) -> SpecFactory:
+    """The factory of `architecture`'s spec for `task`: a family's embedding variant where
+    embeddings are asked (or the folder is a sentence-transformers embedding model); a
+    DeploymentError naming the architecture when none serves it."""
+    if task not in TASKS:
+        raise DeploymentError(f"task {task!r} is not one of {TASKS}")
+    factory = MODEL_REGISTRY.get(architecture)
+    if factory is None:
+        raise DeploymentError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+    if task == "embed" or (task == "auto" and pooled_folder):
+        factory = EMBED_VARIANTS.get(factory, factory)
+    return factory
+

@@ -236,8 +236,8 @@ def test_chat_without_template_is_400(bare_client: TestClient) -> None:
 
 
 def test_unknown_route_and_method_are_json(client: TestClient) -> None:
-    r = client.get("/v1/embeddings")
-    assert r.status_code == 404 and r.json()["error"]["message"] == "no route /v1/embeddings"
+    r = client.get("/v1/nonesuch")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no route /v1/nonesuch"
     r = client.get("/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["message"] == "method GET is not allowed on /v1/completions"
 

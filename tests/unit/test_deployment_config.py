@@ -38,6 +38,7 @@ OTHER = {
     "speculative_ngram_min": 1,
     "itl_target_ms": 12.5,
     "queue_timeout_s": 7.5,
+    "task": "embed",
 }
 SERVICES = ("conductor", "gpu_worker", "data_worker")
 

@@ -77,3 +77,35 @@ def test_cross_encoder_scores_equal_transformers(tmp_path):
             types = torch.tensor([[0] * len(a) + [1] * len(b)])
             logit = ref_model(torch.tensor([a + b]), token_type_ids=types).logits[0]
             np.testing.assert_allclose(score, torch.sigmoid(logit).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_qwen3_embedding_shaped_folder_equals_last_token_pooling(tmp_path):
+    """A Qwen3-Embedding folder: config says Qwen3ForCausalLM, the weights are the bare
+    model's (no `model.` prefix, no lm_head), sentence-transformers' modules pool the last
+    token and normalize. Equals transformers' last hidden state of the last token, normalized."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "q3", "qwen3")
+    full = transformers.Qwen3ForCausalLM.from_pretrained(folder).eval()
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in state.items() if k != "lm_head.weight"},
+              str(folder / "model.safetensors"))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}))
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
+    got, _ = run(folder, [(p, None) for p in prompts])
+    with torch.no_grad():
+        for ids, vec in zip(prompts, got):
+            last = full.model(torch.tensor([ids])).last_hidden_state[0, -1]
+            np.testing.assert_allclose(vec, torch.nn.functional.normalize(last, dim=-1).numpy(), rtol=1e-5, atol=1e-6)
+    spec = ModelSource(str(folder)).spec(16)
+    assert (spec.task, spec.pooling, spec.normalize, spec.engine) == ("embed", "last", True, "pooling")

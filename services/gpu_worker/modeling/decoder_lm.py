@@ -281,7 +281,7 @@ class DecoderLM(DecoderModel):
             # a plain attribute, as the other heads (not a second registered submodule)
             object.__setattr__(self, "head", head.table if isinstance(head, QuantEmbedding) else head)
         else:
-            self.head = make_head(head.weight.detach())
+            self.head = make_head(self._head_rows(head.weight.detach()))
         if isinstance(self.head, KernelHead):
             for layer in layers:
                 layer.mlp.fuse_silu()
@@ -291,6 +291,10 @@ class DecoderLM(DecoderModel):
                 del self.lm_head  # the head has its own copy (oneDNN's keeps the plain one too)
         if next(self.parameters()).device.type == "cpu":
             self.cpu_stack = CpuDecodeStack.build(self)
+
+    def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head's weight as `prepare` packs it (all of it; an embedder has no head)."""
+        return weight
 
     def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
         """Build every oneDNN GEMM kernel a step of up to `max_rows` rows (and
@@ -302,16 +306,7 @@ class DecoderLM(DecoderModel):
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata],
                 sample_rows: torch.Tensor):
-        x = self.model.embed_tokens(input_ids)
-        if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
-        ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
-        stack, full = self.cpu_stack, ropes.get(FULL)  # a stack is built for all-FULL models only
-        if stack is None or full is None or not stack.run(x, full, kv_caches, metas):
-            for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
-                x = layer(x, ropes[kind], cache, meta)
-        x = self.model.norm(x[sample_rows])
+        x = self.model.norm(self.hidden(input_ids, positions, kv_caches, metas)[sample_rows])
         if self.head is not None:
             logits = self.head(x)
         else:
@@ -321,6 +316,20 @@ class DecoderLM(DecoderModel):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               metas: list[AttnMetadata]) -> torch.Tensor:
+        """Every row's hidden state after the last layer, before the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
+        ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
+        stack, full = self.cpu_stack, ropes.get(FULL)  # a stack is built for all-FULL models only
+        if stack is None or full is None or not stack.run(x, full, kv_caches, metas):
+            for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
+                x = layer(x, ropes[kind], cache, meta)
+        return x
 
 
 def _is_norm(name: str) -> bool:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
 from services.gpu_worker.modeling.bert import BertModel
+from services.gpu_worker.modeling.decoder_embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder_lm import DecoderLM
 from services.gpu_worker.modeling.null_lm import NullLM
 from services.gpu_worker.modeling.whisper import WhisperModel
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.encoder import EncoderSpec
 from shared.specs.null_lm import NullLMSpec
+from shared.specs.pooling import EncoderSpec
 from shared.specs.whisper import WhisperSpec
 
 #: spec class -> torch model class
@@ -25,6 +27,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     NullLMSpec: NullLM,
     WhisperSpec: WhisperModel,
     EncoderSpec: BertModel,
+    DecoderEmbedSpec: DecoderEmbedder,
 }
 
 

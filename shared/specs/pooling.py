@@ -32,12 +32,73 @@ SCORE_ARCHITECTURES = ("BertForSequenceClassification",)
 POOLING_MODES = ("mean", "cls", "last")
 
 
-class EncoderSpec(ModelSpec):
+class PoolingSpec(ModelSpec):
+    """What every pooling spec shares: one label "text" in pool "kv", filled by the prompt
+    and never grown (no decode loop), and sentence-transformers' folder settings. A
+    subclass sets `pooling`, `normalize`, `heads`, `max_seq_len` and the pool's shape."""
+
     engine = "pooling"
+    task = "embed"
     pool = "kv"
     label_name = "text"
-    #: a prompt runs whole, in one step (bidirectional attention sees every row)
+    #: a prompt runs whole, in one step
     whole_prompts = True
+    #: attention sees every row of the prompt (an encoder), else causal (a decoder's)
+    bidirectional = True
+    pooling = "mean"
+    heads = 0
+
+    def load_folder(self, path: str | Path) -> Self:
+        """sentence-transformers' modules: pooling mode, normalization, max length."""
+        path = Path(path)
+        modules_file = path / "modules.json"
+        if not modules_file.exists():
+            return self
+        modules = json.loads(modules_file.read_text())
+        types = [str(m.get("type", "")) for m in modules]
+        self.normalize = any(t.endswith(".Normalize") for t in types)
+        for m in modules:
+            if str(m.get("type", "")).endswith(".Pooling"):
+                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
+                self.pooling = _pooling_mode(cfg)
+        st_config = path / "sentence_bert_config.json"
+        if st_config.exists():
+            limit = json.loads(st_config.read_text()).get("max_seq_length")
+            if limit:
+                self.max_seq_len = min(self.max_seq_len, int(limit))
+        st_model = path / "config_sentence_transformers.json"
+        if st_model.exists() and json.loads(st_model.read_text()).get("model_type") == "matryoshka":
+            self.matryoshka = True
+        return self
+
+    @property
+    def step_loops(self) -> tuple[str, ...]:
+        return ()  # no decode loop: the prompt's forward is the whole request
+
+    def graph_loops(self) -> dict[str, int]:
+        return {}
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        ids = request.token_ids
+        if not ids:
+            raise PromptError("input", "an input must hold at least one token")
+        tensors = {"input_ids": np.asarray(ids, dtype=np.int32)}
+        first = request.options.get("pair_start")  # a cross-encoder's second text starts here
+        if isinstance(first, int) and not isinstance(first, bool):
+            types = np.zeros(len(ids), dtype=np.int32)
+            types[first:] = 1
+            tensors["token_type_ids"] = types
+        layout = LabelLayout(spans=(Span.rows(len(ids)),))
+        return ProcessPromptOutput(tensors, {self.label_name: layout}, {"prompt_len": len(ids)})
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {}
+
+
+class EncoderSpec(PoolingSpec):
+    """BERT-family encoders: embeddings (a bare `BertModel`) or scores (a classifier)."""
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -70,61 +131,13 @@ class EncoderSpec(ModelSpec):
         self.matryoshka = False
         self._label = KVLabel(self.label_name, self.pool, keys=False)
 
-    def load_folder(self, path: str | Path) -> Self:
-        """sentence-transformers' modules: pooling mode, normalization, max length."""
-        path = Path(path)
-        modules_file = path / "modules.json"
-        if not modules_file.exists():
-            return self
-        modules = json.loads(modules_file.read_text())
-        types = [str(m.get("type", "")) for m in modules]
-        self.normalize = any(t.endswith(".Normalize") for t in types)
-        for m in modules:
-            if str(m.get("type", "")).endswith(".Pooling"):
-                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
-                self.pooling = _pooling_mode(cfg)
-        st_config = path / "sentence_bert_config.json"
-        if st_config.exists():
-            limit = json.loads(st_config.read_text()).get("max_seq_length")
-            if limit:
-                self.max_seq_len = min(self.max_seq_len, int(limit))
-        st_model = path / "config_sentence_transformers.json"
-        if st_model.exists() and json.loads(st_model.read_text()).get("model_type") == "matryoshka":
-            self.matryoshka = True
-        return self
-
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]:
         return (self._label,)
 
-    @property
-    def step_loops(self) -> tuple[str, ...]:
-        return ()  # no decode loop: the prompt's forward is the whole request
-
     def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
         return {self.pool: PagedKVConfig(self.pool, self.num_layers, self.heads, self.head_dim, self.dtype,
                                          self.page_size, num_pages, self.max_seq_len)}
-
-    def graph_loops(self) -> dict[str, int]:
-        return {}
-
-    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
-        if request.audio is not None:
-            raise PromptError("file", "the served model does not take audio")
-        ids = request.token_ids
-        if not ids:
-            raise PromptError("input", "an input must hold at least one token")
-        tensors = {"input_ids": np.asarray(ids, dtype=np.int32)}
-        first = request.options.get("pair_start")  # a cross-encoder's second text starts here
-        if first is not None:
-            types = np.zeros(len(ids), dtype=np.int32)
-            types[int(first):] = 1
-            tensors["token_type_ids"] = types
-        layout = LabelLayout(spans=(Span.rows(len(ids)),))
-        return ProcessPromptOutput(tensors, {self.label_name: layout}, {"prompt_len": len(ids)})
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        return {}
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.num_layers * 2 * page_size * self.heads * self.head_dim * DTYPE_BYTES[self.dtype]
