@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GE
 
 #: byte offsets of each type's float16 fields within a block
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208]}
+              "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 TYPES = sorted(quant.KEPT_TYPES)
 
 
@@ -51,10 +51,10 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_repack_reproduces_gguf_dequantization(qtype):
-    k = 768 if qtype.endswith("_K") else 96  # 96: not a multiple of 64, the kernel's padding
+    k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96  # 96: not a multiple of 64, the kernel's padding
     raw = random_blocks(qtype, 40, k)
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
-    assert layer.form == (4 if qtype in quant.FORM4 else 8)
+    assert layer.form == (4 if qtype in quant.FORM4 else quant.NL if qtype in quant.FORMNL else 8)
     assert torch.equal(layer.weight, dequantized(qtype, raw, 40, k))
     ids = torch.tensor([[3, 0], [39, 3]])
     assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
@@ -63,7 +63,7 @@ def test_repack_reproduces_gguf_dequantization(qtype):
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):
-    k = 768 if qtype.endswith("_K") else 96
+    k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96
     n = 45  # not a multiple of the kernel's 4-column tile
     raw = random_blocks(qtype, n, k, seed=1)
     bias = torch.randn(n)

@@ -1,13 +1,18 @@
 /* GEMM on GGUF-quantized weights, computed on as they come (llama.cpp's method):
  * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), where w is never expanded to floats.
  *
- * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of two forms,
- * both in blocks of 32 along k, every scale a float32 (the GGUF scales are float16 and
+ * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of three forms,
+ * all in blocks of 32 along k, every scale a float32 (the GGUF scales are float16 and
  * small integers, so each product below is the one gguf's dequantization computes):
  *   Q4 form: w = d[b] * q + m[b], q in 0..15 (Q4_0: m = -8 d; Q4_1: d, m; Q4_K: d * scale,
  *            -dmin * min per 32-group)
  *   Q8 form: w = d16[h] * q + m[b], q a signed byte stored as q + 128, one scale per 16
  *            (Q6_K's groups; Q8_0's written twice), m per 32 or none (Q5_1, Q5_K: one)
+ *   NL form (16, a 16-value table): w = d[b] * kvalues_iq4nl[q], q in 0..15 (IQ4_NL: d;
+ *            IQ4_XS: d * (scale - 32) per 32-group), m per 32 or none (none from GGUF).
+ *            Stored as the Q4 form's nibbles (4 bits a weight); in the kernel each nibble
+ *            becomes kvalues + 128 (1..241, an unsigned byte) by one vpshufb, and the + 128
+ *            is taken back as the Q8 form's is.
  *
  * Layout: output columns in tiles of 16 (n padded), one column per 32-bit lane: vpdpbusd
  * multiplies 4 consecutive bytes of each lane by 4 bytes of x broadcast to every lane, so
@@ -15,15 +20,16 @@
  * vectors, x is never shuffled, and each block's scales are one 16-float load per tile:
  *   Q4 form: w [n/16][kb][4][16 columns][4]: byte = q[k] | q[k + 16] << 4, k = 4 g + i
  *   Q8 form: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
- *   d: Q4 [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
+ *   NL form: w as the Q4 form's (q the table index)
+ *   d: Q4 and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,
  * makes it ~15 bits: SmolLM2's greedy answers otherwise drift from the float32 path's), and
  * each block's sum of that rounded x is kept for the m term (as llama.cpp's Q8_1). So the
  * result is the float32 GEMM of x so rounded and the dequantized weight (up to the order of
- * float additions): x's rounding is the only approximation. The Q8 form's +128 is taken
- * back exactly in int32: 128 * (256 sum(q1) + sum(q2)) per half block.
+ * float additions): x's rounding is the only approximation. The Q8 and NL forms' +128 is
+ * taken back exactly in int32: 128 * (256 sum(q1) + sum(q2)) per half block.
  *
  * Output column tiles and row blocks are split over the threads of pool.c's pool (tasks taken
  * from a shared counter: a busy core's thread just takes fewer); each output is computed the
@@ -54,6 +60,15 @@ int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
 
 #define NT 16 /* output columns per tile: one 32-bit lane each */
 #define MR 4  /* rows per tile */
+#define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4 and 8) */
+
+/* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl, gguf.quants.IQ4_NL.kvalues) + 128, in each
+ * 16-byte lane for vpshufb */
+static inline __m512i nl_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79, (char)93,
+                                                (char)106, (char)118, (char)129, (char)141, (char)153, (char)166,
+                                                (char)181, (char)197, (char)217, (char)241));
+}
 
 /* x [m, lda] floats, k values per row -> q1, q2 [m, kp] bytes (kp: k padded to 32),
  * dx = d / 256 and sx (the block's sum of the rounded x) [m, kb] floats, and
@@ -99,16 +114,21 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                                                        float *out, int64_t ldc, int64_t n, int64_t t) {
     const int64_t kb = kp / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i table = nl_table();
     __m512 acc[MR];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         __m512i wv[8];
-        if (form == 4) {
+        if (form == 4 || form == FORM_NL) {
             const uint8_t *src = w + ((t * kb + b) * 4) * 64;
             for (int g = 0; g < 4; g++) {
                 __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
                 wv[g] = _mm512_and_si512(v, low);
                 wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (form == FORM_NL) {
+                    wv[g] = _mm512_shuffle_epi8(table, wv[g]);
+                    wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
+                }
             }
         } else {
             const uint8_t *src = w + ((t * kb + b) * 8) * 64;
@@ -119,13 +139,15 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
             const int32_t *x2 = (const int32_t *)(q2s + r * kp + b * 32);
             const __m512 xs = _mm512_set1_ps(dx[r * kb + b]);
-            if (form == 4) {
+            if (form == 4 || form == FORM_NL) {
                 __m512i p1 = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) {
                     p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
                     p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
                 }
                 __m512i p = _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
+                if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
+                    p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
                 __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d + (t * kb + b) * 16), xs);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
             } else {
@@ -193,7 +215,8 @@ static void gemm_task(void *p, int task) {
         for (int64_t r0 = ra; r0 < rz; r0 += MR) {
             const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
             for (int64_t t = s0; t < s1; t++) {
-                if (j->form == 4) { TILE_ROWS(4) } else { TILE_ROWS(8) }
+                if (j->form == 4) { TILE_ROWS(4) } else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL) }
+                else { TILE_ROWS(8) }
             }
         }
     }
@@ -210,7 +233,7 @@ static void quantize_task(void *p, int task) {
 #define TASK_MAX_NS 30000 /* the most: the caller waits out a task a descheduled worker holds */
 #define TASKS_PER_THREAD 8
 
-/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4 or 8; w, d, mn in the tiled
+/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4, 8 or 16 (NL); w, d, mn in the tiled
  * layout above; scratch: at least mstar_qlinear_scratch(m, k) bytes. `threads` > 0: run on
  * up to that many threads of the pool (pool.c; its workers are started if fewer), <= 0: on
  * the pool's default count (mstar_pool_threads()); the result is the same bits either way.
@@ -218,7 +241,7 @@ static void quantize_task(void *p, int task) {
 int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp, const float *d,
                   const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
-    if ((form != 4 && form != 8) || (form == 4 && !mn)) return -1;
+    if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn)) return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
     struct qjob j = {.form = form, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
                      .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias, .out = out};
@@ -240,7 +263,7 @@ int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, c
      * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
-    const int64_t per_tile = kb * ((form == 4 ? 8 : 25) + 6 * j.rb);
+    const int64_t per_tile = kb * ((form == 4 ? 8 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;

@@ -1,6 +1,6 @@
 """GGUF weights kept quantized and computed on as such (kernels/qgemm.c, llama.cpp's method).
 
-At load each quantized GGUF matrix is repacked into one of the kernel's two forms (see
+At load each quantized GGUF matrix is repacked into one of the kernel's three forms (see
 qgemm.c), every scale a float32 made by the same float32 operations `gguf.quants.dequantize`
 does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization bit for bit
 (tests/unit/test_quant.py checks each type):
@@ -15,11 +15,15 @@ does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization b
 | Q5_K | 8 | (d * sc) * q - dmin * mn | 1.375 |
 | Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.25 |
 | Q8_0 | 8 | d * q | 1.25 |
+| IQ4_NL | 16 | d * kvalues[q] | 0.625 |
+| IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.625 |
+
+(form 16: 4-bit indices into IQ4_NL's 16-value table `kvalues`, a signed byte each.)
 
 The GEMM rounds the activations per block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256)
 with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone SmolLM2's
 greedy answers drift from the float32 path's): that rounding is the one approximation.
-Other types (Q2_K, Q3_K, the IQ types) are dequantized to float32 at load, as
+Other types (Q2_K, Q3_K, the other IQ types, ...) are dequantized to float32 at load, as
 `--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
 
@@ -45,7 +49,14 @@ from shared.cgroup import available_cpus
 
 FORM4 = ("Q4_0", "Q4_1", "Q4_K")
 FORM8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
-KEPT_TYPES = frozenset(FORM4 + FORM8)
+#: 4-bit indices into a 16-value table (form 16 of qgemm.c)
+FORMNL = ("IQ4_NL", "IQ4_XS")
+KEPT_TYPES = frozenset(FORM4 + FORM8 + FORMNL)
+#: qgemm.c's code of the NL form
+NL = 16
+#: IQ4_NL's (and IQ4_XS's) values of the 16 indices (ggml's kvalues_iq4nl)
+KVALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
+_KVALUES_F32 = torch.from_numpy(KVALUES.astype(np.float32))
 
 def default_threads() -> int:
     """`MSTAR_COMPUTE_THREADS` if set, else every CPU the process may use (affinity mask and
@@ -101,9 +112,21 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return ((bits & 1).astype(np.uint8)) << np.uint8(4)
 
 
+def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: per-32-group scale d * (sc - 32), [blocks, 8], as gguf's dequantization makes it:
+    sc's low 4 bits from scales_l (bytes 4-7, a nibble per group), its high 2 from scales_h
+    (bytes 2-3, a little-endian u16, 2 bits per group)."""
+    d = _f16(blocks[:, 0:2])
+    lo = (blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(-1, 8)
+    hi = blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)
+    sc = ((lo & np.uint8(0x0F)) | ((hi.astype(np.uint8) & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return d * sc.astype(np.float32)
+
+
 def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGUF blocks -> (q [rows, K] integers, scale per 32 (form 4) or per 16 (form 8),
-    offset per 32 or None), each scale and offset as gguf's dequantization computes it."""
+    """GGUF blocks -> (q [rows, K] integers (form 16: table indices), scale per 32 (forms 4
+    and 16) or per 16 (form 8), offset per 32 or None), each scale and offset as gguf's
+    dequantization computes it."""
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
     b = np.ascontiguousarray(raw).reshape(-1, size)
     if qtype in ("Q4_0", "Q4_1"):
@@ -113,6 +136,12 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     elif qtype == "Q4_K":
         d, m = _k_scales(b)
         q = _nibbles(b[:, 16:], 4)
+    elif qtype == "IQ4_NL":
+        d, m = _f16(b[:, 0:2]), None
+        q = _nibbles(b[:, 2:], 1)
+    elif qtype == "IQ4_XS":
+        d, m = _iq4_xs_scales(b), None
+        q = _nibbles(b[:, 8:], 8)  # per 32-group: 16 bytes, low nibbles first
     elif qtype == "Q8_0":
         d, m = np.repeat(_f16(b[:, 0:2]), 2, axis=1), None
         q = b[:, 2:].copy().view(np.int8)
@@ -150,8 +179,9 @@ TILE = 16
 def repack(qtype: str, raw: np.ndarray,
            shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks -> (form, w, d, m) in qgemm.c's tiled layout (n padded to tiles of 16
-    columns, k to blocks of 32, with zero weights): form 4: w [tiles, kb, 4, 16, 4] bytes
-    (q[k] | q[k + 16] << 4 at k = 4 g + i), d and m [tiles, kb, 16]; form 8: w
+    columns, k to blocks of 32, with zero weights): forms 4 and 16: w [tiles, kb, 4, 16, 4]
+    bytes (q[k] | q[k + 16] << 4 at k = 4 g + i), d [tiles, kb, 16], m (form 4) the same
+    shape or None (form 16); form 8: w
     [tiles, kb, 8, 16, 4] bytes (q + 128), d [tiles, kb, 2, 16], m [tiles, kb, 16] or None."""
     n, k = shape
     q, d, m = split_blocks(qtype, raw, n)
@@ -159,11 +189,11 @@ def repack(qtype: str, raw: np.ndarray,
     np_, kp = tiles * TILE, kb * 32
     if m is not None:
         m = np.ascontiguousarray(_padded(m, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1))
-    if qtype in FORM4:
+    if qtype in FORM4 or qtype in FORMNL:
         q = _padded(q.astype(np.uint8), np_, kp).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
         w = (q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
         d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
-        return 4, np.ascontiguousarray(w), np.ascontiguousarray(d), m
+        return 4 if qtype in FORM4 else NL, np.ascontiguousarray(w), np.ascontiguousarray(d), m
     u = _padded((q.astype(np.int16) + 128).astype(np.uint8), np_, kp, 128)  # 128: a zero weight
     w = u.reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)
     d = _padded(d, np_, 2 * kb).reshape(tiles, TILE, kb, 2).transpose(0, 2, 3, 1)
@@ -213,6 +243,11 @@ class QuantLinear(nn.Module):
             assert self.m is not None  # form 4 always has offsets
             q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
             out = self.d[t, :, j].unsqueeze(-1) * q + self.m[t, :, j].unsqueeze(-1)
+        elif self.form == NL:
+            idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
+            out = self.d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
+            if self.m is not None:
+                out = out + self.m[t, :, j].unsqueeze(-1)
         else:
             q = (w.reshape(*lead, kb, 2, 16).to(torch.int16) - 128).float()
             out = self.d[t, :, :, j].unsqueeze(-1) * q
