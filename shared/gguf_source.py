@@ -60,7 +60,14 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
+#: llama.cpp's converter stores Gemma's RMSNorm weights as (1 + w), the factor its norm
+#: multiplies by; transformers' Gemma norms add the 1 themselves (as transformers' GGUF loader
+#: does, the 1 is taken off at load)
+_GEMMA = ("gemma2", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 
@@ -75,9 +82,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
-    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3, gemma3
 }
+#: where an architecture names a layer tensor otherwise: Gemma's four norms (its
+#: `ffn_norm` is the norm before the MLP), Phi-3's fused q/k/v and gate/up projections
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -250,7 +265,49 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
+    if arch in _GEMMA:
+        config.update(_gemma_config(reader, arch, config))
+    if arch == "phi3":
+        window = llm(gguf.Keys.Attention.SLIDING_WINDOW)
+        config["sliding_window"] = None if window is None else int(window)
+        if any(name.startswith("rope_factors_") for name in tensor_names):
+            raise NotImplementedError("GGUF has rope_factors_long/short tensors (Phi-3 LongRoPE); "
+                                      "LongRoPE is not supported")
     return config
+
+
+def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 2 / 3 add, as llama.cpp reads these files: GELU (tanh) MLPs, the
+    embedding scaled by sqrt(hidden) (transformers' Gemma does that itself), a query scale
+    of 1 / sqrt(head_dim) (1 / sqrt(hidden / heads) for the 27B models, llama.cpp's rule),
+    sliding-window layers (every other one for Gemma 2; five of six for Gemma 3, whose
+    local layers rotate at base 10000: llama.cpp's fixed values, the files do not carry
+    them) and Gemma 2's soft-capping."""
+
+    def llm(key: str) -> Any:
+        return _field(reader, key.format(arch=arch))
+
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    big = (arch == "gemma2" and layers == 46) or (arch == "gemma3" and layers == 62)  # the 27B models
+    window = llm(gguf.Keys.Attention.SLIDING_WINDOW)
+    out: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+        "sliding_window": None if window is None else int(window),
+        "attention_bias": False,
+    }
+    if arch == "gemma2":
+        for key, hf_key in (("{arch}.attn_logit_softcapping", "attn_logit_softcapping"),
+                            ("{arch}.final_logit_softcapping", "final_logit_softcapping")):
+            value = llm(key)
+            out[hf_key] = None if value is None else _shortest_float(value)
+    else:
+        out["rope_local_base_freq"] = 10000.0
+        out["sliding_window_pattern"] = 6
+        out["final_logit_softcapping"] = None
+        out["attn_logit_softcapping"] = None
+    return out
 
 
 def _vocab_size(reader: gguf.GGUFReader, arch: str) -> int:
@@ -303,11 +360,12 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
@@ -340,6 +398,7 @@ def load_gguf_weights(
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
     permuted = config["model_type"] == "llama"
+    arch = next(a for a, (_, model_type) in _ARCHITECTURES.items() if model_type == config["model_type"])
 
     state: dict[str, np.ndarray | QuantTensor] = {}
     for name, qtype, shape, data in tqdm(
@@ -358,11 +417,13 @@ def load_gguf_weights(
         elif permuted and name.startswith("blk.") and ".attn_k." in name:
             w = _unpermute_rotary(w, n_kv_head)
         if w.dtype == np.uint8:  # kept quantized: the raw blocks, rows permuted if need be
-            state[_hf_name(name)] = QuantTensor(qtype.name, w, shape)
+            state[_hf_name(name, arch)] = QuantTensor(qtype.name, w, shape)
             continue
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter's (1 + w): transformers' Gemma norms add the 1
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
-        state[_hf_name(name)] = w
+        state[_hf_name(name, arch)] = w
     return config, state
 
 

