@@ -173,13 +173,12 @@ def _arch(reader: gguf.GGUFReader) -> str:
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     """``{arch}.rope.scaling.*`` as HF's ``rope_scaling`` dict (linear and YaRN)."""
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
         # llama.cpp's converter stores Llama 3.1-style ("llama3") rope scaling as
-        # per-frequency factors in this tensor, not as metadata.
-        raise NotImplementedError(
-            "GGUF has a rope_freqs.weight tensor (llama3-style rope scaling "
-            "factors); rope_freqs is not supported"
-        )
+        # per-frequency divisors in this tensor, not as metadata: served as they are.
+        values = gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": [float(x) for x in values]}
 
     def rope(key: str) -> Any:
         return _field(reader, key.format(arch=arch))
@@ -408,6 +407,8 @@ def load_gguf_weights(
         file=sys.stderr,
         disable=not progress,
     ):
+        if name == "rope_freqs.weight":
+            continue  # read into the config's rope_scaling (`_rope_scaling`)
         if qtype.name in keep_quantized and len(shape) == 2:
             w = data.reshape(shape[0], -1)
         else:

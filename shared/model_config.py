@@ -43,7 +43,9 @@ ARCHITECTURES = {
 
 MODEL_TYPES = frozenset(ARCHITECTURES.values())
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+#: "freq_factors": llama.cpp's per-frequency divisors (a GGUF file's `rope_freqs` tensor,
+#: Llama 3.1-style scaling as the converter precomputes it)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 
 #: activations implemented, per what the MLP computes: silu(gate) * up or gelu_tanh(gate) * up
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -99,6 +101,8 @@ class RopeConfig(msgspec.Struct, frozen=True):
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    #: freq_factors: each inverse frequency is divided by its factor
+    freq_factors: tuple[float, ...] = ()
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -173,6 +177,9 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     types, window = _layer_types(raw, model_type, layers)
     rope, rope_local = _ropes(raw, model_type, types)
     for r in {rope, rope_local}:
+        if r.rope_type == "freq_factors" and len(r.freq_factors) != head_dim // 2:
+            raise _refuse("rope_parameters.freq_factors", f"{len(r.freq_factors)} values",
+                          f"freq_factors needs head_dim / 2 = {head_dim // 2}")
         if r.rope_type == "longrope" and len(r.short_factor) != head_dim // 2:
             raise _refuse("rope_parameters.short_factor", f"{len(r.short_factor)} values",
                           f"longrope needs head_dim / 2 = {head_dim // 2}")
@@ -306,6 +313,7 @@ _ROPE_KEYS = {
     "yarn": {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
              "original_max_position_embeddings"},
     "longrope": {"factor", "short_factor", "long_factor", "attention_factor", "original_max_position_embeddings"},
+    "freq_factors": {"freq_factors"},
 }
 
 
@@ -344,6 +352,7 @@ def _rope(d: dict, raw: Mapping[str, Any], model_type: str) -> RopeConfig:
         truncate=bool(d.get("truncate", True)),
         short_factor=tuple(float(x) for x in d.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in d.get("long_factor") or ()),
+        freq_factors=tuple(float(x) for x in d.get("freq_factors") or ()),
     )
 
 

@@ -172,15 +172,38 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
             writer.add_tensor(new_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
             continue
         writer.add_tensor(new_name, np.ascontiguousarray(w))
-    if rope_freqs:
+    if rope_freqs:  # LlamaModel.generate_extra_tensors, from the checkpoint's llama3 rope scaling
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                          np.ones(head_dim // 2, dtype=np.float32))
+                          llama3_rope_factors(_rope_scaling(cfg) or {}, _rope_theta(cfg), head_dim))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def llama3_rope_factors(scaling: dict, theta: float, dim: int) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs` for Llama 3.1-style scaling, as it computes them
+    (factor 8, low 1, high 4, original context 8192 where the config does not say)."""
+    import math
+
+    factor = scaling.get("factor", 8.0)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def llama3_tokenizer_variant(ckpt_dir: Path, bos_token: str = "<|im_start|>") -> Path:

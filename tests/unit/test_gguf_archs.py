@@ -143,23 +143,49 @@ def test_rope_scaling(files, tmp_path, scaling, want):
     assert gguf_config(path)["rope_scaling"] == want
 
 
-def test_rope_freqs_refused(files, tmp_path):
-    from shared.gguf_source import gguf_config, load_gguf_weights
+def test_rope_freqs_serve_llama31_scaling(tmp_path):
+    """A Llama 3.1-style file: llama.cpp's converter turns the llama3 rope scaling into the
+    `rope_freqs` divisors; served as they are, the logits equal transformers' on the HF
+    checkpoint with its llama3 scaling."""
+    import torch
 
-    ckpt, _ = files("llama-gpt2")
-    path = write_gguf(ckpt, tmp_path / "llama31.gguf", "llama", "gpt2", rope_freqs=True)
-    for load in (gguf_config, load_gguf_weights):
-        with pytest.raises(NotImplementedError, match="rope_freqs"):
-            load(path)
+    from services.gpu_worker.attention import build_metadata
+    from services.gpu_worker.kv_memory import kv_cache
+    from services.gpu_worker.weights import build_model
+    from shared.gguf_source import gguf_config
+    from shared.model_source import ModelSource
+    from tests.reference import hf_model
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    ckpt = make_checkpoint(tmp_path / "llama31", "llama", rope_parameters=scaling)
+    path = write_gguf(ckpt, tmp_path / "llama31.gguf", "llama", "gpt2", rope_freqs=True, rope_scaling={})
+    assert gguf_config(path)["rope_scaling"]["rope_type"] == "freq_factors"
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    model = build_model(src, spec, torch.float32)
+    pool = next(iter(spec.paged_pools(32).values()))
+    caches = kv_cache(pool.num_layers, pool.num_pages, 16, pool.kv_heads, pool.head_dim, torch.float32,
+                      torch.device("cpu"))
+    ids = [(7 * j) % 200 + 3 for j in range(300)]  # positions well past the original context
+    meta = build_metadata([(list(range(19)), 0, 0, len(ids), False)], 16)
+    with torch.no_grad():
+        ours = model(torch.tensor(ids), torch.arange(len(ids)), caches, [meta] * len(caches),
+                     torch.arange(len(ids)))
+        ref = hf_model(str(ckpt))(torch.tensor([ids])).logits[0]
+    # (the divisors are float32, rounded once more than transformers' smoothing formula: 1e-4
+    # of logits at position 300; without them the logits differ by whole units)
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=5e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_unknown_architecture_refused(files, tmp_path):
     from shared.gguf_source import gguf_config, load_gguf_weights
 
     ckpt, _ = files("llama-gpt2")
-    path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="gemma2")
+    path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="mamba")
     for load in (gguf_config, load_gguf_weights):
-        with pytest.raises(NotImplementedError, match=r"'gemma2'.*llama, qwen2, qwen3"):
+        with pytest.raises(NotImplementedError, match=r"'mamba'.*llama, qwen2, qwen3, gemma2, gemma3, phi3"):
             load(path)
 
 

@@ -76,6 +76,8 @@ def inv_freq(rope: RopeConfig, dim: int, seq_len: int | None = None) -> torch.Te
         return _base_inv_freq(base, dim)
     if kind == "llama3":
         return _llama3(rope, dim)
+    if kind == "freq_factors":  # llama.cpp's rope_freqs: theta_i / factor_i
+        return _base_inv_freq(rope.theta, dim) / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if kind == "yarn":
         return _yarn(rope, dim)
     if kind == "longrope":
