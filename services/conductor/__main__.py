@@ -21,9 +21,18 @@ ADDRESSES = ["conductor", "conductor_control"]
 
 def validate_deployment(model: str, page_size: int, max_seq_len: int, task: str = "auto") -> ModelSpec:
     """Everything that can be refused before any worker starts: the model resolves, its
-    architecture is supported, and every paged pool is used by a declared label."""
-    spec = ModelSource(model).spec(page_size, max_seq_len, task=task)
+    architecture is supported, a GGUF file's tokenizer (its model and pre-tokenizer) is one
+    mstar rebuilds, and every paged pool is used by a declared label."""
+    source = ModelSource(model)
+    spec = source.spec(page_size, max_seq_len, task=task)
     spec.validate()
+    if source.kind == "gguf":
+        from shared.gguf_tokenizer import UnsupportedGGUFTokenizer, check_gguf_tokenizer
+
+        try:
+            check_gguf_tokenizer(source.path)
+        except UnsupportedGGUFTokenizer as exc:
+            raise DeploymentError(f"{source.path.name}: {exc}") from None
     return spec
 
 
