@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from shared.layout import DTYPE_BYTES
-from shared.specs.base import TASKS
+from shared.tasks import TASKS
 
 ADDRESS_NAMES = {
     "api": "where the api pulls outputs and errors",

@@ -32,19 +32,15 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from shared import disk_cache
-from shared.gguf_tokenizer import (
-    SUPPORTED_PRE_TOKENIZERS,
-    TOKENIZER_VERSION,
-    GGUFTokenizerInfo,
-    load_gguf_tokenizer,
-)
+from shared import disk_cache, gguf_tokenizer
+from shared.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, TOKENIZER_VERSION, GGUFTokenizerInfo
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_PRE_TOKENIZERS",
     "GGUFTokenizerInfo",
     "QuantTensor",
+    "check_gguf_tokenizer",
     "find_default_gguf",
     "gguf_config",
     "gguf_summary",
@@ -529,3 +525,21 @@ def gguf_config(path: str | Path | gguf.GGUFReader) -> dict[str, Any]:
     """The HF-style config alone (no dequantizing), for services that need no weights."""
     summary = gguf_summary(path)
     return dict(summary["config"]) if summary is not None else _gguf_config(_open(path))
+
+
+def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo:
+    """The file's tokenizer (`shared.gguf_tokenizer.load_gguf_tokenizer`), from its cached
+    summary where there is one."""
+    summary = gguf_summary(path)
+    if summary is not None:
+        tok = summary["tokenizer"]
+        return GGUFTokenizerInfo(tokenizer=gguf_tokenizer.Tokenizer.from_str(tok["json"]),
+                                 **{k: v for k, v in tok.items() if k != "json"})
+    return gguf_tokenizer.load_gguf_tokenizer(_open(path))
+
+
+def check_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> None:
+    """Raise `UnsupportedGGUFTokenizer` where the file's tokenizer would be refused; cheap
+    where its summary is cached (a summary is only made of a file whose tokenizer built)."""
+    if gguf_summary(path) is None:
+        gguf_tokenizer.check_gguf_tokenizer(_open(path))

@@ -26,7 +26,6 @@ that module re-exports `load_gguf_tokenizer`, `GGUFTokenizerInfo` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -218,19 +217,15 @@ def _check(model: Any, pre: Any) -> None:
         )
 
 
-def check_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> None:
-    """Raise `UnsupportedGGUFTokenizer` where the file's tokenizer would be refused; cheap
-    where its summary is cached (a summary is only made of a file whose tokenizer built)."""
-    from shared.gguf_source import _open, gguf_summary  # not at the top: gguf_source imports this module
-
-    if gguf_summary(path) is not None:
-        return
-    reader = _open(path)
+def check_gguf_tokenizer(reader: gguf.GGUFReader) -> None:
+    """Raise `UnsupportedGGUFTokenizer` where the file's tokenizer would be refused (the
+    cached form by path is `shared.gguf_source.check_gguf_tokenizer`)."""
     _check(_field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre"))
 
 
-def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo:
-    """Build the tokenizer llama.cpp runs for this GGUF file, as a ``tokenizers.Tokenizer``.
+def load_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerInfo:
+    """Build the tokenizer llama.cpp runs for this GGUF file, as a ``tokenizers.Tokenizer``
+    (the cached form by path is `shared.gguf_source.load_gguf_tokenizer`).
 
     CONTROL and USER_DEFINED tokens (and UNKNOWN ones of SentencePiece) are registered
     as added tokens so that chat markers such as ``<|im_start|>`` are matched whole in the
@@ -239,14 +234,6 @@ def load_gguf_tokenizer(path: str | Path | gguf.GGUFReader) -> GGUFTokenizerInfo
     0x14, 0x16, 0x1D, and UTF-8 lead bytes 0xF1/0xF2, i.e. the unassigned planes
     U+40000-U+BFFFF), and those bytes are dropped.
     """
-    from shared.gguf_source import _open, gguf_summary  # not at the top: gguf_source imports this module
-
-    summary = gguf_summary(path)
-    if summary is not None:
-        tok = summary["tokenizer"]
-        return GGUFTokenizerInfo(tokenizer=Tokenizer.from_str(tok["json"]),
-                                 **{k: v for k, v in tok.items() if k != "json"})
-    reader = _open(path)
     model = _field(reader, "tokenizer.ggml.model")
     pre_name = _field(reader, "tokenizer.ggml.pre")
     _check(model, pre_name)

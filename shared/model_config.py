@@ -177,12 +177,7 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     types, window = _layer_types(raw, model_type, layers)
     rope, rope_local = _ropes(raw, model_type, types)
     for r in {rope, rope_local}:
-        if r.rope_type == "freq_factors" and len(r.freq_factors) != head_dim // 2:
-            raise _refuse("rope_parameters.freq_factors", f"{len(r.freq_factors)} values",
-                          f"freq_factors needs head_dim / 2 = {head_dim // 2}")
-        if r.rope_type == "longrope" and len(r.short_factor) != head_dim // 2:
-            raise _refuse("rope_parameters.short_factor", f"{len(r.short_factor)} values",
-                          f"longrope needs head_dim / 2 = {head_dim // 2}")
+        _check_factor_lengths(r, head_dim)
     context = _context_length(int(raw.get("max_position_embeddings", 2048)), rope)
     gemma = model_type in GEMMA
     attn_bias = bool(raw.get("attention_bias", False))
@@ -217,6 +212,15 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
         final_softcap=_softcap(raw, "final_logit_softcapping", model_type),
         packed_projections=model_type == "phi3",
     )
+
+
+def _check_factor_lengths(r: RopeConfig, head_dim: int) -> None:
+    """Per-frequency factors (longrope's, llama.cpp's rope_freqs) come one per rotary pair."""
+    for kind, name, values in (("freq_factors", "freq_factors", r.freq_factors),
+                               ("longrope", "short_factor", r.short_factor)):
+        if r.rope_type == kind and len(values) != head_dim // 2:
+            raise _refuse(f"rope_parameters.{name}", f"{len(values)} values", f"{kind} needs head_dim / 2 = "
+                                                                              f"{head_dim // 2}")
 
 
 def _architecture(raw: Mapping[str, Any]) -> tuple[str, str]:

@@ -27,7 +27,8 @@ def validate_deployment(model: str, page_size: int, max_seq_len: int, task: str 
     spec = source.spec(page_size, max_seq_len, task=task)
     spec.validate()
     if source.kind == "gguf":
-        from shared.gguf_tokenizer import UnsupportedGGUFTokenizer, check_gguf_tokenizer
+        from shared.gguf_source import check_gguf_tokenizer
+        from shared.gguf_tokenizer import UnsupportedGGUFTokenizer
 
         try:
             check_gguf_tokenizer(source.path)

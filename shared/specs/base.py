@@ -30,9 +30,6 @@ from shared.layout import (
 )
 from shared.pages import pages_for as pages_for  # the one definition (shared/pages.py), re-exported for specs
 
-#: what a deployment may ask a model to do (`--task`); "auto": what its checkpoint is
-TASKS = ("auto", "generate", "embed", "score")
-
 
 class DeploymentError(Exception):
     """The deployment cannot serve this model; the message says why, for the operator."""

@@ -14,13 +14,14 @@ import os
 from collections.abc import Callable
 
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
-from shared.specs.base import TASKS, DeploymentError, ModelSpec
+from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
+from shared.tasks import TASKS
 
 #: factory(config, *, page_size, max_seq_len=0, dtype="float32") -> ModelSpec
 SpecFactory = Callable[..., ModelSpec]
