@@ -80,3 +80,24 @@ def test_the_real_gemma3_file_reads_as_transformers_reads_it(gemma_file):
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "quantized"])
 def test_the_real_gemma3_file_greedy_equals_transformers(gemma_file, reference, quantized):
     assert greedy(gemma_file, quantized) == reference
+
+
+def test_the_real_gemma3_file_served_end_to_end(gemma_file, reference, tmp_path):
+    """`mstar serve --model the.gguf` at its defaults (quantized weights, its SentencePiece
+    vocabulary rebuilt): the text prompt's ids and the greedy tokens are transformers'."""
+    import httpx
+
+    from tests.servers import MstarServer
+
+    server = MstarServer(str(gemma_file), tmp_path / "gemma.log", "--num-kv-pages", "64").start()
+    try:
+        r = httpx.post(server.url + "/generate", json={"prompt": "The capital of France is", "max_tokens": MAX_TOKENS,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(PROMPTS[0])  # <bos> + 5 pieces, as llama.cpp cuts them
+        assert body["token_ids"] == reference[0]
+        assert body["text"] == " the capital of the country of France."
+        assert server.wait_pages_free() == 0
+    finally:
+        server.stop()
