@@ -173,3 +173,13 @@ def test_task_embed_serves_a_decoder_lm_by_its_last_token(tmp_path):
         assert srv.wait_pages_free() == 0
     finally:
         srv.stop()
+
+
+def test_embedding_requests_and_input_tokens_are_counted(server):
+    """Each input is a request in the metrics, its tokens prompt tokens, as completions'."""
+    tokens0 = server.metric("mstar_prompt_tokens_total")
+    ok0 = server.metric("mstar_request_success_total", '{finished_reason="stop"}')
+    body = httpx.post(server.url + "/v1/embeddings", json={"input": ["one two three", "four"]}, timeout=60).json()
+    want = body["usage"]["prompt_tokens"]
+    assert server.wait_metric("mstar_prompt_tokens_total", tokens0 + want) == tokens0 + want
+    assert server.metric("mstar_request_success_total", '{finished_reason="stop"}') == ok0 + 2
