@@ -53,7 +53,7 @@ __all__ = [
 
 #: bumped whenever the tokenizer built for a GGUF file changes: part of the key of
 #: gguf_source's summary cache, which holds the built tokenizer's JSON
-TOKENIZER_VERSION = 2
+TOKENIZER_VERSION = 3
 
 # llama.cpp token types (llama_token_type in llama.h).
 _TOKEN_TYPE_UNKNOWN = 2
@@ -81,9 +81,6 @@ class _Pre:
     ignore_merges: bool = False
     #: llama.cpp's add_bos default where the file has no tokenizer.ggml.add_bos_token
     add_bos: bool = False
-    #: NFC first, as the model's HF tokenizer.json does (llama.cpp does not: differs only
-    #: on text that is not NFC already)
-    nfc: bool = False
     #: GPT-2's ByteLevel(use_regex=True) split, after the `splits`
     gpt2_regex: bool = False
 
@@ -163,7 +160,10 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     # LLAMA_VOCAB_PRE_TYPE_SMAUG: Llama 3's regex, but merges always and no BOS by default
     "smaug-bpe": _Pre((_LLAMA3_PATTERN,)),
     # LLAMA_VOCAB_PRE_TYPE_QWEN2: Qwen2 / 2.5 / 3 (whose tokenizer.json NFC-normalizes), R1 distills
-    "qwen2": _Pre((_QWEN2_PATTERN,), nfc=True), "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    # (no NFC step: the model's tokenizer.json has one, llama.cpp does not, nor does
+    # transformers reading the GGUF file; they differ only on text that is not NFC already,
+    # where llama-server's /tokenize is what a GGUF user gets)
+    "qwen2": _Pre((_QWEN2_PATTERN,)), "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
     "kormo": _QWEN2, "f2llmv2": _QWEN2,
     # LLAMA_VOCAB_PRE_TYPE_TEKKEN: Mistral Nemo, Mistral Small 3.x, Ministral
     "tekken": _Pre((_TEKKEN_PATTERN,), ignore_merges=True, add_bos=True),
@@ -296,8 +296,6 @@ def _bpe_tokenizer(reader: gguf.GGUFReader, tokens: list[str], pre: _Pre) -> Tok
         models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                    ignore_merges=pre.ignore_merges)
     )
-    if pre.nfc:
-        tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     _add_tokens(tokenizer, reader, tokens, (_TOKEN_TYPE_CONTROL,))
