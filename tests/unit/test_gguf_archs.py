@@ -6,6 +6,7 @@ are refused by name; the config and tokenizer paths never import torch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import unicodedata
@@ -214,3 +215,17 @@ def test_config_and_tokenizer_do_not_import_torch(files):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("service", ["conductor", "data_worker", "gpu_worker", "api"])
+def test_unsupported_architecture_is_one_line_before_start(files, tmp_path, service):
+    """Each service alone, and `mstar check`, refuse an unserved GGUF architecture in one
+    line naming it and the served ones, exit 2, no traceback."""
+    ckpt, _ = files("llama-gpt2")
+    path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="mamba")
+    want = "unsupported GGUF architecture 'mamba'; supported: llama, qwen2, qwen3, gemma2, gemma3, phi3"
+    for argv in [[f"services.{service}"]] + ([["services.launcher", "check"]] if service == "conductor" else []):
+        out = subprocess.run([sys.executable, "-m", *argv, "--model", str(path)], capture_output=True, text=True,
+                             cwd=REPO, timeout=120, env={**os.environ, "MSTAR_GGUF_CACHE": str(tmp_path / "c")})
+        assert out.returncode == 2, (argv, out.stderr[-2000:])
+        assert want in out.stderr + out.stdout and "Traceback" not in out.stderr, (argv, out.stderr[-2000:])
