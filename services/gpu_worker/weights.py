@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
+from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
-from shared.gguf_source import QuantTensor, load_gguf_weights
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
 

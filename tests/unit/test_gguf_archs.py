@@ -98,7 +98,7 @@ def test_weights_equal_checkpoint(files, case):
     import torch
     from safetensors.torch import load_file
 
-    from shared.gguf_source import load_gguf_weights
+    from services.gpu_worker.gguf_weights import load_gguf_weights
 
     ckpt, path = files(case)
     want = load_file(str(ckpt / "model.safetensors"))
@@ -183,7 +183,8 @@ def test_rope_freqs_serve_llama31_scaling(tmp_path):
 
 
 def test_unknown_architecture_refused(files, tmp_path):
-    from shared.gguf_source import gguf_config, load_gguf_weights
+    from services.gpu_worker.gguf_weights import load_gguf_weights
+    from shared.gguf_source import gguf_config
 
     ckpt, _ = files("llama-gpt2")
     path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="mamba")

@@ -7,6 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
+from services.gpu_worker import gguf_weights as gw
 from shared import gguf_source as g
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
@@ -30,7 +31,7 @@ def quantized_llama(tmp_path_factory):
 def _same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        if isinstance(a[k], g.QuantTensor):
+        if isinstance(a[k], gw.QuantTensor):
             assert (a[k].qtype, a[k].shape) == (b[k].qtype, b[k].shape) and np.array_equal(a[k].data, b[k].data)
         else:
             assert np.array_equal(a[k], b[k]), k
@@ -44,8 +45,8 @@ def test_summary_is_written_once_and_read_back(cache, quantized_llama):
     reader = gguf.GGUFReader(str(quantized_llama))
     assert g.gguf_config(quantized_llama) == g.gguf_config(reader)
     for keep in (frozenset(), frozenset({"Q4_0", "Q8_0"})):
-        c1, w1 = g.load_gguf_weights(quantized_llama, progress=False, keep_quantized=keep)
-        c2, w2 = g.load_gguf_weights(reader, progress=False, keep_quantized=keep)
+        c1, w1 = gw.load_gguf_weights(quantized_llama, progress=False, keep_quantized=keep)
+        c2, w2 = gw.load_gguf_weights(reader, progress=False, keep_quantized=keep)
         assert c1 == c2
         _same_weights(w1, w2)
 

@@ -211,7 +211,7 @@ def mixed_gguf(request, tmp_path_factory):
 
 
 def test_mixed_file_keeps_every_matrix_bit_exact(mixed_gguf):
-    from shared.gguf_source import QuantTensor, load_gguf_weights
+    from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 
     path, mix = mixed_gguf
     _, kept = load_gguf_weights(path, progress=False, keep_quantized=quant.KEPT_TYPES)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bench.perplexity import load, perplexity, text_ids
+from services.gpu_worker.gguf_weights import load_gguf_weights
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
-from shared.gguf_source import load_gguf_weights
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
-from shared.gguf_source import QuantTensor, load_gguf_weights
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 

@@ -1,0 +1,133 @@
+"""Reading a GGUF file's weights into the tensors a Hugging Face checkpoint of the same model
+holds (the gpu worker's job; `shared.gguf_source` reads the config, the tokenizer and the
+tensor table every service needs): llama.cpp's names mapped back, the llama q/k row
+permutation undone, Gemma's stored (1 + w) norms taken back to w, and the matrices of the
+types the C kernel computes on kept as their raw blocks (`QuantTensor`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from shared.gguf_source import GEMMA_ARCHS, config_and_tensors, gguf_arch
+
+# GGUF per-layer tensor name -> HF parameter name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3, gemma3
+}
+#: where an architecture names a layer tensor otherwise: Gemma's four norms (its
+#: `ffn_norm` is the norm before the MLP), Phi-3's fused q/k/v and gate/up projections
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (``llama`` architecture only).
+
+    llama.cpp's converter interleaves each head's two rotary halves (for its
+    GPT-J-style RoPE); HF's ``rotate_half`` expects them split. This is the
+    inverse of ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``; it
+    applies to the q/k weights and to q/k biases alike (rows are rows).
+    qwen2/qwen3 use NEOX-style RoPE and are stored unpermuted.
+    """
+    head_dim = w.shape[0] // n_head
+    return (
+        w.reshape(n_head, head_dim // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A GGUF weight as stored: ``data`` [rows, bytes per row] of ``qtype`` blocks (a
+    ``gguf.GGMLQuantizationType`` name), ``shape`` (rows, columns) as torch sees it. The
+    llama q/k row permutation is already undone (it moves whole rows)."""
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+
+def load_gguf_weights(
+    path: str | Path | gguf.GGUFReader, progress: bool = True, keep_quantized: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], dict[str, np.ndarray | QuantTensor]]:
+    """Return ``(config_dict, weights)`` as the HF checkpoint would, the weights
+    as writable, C-contiguous float32 numpy arrays under HF names.
+
+    Weights are dequantized to float32 so downstream code can cast to any
+    dtype, except 2-D ones whose type is named in `keep_quantized`: those come as
+    `QuantTensor`s, their blocks as the file has them (a view of the mapped file).
+    As in HF checkpoints with tied embeddings, ``lm_head.weight`` is
+    absent when ``config["tie_word_embeddings"]`` is true.
+    """
+    config, tensors = config_and_tensors(path)
+    n_head = config["num_attention_heads"]
+    n_kv_head = config["num_key_value_heads"]
+    permuted = config["model_type"] == "llama"
+    arch = gguf_arch(config)
+
+    state: dict[str, np.ndarray | QuantTensor] = {}
+    for name, qtype, shape, data in tqdm(
+        tensors,
+        desc="dequantizing GGUF",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+    ):
+        if name == "rope_freqs.weight":
+            continue  # read into the config's rope_scaling (`_rope_scaling`)
+        if qtype.name in keep_quantized and len(shape) == 2:
+            w = data.reshape(shape[0], -1)
+        else:
+            w = gguf.quants.dequantize(data, qtype).reshape(shape)
+        if permuted and name.startswith("blk.") and ".attn_q." in name:
+            w = _unpermute_rotary(w, n_head)
+        elif permuted and name.startswith("blk.") and ".attn_k." in name:
+            w = _unpermute_rotary(w, n_kv_head)
+        if w.dtype == np.uint8:  # kept quantized: the raw blocks, rows permuted if need be
+            state[_hf_name(name, arch)] = QuantTensor(qtype.name, w, shape)
+            continue
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the converter's (1 + w): transformers' Gemma norms add the 1
+        # Copy only when needed: F32 tensors are read-only views of the mmap.
+        w = np.require(w, dtype=np.float32, requirements=["C", "W"])
+        state[_hf_name(name, arch)] = w
+    return config, state
