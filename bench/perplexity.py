@@ -54,16 +54,24 @@ def perplexity(model, spec, ids: list[int], kv_dtype: torch.dtype = torch.float3
     from services.gpu_worker.kv_memory import kv_cache
 
     page = 16
-    pool = next(iter(spec.paged_pools(len(ids) // page + 2).values()))
-    caches = kv_cache(pool.num_layers, pool.num_pages, page, pool.kv_heads, pool.head_dim, kv_dtype,
-                      torch.device("cpu"))
-    pages = list(range(pool.num_pages))
+    pools = spec.paged_pools(len(ids) // page + 2)
+    caches = {name: kv_cache(p.num_layers, p.num_pages, page, p.kv_heads, p.head_dim, kv_dtype, torch.device("cpu"))
+              for name, p in pools.items()}
+    # layer i reads its label's pool (a model with sliding-window layers has two), in order
+    taken: dict[str, int] = {}
+    layer_caches = []
+    for label in spec.layer_labels:
+        pool = spec.label(label).pool
+        layer_caches.append(caches[pool][taken.get(pool, 0)])
+        taken[pool] = taken.get(pool, 0) + 1
+    pages = list(range(len(ids) // page + 2))
     nll, count = 0.0, 0
     for start in range(0, len(ids), chunk):
         new = min(chunk, len(ids) - start)
-        meta = build_metadata([(pages, 0, start, new, False)], page)
+        metas = {lab.name: build_metadata([(pages, 0, start, new, False)], page, lab.window) for lab in spec.kv_labels}
         x = torch.tensor(ids[start : start + new])
-        logits = model(x, torch.arange(start, start + new), caches, [meta] * len(caches), torch.arange(new))
+        logits = model(x, torch.arange(start, start + new), layer_caches, [metas[n] for n in spec.layer_labels],
+                       torch.arange(new))
         targets = torch.tensor(ids[start + 1 : start + new + 1])
         logp = torch.log_softmax(logits[: targets.shape[0]].float(), dim=-1)
         nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
