@@ -17,26 +17,53 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.errors import ApiError, internal_error, invalid
+from services.api.errors import ApiError, invalid
 from services.api.events import DoneEvent
-from services.api.fanout import Choice, FanOut
-from services.api.metrics import status_label
+from services.api.fanout import Choice
 from services.api.openai_params import check_model
 from services.api.schemas import MAX_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from services.api.serving import api_state, error_response, json_response, read_body
+from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
-from services.api.streaming import watch_disconnect
-from services.api.validation import GenerateParams, decode_json_object, load, new_request_id
+from services.api.streaming import EventStream
+from services.api.validation import GenerateParams, load, new_request_id
 from shared.frames import SamplingParams
 
 #: a pooling route's reply from its requests' done events (in input order), its id and time
 Answer = Callable[[list[DoneEvent], str, int], msgspec.Struct]
+
+
+class PooledReply:
+    """How a pooling route answers: one JSON body from all of its inputs' results (never
+    streamed: the `Reply` methods of a stream are not reached)."""
+
+    def __init__(self, answer: Answer, request_id: str) -> None:
+        self.answer, self.request_id, self.created = answer, request_id, int(time.time())
+
+    def json(self, dones: list[DoneEvent]) -> msgspec.Struct:
+        return self.answer(dones, self.request_id, self.created)
+
+    # never reached: a pooling route is not streamed (`Prepared.stream` is False)
+    def event(self, event: object) -> bytes:
+        raise RuntimeError("a pooling route does not stream")
+
+    def error(self, err: ApiError) -> bytes:
+        raise RuntimeError("a pooling route does not stream")
+
+    def end(self) -> bytes:
+        raise RuntimeError("a pooling route does not stream")
+
+
+def prepared(choices: list[Choice], answer: Answer, task: str) -> Prepared:
+    """The pooling request as `serving.serve` runs it: its inputs fanned out, one reply."""
+    request_id = choices[0].params.request_id.rsplit("-", 1)[0]
+    return Prepared(choices[0].params, False, PooledReply(answer, request_id), choices, task)
 
 
 def inputs(req: EmbeddingRequest) -> list[tuple[str | None, list[int] | None]]:
@@ -62,7 +89,7 @@ def inputs(req: EmbeddingRequest) -> list[tuple[str | None, list[int] | None]]:
                            "token ids, not a mix")
 
 
-def accept(obj: dict, state: ApiState) -> tuple[list[Choice], Answer]:
+def accept(obj: Any, state: ApiState) -> Prepared:
     """One engine request per input, and how their results become the reply."""
     settings = state.settings
     if settings.task != "embed":
@@ -90,7 +117,7 @@ def accept(obj: dict, state: ApiState) -> tuple[list[Choice], Answer]:
         return EmbeddingResponse(f"embd-{request_id}", data, settings.model_name, EmbeddingUsage(tokens, tokens),
                                  created=created)
 
-    return choices, answer
+    return prepared(choices, answer, "embed")
 
 
 def truncation(cut: int | None, max_len: int) -> dict[str, int | str | float | bool]:
@@ -131,38 +158,6 @@ def vector(pooled: bytes, dimensions: int | None, normalized: bool) -> np.ndarra
     return vec.astype("<f4")
 
 
-async def embeddings(request: Request) -> Response:
+async def embeddings(request: Request) -> Response | EventStream:
     """POST /v1/embeddings."""
-    return await serve_pooled(request, accept, "/v1/embeddings")
-
-
-async def serve_pooled(request: Request, accept: Callable[[dict, ApiState], tuple[list[Choice], Answer]],
-                       what: str) -> Response:
-    """Run a pooling route end to end: its engine requests batch with every other's in
-    the worker; a client that goes away aborts them all. `what` names the route in logs."""
-    started, arrival = time.perf_counter(), time.time()
-    state = api_state(request)
-    try:
-        body = await read_body(request, state.settings.max_body_bytes)
-        choices, answer = accept(decode_json_object(body), state)
-        gen = await FanOut(choices, lambda c: state.start_generation(
-            c.params, client_id=c.params.request_id, started=started, arrival_time=arrival,
-            task=state.settings.task), choices[0].params.request_id).start()
-    except ApiError as err:
-        state.metrics.count(status_label(err.status))
-        return error_response(err)
-    except Exception as exc:
-        state.metrics.count("error_5xx")
-        return error_response(internal_error(f"accepting a {what} request", exc))
-    watcher = watch_disconnect(request.receive, gen)
-    try:
-        dones = await gen.collect()
-        return json_response(answer(dones, choices[0].params.request_id.rsplit("-", 1)[0], int(arrival)))
-    except ApiError as err:
-        return error_response(err)
-    except Exception as exc:
-        gen.close("error_5xx")
-        return error_response(internal_error(f"serving {gen.request_id}", exc))
-    finally:
-        watcher.cancel()
-        gen.close()
+    return await serve(request, accept, "/v1/embeddings")

@@ -10,12 +10,14 @@ is one engine request, batched with every other request's in the worker's steps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.embeddings import Answer, pooled, pooled_choices, serve_pooled, truncation
+from services.api.embeddings import pooled, pooled_choices, prepared, truncation
 from services.api.errors import invalid
 from services.api.events import DoneEvent
 from services.api.openai_params import check_model
@@ -31,7 +33,9 @@ from services.api.schemas import (
     ScoreResponse,
     ScoreUsage,
 )
+from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
+from services.api.streaming import EventStream
 from services.api.validation import load
 
 
@@ -83,7 +87,7 @@ def prompt_tokens(dones: list[DoneEvent]) -> int:
     return sum(d.usage.prompt_tokens for d in dones)
 
 
-def accept_score(obj: dict, state: ApiState) -> tuple[list, Answer]:
+def accept_score(obj: Any, state: ApiState) -> Prepared:
     req = load(obj, ScoreRequest)
     check_model(req.model, state.settings.model_name)
     choices, scores = scorer(state, pairs(req.text_1, req.text_2), req.truncate_prompt_tokens)
@@ -94,10 +98,10 @@ def accept_score(obj: dict, state: ApiState) -> tuple[list, Answer]:
         tokens = prompt_tokens(dones)
         return ScoreResponse(f"score-{request_id}", data, name, ScoreUsage(tokens, tokens), created=created)
 
-    return choices, answer
+    return prepared(choices, answer, state.settings.task)
 
 
-def accept_rerank(obj: dict, state: ApiState) -> tuple[list, Answer]:
+def accept_rerank(obj: Any, state: ApiState) -> Prepared:
     req = load(obj, RerankRequest)
     check_model(req.model, state.settings.model_name)
     if not req.documents:
@@ -115,14 +119,14 @@ def accept_rerank(obj: dict, state: ApiState) -> tuple[list, Answer]:
                    for i, s in ranked]
         return RerankResponse(f"rerank-{request_id}", name, RerankUsage(prompt_tokens(dones)), results)
 
-    return choices, answer
+    return prepared(choices, answer, state.settings.task)
 
 
-async def score(request: Request) -> Response:
+async def score(request: Request) -> Response | EventStream:
     """POST /v1/score (and /score)."""
-    return await serve_pooled(request, accept_score, "/v1/score")
+    return await serve(request, accept_score, "/v1/score")
 
 
-async def rerank(request: Request) -> Response:
+async def rerank(request: Request) -> Response | EventStream:
     """POST /v1/rerank (and /rerank, /v2/rerank)."""
-    return await serve_pooled(request, accept_rerank, "/v1/rerank")
+    return await serve(request, accept_rerank, "/v1/rerank")

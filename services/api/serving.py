@@ -40,6 +40,9 @@ class Prepared(NamedTuple):
     stream: bool
     reply: Reply[Any, Any]
     choices: tuple[Choice, ...] | list[Choice] = ()
+    #: what the request asks of the model ("generate"; "embed" or "score" for the pooling
+    #: routes): a model of another task refuses it (`ApiState.start_generation`)
+    task: str = "generate"
 
 
 def json_response(obj: msgspec.Struct | dict[str, Any], status: int = 200,
@@ -90,10 +93,10 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
         if prepared.choices:
             gen = await FanOut(prepared.choices, lambda c: state.start_generation(
                 c.params, client_id=c.params.request_id, started=started, arrival_time=arrival,
-                count_prompt=c.after is None), params.request_id).start()
+                count_prompt=c.after is None, task=prepared.task), params.request_id).start()
         else:
             gen = await state.start_generation(params, client_id=params.request_id, started=started,
-                                               arrival_time=arrival)
+                                               arrival_time=arrival, task=prepared.task)
     except ApiError as err:
         state.metrics.count(status_label(err.status))
         return error_response(err)

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-import torch
 
 from tests.checkpoints import CORPUS, make_checkpoint
+from tests.engines import greedy_on
 from tests.gguf_files import gguf_checkpoint_overrides
 from tests.llama_converter import convert, converter
 from tests.reference import hf_greedy
@@ -147,7 +147,7 @@ def case(request, vocabularies, tmp_path_factory) -> Case:
     ckpt = _checkpoint(root / f"tiny-{request.param}", family, vocabularies[kind])
     path = convert(ckpt, root / f"tiny-{request.param}.gguf")
     ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
-    return Case(kind, ckpt, path, _tokenizer_fields(path), ids, mstar_greedy(path, ids))
+    return Case(kind, ckpt, path, _tokenizer_fields(path), ids, greedy_on(path, ids, MAX_TOKENS))
 
 
 def _tokenizer_fields(path: Path) -> dict[str, Any]:
@@ -184,39 +184,6 @@ def _checkpoint(path: Path, family: str, vocab_dir: Path) -> Path:
         if (vocab_dir / name).exists():
             shutil.copy(vocab_dir / name, path / name)
     return path
-
-
-def mstar_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """mstar's engine on the file (float32 weights), all prompts batched, EOS ignored."""
-    from services.gpu_worker.build import build_engine
-    from services.gpu_worker.kv_manager import KVManager
-    from services.gpu_worker.weights import build_model
-    from shared.frames import NewRequest, SamplingParams, pack_tensors
-    from shared.model_source import ModelSource
-    from shared.specs.base import PromptRequest
-
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32, quantized=False)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=len(prompts), max_batch_tokens=256,
-                       max_seq_len=spec.max_seq_len)
-    for i, ids in enumerate(prompts):
-        ppo = spec.process_prompt(PromptRequest(ids))
-        refs, _ = pack_tensors(ppo.new_input_tensors)
-        caps = spec.clamp_caps(spec.get_loop_caps(MAX_TOKENS))
-        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids),
-                           MAX_TOKENS, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)),
-                ppo.new_input_tensors)
-    got: dict[str, list[int]] = {}
-    while eng.has_work:
-        for _, o in eng.step().outputs:
-            got.setdefault(o.request_id, []).extend(o.token_ids)
-    assert kv.used_pages() == 0
-    return [got[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_the_converter_recognized_the_vocabulary(case):

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
-from shared.specs.base import PromptRequest
+from tests.engines import greedy_on
 
 # ids of "<bos>The capital of France is" and of a run of plain tokens
 PROMPTS = [[2, 818, 5279, 529, 7001, 563], [2, *range(1000, 1040)]]
@@ -41,35 +40,6 @@ def reference(gemma_file) -> list[list[int]]:
     return out
 
 
-def greedy(path: Path, quantized: bool) -> list[list[int]]:
-    from services.gpu_worker.build import build_engine
-    from services.gpu_worker.kv_manager import KVManager
-    from services.gpu_worker.weights import build_model
-
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32, quantized=quantized)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=4, max_batch_tokens=256,
-                       max_seq_len=spec.max_seq_len)
-    for i, ids in enumerate(PROMPTS):
-        ppo = spec.process_prompt(PromptRequest(ids))
-        refs, _ = pack_tensors(ppo.new_input_tensors)
-        caps = spec.clamp_caps(spec.get_loop_caps(MAX_TOKENS))
-        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids),
-                           MAX_TOKENS, ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)),
-                ppo.new_input_tensors)
-    got: dict[str, list[int]] = {}
-    while eng.has_work:
-        for _, o in eng.step().outputs:
-            got.setdefault(o.request_id, []).extend(o.token_ids)
-    assert kv.used_pages() == 0
-    return [got[f"r{i}"] for i in range(len(PROMPTS))]
-
-
 def test_the_real_gemma3_file_reads_as_transformers_reads_it(gemma_file):
     spec = ModelSource(str(gemma_file)).spec(16)
     cfg = spec.config
@@ -79,7 +49,7 @@ def test_the_real_gemma3_file_reads_as_transformers_reads_it(gemma_file):
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "quantized"])
 def test_the_real_gemma3_file_greedy_equals_transformers(gemma_file, reference, quantized):
-    assert greedy(gemma_file, quantized) == reference
+    assert greedy_on(gemma_file, PROMPTS, MAX_TOKENS, quantized) == reference
 
 
 def test_the_real_gemma3_file_served_end_to_end(gemma_file, reference, tmp_path):
