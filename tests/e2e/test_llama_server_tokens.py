@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from bench.llama_server import DEFAULT_BIN
-from bench.server import PEERS, free_port
+from bench.server import free_port
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import llama3_tokenizer_variant, write_gguf
 from tests.unit.test_gguf_tokenizer import HARD
@@ -33,9 +33,10 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen([str(PEERS / "serve-llama-server"), str(BIN), str(model), str(self.port),
-                                      "-np", "1", "-c", "2048"], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # the binary itself (the peers' serve script is outside the repository); one slot
+        self.proc = subprocess.Popen([str(BIN), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                                      "-np", "1", "-c", "2048", "--no-webui"], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, timeout: float = 120.0) -> LlamaServer:
         deadline = time.monotonic() + timeout
