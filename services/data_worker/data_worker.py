@@ -50,8 +50,6 @@ class DataWorker:
         self.spec = spec
         self.tok = tokenizer
         self.vocab_size = tokenizer.tokenizer.get_vocab_size()
-        #: where the last pair tokenized starts its second text (a cross-encoder's token type 1)
-        self.pair_start: int | None = None
         self.addrs = addrs
         self.ctx = zmq.asyncio.Context()
         self.pushers = Pushers(self.ctx)
@@ -72,33 +70,34 @@ class DataWorker:
             self.pushers.close()
             cleanup_ipc(self.addrs["data_worker"])
 
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        """Token ids of the request; raises ValueError with a client-safe message."""
+    def tokenize(self, req: GenerateRequest) -> tuple[list[int], int | None]:
+        """(the request's token ids, where a text pair's second text starts, else None);
+        raises ValueError with a client-safe message. `truncate_prompt_tokens` (an option
+        the api sets) keeps at most that many: a text is cut as the tokenizer's own
+        truncation cuts (sentence-transformers' way: the special tokens kept at both ends),
+        ids the client sent to their first that many."""
+        cut = req.options.get("truncate_prompt_tokens")
+        limit = cut if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0 else None
+        pair_start = None
         if req.input_ids is not None:
             bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size}), got {bad[0]}")
-            ids = list(req.input_ids)
+            ids = list(req.input_ids)[:limit]
         else:
             pair = req.options.get("text_pair")
-            ids = self._encode(req.prompt or "", req.add_special_tokens, req.options.get("truncate_prompt_tokens"),
-                               pair if isinstance(pair, str) else None)
-        cut = req.options.get("truncate_prompt_tokens")
-        if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0:
-            ids = ids[:cut]  # ids the client sent: its first `cut`
+            ids, pair_start = self._encode(req.prompt or "", req.add_special_tokens, limit,
+                                           pair if isinstance(pair, str) else None)
         if not ids:
             raise ValueError("the prompt is empty after tokenization")
-        return ids
+        return ids, pair_start
 
-    def _encode(self, text: str, specials: bool, cut: object, pair: str | None = None) -> list[int]:
+    def _encode(self, text: str, specials: bool, limit: int | None, pair: str | None) -> tuple[list[int], int | None]:
         """`text`'s ids (with `pair`, the pair's, by the tokenizer's pair template: a
-        cross-encoder's input); with `cut` (truncate_prompt_tokens), at most that many, cut
-        as the tokenizer's own truncation does (sentence-transformers' way: the special
-        tokens kept at both ends). The tokenizer is shared, so its truncation is set and
-        unset within this one synchronous call. A pair's second text starts at
-        `self.pair_start`, which `prepare` hands to the model as the option "pair_start"."""
+        cross-encoder's input, whose second text starts where the token type turns 1), at
+        most `limit`. The tokenizer is shared, so its truncation is set and unset within
+        this one synchronous call."""
         tok = self.tok.tokenizer
-        limit = cut if isinstance(cut, int) and not isinstance(cut, bool) and cut > 0 else None
         if limit is not None:
             tok.enable_truncation(limit)
         try:
@@ -106,9 +105,9 @@ class DataWorker:
         finally:
             if limit is not None:
                 tok.no_truncation()
-        self.pair_start = None if pair is None else next((i for i, t in enumerate(enc.type_ids) if t == 1),
-                                                        len(enc.ids))
-        return enc.ids
+        if pair is None:
+            return enc.ids, None
+        return enc.ids, next((i for i, t in enumerate(enc.type_ids) if t == 1), len(enc.ids))
 
     def prepare(self, req: GenerateRequest):
         """(prompt ids, ProcessPromptOutput, the engine's metadata) for the request; raises
@@ -118,15 +117,16 @@ class DataWorker:
                 raise _ClientError("file", "the served model takes audio: send a file")
             raise _ClientError("file", "the served model does not take audio")
         ids: list[int] = []
+        pair_start = None
         if req.audio is None or req.prompt is not None or req.input_ids is not None:
             try:
-                ids = self.tokenize(req)
+                ids, pair_start = self.tokenize(req)
             except ValueError as exc:
                 raise _ClientError("input_ids" if req.input_ids is not None else "prompt", str(exc)) from exc
         options = model_options(req)
         options.pop("text_pair", None)  # the api's, read by tokenize: the model sees where it starts
-        if req.options.get("text_pair") is not None and req.input_ids is None:
-            options["pair_start"] = self.pair_start
+        if pair_start is not None:
+            options["pair_start"] = pair_start
         try:
             ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options))
         except PromptError as exc:
