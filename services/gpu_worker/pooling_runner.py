@@ -29,9 +29,6 @@ class PoolingRunner(ModelRunner):
     def attention_shape(self) -> tuple[int, float | None]:
         return self.spec.heads, None
 
-    def _backend(self) -> str:
-        return "torch" if self.planner is not None else super()._backend()  # FlashInfer's plan is causal
-
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
         prompt, _ = super().make_request(tensors)
         types = tensors.get("token_type_ids")

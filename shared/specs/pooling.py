@@ -124,8 +124,7 @@ class EncoderSpec(PoolingSpec):
         self.pooling = "cls" if self.task == "score" else "mean"
         self.normalize = False
         #: a classifier's labels (its output width); 0 for an embedding model
-        self.num_labels = int(config.get("num_labels", len(config.get("id2label", {}) or {}) or 1)) \
-            if self.task == "score" else 0
+        self.num_labels = classifier_labels(config) if self.task == "score" else 0
         self.dimensions = self.hidden_size if self.task == "embed" else self.num_labels
         #: Matryoshka-trained models may be cut to fewer dimensions (`dimensions`); others not
         self.matryoshka = False
@@ -141,6 +140,12 @@ class EncoderSpec(PoolingSpec):
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.num_layers * 2 * page_size * self.heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+def classifier_labels(config: Mapping[str, Any]) -> int:
+    """A sequence classifier's output width: `num_labels`, else its `id2label`'s size, else 1
+    (transformers' defaults), as the spec and the torch model both read it."""
+    return int(config.get("num_labels", len(config.get("id2label", {}) or {}) or 1))
 
 
 def _pooling_mode(cfg: Mapping[str, Any]) -> str:

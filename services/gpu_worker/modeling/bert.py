@@ -21,6 +21,7 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.layers.linear import pack_linears, warm_packed
 from services.gpu_worker.modeling.base import PoolingModel
+from shared.specs.pooling import classifier_labels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
@@ -135,7 +136,7 @@ class BertModel(PoolingModel):
         self.pooler: Pooler | None = None
         self.classifier: nn.Linear | None = None
         if self.classifies:
-            labels = int(config.get("num_labels", len(config.get("id2label", {}) or {}) or 1))
+            labels = classifier_labels(config)
             self.pooler = Pooler(config)
             self.classifier = nn.Linear(config["hidden_size"], labels)
 
