@@ -59,6 +59,31 @@ def _rope_scaling(cfg: dict) -> dict | None:
     return None if kind in (None, "default") else scaling
 
 
+def _bpe_vocab(tok, size: int) -> tuple[list[str], list[int]]:
+    """`_set_vocab_gpt2`'s tokens and types, in id order: added tokens CONTROL when special,
+    else USER_DEFINED; ids the tokenizer lacks up to `size` `[PADn]`, UNUSED."""
+    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.NORMAL if i not in added else
+                         gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+    return tokens, types
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
                rope_scaling: dict[str, Any] | None = None, rope_freqs: bool = False,
                general_architecture: str | None = None, qtypes: dict[str, str] | None = None,
@@ -128,20 +153,7 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
             raise ValueError(f"rope scaling {kind!r} is not written by this helper")
 
     # TextModel._set_vocab_gpt2 / get_vocab_base, from tokenizer.json
-    tok = Tokenizer.from_file(str(hf_ckpt_dir / "tokenizer.json"))
-    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    added = tok.get_added_tokens_decoder()
-    tokens, types = [], []
-    for i in range(cfg["vocab_size"]):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.NORMAL)
+    tokens, types = _bpe_vocab(Tokenizer.from_file(str(hf_ckpt_dir / "tokenizer.json")), cfg["vocab_size"])
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -176,10 +188,7 @@ def write_gguf(hf_ckpt_dir: Path, out_path: Path, arch: str, pre: str, *,
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                           llama3_rope_factors(_rope_scaling(cfg) or {}, _rope_theta(cfg), head_dim))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return out_path
 
 
@@ -287,10 +296,7 @@ def write_spm_gguf(sp_model: Path, out_path: Path, *, user_defined: tuple[str, .
         writer.add_add_eos_token(add_eos)
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return out_path
 
 
@@ -302,11 +308,8 @@ def write_bpe_gguf(tokenizer_json: Path, out_path: Path, pre: str | None, *, add
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
-    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     added = tok.get_added_tokens_decoder()
-    tokens = [reverse[i] for i in range(len(reverse))]
-    types = [gguf.TokenType.NORMAL if i not in added else
-             gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED for i in range(len(tokens))]
+    tokens, types = _bpe_vocab(tok, tok.get_vocab_size(with_added_tokens=True))
     merges = json.loads(tok.to_str())["model"]["merges"]
     writer = gguf.GGUFWriter(str(out_path), "llama")
     writer.add_tokenizer_model("gpt2")
@@ -320,10 +323,7 @@ def write_bpe_gguf(tokenizer_json: Path, out_path: Path, pre: str | None, *, add
     writer.add_eos_token_id(second)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return out_path
 
 
