@@ -7,6 +7,7 @@ on decode too), so a malformed layout fails at the boundary, not deep in the KV 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import msgspec
@@ -40,11 +41,17 @@ class KVLabel(msgspec.Struct, frozen=True):
 
 class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """A run of committed rows. `ids` spans are keyable (the ids determine the KV);
-    `rows` spans are never keyed (their ids, if any, do not determine the KV)."""
+    `rows` spans are never keyed by ids (their ids, if any, do not determine the KV).
+
+    A rows span may carry a content `key` the data worker computed from the input itself
+    (an image's bytes and its preprocessing settings): only such a rows span may be shared
+    by the prefix cache, and every key after it chains through it. Placeholder ids never
+    key anything."""
 
     kind: Literal["ids", "rows"]
     length: int
     token_ids: tuple[int, ...] = ()
+    key: str = ""
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -53,6 +60,8 @@ class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
             raise ValueError("an ids span's length must equal its number of token ids")
         if self.kind == "rows" and self.token_ids:
             raise ValueError("a rows span carries no token ids")
+        if self.kind == "ids" and self.key:
+            raise ValueError("an ids span is keyed by its ids; a content key is for rows spans")
 
     @classmethod
     def ids(cls, token_ids: list[int] | tuple[int, ...]) -> Span:
@@ -60,8 +69,24 @@ class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
         return cls("ids", len(ids), ids)
 
     @classmethod
-    def rows(cls, n: int) -> Span:
-        return cls("rows", int(n))
+    def rows(cls, n: int, key: str = "") -> Span:
+        return cls("rows", int(n), (), key)
+
+    @property
+    def keyable(self) -> bool:
+        return self.kind == "ids" or bool(self.key)
+
+    def row_keys(self) -> tuple[int, ...]:
+        """What keys each row in the prefix cache: an ids span's ids; for a keyed rows span
+        one negative number drawn from its content key (no token id is negative, so an
+        image's rows never alias text), the same for each row: a page's place in its
+        chain already says which rows of the span it holds."""
+        if self.kind == "ids":
+            return self.token_ids
+        if not self.key:
+            raise ValueError("an unkeyed rows span has no row keys")
+        digest = hashlib.blake2b(self.key.encode(), digest_size=8).digest()
+        return (-1 - (int.from_bytes(digest, "little") >> 1),) * self.length
 
 
 class LabelLayout(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -182,31 +207,33 @@ def commit_sizes(layout: LabelLayout, caps: dict[str, int]):
 # ---- the prefix walk: which prompt pages the prefix cache holds and may share ----------
 
 
-def leading_ids(layout: LabelLayout) -> tuple[int, ...]:
-    """Token ids of the layout's leading `ids` spans: the part a prefix key can cover."""
-    ids: list[int] = []
+def leading_keys(layout: LabelLayout) -> tuple[int, ...]:
+    """The row keys (`Span.row_keys`) of the layout's leading keyable spans (`ids`, and
+    `rows` with a content key): the part a prefix key can cover. An unkeyed rows span ends
+    it: nothing after it may be shared."""
+    keys: list[int] = []
     for span in layout.spans:
-        if span.kind != "ids":
+        if not span.keyable:
             break
-        ids.extend(span.token_ids)
-    return tuple(ids)
+        keys.extend(span.row_keys())
+    return tuple(keys)
 
 
 def prompt_pages(layout: LabelLayout, page_size: int) -> list[tuple[int, ...]]:
-    """The token ids of each full page of the layout's leading `ids` spans, in order: the
+    """The row keys of each full page of the layout's leading keyable spans, in order: the
     pages a worker's prefix index holds once the request's prompt is computed."""
-    ids = leading_ids(layout)
-    return [ids[i * page_size : (i + 1) * page_size] for i in range(len(ids) // page_size)]
+    keys = leading_keys(layout)
+    return [keys[i * page_size : (i + 1) * page_size] for i in range(len(keys) // page_size)]
 
 
 def shareable_count(layout: LabelLayout, page_size: int) -> int:
     """How many leading `prompt_pages` a request may take from the prefix cache: never the
     page holding its last prompt row (its logits pick the first token, so it is computed)."""
-    return min(len(leading_ids(layout)), layout.span_rows - 1) // page_size
+    return min(len(leading_keys(layout)), layout.span_rows - 1) // page_size
 
 
 def prefix_chain(pages: list[tuple[int, ...]]) -> list[int]:
-    """One key per page naming its ids and every page before it (a hash chain): equal
+    """One key per page naming its row keys and every page before it (a hash chain): equal
     leading keys mean an equal prefix, up to hash collisions, which can only make the
     conductor's estimate wrong (the worker's index compares exact ids)."""
     parent, chain = 0, []

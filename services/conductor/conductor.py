@@ -51,7 +51,7 @@ from shared.frames import (
     WorkerRefused,
     WorkerStats,
 )
-from shared.layout import PagedKVConfig, leading_ids, prefix_chain, prompt_pages, shareable_count
+from shared.layout import PagedKVConfig, leading_keys, prefix_chain, prompt_pages, shareable_count
 from shared.pages import pages_for
 from shared.specs.base import ModelSpec
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
@@ -406,7 +406,7 @@ class Conductor:
         for name, layout in req.kv_layout.items():
             lab = self.spec.label(name)
             cfg = req.kv_configs.get(lab.pool)
-            if not lab.keys or cfg is None or not leading_ids(layout):
+            if not lab.keys or cfg is None or not leading_keys(layout):
                 return {}
             keys[lab.pool] = (prefix_chain(prompt_pages(layout, cfg.page_size)), shareable_count(layout, cfg.page_size))
         return keys

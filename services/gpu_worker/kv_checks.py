@@ -42,6 +42,19 @@ class Walk:
     peak_pages: int = 0
 
 
+def _advance(w: Walk, spans, rows: int) -> None:
+    """Move the walk `rows` span rows on, through as many spans as they cover; a span
+    entered or left part-way was committed in chunks."""
+    w.span_rows_done += rows
+    while rows:
+        while spans[w.span_cursor].length == w.span_done:
+            w.span_cursor, w.span_done = w.span_cursor + 1, 0
+        step = min(spans[w.span_cursor].length - w.span_done, rows)
+        w.split_spans |= step < spans[w.span_cursor].length
+        w.span_done += step
+        rows -= step
+
+
 class LayoutChecker:
     def __init__(self) -> None:
         self.walks: dict[tuple[str, str], Walk] = {}
@@ -59,34 +72,21 @@ class LayoutChecker:
         """Rows shared from the prefix cache count as committed span rows."""
         w = self.walk(kv.request_id, st.label.name)
         w.peak_pages = max(w.peak_pages, len(st.pages))
-        w.span_rows_done += rows
-        while rows:
-            left = st.layout.spans[w.span_cursor].length - w.span_done
-            step = min(left, rows)
-            w.span_done += step
-            rows -= step
-            w.split_spans |= 0 < step < st.layout.spans[w.span_cursor].length
-            if w.span_done == st.layout.spans[w.span_cursor].length and rows:
-                w.span_cursor, w.span_done = w.span_cursor + 1, 0
+        _advance(w, st.layout.spans, rows)
 
     def commit(self, kv: RequestKV, st: LabelState, n: int, loop: str | None) -> None:
-        """Span commits continue the declared spans in order (a chunk may be part of one);
+        """Span commits continue the declared spans in order (a prefill chunk may be part of
+        one span or run across several: text, an image's rows, text);
         growth comes only after every span, at the declared rows per iteration, never past
         the loop's cap."""
         w = self.walk(kv.request_id, st.label.name)
         spans = st.layout.spans
         if loop is None:
-            while w.span_cursor < len(spans) and spans[w.span_cursor].length == w.span_done:
-                w.span_cursor, w.span_done = w.span_cursor + 1, 0
-            if w.span_cursor >= len(spans):
-                raise LayoutViolation(f"label {st.label.name!r} commits {n} span rows past its declared spans")
-            left = spans[w.span_cursor].length - w.span_done
+            left = st.layout.span_rows - w.span_rows_done
             if n > left:
-                raise LayoutViolation(f"label {st.label.name!r} commits {n} rows across the end of span "
-                                      f"{w.span_cursor} ({left} left)")
-            w.span_done += n
-            w.span_rows_done += n
-            w.split_spans |= n < spans[w.span_cursor].length
+                raise LayoutViolation(f"label {st.label.name!r} commits {n} span rows past its declared spans "
+                                      f"({left} left)")
+            _advance(w, spans, n)
             return
         if w.span_rows_done != st.layout.span_rows:
             raise LayoutViolation(f"label {st.label.name!r} grows on {loop!r} before its spans are committed")

@@ -24,7 +24,7 @@ from shared.layout import (
     LabelLayout,
     PagedKVConfig,
     label_footprint,
-    leading_ids,
+    leading_keys,
     prompt_pages,
     shareable_count,
 )
@@ -65,7 +65,7 @@ class LabelState:
     rows: int = 0  # rows committed (label positions 0..rows-1)
     first_page: int = 0  # label page index of pages[0] (pages before it were released)
     overrun_logged: bool = False
-    key_ids: tuple[int, ...] = ()  # ids of the leading ids spans, when the label is keyed
+    row_keys: tuple[int, ...] = ()  # `leading_keys` of its layout, when the label is keyed
     key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
     keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
     key_parent: int = ROOT  # entry id the next keyed page chains from
@@ -208,7 +208,8 @@ class KVManager:
                 raise ValueError(f"layout names undeclared KV label {name!r}")
             page_size = self.pools[lab.pool].config.page_size
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
-            states[name] = LabelState(lab, layout, fp, page_size, key_ids=leading_ids(layout) if lab.keys else (),
+            states[name] = LabelState(lab, layout, fp, page_size,
+                                      row_keys=leading_keys(layout) if lab.keys else (),
                                       key_pages=prompt_pages(layout, page_size) if lab.keys else [])
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
         if self.reserve_max_seq_len:
@@ -243,7 +244,7 @@ class KVManager:
         every label, so a label that cannot share (not keyed, a rows span) means no hit.
         The last prompt row is always recomputed: its logits pick the first token."""
         kv.hits, kv.hit_rows = {}, 0
-        if not self.prefix_cache or not kv.labels or not all(st.key_ids for st in kv.labels.values()):
+        if not self.prefix_cache or not kv.labels or not all(st.row_keys for st in kv.labels.values()):
             return
         matches = {}
         for name, st in kv.labels.items():
@@ -261,7 +262,7 @@ class KVManager:
         for name, pool in self.pools.items():
             pool.reserved += kv.reservation(name)
         self.requests[kv.request_id] = kv
-        if any(st.key_ids for st in kv.labels.values()):
+        if any(st.row_keys for st in kv.labels.values()):
             self.prefix_queries += 1
         for name, hits in kv.hits.items():
             st = kv.labels[name]
@@ -328,14 +329,14 @@ class KVManager:
         if self.checker is not None:
             self.checker.commit(kv, st, n, loop)
         st.rows += n
-        if st.key_ids and self.prefix_cache:
+        if st.row_keys and self.prefix_cache:
             self._index_full_pages(st)
         if st.label.window is not None:
             self._retain(kv, st, st.label.window)
         self._check_conservation()
 
     def _index_full_pages(self, st: LabelState) -> None:
-        """Key every page that is now full of declared ids (`prompt_pages`), chained from
+        """Key every page that is now full of declared row keys (`prompt_pages`), chained from
         the first row."""
         index = self.pools[st.label.pool].index
         while (st.keyed_pages < len(st.key_pages) and (st.keyed_pages + 1) * st.page_size <= st.rows

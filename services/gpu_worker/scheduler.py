@@ -92,7 +92,7 @@ class Scheduler:
             raise DoesNotFit("footprint exceeds the pool")
         if req.sampling.prompt_logprobs is not None:
             for st in kv.labels.values():
-                st.key_ids = ()
+                st.row_keys = ()
         return kv
 
     def reserve(self, plan: StepPlan, labels: tuple[KVLabel, ...]) -> list[Failure]:

@@ -135,3 +135,55 @@ def test_cached_pages_stay_within_the_resident_budget():
     for i in range(8):
         kv.remove(f"w{i}")
     assert pool.used == 0 and pool.available == 4096
+
+
+def _run_spans(kv: KVManager, rid: str, spans: tuple[Span, ...], max_tokens: int = 2):
+    """Prefill a prompt of several spans (text, an image's rows, text) in one commit."""
+    rows = sum(s.length for s in spans)
+    layout = LabelLayout(spans=spans, growth={"decode_loop": 1})
+    state = kv.ingest_request(NewRequest(rid, "", {}, SamplingParams(), "", rows, max_tokens, {"text": layout},
+                                         {"decode_loop": max_tokens - 1}))
+    assert kv.can_admit(state)
+    hit = kv.admit(state)
+    kv.reserve_rows(rid, "text", rows - hit)
+    kv.commit(rid, "text", rows - hit)
+    return hit
+
+
+def _image_prompt(key: str) -> tuple[Span, ...]:
+    # 6 ids, 8 image rows, 6 ids: the image spans pages 1-3, the text after it pages 3-4
+    return Span.ids(range(100, 106)), Span.rows(8, key), Span.ids(range(106, 112))
+
+
+def test_image_rows_are_shared_by_their_content_key_never_by_placeholder_ids():
+    """The same text with another image shares only the pages before the image; the same
+    image shares the image's pages and the text after it (chained through its key)."""
+    kv = _manager(64)
+    assert _run_spans(kv, "a", _image_prompt("sha:aaa")) == 0
+    assert _run_spans(kv, "b", _image_prompt("sha:bbb")) == 4  # page 0: ids only
+    assert _run_spans(kv, "c", _image_prompt("sha:aaa")) == 16  # all full pages but the last row's
+    a, b, c = (kv.requests[r].labels["text"].pages for r in "abc")
+    assert a[0] == b[0] and a[1] != b[1] and a[:4] == c[:4]
+    for rid in "abc":
+        kv.remove(rid)
+    assert kv.pools["kv"].used == 0 and kv.pools["kv"].reserved == 0
+
+
+def test_unkeyed_rows_end_what_the_prefix_cache_may_share():
+    kv = _manager(64)
+    spans = (Span.ids(range(100, 106)), Span.rows(8), Span.ids(range(106, 112)))
+    assert _run_spans(kv, "a", spans) == 0
+    assert _run_spans(kv, "b", spans) == 4  # the ids page before the unkeyed rows only
+    for rid in "ab":
+        kv.remove(rid)
+
+
+def test_row_keys_of_a_keyed_rows_span_are_negative_and_differ_by_key():
+    a, b = Span.rows(3, "sha:aaa").row_keys(), Span.rows(3, "sha:bbb").row_keys()
+    assert len(a) == 3 and len(set(a)) == 1 and a[0] < 0 and a != b
+    try:
+        Span("ids", 1, (5,), "sha:x")
+    except ValueError as exc:
+        assert "content key is for rows spans" in str(exc)
+    else:
+        raise AssertionError("an ids span with a content key was accepted")
