@@ -1,0 +1,174 @@
+"""Tiny random-weight Idefics3 / SmolVLM checkpoints made with transformers: a model folder
+with weights, tokenizer and the saved processor, so that image preprocessing, prompt expansion
+and the vision tower can be checked against transformers without a download."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tests.checkpoints import make_tokenizer
+
+# The families' own chat templates (HuggingFaceM4/Idefics3-8B-Llama3 and
+# HuggingFaceTB/SmolVLM-Instruct on the Hub): an {"type": "image"} part renders as "<image>".
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'].capitalize()}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+#: the processors' token strings; SmolVLM reads them from the tokenizer's extra_special_tokens
+IMAGE_TOKENS = {
+    "fake_image_token": "<fake_token_around_image>",
+    "image_token": "<image>",
+    "global_image_token": "<global-img>",
+    "end_of_utterance_token": "<end_of_utterance>",
+}
+#: the real checkpoints carry every grid tag up to 6x6 (the processors' largest grid)
+ROW_COL_TAGS = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+
+#: (config class, model class, processor class, image processor module, chat template, bos)
+FAMILIES = {
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", "Idefics3Processor",
+                 "idefics3", IDEFICS3_CHAT_TEMPLATE, "<|begin_of_text|>"),
+    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "SmolVLMProcessor",
+                "smolvlm", SMOLVLM_CHAT_TEMPLATE, "<|im_start|>"),
+}
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              image_size=32, patch_size=8)
+SCALE_FACTOR = 2
+#: (image_size / patch_size)^2 / scale_factor^2 tokens per tile
+IMAGE_SEQ_LEN = (VISION["image_size"] // VISION["patch_size"]) ** 2 // SCALE_FACTOR**2
+
+
+def _add_image_tokens(path: Path, family: str) -> None:
+    """Add the processor's tokens to tokenizer.json as special added tokens, and write a
+    tokenizer_config.json with the family's eos (<end_of_utterance>) and chat template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    _, _, _, _, template, bos = FAMILIES[family]
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    names = [bos, *IMAGE_TOKENS.values(), *ROW_COL_TAGS]
+    if family == "smolvlm":
+        names.remove(bos)  # <|im_start|> is already one of make_tokenizer's specials
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    tok.save(str(path / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<end_of_utterance>",
+        "bos_token": None, "pad_token": "<|endoftext|>", "chat_template": template,
+        "model_max_length": 1024,
+    }
+    if family == "smolvlm":  # as the Hub's SmolVLM tokenizer_config.json has them
+        config["extra_special_tokens"] = dict(IMAGE_TOKENS)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@contextlib.contextmanager
+def smolvlm_without_torchvision() -> Iterator[None]:
+    """Let SmolVLMProcessor be built where torchvision and num2words are missing. It checks its
+    video processor against `transformers.VideoProcessorMixin`, which transformers' lazy module
+    hands out as a dummy without torchvision (the real class imports fine), and refuses to start
+    without num2words, which it only uses to spell a video's frame count. Images reach neither."""
+    import transformers
+    from transformers import video_processing_utils
+    from transformers.models.smolvlm import processing_smolvlm
+
+    saved = processing_smolvlm.num2words, transformers.__dict__.get("VideoProcessorMixin")
+    if saved[0] is None:
+        processing_smolvlm.num2words = str
+    transformers.VideoProcessorMixin = video_processing_utils.VideoProcessorMixin
+    try:
+        yield
+    finally:
+        processing_smolvlm.num2words = saved[0]
+        if saved[1] is None:
+            del transformers.VideoProcessorMixin
+        else:
+            transformers.VideoProcessorMixin = saved[1]
+
+
+def smolvlm_video_processor() -> Any:
+    """SmolVLM's video processor, from its module: the top-level name is a dummy without
+    torchvision, while the class itself only needs torchvision to process videos."""
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+    return SmolVLMVideoProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+
+
+def load_processor(path: Path) -> Any:
+    """transformers' AutoProcessor for a folder made here; for SmolVLM, with the video
+    processor handed in (AutoVideoProcessor cannot load one without torchvision)."""
+    import transformers
+
+    if json.loads((path / "config.json").read_text())["model_type"] != "smolvlm":
+        return transformers.AutoProcessor.from_pretrained(path)
+    with smolvlm_without_torchvision():
+        return transformers.AutoProcessor.from_pretrained(path, video_processor=smolvlm_video_processor())
+
+
+def make_processor(path: Path, family: str) -> Any:
+    """The family's processor over the tokenizer in `path`, with small tiles (32 px, up to
+    2x2 of them from a 64 px resize) so that splitting is exercised by tiny images."""
+    import importlib
+
+    import transformers
+
+    _, _, proc_name, module, template, _ = FAMILIES[family]
+    prefix = "Idefics3" if family == "idefics3" else "SmolVLM"
+    images = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
+    image_processor = getattr(images, f"{prefix}ImageProcessorPil")(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    kwargs: dict[str, Any] = dict(image_seq_len=IMAGE_SEQ_LEN, chat_template=template)
+    if family == "idefics3":
+        return transformers.Idefics3Processor(image_processor, tokenizer, **kwargs)
+    with smolvlm_without_torchvision():
+        return getattr(transformers, proc_name)(image_processor, tokenizer, smolvlm_video_processor(), **kwargs)
+
+
+def make_idefics3_checkpoint(path: Path, family: str = "idefics3", seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Idefics3 (or SmolVLM) checkpoint in `path`: Llama text model, SigLIP
+    vision tower of 32 px images in 8 px patches, pixel shuffle by 2, so 4 tokens per tile.
+    `overrides` go to the top-level config."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(path)
+    _add_image_tokens(path, family)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    cfg_name, model_name, _, _, _, _ = FAMILIES[family]
+    eos, pad = tok.token_to_id("<end_of_utterance>"), tok.token_to_id("<|endoftext|>")
+    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=pad,
+                initializer_range=0.2, tie_word_embeddings=False)
+    common: dict[str, Any] = dict(text_config=text, vision_config=dict(VISION, initializer_range=0.2),
+                                  scale_factor=SCALE_FACTOR, image_token_id=tok.token_to_id("<image>"),
+                                  pad_token_id=pad, eos_token_id=eos, tie_word_embeddings=False)
+    common.update(overrides)
+    cfg = getattr(transformers, cfg_name)(**common)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    model.config.architectures = [model_name]
+    model.save_pretrained(path, safe_serialization=True)
+    make_processor(path, family).save_pretrained(path)
+    return path
