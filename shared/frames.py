@@ -102,6 +102,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     audio: bytes | None = None
     language: str | None = None
     task: str | None = None
+    # Vision models: each image file as the api fetched and checked it, in prompt order;
+    # the prompt holds the model's image placeholder once per image.
+    images: list[bytes] = []
     # Per-request model options for the spec's `process_prompt` (language and task above
     # are two of them); the data worker drops a value for a key the spec sets itself.
     options: dict[str, MetaValue] = {}

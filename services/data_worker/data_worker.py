@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -31,7 +32,7 @@ from shared.frames import (
     pack_tensors,
 )
 from shared.model_source import TokenizerBundle
-from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
+from shared.specs.base import MetaValue, ModelSpec, PreparedImage, PromptError, PromptRequest
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
@@ -116,6 +117,12 @@ class DataWorker:
             if req.audio is None:
                 raise _ClientError("file", "the served model takes audio: send a file")
             raise _ClientError("file", "the served model does not take audio")
+        try:
+            images, prompt = self.expand_images(req)
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        if images:
+            req = msgspec.structs.replace(req, prompt=prompt)
         ids: list[int] = []
         pair_start = None
         if req.audio is None or req.prompt is not None or req.input_ids is not None:
@@ -128,10 +135,35 @@ class DataWorker:
         if pair_start is not None:
             options["pair_start"] = pair_start
         try:
-            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options))
+            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
+
+    def expand_images(self, req: GenerateRequest) -> tuple[tuple[PreparedImage, ...], str | None]:
+        """(the request's images preprocessed by the spec's `prepare_image`: decoded,
+        resized, tiled, normalized; the prompt with each one's text in place of its
+        placeholder), so the prompt is tokenized once, whole, as the model's processor
+        tokenizes it (tokens merge across the boundary: Gemma 3's newlines).
+        `PromptError` when the placeholders and the images do not pair up one to one."""
+        placeholder = self.spec.image_placeholder
+        if not req.images:
+            return (), req.prompt
+        if not placeholder:
+            raise PromptError("images", "the served model does not take images")
+        if req.prompt is None:
+            raise PromptError("input_ids", "images need a text prompt (with the image placeholder), not input_ids")
+        parts = req.prompt.split(placeholder)
+        if len(parts) - 1 != len(req.images):
+            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} image placeholder(s) "
+                                        f"({placeholder!r}) for {len(req.images)} image(s)")
+        images = []
+        for i, data in enumerate(req.images):
+            try:
+                images.append(self.spec.prepare_image(data))
+            except PromptError as exc:
+                raise PromptError(f"images[{i}]", str(exc)) from exc
+        return tuple(images), parts[0] + "".join(img.text + part for img, part in zip(images, parts[1:]))
 
     async def _handle(self, req: GenerateRequest) -> None:
         try:

@@ -28,6 +28,8 @@ from services.gpu_worker.pooling_runner import PoolingRunner
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
+from services.gpu_worker.vision_runner import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
+from services.gpu_worker.vision_runner import VisionRunner
 from services.gpu_worker.weights import build_model, weight_dtype
 from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -44,7 +46,13 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "decoder": (ModelRunner, None),
     "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
     "pooling": (PoolingRunner, None),
+    "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
 }
+
+
+#: engines whose steps are a decoder LM's over token rows (a vision model's images are
+#: rows of its prompt): FlashInfer plans them, the step-cost model times them
+TEXT_STEPS = ("decoder", "vision_decoder")
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ def assemble(d: Deployment) -> Assembled:
     spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)
     spec.validate()
     device = pick_device()
-    if spec.engine != "decoder" and device.type != "cpu":
+    if spec.engine not in TEXT_STEPS and device.type != "cpu":
         log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", spec.engine, device)
         device = torch.device("cpu")
     min_pages = pages_for(spec.max_seq_len, d.page_size)
@@ -134,7 +142,7 @@ def assemble(d: Deployment) -> Assembled:
     caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
               for name, p in pools.items()}
     planner = None
-    if device.type == "cuda" and spec.engine == "decoder" and flashinfer_available():
+    if device.type == "cuda" and spec.engine in TEXT_STEPS and flashinfer_available():
         planner = FlashInferPlanner(device)
     kv = KVManager(pools, spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len", prefix_cache=d.prefix_cache)
     engine = build_engine(model, spec, kv, caches, eos_ids=source.eos_token_ids, max_num_seqs=d.max_num_seqs,
@@ -178,7 +186,7 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     runs = parts.model.warm_gemms(d.max_batch_tokens, min(d.max_num_seqs, d.max_batch_tokens))
     if runs:
         log.info("built %d GEMM kernels for every row bucket in %.2fs", runs, time.time() - t0)
-    if d.itl_target_ms > 0 and spec.engine == "decoder":  # step costs for the time-budgeted scheduler
+    if d.itl_target_ms > 0 and spec.engine in TEXT_STEPS:  # step costs for the time-budgeted scheduler
         t0 = time.time()
         with kv.untracked():
             costs, cached = calibrate_cached(engine, spec, parts.pools, d.max_batch_tokens, d.max_num_seqs,

@@ -56,6 +56,9 @@ class Request:
     prompt_logprobs: list[Any] = field(default_factory=list)
     #: a pooling request's result (float32 bytes), set by the step that ran its prompt
     pooled: bytes | None = None
+    #: prompt rows whose input is not a token's embedding (an image's rows from the vision
+    #: tower): their prompt positions (ascending) and values, until the prefill computes them
+    embeds: tuple[Any, torch.Tensor] | None = None
 
     @property
     def tokens_len(self) -> int:

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from shared.frames import MetaValue
 from shared.layout import (
@@ -29,6 +29,9 @@ from shared.layout import (
     label_footprint,
 )
 from shared.pages import pages_for as pages_for  # the one definition (shared/pages.py), re-exported for specs
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class DeploymentError(Exception):
@@ -45,14 +48,30 @@ class PromptError(ValueError):
 
 
 @dataclass(frozen=True)
+class PreparedImage:
+    """One image of a request, preprocessed by its spec (`ModelSpec.prepare_image`) in the
+    data worker: the pixel tensors the vision encoder takes (float32 [tiles, C, H, W]),
+    the text that replaces the image's placeholder in the prompt before tokenizing (the
+    model's image tokens and the tags around them, as its processor writes them), and a
+    content key (a hash of the file and the settings that made the pixels) that keys its
+    rows in the prefix cache."""
+
+    pixels: np.ndarray
+    text: str
+    key: str
+
+
+@dataclass(frozen=True)
 class PromptRequest:
     """What `process_prompt` sees of a request: its prompt ids (empty for a speech request
-    that sends none), its multimodal inputs (`audio`: the client's file, undecoded) and the
+    that sends none), its multimodal inputs (`audio`: the client's file, undecoded;
+    `images`: preprocessed, their placeholders already expanded in the ids) and the
     per-request model options (Whisper's `language`, `task`; None values are left out)."""
 
     token_ids: list[int] = field(default_factory=list)
     audio: bytes | None = None
     options: Mapping[str, MetaValue] = field(default_factory=dict)
+    images: tuple[PreparedImage, ...] = ()
 
 
 class ModelSpec(ABC):
@@ -73,6 +92,10 @@ class ModelSpec(ABC):
     normalize: bool = False
     #: True for models whose requests are audio (the data worker needs a file)
     takes_audio: bool = False
+    #: what a prompt holds where an image goes ("" for a model that takes no images): the
+    #: text its chat template writes for an image part, which the data worker replaces by
+    #: each image's `PreparedImage.text` before tokenizing
+    image_placeholder: str = ""
     #: the loop that emits one token per iteration (its cap bounds max_tokens)
     decode_loop: str = "decode_loop"
     #: the `metadata` keys `process_prompt` sets itself: a client's option of the same name
@@ -86,6 +109,12 @@ class ModelSpec(ABC):
     vocab_size: int = 0
     #: the longest request, prompt and output rows (each family's constructor sets it)
     max_seq_len: int
+
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        """An image file (bytes as the client sent it) preprocessed as the model's processor
+        does; `PromptError` on "images" for a file it cannot use. Only for models with an
+        `image_placeholder`."""
+        raise PromptError("images", "the served model does not take images")
 
     @property
     def step_loops(self) -> tuple[str, ...]:
@@ -204,6 +233,12 @@ class RunnerSpec(Protocol):
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]: ...
 
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        """An image file (bytes as the client sent it) preprocessed as the model's processor
+        does; `PromptError` on "images" for a file it cannot use. Only for models with an
+        `image_placeholder`."""
+        raise PromptError("images", "the served model does not take images")
+
     @property
     def step_loops(self) -> tuple[str, ...]: ...
 
@@ -218,6 +253,15 @@ class DecoderRunnerSpec(RunnerSpec, Protocol):
 
     layer_labels: list[str]
     config: Any
+
+
+@runtime_checkable
+class VisionRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The vision runner's (vision_runner.py): the placeholder id whose rows an image's
+    rows replace, and how many rows each tile makes."""
+
+    image_token_id: int
+    rows_per_tile: int
 
 
 @runtime_checkable

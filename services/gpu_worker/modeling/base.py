@@ -66,6 +66,21 @@ class DecoderModel(ModelBase):
                 metas: list[AttnMetadata], sample_rows: torch.Tensor) -> torch.Tensor: ...
 
 
+class VisionDecoderModel(DecoderModel):
+    """A decoder LM whose prompts hold images: `encode_images` turns a request's tiles
+    into the rows that replace its image tokens' embeddings, which `forward` takes as
+    `embeds` (row indices of the step, their values)."""
+
+    @abstractmethod
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Tiles [N, C, H, W] -> their rows [N * rows per tile, hidden], in order."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[AttnMetadata], sample_rows: torch.Tensor,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
+
+
 class EncoderDecoderModel(ModelBase):
     """An encoder run once per request (at admission), whose output `write_cross` puts into
     the cross label's pages, and a decoder over paged KV: `forward(input_ids [T],
@@ -107,4 +122,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "decoder": DecoderModel,
     "encoder_decoder": EncoderDecoderModel,
     "pooling": PoolingModel,
+    "vision_decoder": VisionDecoderModel,
 }

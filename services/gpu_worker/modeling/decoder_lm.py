@@ -214,6 +214,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
+#: (row indices [k] of a step's flat rows, their input embeddings [k, hidden]): rows whose
+#: input is not a token's embedding (an image's, from the vision tower)
+RowEmbeds = tuple[torch.Tensor, torch.Tensor]
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -305,8 +310,8 @@ class DecoderLM(DecoderModel):
         return warm_packed(self.model.layers, max_rows, self.head, max_sample_rows)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metas: list[AttnMetadata],
-                sample_rows: torch.Tensor):
-        x = self.model.norm(self.hidden(input_ids, positions, kv_caches, metas)[sample_rows])
+                sample_rows: torch.Tensor, embeds: RowEmbeds | None = None):
+        x = self.model.norm(self.hidden(input_ids, positions, kv_caches, metas, embeds)[sample_rows])
         if self.head is not None:
             logits = self.head(x)
         else:
@@ -318,11 +323,15 @@ class DecoderLM(DecoderModel):
         return logits
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-               metas: list[AttnMetadata]) -> torch.Tensor:
-        """Every row's hidden state after the last layer, before the final norm."""
+               metas: list[AttnMetadata], embeds: RowEmbeds | None = None) -> torch.Tensor:
+        """Every row's hidden state after the last layer, before the final norm. `embeds`
+        (rows, values) puts a vision tower's rows in place of those rows' token embeddings
+        (after Gemma's scaling, which transformers applies to text embeddings only)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: HF multiplies by sqrt(hidden) in the embedding's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
         ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
         stack, full = self.cpu_stack, ropes.get(FULL)  # a stack is built for all-FULL models only

@@ -81,11 +81,20 @@ class SiglipVisionEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(
             int(cfg["num_channels"]), hidden, kernel_size=self.patch_size, stride=self.patch_size, padding="valid"
         )
-        side = self.image_size // self.patch_size
-        self.position_embedding = nn.Embedding(side * side, hidden)
-        ids = bucketed_position_ids(side) if bucketed_positions else torch.arange(side * side)
+        self.side, self.bucketed = self.image_size // self.patch_size, bucketed_positions
+        self.position_embedding = nn.Embedding(self.side * self.side, hidden)
         self.position_ids: torch.Tensor
-        self.register_buffer("position_ids", ids, persistent=False)
+        self.register_buffer("position_ids", self._position_ids(), persistent=False)
+
+    def _position_ids(self) -> torch.Tensor:
+        side = self.side
+        return bucketed_position_ids(side) if self.bucketed else torch.arange(side * side)
+
+    def reset_buffers(self) -> None:
+        """The position ids again, on the CPU: a model built on the meta device (the
+        worker's loader) has none until its weights are real."""
+        with torch.device("cpu"):
+            self.position_ids = self._position_ids()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if pixel_values.dim() != 4 or pixel_values.shape[-2:] != (self.image_size, self.image_size):
@@ -179,6 +188,9 @@ class SiglipVisionTower(nn.Module):
     def num_patches(self) -> int:
         """Patches per tile, the length of each output sequence."""
         return int(self.embeddings.position_ids.numel())
+
+    def reset_buffers(self) -> None:
+        self.embeddings.reset_buffers()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.post_layernorm(self.encoder(self.embeddings(pixel_values)))

@@ -1,0 +1,171 @@
+"""Vision-language models: a decoder LM whose prompt holds images (Idefics3 / SmolVLM).
+
+An image reaches the spec as a file (the api fetched and checked it); `prepare_image`
+preprocesses it exactly as the checkpoint's processor does (numpy + Pillow, no torch: this
+runs in the data worker) and says what text replaces the image's placeholder; the data
+worker tokenizes the expanded prompt once, whole. `process_prompt` then finds the image
+tokens in the ids: each run of `image_token_id` is a `Span.rows` whose content key is the
+image's hash and the run's place in it (`image_spans`), never the placeholder ids, so the
+prefix cache shares an image's rows only with the same image, and the text after it is
+keyed by its ids and that image together (DESIGN.md section 3). The ids between runs
+(the tags around tiles, the text) are `ids` spans as a text prompt's.
+
+The gpu worker runs the vision tower once per image at admission
+(`services/gpu_worker/vision_runner.py`) and puts its rows in place of the image tokens'
+embeddings when the prompt is prefilled; positions are the row count (these families'
+RoPE is the text model's own), and the footprint counts every image row as a text row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.layout import LabelLayout, ProcessPromptOutput, Span
+from shared.specs.base import PreparedImage, PromptError, PromptRequest
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.vision.idefics3 import Idefics3Images
+
+IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+
+
+def image_spans(ids: list[int], image_token_id: int, images: tuple[PreparedImage, ...],
+                rows_per_tile: int) -> tuple[Span, ...]:
+    """The prompt's spans: `ids` spans for text, a keyed `rows` span per run of image
+    tokens. Each image brings `tiles * rows_per_tile` rows, given to the runs in prompt
+    order; a run keeps to one image (split at an image's end) and its key names the image
+    and where in the image it starts. `PromptError` when the ids hold more or fewer image
+    tokens than the images make."""
+    want = [img.pixels.shape[0] * rows_per_tile for img in images]
+    have = sum(1 for t in ids if t == image_token_id)
+    if have != sum(want):
+        param = "prompt" if images else "input_ids"
+        raise PromptError(param, f"the prompt holds {have} image tokens (id {image_token_id}); "
+                                 f"its {len(images)} image(s) make {sum(want)}")
+    spans: list[Span] = []
+    text: list[int] = []
+    image, used = 0, 0  # the image the next image row belongs to, and its rows used so far
+    i = 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            text.append(ids[i])
+            i += 1
+            continue
+        if text:
+            spans.append(Span.ids(text))
+            text = []
+        run = 0
+        while i + run < len(ids) and ids[i + run] == image_token_id and used + run < want[image]:
+            run += 1
+        spans.append(Span.rows(run, f"{images[image].key}:{used}"))
+        i, used = i + run, used + run
+        if used == want[image]:
+            image, used = image + 1, 0
+    if text:
+        spans.append(Span.ids(text))
+    return tuple(spans)
+
+
+class VisionLMSpec(DecoderLMSpec):
+    """A decoder LM with a vision tower: what every family of this module shares. A
+    family sets `image_placeholder`, `image_token_id`, `rows_per_tile` and implements
+    `_preprocess` (file -> pixels, placeholder text)."""
+
+    engine = "vision_decoder"
+    image_token_id: int
+    rows_per_tile: int
+
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        from PIL import Image, ImageOps, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                image = ImageOps.exif_transpose(opened)  # as transformers' load_image
+                image.load()
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise PromptError("images", f"the file could not be decoded as an image ({exc})") from exc
+        pixels, text = self._preprocess(image)
+        key = hashlib.sha256(self.pixel_settings().encode() + b"\0" + data).hexdigest()
+        return PreparedImage(np.ascontiguousarray(pixels, dtype=np.float32), text, key)
+
+    def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
+        raise NotImplementedError
+
+    def pixel_settings(self) -> str:
+        """Every setting that changes an image's pixels or rows (part of its content key)."""
+        raise NotImplementedError
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        ids = request.token_ids
+        spans = image_spans(ids, self.image_token_id, request.images, self.rows_per_tile)
+        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.kv_labels}
+        tensors: dict[str, np.ndarray] = {"input_ids": np.asarray(ids, dtype=np.int32)}
+        if request.images:
+            tensors["pixel_values"] = np.concatenate([img.pixels for img in request.images])
+        return ProcessPromptOutput(tensors, layouts, {"prompt_len": len(ids)})
+
+
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config.json dict inside a VLM's: its `text_config`, with the
+    head tying the checkpoint declares at the top (where its `lm_head` is)."""
+    text = dict(config["text_config"])
+    text.setdefault("model_type", "llama")
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return text
+
+
+class Idefics3Spec(VisionLMSpec):
+    """Idefics3 and SmolVLM: SigLIP tiles, pixel shuffle and a linear connector; a Llama
+    text model. An image is split into tiles of `max_image_size` plus the whole image
+    scaled down (`shared.vision.idefics3`); each tile is one run of `image_seq_len`
+    image tokens between `<fake_token_around_image><row_i_col_j>` tags."""
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        super().__init__(text_config(config), page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        self.vlm_config = dict(config)
+        vision = config["vision_config"]
+        self.scale_factor = int(config.get("scale_factor", 2))
+        self.image_token_id = int(config["image_token_id"])
+        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        self.rows_per_tile = patches // self.scale_factor**2
+        self.images: Idefics3Images | None = None
+
+    def load_folder(self, path: str | Path) -> Idefics3Spec:
+        """The processor's settings (preprocessor_config.json, processor_config.json):
+        without them the model's images cannot be made as it was trained on them."""
+        self.images = Idefics3Images.from_folder(Path(path))
+        if self.images.image_seq_len != self.rows_per_tile:
+            raise ValueError(f"the processor's image_seq_len {self.images.image_seq_len} != the "
+                             f"{self.rows_per_tile} rows the vision tower makes per tile")
+        self.image_placeholder = self.images.image_token
+        return self
+
+    def _settings(self) -> Idefics3Images:
+        if self.images is None:
+            raise PromptError("images", "the model folder's processor settings were not loaded")
+        return self.images
+
+    def pixel_settings(self) -> str:
+        return self._settings().settings_key()
+
+    def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
+        settings = self._settings()
+        pixels, rows, cols = settings.preprocess(image)
+        return pixels, settings.prompt(rows, cols)
+
+
+def is_vision_config(config: Mapping[str, Any]) -> bool:
+    return "vision_config" in config and "text_config" in config
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
