@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="largest request body (audio uploads included) the api accepts; "
                             "larger is a 413 (env MSTAR_MAX_BODY_BYTES; default 1 MiB)")
+    _add_media_flags(serve)
     serve.add_argument("--start-timeout", type=float, default=float(os.environ.get("MSTAR_START_TIMEOUT") or 900),
                        help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")
     add_logging_flags(serve)
@@ -252,6 +253,41 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--version", action="version", version=version)
     _add_check(sub)
     return parser
+
+
+def _add_media_flags(serve: argparse.ArgumentParser) -> None:
+    """The api's image-input flags (services/api/__main__.py), passed on when given; the
+    defaults are written out rather than imported, so the launcher loads none of the api."""
+    serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="the only hosts http(s) image URLs may name, space- or comma-separated "
+                            "(env MSTAR_ALLOWED_MEDIA_DOMAINS; default: empty, any host)")
+    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="a folder whose files file:// image URLs may name "
+                            "(env MSTAR_ALLOWED_LOCAL_MEDIA_PATH; default: none, file:// URLs are refused)")
+    serve.add_argument("--max-image-bytes", type=int, default=None,
+                       help="largest image file; larger is a 400 (env MSTAR_MAX_IMAGE_BYTES; default 20 MiB)")
+    serve.add_argument("--max-image-pixels", type=int, default=None,
+                       help="most pixels an image may have (env MSTAR_MAX_IMAGE_PIXELS; default 36000000)")
+    serve.add_argument("--max-images-per-request", type=int, default=None,
+                       help="most images one request may carry (env MSTAR_MAX_IMAGES_PER_REQUEST; default 16)")
+    serve.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",
+                       help="seconds one http(s) image fetch may take (env MSTAR_MEDIA_FETCH_TIMEOUT_S; default 10)")
+
+
+def media_flags(args: argparse.Namespace) -> list[str]:
+    """`mstar serve`'s image-input flags as the api's command line: only those given (the
+    MSTAR_* variables reach the api through the environment); a local path made absolute."""
+    flags: list[str] = []
+    if args.allowed_media_domains:
+        flags += ["--allowed-media-domains", ",".join(args.allowed_media_domains)]
+    if args.allowed_local_media_path is not None:
+        flags += ["--allowed-local-media-path", os.path.abspath(os.path.expanduser(args.allowed_local_media_path))]
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels),
+                        ("--max-images-per-request", args.max_images_per_request),
+                        ("--media-fetch-timeout", args.media_fetch_timeout)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _add_check(sub) -> None:
@@ -358,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         api_flags += ["--chat-template", chat_template]
     if args.tool_call_parser != "auto":
         api_flags += ["--tool-call-parser", args.tool_call_parser]
+    api_flags += media_flags(args)
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key

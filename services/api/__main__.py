@@ -82,12 +82,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health and /ready "
                         "(env MSTAR_API_KEY; default: none, no key needed)")
+    add_media_flags(p)
     add_logging_flags(p)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("MSTAR_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
                    help="log one line per HTTP request (uvicorn's access log: client, method, path, status), "
                         "in --log-format (default: off; env MSTAR_ACCESS_LOG=1 turns it on)")
     return p
+
+
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """Image inputs (`services/api/media.py`): where images may come from and how large.
+    Defaults from the MSTAR_* variables (`settings.MEDIA_ENV`), else `MediaPolicy`'s."""
+    from services.api.media import (
+        DEFAULT_FETCH_TIMEOUT_S,
+        DEFAULT_MAX_IMAGE_BYTES,
+        DEFAULT_MAX_IMAGE_PIXELS,
+        DEFAULT_MAX_IMAGES_PER_REQUEST,
+    )
+    from services.api.settings import media_from_env
+
+    env = media_from_env()
+    p.add_argument("--allowed-media-domains", nargs="+", default=env.get("allowed_media_domains", ()),
+                   metavar="HOST",
+                   help="the only hosts http(s) image URLs may name (exact match, also on each redirect), "
+                        "space- or comma-separated (env MSTAR_ALLOWED_MEDIA_DOMAINS, comma-separated; "
+                        "default: empty, any host, private addresses included)")
+    p.add_argument("--allowed-local-media-path", default=env.get("allowed_local_media_path"), metavar="DIR",
+                   help="a folder whose files (symlinks resolved) file:// image URLs may name "
+                        "(env MSTAR_ALLOWED_LOCAL_MEDIA_PATH; default: none, file:// URLs are refused)")
+    p.add_argument("--max-image-bytes", type=int, default=env.get("max_image_bytes", DEFAULT_MAX_IMAGE_BYTES),
+                   help=f"largest image file (data URL, download or local file); larger is a 400 "
+                        f"(env MSTAR_MAX_IMAGE_BYTES; default {DEFAULT_MAX_IMAGE_BYTES})")
+    p.add_argument("--max-image-pixels", type=int, default=env.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+                   help=f"most pixels (width x height) an image may have; more is a 400 "
+                        f"(env MSTAR_MAX_IMAGE_PIXELS; default {DEFAULT_MAX_IMAGE_PIXELS})")
+    p.add_argument("--max-images-per-request", type=int,
+                   default=env.get("max_images_per_request", DEFAULT_MAX_IMAGES_PER_REQUEST),
+                   help=f"most images one request may carry; more is a 400 "
+                        f"(env MSTAR_MAX_IMAGES_PER_REQUEST; default {DEFAULT_MAX_IMAGES_PER_REQUEST})")
+    p.add_argument("--media-fetch-timeout", type=float,
+                   default=env.get("media_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S), metavar="SECONDS",
+                   help=f"seconds one http(s) image fetch may take, redirects included; longer is a 400 "
+                        f"(env MSTAR_MEDIA_FETCH_TIMEOUT_S; default {DEFAULT_FETCH_TIMEOUT_S:g})")
+
+
+def media_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The ApiSettings fields of the image-input flags; a --allowed-local-media-path that
+    is not a folder is refused here, at start, rather than making every file:// URL a 400."""
+    from services.api.settings import split_domains
+
+    local = args.allowed_local_media_path
+    if local is not None:
+        local = os.path.abspath(os.path.expanduser(local))
+        if not os.path.isdir(local):
+            raise ValueError(f"--allowed-local-media-path {local} is not a folder")
+    return {
+        "max_image_bytes": args.max_image_bytes,
+        "max_image_pixels": args.max_image_pixels,
+        "media_fetch_timeout_s": args.media_fetch_timeout,
+        "allowed_media_domains": split_domains(args.allowed_media_domains),
+        "allowed_local_media_path": local,
+        "max_images_per_request": args.max_images_per_request,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +237,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
+        **media_settings(args),  # type: ignore[arg-type]
     )
     return settings, tokenizer
 

@@ -5,8 +5,19 @@ Kept apart from the command line so tests and the launcher can build an app dire
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+
 import msgspec
 
+from services.api.media import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    MediaPolicy,
+)
 from shared.config import advertised, env_address
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -43,6 +54,15 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     dimensions: int = 0
     matryoshka: bool = False
     normalized: bool = False
+    #: image inputs (`media.py`, `MediaPolicy`): the largest file, the most pixels, one
+    #: deadline per http(s) fetch, the hosts images may come from (empty: any), the folder
+    #: file:// images may come from (None: none), images per request
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    media_fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
 
     def __post_init__(self) -> None:
         if not self.model_name.strip():
@@ -55,6 +75,18 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_model_len and log_stats_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
+        self.media_policy()  # a bad media setting is refused at start, not at the first image
+
+    def media_policy(self) -> MediaPolicy:
+        """What `media.load_image` accepts, from these settings."""
+        return MediaPolicy(
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            fetch_timeout_s=self.media_fetch_timeout_s,
+            allowed_media_domains=self.allowed_media_domains,
+            allowed_local_media_path=self.allowed_local_media_path,
+            max_images_per_request=self.max_images_per_request,
+        )
 
     def __repr__(self) -> str:  # never print the key (settings end up in logs and tracebacks)
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
@@ -63,8 +95,34 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
         return "ApiSettings(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
 
+def split_domains(values: str | Iterable[str]) -> tuple[str, ...]:
+    """Host names from a comma- and/or space-separated list, or a list of such strings
+    (`--allowed-media-domains a.com b.com` and vLLM-style `a.com,b.com` alike)."""
+    items = [values] if isinstance(values, str) else list(values)
+    return tuple(d for item in items for d in re.split(r"[,\s]+", item) if d)
+
+
+#: image-input settings read from the environment: env var -> (ApiSettings field, parser).
+#: The api's flags take their defaults from here, and `settings_from_env` reads them too.
+MEDIA_ENV: dict[str, tuple[str, Callable[[str], object]]] = {
+    "MSTAR_MAX_IMAGE_BYTES": ("max_image_bytes", int),
+    "MSTAR_MAX_IMAGE_PIXELS": ("max_image_pixels", int),
+    "MSTAR_MEDIA_FETCH_TIMEOUT_S": ("media_fetch_timeout_s", float),
+    "MSTAR_ALLOWED_MEDIA_DOMAINS": ("allowed_media_domains", split_domains),
+    "MSTAR_ALLOWED_LOCAL_MEDIA_PATH": ("allowed_local_media_path", str),
+    "MSTAR_MAX_IMAGES_PER_REQUEST": ("max_images_per_request", int),
+}
+
+
+def media_from_env(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The image-input settings set (non-empty) in the environment, as ApiSettings fields."""
+    env = os.environ if environ is None else environ
+    return {field: parse(env[name]) for name, (field, parse) in MEDIA_ENV.items() if env.get(name)}
+
+
 def settings_from_env(model_name: str, **overrides: object) -> ApiSettings:
-    """Settings from MSTAR_<NAME>_ADDR / the default ipc sockets, with overrides."""
+    """Settings from MSTAR_<NAME>_ADDR / the default ipc sockets and the MSTAR_* image-input
+    variables (`MEDIA_ENV`), with overrides."""
     api_addr = str(overrides.pop("api_addr", env_address("api")))
     values: dict[str, object] = {
         "model_name": model_name,
@@ -73,6 +131,7 @@ def settings_from_env(model_name: str, **overrides: object) -> ApiSettings:
         "data_worker_addr": env_address("data_worker"),
         "conductor_addr": env_address("conductor"),
         "control_addr": env_address("conductor_control"),
+        **media_from_env(),
     }
     values.update(overrides)
     return ApiSettings(**values)  # type: ignore[arg-type]
