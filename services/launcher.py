@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "not argv, so ps does not show it")
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="largest request body (audio uploads included) the api accepts; "
-                            "larger is a 413 (env MSTAR_MAX_BODY_BYTES; default 1 MiB)")
+                            "larger is a 413 (env MSTAR_MAX_BODY_BYTES; default 1 MiB, 64 MiB for a model that "
+                            "takes images)")
     _add_media_flags(serve)
     serve.add_argument("--start-timeout", type=float, default=float(os.environ.get("MSTAR_START_TIMEOUT") or 900),
                        help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")

@@ -40,7 +40,12 @@ KEEP_ALIVE_S = 65.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.api.settings import DEFAULT_LOG_STATS_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_WS_MAX_LIVE
+    from services.api.settings import (
+        DEFAULT_LOG_STATS_S,
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_WS_MAX_LIVE,
+        VISION_MAX_BODY_BYTES,
+    )
 
     p = argparse.ArgumentParser(prog="python -m services.api",
                                 description="mstar api service: HTTP / SSE / WebSocket front door")
@@ -64,10 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None,
                    help="the api address workers reply to "
                         "(env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
-    p.add_argument("--max-body-bytes", type=int,
-                   default=int(os.environ.get("MSTAR_MAX_BODY_BYTES") or DEFAULT_MAX_BODY_BYTES),
+    body = os.environ.get("MSTAR_MAX_BODY_BYTES")
+    p.add_argument("--max-body-bytes", type=int, default=int(body) if body else None,
                    help=f"largest request body or WebSocket frame; larger is a 413 "
-                        f"(env MSTAR_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES})")
+                        f"(env MSTAR_MAX_BODY_BYTES; default {DEFAULT_MAX_BODY_BYTES}, "
+                        f"{VISION_MAX_BODY_BYTES} for a model that takes images: images come as data URLs)")
     p.add_argument("--ws-max-live", type=int, default=int(os.environ.get("MSTAR_WS_MAX_LIVE") or DEFAULT_WS_MAX_LIVE),
                    help=f"live requests per WebSocket; more get an error frame with status 429 "
                         f"(env MSTAR_WS_MAX_LIVE; default {DEFAULT_WS_MAX_LIVE})")
@@ -206,7 +212,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
     import msgspec
 
     from services.api.chat_template import read_template_file
-    from services.api.settings import ApiSettings
+    from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES, ApiSettings
     from services.api.transcription import default_language, is_speech_model
     from shared.model_source import ModelSource
 
@@ -225,10 +231,12 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         data_worker_addr=addrs["data_worker"],
         conductor_addr=addrs["conductor"],
         control_addr=addrs["conductor_control"],
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes or (VISION_MAX_BODY_BYTES if spec.image_placeholder
+                                               else DEFAULT_MAX_BODY_BYTES),
         ws_max_live=args.ws_max_live,
         api_key=api_key or None,
         takes_audio=takes_audio,
+        image_placeholder=spec.image_placeholder,
         audio_language=default_language(source) if takes_audio else None,
         max_model_len=max_model_len(source, d),
         log_stats_s=args.log_stats_s,

@@ -40,6 +40,7 @@ from services.api.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
     CompletionRequest,
+    ImageUrlPart,
     OpenAIFields,
     TranscriptionForm,
 )
@@ -47,6 +48,7 @@ from services.api.structured import parse_structured, validated
 from services.api.tools import Tools, parse_history_calls, parse_tools
 from services.api.validation import (
     GenerateParams,
+    ImageRef,
     check_audio,
     json_repr,
     load,
@@ -168,10 +170,15 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
                          logprobs=logprobs, n=n, prompts=prompts)
 
 
-def parse_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
-    """`messages` as plain dicts {role, content[, name, tool_calls, tool_call_id]} for the
-    chat template; text parts joined with newlines (vLLM's "string" content format)."""
+def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tuple[list[dict[str, Any]],
+                                                                                     list[ImageRef]]:
+    """(`messages` as plain dicts {role, content[, name, tool_calls, tool_call_id]} for the
+    chat template, the image parts in prompt order). Text parts are joined with newlines
+    (vLLM's "string" content format); with `parts` (a vision model, whose template walks a
+    list) content is a list of parts, each image as `{"type": "image"}` as transformers'
+    processors pass it."""
     out: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if msg.tool_calls and msg.role != "assistant":
@@ -181,8 +188,7 @@ def parse_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
                           f"{where}.tool_call_id must be the id of the call this result answers")
         if msg.content is None and msg.role != "assistant":
             raise invalid(f"{where}.content", f"{where}.content is required for a {msg.role} message")
-        content = msg.content if isinstance(msg.content, str) else "\n".join(p.text for p in msg.content or ())
-        entry: dict[str, Any] = {"role": msg.role, "content": content}
+        entry: dict[str, Any] = {"role": msg.role, "content": _content(msg, where, parts, images)}
         if msg.name is not None:
             entry["name"] = msg.name
         if msg.tool_calls:
@@ -190,15 +196,33 @@ def parse_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
         if msg.role == "tool":
             entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
-    return out
+    return out, images
 
 
-def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list[dict[str, Any]]]:
+def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageRef]) -> Any:
+    """A message's content for the template; its image parts appended to `images`."""
+    if msg.content is None or isinstance(msg.content, str):
+        return [{"type": "text", "text": msg.content}] if parts and msg.content is not None else msg.content
+    listed: list[dict[str, Any]] = []
+    for j, part in enumerate(msg.content):
+        if isinstance(part, ImageUrlPart):
+            images.append(ImageRef(part.image_url.url, f"{where}.content[{j}].image_url.url"))
+            listed.append({"type": "image"})
+        else:
+            listed.append({"type": "text", "text": part.text})
+    if parts:
+        return listed
+    return "\n".join(p["text"] for p in listed if p["type"] == "text")
+
+
+def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[OpenAIRequest,
+                                                                                 list[dict[str, Any]]]:
     """Validate a `/v1/chat/completions` body (`schemas.ChatCompletionRequest`); the prompt
-    is filled in by the caller from the rendered template (see `with_prompt`)."""
+    is filled in by the caller from the rendered template (see `with_prompt`). `vision`:
+    the served model takes images (content goes to its template as a list of parts)."""
     req = load(obj, ChatCompletionRequest)
     check_model(req.model, served)
-    messages = parse_messages(req.messages)
+    messages, images = parse_messages(req.messages, parts=vision)
     n = check_n(req.n or 1)
     new, old = req.max_completion_tokens, req.max_tokens  # OpenAI's current name, and its deprecated alias
     if new is not None and old is not None and new != old:
@@ -217,6 +241,7 @@ def parse_chat(obj: Mapping[str, Any], served: str) -> tuple[OpenAIRequest, list
         stream=stream,
         stop=stop_strings(req.stop),
         add_special_tokens=False,
+        image_refs=tuple(images),
     )
     tools = parse_tools(req)
     if tools is not None and tools.forced and params.sampling.grammar is not None:

@@ -44,7 +44,13 @@ from shared.version import mstar_version
 
 def _model_card(state: ApiState) -> ModelCard:
     """OpenAI's model object plus vLLM's `max_model_len` (the deployment's max_seq_len)."""
-    return ModelCard(state.settings.model_name, state.created, state.settings.max_model_len)
+    settings = state.settings
+    inputs = ["audio"] if settings.takes_audio else ["text"]
+    if settings.image_placeholder:
+        inputs.append("image")
+    outputs = ["text"] if settings.task == "generate" else ["embedding"] if settings.task == "embed" else ["score"]
+    return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
+                     image_placeholder=settings.image_placeholder or None)
 
 
 async def list_models(request: Request) -> Response:
@@ -95,7 +101,7 @@ def _firsts(choices: list[Choice]) -> set[int]:
 
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
-    req, messages = parse_chat(obj, state.settings.model_name)
+    req, messages = parse_chat(obj, state.settings.model_name, vision=bool(state.settings.image_placeholder))
     if state.chat_template is None:
         raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
                        "use /v1/completions with a formatted prompt", "messages")

@@ -198,6 +198,10 @@ class GenerateRequest(ConstrainedFields):
     request_id: RequestId | None = None
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    images: Annotated[list[Annotated[str, Meta(min_length=1)]],
+                      Meta(description="vision models: image URLs (data:, http(s), or file:// under "
+                                       "--allowed-local-media-path), one per image placeholder in `prompt`, "
+                                       "in order (`/v1/models` lists the model's placeholder)")] | None = None
 
 
 class GenerateFrame(GenerateRequest, tag="generate", tag_field="type", kw_only=True):
@@ -281,13 +285,27 @@ class CompletionRequest(OpenAIFields, kw_only=True):
     best_of: int | None = None
 
 
-class TextPart(Body):
-    """A content part. Only text is served, so `type` is a one-value field rather than the
-    tag of a union (msgspec would let a lone tagged Struct omit its tag); a second kind of
-    part makes these tagged Structs of one union."""
+class TextPart(Body, tag_field="type", tag="text"):
+    """A content part of text. Parts are a union tagged by `type` ("text", "image_url"):
+    a part of another kind is a 400 naming its `type`."""
 
-    type: Annotated[Literal["text"], Meta(description='"text" (the only kind of content part served)')]
     text: str
+
+
+class ImageUrl(Body):
+    url: Annotated[str, Meta(min_length=1, description="a data: URL (base64), an http(s) URL, or a file:// URL "
+                                                       "under --allowed-local-media-path")]
+    detail: Annotated[Literal["auto"], Meta(description='"auto" only: the model\'s processor sets the '
+                                                        "resolution")] | None = None
+
+
+class ImageUrlPart(Body, tag_field="type", tag="image_url"):
+    """An image (vision models only: another model refuses it naming the part)."""
+
+    image_url: ImageUrl
+
+
+ContentPart = TextPart | ImageUrlPart
 
 
 class CalledFunction(msgspec.Struct, kw_only=True):
@@ -308,7 +326,7 @@ class ChatMessageParam(Body):
     assistant message; a `tool` message names the call it answers (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart], Meta(description="a string or a list of text parts")] | None = None
+    content: Annotated[str | list[ContentPart], Meta(description="a string or a list of content parts")] | None = None
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
@@ -419,13 +437,18 @@ class DetokenizeResponse(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
-    """OpenAI's model object plus vLLM's `max_model_len`."""
+    """OpenAI's model object plus vLLM's `max_model_len`, what the model takes and gives
+    (`input_modalities`, `output_modalities`: "text", "image", "audio", "embedding"), and a
+    vision model's `image_placeholder` (what a `/generate` prompt holds per image)."""
 
     id: str
     created: int
     max_model_len: int
+    input_modalities: list[str]
+    output_modalities: list[str]
     object: str = "model"
     owned_by: str = "mstar"
+    image_placeholder: str | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -21,6 +21,8 @@ from services.api.media import (
 from shared.config import advertised, env_address
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: ... for a model that takes images: a chat body carries its images as base64 data URLs
+VISION_MAX_BODY_BYTES = 64 << 20
 DEFAULT_WS_MAX_LIVE = 64
 DEFAULT_LOG_STATS_S = 10.0
 
@@ -39,6 +41,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     status_timeout_s: float = 1.0  # no ClusterStatus within this = not ready
     api_key: str | None = None  # set: every route but /health and /ready needs Bearer <key>
     takes_audio: bool = False  # a speech model (Whisper): the audio routes serve, else 400
+    #: a vision model's image placeholder (its spec's; "" for a model that takes no images,
+    #: which refuses an image part with a 400 naming it)
+    image_placeholder: str = ""
     audio_language: str | None = None  # the language a speech model assumes when none is sent
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known

@@ -3,6 +3,7 @@ one way a validated request becomes a running `Generation`, used by every route.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from tokenizers import Tokenizer
@@ -12,6 +13,7 @@ from services.api.chat_template import ChatTemplate
 from services.api.detokenize import IncrementalDetokenizer
 from services.api.errors import invalid
 from services.api.generation import Generation
+from services.api.media import load_image
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.validation import GenerateParams, check_token_ids
@@ -49,6 +51,7 @@ class ApiState:
         if task != self.settings.task:
             raise invalid("model", task_refusal(self.settings.model_name, self.settings.task, task))
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        images = await self.load_images(params)
         req = GenerateRequest(
             request_id=params.request_id,
             model=self.settings.model_name,
@@ -63,6 +66,7 @@ class ApiState:
             language=params.language,
             task=params.task,
             options=dict(params.options),
+            images=list(images),
         )
         handle = await self.backend.submit(req)
         return Generation(
@@ -76,6 +80,24 @@ class ApiState:
             sampling=params.sampling,
             count_prompt=count_prompt,
         )
+
+
+    async def load_images(self, params: GenerateParams) -> tuple[bytes, ...]:
+        """The files of the images the request names, fetched and checked (`media.py`), all
+        at once; a 400 naming the first part that fails. A model that takes no images
+        refuses any, naming the part."""
+        refs = params.image_refs
+        if not refs or params.images:
+            return params.images
+        if not self.settings.image_placeholder:
+            part = refs[0].param.removesuffix(".image_url.url")
+            raise invalid(part, f"the served model `{self.settings.model_name}` takes no images: {part} is an image")
+        if params.input_ids is not None:
+            raise invalid("input_ids", "images need a text prompt holding the image placeholder "
+                                       f"{self.settings.image_placeholder!r}, not input_ids")
+        policy = self.settings.media_policy()
+        policy.check_image_count(len(refs), refs[-1].param)
+        return tuple(await asyncio.gather(*(load_image(r.url, r.param, policy) for r in refs)))
 
 
 #: the route family of each task, for the refusal of another task's route

@@ -44,7 +44,10 @@ from shared.version import mstar_version
 
 def _render_chat(req: TokenizeChatRequest, state: ApiState) -> str:
     """The chat prompt as `/v1/chat/completions` would send it (or its variants)."""
-    messages = parse_messages(req.messages)
+    messages, images = parse_messages(req.messages, parts=bool(state.settings.image_placeholder))
+    if images:
+        raise invalid(images[0].param, "/tokenize counts no image rows; send the chat to /v1/chat/completions "
+                      "(its usage.prompt_tokens counts them)")
     add_generation_prompt = req.add_generation_prompt is not False
     continue_final = bool(req.continue_final_message)
     if add_generation_prompt and continue_final:

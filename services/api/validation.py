@@ -58,6 +58,14 @@ B = TypeVar("B", bound=Body)
 SAMPLING_NAMES = tuple(SamplingFields.__struct_fields__)
 
 
+class ImageRef(msgspec.Struct, frozen=True):
+    """An image a request names: its URL, and the field's path for a 400 (a chat part's
+    `messages[i].content[j].image_url.url`, `/generate`'s `images[i]`)."""
+
+    url: str
+    param: str
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated `/generate` request (also what WebSocket `generate` frames become)."""
 
@@ -74,6 +82,10 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     task: str | None = None  # speech models: "transcribe" / "translate" (None: the model's)
     #: per-request model options for the data worker (`truncate_prompt_tokens`)
     options: dict[str, int | str | float | bool] = {}
+    #: vision models: the images the request names, in prompt order, and (once the api
+    #: fetched and checked them: `ApiState.load_images`) their files
+    image_refs: tuple[ImageRef, ...] = ()
+    images: tuple[bytes, ...] = ()
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -388,8 +400,10 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
         raise invalid("input_ids", "prompt and input_ids are mutually exclusive; give exactly one")
     sampling = sampling_params(req, req.max_tokens, grammar=parse_structured(req), logprobs=req.logprobs,
                                prompt_logprobs=req.prompt_logprobs)
+    images = tuple(ImageRef(url, f"images[{i}]") for i, url in enumerate(req.images or ()))
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
-                          prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop))
+                          prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop),
+                          image_refs=images)
 
 
 def parse_generate(obj: Mapping[str, Any]) -> GenerateParams:

@@ -165,9 +165,12 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
          "messages[0].tool_calls is only for an assistant message", "messages[0].tool_calls"),
         ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message",
          "messages[0].content"),
-        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-         'messages[0].content[0].type must be "text" (the only kind of content part served), got "image_url"',
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
+         'messages[0].content[0].type must be one of text, image_url, got "input_audio"',
          "messages[0].content[0].type"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x",
+                                                                                             "detail": "high"}}]}]},
+         400, None, "messages[0].content[0].image_url.detail"),
         ("chat", {"messages": [{"role": "user", "content": "x", "audio": 1}]}, 400, None, "messages[0].audio"),
         ("chat", {"messages": USER, "prompt": "x"}, 400, None, "prompt"),
         ("chat", {"messages": USER, "model": "gpt-4o"}, 404,
@@ -213,7 +216,11 @@ def test_model_not_found_has_openai_code() -> None:
 def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
-    assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len"}
+    assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
+                                    "output_modalities", "image_placeholder"}
+    card = body["data"][0]
+    assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])
+    assert card["image_placeholder"] is None
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     r = client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -226,6 +233,18 @@ def test_http_refusals_use_the_error_shape(client: TestClient) -> None:
                               "param": "n", "error_id": None, "code": None}}
     status, body = post(client, "/v1/completions", {"prompt": "x" * 5000})
     assert status == 413 and body["error"]["message"] == "request body exceeds 4096 bytes"
+
+
+def test_a_text_model_refuses_an_image_naming_the_part(client: TestClient) -> None:
+    """Nothing is fetched and nothing reaches the worker: the part is named."""
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched.png"}}
+    status, body = post(client, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "see"}, image]}]})
+    assert status == 400 and body["error"]["param"] == "messages[1].content[1]"
+    assert body["error"]["message"] == ("the served model `test-model` takes no images: "
+                                        "messages[1].content[1] is an image")
+    status, body = post(client, "/generate", {"prompt": "x", "images": ["http://127.0.0.1:9/x.png"]})
+    assert status == 400 and body["error"]["param"] == "images[0]"
 
 
 def test_chat_without_template_is_400(bare_client: TestClient) -> None:

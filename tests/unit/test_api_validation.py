@@ -202,8 +202,8 @@ def test_unknown_field_names_it() -> None:
     assert err.param == "max_token"
     assert err.message.startswith("unknown field 'max_token'; "
                                   "allowed fields: frequency_penalty, guided_choice, guided_grammar, guided_json, "
-                                  "guided_regex, ignore_eos, input_ids, logit_bias, logprobs, max_tokens, min_p, "
-                                  "min_tokens, presence_penalty, prompt,")
+                                  "guided_regex, ignore_eos, images, input_ids, logit_bias, logprobs, max_tokens, "
+                                  "min_p, min_tokens, presence_penalty, prompt,")
 
 
 def test_internal_fields_are_refused() -> None:

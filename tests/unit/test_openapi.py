@@ -121,7 +121,9 @@ BAD = [
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": []}),
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}),
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]}),
+    ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]}),
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}),
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": USER, "service_tier": "gold"}),
     ("/v1/chat/completions", schemas.ChatCompletionRequest, {"messages": USER, "best_of": 2}),
