@@ -13,6 +13,8 @@ Modes (the first argument; none means `run`):
   structured  time per output token with a JSON schema against free text, and the mask's cost
   embeddings  sentences/s of /v1/embeddings against sentence-transformers' encode (batch 1, 32,
             256, and concurrent single-sentence clients), same model, one run
+  vision    a one-image chat on a random SmolVLM bench checkpoint: TTFT, decode tok/s at c1
+            and c8, against transformers' generate (processor included), one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
             one run: output tok/s, TTFT / TPOT / ITL medians and P99s, ITL over time
 
@@ -26,7 +28,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "embeddings", "vllm-bench")
+MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "embeddings", "vision", "vllm-bench")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
@@ -126,6 +128,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
+    elif mode == "vision":
+        p.add_argument("--model", default="", help="'' (default): the random SmolVLM bench checkpoint, made once")
+        p.add_argument("--max-tokens", type=int, default=64)
+        p.add_argument("--concurrency", "-c", type=int, default=8)
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--serve-arg", action="append", default=[])
+        p.add_argument("--out", default=None)
     elif mode == "vllm-bench":
         from bench.vllm_bench import add_flags
 
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.structured import structured as run_mode
     elif mode == "embeddings":
         from bench.embeddings import embeddings as run_mode
+    elif mode == "vision":
+        from bench.vision import vision as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:
