@@ -46,12 +46,19 @@ class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     A rows span may carry a content `key` the data worker computed from the input itself
     (an image's bytes and its preprocessing settings): only such a rows span may be shared
     by the prefix cache, and every key after it chains through it. Placeholder ids never
-    key anything."""
+    key anything.
+
+    `bidirectional`: the span's rows attend to each other both ways in prefill (Gemma 3's
+    image tokens), so a row may need rows after it: the engine never ends a prefill chunk
+    or a prefix-cache hit inside it, and adjacent such spans form one block (transformers'
+    block is a maximal run). A trailing defaulted field, so frames written without it
+    (four-element arrays) decode as before, as False."""
 
     kind: Literal["ids", "rows"]
     length: int
     token_ids: tuple[int, ...] = ()
     key: str = ""
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -69,8 +76,8 @@ class Span(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
         return cls("ids", len(ids), ids)
 
     @classmethod
-    def rows(cls, n: int, key: str = "") -> Span:
-        return cls("rows", int(n), (), key)
+    def rows(cls, n: int, key: str = "", bidirectional: bool = False) -> Span:
+        return cls("rows", int(n), (), key, bidirectional)
 
     @property
     def keyable(self) -> bool:
@@ -202,6 +209,30 @@ def commit_sizes(layout: LabelLayout, caps: dict[str, int]):
         if rows:
             for _ in range(caps.get(loop, 0)):
                 yield rows
+
+
+def bidirectional_blocks(layout: LabelLayout) -> tuple[tuple[int, int], ...]:
+    """The row ranges [start, end) of the layout's bidirectional blocks, in order: each a
+    maximal run of adjacent `bidirectional` spans (empty ones skipped)."""
+    blocks: list[tuple[int, int]] = []
+    row = 0
+    for span in layout.spans:
+        if span.bidirectional and span.length:
+            if blocks and blocks[-1][1] == row:
+                blocks[-1] = (blocks[-1][0], row + span.length)
+            else:
+                blocks.append((row, row + span.length))
+        row += span.length
+    return tuple(blocks)
+
+
+def block_boundary(rows: int, blocks: tuple[tuple[int, int], ...]) -> int:
+    """`rows` if no block has rows on both sides of it, else the start of the block it
+    cuts (the most rows of a prefix that leaves every block whole)."""
+    for start, end in blocks:
+        if start < rows < end:
+            return start
+    return rows
 
 
 # ---- the prefix walk: which prompt pages the prefix cache holds and may share ----------

@@ -172,3 +172,128 @@ def make_idefics3_checkpoint(path: Path, family: str = "idefics3", seed: int = 0
     model.save_pretrained(path, safe_serialization=True)
     make_processor(path, family).save_pretrained(path)
     return path
+
+
+# -- Gemma 3 (Gemma3ForConditionalGeneration) ----------------------------------------------
+
+#: Gemma 3's chat template (google/gemma-3-4b-it, tokenizer_config.json): an image part
+#: renders as "<start_of_image>", which the processor expands to the image's full sequence
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+#: the tokenizer's image tokens, as the Hub's Gemma 3 tokenizer_config.json names them
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                       "eoi_token": "<end_of_image>"}
+GEMMA3_SPECIALS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", *GEMMA3_IMAGE_TOKENS.values()]
+#: vision tower of 32 px images in 8 px patches: 16 patches, average-pooled 2 x 2 to 4 tokens
+GEMMA3_VISION = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
+GEMMA3_MM_TOKENS = 4
+
+
+def _gemma3_tokenizer(path: Path) -> Any:
+    """make_tokenizer's BPE plus Gemma's special tokens (special added tokens), newline runs
+    as tokens of their own (as Gemma's vocabulary has them: the image sequence's newlines
+    merge with the prompt's), and a post-processor that adds <bos> as Gemma's does (the
+    chat template writes <bos> too, so a templated prompt is tokenized without it)."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    make_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in GEMMA3_SPECIALS])
+    tok.add_tokens([AddedToken(n, special=False, normalized=False) for n in ("\n\n\n\n", "\n\n\n", "\n\n")])
+    bos = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", bos)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<|endoftext|>", "chat_template": GEMMA3_CHAT_TEMPLATE, "model_max_length": 1024,
+        "add_bos_token": True, "extra_special_tokens": dict(GEMMA3_IMAGE_TOKENS),
+    }))
+    return tok
+
+
+def make_gemma3_vlm_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Gemma 3 vision checkpoint in `path`: a Gemma 3 text model of two
+    layers (one sliding, window 8, so prompts longer than it exercise the window; one
+    full), head_dim 16; a SigLIP tower of 32 px images in 8 px patches pooled to 4 tokens
+    per image; random biases and (1 + w) norm weights (HF inits them to 0, which would hide
+    the offset); and the processor (Gemma3ImageProcessorPil at 32 px, image_seq_length 4).
+    `overrides` go to the top-level config."""
+    import torch
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _gemma3_tokenizer(path)
+    ids = {name: tok.token_to_id(token) for name, token in GEMMA3_IMAGE_TOKENS.items()}
+    eos, bos, pad = tok.token_to_id("<eos>"), tok.token_to_id("<bos>"), tok.token_to_id("<|endoftext|>")
+    text = dict(model_type="gemma3_text", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=bos,
+                pad_token_id=pad, initializer_range=0.2, tie_word_embeddings=False)
+    # an LM head of its own: a tiny random model with a tied head repeats its last token
+    common: dict[str, Any] = dict(text_config=text, vision_config=dict(GEMMA3_VISION, initializer_range=0.2),
+                                  mm_tokens_per_image=GEMMA3_MM_TOKENS, boi_token_index=ids["boi_token"],
+                                  eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+                                  eos_token_id=eos, pad_token_id=pad, initializer_range=0.2,
+                                  tie_word_embeddings=False)
+    common.update(overrides)
+    cfg = transformers.Gemma3Config(**common)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif (name.endswith("norm.weight") and "language_model" in name) or "mm_soft_emb_norm" in name:
+                param.normal_(0.0, 0.3)
+            elif name.endswith("mm_input_projection_weight"):
+                param.normal_(0.0, 0.2)  # HF inits it to zeros: the image rows would all be 0
+    model.config.architectures = ["Gemma3ForConditionalGeneration"]
+    model.save_pretrained(path, safe_serialization=True)
+    image_processor = Gemma3ImageProcessorPil(size={"height": VISION["image_size"], "width": VISION["image_size"]})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    transformers.Gemma3Processor(image_processor, tokenizer, chat_template=GEMMA3_CHAT_TEMPLATE,
+                                 image_seq_length=GEMMA3_MM_TOKENS).save_pretrained(path)
+    return path

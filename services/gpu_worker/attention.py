@@ -69,6 +69,9 @@ class AttnRows(NamedTuple):
     cached: int  # rows already in KV before this step
     new: int  # rows this step writes
     decode: bool  # a decode entry (its last token, and any speculative drafts)
+    #: bidirectional blocks among the new rows, label row ranges [start, end): a query row
+    #: of one also sees the block's rows after it (Gemma 3's image tokens in prefill)
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 class CrossRows(NamedTuple):
@@ -161,13 +164,31 @@ def bottom_right_causal_mask(q_len: int, kv_len: int) -> torch.Tensor:
     return j <= (kv_len - q_len) + i
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                blocks: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """Key at absolute row k is visible to the query at row q when k <= q and, with a
-    sliding window W, k > q - W (transformers' convention: W keys including itself)."""
+    sliding window W, k > q - W (transformers' convention: W keys including itself).
+
+    `blocks` (row ranges [start, end)): q and k in the same block see each other whatever
+    their order, and the window still applies: transformers' Gemma 3 masks are
+    OR(causal, same block) on full layers and AND(window, OR(causal, same block)) on
+    sliding ones (`create_masks_for_vision_model`), so a block row sees every later row of
+    its block but an earlier one only within the window."""
     mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+    if blocks:
+        qb, kb = block_ids(q_pos, blocks), block_ids(k_pos, blocks)
+        mask |= (qb.unsqueeze(-1) == kb.unsqueeze(-2)) & (qb >= 0).unsqueeze(-1)
     if window is not None:
         mask &= k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - window
     return mask
+
+
+def block_ids(pos: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Each row's block (its index in `blocks`), -1 for rows in none."""
+    out = torch.full(pos.shape, -1, dtype=torch.long)
+    for i, (start, end) in enumerate(blocks):
+        out[(pos >= start) & (pos < end)] = i
+    return out
 
 
 # -- the builders: one per backend -------------------------------------------------------
@@ -208,7 +229,9 @@ class MetadataBuilder:
         step = _Step()
         slot_pages, slot_offsets, csr = step.slot_pages, step.slot_offsets, step.csr
         t = 0
-        for pages, first_page, cached, new, is_decode in rows:
+        for row in rows:
+            pages, first_page, cached, new, is_decode = row[:5]
+            blocks = row[5] if len(row) > 5 else ()  # (plain 5-tuples are rows without blocks)
             if new == 1:
                 slot_pages.append(pages[cached // page_size - first_page])
                 slot_offsets.append(cached % page_size)
@@ -220,6 +243,9 @@ class MetadataBuilder:
             n_pages = pages_for(kv_len, page_size)
             used = pages[:n_pages]
             if self.csr:
+                if blocks:
+                    raise ValueError("FlashInfer's causal plan has no bidirectional blocks: build this step's "
+                                     "metadata for torch")
                 csr[1].extend(used)
                 csr[0].append(len(csr[1]))
                 csr[2].append(kv_len - (n_pages - 1) * page_size)
@@ -229,11 +255,11 @@ class MetadataBuilder:
             elif not causal:
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                                   False))
-            elif first_row == 0 and cached == 0 and window is None:
+            elif first_row == 0 and cached == 0 and window is None and not blocks:
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None))
-            else:  # cached rows or a window: an explicit mask (else torch's plain causal fast path)
+            else:  # cached rows, a window or blocks: an explicit mask (else torch's plain causal fast path)
                 mask = window_mask(torch.arange(cached, cached + new), torch.arange(first_row, first_row + kv_len),
-                                   window)
+                                   window, blocks)
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
             t += new
         return self._finish(step, page_size, window)

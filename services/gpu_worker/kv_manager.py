@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -23,6 +23,8 @@ from shared.layout import (
     KVReqConfig,
     LabelLayout,
     PagedKVConfig,
+    bidirectional_blocks,
+    block_boundary,
     label_footprint,
     leading_keys,
     prompt_pages,
@@ -85,6 +87,10 @@ class RequestKV:
     #: prefix-cache matches planned by `can_admit`, attached by `admit`
     hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     hit_rows: int = 0
+    #: the prompt's bidirectional blocks, row ranges [start, end) (`Span.bidirectional`, of
+    #: every label's layout: a step writes the same rows of each label), which no prefill
+    #: chunk and no prefix-cache hit may end inside
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def footprint(self, pool: str) -> int:
         return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)
@@ -172,6 +178,30 @@ class Pool:
             self.free.append(page)
 
 
+def _merged_blocks(per_label: Iterable[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...]:
+    """The blocks of every label as one ordered list, overlapping ones merged (labels of a
+    decoder declare the same blocks; merging keeps any rule about one of them whole)."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(b for blocks in per_label for b in blocks):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return tuple(merged)
+
+
+def _whole_blocks(rows: int, blocks: tuple[tuple[int, int], ...], page_sizes: list[int]) -> int:
+    """The most rows, at most `rows` and whole pages of every label, of a prefix hit that
+    ends inside no bidirectional block: a block's rows are computed in one forward in this
+    request, as transformers computes them (cutting back to a block's start may land
+    inside an earlier block: cut again)."""
+    while True:
+        start = block_boundary(rows, blocks)
+        if start == rows:
+            return rows
+        rows = min((start // size) * size for size in page_sizes)
+
+
 class KVManager:
     def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...], reserve_max_seq_len: bool = False,
                  prefix_cache: bool = True) -> None:
@@ -211,7 +241,8 @@ class KVManager:
             states[name] = LabelState(lab, layout, fp, page_size,
                                       row_keys=leading_keys(layout) if lab.keys else (),
                                       key_pages=prompt_pages(layout, page_size) if lab.keys else [])
-        kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states)
+        kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states,
+                       blocks=_merged_blocks(bidirectional_blocks(layout) for layout in req.kv_layout.values()))
         if self.reserve_max_seq_len:
             kv.extra = {name: max(0, max_seq_len_pages(pool.config)
                                   * sum(1 for s in states.values() if s.label.pool == name)
@@ -252,6 +283,7 @@ class KVManager:
                 st.key_pages[: shareable_count(st.layout, st.page_size)])
         rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
         rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
+        rows = _whole_blocks(rows, kv.blocks, [st.page_size for st in kv.labels.values()])
         if rows:
             kv.hits = {n: m[: rows // kv.labels[n].page_size] for n, m in matches.items()}
             kv.hit_rows = rows

@@ -26,6 +26,11 @@ outnumber the decode rows and the next step prefills at the full budget. The tar
 changes only when rows run, never what they compute: each row sees the same keys whatever
 chunk it came in, so every request gets the same tokens.
 
+A prompt chunk never ends inside a bidirectional block (`Span.bidirectional`: Gemma 3's
+image tokens, which attend to each other both ways): it stops before a block that does not
+fit, and a block that does not fit even a step of its own runs whole as the step's first
+chunk (`whole_blocks`). Models without such blocks chunk as before.
+
 Prompt logprobs (`prompt_logprobs`, OpenAI's `echo` + `logprobs`) need the LM head over
 every prompt row, a `[rows x vocabulary]` float32 block (393 MB for a 2,000-token prompt on
 a 49k vocabulary). The step's rows of such chunks are capped at `Limits.max_logit_rows`,
@@ -44,7 +49,7 @@ from services.gpu_worker.request import Request
 from services.gpu_worker.step_costs import StepCosts, StepShape, chunk_shape
 from services.gpu_worker.step_types import LAYOUT_VIOLATED, OVERRUN, Failure, Kept, PlanEntry, StepPlan
 from shared.frames import NewRequest
-from shared.layout import KVLabel
+from shared.layout import KVLabel, block_boundary
 
 #: prompt rows a step beside decode rows may always prefill, whatever the time target
 MIN_PREFILL_ROWS = 16
@@ -205,6 +210,7 @@ class Scheduler:
             plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
         seconds, floor = self._prefill_allowance(plan)
         logit_rows = self.limits.max_logit_rows or self.limits.max_batch_tokens
+        first = True  # no prompt chunk in the plan yet
         for r in ready:
             if r.decoding:
                 continue
@@ -219,8 +225,11 @@ class Scheduler:
                 n = min(n, logit_rows)
             if seconds is not None:
                 n = max(self.costs.chunk_within(seconds, r.num_computed, n, scored), min(n, floor))
-                if n <= 0:
-                    break
+            if r.kv is not None:  # (a plan made outside an engine may have no KV state)
+                n = whole_blocks(r.kv.blocks, r.num_computed, n, first)
+            if n <= 0:
+                break  # (a block that does not fit waits, and nothing behind it jumps ahead)
+            if seconds is not None:
                 seconds -= self.costs.predict(_shape(r, n, left)) - self.costs.predict(StepShape())
                 floor -= n
             if self.whole_prompts and n < left:
@@ -230,6 +239,7 @@ class Scheduler:
             plan.entries.append(PlanEntry(r, n, False))
             plan.shape += _shape(r, n, left)
             budget -= n
+            first = False
         return plan
 
     def _prefill_allowance(self, plan: StepPlan) -> tuple[float | None, int]:
@@ -258,6 +268,24 @@ class Scheduler:
                 req.max_tokens - len(req.output) - 1, self.limits.max_seq_len - req.tokens_len - 1)
         assert req.proposer is not None  # asked only for a request that speculates
         return req.proposer.propose(req.prompt + req.output, k) if k > 0 else []
+
+
+def whole_blocks(blocks: tuple[tuple[int, int], ...], computed: int, n: int, first: bool) -> int:
+    """A prompt chunk of `n` rows from row `computed`, cut so it ends inside no
+    bidirectional block (`RequestKV.blocks`): a block's rows see the rows after them, so
+    they are computed in one forward, never split between steps. Where the cut leaves
+    nothing (the chunk starts at a block that does not fit), the block runs whole if it is
+    the step's first prompt chunk (over the step's budget: a block longer than any budget
+    must still run, and a prompt always moves), else 0 (it waits for a step where it is
+    first). No blocks (every other model): `n` as it was."""
+    if not blocks:
+        return n
+    end = block_boundary(computed + n, blocks)
+    if end > computed:
+        return end - computed
+    if not first:
+        return 0
+    return next(stop for start, stop in blocks if start <= computed < stop) - computed
 
 
 def _shape(r: Request, n: int, left: int) -> StepShape:

@@ -15,6 +15,12 @@ is where an image token's row comes from:
 
 Nothing is written into KV at admission, so `admission_rows` stays empty: the image rows
 are ordinary prompt rows of the "text" label, committed by the prefill that computes them.
+
+Where the layout marks image rows bidirectional (Gemma 3: `Span.bidirectional`, gathered
+in `RequestKV.blocks`), each prefill chunk's attention rows carry the blocks among its
+rows, so their mask lets a block's rows see each other both ways (the scheduler never
+splits a block between chunks). FlashInfer's plan is causal only, so a step with such a
+chunk is built for the torch path instead (on CUDA too).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import AttnMetadata
+from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
@@ -45,6 +51,8 @@ class VisionRunner(ModelRunner):
         self.image_token_id = int(spec.image_token_id)
         self.rows_per_tile = int(spec.rows_per_tile)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        #: the plan `execute` runs, while it runs (for `_metadata`)
+        self._plan: StepPlan | None = None
 
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
         """`tensors`: "input_ids" int [P], and "pixel_values" float [tiles, C, H, W] when
@@ -95,6 +103,31 @@ class VisionRunner(ModelRunner):
             r.embeds = (where, rows[start : start + n])
             start += n
 
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """The decoder's step; the plan is kept for `_metadata` (which sees only rows)."""
+        self._plan = plan
+        try:
+            return super().execute(plan)
+        finally:
+            self._plan = None
+
+    def _metadata(self, rows: dict[str, list[AttnRows]]) -> dict[str, AttnMetadata]:
+        """The decoder's metadata, with each prefill chunk's bidirectional blocks on its
+        attention rows (`rows[label][i]` is the plan's entry i); on CUDA a step with blocks
+        is built for the torch path (FlashInfer's plan is causal only)."""
+        entries = self._plan.entries if self._plan is not None else []
+        blocks = [() if e.decode else _chunk_blocks(e.request.kv.blocks, e.request.num_computed, e.rows)
+                  for e in entries]
+        if not any(blocks):
+            return super()._metadata(rows)
+        with_blocks = {name: [r._replace(blocks=b) for r, b in zip(label_rows, blocks)]
+                       for name, label_rows in rows.items()}
+        if self.planner is None:
+            return super()._metadata(with_blocks)
+        metas = {name: BUILDERS["torch"].build(r, self.page_sizes[name], self.windows[name])
+                 for name, r in with_blocks.items()}
+        return {name: m.to(self.device) for name, m in metas.items()}
+
     def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
         return self.model(ids, positions, self.layer_caches, [metas[name] for name in self.spec.layer_labels],
                           sample_rows, self._step_embeds(plan))
@@ -119,3 +152,8 @@ class VisionRunner(ModelRunner):
         if not index:
             return None
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(values)
+
+
+def _chunk_blocks(blocks: tuple[tuple[int, int], ...], start: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The blocks with rows among a chunk's rows [start, start + n)."""
+    return tuple(b for b in blocks if b[0] < start + n and b[1] > start)

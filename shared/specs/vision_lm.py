@@ -1,4 +1,5 @@
-"""Vision-language models: a decoder LM whose prompt holds images (Idefics3 / SmolVLM).
+"""Vision-language models: a decoder LM whose prompt holds images (Idefics3 / SmolVLM,
+Gemma 3).
 
 An image reaches the spec as a file (the api fetched and checked it); `prepare_image`
 preprocesses it exactly as the checkpoint's processor does (numpy + Pillow, no torch: this
@@ -14,6 +15,10 @@ The gpu worker runs the vision tower once per image at admission
 (`services/gpu_worker/vision_runner.py`) and puts its rows in place of the image tokens'
 embeddings when the prompt is prefilled; positions are the row count (these families'
 RoPE is the text model's own), and the footprint counts every image row as a text row.
+
+Gemma 3's image rows attend to each other both ways in prefill (transformers' token type
+blocks): its spans are `bidirectional`, and the engine keeps each such run whole (never
+split between prefill chunks or at a prefix-cache hit) and unmasks it in attention.
 """
 
 from __future__ import annotations
@@ -30,18 +35,21 @@ import numpy as np
 from shared.layout import LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import PreparedImage, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
+from shared.vision.gemma3 import Gemma3Images
 from shared.vision.idefics3 import Idefics3Images
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 
 def image_spans(ids: list[int], image_token_id: int, images: tuple[PreparedImage, ...],
-                rows_per_tile: int) -> tuple[Span, ...]:
+                rows_per_tile: int, bidirectional: bool = False) -> tuple[Span, ...]:
     """The prompt's spans: `ids` spans for text, a keyed `rows` span per run of image
     tokens. Each image brings `tiles * rows_per_tile` rows, given to the runs in prompt
     order; a run keeps to one image (split at an image's end) and its key names the image
-    and where in the image it starts. `PromptError` when the ids hold more or fewer image
-    tokens than the images make."""
+    and where in the image it starts. `bidirectional`: each run's rows attend to each other
+    both ways in prefill (`Span.bidirectional`: Gemma 3). `PromptError` when the ids hold
+    more or fewer image tokens than the images make."""
     want = [img.pixels.shape[0] * rows_per_tile for img in images]
     have = sum(1 for t in ids if t == image_token_id)
     if have != sum(want):
@@ -63,7 +71,7 @@ def image_spans(ids: list[int], image_token_id: int, images: tuple[PreparedImage
         run = 0
         while i + run < len(ids) and ids[i + run] == image_token_id and used + run < want[image]:
             run += 1
-        spans.append(Span.rows(run, f"{images[image].key}:{used}"))
+        spans.append(Span.rows(run, f"{images[image].key}:{used}", bidirectional=bidirectional))
         i, used = i + run, used + run
         if used == want[image]:
             image, used = image + 1, 0
@@ -80,6 +88,10 @@ class VisionLMSpec(DecoderLMSpec):
     engine = "vision_decoder"
     image_token_id: int
     rows_per_tile: int
+    #: the rows of one run of image tokens attend to each other both ways in prefill (Gemma
+    #: 3's image blocks): their spans say so (`Span.bidirectional`), and the engine never
+    #: splits such a run between prefill chunks or at a prefix-cache hit
+    bidirectional_images: bool = False
 
     def prepare_image(self, data: bytes) -> PreparedImage:
         from PIL import Image, ImageOps, UnidentifiedImageError
@@ -105,8 +117,13 @@ class VisionLMSpec(DecoderLMSpec):
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")
         ids = request.token_ids
-        spans = image_spans(ids, self.image_token_id, request.images, self.rows_per_tile)
-        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.kv_labels}
+        spans = image_spans(ids, self.image_token_id, request.images, self.rows_per_tile, self.bidirectional_images)
+        # a windowed label (never keyed) declares the prompt as one span: its footprint walk
+        # releases pages behind the window between spans, but a prefill chunk may commit
+        # several spans at once and hold all their pages (the text model's layout)
+        whole = (Span.rows(len(ids)),)
+        layouts = {lab.name: LabelLayout(spans=spans if lab.window is None else whole, growth={self.decode_loop: 1})
+                   for lab in self.kv_labels}
         tensors: dict[str, np.ndarray] = {"input_ids": np.asarray(ids, dtype=np.int32)}
         if request.images:
             tensors["pixel_values"] = np.concatenate([img.pixels for img in request.images])
@@ -161,6 +178,59 @@ class Idefics3Spec(VisionLMSpec):
         settings = self._settings()
         pixels, rows, cols = settings.preprocess(image)
         return pixels, settings.prompt(rows, cols)
+
+
+class Gemma3VisionSpec(VisionLMSpec):
+    """Gemma 3 with images: a SigLIP tower whose patches are average-pooled to
+    `mm_tokens_per_image` rows, RMS-normed and projected; the Gemma 3 text model (its
+    sliding-window label as for text). Each image is one tile, resized to the tower's
+    size (`shared.vision.gemma3`), and one run of `mm_tokens_per_image` soft tokens between
+    `<start_of_image>` and `<end_of_image>`, whose rows attend to each other both ways."""
+
+    bidirectional_images = True
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        text = dict(config["text_config"])
+        text.setdefault("model_type", "gemma3_text")
+        text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+        super().__init__(text, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        self.vlm_config = dict(config)
+        self.image_token_id = gemma3_image_token_id(config)
+        self.rows_per_tile = int(config.get("mm_tokens_per_image", 256))
+        self.images: Gemma3Images | None = None
+
+    def load_folder(self, path: str | Path) -> Gemma3VisionSpec:
+        """The processor's settings (processor_config.json or preprocessor_config.json, the
+        tokenizer's image tokens): without them the model's images cannot be made as it was
+        trained on them."""
+        self.images = Gemma3Images.from_folder(Path(path))
+        if self.images.image_seq_length != self.rows_per_tile:
+            raise ValueError(f"the processor's image_seq_length {self.images.image_seq_length} != the "
+                             f"{self.rows_per_tile} rows the model makes per image")
+        self.image_placeholder = self.images.boi_token
+        return self
+
+    def _settings(self) -> Gemma3Images:
+        if self.images is None:
+            raise PromptError("images", "the model folder's processor settings were not loaded")
+        return self.images
+
+    def pixel_settings(self) -> str:
+        return self._settings().settings_key()
+
+    def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
+        settings = self._settings()
+        return settings.preprocess(image), settings.prompt()
+
+
+def gemma3_image_token_id(config: Mapping[str, Any]) -> int:
+    """The soft token's id: config.json says `image_token_index` (Gemma3Config maps
+    `image_token_id` to it); either name is read."""
+    for name in ("image_token_index", "image_token_id"):
+        if config.get(name) is not None:
+            return int(config[name])
+    return 262_144  # Gemma3Config's default
 
 
 def is_vision_config(config: Mapping[str, Any]) -> bool:

@@ -12,6 +12,7 @@ from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
 from services.gpu_worker.modeling.bert import BertModel
 from services.gpu_worker.modeling.decoder_embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder_lm import DecoderLM
+from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
 from services.gpu_worker.modeling.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.null_lm import NullLM
 from services.gpu_worker.modeling.whisper import WhisperModel
@@ -20,7 +21,7 @@ from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.pooling import EncoderSpec
-from shared.specs.vision_lm import Idefics3Spec
+from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec
 from shared.specs.whisper import WhisperSpec
 
 #: spec class -> torch model class
@@ -31,6 +32,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     EncoderSpec: BertModel,
     DecoderEmbedSpec: DecoderEmbedder,
     Idefics3Spec: Idefics3LM,
+    Gemma3VisionSpec: Gemma3VisionLM,
 }
 
 
