@@ -211,3 +211,18 @@ async def test_image_refusals_name_the_part(servers):
         card = (await client.get("/v1/models")).json()["data"][0]
     assert card["input_modalities"] == ["text", "image"] and card["image_placeholder"] == "<image>"
     assert srv.wait_pages_free() == 0
+
+
+def test_the_openai_client_sends_image_parts(folders, servers):
+    """The official `openai` client's chat call with an image part (its own types)."""
+    import openai
+
+    srv, folder = servers["idefics3"], folders["idefics3"]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": content(("wide",), PROMPTS[1], "after", url=True)}])
+    want, prompt_len = reference(folder, ("wide",), PROMPTS[1], "after")
+    assert reply.usage.prompt_tokens == prompt_len
+    assert reply.choices[0].message.content == _hf(folder)[1].tokenizer.decode(want, skip_special_tokens=True)
