@@ -167,3 +167,59 @@ def test_each_backend_builds_only_its_own_view():
     assert attention.cpu_backend(torch.float32, torch.float32, 30.0, 8, 2) == "torch"  # Gemma 2's soft-cap
     assert attention.cpu_backend(torch.float16, torch.float32, None, 8, 2) == "torch"  # no float16 kernel
     assert attention.cpu_backend(torch.float32, torch.bfloat16, None, 8, 2) == "torch"  # bf16 queries
+
+
+@pytest.mark.parametrize("window", [None, 3, 8])
+def test_block_mask_is_transformers_gemma3_rule(window):
+    """`window_mask` with blocks against transformers' own mask functions, as Gemma 3
+    composes them (`create_masks_for_vision_model`): OR(causal, same block) on full layers,
+    AND(window, OR(causal, same block)) on sliding ones; a chunk with cached rows before it."""
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+
+    blocks = ((3, 7), (9, 10), (12, 17))
+    n, cached = 20, 5
+    ids = torch.full((1, n), -1)
+    for i, (s, e) in enumerate(blocks):
+        ids[0, s:e] = i
+    rule = or_masks(causal_mask_function, blockwise_overlay(ids))
+    if window is not None:
+        rule = and_masks(sliding_window_overlay(window), rule)
+    want = torch.tensor([[bool(rule(0, 0, torch.tensor(q), torch.tensor(k))) for k in range(n)]
+                         for q in range(cached, n)])
+    got = attention.window_mask(torch.arange(cached, n), torch.arange(n), window, blocks)
+    assert torch.equal(got, want)
+    assert torch.equal(attention.window_mask(torch.arange(cached, n), torch.arange(n), window),
+                       attention.window_mask(torch.arange(cached, n), torch.arange(n), window, ()))
+
+
+def test_prefill_chunks_with_blocks_see_their_block_whole(decode_path):
+    """A prefill chunk's rows with blocks (a decode entry beside it) attend as the dense
+    reference under the block mask; the same chunk without blocks is plain causal."""
+    torch.manual_seed(0)
+    ps, h, d, cached, new = 4, 2, 8, 3, 9
+    cache = torch.zeros(16, 2, ps, h, d)
+    pages, dec_pages = [5, 2, 9], [7]
+    k, v = torch.randn(cached + new, h, d), torch.randn(cached + new, h, d)
+    rows = [attention.AttnRows(dec_pages, 0, 2, 1, True),
+            attention.AttnRows(pages, 0, cached, new, False, ((4, 8),))]
+    meta = build_metadata(rows, ps, backend=decode_path)
+    old = build_metadata([attention.AttnRows(pages, 0, 0, cached, False)], ps, backend="torch")
+    write_kv(cache, k[:cached], v[:cached], old)
+    dk, dv = torch.randn(3, h, d), torch.randn(3, h, d)
+    before = build_metadata([attention.AttnRows(dec_pages, 0, 0, 2, False)], ps, backend="torch")
+    write_kv(cache, dk[:2], dv[:2], before)
+    write_kv(cache, torch.cat([dk[2:], k[cached:]]), torch.cat([dv[2:], v[cached:]]), meta)
+    q = torch.randn(1 + new, h, d)
+    out = paged_attention(q, cache, meta, d**-0.5)
+    mask = attention.window_mask(torch.arange(cached, cached + new), torch.arange(cached + new), None, ((4, 8),))
+    ref = torch.nn.functional.scaled_dot_product_attention(q[1:].transpose(0, 1), k.transpose(0, 1),
+                                                           v.transpose(0, 1), attn_mask=mask, scale=d**-0.5)
+    torch.testing.assert_close(out[1:], ref.transpose(0, 1))
+    assert not torch.equal(mask, attention.window_mask(torch.arange(cached, cached + new), torch.arange(cached + new),
+                                                       None))

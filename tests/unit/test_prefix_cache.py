@@ -187,3 +187,25 @@ def test_row_keys_of_a_keyed_rows_span_are_negative_and_differ_by_key():
         assert "content key is for rows spans" in str(exc)
     else:
         raise AssertionError("an ids span with a content key was accepted")
+
+
+def test_a_hit_never_ends_inside_a_bidirectional_block():
+    """A block's rows attend to each other both ways, so a request computes a block in one
+    forward: a cached prefix that would end inside one is cut back to whole pages before
+    it (the block spans rows 6-13: a match of 12 rows becomes 4, page 1 starts at row 4)."""
+    kv = _manager(64)
+    image = Span.rows(8, "sha:img", bidirectional=True)
+    assert _run_spans(kv, "a", (Span.ids(range(100, 106)), image, Span.ids(range(106, 120)))) == 0
+    assert kv.requests["a"].blocks == ((6, 14),)
+    assert _run_spans(kv, "b", (Span.ids(range(100, 106)), image, Span.ids(range(106, 120)))) == 24  # past it
+    assert _run_spans(kv, "e", (Span.ids(range(100, 106)), image, Span.ids(range(300, 314)))) == 4  # in it
+    plain = _manager(64)  # the same prompts without the block: the match as it was
+    assert _run_spans(plain, "a", (Span.ids(range(100, 106)), Span.rows(8, "sha:img"), Span.ids(range(106, 120)))) == 0
+    assert _run_spans(plain, "e", (Span.ids(range(100, 106)), Span.rows(8, "sha:img"), Span.ids(range(300, 314)))) == 12
+    # a match that ends where a block ends (rows 4-11, pages 1-2) is kept whole
+    two = Span.rows(8, "sha:two", bidirectional=True)
+    assert _run_spans(kv, "c", (Span.ids(range(200, 204)), two, Span.ids(range(204, 214)))) == 0
+    assert _run_spans(kv, "d", (Span.ids(range(200, 204)), two, Span.ids(range(400, 410)))) == 12
+    for rid in "abcde":
+        kv.remove(rid)
+    assert kv.pools["kv"].used == 0 and kv.pools["kv"].reserved == 0

@@ -247,3 +247,43 @@ def test_calibration_skips_a_shape_a_small_pool_cannot_hold(llama):
     with kv.untracked():
         costs = calibrate(eng, spec, pools, 512, 8)
     assert costs.ready and not eng.running and not eng.waiting and kv.used_pages() == 0
+
+
+# -- bidirectional blocks (Gemma 3's image tokens) ----------------------------------------
+
+
+def test_whole_blocks_cuts_a_chunk_before_a_block_it_would_split():
+    from services.gpu_worker.scheduler import whole_blocks
+
+    blocks = ((4, 8), (10, 30))
+    assert whole_blocks((), 0, 6, True) == 6  # no blocks: as it was
+    assert whole_blocks(blocks, 0, 6, True) == 4  # stops before the block
+    assert whole_blocks(blocks, 0, 8, True) == 8  # ends where it ends
+    assert whole_blocks(blocks, 4, 3, False) == 0  # a block that does not fit waits ...
+    assert whole_blocks(blocks, 4, 3, True) == 4  # ... unless it is the step's first chunk: whole
+    assert whole_blocks(blocks, 10, 16, True) == 20  # longer than the budget: the whole chunk
+    assert whole_blocks(blocks, 8, 16, True) == 2  # text up to the next block
+
+
+class _Blocks:
+    """A request's KV state as the scheduler reads it: its blocks alone."""
+
+    def __init__(self, blocks: tuple[tuple[int, int], ...]) -> None:
+        self.blocks = blocks
+
+
+def test_the_scheduler_never_ends_a_chunk_inside_a_block():
+    s = scheduler(0, budget=6)
+    a, b = req("a", 40, 0), req("b", 40, 0)
+    a.kv, b.kv = _Blocks(((4, 9), (20, 24))), _Blocks(((2, 12),))
+    s.running = [a, b]
+    ends = {"a": [], "b": []}
+    while not all(r.decoding for r in s.running):
+        plan = s.schedule()
+        for e in plan.entries:
+            if not e.decode:
+                e.request.num_computed += e.rows
+                ends[e.request.request_id].append(e.request.num_computed)
+    assert all(not (lo < end < hi) for rid, r in (("a", a), ("b", b)) for end in ends[rid] for lo, hi in r.kv.blocks)
+    assert 12 in ends["b"] and 2 in ends["b"]  # the 10-row block, longer than the budget, ran whole
+    assert ends["a"][:4] == [4, 10, 16, 20]  # stops before each block it would split
