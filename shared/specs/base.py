@@ -233,12 +233,6 @@ class RunnerSpec(Protocol):
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]: ...
 
-    def prepare_image(self, data: bytes) -> PreparedImage:
-        """An image file (bytes as the client sent it) preprocessed as the model's processor
-        does; `PromptError` on "images" for a file it cannot use. Only for models with an
-        `image_placeholder`."""
-        raise PromptError("images", "the served model does not take images")
-
     @property
     def step_loops(self) -> tuple[str, ...]: ...
 
