@@ -119,9 +119,11 @@ def load_processor(path: Path) -> Any:
         return transformers.AutoProcessor.from_pretrained(path, video_processor=smolvlm_video_processor())
 
 
-def make_processor(path: Path, family: str) -> Any:
-    """The family's processor over the tokenizer in `path`, with small tiles (32 px, up to
-    2x2 of them from a 64 px resize) so that splitting is exercised by tiny images."""
+def make_processor(path: Path, family: str, longest_edge: int = 64, tile: int = 32,
+                   image_seq_len: int = IMAGE_SEQ_LEN) -> Any:
+    """The family's processor over the tokenizer in `path`, with small tiles (by default
+    32 px, up to 2x2 of them from a 64 px resize) so that splitting is exercised by tiny
+    images."""
     import importlib
 
     import transformers
@@ -130,19 +132,22 @@ def make_processor(path: Path, family: str) -> Any:
     prefix = "Idefics3" if family == "idefics3" else "SmolVLM"
     images = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
     image_processor = getattr(images, f"{prefix}ImageProcessorPil")(
-        size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+        size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile})
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    kwargs: dict[str, Any] = dict(image_seq_len=IMAGE_SEQ_LEN, chat_template=template)
+    kwargs: dict[str, Any] = dict(image_seq_len=image_seq_len, chat_template=template)
     if family == "idefics3":
         return transformers.Idefics3Processor(image_processor, tokenizer, **kwargs)
     with smolvlm_without_torchvision():
         return getattr(transformers, proc_name)(image_processor, tokenizer, smolvlm_video_processor(), **kwargs)
 
 
-def make_idefics3_checkpoint(path: Path, family: str = "idefics3", seed: int = 0, **overrides: Any) -> Path:
+def make_idefics3_checkpoint(path: Path, family: str = "idefics3", seed: int = 0, *, text: dict | None = None,
+                             vision: dict | None = None, longest_edge: int = 64, tile: int = 32,
+                             initializer_range: float = 0.2, **overrides: Any) -> Path:
     """Save a tiny random Idefics3 (or SmolVLM) checkpoint in `path`: Llama text model, SigLIP
     vision tower of 32 px images in 8 px patches, pixel shuffle by 2, so 4 tokens per tile.
-    `overrides` go to the top-level config."""
+    `text` and `vision` change those configs' sizes (the bench's larger checkpoint),
+    `longest_edge` and `tile` the processor's; `overrides` go to the top-level config."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -153,24 +158,27 @@ def make_idefics3_checkpoint(path: Path, family: str = "idefics3", seed: int = 0
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     cfg_name, model_name, _, _, _, _ = FAMILIES[family]
     eos, pad = tok.token_to_id("<end_of_utterance>"), tok.token_to_id("<|endoftext|>")
-    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=pad,
-                initializer_range=0.2, tie_word_embeddings=False)
-    common: dict[str, Any] = dict(text_config=text, vision_config=dict(VISION, initializer_range=0.2),
+    text_cfg = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                    rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=pad,
+                    initializer_range=initializer_range, tie_word_embeddings=False)
+    text_cfg.update(text or {})
+    vision_cfg = {**VISION, "initializer_range": initializer_range, **(vision or {})}
+    common: dict[str, Any] = dict(text_config=text_cfg, vision_config=vision_cfg,
                                   scale_factor=SCALE_FACTOR, image_token_id=tok.token_to_id("<image>"),
                                   pad_token_id=pad, eos_token_id=eos, tie_word_embeddings=False)
     common.update(overrides)
+    seq_len = (vision_cfg["image_size"] // vision_cfg["patch_size"]) ** 2 // common["scale_factor"] ** 2
     cfg = getattr(transformers, cfg_name)(**common)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
-                param.normal_(0.0, 0.2)
+                param.normal_(0.0, initializer_range)
     model.config.architectures = [model_name]
     model.save_pretrained(path, safe_serialization=True)
-    make_processor(path, family).save_pretrained(path)
+    make_processor(path, family, longest_edge, tile, seq_len).save_pretrained(path)
     return path
 
 
