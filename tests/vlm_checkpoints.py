@@ -305,3 +305,114 @@ def make_gemma3_vlm_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> P
     transformers.Gemma3Processor(image_processor, tokenizer, chat_template=GEMMA3_CHAT_TEMPLATE,
                                  image_seq_length=GEMMA3_MM_TOKENS).save_pretrained(path)
     return path
+
+
+# -- Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) ---------------------------------------
+
+#: Qwen2.5-VL's chat template (Qwen/Qwen2.5-VL-7B-Instruct, chat_template.json): an image part
+#: renders as "<|vision_start|><|image_pad|><|vision_end|>"; the processor repeats the pad
+QWEN25_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN25_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+#: a tower of 8 px patches merged 2 x 2 (16 px per image token), 32 px windows (2 x 2 tokens),
+#: block 0 windowed and block 1 full; images resized to 16..144 patches (4..36 tokens)
+QWEN25_VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=8,
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=32, out_hidden_size=64,
+                        fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
+QWEN25_VL_PIXELS = {"shortest_edge": 32 * 32, "longest_edge": 96 * 96}
+
+
+def _qwen25_vl_tokenizer(path: Path) -> Any:
+    """make_tokenizer's Qwen2 BPE plus Qwen2.5-VL's vision tokens (special added tokens),
+    with its chat template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    make_tokenizer(path, family="qwen2")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in QWEN25_VL_SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "chat_template": QWEN25_VL_CHAT_TEMPLATE, "model_max_length": 4096,
+    }))
+    return tok
+
+
+def qwen25_vl_processor(path: Path) -> Any:
+    """Qwen2.5-VL's processor over the folder's tokenizer and image processor (the Pil one),
+    built by hand: AutoProcessor would load its video processor, which needs torchvision.
+    Images never reach the video half."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    saved = path / "preprocessor_config.json"
+    if saved.exists():
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    else:
+        image_processor = Qwen2VLImageProcessorPil(size=dict(QWEN25_VL_PIXELS), patch_size=8)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+
+    class ImagesOnly(transformers.Qwen2_5_VLProcessor):
+        """Without a video processor (its class needs torchvision): only the check of its
+        class is skipped; a call with videos would fail, one with images never reads it."""
+
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImagesOnly(image_processor, tokenizer, None, chat_template=QWEN25_VL_CHAT_TEMPLATE)
+
+
+def make_qwen25_vl_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random Qwen2.5-VL checkpoint in `path`: a Qwen2 text model of two layers,
+    hidden 64, 4 heads of 16 (2 KV heads), M-RoPE sections (2, 3, 3); the vision tower of
+    QWEN25_VL_VISION; random biases and norm weights; and the processor's image settings
+    (Qwen2VLImageProcessorPil, 8 px patches, 32x32 to 96x96 pixels) in
+    preprocessor_config.json. `overrides` go to the top-level config."""
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _qwen25_vl_tokenizer(path)
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    text = dict(model_type="qwen2_5_vl_text", vocab_size=tok.get_vocab_size(), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None,
+                pad_token_id=pad, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    common: dict[str, Any] = dict(text_config=text, vision_config=dict(QWEN25_VL_VISION, initializer_range=0.2),
+                                  image_token_id=tok.token_to_id("<|image_pad|>"),
+                                  video_token_id=tok.token_to_id("<|video_pad|>"),
+                                  vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+                                  vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+                                  eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
+    common.update(overrides)
+    cfg = transformers.Qwen2_5_VLConfig(**common)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # HF inits biases to 0 and norms to 1, which would hide those paths
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
+                    or name.endswith("ln_q.weight"):
+                param.normal_(1.0, 0.2)
+    model.config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    model.save_pretrained(path, safe_serialization=True)
+    # the image processor's settings as the Hub's checkpoints keep them (the processor's own
+    # save_pretrained wants its video processor)
+    qwen25_vl_processor(path).image_processor.save_pretrained(path)
+    return path

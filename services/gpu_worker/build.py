@@ -23,6 +23,7 @@ from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool
 from services.gpu_worker.modeling.base import ModelBase
+from services.gpu_worker.mrope_runner import MropeVisionRunner
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.pooling_runner import PoolingRunner
 from services.gpu_worker.runner import ModelRunner
@@ -47,12 +48,13 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
     "pooling": (PoolingRunner, None),
     "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
+    "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
-TEXT_STEPS = ("decoder", "vision_decoder")
+TEXT_STEPS = ("decoder", "vision_decoder", "mrope_vision_decoder")
 
 
 @dataclass(frozen=True)

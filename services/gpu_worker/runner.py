@@ -16,6 +16,7 @@ about a kind of model is a few hooks of a subclass, not a second step loop:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,15 @@ class ModelRunner:
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
 
+    #: positions per row: 1, or 3 for multimodal RoPE (temporal, height, width)
+    position_streams = 1
+
+    def positions(self, req: Request, start: int, n: int) -> Sequence[int]:
+        """The RoPE positions of rows [start, start + n) of `req`, row-major
+        (`position_streams` per row): the rows themselves for a text model. The model
+        gets them as [T] (one stream) or [position_streams, T]."""
+        return range(start, start + n)
+
     # -- the forward ---------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
@@ -158,15 +168,16 @@ class ModelRunner:
                 _prompt_rows(r, t, n, prompt_rows, prompt_targets)
             counts.append(len(sample_rows) - before)
             sample_reqs.extend([r] * counts[-1])
-            positions.extend(range(r.num_computed, r.num_computed + n))
+            positions.extend(self.positions(r, r.num_computed, n))
             t += n
         metas = self._metadata(rows)
         # ids, positions and the sampled rows as one tensor (three views): each tensor made
         # from a Python list has a fixed cost, a visible part of a one-row step
         flat = torch.from_numpy(np.array(ids + positions + sample_rows + prompt_rows, dtype=np.int64)).to(self.device)
-        n = len(ids)
+        n, p = len(ids), len(ids) + len(positions)
+        pos = flat[n:p] if self.position_streams == 1 else flat[n:p].view(n, self.position_streams).t()
         with torch.inference_mode():
-            logits = self.call_model(flat[:n], flat[n : 2 * n], metas, flat[2 * n :], plan)
+            logits = self.call_model(flat[:n], pos, metas, flat[p:], plan)
             if prompt_rows:  # the prompt rows come after the sampled ones
                 _keep_prompt_logprobs(logits[len(sample_rows) :], prompt_targets)
                 logits = logits[: len(sample_rows)]

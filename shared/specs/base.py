@@ -259,6 +259,14 @@ class VisionRunnerSpec(DecoderRunnerSpec, Protocol):
 
 
 @runtime_checkable
+class MropeVisionRunnerSpec(VisionRunnerSpec, Protocol):
+    """The M-RoPE vision runner's (mrope_runner.py: Qwen2.5-VL): each image is one grid of
+    patches whose rows are its merged blocks, `merge_size` x `merge_size` patches each."""
+
+    merge_size: int
+
+
+@runtime_checkable
 class PoolingRunnerSpec(RunnerSpec, Protocol):
     """The pooling runner's (pooling_runner.py): how rows become one vector, and whether
     it is normalized; `heads` for the attention backend's pick."""

@@ -19,7 +19,14 @@ from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
-from shared.specs.vision_lm import GEMMA3_ARCHITECTURES, IDEFICS3_ARCHITECTURES, Gemma3VisionSpec, Idefics3Spec
+from shared.specs.vision_lm import (
+    GEMMA3_ARCHITECTURES,
+    IDEFICS3_ARCHITECTURES,
+    QWEN25_VL_ARCHITECTURES,
+    Gemma3VisionSpec,
+    Idefics3Spec,
+    Qwen25VLSpec,
+)
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
 from shared.tasks import TASKS
@@ -34,6 +41,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     WHISPER_ARCHITECTURE: WhisperSpec,
     **dict.fromkeys(EMBED_ARCHITECTURES + SCORE_ARCHITECTURES, EncoderSpec),
     **dict.fromkeys(IDEFICS3_ARCHITECTURES, Idefics3Spec),
+    **dict.fromkeys(QWEN25_VL_ARCHITECTURES, Qwen25VLSpec),
     **dict.fromkeys(GEMMA3_ARCHITECTURES, Gemma3VisionSpec),
 }
 

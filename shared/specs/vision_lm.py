@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from shared.specs.base import PreparedImage, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.vision.gemma3 import Gemma3Images
 from shared.vision.idefics3 import Idefics3Images
+from shared.vision.qwen2_vl import Qwen2VLImages
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -239,3 +241,152 @@ def is_vision_config(config: Mapping[str, Any]) -> bool:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+# -- Qwen2.5-VL: one image = one variable grid of rows, M-RoPE positions -------------------
+
+QWEN25_VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+#: top-level keys of a Qwen2.5-VL config.json that are not its language model's
+QWEN25_VL_KEYS = frozenset({"architectures", "model_type", "text_config", "vision_config", "image_token_id",
+                            "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id"})
+
+
+class Qwen25VLSpec(VisionLMSpec):
+    """Qwen2.5-VL: a ViT with 2-D RoPE and windowed attention over an image's native-resolution
+    grid of patches, merged 2 x 2 into one row each; a Qwen2 text model with multimodal RoPE.
+
+    Each image is one run of `<|image_pad|>` whose length follows its grid (t * h * w /
+    merge_size^2), so `PreparedImage.pixels` keeps the grid in its shape: [t, h / merge,
+    w / merge, merge^2, C * temporal_patch * patch^2], one entry per image token (the
+    processor's patch order, a view of `shared.vision.qwen2_vl`'s flattened patches).
+
+    Positions are not the row count: every prompt row has three (temporal, height, width),
+    as transformers' `get_rope_index` computes them: text rows all three equal and
+    continuing; an image's rows (t, h, w) of its merged grid, offset by the position it
+    starts at; the text after an image continues from the image's largest position + 1.
+    `process_prompt` computes them here (numpy), as tensor "mrope_positions" int64 [3, P],
+    and the decode offset `mrope_delta` (metadata: a generated row r has position r +
+    delta in all three), so the gpu worker only looks them up (`mrope_runner.py`)."""
+
+    engine = "mrope_vision_decoder"
+    metadata_keys = frozenset({"prompt_len", "mrope_delta"})
+    #: rows per entry of `pixels`' flattened grid (each entry is one image token's patches)
+    rows_per_tile = 1
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        text, section = qwen25_vl_text_config(config)
+        super().__init__(text, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        if sum(section) * 2 != self.head_dim:
+            raise ValueError(f"mrope_section {list(section)} must sum to head_dim / 2 = {self.head_dim // 2}")
+        self.vlm_config = dict(config)
+        self.mrope_section = section
+        vision = config.get("vision_config") or {}
+        self.merge_size = int(vision.get("spatial_merge_size", 2))
+        self.image_token_id = int(config.get("image_token_id", 151_655))  # Qwen2_5_VLConfig's default
+        self.images: Qwen2VLImages | None = None
+
+    def load_folder(self, path: str | Path) -> Qwen25VLSpec:
+        """The image processor's settings (processor_config.json or preprocessor_config.json):
+        without them the model's images cannot be made as it was trained on them."""
+        self.images = Qwen2VLImages.from_folder(Path(path))
+        self.image_placeholder = self.images.image_token
+        return self
+
+    def _settings(self) -> Qwen2VLImages:
+        if self.images is None:
+            raise PromptError("images", "the model folder's processor settings were not loaded")
+        return self.images
+
+    def pixel_settings(self) -> str:
+        return self._settings().settings_key()
+
+    def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
+        settings = self._settings()
+        try:
+            patches, grid = settings.preprocess(image)
+        except ValueError as exc:  # an aspect ratio over 200, say
+            raise PromptError("images", str(exc)) from exc
+        t, h, w, m = *grid, self.merge_size
+        return patches.reshape(t, h // m, w // m, m * m, patches.shape[-1]), settings.prompt(grid)
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        ids = request.token_ids
+        # one "tile" per image token (rows_per_tile 1): each image's grid flattened, a view
+        tokens = tuple(replace(img, pixels=img.pixels.reshape(-1, *img.pixels.shape[3:])) for img in request.images)
+        spans = image_spans(ids, self.image_token_id, tokens, self.rows_per_tile)
+        grids = [image_grid(img.pixels, self.merge_size) for img in request.images]
+        positions, delta = mrope_positions(ids, self.image_token_id, grids, self.merge_size)
+        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.kv_labels}
+        tensors: dict[str, np.ndarray] = {"input_ids": np.asarray(ids, dtype=np.int32), "mrope_positions": positions}
+        if request.images:
+            tensors["pixel_values"] = np.concatenate([img.pixels.reshape(-1, img.pixels.shape[-1])
+                                                      for img in request.images])
+            tensors["image_grid_thw"] = np.asarray(grids, dtype=np.int64)
+        return ProcessPromptOutput(tensors, layouts, {"prompt_len": len(ids), "mrope_delta": delta})
+
+
+def qwen25_vl_text_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(the language model's config.json dict, its M-RoPE sections) from a Qwen2.5-VL
+    config: its `text_config` (transformers 5) or its top level (the Hub's flat files).
+    The text model is Qwen2's (q/k/v biases, no o bias, head_dim = hidden / heads as
+    transformers computes it); its RoPE is plain RoPE of the same frequencies, applied to
+    three position streams split by `mrope_section` (rope type "mrope" or "default")."""
+    nested = config.get("text_config")
+    text = dict(nested) if isinstance(nested, Mapping) else {k: v for k, v in config.items() if k not in QWEN25_VL_KEYS}
+    text["model_type"] = "qwen2"
+    text.pop("head_dim", None)
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    rope = dict(text.get(key) or {})
+    section = tuple(int(s) for s in rope.pop("mrope_section", (16, 24, 24)))  # transformers' default
+    kind = rope.pop("type", None) or rope.get("rope_type") or "default"
+    rope["rope_type"] = "default" if kind == "mrope" else kind
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = rope
+    return text, section
+
+
+def image_grid(pixels: np.ndarray, merge: int) -> tuple[int, int, int]:
+    """An image's (t, h, w) in patches, from its `PreparedImage.pixels` [t, h / merge,
+    w / merge, merge^2, D]."""
+    t, h, w = pixels.shape[:3]
+    return int(t), int(h) * merge, int(w) * merge
+
+
+def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
+                    merge: int) -> tuple[np.ndarray, int]:
+    """(positions int64 [3, len(ids)], decode offset) as transformers' `get_rope_index`
+    gives them for still images: text rows (p, p, p) continuing; each image's rows the
+    meshgrid of (p + t, p + h, p + w) over its merged grid, after which p advances by
+    max(h, w); the offset is the largest position + 1 - len(ids). Each image's tokens
+    must be one run (as the processor writes them); two images back to back are two
+    grids. `PromptError` otherwise."""
+    image_rows = np.asarray(ids, dtype=np.int64) == image_token_id
+    edges = np.flatnonzero(np.diff(image_rows.astype(np.int8))) + 1
+    bounds = zip(np.concatenate(([0], edges)).tolist(), np.concatenate((edges, [len(ids)])).tolist())
+    parts: list[np.ndarray] = []
+    pos, image = 0, 0
+    for start, end in bounds:
+        if start == end:
+            continue
+        if not image_rows[start]:
+            parts.append(np.broadcast_to(np.arange(pos, pos + end - start, dtype=np.int64), (3, end - start)))
+            pos += end - start
+            continue
+        left = end - start
+        while left:
+            if image == len(grids):
+                raise PromptError("prompt", f"the prompt holds more image tokens than its {len(grids)} image(s) make")
+            t, h, w = grids[image][0], grids[image][1] // merge, grids[image][2] // merge
+            if t * h * w > left:
+                raise PromptError("prompt", f"image {image}'s {t * h * w} image tokens are not one run")
+            grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+            parts.append(grid + pos)
+            pos, left, image = pos + max(h, w), left - t * h * w, image + 1
+    if not parts:
+        return np.zeros((3, 0), dtype=np.int64), 0
+    positions = np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.int64)
+    return positions, int(positions.max()) + 1 - len(ids)

@@ -187,3 +187,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     in one cat and two multiplies instead of a neg, a cat and two multiplies."""
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos).add_(torch.cat((x2, x1), dim=-1).mul_(sin_signed))
+
+
+class MRotary(Rotary):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): the same frequencies and tables as `Rotary`,
+    but each row has three positions (temporal, height, width) and each rotary pair takes
+    its angle from one of them: the first `section[0]` pairs from the temporal position,
+    the next `section[1]` from the height, the rest from the width, the same split over
+    the second half of the head (transformers' `apply_multimodal_rotary_pos_emb`).
+
+    Every (position, pair) angle is a row of the 1-D table, so a step's cos / sin are a
+    gather: column d of row t comes from table row `positions[stream(d), t]`. 1-D
+    positions [T] (all three streams equal: a text-only row) take `Rotary`'s path."""
+
+    streams: torch.Tensor  # buffer: [head_dim] stream index of each table column
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_pos: int, section: tuple[int, ...]) -> None:
+        if sum(section) * 2 != head_dim:
+            raise ValueError(f"mrope_section {list(section)} must sum to head_dim / 2 = {head_dim // 2}")
+        self.section = tuple(section)  # a plain attribute: set before Module.__init__, which reset_buffers reads
+        super().__init__(rope, head_dim, max_pos)
+
+    def reset_buffers(self) -> None:
+        """The tables and the column -> stream index (registered here, as the tables are
+        made here: not on the meta device)."""
+        super().reset_buffers()
+        if torch.empty(0).is_meta:
+            return
+        half = [i % 3 for i, n in enumerate(self.section) for _ in range(n)]
+        self.register_buffer("streams", torch.tensor(half * 2, dtype=torch.int64, device=self.cos.device),
+                             persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows [T, 1, D] for positions [3, T] (or [T])."""
+        if positions.dim() == 1:
+            return super().tables(positions, dtype)
+        if positions.device.type == "cpu" and positions.numel():
+            self.ensure(int(positions.max()) + 1)
+        elif self.cos.shape[0] < self.max_pos:
+            self.ensure(self.max_pos)
+        rows = positions[self.streams].t()  # [T, D]: the table row of each (row, column)
+        cols = torch.arange(self.head_dim, device=positions.device)
+        return self.cos[rows, cols].unsqueeze(1).to(dtype), self.sin_signed[rows, cols].unsqueeze(1).to(dtype)

@@ -81,6 +81,23 @@ class VisionDecoderModel(DecoderModel):
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
+class GridVisionDecoderModel(DecoderModel):
+    """A decoder LM whose images are grids of patches of any size with multimodal RoPE
+    (Qwen2.5-VL): `encode_images` turns whole images (their patches and grids) into the
+    rows that replace their image tokens' embeddings; `forward` takes positions [T] or
+    [3, T] (temporal, height, width per row) and those rows as `embeds`."""
+
+    @abstractmethod
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Patches [sum(t * h * w), patch dim] of images of grids [N, 3] -> their rows
+        [sum(t * h * w) / merge^2, hidden], image after image."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[AttnMetadata], sample_rows: torch.Tensor,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
+
+
 class EncoderDecoderModel(ModelBase):
     """An encoder run once per request (at admission), whose output `write_cross` puts into
     the cross label's pages, and a decoder over paged KV: `forward(input_ids [T],
@@ -123,4 +140,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "encoder_decoder": EncoderDecoderModel,
     "pooling": PoolingModel,
     "vision_decoder": VisionDecoderModel,
+    "mrope_vision_decoder": GridVisionDecoderModel,
 }

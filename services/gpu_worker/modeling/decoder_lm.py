@@ -30,7 +30,7 @@ from services.gpu_worker.layers.linear import (
     warm_packed,
 )
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
-from services.gpu_worker.layers.rope import Rotary, apply_rope
+from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
 from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
 from shared.model_config import FULL, ModelConfig, read_model_config
@@ -232,15 +232,18 @@ class DecoderLM(DecoderModel):
     [len(sample_rows), vocab] for only the rows that sample (no lm_head on the rest).
     `kv_caches[i]` and `metas[i]` are layer i's pool tensor and its label's metadata."""
 
-    def __init__(self, config: Mapping[str, Any] | ModelConfig) -> None:
+    def __init__(self, config: Mapping[str, Any] | ModelConfig, mrope_section: tuple[int, ...] = ()) -> None:
+        """`mrope_section`: multimodal RoPE (Qwen2.5-VL), whose `forward` then also takes
+        positions [3, T] (temporal, height, width per row; `MRotary`)."""
         super().__init__()
         cfg = config if isinstance(config, ModelConfig) else read_model_config(config)
         self.config = cfg
         self.model = Backbone(cfg)
         #: one RoPE per distinct layer type's parameters (Gemma 3's local layers have their own)
         kinds = {FULL: cfg.rope} if cfg.rope == cfg.rope_local else {t: cfg.layer_rope(t) for t in set(cfg.layer_types)}
-        self.rotaries = nn.ModuleDict({t: Rotary(r, cfg.head_dim, cfg.max_position_embeddings)
-                                       for t, r in kinds.items()})
+        ctx = cfg.max_position_embeddings
+        self.rotaries = nn.ModuleDict({t: MRotary(r, cfg.head_dim, ctx, mrope_section) if mrope_section
+                                       else Rotary(r, cfg.head_dim, ctx) for t, r in kinds.items()})
         self.layer_rope = [t if t in kinds else FULL for t in cfg.layer_types]
         self.tied = cfg.tie_word_embeddings
         if not self.tied:

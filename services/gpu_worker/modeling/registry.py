@@ -15,13 +15,14 @@ from services.gpu_worker.modeling.decoder_lm import DecoderLM
 from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
 from services.gpu_worker.modeling.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.null_lm import NullLM
+from services.gpu_worker.modeling.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.whisper import WhisperModel
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.pooling import EncoderSpec
-from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec
+from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
 
 #: spec class -> torch model class
@@ -32,6 +33,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     EncoderSpec: BertModel,
     DecoderEmbedSpec: DecoderEmbedder,
     Idefics3Spec: Idefics3LM,
+    Qwen25VLSpec: Qwen25VLModel,
     Gemma3VisionSpec: Gemma3VisionLM,
 }
 
