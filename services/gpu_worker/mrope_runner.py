@@ -49,18 +49,18 @@ class MropeVisionRunner(VisionRunner):
         if mrope is None or mrope.shape != (3, len(prompt)):
             raise ValueError(f"a request needs tensor 'mrope_positions' [3, {len(prompt)}], got "
                              f"{None if mrope is None else mrope.shape}")
-        rows = np.ascontiguousarray(mrope.T, dtype=np.int64)  # [P, 3]: a row's three, row-major
+        rows = np.array(mrope.T, dtype=np.int64, order="C")  # [P, 3]: a row's three, row-major (a copy)
         inputs: dict = {"mrope": rows, "mrope_delta": int(rows.max()) + 1 - len(prompt) if len(prompt) else 0}
         where = np.flatnonzero(np.asarray(prompt) == self.image_token_id)
         pixels, grids = tensors.get("pixel_values"), tensors.get("image_grid_thw")
-        grids = np.zeros((0, 3), dtype=np.int64) if grids is None else np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+        grids = np.zeros((0, 3), dtype=np.int64) if grids is None else np.array(grids, dtype=np.int64).reshape(-1, 3)
         patches = int(grids.prod(axis=1).sum())
         if len(where) != patches // self.merge**2 or (0 if pixels is None else pixels.shape[0]) != patches:
             raise ValueError(f"the prompt holds {len(where)} image tokens and {0 if pixels is None else len(pixels)} "
                              f"patches; its image grids {grids.tolist()} make {patches // self.merge**2} and {patches}")
         if pixels is not None and patches:
-            inputs.update(pixels=torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)), grids=grids,
-                          where=where)
+            # a copy: the received frame is read-only (and need not outlive this call)
+            inputs.update(pixels=torch.from_numpy(np.array(pixels, dtype=np.float32)), grids=grids, where=where)
         return prompt, inputs
 
     def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shared.frames import GenerateRequest, NewRequest, SamplingParams, pack_tensors
+from shared.frames import GenerateRequest, NewRequest, SamplingParams, pack_tensors, unpack_tensors
 from shared.model_source import ModelSource
 from shared.specs.base import PromptError
 from shared.specs.vision_lm import Qwen25VLSpec, mrope_positions
@@ -250,10 +250,11 @@ def _engine(source: ModelSource, max_batch_tokens: int = 16) -> tuple[Any, Any, 
 def _add(engine: Any, spec: Qwen25VLSpec, pools: dict, rid: str, prepared: tuple[list[int], Any, dict]) -> None:
     ids, ppo, metadata = prepared
     caps = spec.clamp_caps(spec.get_loop_caps(MAX_TOKENS))
-    refs, _ = pack_tensors(ppo.new_input_tensors)
+    refs, buffers = pack_tensors(ppo.new_input_tensors)
+    tensors = unpack_tensors(refs, [memoryview(b.tobytes()) for b in buffers])  # read-only, as a worker gets them
     engine.add(NewRequest(rid, "", refs, SamplingParams(temperature=0.0, ignore_eos=True), "", len(ids), MAX_TOKENS,
                           ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools), metadata=metadata),
-               ppo.new_input_tensors)
+               tensors)
 
 
 def _run(engine: Any) -> dict[str, list[int]]:
@@ -318,3 +319,36 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(source: ModelSource, proce
         assert _run(engine) == {f"q{i}": _reference(hf_model, inputs)}
     hook.remove()
     assert encoded == [1, 1] and computed == [0, 64] and kv.used_pages() == 0
+
+
+def _hub_form(folder: Path, target: Path) -> Path:
+    """The checkpoint as the Hub's Qwen2.5-VL files have it (transformers 4's save): the text
+    config flat at the top with rope_scaling {"type": "mrope"} and rope_theta beside it, and
+    the weights named `visual.*`, `model.*` (the LM) and `lm_head.*`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, target)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config.update({k: v for k, v in text.items() if k not in ("model_type", "layer_types")})
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (target / "config.json").write_text(json.dumps(config))
+    state = load_file(str(folder / "model.safetensors"))
+    renamed = {k.replace("model.visual.", "visual.").replace("model.language_model.", "model."): v
+               for k, v in state.items()}
+    save_file(renamed, str(target / "model.safetensors"))
+    return target
+
+
+def test_the_hubs_flat_config_and_weight_names(source: ModelSource, folder: Path, processor: Any, hf_model: Any,
+                                               tmp_path: Path) -> None:
+    hub = ModelSource(str(_hub_form(folder, tmp_path / "hub")))
+    spec, nested = hub.spec(16), source.spec(16)
+    assert isinstance(spec, Qwen25VLSpec) and spec.config == nested.config
+    assert spec.mrope_section == nested.mrope_section == (2, 3, 3)
+    text, files, inputs = _case(processor, "two_images")
+    spec, kv, engine, pools = _engine(hub)
+    _add(engine, spec, pools, "hub", _prepare(hub, text, files))
+    assert _run(engine) == {"hub": _reference(hf_model, inputs)}
+    assert kv.used_pages() == 0

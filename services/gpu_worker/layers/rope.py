@@ -201,6 +201,7 @@ class MRotary(Rotary):
     positions [T] (all three streams equal: a text-only row) take `Rotary`'s path."""
 
     streams: torch.Tensor  # buffer: [head_dim] stream index of each table column
+    columns: torch.Tensor  # buffer: arange(head_dim), the gather's column index
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_pos: int, section: tuple[int, ...]) -> None:
         if sum(section) * 2 != head_dim:
@@ -215,8 +216,9 @@ class MRotary(Rotary):
         if torch.empty(0).is_meta:
             return
         half = [i % 3 for i, n in enumerate(self.section) for _ in range(n)]
-        self.register_buffer("streams", torch.tensor(half * 2, dtype=torch.int64, device=self.cos.device),
-                             persistent=False)
+        device = self.cos.device
+        self.register_buffer("streams", torch.tensor(half * 2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("columns", torch.arange(self.head_dim, device=device), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows [T, 1, D] for positions [3, T] (or [T])."""
@@ -227,5 +229,5 @@ class MRotary(Rotary):
         elif self.cos.shape[0] < self.max_pos:
             self.ensure(self.max_pos)
         rows = positions[self.streams].t()  # [T, D]: the table row of each (row, column)
-        cols = torch.arange(self.head_dim, device=positions.device)
+        cols = self.columns
         return self.cos[rows, cols].unsqueeze(1).to(dtype), self.sin_signed[rows, cols].unsqueeze(1).to(dtype)
