@@ -1,5 +1,5 @@
-"""Images in, through the real services: tiny random Idefics3 and SmolVLM checkpoints (their
-processors saved with them) against transformers' `generate` on the same folder, chat
+"""Images in, through the real services: tiny random Idefics3, SmolVLM and Gemma 3
+checkpoints (their processors saved with them) against transformers' `generate` on the same folder, chat
 requests with data-URL image parts, greedy tokens and `usage.prompt_tokens` equal.
 
 Also the prefix-cache trap (the same text with another image must not reuse the first
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from tests.servers import MstarServer
-from tests.vlm_checkpoints import load_processor, make_idefics3_checkpoint
+from tests.vlm_checkpoints import load_processor, make_gemma3_vlm_checkpoint, make_idefics3_checkpoint
 
-FAMILIES = ("idefics3", "smolvlm")
+FAMILIES = ("idefics3", "smolvlm", "gemma3")
 MAX_TOKENS = 8
 LONG = ("Describe every part of the picture in order, the colours first, then the shapes, then where each "
         "thing sits relative to the others, and say what is missing. ") * 3
@@ -67,7 +67,8 @@ def content(images: tuple[str, ...], text: str, where: str, url: bool) -> list[d
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
-    return {f: make_idefics3_checkpoint(root / f, f, seed=i) for i, f in enumerate(FAMILIES)}
+    made = {f: make_idefics3_checkpoint(root / f, f, seed=i) for i, f in enumerate(FAMILIES) if f != "gemma3"}
+    return {**made, "gemma3": make_gemma3_vlm_checkpoint(root / "gemma3")}
 
 
 @cache
@@ -77,8 +78,12 @@ def _hf(folder: Path):
     return transformers.AutoModelForImageTextToText.from_pretrained(folder).eval(), load_processor(folder)
 
 
-def reference(folder: Path, images: tuple[str, ...], text: str, where: str) -> tuple[list[int], int]:
-    """(transformers' greedy tokens, its prompt length) for one chat turn."""
+def reference(folder: Path, images: tuple[str, ...], text: str, where: str,
+              specials: bool = True) -> tuple[list[int], int]:
+    """(transformers' greedy tokens, its prompt length) for one chat turn: the processor's
+    rendering tokenized with the tokenizer's specials (as `/generate` tokenizes a prompt),
+    or (`specials` False) without, as a chat route sends its rendered prompt (Gemma 3's
+    template writes its BOS itself)."""
     import torch
     from PIL import Image
 
@@ -86,9 +91,10 @@ def reference(folder: Path, images: tuple[str, ...], text: str, where: str) -> t
     chat = [{"role": "user", "content": content(images, text, where, url=False)}]
     prompt = proc.apply_chat_template(chat, add_generation_prompt=True)
     pil = [Image.open(io.BytesIO(IMAGES[n])).convert("RGB") for n in images]
-    inputs = proc(text=[prompt], images=[pil], return_tensors="pt")
+    inputs = proc(text=[prompt], images=[pil], return_tensors="pt", add_special_tokens=specials)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS,
+                             eos_token_id=None, pad_token_id=0)  # EOS ignored, not suppressed: ignore_eos
     n = inputs["input_ids"].shape[1]
     return out[0, n:].tolist(), n
 
@@ -161,7 +167,7 @@ async def test_chat_route_renders_image_parts(family, folders, servers):
     async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
         got = await asyncio.gather(*(chat(client, images, PROMPTS[0], where) for images, where in CASES.values()))
     for (images, where), body in zip(CASES.values(), got):
-        want, prompt_len = reference(folder, images, PROMPTS[0], where)
+        want, prompt_len = reference(folder, images, PROMPTS[0], where, specials=False)
         assert body["usage"]["prompt_tokens"] == prompt_len, images
         assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), images
     assert_clean(srv)
@@ -223,6 +229,6 @@ def test_the_openai_client_sends_image_parts(folders, servers):
     reply = client.chat.completions.create(
         model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": content(("wide",), PROMPTS[1], "after", url=True)}])
-    want, prompt_len = reference(folder, ("wide",), PROMPTS[1], "after")
+    want, prompt_len = reference(folder, ("wide",), PROMPTS[1], "after", specials=False)
     assert reply.usage.prompt_tokens == prompt_len
     assert reply.choices[0].message.content == _hf(folder)[1].tokenizer.decode(want, skip_special_tokens=True)
