@@ -110,10 +110,14 @@ def smolvlm_video_processor() -> Any:
 
 def load_processor(path: Path) -> Any:
     """transformers' AutoProcessor for a folder made here; for SmolVLM, with the video
-    processor handed in (AutoVideoProcessor cannot load one without torchvision)."""
+    processor handed in (AutoVideoProcessor cannot load one without torchvision); for
+    Qwen2.5-VL, its processor built over the folder's image half (`qwen25_vl_processor`)."""
     import transformers
 
-    if json.loads((path / "config.json").read_text())["model_type"] != "smolvlm":
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    if model_type == "qwen2_5_vl":
+        return qwen25_vl_processor(path)
+    if model_type != "smolvlm":
         return transformers.AutoProcessor.from_pretrained(path)
     with smolvlm_without_torchvision():
         return transformers.AutoProcessor.from_pretrained(path, video_processor=smolvlm_video_processor())
