@@ -163,6 +163,9 @@ class Output(msgspec.Struct, **HOT):
     #: a pooling request's result (its one output): the embedding or the scores, float32
     #: little-endian (4 bytes a value: a frame a fifth the size of a float list)
     pooled: bytes = b""
+    #: a speech request's sound its tokens made final: float32 little-endian samples at
+    #: the model's rate (a chunk per output; they join into the clip)
+    audio: bytes = b""
 
 
 class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from shared.specs import null_lm
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.orpheus import CODEC_FOLDER as SPEECH_CODEC_FOLDER
 from shared.specs.registry import load_plugins, spec_factory
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -95,7 +96,9 @@ class ModelSource:
         a sentence-transformers folder with a Pooling module, a classifier's scores, else
         generation); a DeploymentError when the model cannot do the task asked."""
         archs = self.config.get("architectures") or [self.config.get("model_type", "?")]
-        factory = spec_factory(archs[0], task, self.kind == "hf" and _pooled_folder(self.path))
+        hf = self.kind == "hf"
+        factory = spec_factory(archs[0], task, hf and _pooled_folder(self.path),
+                               hf and (self.path / SPEECH_CODEC_FOLDER / "config.json").is_file())
         spec = factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
         if self.kind == "hf":
             spec.load_folder(self.path)  # e.g. Whisper's generation and feature-extractor settings

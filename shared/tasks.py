@@ -2,5 +2,5 @@
 reads it through `shared.config` and must not import the specs (numpy) to do so."""
 
 #: "auto": what the checkpoint is (a sentence-transformers folder embeds, a sequence
-#: classifier scores, anything else generates)
-TASKS = ("auto", "generate", "embed", "score")
+#: classifier scores, a decoder LM with a SNAC codec folder speaks, anything else generates)
+TASKS = ("auto", "generate", "embed", "score", "speech")

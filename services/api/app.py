@@ -28,7 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import embeddings, openai_routes, scoring, tokenization
+from services.api import embeddings, openai_routes, scoring, speech, tokenization
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -173,6 +173,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
+        Route("/v1/audio/speech", speech.speech, methods=["POST"]),
         Route("/tokenize", _guard(tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(tokenization.detokenize), methods=["POST"]),
         Route("/version", _guard(tokenization.version), methods=["GET"]),

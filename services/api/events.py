@@ -61,6 +61,9 @@ class DeltaEvent(msgspec.Struct, tag_field="type", tag="delta"):
     #: on the first delta of a request that asked for its prompt's logprobs (as on done)
     prompt_logprobs: list[TokenLogprobs] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    #: a speech model's sound these tokens made final: float32 little-endian samples
+    #: (base64 in JSON)
+    audio: bytes | UnsetType = UNSET
 
 
 class DoneEvent(msgspec.Struct, tag_field="type", tag="done"):
@@ -82,6 +85,8 @@ class DoneEvent(msgspec.Struct, tag_field="type", tag="done"):
     stop_reason: int | str | UnsetType = UNSET
     #: a pooling request's result: float32 little-endian (the embedding routes decode it)
     pooled: bytes | UnsetType = UNSET
+    #: a speech model's whole clip: float32 little-endian samples (base64 in JSON)
+    audio: bytes | UnsetType = UNSET
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
@@ -103,6 +108,8 @@ class GenerateResponse(msgspec.Struct):
     usage: Usage
     logprobs: list[Logprob] | UnsetType = UNSET
     prompt_logprobs: list[Logprob | None] | UnsetType = UNSET
+    #: a speech model's clip: float32 little-endian samples at its rate, base64
+    audio: bytes | UnsetType = UNSET
 
 
 class GenerateDelta(msgspec.Struct, tag_field="type", tag="delta"):
@@ -127,6 +134,7 @@ def error_event(client_id: str | None, err: ApiError) -> ErrorEvent:
 def response_from_done(done: DoneEvent) -> GenerateResponse:
     out = GenerateResponse(done.id, done.text, done.token_ids, done.finish_reason, done.usage)
     out.logprobs, out.prompt_logprobs = _logprob_fields(done)
+    out.audio = done.audio
     return out
 
 

@@ -72,6 +72,8 @@ class Generation:
         self._prompt_ids: list[int] = []
         self._prompt_sent = False  # on a delta already
         self._pooled = b""  # a pooling request's result (its one output)
+        self._audio: list[bytes] = []  # a speech request's chunks so far
+        self._pending_audio = b""  # the latest output's chunk, for the next delta
 
     @property
     def _token_ids(self) -> list[int]:
@@ -125,6 +127,8 @@ class Generation:
             done.metadata = dict(self._metadata)
         if self._pooled:
             done.pooled = self._pooled
+        if self._audio:
+            done.audio = b"".join(self._audio)
         if finish_reason == "stop" and (self._stop.matched is not None or self._hidden):
             done.stop_reason = self._stop.matched if self._stop.matched is not None else self._hidden[-1]
         if self._want_logprobs:
@@ -148,6 +152,8 @@ class Generation:
 
     def _delta(self, text: str, ids: list[int]) -> DeltaEvent:
         delta = DeltaEvent(self.client_id, text, ids)
+        if self._pending_audio:
+            delta.audio, self._pending_audio = self._pending_audio, b""
         if self._want_logprobs:
             end = len(self._token_ids)
             delta.logprobs = self._logprobs[end - len(ids) : end]
@@ -159,6 +165,9 @@ class Generation:
     def _output_arrived(self, item: Output) -> None:
         if item.pooled:
             self._pooled = item.pooled
+        if item.audio:
+            self._audio.append(item.audio)
+            self._pending_audio += item.audio
         if item.metadata:
             self._metadata.update(item.metadata)
         if item.logprobs:

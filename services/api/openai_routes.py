@@ -48,7 +48,7 @@ def _model_card(state: ApiState) -> ModelCard:
     inputs = ["audio"] if settings.takes_audio else ["text"]
     if settings.image_placeholder:
         inputs.append("image")
-    outputs = ["text"] if settings.task == "generate" else ["embedding"] if settings.task == "embed" else ["score"]
+    outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"]}.get(settings.task, ["score"])
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None)
 

@@ -622,6 +622,24 @@ class RerankResponse(msgspec.Struct):
 # ---- the routes and their document -----------------------------------------------------------
 
 
+class SpeechRequest(Body):
+    """`POST /v1/audio/speech`."""
+
+    input: Annotated[str, Meta(min_length=1, max_length=4096, description="the text to speak")]
+    model: str | None = None
+    voice: Annotated[str, Meta(min_length=1, description="one of the model's voices (/v1/models)")] | None = None
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+    speed: Annotated[float, Meta(ge=0.25, le=4.0)] | None = None
+    instructions: str | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+
+
+
 class Route(NamedTuple):
     """A route's declared shapes: its JSON body, its multipart/form-data fields (the `file`
     part besides them), its 200 reply where one Struct says it."""
@@ -637,6 +655,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("/v1/completions", "post"): Route(CompletionRequest, Completion),
     ("/v1/chat/completions", "post"): Route(ChatCompletionRequest, ChatCompletion),
     ("/v1/audio/transcriptions", "post"): Route(form=TranscriptionForm),
+    ("/v1/audio/speech", "post"): Route(SpeechRequest),
     ("/tokenize", "post"): Route((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
     ("/detokenize", "post"): Route(DetokenizeRequest, DetokenizeResponse),
     ("/v1/models", "get"): Route(response=ModelList),

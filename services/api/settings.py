@@ -44,6 +44,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: a vision model's image placeholder (its spec's; "" for a model that takes no images,
     #: which refuses an image part with a 400 naming it)
     image_placeholder: str = ""
+    #: a speech model's audio sample rate (its codec's; 0 for a model that makes no sound)
+    sample_rate: int = 0
     audio_language: str | None = None  # the language a speech model assumes when none is sent
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known

@@ -48,7 +48,7 @@ class ApiState:
                                task: str = "generate") -> Generation:
         """Submit to the data worker; raises ApiError (400 a token id out of the vocabulary,
         409 duplicate id, 503 shutting down)."""
-        if task != self.settings.task:
+        if task != self.settings.task and not (task == "generate" and self.settings.task == "speech"):
             raise invalid("model", task_refusal(self.settings.model_name, self.settings.task, task))
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         images = await self.load_images(params)
@@ -102,6 +102,7 @@ class ApiState:
 
 #: the route family of each task, for the refusal of another task's route
 TASK_ROUTES = {"generate": "/generate, /v1/completions and /v1/chat/completions", "embed": "/v1/embeddings",
+               "speech": "/v1/audio/speech (and /generate: tokens and audio)",
                "score": "/v1/score and /v1/rerank"}
 
 

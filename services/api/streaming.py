@@ -125,12 +125,14 @@ class EventStream:
         self.first = first
         self.watcher = watcher
         self.reply = reply or GenerateReply(gen.client_id)
+        #: a reply that streams something else than events (raw audio) says its own headers
+        self.headers = getattr(self.reply, "headers", None) or SSE_HEADERS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
         reply = self.reply
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             await self._body(send, reply.event(self.first))
             try:
                 async for event in self.events:

@@ -146,7 +146,7 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     except ValueError as exc:
         raise Refusal(ErrorKind.INTERNAL, str(exc)) from exc
     max_seq_len = min(p.max_seq_len for p in pools.values())
-    if spec.task != "generate":
+    if spec.engine == "pooling":  # a prompt's forward, no decode loop (embed, score)
         return _plan_pooling(spec, req, pools, max_seq_len)
     loops = spec.graph_loops()
     decode_iters = loops.get(spec.decode_loop)

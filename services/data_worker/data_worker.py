@@ -123,6 +123,13 @@ class DataWorker:
             raise _ClientError(exc.param, str(exc)) from exc
         if images:
             req = msgspec.structs.replace(req, prompt=prompt)
+        if req.prompt is not None:
+            try:
+                text = self.spec.prompt_text(req.prompt, model_options(req))
+            except PromptError as exc:
+                raise _ClientError(exc.param, str(exc)) from exc
+            if text != req.prompt:
+                req = msgspec.structs.replace(req, prompt=text)
         ids: list[int] = []
         pair_start = None
         if req.audio is None or req.prompt is not None or req.input_ids is not None:

@@ -28,6 +28,7 @@ from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.pooling_runner import PoolingRunner
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
+from services.gpu_worker.speech_runner import SpeechRunner
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
 from services.gpu_worker.vision_runner import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.vision_runner import VisionRunner
@@ -48,13 +49,14 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
     "pooling": (PoolingRunner, None),
     "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
+    "speech_decoder": (SpeechRunner, None),
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
-TEXT_STEPS = ("decoder", "vision_decoder", "mrope_vision_decoder")
+TEXT_STEPS = ("decoder", "vision_decoder", "mrope_vision_decoder", "speech_decoder")
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ def assemble(d: Deployment) -> Assembled:
     if device.type == "cuda" and spec.engine in TEXT_STEPS and flashinfer_available():
         planner = FlashInferPlanner(device)
     kv = KVManager(pools, spec.kv_labels, reserve_max_seq_len=d.admission == "max-seq-len", prefix_cache=d.prefix_cache)
-    engine = build_engine(model, spec, kv, caches, eos_ids=source.eos_token_ids, max_num_seqs=d.max_num_seqs,
+    engine = build_engine(model, spec, kv, caches, eos_ids=[*source.eos_token_ids, *spec.stop_ids],
+                          max_num_seqs=d.max_num_seqs,
                           max_batch_tokens=d.max_batch_tokens, max_seq_len=spec.max_seq_len, planner=planner,
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
                           itl_target_s=d.itl_target_ms / 1000,

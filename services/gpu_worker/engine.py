@@ -173,6 +173,7 @@ class Engine:
             if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue
             emitted = self.outputs.emit(entry.request, k.tokens)
+            self.runner.on_emit(entry.request, emitted.output)
             res.outputs.append((emitted.reply_to, emitted.output))
             if emitted.ended:
                 self._finish(entry.request, emitted.ran_to_caps, "ok", res)

@@ -59,6 +59,8 @@ class Request:
     #: prompt rows whose input is not a token's embedding (an image's rows from the vision
     #: tower): their prompt positions (ascending) and values, until the prefill computes them
     embeds: tuple[Any, torch.Tensor] | None = None
+    #: a speech request's codec state (its `SnacStream`), dropped with the request
+    codec: Any = None
 
     @property
     def tokens_len(self) -> int:

@@ -27,6 +27,7 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, StepPlan
+from shared.frames import Output
 from shared.layout import KVLabel
 from shared.specs.base import DecoderRunnerSpec
 
@@ -125,6 +126,10 @@ class ModelRunner:
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
+
+    def on_emit(self, request: Request, output: Output) -> None:
+        """What an output carries besides tokens (a speech model's sound), once the output
+        processor made it; nothing by default."""
 
     #: positions per row: 1, or 3 for multimodal RoPE (temporal, height, width)
     position_streams = 1

@@ -110,6 +110,16 @@ class ModelSpec(ABC):
     #: the longest request, prompt and output rows (each family's constructor sets it)
     max_seq_len: int
 
+    def prompt_text(self, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The text the tokenizer sees for a request's prompt: the prompt itself, or what a
+        family wraps it in (Orpheus' "voice: text"); `PromptError` for a bad option."""
+        return text
+
+    #: tokens that end a request besides the checkpoint's EOS (Orpheus' end_of_speech)
+    stop_ids: tuple[int, ...] = ()
+    #: a speech model's audio sample rate (0: the model makes no sound)
+    sample_rate: int = 0
+
     def prepare_image(self, data: bytes) -> PreparedImage:
         """An image file (bytes as the client sent it) preprocessed as the model's processor
         does; `PromptError` on "images" for a file it cannot use. Only for models with an
@@ -264,6 +274,15 @@ class MropeVisionRunnerSpec(VisionRunnerSpec, Protocol):
     patches whose rows are its merged blocks, `merge_size` x `merge_size` patches each."""
 
     merge_size: int
+
+
+@runtime_checkable
+class SpeechRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The speech runner's (speech_runner.py): the audio tokens' code arithmetic and the
+    codec's folder."""
+
+    codes: Any
+    codec_path: Any
 
 
 @runtime_checkable

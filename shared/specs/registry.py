@@ -18,6 +18,7 @@ from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
+from shared.specs.orpheus import OrpheusSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.vision_lm import (
     GEMMA3_ARCHITECTURES,
@@ -61,9 +62,12 @@ def load_plugins() -> None:
 
 #: the embedding variant of a generating family (`--task embed`, a sentence-transformers folder)
 EMBED_VARIANTS: dict[SpecFactory, SpecFactory] = {DecoderLMSpec: DecoderEmbedSpec}
+#: the text-to-speech variant (`--task speech`, a folder with a SNAC codec at `snac/`)
+SPEECH_VARIANTS: dict[SpecFactory, SpecFactory] = {DecoderLMSpec: OrpheusSpec}
 
 
-def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = False) -> SpecFactory:
+def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = False,
+                 speech_folder: bool = False) -> SpecFactory:
     """The factory of `architecture`'s spec for `task`: a family's embedding variant where
     embeddings are asked (or the folder is a sentence-transformers embedding model); a
     DeploymentError naming the architecture when none serves it."""
@@ -74,5 +78,7 @@ def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = Fa
         raise DeploymentError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
     if task == "embed" or (task == "auto" and pooled_folder):
         factory = EMBED_VARIANTS.get(factory, factory)
+    elif task == "speech" or (task == "auto" and speech_folder):
+        factory = SPEECH_VARIANTS.get(factory, factory)
     return factory
 

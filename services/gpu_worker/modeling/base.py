@@ -140,5 +140,6 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "encoder_decoder": EncoderDecoderModel,
     "pooling": PoolingModel,
     "vision_decoder": VisionDecoderModel,
+    "speech_decoder": DecoderModel,
     "mrope_vision_decoder": GridVisionDecoderModel,
 }

@@ -1,0 +1,169 @@
+"""`POST /v1/audio/speech` (OpenAI's text-to-speech route) for a model whose task is
+"speech" (Orpheus): the body, and the replies in each format.
+
+- `response_format`: `wav` (16-bit PCM), `pcm` (raw 16-bit signed little-endian, mono, at
+  the model's rate: 24 kHz for SNAC, as OpenAI's pcm), `flac`; `mp3`, `opus`, `aac` are
+  refused by name (no encoder here). OpenAI's default is mp3, which is not offered, so a
+  body without one gets wav.
+- `stream_format`: absent: the whole clip as one body; `audio`: the audio bytes as the
+  codec makes them (`pcm`, or `wav` whose header's sizes say "unknown", as OpenAI's
+  streamed wav does; `flac` is refused); `sse`: OpenAI's events
+  `{"type": "speech.audio.delta", "audio": base64 pcm16}` ... then `{"type":
+  "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}`.
+- `speed` other than 1.0 and `instructions` are refused (the model does not take them);
+  `voice` must be one of the model's (the data worker's 400 names it).
+- Sampling: Orpheus' own defaults (temperature 0.6, top_p 0.8, repetition_penalty 1.3),
+  which a body may set (vLLM-style extra fields), with `seed` and `max_tokens` (audio
+  tokens: 7 a frame, 12 frames ~ a second).
+
+The audio rides on the outputs as float32 samples (`Output.audio`, made by the gpu
+worker's codec); this module only encodes them (soundfile, numpy).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+from typing import Any
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.api.errors import ApiError, invalid
+from services.api.events import DeltaEvent, DoneEvent, error_event, sse_chunk
+from services.api.openai_params import check_model
+from services.api.schemas import SpeechRequest
+from services.api.serving import Prepared, serve
+from services.api.state import ApiState, task_refusal
+from services.api.streaming import EventStream
+from services.api.validation import GenerateParams, load, new_request_id
+from shared.frames import SamplingParams
+
+FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+REFUSED_FORMATS = ("mp3", "opus", "aac")
+#: Orpheus' recommended sampling (its own engine's defaults)
+DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}
+
+
+def check_speech(req: SpeechRequest) -> str:
+    """The response format, after the fields the model cannot honour are refused."""
+    fmt = req.response_format or "wav"
+    if fmt in REFUSED_FORMATS:
+        raise invalid("response_format", f"response_format {fmt!r} is not offered; use one of {', '.join(FORMATS)}")
+    if req.speed is not None and req.speed != 1.0:
+        raise invalid("speed", f"speed {req.speed} is not supported: the model speaks at its own pace (1.0)")
+    if req.instructions:
+        raise invalid("instructions", "instructions are not supported by this model")
+    if req.stream_format == "audio" and fmt == "flac":
+        raise invalid("stream_format", "flac cannot be streamed as it is made; use pcm or wav, or stream_format sse")
+    return fmt
+
+
+def sampling_fields(req: SpeechRequest) -> dict[str, Any]:
+    """The sampling settings: the body's, else Orpheus' own defaults."""
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "repetition_penalty", "seed")}
+    return {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def floats(audio: bytes) -> np.ndarray:
+    return np.frombuffer(audio, dtype="<f4")
+
+
+def wav_header(rate: int, data_bytes: int = 0xFFFFFFFF - 36) -> bytes:
+    """A 16-bit mono PCM WAV header; the default sizes say "unknown length" (a stream)."""
+    return (b"RIFF" + struct.pack("<I", min(0xFFFFFFFF, data_bytes + 36)) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+def encode_audio(samples: np.ndarray, fmt: str, rate: int) -> bytes:
+    """A whole clip in `fmt`: wav and pcm are 16-bit PCM, flac through soundfile."""
+    if fmt == "pcm":
+        return pcm16(samples)
+    if fmt == "wav":
+        data = pcm16(samples)
+        return wav_header(rate, len(data)) + data
+    import soundfile
+
+    buf = io.BytesIO()  # the same 16-bit samples as wav and pcm (soundfile's own float rounding differs)
+    soundfile.write(buf, np.frombuffer(pcm16(samples), "<i2"), rate, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+class AudioDelta(msgspec.Struct, tag_field="type", tag="speech.audio.delta"):
+    audio: str
+
+
+class SpeechUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class AudioDone(msgspec.Struct, tag_field="type", tag="speech.audio.done"):
+    usage: SpeechUsage
+
+
+class SpeechReply:
+    """The route's answer: the whole clip, raw audio chunks, or OpenAI's SSE events."""
+
+    def __init__(self, client_id: str, fmt: str, stream_format: str | None, rate: int) -> None:
+        self.client_id, self.fmt, self.stream_format, self.rate = client_id, fmt, stream_format, rate
+        self._started = False
+        sse = stream_format == "sse"
+        media = "text/event-stream; charset=utf-8" if sse else FORMATS[fmt]
+        self.headers = [(b"content-type", media.encode()), (b"cache-control", b"no-cache")]
+
+    def json(self, done: DoneEvent) -> Response:
+        body = encode_audio(floats(done.audio or b""), self.fmt, self.rate)
+        return Response(body, media_type=FORMATS[self.fmt])
+
+    def event(self, event: DeltaEvent | DoneEvent) -> bytes:
+        if self.stream_format == "sse":
+            if isinstance(event, DoneEvent):
+                u = event.usage
+                return sse_chunk(AudioDone(SpeechUsage(u.prompt_tokens, u.completion_tokens,
+                                                       u.prompt_tokens + u.completion_tokens)))
+            audio = event.audio or b""
+            return sse_chunk(AudioDelta(base64.b64encode(pcm16(floats(audio))).decode())) if audio else b""
+        if isinstance(event, DoneEvent):
+            return b""
+        head = b""
+        if not self._started and self.fmt == "wav":
+            head = wav_header(self.rate)
+        self._started = True
+        return head + pcm16(floats(event.audio or b""))
+
+    def error(self, err: ApiError) -> bytes:
+        # raw audio has no way to say it; the stream just ends (the log has the error)
+        return sse_chunk(error_event(self.client_id, err)) if self.stream_format == "sse" else b""
+
+    def end(self) -> bytes:
+        return b""
+
+
+def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
+    settings = state.settings
+    if settings.task != "speech":
+        raise invalid("model", task_refusal(settings.model_name, settings.task, "speech"))
+    req = load(obj, SpeechRequest)
+    check_model(req.model, settings.model_name)
+    fmt = check_speech(req)
+    options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
+    params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
+                            sampling=SamplingParams(**sampling_fields(req)), max_tokens=req.max_tokens,
+                            prompt=req.input, options=options)
+    reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
+    return Prepared(params, req.stream_format is not None, reply, task="speech")
+
+
+async def speech(request: Request) -> Response | EventStream:
+    """POST /v1/audio/speech."""
+    return await serve(request, _accept_speech, "/v1/audio/speech")

@@ -1,0 +1,168 @@
+"""Speech out through the real services: a tiny random Orpheus checkpoint (a Llama whose
+added tokens are SNAC codes) with a tiny random SNAC codec at `<folder>/snac`.
+
+- codes: `/generate`'s token ids equal transformers' greedy tokens under the same per-slot
+  code ranges (the worker's constraint, given to `generate` as a logits processor), and
+  the audio equals SNAC's own `decode` of those codes;
+- `/v1/audio/speech` in pcm, wav and flac, streamed (`stream_format` audio and sse) and
+  not: the streamed chunks joined equal the whole clip; two voices, each transformers';
+- the official `openai` client's `audio.speech.create` and `with_streaming_response`;
+- refusals naming the field; debug asserts on, pages back to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.servers import MstarServer
+from tests.tts_checkpoints import make_orpheus_checkpoint, make_snac_folder
+
+TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.")
+MAX_TOKENS = 7 * 6  # six frames
+#: greedy, and none of Orpheus' default penalties (the reference is plain greedy)
+GREEDY = {"temperature": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = make_orpheus_checkpoint(tmp_path_factory.mktemp("tts") / "orpheus")
+    make_snac_folder(path / "snac", noise=False)  # noise-free: SNAC's decode is deterministic
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "tts.log", "--num-kv-pages", "64",
+                      "--page-size", "8", env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    yield srv
+    srv.stop()
+
+
+def reference(folder: Path, text: str, voice: str = "tara") -> tuple[list[int], np.ndarray]:
+    """(transformers' greedy tokens under the code constraint, SNAC's decode of them)."""
+    import torch
+    import transformers
+    from snac import SNAC
+
+    from shared.specs.orpheus_codes import CODES_PER_FRAME, OrpheusCodes
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    codes = OrpheusCodes(tok.get_vocab(), 64)
+    prompt = codes.prompt_ids(tok(f"{voice}: {text}")["input_ids"])
+
+    class Slots(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            k = input_ids.shape[1] - len(prompt)
+            keep = torch.zeros_like(scores, dtype=torch.bool)
+            lo, hi = codes.allowed(k)
+            keep[:, lo:hi] = True
+            if k and k % CODES_PER_FRAME == 0:
+                keep[:, codes.end_of_speech] = True
+            return scores.masked_fill(~keep, float("-inf"))
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             logits_processor=[Slots()], eos_token_id=codes.end_of_speech, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    audio = [t for t in tokens if t != codes.end_of_speech]
+    frames = codes.frames(codes.codes(audio))
+    snac = SNAC(**json.loads((folder / "snac" / "config.json").read_text()))
+    snac.load_state_dict(torch.load(folder / "snac" / "pytorch_model.bin", weights_only=True))
+    with torch.no_grad():
+        wave = snac.eval().decode([torch.from_numpy(f)[None] for f in frames])[0, 0].numpy()
+    return tokens, wave
+
+
+def pcm(samples: np.ndarray) -> np.ndarray:
+    return np.frombuffer((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes(), "<i2")
+
+
+async def test_codes_and_audio_equal_transformers_and_snac(folder, server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(client.post("/generate", json={
+            "prompt": t, "max_tokens": MAX_TOKENS, "temperature": 0}) for t in TEXTS))
+    for text, r in zip(TEXTS, got):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        tokens, wave = reference(folder, text)
+        assert body["token_ids"] == tokens
+        audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
+        np.testing.assert_allclose(audio, wave, atol=1e-5, rtol=0)
+    assert server.wait_pages_free() == 0
+    assert "footprint overrun" not in server.log() and "not tight" not in server.log()
+
+
+async def speech(client: httpx.AsyncClient, **body) -> httpx.Response:
+    body = {"input": TEXTS[1], "max_tokens": MAX_TOKENS, **GREEDY, **body}
+    return await client.post("/v1/audio/speech", json=body)
+
+
+async def test_speech_route_formats_and_streams(folder, server):
+    """pcm is the reference's samples; wav and flac hold the same; the streamed pcm (raw and
+    SSE) joined equals the whole clip; another voice is its own reference."""
+    import soundfile
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        whole = await speech(client, response_format="pcm")
+        wav = await speech(client, response_format="wav")
+        flac = await speech(client, response_format="flac")
+        raw = await speech(client, response_format="pcm", stream_format="audio")
+        sse = await speech(client, response_format="pcm", stream_format="sse")
+        leo = await speech(client, response_format="pcm", voice="leo")
+    assert whole.headers["content-type"] == "audio/pcm" and wav.headers["content-type"] == "audio/wav"
+    want = pcm(reference(folder, TEXTS[1])[1])
+    got = np.frombuffer(whole.content, "<i2")
+    assert len(got) == len(want) and np.abs(got.astype(int) - want).max() <= 1
+    assert raw.content == whole.content
+    events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == whole.content
+    for encoded in (wav.content, flac.content):
+        samples, rate = soundfile.read(io.BytesIO(encoded), dtype="int16")
+        assert rate == 24000 and np.array_equal(samples, got)
+    other = np.frombuffer(leo.content, "<i2")
+    assert np.abs(other.astype(int) - pcm(reference(folder, TEXTS[1], "leo")[1])).max() <= 1
+    assert server.wait_pages_free() == 0
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"input": ""}, "input", None),
+    ({"input": "x", "voice": "robot"}, "voice", "voice 'robot' is not one of this model's"),
+    ({"input": "x", "response_format": "mp3"}, "response_format", "response_format 'mp3' is not offered"),
+    ({"input": "x", "speed": 2.0}, "speed", "speed 2.0 is not supported"),
+    ({"input": "x", "max_tokens": 100000}, "max_tokens", None),
+])
+async def test_speech_refusals_name_the_field(server, body, param, message):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        r = await client.post("/v1/audio/speech", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if message:
+        assert message in r.json()["error"]["message"]
+
+
+def test_the_openai_client_speaks(folder, server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0]
+    extra = {**GREEDY, "max_tokens": MAX_TOKENS}
+    clip = client.audio.speech.create(model=model.id, voice="tara", input=TEXTS[1], response_format="pcm",
+                                      extra_body=extra)
+    chunks = []
+    with client.audio.speech.with_streaming_response.create(model=model.id, voice="tara", input=TEXTS[1],
+                                                            response_format="pcm", extra_body=extra) as r:
+        for chunk in r.iter_bytes():
+            chunks.append(chunk)
+    assert clip.content == b"".join(chunks) and len(clip.content) > 0
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["output_modalities"] == ["audio"]
