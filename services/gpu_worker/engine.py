@@ -93,7 +93,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.runner.holding
 
     @property
     def spec_draft_tokens(self) -> int:
@@ -143,6 +143,10 @@ class Engine:
 
     def step(self) -> StepResult:
         res = StepResult()
+        if self.runner.holding:  # outputs whose sound is made (wait for one when idle)
+            ready, failed = self.runner.ready_outputs(wait=not self.scheduler.has_work)
+            res.outputs += ready
+            res.errors += failed
         admitted = self.scheduler.admit()
         if admitted and self.runner.needs_prepare:
             self._prepare(admitted, res)
@@ -173,8 +177,8 @@ class Engine:
             if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue
             emitted = self.outputs.emit(entry.request, k.tokens)
-            self.runner.on_emit(entry.request, emitted.output)
-            res.outputs.append((emitted.reply_to, emitted.output))
+            if not self.runner.on_emit(entry.request, emitted.reply_to, emitted.output):
+                res.outputs.append((emitted.reply_to, emitted.output))
             if emitted.ended:
                 self._finish(entry.request, emitted.ran_to_caps, "ok", res)
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time

@@ -27,7 +27,7 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, StepPlan
-from shared.frames import Output
+from shared.frames import Output, RequestError
 from shared.layout import KVLabel
 from shared.specs.base import DecoderRunnerSpec
 
@@ -127,9 +127,21 @@ class ModelRunner:
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
 
-    def on_emit(self, request: Request, output: Output) -> None:
+    def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
         """What an output carries besides tokens (a speech model's sound), once the output
-        processor made it; nothing by default."""
+        processor made it; True when the runner holds the output to send it later itself
+        (`ready_outputs`). Nothing by default: sent with the step."""
+        return False
+
+    @property
+    def holding(self) -> bool:
+        """Outputs are held (their sound still being made)."""
+        return False
+
+    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
+        """Held outputs now complete, in the order they were emitted (`wait`: block for the
+        oldest when nothing else is to do); and errors of those that failed."""
+        return [], []
 
     #: positions per row: 1, or 3 for multimodal RoPE (temporal, height, width)
     position_streams = 1

@@ -13,13 +13,20 @@ own:
   carries the rest (`finish`). The stream is the request's (`Request.codec`), so an aborted
   request drops it with everything else.
 
-The codec runs in the step's thread, after the forward: it is a few small convolutions a
-frame (measured in docs/benchmarks.md), and running it elsewhere would need its own copy
-of each request's stream state; a thread of its own is the next step if it shows in the
-step time.
+The codec runs in a thread of its own (`CODEC_THREAD`), beside the steps: a real SNAC
+decodes a frame in tens of milliseconds on a CPU, which in the step's thread would delay
+every stream's next token by it. Torch releases the GIL in the convolutions, so the next
+step's forward runs while the codec decodes. An output waits for its sound (it is held,
+in emission order, and sent by a later step: `ready_outputs`), so a request's chunks and
+its last output reach the api in order; when nothing else is to do the engine waits for
+the oldest. One thread keeps every request's frames in order without locks.
 """
 
 from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,9 +34,15 @@ import torch
 from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
-from shared.frames import Output
+from services.gpu_worker.step_types import error_frame
+from shared.errors import ErrorKind, new_error_id
+from shared.frames import Output, RequestError
 from shared.specs.base import SpeechRunnerSpec
 from shared.specs.orpheus_codes import CODES_PER_FRAME
+
+log = logging.getLogger("mstar.speech_runner")
+
+CODEC_THREAD = "mstar-codec"
 
 
 class SpeechRunner(ModelRunner):
@@ -39,6 +52,9 @@ class SpeechRunner(ModelRunner):
         super().__init__(model, spec, kv, caches, planner)
         self.codes = spec.codes
         self.codec = SnacCodec(spec.codec_path)
+        #: the codec thread, and the outputs waiting for their sound, in emission order
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=CODEC_THREAD)
+        self.held: deque[tuple[str, Output, Future[bytes]]] = deque()
         if self.codec.codebook_size != self.codes.codebook_size:
             raise ValueError(f"the codec has {self.codec.codebook_size} codes a codebook; the model's tokens "
                              f"say {self.codes.codebook_size}")
@@ -54,20 +70,44 @@ class SpeechRunner(ModelRunner):
                 keep[i, self.codes.end_of_speech] = True
         return logits.masked_fill(~keep, float("-inf"))
 
-    def on_emit(self, request: Request, output: Output) -> None:
-        """The output's audio: the samples its completed frames made final (all that is left
-        when the request ends)."""
-        stream: SnacStream | None = request.codec
-        if stream is None:
-            stream = request.codec = self.codec.stream()
-        audio_tokens = [t for t in request.output if t != self.codes.end_of_speech]
-        done = len(audio_tokens) // CODES_PER_FRAME
+    def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
+        """Hold the output; its sound is made in the codec thread (`_sound`)."""
+        if request.codec is None:
+            request.codec = self.codec.stream()
+        audio = [t for t in request.output if t != self.codes.end_of_speech]
+        job = self.pool.submit(self._sound, request.codec, audio, output.finish_reason is not None)
+        self.held.append((reply_to, output, job))
+        return True
+
+    def _sound(self, stream: SnacStream, audio: list[int], last: bool) -> bytes:
+        """The samples `audio` (the request's audio tokens so far) made final: its frames not
+        yet decoded, and on its last output whatever the stream still holds."""
+        done = len(audio) // CODES_PER_FRAME
         chunks = []
         if done > stream.frames_received:
             start = stream.frames_received * CODES_PER_FRAME
-            codes = self.codes.codes(audio_tokens[start : done * CODES_PER_FRAME], start)
+            codes = self.codes.codes(audio[start : done * CODES_PER_FRAME], start)
             chunks.append(stream.push(self.codes.frames(codes)))
-        if output.finish_reason is not None:
+        if last:
             chunks.append(stream.finish())
-        if chunks:
-            output.audio = np.concatenate(chunks).astype("<f4").tobytes()
+        return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""
+
+    @property
+    def holding(self) -> bool:
+        return bool(self.held)
+
+    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
+        ready: list[tuple[str, Output]] = []
+        failed: list[tuple[str, RequestError]] = []
+        while self.held and (self.held[0][2].done() or (wait and not ready and not failed)):
+            reply_to, output, job = self.held.popleft()
+            try:
+                output.audio = job.result()
+            except Exception:
+                error_id = new_error_id()
+                log.exception("the codec failed on %s (error_id=%s)", output.request_id, error_id)
+                failed.append((reply_to, error_frame(output.request_id, ErrorKind.INTERNAL,
+                                                     "internal error in the audio codec", error_id)))
+                continue
+            ready.append((reply_to, output))
+        return ready, failed
