@@ -74,6 +74,7 @@ class Generation:
         self._pooled = b""  # a pooling request's result (its one output)
         self._audio: list[bytes] = []  # a speech request's chunks so far
         self._pending_audio = b""  # the latest output's chunk, for the next delta
+        self._first_audio_at = 0.0
 
     @property
     def _token_ids(self) -> list[int]:
@@ -113,8 +114,12 @@ class Generation:
         if dispatched is None:
             dispatched = self._first_token_at
         queue = None if dispatched is None else dispatched - self._started
+        e2e = time.perf_counter() - self._started
         self._metrics.finished(finish_reason, self._prompt_tokens if self._count_prompt else 0, len(self._token_ids),
-                               time.perf_counter() - self._started, queue)
+                               e2e, queue)
+        if self._audio and self._metrics.sample_rate:
+            self._metrics.audio_finished(self._first_audio_at - self._started,
+                                         sum(len(a) for a in self._audio) // 4, e2e)
 
     def _done(self, finish_reason: str) -> DoneEvent:
         self.finished = True
@@ -166,6 +171,8 @@ class Generation:
         if item.pooled:
             self._pooled = item.pooled
         if item.audio:
+            if not self._audio:
+                self._first_audio_at = time.perf_counter()
             self._audio.append(item.audio)
             self._pending_audio += item.audio
         if item.metadata:

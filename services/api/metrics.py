@@ -47,6 +47,8 @@ from shared.frames import ClusterStatus
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATUSES = ("ok", "abort", "error_4xx", "error_5xx")
 FINISH_REASONS = ("stop", "length", "abort")
+#: a speech request's wall time over the audio seconds it made (below 1: faster than real time)
+RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 32.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 #: vLLM's request-latency buckets (e2e and queue time), seconds
@@ -164,8 +166,10 @@ class StatsWindow:
 class ApiMetrics:
     """All metrics of one api process; `render()` is the `/metrics` body."""
 
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", sample_rate: int = 0) -> None:
         self.model_name = model_name
+        #: a speech model's audio rate: its outputs' samples per second (0: no sound)
+        self.sample_rate = sample_rate
         self.registry = reg = CollectorRegistry()
         self.requests = Counter("mstar_requests", "finished requests by final status", ["model_name", "status"],
                                 registry=reg)
@@ -185,6 +189,12 @@ class ApiMetrics:
                                    REQUEST_BUCKETS)
         self.queue = self._histogram("mstar_request_queue_time_seconds",
                                      "arrival at the api to dispatch on a worker", QUEUE_BUCKETS)
+        if sample_rate:  # a speech model's: vLLM-style histograms beside the token ones
+            self.ttfa = self._histogram("mstar_time_to_first_audio_seconds",
+                                        "arrival at the api to the request's first sound", TTFT_BUCKETS)
+            self.rtf = self._histogram("mstar_real_time_factor",
+                                       "a speech request's wall time over the audio seconds it made", RTF_BUCKETS)
+            self.audio_seconds = self._counter("mstar_audio_seconds", "seconds of audio made (finished requests)")
         self.window = StatsWindow()
         self.cluster = ClusterCollector(model_name)
         reg.register(self.cluster)
@@ -220,6 +230,15 @@ class ApiMetrics:
         self.e2e.observe(e2e_s)
         if queue_s is not None:
             self.queue.observe(max(0.0, queue_s))
+
+    def audio_finished(self, first_audio_s: float, samples: int, e2e_s: float) -> None:
+        """A speech request ended having made `samples` (its first sound `first_audio_s`
+        after arrival)."""
+        seconds = samples / self.sample_rate
+        self.ttfa.observe(first_audio_s)
+        self.audio_seconds.inc(seconds)
+        if seconds:
+            self.rtf.observe(e2e_s / seconds)
 
     def set_cluster_status(self, status: ClusterStatus | None) -> None:
         """Record a status answer, or None when the conductor did not answer in time."""

@@ -33,7 +33,7 @@ class ApiState:
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # None: the model has none, chat is a 400
         self.created = int(time.time())  # the model card's `created` in /v1/models
-        self.metrics = metrics or ApiMetrics(settings.model_name)
+        self.metrics = metrics or ApiMetrics(settings.model_name, settings.sample_rate)
         self.backend = backend or Backend(
             api_addr=settings.api_addr,
             reply_to=settings.advertise_addr,

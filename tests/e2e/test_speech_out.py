@@ -132,6 +132,10 @@ async def test_speech_route_formats_and_streams(folder, server):
     other = np.frombuffer(leo.content, "<i2")
     assert np.abs(other.astype(int) - pcm(reference(folder, TEXTS[1], "leo")[1])).max() <= 1
     assert server.wait_pages_free() == 0
+    # the speech histograms beside the token ones: every clip so far counted, its seconds summed
+    clips = server.metric("mstar_time_to_first_audio_seconds_count")
+    assert clips >= 6 and server.metric("mstar_real_time_factor_count") == clips
+    assert server.metric("mstar_audio_seconds_total") >= 6 * len(got) / 24000
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
