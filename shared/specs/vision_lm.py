@@ -29,7 +29,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -42,6 +42,18 @@ from shared.vision.qwen2_vl import Qwen2VLImages
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
+class ImageSettings(Protocol):
+    """What `VisionLMSpec` reads of a family's image settings (`shared.vision.*`)."""
+
+    @property
+    def placeholder(self) -> str: ...
+
+    def settings_key(self) -> str: ...
+
+
+ImagesT = TypeVar("ImagesT", bound=ImageSettings)
 
 
 def image_spans(ids: list[int], image_token_id: int, images: tuple[PreparedImage, ...],
@@ -82,14 +94,17 @@ def image_spans(ids: list[int], image_token_id: int, images: tuple[PreparedImage
     return tuple(spans)
 
 
-class VisionLMSpec(DecoderLMSpec):
+class VisionLMSpec(DecoderLMSpec, Generic[ImagesT]):
     """A decoder LM with a vision tower: what every family of this module shares. A
-    family sets `image_placeholder`, `image_token_id`, `rows_per_tile` and implements
-    `_preprocess` (file -> pixels, placeholder text)."""
+    family sets `image_token_id`, `rows_per_tile`, `images = None` and implements
+    `_read_images` (its processor settings from the folder) and `_preprocess` (file ->
+    pixels, placeholder text); `load_folder` sets `image_placeholder` from the settings."""
 
     engine = "vision_decoder"
     image_token_id: int
     rows_per_tile: int
+    #: the processor's image settings, None until `load_folder` read them
+    images: ImagesT | None
     #: the rows of one run of image tokens attend to each other both ways in prefill (Gemma
     #: 3's image blocks): their spans say so (`Span.bidirectional`), and the engine never
     #: splits such a run between prefill chunks or at a prefix-cache hit
@@ -108,12 +123,40 @@ class VisionLMSpec(DecoderLMSpec):
         key = hashlib.sha256(self.pixel_settings().encode() + b"\0" + data).hexdigest()
         return PreparedImage(np.ascontiguousarray(pixels, dtype=np.float32), text, key)
 
+    def load_folder(self, path: str | Path) -> Self:
+        """The processor's settings (processor_config.json or preprocessor_config.json, the
+        tokenizer's image tokens): without them the model's images cannot be made as it was
+        trained on them."""
+        self.images = self._read_images(Path(path))
+        self._check_images(self.images)
+        self.image_placeholder = self.images.placeholder
+        return self
+
+    def _read_images(self, folder: Path) -> ImagesT:
+        """The family's image settings from its model folder."""
+        raise NotImplementedError
+
+    def _check_images(self, images: ImagesT) -> None:
+        """ValueError where the settings disagree with the model (nothing to check by default)."""
+
+    def _check_rows(self, name: str, saved: int, per: str) -> None:
+        """The processor's image token count (`name`) must be the rows the model makes `per`
+        tile or image, or every prompt would hold the wrong number of image tokens."""
+        if saved != self.rows_per_tile:
+            raise ValueError(f"the processor's {name} {saved} != the {self.rows_per_tile} rows {per}")
+
+    def _settings(self) -> ImagesT:
+        """The loaded settings; `PromptError` before `load_folder` (no image can be made)."""
+        if self.images is None:
+            raise PromptError("images", "the model folder's processor settings were not loaded")
+        return self.images
+
     def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
         raise NotImplementedError
 
     def pixel_settings(self) -> str:
         """Every setting that changes an image's pixels or rows (part of its content key)."""
-        raise NotImplementedError
+        return self._settings().settings_key()
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         if request.audio is not None:
@@ -132,16 +175,22 @@ class VisionLMSpec(DecoderLMSpec):
         return ProcessPromptOutput(tensors, layouts, {"prompt_len": len(ids)})
 
 
-def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def text_config(config: Mapping[str, Any], model_type: str = "llama", tied: bool = False) -> dict[str, Any]:
     """The language model's config.json dict inside a VLM's: its `text_config`, with the
-    head tying the checkpoint declares at the top (where its `lm_head` is)."""
+    head tying the checkpoint declares at the top (where its `lm_head` is); `model_type`
+    and `tied` are the family's defaults where neither says."""
     text = dict(config["text_config"])
-    text.setdefault("model_type", "llama")
-    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    text.setdefault("model_type", model_type)
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", tied)))
     return text
 
 
-class Idefics3Spec(VisionLMSpec):
+def gemma3_text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's language model config: a Gemma 3 text model, tied unless it says not."""
+    return text_config(config, model_type="gemma3_text", tied=True)
+
+
+class Idefics3Spec(VisionLMSpec[Idefics3Images]):
     """Idefics3 and SmolVLM: SigLIP tiles, pixel shuffle and a linear connector; a Llama
     text model. An image is split into tiles of `max_image_size` plus the whole image
     scaled down (`shared.vision.idefics3`); each tile is one run of `image_seq_len`
@@ -156,25 +205,13 @@ class Idefics3Spec(VisionLMSpec):
         self.image_token_id = int(config["image_token_id"])
         patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
         self.rows_per_tile = patches // self.scale_factor**2
-        self.images: Idefics3Images | None = None
+        self.images = None
 
-    def load_folder(self, path: str | Path) -> Idefics3Spec:
-        """The processor's settings (preprocessor_config.json, processor_config.json):
-        without them the model's images cannot be made as it was trained on them."""
-        self.images = Idefics3Images.from_folder(Path(path))
-        if self.images.image_seq_len != self.rows_per_tile:
-            raise ValueError(f"the processor's image_seq_len {self.images.image_seq_len} != the "
-                             f"{self.rows_per_tile} rows the vision tower makes per tile")
-        self.image_placeholder = self.images.image_token
-        return self
+    def _read_images(self, folder: Path) -> Idefics3Images:
+        return Idefics3Images.from_folder(folder)
 
-    def _settings(self) -> Idefics3Images:
-        if self.images is None:
-            raise PromptError("images", "the model folder's processor settings were not loaded")
-        return self.images
-
-    def pixel_settings(self) -> str:
-        return self._settings().settings_key()
+    def _check_images(self, images: Idefics3Images) -> None:
+        self._check_rows("image_seq_len", images.image_seq_len, "the vision tower makes per tile")
 
     def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
         settings = self._settings()
@@ -182,7 +219,7 @@ class Idefics3Spec(VisionLMSpec):
         return pixels, settings.prompt(rows, cols)
 
 
-class Gemma3VisionSpec(VisionLMSpec):
+class Gemma3VisionSpec(VisionLMSpec[Gemma3Images]):
     """Gemma 3 with images: a SigLIP tower whose patches are average-pooled to
     `mm_tokens_per_image` rows, RMS-normed and projected; the Gemma 3 text model (its
     sliding-window label as for text). Each image is one tile, resized to the tower's
@@ -193,33 +230,17 @@ class Gemma3VisionSpec(VisionLMSpec):
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
-        text = dict(config["text_config"])
-        text.setdefault("model_type", "gemma3_text")
-        text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
-        super().__init__(text, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        super().__init__(gemma3_text_config(config), page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
         self.vlm_config = dict(config)
         self.image_token_id = gemma3_image_token_id(config)
         self.rows_per_tile = int(config.get("mm_tokens_per_image", 256))
-        self.images: Gemma3Images | None = None
+        self.images = None
 
-    def load_folder(self, path: str | Path) -> Gemma3VisionSpec:
-        """The processor's settings (processor_config.json or preprocessor_config.json, the
-        tokenizer's image tokens): without them the model's images cannot be made as it was
-        trained on them."""
-        self.images = Gemma3Images.from_folder(Path(path))
-        if self.images.image_seq_length != self.rows_per_tile:
-            raise ValueError(f"the processor's image_seq_length {self.images.image_seq_length} != the "
-                             f"{self.rows_per_tile} rows the model makes per image")
-        self.image_placeholder = self.images.boi_token
-        return self
+    def _read_images(self, folder: Path) -> Gemma3Images:
+        return Gemma3Images.from_folder(folder)
 
-    def _settings(self) -> Gemma3Images:
-        if self.images is None:
-            raise PromptError("images", "the model folder's processor settings were not loaded")
-        return self.images
-
-    def pixel_settings(self) -> str:
-        return self._settings().settings_key()
+    def _check_images(self, images: Gemma3Images) -> None:
+        self._check_rows("image_seq_length", images.image_seq_length, "the model makes per image")
 
     def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
         settings = self._settings()
@@ -251,7 +272,7 @@ QWEN25_VL_KEYS = frozenset({"architectures", "model_type", "text_config", "visio
                             "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id"})
 
 
-class Qwen25VLSpec(VisionLMSpec):
+class Qwen25VLSpec(VisionLMSpec[Qwen2VLImages]):
     """Qwen2.5-VL: a ViT with 2-D RoPE and windowed attention over an image's native-resolution
     grid of patches, merged 2 x 2 into one row each; a Qwen2 text model with multimodal RoPE.
 
@@ -284,22 +305,10 @@ class Qwen25VLSpec(VisionLMSpec):
         vision = config.get("vision_config") or {}
         self.merge_size = int(vision.get("spatial_merge_size", 2))
         self.image_token_id = int(config.get("image_token_id", 151_655))  # Qwen2_5_VLConfig's default
-        self.images: Qwen2VLImages | None = None
+        self.images = None
 
-    def load_folder(self, path: str | Path) -> Qwen25VLSpec:
-        """The image processor's settings (processor_config.json or preprocessor_config.json):
-        without them the model's images cannot be made as it was trained on them."""
-        self.images = Qwen2VLImages.from_folder(Path(path))
-        self.image_placeholder = self.images.image_token
-        return self
-
-    def _settings(self) -> Qwen2VLImages:
-        if self.images is None:
-            raise PromptError("images", "the model folder's processor settings were not loaded")
-        return self.images
-
-    def pixel_settings(self) -> str:
-        return self._settings().settings_key()
+    def _read_images(self, folder: Path) -> Qwen2VLImages:
+        return Qwen2VLImages.from_folder(folder)
 
     def _preprocess(self, image: Any) -> tuple[np.ndarray, str]:
         settings = self._settings()

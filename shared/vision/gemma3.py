@@ -22,13 +22,14 @@ it when the expanded prompt is tokenized once, whole, as the processor tokenizes
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from shared.vision import common
 
 #: transformers' PILImageResampling.BILINEAR, the image processor's default filter
 BILINEAR = 2
@@ -66,22 +67,20 @@ class Gemma3Images:
     @classmethod
     def from_folder(cls, path: str | Path) -> Gemma3Images:
         """Read the settings the way transformers' AutoProcessor would: the image processor's
-        from processor_config.json (nested, as transformers 5 saves it) or else
-        preprocessor_config.json (as the Hub's checkpoints have it); image_seq_length from
+        where `common.image_processor_config` finds them; image_seq_length from
         processor_config.json (else config.json's mm_tokens_per_image); the token strings
         from tokenizer_config.json. ValueError for settings this module cannot reproduce
         (pan and scan) or that the vision tower cannot take (another size than its own)."""
         folder = Path(path)
-        config = _read_json(folder / "config.json")
-        processor = _read_json(folder / "processor_config.json")
-        image = processor.get("image_processor")
-        if not isinstance(image, dict):
-            image = _read_json(folder / "preprocessor_config.json")
+        config = common.read_json(folder / "config.json")
+        processor = common.read_json(folder / "processor_config.json")
+        image = common.image_processor_config(folder, processor)
         if image.get("do_pan_and_scan") or processor.get("do_pan_and_scan"):
             raise ValueError(f"{folder}: do_pan_and_scan is on; pan and scan crops are not supported "
                              "(set it to false to serve one image sequence per image)")
         settings: dict[str, Any] = _image_settings(image)
-        settings.update(_tokens(_read_json(folder / "tokenizer_config.json")))
+        tokenizer = common.read_json(folder / "tokenizer_config.json")
+        settings.update(common.special_tokens(tokenizer, tuple(DEFAULT_TOKENS)))
         tokens = config.get("mm_tokens_per_image")
         seq = processor.get("image_seq_length", tokens)
         if seq is not None:
@@ -103,64 +102,28 @@ class Gemma3Images:
             raise ValueError(f"{folder}: processor image_seq_length {self.image_seq_length} but the model makes "
                              f"{tokens} rows per image (mm_tokens_per_image)")
 
+    @property
+    def placeholder(self) -> str:
+        """The text the chat template writes for an image (`<start_of_image>`): what `prompt`'s text replaces."""
+        return self.boi_token
+
     def settings_key(self) -> str:
         """Every setting that changes pixel values, as one stable string: a cache of
         preprocessed images keys its entries by it with the image bytes."""
-        settings = {name: value for name, value in asdict(self).items() if name in PIXEL_FIELDS}
-        return "gemma3-images/1:" + json.dumps(settings, sort_keys=True)
+        return common.pixel_settings_key("gemma3-images/1:", self, PIXEL_FIELDS)
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
         """Pixel values [1, channels, height, width] float32: what the transformers
         processor gives for this image."""
-        frame = _source(image, self.do_convert_rgb)
+        frame = common.source_image(image, self.do_convert_rgb)
         if self.do_resize:
-            frame = frame.resize((self.width, self.height), resample=Image.Resampling(self.resample),
-                                 reducing_gap=None)
-        pixels = np.asarray(frame)
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
-        return self._normalize(pixels.transpose(2, 0, 1)[None])
+            frame = common.resize(frame, (self.height, self.width), self.resample)
+        return common.rescale_and_normalize(common.channels_first(frame)[None], self)
 
     def prompt(self) -> str:
         """The text that replaces one `boi_token` placeholder: the processor's
         `full_image_sequence`."""
         return f"\n\n{self.boi_token}{self.image_token * self.image_seq_length}{self.eoi_token}\n\n"
-
-    def _normalize(self, pixels: np.ndarray) -> np.ndarray:
-        """Rescale in float64 then cast to float32 (transformers' `rescale`), then subtract the
-        mean and divide by the std in float32 (its `normalize`)."""
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            channels = pixels.shape[1]
-            mean, std = _per_channel(self.image_mean, channels), _per_channel(self.image_std, channels)
-            pixels = (pixels - mean[:, None, None]) / std[:, None, None]
-        return pixels
-
-
-def _source(image: Image.Image, convert_rgb: bool) -> Image.Image:
-    """The image in the mode transformers resizes it in: RGB with transparency composited
-    onto white (its convert_to_rgb), or, without do_convert_rgb, Pillow's image of
-    np.array(image) as its to_pil_image makes it (uint8 only)."""
-    if convert_rgb:
-        if "A" in image.getbands() or image.info.get("transparency") is not None:
-            rgba = image.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(white, rgba).convert("RGB")
-        return image.convert("RGB")
-    array = np.array(image)
-    if array.dtype != np.uint8:
-        raise ValueError(f"image mode {image.mode} is not 8-bit; set do_convert_rgb to read it as RGB")
-    return Image.fromarray(array)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, or {} where the file is absent."""
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
 
 
 def _image_settings(image: dict[str, Any]) -> dict[str, Any]:
@@ -170,41 +133,6 @@ def _image_settings(image: dict[str, Any]) -> dict[str, Any]:
     if size is not None and not (isinstance(size, dict) and isinstance(size.get("height"), int)
                                  and isinstance(size.get("width"), int)):
         raise ValueError(f"size must be {{'height': int, 'width': int}}, got {size!r}")
-    values: dict[str, Any] = {
-        "do_convert_rgb": image.get("do_convert_rgb"), "do_resize": image.get("do_resize"),
+    return common.image_settings(image, {
         "height": None if size is None else int(size["height"]), "width": None if size is None else int(size["width"]),
-        "resample": image.get("resample"), "do_rescale": image.get("do_rescale"),
-        "rescale_factor": image.get("rescale_factor"), "do_normalize": image.get("do_normalize"),
-    }
-    for name in ("image_mean", "image_std"):
-        value = image.get(name)
-        values[name] = None if value is None else tuple(float(v) for v in np.atleast_1d(value))
-    if values["rescale_factor"] is not None:
-        values["rescale_factor"] = float(values["rescale_factor"])
-    return {name: value for name, value in values.items() if value is not None}
-
-
-def _tokens(config: dict[str, Any]) -> dict[str, str]:
-    """The processor's token strings: the tokenizer's attributes of those names, which
-    transformers sets from tokenizer_config.json (top level or its extra special tokens)."""
-    found: dict[str, str] = {}
-    sources = [config, config.get("model_specific_special_tokens"), config.get("extra_special_tokens")]
-    for source in sources:
-        if not isinstance(source, dict):
-            continue
-        for name in DEFAULT_TOKENS:
-            value = source.get(name)
-            if isinstance(value, dict):  # an AddedToken as saved
-                value = value.get("content")
-            if isinstance(value, str) and name not in found:
-                found[name] = value
-    return found
-
-
-def _per_channel(values: tuple[float, ...], channels: int) -> np.ndarray:
-    """A mean or std as one float32 per channel (a single value applies to all)."""
-    if len(values) == 1:
-        values = values * channels
-    if len(values) != channels:
-        raise ValueError(f"{len(values)} normalization values for {channels} channels")
-    return np.array(values, dtype=np.float32)
+    })

@@ -21,14 +21,15 @@ uint8 until step 5, so converting them to Pillow never rescales them).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from shared.vision import common
 
 #: transformers' PILImageResampling.LANCZOS, the processors' default filter
 LANCZOS = 1
@@ -75,37 +76,39 @@ class Idefics3Images:
     @classmethod
     def from_folder(cls, path: str | Path) -> Idefics3Images:
         """Read the settings the way transformers' AutoProcessor would: the image processor's
-        from processor_config.json (nested, as transformers 5 saves it) or else
-        preprocessor_config.json (as the Hub's checkpoints have it); image_seq_len from
+        where `common.image_processor_config` finds them; image_seq_len from
         processor_config.json, checked against what config.json's vision tower gives."""
         folder = Path(path)
-        config = _read_json(folder / "config.json")
-        processor = _read_json(folder / "processor_config.json")
-        image = processor.get("image_processor")
-        if not isinstance(image, dict):
-            image = _read_json(folder / "preprocessor_config.json")
+        config = common.read_json(folder / "config.json")
+        processor = common.read_json(folder / "processor_config.json")
+        image = common.image_processor_config(folder, processor)
         processor_class = processor.get("processor_class") or image.get("processor_class") \
             or PROCESSOR_OF_MODEL.get(config.get("model_type", ""))
         if processor_class not in PROCESSOR_OF_MODEL.values():
             raise ValueError(f"{folder}: not an Idefics3 / SmolVLM processor ({processor_class!r})")
         settings: dict[str, Any] = dict(DEFAULT_TOKENS, processor_class=str(processor_class))
         if processor_class == "SmolVLMProcessor":
-            settings.update(_tokenizer_tokens(_read_json(folder / "tokenizer_config.json")))
+            tokenizer = common.read_json(folder / "tokenizer_config.json")
+            settings.update(common.special_tokens(tokenizer, tuple(DEFAULT_TOKENS)))
         settings.update(_image_settings(image), image_seq_len=_image_seq_len(folder, config, processor))
         return cls(**settings)
+
+    @property
+    def placeholder(self) -> str:
+        """The text the chat template writes for an image: what `prompt`'s text replaces."""
+        return self.image_token
 
     def settings_key(self) -> str:
         """Every setting that changes pixel values, as one stable string: a cache of
         preprocessed images keys its entries by it with the image bytes."""
-        settings = {name: value for name, value in asdict(self).items() if name in PIXEL_FIELDS}
-        return "idefics3-images/1:" + json.dumps(settings, sort_keys=True)
+        return common.pixel_settings_key("idefics3-images/1:", self, PIXEL_FIELDS)
 
     def preprocess(self, image: Image.Image) -> tuple[np.ndarray, int, int]:
         """Pixel values [tiles, channels, tile_size, tile_size] float32 (the split tiles
         row-major, then the global image) and the split's (rows, cols), (0, 0) when the image
         was not split: what the transformers processor gives for this image, without the
         zero tiles it pads a batch with."""
-        frame = self._source(image)
+        frame = common.source_image(image, self.do_convert_rgb)
         tiles: list[Image.Image | np.ndarray]
         if self.do_resize:
             frame = self._resize(frame, _fit_longest_edge(frame.height, frame.width, self.longest_edge))
@@ -114,7 +117,8 @@ class Idefics3Images:
         else:
             frame = self._resize(frame, _tile_multiple(frame.height, frame.width, self.tile_size))
             tiles, rows, cols = self._split(frame)
-        return self._normalize(np.stack([_channels_first(tile) for tile in tiles])), rows, cols
+        pixels = np.stack([common.channels_first(tile) for tile in tiles])
+        return common.rescale_and_normalize(pixels, self), rows, cols
 
     def prompt(self, rows: int, cols: int) -> str:
         """The text that replaces one `image_token` placeholder for an image split into
@@ -132,26 +136,9 @@ class Idefics3Images:
         )
         return f"{grid}\n{whole}"
 
-    def _source(self, image: Image.Image) -> Image.Image:
-        """The image in the mode transformers resizes it in: RGB with transparency composited
-        onto white (its convert_to_rgb), or, without do_convert_rgb, Pillow's image of
-        np.array(image) as its to_pil_image makes it (uint8 only: other depths go through
-        transformers' rescaling guesses, not reproduced here)."""
-        if self.do_convert_rgb:
-            if "A" in image.getbands() or image.info.get("transparency") is not None:
-                rgba = image.convert("RGBA")
-                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                return Image.alpha_composite(white, rgba).convert("RGB")
-            return image.convert("RGB")
-        array = np.array(image)
-        if array.dtype != np.uint8:
-            raise ValueError(f"image mode {image.mode} is not 8-bit; set do_convert_rgb to read it as RGB")
-        return Image.fromarray(array)
-
     def _resize(self, image: Image.Image, size: tuple[int, int]) -> Image.Image:
-        """Resize to (height, width) as transformers' `resize` does (Pillow, reducing_gap None)."""
-        height, width = size
-        return image.resize((width, height), resample=Image.Resampling(self.resample), reducing_gap=None)
+        """Resize to (height, width) with the processor's filter (`common.resize`)."""
+        return common.resize(image, size, self.resample)
 
     def _split(self, image: Image.Image) -> tuple[list[Image.Image | np.ndarray], int, int]:
         """Tiles of an image whose edges are multiples of tile_size, row-major, then the
@@ -167,26 +154,6 @@ class Idefics3Images:
         tiles.append(self._resize(image, (size, size)))
         return tiles, rows, cols
 
-    def _normalize(self, pixels: np.ndarray) -> np.ndarray:
-        """Rescale in float64 then cast to float32 (transformers' `rescale`), then subtract the
-        mean and divide by the std in float32 (its `normalize`)."""
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            channels = pixels.shape[1]
-            mean, std = _per_channel(self.image_mean, channels), _per_channel(self.image_std, channels)
-            pixels = (pixels - mean[:, None, None]) / std[:, None, None]
-        return pixels
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, or {} where the file is absent."""
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
 
 def _edge(size: Any, name: str) -> int | None:
     """`longest_edge` of a size dict; the processors accept nothing else for these."""
@@ -200,19 +167,10 @@ def _edge(size: Any, name: str) -> int | None:
 def _image_settings(image: dict[str, Any]) -> dict[str, Any]:
     """The image processor's settings from its saved dict; a missing or null entry keeps the
     class default, as transformers' `_set_attributes` does."""
-    values: dict[str, Any] = {
-        "do_convert_rgb": image.get("do_convert_rgb"), "do_resize": image.get("do_resize"),
+    return common.image_settings(image, {
         "longest_edge": _edge(image.get("size"), "size"), "do_image_splitting": image.get("do_image_splitting"),
-        "tile_size": _edge(image.get("max_image_size"), "max_image_size"), "resample": image.get("resample"),
-        "do_rescale": image.get("do_rescale"), "rescale_factor": image.get("rescale_factor"),
-        "do_normalize": image.get("do_normalize"),
-    }
-    for name in ("image_mean", "image_std"):
-        value = image.get(name)
-        values[name] = None if value is None else tuple(float(v) for v in np.atleast_1d(value))
-    if values["rescale_factor"] is not None:
-        values["rescale_factor"] = float(values["rescale_factor"])
-    return {name: value for name, value in values.items() if value is not None}
+        "tile_size": _edge(image.get("max_image_size"), "max_image_size"),
+    })
 
 
 def _image_seq_len(folder: Path, config: dict[str, Any], processor: dict[str, Any]) -> int:
@@ -231,23 +189,6 @@ def _image_seq_len(folder: Path, config: dict[str, Any], processor: dict[str, An
     if derived is None:
         raise ValueError(f"{folder}: neither processor_config.json nor config.json gives image_seq_len")
     return derived
-
-
-def _tokenizer_tokens(config: dict[str, Any]) -> dict[str, str]:
-    """SmolVLMProcessor's token strings: the tokenizer's attributes of those names, which
-    transformers sets from tokenizer_config.json (top level or its extra special tokens)."""
-    found: dict[str, str] = {}
-    sources = [config, config.get("model_specific_special_tokens"), config.get("extra_special_tokens")]
-    for source in sources:
-        if not isinstance(source, dict):
-            continue
-        for name in DEFAULT_TOKENS:
-            value = source.get(name)
-            if isinstance(value, dict):  # an AddedToken as saved
-                value = value.get("content")
-            if isinstance(value, str) and name not in found:
-                found[name] = value
-    return found
 
 
 def _fit_longest_edge(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -285,20 +226,3 @@ def _tile_multiple(height: int, width: int, tile: int) -> tuple[int, int]:
         height = math.ceil(height / tile) * tile
         width = math.ceil(int(height * aspect_ratio) / tile) * tile
     return height, width
-
-
-def _channels_first(tile: Image.Image | np.ndarray) -> np.ndarray:
-    """A tile as a [channels, height, width] array (a one-band image gets its channel axis)."""
-    pixels = np.asarray(tile)
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
-    return pixels.transpose(2, 0, 1)
-
-
-def _per_channel(values: tuple[float, ...], channels: int) -> np.ndarray:
-    """A mean or std as one float32 per channel (a single value applies to all)."""
-    if len(values) == 1:
-        values = values * channels
-    if len(values) != channels:
-        raise ValueError(f"{len(values)} normalization values for {channels} channels")
-    return np.array(values, dtype=np.float32)

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
-from services.gpu_worker.modeling.base import VisionDecoderModel
 from services.gpu_worker.modeling.decoder_lm import DecoderLM, RowEmbeds
-from services.gpu_worker.modeling.siglip import SiglipVisionTower, load_prefixed
-from shared.specs.vision_lm import gemma3_image_token_id
+from services.gpu_worker.modeling.siglip import SiglipVisionTower
+from services.gpu_worker.modeling.vlm_base import SiglipDecoderModel, load_vlm_weights
+from shared.specs.vision_lm import gemma3_image_token_id, gemma3_text_config
 
 #: (prefix as saved, the part's own prefix), longest first where one starts another
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
@@ -73,15 +73,12 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(features)
 
 
-class Gemma3VisionLM(VisionDecoderModel):
-    assigns_weights = True
+class Gemma3VisionLM(SiglipDecoderModel):
+    """Gemma 3 with images: the SigLIP tower and the pooling projector, rows into the Gemma 3 LM."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
-        text = dict(config["text_config"])
-        text.setdefault("model_type", "gemma3_text")
-        text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
-        self.lm = DecoderLM(text)
+        self.lm = DecoderLM(gemma3_text_config(config))
         self.vision = SiglipVisionTower(config["vision_config"], bucketed_positions=False)
         tokens = int(config.get("mm_tokens_per_image", 256))
         self.projector = Gemma3Projector(config["vision_config"], self.lm.config.hidden_size, tokens)
@@ -89,29 +86,10 @@ class Gemma3VisionLM(VisionDecoderModel):
         self.oov_image_token = gemma3_image_token_id(config) >= self.lm.config.vocab_size
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Each part's tensors by its prefix; the LM's renamed to `DecoderLM`'s own names."""
-        text = {"model." + k[len(p):]: v for k, v in state.items() for p in TEXT_PREFIXES if k.startswith(p)}
-        text.update({"lm_head." + k[len(p):]: v for k, v in state.items() for p in HEAD_PREFIXES if k.startswith(p)})
-        self.lm.load_weights(text)
-        vision = _renamed(state, VISION_PREFIXES)
-        self.vision.to_empty(device="cpu")
-        load_prefixed(self.vision, vision, "")
-        self.projector.to_empty(device="cpu")
-        load_prefixed(self.projector, _renamed(state, PROJECTOR_PREFIXES), "")
-        known = TEXT_PREFIXES + HEAD_PREFIXES + VISION_PREFIXES + PROJECTOR_PREFIXES
-        unknown = sorted(k for k in state if not k.startswith(known))
-        if unknown:
-            raise ValueError(f"checkpoint tensors no part of the model takes: {unknown[:5]}")
-
-    def reset_buffers(self) -> None:
-        self.lm.reset_buffers()
-        self.vision.reset_buffers()
-
-    def prepare(self) -> None:
-        self.lm.prepare()
-
-    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
-        return self.lm.warm_gemms(max_rows, max_sample_rows)
+        """Each part's tensors by its prefixes (every saved form); the LM's renamed to
+        `DecoderLM`'s own names."""
+        load_vlm_weights(state, self.lm, text=TEXT_PREFIXES, head=HEAD_PREFIXES,
+                         parts=[(self.vision, VISION_PREFIXES), (self.projector, PROJECTOR_PREFIXES)])
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Images [N, C, S, S] -> their rows [N * mm_tokens_per_image, text hidden], in order."""
@@ -123,13 +101,3 @@ class Gemma3VisionLM(VisionDecoderModel):
         if self.oov_image_token:
             input_ids = torch.where(input_ids >= self.lm.config.vocab_size, 0, input_ids)
         return self.lm(input_ids, positions, kv_caches, metas, sample_rows, embeds)
-
-
-def _renamed(state: Mapping[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The tensors under the first of `prefixes` each key starts with, that prefix removed."""
-    out = {}
-    for key, value in state.items():
-        prefix = next((p for p in prefixes if key.startswith(p)), None)
-        if prefix is not None:
-            out[key[len(prefix):]] = value
-    return out

@@ -40,7 +40,7 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.modeling.base import GridVisionDecoderModel
 from services.gpu_worker.modeling.decoder_lm import DecoderLM, RowEmbeds
-from services.gpu_worker.modeling.siglip import load_prefixed
+from services.gpu_worker.modeling.vlm_base import load_vlm_weights
 from shared.specs.vision_lm import qwen25_vl_text_config
 
 #: (vision tower, language model) prefixes of transformers 5's files, then of the Hub's
@@ -245,14 +245,8 @@ class Qwen25VLModel(GridVisionDecoderModel):
         """The tower's tensors by its prefix; the LM's renamed to `DecoderLM`'s own names."""
         vision_prefix, text_prefix = next(((v, t) for v, t in PREFIXES if any(k.startswith(v) for k in state)),
                                           PREFIXES[0])
-        text = {"model." + k[len(text_prefix):]: v for k, v in state.items() if k.startswith(text_prefix)}
-        text.update({k: v for k, v in state.items() if k.startswith("lm_head.")})
-        self.lm.load_weights(text)
-        self.vision.to_empty(device="cpu")
-        load_prefixed(self.vision, {k: v for k, v in state.items() if k.startswith(vision_prefix)}, vision_prefix)
-        unknown = sorted(k for k in state if not k.startswith((vision_prefix, text_prefix, "lm_head.")))
-        if unknown:
-            raise ValueError(f"checkpoint tensors no part of the model takes: {unknown[:5]}")
+        load_vlm_weights(state, self.lm, text=(text_prefix,), head=("lm_head.",),
+                         parts=[(self.vision, (vision_prefix,))])
 
     def reset_buffers(self) -> None:
         self.lm.reset_buffers()
