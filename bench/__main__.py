@@ -13,6 +13,9 @@ Modes (the first argument; none means `run`):
   structured  time per output token with a JSON schema against free text, and the mask's cost
   embeddings  sentences/s of /v1/embeddings against sentence-transformers' encode (batch 1, 32,
             256, and concurrent single-sentence clients), same model, one run
+  speech    text to speech on a random Orpheus-shaped checkpoint with SNAC 24 kHz's shape:
+            time to first audio and real-time factor at c1 and c8, against transformers'
+            generate + snac's decode one request at a time
   vision    a one-image chat on a random SmolVLM bench checkpoint: TTFT, decode tok/s at c1
             and c8, against transformers' generate (processor included), one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
@@ -28,7 +31,7 @@ import argparse
 import sys
 import time
 
-MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "embeddings", "vision", "vllm-bench")
+MODES = ("run", "overhead", "compare", "floor", "spec", "structured", "embeddings", "vision", "speech", "vllm-bench")
 
 
 def common_flags(p: argparse.ArgumentParser, concurrency: list[int], prompt_len: int = 128,
@@ -128,6 +131,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
+    elif mode == "speech":
+        p.add_argument("--model", default="", help="'' (default): the random Orpheus bench checkpoint, made once")
+        p.add_argument("--frames", type=int, default=24, help="frames a request speaks (7 tokens, 2048 samples each)")
+        p.add_argument("--concurrency", "-c", type=int, default=8)
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--serve-arg", action="append", default=[])
+        p.add_argument("--out", default=None)
     elif mode == "vision":
         p.add_argument("--model", default="", help="'' (default): the random SmolVLM bench checkpoint, made once")
         p.add_argument("--max-tokens", type=int, default=64)
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.embeddings import embeddings as run_mode
     elif mode == "vision":
         from bench.vision import vision as run_mode
+    elif mode == "speech":
+        from bench.speech import speech as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:

@@ -79,10 +79,11 @@ def make_orpheus_tokenizer(path: Path, codebook_size: int = 64) -> None:
     }))
 
 
-def make_orpheus_checkpoint(path: Path, seed: int = 0, codebook_size: int = 64) -> Path:
+def make_orpheus_checkpoint(path: Path, seed: int = 0, codebook_size: int = 64, **shape) -> Path:
     """A tiny random LlamaForCausalLM (hidden 64, 2 layers) with an Orpheus tokenizer whose
     audio tokens cover `codebook_size` codes per slot (pair it with make_snac_folder's
-    codec of the same size); eos is end_of_speech, Orpheus' stop token."""
+    codec of the same size); eos is end_of_speech, Orpheus' stop token. `shape` changes
+    the Llama's sizes (the bench's larger one)."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -91,8 +92,9 @@ def make_orpheus_checkpoint(path: Path, seed: int = 0, codebook_size: int = 64) 
     make_orpheus_tokenizer(path, codebook_size)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     cfg = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        vocab_size=tok.get_vocab_size(), **{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2), **shape},
+        max_position_embeddings=2048, rms_norm_eps=1e-6,
         bos_token_id=tok.token_to_id("<|begin_of_text|>"), eos_token_id=tok.token_to_id("<custom_token_2>"),
         pad_token_id=0, initializer_range=0.2, tie_word_embeddings=True)
     torch.manual_seed(seed)

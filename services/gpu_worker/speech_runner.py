@@ -43,6 +43,9 @@ from shared.specs.orpheus_codes import CODES_PER_FRAME
 log = logging.getLogger("mstar.speech_runner")
 
 CODEC_THREAD = "mstar-codec"
+#: frames a chunk after the first waits for: each decode re-reads 5-6 frames of context, so
+#: one frame a decode would cost ~7 frames of decoding per frame of sound, four ~2.5
+CHUNK_FRAMES = 4
 
 
 class SpeechRunner(ModelRunner):
@@ -73,7 +76,7 @@ class SpeechRunner(ModelRunner):
     def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
         """Hold the output; its sound is made in the codec thread (`_sound`)."""
         if request.codec is None:
-            request.codec = self.codec.stream()
+            request.codec = self.codec.stream(CHUNK_FRAMES * self.codec.samples_per_frame)
         audio = [t for t in request.output if t != self.codes.end_of_speech]
         job = self.pool.submit(self._sound, request.codec, audio, output.finish_reason is not None)
         self.held.append((reply_to, output, job))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -256,12 +255,6 @@ def gemma3_image_token_id(config: Mapping[str, Any]) -> int:
     return 262_144  # Gemma3Config's default
 
 
-def is_vision_config(config: Mapping[str, Any]) -> bool:
-    return "vision_config" in config and "text_config" in config
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 # -- Qwen2.5-VL: one image = one variable grid of rows, M-RoPE positions -------------------

@@ -277,8 +277,8 @@ class SnacStream:
     `push` returns the samples that no later frame can change (possibly none): those whose
     dependencies (`codec.receptive_field`) have all arrived, decoded in a window reaching
     back to the earliest frame they need. `finish` returns the rest, decoded against the
-    true end of the utterance. `min_chunk_samples` makes `push` wait until at least that
-    many samples are ready (fewer, larger decodes)."""
+    true end of the utterance. `min_chunk_samples` makes `push`, after its first chunk,
+    wait until at least that many samples are ready (fewer, larger decodes)."""
 
     def __init__(self, codec: SnacCodec, min_chunk_samples: int = 1) -> None:
         if codec.receptive_field is None:
@@ -302,7 +302,9 @@ class SnacStream:
         self._held = [np.concatenate([held, np.asarray(new, dtype=np.int64)]) for held, new in zip(self._held, frames)]
         self.frames_received += n
         end = self.field.ready(self.frames_received)
-        if end - self.samples_emitted < self.min_chunk_samples:
+        # the first chunk goes out as soon as it is final (time to first audio); later ones
+        # wait for `min_chunk_samples`: each decode re-reads the frames' left and right context
+        if self.samples_emitted and end - self.samples_emitted < self.min_chunk_samples:
             return np.zeros(0, dtype=np.float32)
         return self._emit(end)
 
