@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,9 @@ from pathlib import Path
 import httpx
 
 from bench.checkpoints import cache_dir
-from bench.report import machine, results_dir, table, write_json
+from bench.report import results_dir
 from bench.server import MstarServer
+from bench.side_by_side import Figure, report
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all."
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
@@ -147,37 +147,8 @@ def speech(args) -> Path:
             print(f"round {r + 1}: {runs}", file=sys.stderr)
     finally:
         server.stop()
-    figures = [("time to first audio (ms)", "ttfa_s", 1e3), ("real-time factor, c1", "rtf_c1", 1),
-               (f"real-time factor, c{args.concurrency}", "rtf_cN", 1)]
-    rows, ratios = [], {}
-    for name, key, scale in figures:
-        ours = [x[key] * scale for x in runs["mstar"]]
-        theirs = [x[key] * scale for x in runs["transformers"]]
-        per = [b / a for a, b in zip(ours, theirs)]
-        ratios[name] = {"median": statistics.median(per), "min": min(per), "max": max(per)}
-        rows.append([name, f"{statistics.median(ours):.2f}", f"{statistics.median(theirs):.2f}",
-                     f"{ratios[name]['median']:.2f}x ({ratios[name]['min']:.2f}-{ratios[name]['max']:.2f})"])
-    text = table(["figure (lower is better)", "mstar", "transformers + snac", "mstar better by"], rows)
-    print(text)
-    (out / "tables.md").write_text(text + "\n")
-    write_json(out / "results.json", {"mode": "speech", "machine": machine(), "args": vars(args), "runs": runs,
-                                      "ratios": ratios, "model": str(folder)})
-    _plot(out / "plot.png", rows, args.frames)
-    return out
-
-
-def _plot(path: Path, rows: list[list[str]], frames: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(rows), figsize=(10, 3.6))
-    for ax, row in zip(axes, rows):
-        ax.bar(["mstar", "transformers"], [float(row[1]), float(row[2])], color=["tab:blue", "tab:gray"])
-        ax.set_title(row[0], fontsize=9)
-    fig.suptitle(f"random Orpheus-shaped 8x512 + SNAC 24 kHz shape, {frames} frames, {os.cpu_count()} CPUs",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures = [Figure("time to first audio (ms)", "ttfa_s", 1e3), Figure("real-time factor, c1", "rtf_c1"),
+               Figure(f"real-time factor, c{args.concurrency}", "rtf_cN")]
+    title = f"random Orpheus-shaped 8x512 + SNAC 24 kHz's shape, {args.frames} frames (lower is better)"
+    return report(out, runs, figures, "transformers", title,
+                  {"mode": "speech", "args": vars(args), "model": str(folder)})

@@ -23,7 +23,6 @@ import base64
 import io
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,9 @@ import httpx
 import numpy as np
 
 from bench.checkpoints import cache_dir
-from bench.report import machine, results_dir, table, write_json
+from bench.report import results_dir
 from bench.server import MstarServer
+from bench.side_by_side import Figure, report
 
 QUESTION = "Describe this picture in detail: the colours, the shapes and where each thing is."
 TEXT = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
@@ -171,41 +171,8 @@ def vision(args) -> Path:
             print(f"round {r + 1}: {runs}", file=sys.stderr)
     finally:
         server.stop()
-    return _report(out, runs, args, folder)
-
-
-def _report(out: Path, runs: dict[str, list[dict]], args, folder: Path) -> Path:
     c = args.concurrency
-    figures = [("TTFT, one-image chat (ms)", "ttft_s", 1e3, False), ("decode tok/s, c1", "c1_tok_s", 1, True),
-               (f"output tok/s, c{c}", "cN_tok_s", 1, True)]
-    rows, ratios = [], {}
-    for name, key, scale, higher in figures:
-        ours = [x[key] * scale for x in runs["mstar"]]
-        theirs = [x[key] * scale for x in runs["transformers"]]
-        per = [(a / b if higher else b / a) for a, b in zip(ours, theirs)]
-        ratios[name] = {"median": statistics.median(per), "min": min(per), "max": max(per)}
-        rows.append([name, f"{statistics.median(ours):.1f}", f"{statistics.median(theirs):.1f}",
-                     f"{ratios[name]['median']:.2f}x ({ratios[name]['min']:.2f}-{ratios[name]['max']:.2f})"])
-    text = table(["figure", "mstar", "transformers", "mstar better by"], rows)
-    print(text)
-    (out / "tables.md").write_text(text + "\n")
-    write_json(out / "results.json", {"mode": "vision", "machine": machine(), "args": vars(args), "runs": runs,
-                                      "ratios": ratios, "model": str(folder)})
-    _plot(out / "plot.png", rows)
-    return out
-
-
-def _plot(path: Path, rows: list[list[str]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(rows), figsize=(10, 3.6))
-    for ax, row in zip(axes, rows):
-        ax.bar(["mstar", "transformers"], [float(row[1]), float(row[2])], color=["tab:blue", "tab:gray"])
-        ax.set_title(row[0], fontsize=9)
-    fig.suptitle(f"random SmolVLM bench checkpoint, one 512x384 image, {os.cpu_count()} CPUs", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures = [Figure("TTFT, one-image chat (ms)", "ttft_s", 1e3), Figure("decode tok/s, c1", "c1_tok_s", 1, True),
+               Figure(f"output tok/s, c{c}", "cN_tok_s", 1, True)]
+    return report(out, runs, figures, "transformers", "random SmolVLM bench checkpoint, one 512x384 image",
+                  {"mode": "vision", "args": vars(args), "model": str(folder)})

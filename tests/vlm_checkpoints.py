@@ -420,3 +420,12 @@ def make_qwen25_vl_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Pa
     # save_pretrained wants its video processor)
     qwen25_vl_processor(path).image_processor.save_pretrained(path)
     return path
+
+
+def png_bytes(image: Any) -> bytes:
+    """A PIL image as a PNG file's bytes (what a client uploads)."""
+    import io
+
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()

@@ -28,7 +28,7 @@ from shared.model_source import ModelSource
 from shared.specs.registry import spec_factory
 from shared.specs.vision_lm import Gemma3VisionSpec
 from shared.vision.gemma3 import Gemma3Images
-from tests.vlm_checkpoints import GEMMA3_MM_TOKENS, load_processor, make_gemma3_vlm_checkpoint
+from tests.vlm_checkpoints import GEMMA3_MM_TOKENS, load_processor, make_gemma3_vlm_checkpoint, png_bytes
 
 MAX_TOKENS = 10
 
@@ -41,11 +41,6 @@ def _noise(width: int, height: int, mode: str, seed: int) -> Image.Image:
     rgb = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
     return rgb.quantize(colors=16) if mode == "P" else rgb.convert(mode)
 
-
-def _png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +143,7 @@ def references(folder: Path, processor: Any) -> list[tuple[str, list[bytes], lis
     out = []
     for i, (images, text) in enumerate(CASES):
         prompt = processor.apply_chat_template(_messages(images, text), add_generation_prompt=True)
-        files = [_png(_noise(100 - 60 * j, 40 + 7 * i, "RGB", 10 * i + j)) for j in range(images)]
+        files = [png_bytes(_noise(100 - 60 * j, 40 + 7 * i, "RGB", 10 * i + j)) for j in range(images)]
         pil = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
         inputs = processor(text=[prompt], images=[pil], return_tensors="pt", add_special_tokens=False)
         n = inputs["input_ids"].shape[1]

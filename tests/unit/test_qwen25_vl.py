@@ -23,7 +23,7 @@ from shared.model_source import ModelSource
 from shared.specs.base import PromptError
 from shared.specs.vision_lm import Qwen25VLSpec, mrope_positions
 from shared.vision.qwen2_vl import Qwen2VLImages, smart_resize
-from tests.vlm_checkpoints import make_qwen25_vl_checkpoint, qwen25_vl_processor
+from tests.vlm_checkpoints import make_qwen25_vl_checkpoint, png_bytes, qwen25_vl_processor
 
 MAX_TOKENS = 12
 LONG_TEXT = " ".join(["Serving engines batch requests and page their KV cache."] * 12)
@@ -43,11 +43,6 @@ def _noise(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.I
         return Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "RGBA")
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB").convert(mode)
 
-
-def _png(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +147,7 @@ def _case(processor: Any, name: str) -> tuple[str, list[bytes], dict[str, torch.
     """(the templated prompt, the image files, the processor's tensors for them)."""
     parts, sizes = CASES[name]
     text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
-    files = [_png(_noise(w, h, seed=i)) for i, (w, h) in enumerate(sizes)]
+    files = [png_bytes(_noise(w, h, seed=i)) for i, (w, h) in enumerate(sizes)]
     pil = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
     return text, files, processor(text=[text], images=pil, return_tensors="pt")
 
@@ -303,7 +298,7 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(source: ModelSource, proce
     (its 30 rows start at row 37; pages of 16), so the image is encoded again and only its
     rows past the hit are used."""
     spec, kv, engine, pools = _engine(source)
-    image = _png(_noise(128, 96, seed=7))
+    image = png_bytes(_noise(128, 96, seed=7))
     encoded: list[int] = []
     hook = engine.runner.model.vision.register_forward_hook(lambda _m, args, _out: encoded.append(len(args[1])))
     computed: list[int] = []  # each request's rows in KV (the prefix cache's) when its image is encoded
