@@ -16,7 +16,7 @@ Modes (the first argument; none means `run`):
   speech    text to speech on a random Orpheus-shaped checkpoint with SNAC 24 kHz's shape:
             time to first audio and real-time factor at c1 and c8, against transformers'
             generate + snac's decode one request at a time
-  vision    a one-image chat on a random SmolVLM bench checkpoint: TTFT, decode tok/s at c1
+  vision    a one-image chat on a random Qwen2.5-VL (or --family smolvlm) bench checkpoint: TTFT, decode tok/s at c1
             and c8, against transformers' generate (processor included), one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
             one run: output tok/s, TTFT / TPOT / ITL medians and P99s, ITL over time
@@ -139,7 +139,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
     elif mode == "vision":
-        p.add_argument("--model", default="", help="'' (default): the random SmolVLM bench checkpoint, made once")
+        p.add_argument("--model", default="", help="'' (default): the family's random bench checkpoint, made once")
+        p.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "smolvlm"),
+                       help="which bench checkpoint (default qwen2_5_vl)")
         p.add_argument("--max-tokens", type=int, default=64)
         p.add_argument("--concurrency", "-c", type=int, default=8)
         p.add_argument("--rounds", type=int, default=3)

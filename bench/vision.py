@@ -1,9 +1,10 @@
 """`python -m bench vision`: a one-image chat, mstar against transformers' `generate`.
 
-The bench checkpoint is a random SmolVLM (`SmolVLMForConditionalGeneration`): the text
-model of the text bench checkpoint's shape (8 layers, hidden 512), a SigLIP tower of 6
-layers (hidden 384, 256 px tiles in 16 px patches, pixel shuffle by 4: 16 rows a tile), so a
-512 x 384 photo is 2 x 2 tiles plus the whole image: 80 image rows. Made once, cached.
+The bench checkpoint is random, made once and cached: `--family qwen2_5_vl` (the default)
+has the text bench checkpoint's shape (8 layers, hidden 512, M-RoPE) and a 6-block ViT of
+384 (14 px patches, windows of 112 px, two full-attention blocks): a 512 x 384 photo is
+252 image rows; `--family smolvlm` has the same text model and a 6-layer SigLIP of 384 over
+256 px tiles (16 rows a tile): the photo is 2 x 2 tiles plus the whole image, 80 rows.
 
 Figures, rounds alternating the two systems (medians, spreads, per-round ratios):
 - TTFT of one chat turn with one image (a new image every request, so nothing is cached),
@@ -41,17 +42,30 @@ VISION = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_
               patch_size=16)
 
 
-def ensure_checkpoint(root: Path | None = None) -> Path:
-    """The cached bench SmolVLM folder (made aside and renamed, so a crash leaves none)."""
-    from tests.vlm_checkpoints import make_idefics3_checkpoint
+#: Qwen2.5-VL's bench shape: the same text model (M-RoPE sections of its 64-wide heads),
+#: a 6-block ViT (14 px patches, 112 px windows, two full-attention blocks), up to 512x512
+#: pixels: the 512x384 photo is a 36x28 patch grid, 252 image rows after the 2x2 merge
+QWEN_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+             "initializer_range": 0.02}
+QWEN_VISION = dict(depth=6, hidden_size=384, intermediate_size=1536, num_heads=6, patch_size=14, window_size=112,
+                   fullatt_block_indexes=[2, 5], out_hidden_size=512, initializer_range=0.02)
+QWEN_PIXELS = {"shortest_edge": 56 * 56, "longest_edge": 512 * 512}
+
+
+def ensure_checkpoint(family: str = "qwen2_5_vl", root: Path | None = None) -> Path:
+    """The cached bench folder of `family` (made aside and renamed, so a crash leaves none)."""
+    from tests.vlm_checkpoints import make_idefics3_checkpoint, make_qwen25_vl_checkpoint
 
     root = root or cache_dir()
-    path = root / "smolvlm-bench-8x512-v1"
+    path = root / f"{family}-bench-8x512-v1"
     if (path / "model.safetensors").exists():
         return path
     tmp = root / f".{path.name}.{os.getpid()}"
-    make_idefics3_checkpoint(tmp, "smolvlm", text=TEXT, vision=VISION, scale_factor=4, longest_edge=512, tile=256,
-                             initializer_range=0.02)
+    if family == "smolvlm":
+        make_idefics3_checkpoint(tmp, "smolvlm", text=TEXT, vision=VISION, scale_factor=4, longest_edge=512,
+                                 tile=256, initializer_range=0.02)
+    else:
+        make_qwen25_vl_checkpoint(tmp, text=QWEN_TEXT, vision=QWEN_VISION, pixels=QWEN_PIXELS)
     try:
         tmp.rename(path)
     except OSError:
@@ -152,7 +166,7 @@ def vision(args) -> Path:
     from tests.vlm_checkpoints import load_processor
 
     out = results_dir(args.out)
-    folder = Path(args.model) if args.model else ensure_checkpoint()
+    folder = Path(args.model) if args.model else ensure_checkpoint(args.family)
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     proc = load_processor(folder)
@@ -174,5 +188,5 @@ def vision(args) -> Path:
     c = args.concurrency
     figures = [Figure("TTFT, one-image chat (ms)", "ttft_s", 1e3), Figure("decode tok/s, c1", "c1_tok_s", 1, True),
                Figure(f"output tok/s, c{c}", "cN_tok_s", 1, True)]
-    return report(out, runs, figures, "transformers", "random SmolVLM bench checkpoint, one 512x384 image",
+    return report(out, runs, figures, "transformers", f"random {args.family} bench checkpoint, one 512x384 image",
                   {"mode": "vision", "args": vars(args), "model": str(folder)})

@@ -354,10 +354,11 @@ def _qwen25_vl_tokenizer(path: Path) -> Any:
     return tok
 
 
-def qwen25_vl_processor(path: Path) -> Any:
+def qwen25_vl_processor(path: Path, pixels: dict | None = None, patch_size: int = 8) -> Any:
     """Qwen2.5-VL's processor over the folder's tokenizer and image processor (the Pil one),
     built by hand: AutoProcessor would load its video processor, which needs torchvision.
-    Images never reach the video half."""
+    Images never reach the video half. A folder without preprocessor_config.json gets
+    `pixels` (min / max pixels) and `patch_size`."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -365,7 +366,7 @@ def qwen25_vl_processor(path: Path) -> Any:
     if saved.exists():
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
     else:
-        image_processor = Qwen2VLImageProcessorPil(size=dict(QWEN25_VL_PIXELS), patch_size=8)
+        image_processor = Qwen2VLImageProcessorPil(size=dict(pixels or QWEN25_VL_PIXELS), patch_size=patch_size)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
 
     class ImagesOnly(transformers.Qwen2_5_VLProcessor):
@@ -380,24 +381,28 @@ def qwen25_vl_processor(path: Path) -> Any:
     return ImagesOnly(image_processor, tokenizer, None, chat_template=QWEN25_VL_CHAT_TEMPLATE)
 
 
-def make_qwen25_vl_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Path:
+def make_qwen25_vl_checkpoint(path: Path, seed: int = 0, *, text: dict | None = None, vision: dict | None = None,
+                              pixels: dict | None = None, **overrides: Any) -> Path:
     """Save a tiny random Qwen2.5-VL checkpoint in `path`: a Qwen2 text model of two layers,
     hidden 64, 4 heads of 16 (2 KV heads), M-RoPE sections (2, 3, 3); the vision tower of
     QWEN25_VL_VISION; random biases and norm weights; and the processor's image settings
     (Qwen2VLImageProcessorPil, 8 px patches, 32x32 to 96x96 pixels) in
-    preprocessor_config.json. `overrides` go to the top-level config."""
+    preprocessor_config.json. `text`, `vision` and `pixels` change those sizes (the bench's
+    larger checkpoint); `overrides` go to the top-level config."""
     import torch
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     tok = _qwen25_vl_tokenizer(path)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-    text = dict(model_type="qwen2_5_vl_text", vocab_size=tok.get_vocab_size(), hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None,
-                pad_token_id=pad, initializer_range=0.2,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    common: dict[str, Any] = dict(text_config=text, vision_config=dict(QWEN25_VL_VISION, initializer_range=0.2),
+    text_defaults = dict(model_type="qwen2_5_vl_text", vocab_size=tok.get_vocab_size(), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None,
+                         pad_token_id=pad, initializer_range=0.2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text_cfg = {**text_defaults, **(text or {})}
+    vision_cfg = {**QWEN25_VL_VISION, "initializer_range": 0.2, **(vision or {})}
+    common: dict[str, Any] = dict(text_config=text_cfg, vision_config=vision_cfg,
                                   image_token_id=tok.token_to_id("<|image_pad|>"),
                                   video_token_id=tok.token_to_id("<|video_pad|>"),
                                   vision_start_token_id=tok.token_to_id("<|vision_start|>"),
@@ -418,7 +423,7 @@ def make_qwen25_vl_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> Pa
     model.save_pretrained(path, safe_serialization=True)
     # the image processor's settings as the Hub's checkpoints keep them (the processor's own
     # save_pretrained wants its video processor)
-    qwen25_vl_processor(path).image_processor.save_pretrained(path)
+    qwen25_vl_processor(path, pixels, vision_cfg["patch_size"]).image_processor.save_pretrained(path)
     return path
 
 
