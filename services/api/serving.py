@@ -45,6 +45,16 @@ class Prepared(NamedTuple):
     task: str = "generate"
 
 
+async def with_images(prepared: Prepared, state: ApiState) -> Prepared:
+    """The request with the images it names fetched and checked once, for all its choices
+    (`n` > 1 samples one fetch), before any generation starts."""
+    if not prepared.params.image_refs:
+        return prepared
+    images = await state.load_images(prepared.params)
+    choices = [c._replace(params=msgspec.structs.replace(c.params, images=images)) for c in prepared.choices]
+    return prepared._replace(params=msgspec.structs.replace(prepared.params, images=images), choices=choices)
+
+
 def json_response(obj: msgspec.Struct | dict[str, Any], status: int = 200,
                   headers: Mapping[str, str] | None = None) -> Response:
     return Response(encode(obj), status_code=status, media_type=JSON, headers=headers)
@@ -88,7 +98,7 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
     gen: Generation | FanOut | None = None
     try:
         body = await read_body(request, state.settings.max_body_bytes)
-        prepared = accept(decode(body, request.headers.get("content-type")), state)
+        prepared = await with_images(accept(decode(body, request.headers.get("content-type")), state), state)
         params = prepared.params
         if prepared.choices:
             gen = await FanOut(prepared.choices, lambda c: state.start_generation(

@@ -241,3 +241,44 @@ def test_the_openai_client_sends_image_parts(folders, servers):
     want, prompt_len = reference(folder, ("wide",), PROMPTS[1], "after", specials=False)
     assert reply.usage.prompt_tokens == prompt_len
     assert reply.choices[0].message.content == _hf(folder)[1].tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_an_http_image_is_fetched_once_for_all_choices(folders, servers):
+    """`n: 2` with an http(s) image part: one fetch (by the api, from a local server), both
+    choices transformers' answer (greedy)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    gets = []
+
+    class Image(BaseHTTPRequestHandler):
+        def do_GET(self):
+            gets.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(IMAGES["small"])))
+            self.end_headers()
+            self.wfile.write(IMAGES["small"])
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Image)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/small.png"
+        srv, folder = servers["idefics3"], folders["idefics3"]
+        part = {"type": "image_url", "image_url": {"url": url}}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": PROMPTS[0]}]}],
+            "n": 2, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+    assert r.status_code == 200, r.text
+    want, _ = reference(folder, ("small",), PROMPTS[0], "after", specials=False)
+    text = _hf(folder)[1].tokenizer.decode(want, skip_special_tokens=True)
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [text, text]
+    assert gets == ["/small.png"]
