@@ -218,3 +218,10 @@ def audio_features(data: bytes, cfg: FeatureConfig = FeatureConfig()) -> np.ndar
     what `WhisperSpec.process_prompt` sends as the request's "input_features"."""
     samples = decode_audio(data, cfg.sampling_rate, max_seconds=cfg.chunk_length)
     return log_mel_features(samples, cfg)[None]
+
+
+def to_pcm16(samples: np.ndarray) -> bytes:
+    """Little-endian signed 16-bit PCM of float samples in [-1, 1] (clipped, rounded): the
+    bytes a WAV body or a raw PCM stream carries."""
+    scaled = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0
+    return np.round(scaled).astype("<i2").tobytes()

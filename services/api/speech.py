@@ -40,6 +40,7 @@ from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, load, new_request_id
+from shared.audio import to_pcm16
 from shared.frames import SamplingParams
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -68,9 +69,6 @@ def sampling_fields(req: SpeechRequest) -> dict[str, Any]:
     return {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
 
 
-def pcm16(samples: np.ndarray) -> bytes:
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
 
 def floats(audio: bytes) -> np.ndarray:
     return np.frombuffer(audio, dtype="<f4")
@@ -86,14 +84,14 @@ def wav_header(rate: int, data_bytes: int = 0xFFFFFFFF - 36) -> bytes:
 def encode_audio(samples: np.ndarray, fmt: str, rate: int) -> bytes:
     """A whole clip in `fmt`: wav and pcm are 16-bit PCM, flac through soundfile."""
     if fmt == "pcm":
-        return pcm16(samples)
+        return to_pcm16(samples)
     if fmt == "wav":
-        data = pcm16(samples)
+        data = to_pcm16(samples)
         return wav_header(rate, len(data)) + data
     import soundfile
 
     buf = io.BytesIO()  # the same 16-bit samples as wav and pcm (soundfile's own float rounding differs)
-    soundfile.write(buf, np.frombuffer(pcm16(samples), "<i2"), rate, format="FLAC", subtype="PCM_16")
+    soundfile.write(buf, np.frombuffer(to_pcm16(samples), "<i2"), rate, format="FLAC", subtype="PCM_16")
     return buf.getvalue()
 
 
@@ -132,14 +130,14 @@ class SpeechReply:
                 return sse_chunk(AudioDone(SpeechUsage(u.prompt_tokens, u.completion_tokens,
                                                        u.prompt_tokens + u.completion_tokens)))
             audio = event.audio or b""
-            return sse_chunk(AudioDelta(base64.b64encode(pcm16(floats(audio))).decode())) if audio else b""
+            return sse_chunk(AudioDelta(base64.b64encode(to_pcm16(floats(audio))).decode())) if audio else b""
         if isinstance(event, DoneEvent):
             return b""
         head = b""
         if not self._started and self.fmt == "wav":
             head = wav_header(self.rate)
         self._started = True
-        return head + pcm16(floats(event.audio or b""))
+        return head + to_pcm16(floats(event.audio or b""))
 
     def error(self, err: ApiError) -> bytes:
         # raw audio has no way to say it; the stream just ends (the log has the error)

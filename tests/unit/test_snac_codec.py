@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.codecs import SnacCodec, to_pcm16
+from services.gpu_worker.codecs import SnacCodec
 from services.gpu_worker.codecs.snac_codec import load_snac, positional_noise
+from shared.audio import to_pcm16
 from shared.specs.orpheus_codes import CODES_PER_FRAME, OrpheusCodes
 from tests.tts_checkpoints import make_orpheus_checkpoint, make_orpheus_tokenizer, make_snac_folder
 

@@ -4,6 +4,6 @@ A codec holds no KV and runs beside the model's steps (DESIGN.md, "Speech out"):
 hands it each request's new frames and sends the audio chunks it emits.
 """
 
-from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream, to_pcm16
+from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream
 
-__all__ = ["SnacCodec", "SnacStream", "to_pcm16"]
+__all__ = ["SnacCodec", "SnacStream"]

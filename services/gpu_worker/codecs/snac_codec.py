@@ -335,9 +335,3 @@ class SnacStream:
         skip = frame - self._held_from
         return [held[skip * per:] for held, per in zip(self._held, self.codec.codes_per_frame)]
 
-
-def to_pcm16(samples: np.ndarray) -> bytes:
-    """Little-endian signed 16-bit PCM of float samples in [-1, 1] (clipped, rounded): the
-    bytes a WAV body or a raw PCM stream carries."""
-    scaled = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0
-    return np.round(scaled).astype("<i2").tobytes()
