@@ -36,6 +36,7 @@ from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
+from services.gpu_worker.threads import torch_threads
 from shared.cgroup import available_cpus
 from shared.specs.base import VisionRunnerSpec
 
@@ -55,12 +56,8 @@ def all_cores(device: torch.device):
     if device.type != "cpu" or os.environ.get("MSTAR_TORCH_THREADS"):  # an operator's setting stands
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(before, available_cpus()))
-    try:
+    with torch_threads(max(torch.get_num_threads(), available_cpus())):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class VisionRunner(ModelRunner):

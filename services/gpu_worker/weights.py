@@ -22,6 +22,7 @@ from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
+from services.gpu_worker.threads import torch_threads
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
 
@@ -91,7 +92,11 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     model.load_weights(state)
     model.reset_buffers()
     model = model.to(dtype).to(device).eval()
-    with _single_threaded(bool(quant_state)):
+    # a quantized model's `prepare` is copies (torch.cat of the repacked weights, ~100 MB for
+    # SmolLM2-135M), which one thread does in ~0.1 s, while two OpenMP threads on a two-core
+    # machine other processes also use took 0.9-2.4 s (each small cat waits at a barrier for
+    # a descheduled thread). Exact either way.
+    with torch_threads(1) if quant_state else contextlib.nullcontext():
         model.prepare()
     if torch.device(device).type == "cpu":  # the C GEMMs' pool (kernels/pool.c), quantized or float32
         n = quant.default_threads()
@@ -121,20 +126,6 @@ def _no_init():
             setattr(nn.init, name, fn)
 
 
-@contextlib.contextmanager
-def _single_threaded(on: bool):
-    """torch's intra-op threads at 1 while `on`: a quantized model's `prepare` is copies
-    (torch.cat of the repacked weights, ~100 MB for SmolLM2-135M), which one thread does in
-    ~0.1 s, while two OpenMP threads on a two-core machine other processes also use took
-    0.9-2.4 s (each small cat waits at a barrier for a descheduled thread). Exact either way."""
-    n = torch.get_num_threads()
-    if on and n > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
 
 
 def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
