@@ -13,6 +13,7 @@ need not care (`load_folder`, `suppress_tokens`, ...): callers use the attribute
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -336,3 +337,13 @@ def refuse_runner_gaps(spec: Any, proto: type) -> None:
     if missing:
         raise DeploymentError(f"{type(spec).__name__} runs on the {spec.engine!r} engine, whose runner reads "
                               f"{missing} of its spec, which it does not have ({proto.__name__})")
+
+
+def added_tokens(folder: str | Path) -> dict[str, int]:
+    """The added tokens (content -> id) of a folder's tokenizer.json, {} where it has none:
+    where a family's special tokens live when its configs do not list them (Whisper's
+    language tokens, Orpheus' `<custom_token_N>` codes)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    return {t["content"]: int(t["id"]) for t in json.loads(path.read_text()).get("added_tokens", [])}

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.layout import ProcessPromptOutput
-from shared.specs.base import MetaValue, PromptError, PromptRequest
+from shared.specs.base import MetaValue, PromptError, PromptRequest, added_tokens
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.orpheus_codes import OrpheusCodes
 
@@ -55,7 +55,9 @@ class OrpheusSpec(DecoderLMSpec):
             raise ValueError(f"{path}: no SNAC codec folder at {path / CODEC_FOLDER} (config.json + weights, "
                              "hubertsiuzdak/snac_24khz's files)")
         settings = json.loads(codec.read_text())
-        vocab = _added_tokens(path / "tokenizer.json")
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path}: no tokenizer.json")
+        vocab = added_tokens(path)
         self.codes = OrpheusCodes(vocab, int(settings.get("codebook_size", 4096)))
         self.sample_rate = int(settings.get("sampling_rate", 24000))
         self.codec_path = codec.parent
@@ -81,10 +83,3 @@ class OrpheusSpec(DecoderLMSpec):
         out.metadata["voice"] = str(request.options.get("voice") or DEFAULT_VOICE)
         return out
 
-
-def _added_tokens(path: Path) -> dict[str, int]:
-    """The tokenizer's added tokens (content -> id): where `<custom_token_N>` live."""
-    if not path.is_file():
-        raise ValueError(f"{path.parent}: no tokenizer.json")
-    data = json.loads(path.read_text())
-    return {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}

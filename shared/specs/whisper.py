@@ -53,7 +53,7 @@ import numpy as np
 from shared.audio import FeatureConfig, audio_features, log_mel_features
 from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.pages import ceil_div, pages_for
-from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
+from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
 
 ARCHITECTURE = "WhisperForConditionalGeneration"
 _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
@@ -118,11 +118,7 @@ class WhisperSpec(ModelSpec):
         if self.features.nb_max_frames != self.input_frames:
             raise ValueError(f"the feature extractor makes {self.features.nb_max_frames} frames; "
                              f"the encoder takes {self.input_frames}")
-        vocab: dict[str, int] = {}
-        if (path / "tokenizer.json").exists():
-            tok = json.loads((path / "tokenizer.json").read_text())
-            vocab = {t["content"]: int(t["id"]) for t in tok.get("added_tokens", [])}
-        self._apply_generation(gen, vocab)
+        self._apply_generation(gen, added_tokens(path))
         return self
 
     def _apply_generation(self, gen: dict, added: dict[str, int] | None = None) -> None:
