@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +47,15 @@ CODEC_THREAD = "mstar-codec"
 #: frames a chunk after the first waits for: each decode re-reads 5-6 frames of context, so
 #: one frame a decode would cost ~7 frames of decoding per frame of sound, four ~2.5
 CHUNK_FRAMES = 4
+
+
+@dataclass
+class Voice:
+    """One request's codec state, touched by the codec thread only (after `on_emit` makes
+    it): its stream, and the audio tokens of a frame not yet complete."""
+
+    stream: SnacStream
+    pending: list[int] = field(default_factory=list)
 
 
 class SpeechRunner(ModelRunner):
@@ -76,23 +86,25 @@ class SpeechRunner(ModelRunner):
     def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
         """Hold the output; its sound is made in the codec thread (`_sound`)."""
         if request.codec is None:
-            request.codec = self.codec.stream(CHUNK_FRAMES * self.codec.samples_per_frame)
-        audio = [t for t in request.output if t != self.codes.end_of_speech]
-        job = self.pool.submit(self._sound, request.codec, audio, output.finish_reason is not None)
+            request.codec = Voice(self.codec.stream(CHUNK_FRAMES * self.codec.samples_per_frame))
+        new = [t for t in output.token_ids if t != self.codes.end_of_speech]
+        job = self.pool.submit(self._sound, request.codec, new, output.finish_reason is not None)
         self.held.append((reply_to, output, job))
         return True
 
-    def _sound(self, stream: SnacStream, audio: list[int], last: bool) -> bytes:
-        """The samples `audio` (the request's audio tokens so far) made final: its frames not
-        yet decoded, and on its last output whatever the stream still holds."""
-        done = len(audio) // CODES_PER_FRAME
+    def _sound(self, voice: Voice, new: list[int], last: bool) -> bytes:
+        """The samples the output's audio tokens `new` made final: the frames they complete,
+        and on the request's last output whatever the stream still holds."""
+        voice.pending += new
+        done = len(voice.pending) // CODES_PER_FRAME * CODES_PER_FRAME
         chunks = []
-        if done > stream.frames_received:
-            start = stream.frames_received * CODES_PER_FRAME
-            codes = self.codes.codes(audio[start : done * CODES_PER_FRAME], start)
-            chunks.append(stream.push(self.codes.frames(codes)))
+        if done:
+            start = voice.stream.frames_received * CODES_PER_FRAME  # the pending codes start a frame
+            codes = self.codes.codes(voice.pending[:done], start)
+            chunks.append(voice.stream.push(self.codes.frames(codes)))
+            del voice.pending[:done]
         if last:
-            chunks.append(stream.finish())
+            chunks.append(voice.stream.finish())
         return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""
 
     @property
