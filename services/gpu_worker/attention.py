@@ -1,5 +1,6 @@
-"""Paged attention over FlashInfer's page layout on the CPU: decode rows through a C kernel
-that reads the pages in place (`cpu_kernels`, where they build), else torch.
+"""Paged attention over FlashInfer's page layout on the CPU: decode rows and plain causal
+prefill chunks through C kernels that read the pages in place (`cpu_kernels`, where they
+build), else torch.
 
 Pages are `[num_pages, 2, page_size, kv_heads, head_dim]` per layer; a request's KV is the
 pages in `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, the last one filled to
@@ -92,6 +93,10 @@ class PrefillChunk:
     kv_len: int
     mask: torch.Tensor | None  # bool [q, kv_len] or None when plain causal (no cached rows), or not causal
     causal: bool = True  # False: every query row sees every held row (an encoder's attention)
+    #: the rows see keys by the bottom-right causal rule under the metadata's window alone (no
+    #: bidirectional blocks): the C prefill kernel computes that from q and kv_len, so `mask`
+    #: is only the torch path's
+    plain: bool = False
 
 
 @dataclass
@@ -152,7 +157,8 @@ class AttnMetadata:
                                  for k, v in vars(view).items()})
 
         prefills = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len,
-                                 None if c.mask is None else c.mask.to(device), c.causal) for c in self.prefills]
+                                 None if c.mask is None else c.mask.to(device), c.causal, c.plain)
+                    for c in self.prefills]
         return AttnMetadata(self.slot_pages.to(device), self.slot_offsets.to(device), self.window, prefills,
                             move(self.decode), move(self.flashinfer))
 
@@ -221,6 +227,8 @@ class MetadataBuilder:
     name = ""
     #: whether the backend reads FlashInfer's CSR page table
     csr = False
+    #: whether the backend's prefill chunks may go through the C prefill kernel (`PrefillChunk.plain`)
+    plain_chunks = False
 
     def build(self, rows: list[AttnRows], page_size: int, window: int | None = None,
               causal: bool = True) -> AttnMetadata:
@@ -256,11 +264,13 @@ class MetadataBuilder:
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                                   False))
             elif first_row == 0 and cached == 0 and window is None and not blocks:
-                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None))
+                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
+                                                  plain=self.plain_chunks))
             else:  # cached rows, a window or blocks: an explicit mask (else torch's plain causal fast path)
                 mask = window_mask(torch.arange(cached, cached + new), torch.arange(first_row, first_row + kv_len),
                                    window, blocks)
-                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask))
+                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask,
+                                                  plain=self.plain_chunks and not blocks))
             t += new
         return self._finish(step, page_size, window)
 
@@ -347,10 +357,12 @@ def _multi_row_decode(pages: torch.Tensor, info: torch.Tensor, q: int, width: in
 
 class KernelBuilder(MetadataBuilder):
     """The C kernels (`cpu_kernels`): every decode query row in one kernel call that reads
-    the pages in place; prefill chunks through torch's SDPA. One int64 tensor holds all of
-    the step's fields (views into it): each tensor made from a Python list has a fixed cost."""
+    the pages in place; prefill chunks through the C prefill kernel where they are plain
+    causal (else torch's SDPA). One int64 tensor holds all of the step's fields (views into
+    it): each tensor made from a Python list has a fixed cost."""
 
     name = "kernel"
+    plain_chunks = True
 
     def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
         n_slots = len(step.slot_pages)
@@ -491,7 +503,21 @@ def paged_attention(
             if every_row:
                 return o
             out[dec.rows] = o
+    _prefill_chunks(q, cache, meta, scale, softcap, out)
+    return out
+
+
+def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None,
+                    out: torch.Tensor) -> None:
+    """Each prefill chunk's rows into `out`: through the C prefill kernel where it takes the
+    chunk (`_prefill_kernel`: a 2,048-row prompt's attention there is several times torch's
+    speed), else torch's SDPA over a gathered copy of the chunk's pages."""
+    h, d = cache.shape[-2], cache.shape[-1]
+    keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     for chunk in meta.prefills:
+        if softcap is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
+                                                                                  out):
+            continue
         k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
@@ -500,7 +526,44 @@ def paged_attention(
         else:
             o = _sdpa(qp, k, v, scale, softcap, attn_mask=chunk.mask, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
-    return out
+
+
+@functools.cache
+def _prefill_function(lib: ctypes.CDLL) -> Any | None:
+    """`lib`'s `mstar_prefill_attention` (kernels/prefill_attention.c) with its argument
+    types declared (once per library); None where an older build lacks it."""
+    try:
+        fn = lib.mstar_prefill_attention
+    except AttributeError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
+    return fn
+
+
+def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, window: int | None, scale: float,
+                    out: torch.Tensor) -> bool:
+    """One plain causal chunk (`chunk.plain`: bottom-right causal under `window`, no blocks)
+    through the C prefill kernel, which reads its pages in place and splits the rows over the
+    kernels' thread pool (flash attention, float32 arithmetic: within float32 rounding of
+    SDPA, and the same bits on any thread count). False, with nothing written, where it does
+    not take the chunk: no kernel built, pages not float32 or bfloat16 in one CPU block,
+    queries not float32 rows of contiguous heads, or a shape the kernel refuses (head_dim not
+    a multiple of 8 or over 256, more than 48 query heads per KV head)."""
+    lib = cpu_kernels.library()
+    fn = None if lib is None else _prefill_function(lib)
+    kind = {torch.float32: 0, torch.bfloat16: 1}.get(cache.dtype)
+    hq, d = q.shape[1], q.shape[2]
+    if (fn is None or kind is None or cache.device.type != "cpu" or not cache.is_contiguous()
+            or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()
+            or chunk.pages.dtype != torch.long or not chunk.pages.is_contiguous()):
+        return False
+    at = chunk.q_start * q.element_size()
+    rc = fn(q.data_ptr() + at * q.stride(0), q.stride(0), cache.data_ptr(), kind, chunk.pages.data_ptr(),
+            chunk.q_end - chunk.q_start, chunk.kv_len, hq, cache.shape[3], d, cache.shape[2], window or 0, scale,
+            out.data_ptr() + at * hq * d, hq * d)
+    return rc == 0
 
 
 def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scale: float,
