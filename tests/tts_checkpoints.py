@@ -101,3 +101,118 @@ def make_orpheus_checkpoint(path: Path, seed: int = 0, codebook_size: int = 64, 
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# -- CSM (Sesame's Conversational Speech Model) ------------------------------------------
+
+#: Llama 3's specials the CSM processor and chat template use
+CSM_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>"]
+#: sesame/csm-1b's chat template (its processor's, as transformers' conversion writes it)
+CSM_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- bos_token }}{{- '[' + message['role'] + ']' }}"
+    "{{- message['content'][0]['text'] }}{{- eos_token }}"
+    "{%- if message['content']|length > 1 %}{{- '<|AUDIO|><|audio_eos|>' }}{%- endif %}{%- endfor %}"
+)
+#: Mimi with kyutai/mimi's rates (24 kHz, upsampling 8 x 6 x 5 x 4, x2 latent stride: 1920
+#: samples a frame at 12.5 frames/s) and kernels, the widths cut down
+TINY_MIMI = dict(hidden_size=32, num_filters=4, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
+                 codebook_dim=16, vector_quantization_hidden_dimension=16, upsample_groups=32,
+                 num_hidden_layers=2, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=16, sliding_window=250, max_position_embeddings=8000)
+#: Llama 3.2's RoPE, as sesame/csm-1b's backbone and depth decoder configs have it
+CSM_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+
+def make_csm_tokenizer(path: Path) -> None:
+    """tests.checkpoints' byte-level BPE plus CSM's specials; like Llama 3's tokenizer it
+    writes <|begin_of_text|> before the text (the CSM processor tokenizes without it: the
+    template writes its own), eos is <|end_of_text|>, and the chat template is CSM's."""
+    from tokenizers import Tokenizer, processors
+
+    make_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(CSM_TOKENS)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "pad_token": "<|AUDIO|>", "model_max_length": 4096,
+        "chat_template": CSM_CHAT_TEMPLATE,
+    }))
+
+
+def make_csm_checkpoint(path: Path, seed: int = 0, num_codebooks: int = 32, codebook_size: int = 64,
+                        depth: dict | None = None, mimi: dict | None = None, **shape) -> Path:
+    """A tiny random CsmForConditionalGeneration (backbone hidden 64 x 2 layers, depth
+    decoder 32 x 2 layers, `num_codebooks` codebooks of `codebook_size` codes, a tiny Mimi
+    with the real rates), saved as transformers saves it (config.json with the depth
+    decoder's and the codec's configs nested, one safetensors with codec_model.* inside)
+    with a CSM tokenizer. The codebook vocabulary equals Mimi's codebook size (the real
+    model's 2051 has 3 ids past Mimi's 2048 that its codec cannot decode). `shape`, `depth`
+    and `mimi` change the backbone's, the depth decoder's and the codec's sizes (the bench's
+    larger one)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    make_csm_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    backbone = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2), **shape}
+    depth_cfg = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2), **(depth or {})}
+    codec = transformers.MimiConfig(**{**TINY_MIMI, **(mimi or {}), "codebook_size": codebook_size,
+                                       "num_quantizers": num_codebooks})
+    cfg = transformers.CsmConfig(
+        num_codebooks=num_codebooks, vocab_size=codebook_size, text_vocab_size=tok.get_vocab_size(), **backbone,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_parameters=dict(CSM_ROPE),
+        bos_token_id=tok.token_to_id("<|begin_of_text|>"), pad_token_id=tok.token_to_id("<|AUDIO|>"),
+        audio_token_id=tok.token_to_id("<|AUDIO|>"), audio_eos_token_id=tok.token_to_id("<|audio_eos|>"),
+        codebook_pad_token_id=codebook_size - 1, codebook_eos_token_id=0, initializer_range=0.2,
+        depth_decoder_config=dict(num_codebooks=num_codebooks, backbone_hidden_size=backbone["hidden_size"],
+                                  vocab_size=codebook_size, max_position_embeddings=num_codebooks + 1,
+                                  rms_norm_eps=1e-5, rope_parameters=dict(CSM_ROPE), initializer_range=0.2,
+                                  **depth_cfg),
+        codec_config=codec.to_dict())
+    torch.manual_seed(seed)
+    model = transformers.CsmForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # Mimi's codebooks as trained ones look (its init leaves usage at 0)
+        for name, buf in model.codec_model.named_buffers():
+            if name.endswith("cluster_usage"):
+                buf.uniform_(0.5, 2.0)
+            elif name.endswith("embed_sum"):
+                buf.normal_(0.0, 1.0)
+        for name, param in model.codec_model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def csm_reference(path: Path, turns: list[tuple[str, str]], max_frames: int):
+    """transformers' greedy CSM for each `(speaker, text)` turn, one at a time: (the
+    frames [n, num_codebooks] `generate` returns, its EOS frame included, the sound
+    `MimiModel.decode` makes of the frames before the first all-zero one); the prompt as
+    the CSM processor's chat template renders and tokenizes it."""
+    import torch
+    import transformers
+
+    model = transformers.CsmForConditionalGeneration.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    out = []
+    for speaker, text in turns:
+        rendered = tok.apply_chat_template([{"role": speaker, "content": [{"type": "text", "text": text}]}],
+                                           tokenize=False)
+        ids = tok(rendered, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            frames = model.generate(input_ids=ids, max_new_tokens=max_frames, do_sample=False,
+                                    depth_decoder_do_sample=False)[0]
+            zero = (frames == model.config.codebook_eos_token_id).all(dim=-1).nonzero()
+            cut = int(zero.min()) if zero.numel() else frames.shape[0]
+            sound = model.codec_model.decode(frames[:cut].t().unsqueeze(0)).audio_values[0, 0] if cut else None
+        out.append((frames.numpy(), sound.numpy() if sound is not None else torch.zeros(0).numpy()))
+    return out

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from services.gpu_worker.csm_runner import CsmRunner
 from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
@@ -51,6 +52,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
     "speech_decoder": (SpeechRunner, None),
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
+    "csm_decoder": (CsmRunner, None),
 }
 
 

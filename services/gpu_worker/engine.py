@@ -156,7 +156,10 @@ class Engine:
         try:
             for failure in self.scheduler.reserve(plan, labels):  # an overrun with no page to spare fails alone
                 self._fail(failure, res)
+            for failure in self.scheduler.reserve_scratch(plan, self.runner.step_scratch):
+                self._fail(failure, res)
             sampled = self.runner.execute(plan) if plan.entries else []
+            self.scheduler.drop_step_scratch(plan)  # scratch: released after its step
         except Exception as exc:
             error_id = new_error_id()
             log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(plan.entries))

@@ -26,7 +26,7 @@ from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows, Meta
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
-from services.gpu_worker.step_types import Failure, StepPlan
+from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
 from shared.frames import Output, RequestError
 from shared.layout import KVLabel
 from shared.specs.base import DecoderRunnerSpec
@@ -119,6 +119,12 @@ class ModelRunner:
     def probe(self, reqs: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
         """A non-committing step over `scratch_rows` (the scheduler gives them back after)."""
         return []
+
+    def step_scratch(self, entry: PlanEntry) -> dict[str, int]:
+        """Scratch rows an entry's forward writes per label past its committed ones (CSM's
+        depth decoder: one frame's codebooks), which the scheduler reserves before the
+        step and gives back after it; none by default."""
+        return {}
 
     def call_model(self, ids, positions, metas: dict[str, AttnMetadata], sample_rows, plan: StepPlan) -> torch.Tensor:
         return self.model(ids, positions, self.layer_caches, [metas[name] for name in self.spec.layer_labels],

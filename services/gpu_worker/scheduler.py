@@ -42,6 +42,7 @@ them as it cuts prefill.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gpu_worker.kv_manager import DoesNotFit, FootprintOverrun, KVManager, LayoutViolation, RequestKV
@@ -115,6 +116,29 @@ class Scheduler:
             gone = {id(f.request) for f in failed}
             plan.entries = [e for e in plan.entries if id(e.request) not in gone]
         return failed
+
+    def reserve_scratch(self, plan: StepPlan, rows_of: Callable[[PlanEntry], dict[str, int]]) -> list[Failure]:
+        """Pages for the scratch rows each entry's forward writes past its committed rows
+        (`rows_of`: the runner's `step_scratch`), given back by `drop_step_scratch` after
+        the step; an entry that finds no page fails alone, as in `reserve`."""
+        failed = []
+        for e in plan.entries:
+            try:
+                for label, n in rows_of(e).items():
+                    e.pages[label] = self.kv.reserve_rows(e.request.request_id, label, n)
+                    e.scratch.append(label)
+            except FootprintOverrun as exc:
+                failed.append(Failure(e.request, OVERRUN, exc))
+        if failed:
+            gone = {id(f.request) for f in failed}
+            plan.entries = [e for e in plan.entries if id(e.request) not in gone]
+        return failed
+
+    def drop_step_scratch(self, plan: StepPlan) -> None:
+        """Give back the scratch pages of a step's entries (`reserve_scratch`)."""
+        for e in plan.entries:
+            self.drop_scratch(e.request, e.scratch)
+            e.scratch = []
 
     def reserve_rows(self, req: Request, rows: dict[str, int]) -> dict[str, list[int]]:
         """Pages for rows a request writes outside a plan (an encoder's rows at admission,

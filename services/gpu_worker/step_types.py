@@ -34,6 +34,8 @@ class PlanEntry:
     drafts: list[int] = field(default_factory=list)
     #: per label the step writes, the request's live pages once the scheduler reserved its rows
     pages: dict[str, list[int]] = field(default_factory=dict)
+    #: labels whose scratch rows the step wrote (given back after it)
+    scratch: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -287,6 +287,26 @@ class SpeechRunnerSpec(DecoderRunnerSpec, Protocol):
 
 
 @runtime_checkable
+class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The CSM runner's (csm_runner.py): the two labels and their pools, the depth stack's
+    config, the codebooks, the frame that ends a request, and the codec."""
+
+    backbone_label: str
+    depth_label: str
+    pool: str
+    depth_pool: str
+    depth_config: Any
+    num_codebooks: int
+    codebook_vocab: int
+    codebook_eos: int
+    eos_frame_token: int
+    codebook_loop: str
+    depth_rows: int
+    codec_path: Any
+    codec_config: Any
+
+
+@runtime_checkable
 class PoolingRunnerSpec(RunnerSpec, Protocol):
     """The pooling runner's (pooling_runner.py): how rows become one vector, and whether
     it is normalized; `heads` for the attention backend's pick."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
+from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
@@ -44,6 +46,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(IDEFICS3_ARCHITECTURES, Idefics3Spec),
     **dict.fromkeys(QWEN25_VL_ARCHITECTURES, Qwen25VLSpec),
     **dict.fromkeys(GEMMA3_ARCHITECTURES, Gemma3VisionSpec),
+    CSM_ARCHITECTURE: CsmSpec,
 }
 
 

@@ -133,6 +133,22 @@ class PoolingModel(ModelBase):
         raise ValueError(f"{type(self).__name__} has no classifier head")
 
 
+class SpeechCodesModel(ModelBase):
+    """A speech model that writes several codes a frame (CSM): a backbone over the
+    prompt's and the frames' rows that samples each frame's first code, and a depth decoder
+    that writes the frame's other codes one step at a time on its own paged label; the
+    runner (csm_runner.py) drives both, so there is no single forward."""
+
+    @abstractmethod
+    def backbone(self, text_ids: torch.Tensor, text_rows: torch.Tensor, frames: torch.Tensor,
+                 frame_rows: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                 meta: AttnMetadata) -> torch.Tensor: ...
+
+    @abstractmethod
+    def depth(self, inputs: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], meta: AttnMetadata,
+              head_rows: torch.Tensor, head: int) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -142,4 +158,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "vision_decoder": VisionDecoderModel,
     "speech_decoder": DecoderModel,
     "mrope_vision_decoder": GridVisionDecoderModel,
+    "csm_decoder": SpeechCodesModel,
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
 from services.gpu_worker.modeling.bert import BertModel
+from services.gpu_worker.modeling.csm import CsmModel
 from services.gpu_worker.modeling.decoder_embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder_lm import DecoderLM
 from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
@@ -18,6 +19,7 @@ from services.gpu_worker.modeling.null_lm import NullLM
 from services.gpu_worker.modeling.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.whisper import WhisperModel
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NullLMSpec
@@ -35,6 +37,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     Idefics3Spec: Idefics3LM,
     Qwen25VLSpec: Qwen25VLModel,
     Gemma3VisionSpec: Gemma3VisionLM,
+    CsmSpec: CsmModel,
 }
 
 

@@ -1,0 +1,204 @@
+"""The runner of CSM (shared/specs/csm.py): one engine step makes one frame of every
+request that samples in it.
+
+The step loop, admission, footprints and stop checks are the decoder's; what is CSM's own:
+- the backbone rows: a prompt chunk's text ids, or a decoding request's previous frame
+  (its codes' embeddings summed), on the "backbone" label as any decoder's rows;
+- the codebook loop inside the step: for the requests that sample (a prompt's last chunk
+  or a decode row), the backbone's last hidden state and first code start the depth
+  decoder, whose `num_codebooks - 1` steps (the request's `codebook_loop` cap) run batched
+  over those requests, each a row per request on the "depth" label. Those rows are
+  scratch: the scheduler reserves them before the step (`step_scratch`) and gives their
+  pages back after it, so the same pages serve every frame;
+- sampling: the first code with the request's sampling (transformers' generate samples it
+  from the backbone's logits), each other code with the same temperature / top-k / top-p
+  (no penalties: they are a sequence's, not a frame's codebooks'); codes past the codec's
+  codebook size are never sampled (the real model's vocabulary has 3 it cannot decode);
+- the token a frame is sent as: its first code, or `eos_frame_token` for the frame that
+  ends the request (codes other than the last all `codebook_eos_token_id`, transformers'
+  stop rule);
+- sound: each output's new frames go to the request's `MimiStream` in the codec thread
+  (`CodecThread`); the first frame's samples leave at once, later ones `CHUNK_FRAMES` at a
+  time; an all-zero frame and what follows make no sound (transformers cuts there).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from services.gpu_worker.attention import AttnRows, cpu_backend
+from services.gpu_worker.codec_thread import CodecThread
+from services.gpu_worker.codecs.mimi_codec import MimiCodec, MimiStream
+from services.gpu_worker.request import Request
+from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.sampler import Row, sample
+from services.gpu_worker.step_types import PlanEntry, StepPlan
+from shared.frames import Output, RequestError, SamplingParams
+from shared.layout import KVLabel
+from shared.specs.base import CsmRunnerSpec
+
+log = logging.getLogger("mstar.csm_runner")
+
+#: frames a chunk after the first gathers (each decode call has a fixed cost)
+CHUNK_FRAMES = 4
+
+
+class CsmRunner(ModelRunner):
+    SPEC = CsmRunnerSpec
+
+    def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
+        self.backbone_label, self.depth_label = spec.label(spec.backbone_label), spec.label(spec.depth_label)
+        super().__init__(model, spec, kv, caches, planner)
+        self.depth_caches = caches[self.depth_label.pool]
+        self.codec = MimiCodec(spec.codec_path, spec.codec_config)
+        if self.codec.codebook_size > spec.codebook_vocab:
+            raise ValueError(f"the codec has {self.codec.codebook_size} codes a codebook; the model writes "
+                             f"{spec.codebook_vocab}")
+        self.thread = CodecThread()
+
+    def _backend(self) -> str:
+        """The C kernels where they take both stacks' attention, else torch."""
+        if self.device.type != "cpu":
+            return "torch"
+        compute = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        picks = {cpu_backend(self.caches[pool][0].dtype, compute, None, cfg.num_attention_heads,
+                             cfg.num_key_value_heads)
+                 for pool, cfg in ((self.spec.pool, self.spec.config), (self.spec.depth_pool, self.spec.depth_config))}
+        return "kernel" if picks == {"kernel"} else "torch"
+
+    def _layer_caches(self) -> list[torch.Tensor]:
+        return list(self.caches[self.spec.pool])
+
+    @property
+    def step_labels(self) -> tuple[KVLabel, ...]:
+        return (self.backbone_label,)  # the depth rows are scratch (`step_scratch`)
+
+    def check_layout(self, labels: set[str]) -> None:
+        want = {self.backbone_label.name, self.depth_label.name}
+        if labels != want:
+            raise ValueError(f"a CSM request needs layouts for labels {sorted(want)}")
+
+    def step_scratch(self, entry: PlanEntry) -> dict[str, int]:
+        r = entry.request
+        samples = r.num_computed + entry.rows == r.tokens_len
+        return {self.depth_label.name: self.spec.depth_rows} if samples else {}
+
+    # -- the step ----------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        text_ids: list[int] = []
+        text_rows: list[int] = []
+        frames: list[list[int]] = []
+        frame_rows: list[int] = []
+        positions: list[int] = []
+        rows, sampled, sample_rows = [], [], []
+        t = 0
+        for e in plan.entries:
+            r, n = e.request, e.rows
+            rows.append(AttnRows(e.pages[self.backbone_label.name], r.kv.labels[self.backbone_label.name].first_page,
+                                 r.num_computed, n, e.decode))
+            if e.decode:
+                frames.append(r.inputs["last_frame"])
+                frame_rows.append(t)
+            else:
+                text_ids.extend(r.prompt[r.num_computed: r.num_computed + n])
+                text_rows.extend(range(t, t + n))
+            positions.extend(range(r.num_computed, r.num_computed + n))
+            if r.num_computed + n == r.tokens_len:
+                sampled.append(e)
+                sample_rows.append(t + n - 1)
+            t += n
+        meta = self._metadata({self.backbone_label.name: rows})[self.backbone_label.name]
+
+        def long(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        with torch.inference_mode():
+            hidden = self.model.backbone(long(text_ids), long(text_rows),
+                                         long(frames).view(-1, self.spec.num_codebooks), long(frame_rows),
+                                         long(positions), self.layer_caches, meta)
+            made = self._frames(hidden[long(sample_rows)], sampled) if sampled else []
+        tokens = {id(e): tok for e, tok in zip(sampled, made)}
+        return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]
+
+    def _frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
+        """Each sampling entry's frame: its first code from the backbone's `hidden`, the
+        others from the depth decoder; kept on the request, returned as its token."""
+        reqs = [e.request for e in entries]
+        logits = self._codes_only(self.model.first_code_logits(hidden))
+        codes = [torch.tensor(sample(logits, [Row(r.sampling, r.generator, (), r.output) for r in reqs])[0])]
+        steps = {r.caps.get(self.spec.codebook_loop, 0) for r in reqs}
+        if steps != {self.spec.num_codebooks - 1}:  # a frame needs every codebook
+            raise ValueError(f"codebook_loop caps {sorted(steps)}; a frame takes {self.spec.num_codebooks - 1}")
+        pages = [e.pages[self.depth_label.name] for e in entries]
+        depth_rows = [self._depth_params(r) for r in reqs]
+        b = len(reqs)
+        head_rows = torch.arange(b, device=self.device)
+        for k in range(self.spec.num_codebooks - 1):
+            if k == 0:  # the backbone's hidden state and the first code, at positions 0 and 1
+                pairs = torch.stack([hidden, self.model.code_embeds(codes[0].to(self.device), 0)], dim=1)
+                inputs, new, head_rows = pairs.reshape(2 * b, -1), 2, torch.arange(1, 2 * b, 2, device=self.device)
+            else:
+                inputs, new = self.model.code_embeds(codes[k].to(self.device), k), 1
+                head_rows = torch.arange(b, device=self.device)
+            cached = 0 if k == 0 else k + 1
+            meta = self.builder.build([AttnRows(p, 0, cached, new, k > 0) for p in pages],
+                                      self.page_sizes[self.depth_label.name])
+            pos = torch.arange(cached, cached + new, device=self.device).repeat(b)
+            logits = self._codes_only(self.model.depth(inputs, pos, self.depth_caches, meta, head_rows, k))
+            codes.append(torch.tensor(sample(logits, depth_rows)[0]))
+        frame = torch.stack(codes, dim=1).tolist()
+        out = []
+        for r, f in zip(reqs, frame):
+            r.inputs["last_frame"] = f
+            r.inputs.setdefault("new_frames", []).append(f)
+            stop = all(c == self.spec.codebook_eos for c in f[:-1])
+            out.append(self.spec.eos_frame_token if stop else f[0])
+        return out
+
+    def _codes_only(self, logits: torch.Tensor) -> torch.Tensor:
+        """Ids past the codec's codebook never sampled (it cannot decode them)."""
+        if logits.shape[-1] > self.codec.codebook_size:
+            logits[:, self.codec.codebook_size:] = float("-inf")
+        return logits
+
+    def _depth_params(self, r: Request) -> Row:
+        """The depth decoder's sampling for `r`: its temperature, top-k, top-p, min-p."""
+        sp = r.sampling
+        return Row(SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p),
+                   r.generator)
+
+    # -- sound -------------------------------------------------------------------------
+
+    def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
+        if request.codec is None:
+            request.codec = self.codec.stream(CHUNK_FRAMES * self.codec.samples_per_frame)
+        frames = request.inputs.pop("new_frames", [])
+        self.thread.submit(reply_to, output, self._sound, request.codec, frames, output.finish_reason is not None)
+        return True
+
+    def _sound(self, stream: MimiStream, frames: list[list[int]], last: bool) -> bytes:
+        """The samples `frames` made final (in the codec thread); the rest on the last output."""
+        chunks = []
+        keep = []
+        for f in frames:
+            if stream.cut or all(c == self.spec.codebook_eos for c in f):
+                stream.cut = True  # transformers' audio ends at the first all-zero frame
+                continue
+            keep.append(f)
+        if keep:
+            chunks.append(stream.push(np.asarray(keep)))
+        if last:
+            chunks.append(stream.finish())
+        return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""
+
+    @property
+    def holding(self) -> bool:
+        return self.thread.holding
+
+    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
+        return self.thread.ready(wait)
+
