@@ -1,37 +1,71 @@
-/* Paged attention kernels for the CPU path (float32, FlashInfer's page layout).
+/* Paged attention kernels for the CPU path (float32 or bfloat16 pages, FlashInfer's page layout).
  *
  * mstar_write_kv: a step's new K/V rows into their pages (one memcpy per row and half;
  * torch's two index_put calls per layer cost more than the copy).
  *
- * mstar_paged_decode: each query row attends over its request's KV
- * pages where they lie, in FlashInfer's page layout [P, 2, page_size, kv_heads, head_dim]
- * (float32). The torch path first gathers every page of the batch into a contiguous copy
- * (index_select) and then runs SDPA over the copy; for decode rows (one to a few queries per
- * request) that copy is most of the cost. Here K and V are read once, in place.
+ * mstar_paged_decode: each query row attends over its request's KV pages where they lie, in
+ * FlashInfer's page layout [P, 2, page_size, kv_heads, head_dim]. The torch path first gathers
+ * every page of the batch into a contiguous copy (index_select) and then runs SDPA over the
+ * copy; for decode rows (one to a few queries per request) that copy is most of the cost.
+ * Here K and V are read once, in place.
  *
  * Query row i belongs to entry entry[i] (its pages are pages[entry[i] * width ...]) and
  * sees the held rows [lo[i], hi[i]) of that entry. Its heads are q[qrow[i] * q_stride ...]
  * (query head h * G + g uses KV head h) and its output goes to out[qrow[i] * Hq * D ...].
- * One pass over K writes the scores to `scratch` (Hq * max_keys floats), the softmax is
- * exact (max subtracted), and one pass over V accumulates every head's output.
+ *
+ * Work is split over the threads of pool.c's pool (flash-decoding): a task is one query row,
+ * one KV head (its G query heads together, so each K/V row is read once for all of them) and
+ * one partition of PART keys ([lo + p * PART, ...)). A task's pass over K writes its scores to
+ * a buffer on its stack, the softmax is exact over the partition (its max subtracted), and one
+ * pass over V accumulates the G heads' outputs in registers. A row of at most PART keys is one
+ * partition, which writes its output normalized: the arithmetic of the single-threaded kernel
+ * before the split, bit for bit. A longer row's partitions each leave their max m_p, sum l_p
+ * and unnormalized output o_p in the scratch, and the last one of them to finish (an atomic
+ * count per row and KV head) merges them in partition order: M = max m_p, w_p = exp(m_p - M),
+ * out = (sum w_p o_p) / (sum w_p l_p). The partitions and the merge order depend on the row's
+ * length only, never on the thread count or on which thread ran what, so the result is the
+ * same bits on any number of threads; it differs from one exact softmax over the whole row by
+ * float rounding only (a few ulp: tests/unit/test_decode_attention_split.py holds it to SDPA
+ * within 1e-5).
  *
  * mstar_write_kv_bf16 / mstar_paged_decode_bf16: the same over bfloat16 pages (a
  * `--kv-cache-dtype bfloat16` pool; half the KV bytes). A page value is read as float32 by a
- * 16-bit shift (exact), so the decode is the float32 kernel's run on the pages widened
- * (bitwise); a row is stored rounded to nearest even, NaN as 0xFFFF, as torch's
- * `.to(torch.bfloat16)` rounds (tests/unit/test_paged_attention_bf16.py).
+ * 16-bit shift (exact; vpmovzxwd + vpslld in the AVX-512 path), so the decode is the float32
+ * kernel's run on the pages widened (bitwise); a row is stored rounded to nearest even, NaN as
+ * 0xFFFF, as torch's `.to(torch.bfloat16)` rounds (tests/unit/test_paged_attention_bf16.py).
+ *
+ * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of up to GB
+ * query heads (d = 128: 2) in registers for a pass over the partition, and a score is the plain
+ * loop's bits (its FMA chain, then its `omp simd` reduction's in-order fold of the 16 lanes,
+ * done for 16 keys at once by a transpose, fold16). Other head sizes, or no AVX-512: the same
+ * arithmetic in plain loops. The pages PF_PAGES ahead of a task's K and V reads are prefetched
+ * (a request's pages lie anywhere in the pool, so the hardware prefetcher stops at each one).
  *
  * Built at first use by services/gpu_worker/cpu_kernels.py with the machine's C compiler
- * (-O3 -march=native -mprefer-vector-width=512 -fopenmp-simd; no OpenMP runtime: one thread).
+ * (-O3 -march=native -mprefer-vector-width=512).
  */
+#include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <float.h>
 
 #include "exp_poly.h"
+#include "pool.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_HEADS 128
+#define PART 256    /* keys per partition (fixed: the thread count never changes the result) */
+#define GB 4        /* query heads per pass over a partition (their accumulators in registers) */
+#ifndef PF_PAGES
+#define PF_PAGES 2  /* pages ahead of the one read that are prefetched */
+#endif
+#ifndef PF_LOC
+#define PF_LOC 3
+#endif
 
 /* A bfloat16 value as float32: its bits are the float's top half (exact). */
 static inline float bf16_to_f32(uint16_t h) {
@@ -50,110 +84,350 @@ static inline uint16_t f32_to_bf16(float f) {
     return f != f ? (uint16_t)0xFFFF : r;
 }
 
-/* The cached row (kv_heads * head_dim values) at element `at` of the pool, as float32: in
- * place for a float32 pool, widened into `buf` for a bfloat16 one (so both run the same
- * arithmetic after it). `bf16` is a constant at every (inlined) call site. */
-static inline const float *cached_row(const void *restrict cache, const int bf16, int64_t at, int64_t row,
-                                      float *restrict buf) {
-    if (!bf16) return (const float *)cache + at;
-    const uint16_t *restrict h = (const uint16_t *)cache + at;
-#pragma omp simd
-    for (int64_t e = 0; e < row; e++) buf[e] = bf16_to_f32(h[e]);
-    return buf;
+/* One decode call's shapes and pointers, shared by its tasks. */
+struct decode_job {
+    const float *q;
+    int64_t q_stride;
+    const void *cache;
+    const int64_t *pages, *qrow, *entry, *lo, *hi;
+    int64_t width, hq, hkv, g_n, d, row, half, page_size, parts;  /* parts: task slots per row and KV head */
+    float scale;
+    float *out;
+    float *rec;         /* partition records, [n_rows][hkv][parts][G * (d + 2)]: maxes, sums, outputs */
+    _Atomic int *done;  /* per row and KV head: its partitions finished */
+};
+
+/* Where one task reads: its row's pages, its KV head's offset in a cached row, keys [a, b). */
+struct span {
+    const int64_t *pg;
+    int64_t hk_off, a, b, last_page;  /* last_page: the row's last page index (prefetch stops there) */
+};
+
+/* Prefetch KV head slice (`bytes` per row) of the rows of page index `k` (K: kv = 0, V: 1). */
+static inline void prefetch_page(const struct decode_job *J, const struct span *S, int elt, int64_t k, int kv,
+                                 int64_t bytes) {
+    if (k > S->last_page) return;
+    const char *base = (const char *)J->cache + elt * ((S->pg[k] * 2 + kv) * J->half + S->hk_off);
+    for (int64_t r = 0; r < J->page_size; r++)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(base + elt * r * J->row + c, 0, PF_LOC);
 }
 
-/* One query row over keys [a, b) of its pages, every head at once: the cached row of all
- * KV heads is one contiguous read (hkv * d values). */
-__attribute__((always_inline))
-static inline void query_row(const float *restrict q, const void *restrict cache, const int bf16,
-                             const int64_t *restrict pg,
-                             int64_t a, int64_t b, int64_t hq, int64_t hkv, int64_t g_n, int64_t d, int64_t row, int64_t half,
-                             int64_t page_size, float scale, float *restrict s, float *restrict out) {
-    const int64_t n = b - a, elt = bf16 ? 2 : 4;
-    const char *bytes = (const char *)cache;
-    float mx[MAX_HEADS], sum[MAX_HEADS];
-    float buf[bf16 ? row : 1];  /* a bfloat16 row widened */
-    for (int64_t h = 0; h < hq; h++) mx[h] = -FLT_MAX;
-    /* scores: s[h * n + (j - a)] = scale * q_h . k_j, page by page */
-    for (int64_t j = a; j < b;) {
-        const int64_t off = j % page_size, end = j - off + page_size < b ? j - off + page_size : b;
-        int64_t at = pg[j / page_size] * 2 * half + off * row;  /* the row's first element in the pool */
-        if (end < b) __builtin_prefetch(bytes + elt * pg[end / page_size] * 2 * half);
-        for (; j < end; j++, at += row) {
-            const float *k = cached_row(cache, bf16, at, row, buf);
-            for (int64_t hk = 0, h = 0; hk < hkv; hk++) {
-                const float *kh = k + hk * d;
-                for (int64_t g = 0; g < g_n; g++, h++) {
-                    const float *qh = q + h * d;
-                    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t e = 0; e < d; e++) acc += qh[e] * kh[e];
-                    acc *= scale;
-                    s[h * n + (j - a)] = acc;
-                    mx[h] = acc > mx[h] ? acc : mx[h];
-                }
-            }
-        }
-    }
-    for (int64_t h = 0; h < hq; h++) {
-        float *sh = s + h * n, m = mx[h], t = 0.f;
+/* exp(s - m) in place over n scores, and their sum (the loop of the kernel before the split:
+ * same vectorization, same bits). */
+static inline float softmax_part(float *restrict sh, int64_t n, float m) {
+    float t = 0.f;
 #pragma omp simd reduction(+ : t)
-        for (int64_t j = 0; j < n; j++) {
-            sh[j] = exp_poly(sh[j] - m);
-            t += sh[j];
-        }
-        sum[h] = t;
+    for (int64_t j = 0; j < n; j++) {
+        sh[j] = exp_poly(sh[j] - m);
+        t += sh[j];
     }
-    memset(out, 0, sizeof(float) * hq * d);
-    for (int64_t j = a; j < b;) {
-        const int64_t off = j % page_size, end = j - off + page_size < b ? j - off + page_size : b;
-        int64_t at = (pg[j / page_size] * 2 + 1) * half + off * row;
-        if (end < b) __builtin_prefetch(bytes + elt * (pg[end / page_size] * 2 + 1) * half);
-        for (; j < end; j++, at += row) {
-            const float *v = cached_row(cache, bf16, at, row, buf);
-            for (int64_t hk = 0, h = 0; hk < hkv; hk++) {
-                const float *vh = v + hk * d;
-                for (int64_t g = 0; g < g_n; g++, h++) {
-                    const float p = s[h * n + (j - a)];
-                    float *o = out + h * d;
+    return t;
+}
+
+/* Hands a pass's result on: normalized into `dst` (row stride of heads d) when the row is one
+ * partition, else the record's maxes, sums and unnormalized outputs for the merge. */
+static inline void finish_heads(const float *restrict o, const float *mx, const float *sum, int gb, int64_t d,
+                                float *restrict dst, float *restrict rec, int64_t g0, int64_t g_n) {
+    if (!rec) {
+        for (int g = 0; g < gb; g++) {
+            const float inv = 1.f / sum[g];
 #pragma omp simd
-                    for (int64_t e = 0; e < d; e++) o[e] += p * vh[e];
-                }
-            }
+            for (int64_t e = 0; e < d; e++) dst[g * d + e] = o[g * d + e] * inv;
         }
+        return;
     }
-    for (int64_t h = 0; h < hq; h++) {
-        const float inv = 1.f / sum[h];
-#pragma omp simd
-        for (int64_t e = 0; e < d; e++) out[h * d + e] *= inv;
+    for (int g = 0; g < gb; g++) {
+        rec[g0 + g] = mx[g];
+        rec[g_n + g0 + g] = sum[g];
+        memcpy(rec + 2 * g_n + (g0 + g) * d, o + g * d, sizeof(float) * d);
     }
 }
 
-/* Both page types' decode: every query row through query_row (bf16 a constant). */
-__attribute__((always_inline))
-static inline int paged_decode(const float *q, int64_t q_stride, const void *cache, const int bf16,
-                               const int64_t *pages, int64_t width, const int64_t *qrow, const int64_t *entry,
-                               const int64_t *lo, const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv,
-                               int64_t d, int64_t page_size, float scale, float *out, float *scratch,
-                               int64_t max_keys) {
-    const int64_t g_n = hq / hkv;
-    if (hq > MAX_HEADS || g_n * hkv != hq) return -1;
-    const int64_t row = hkv * d, half = page_size * row;
-    for (int64_t i = 0; i < n_rows; i++) {
-        if (hi[i] - lo[i] <= 0 || hi[i] - lo[i] > max_keys) return -2;
-        const float *qi = q + qrow[i] * q_stride;
-        float *oi = out + qrow[i] * hq * d;
-        const int64_t *pg = pages + entry[i] * width;
-        if (d == 64)  /* the common head size, with a constant trip count */
-            query_row(qi, cache, bf16, pg, lo[i], hi[i], hq, hkv, g_n, 64, row, half, page_size, scale, scratch, oi);
-        else
-            query_row(qi, cache, bf16, pg, lo[i], hi[i], hq, hkv, g_n, d, row, half, page_size, scale, scratch, oi);
+/* The keys from j to the end of their page (or of the span, *end) begin at the returned
+ * element: key j's KV head slice in half kv (0 K, 1 V). Prefetches the page PF_PAGES ahead. */
+static inline int64_t page_run(const struct decode_job *J, const struct span *S, int64_t j, int kv, int elt,
+                               int64_t bytes, int64_t *end) {
+    const int64_t k = j / J->page_size, off = j - k * J->page_size;
+    *end = (k + 1) * J->page_size < S->b ? (k + 1) * J->page_size : S->b;
+    prefetch_page(J, S, elt, k + PF_PAGES, kv, bytes);
+    return (S->pg[k] * 2 + kv) * J->half + off * J->row + S->hk_off;
+}
+
+/* The plain-loop pass: gb query heads (q rows of d) over the span, any head size. */
+__attribute__((always_inline)) static inline void pass_plain(const struct decode_job *J, const struct span *S,
+                                                             const int bf16, const float *restrict q, int gb,
+                                                             int64_t d, float *restrict dst, float *restrict rec,
+                                                             int64_t g0) {
+    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4;
+    float s[GB * PART] __attribute__((aligned(64)));
+    float mx[GB], sum[GB], buf[bf16 ? d : 1], o[GB * d];
+    for (int g = 0; g < gb; g++) mx[g] = -FLT_MAX;
+    for (int64_t j = S->a, end; j < S->b;) {
+        for (int64_t at = page_run(J, S, j, 0, elt, elt * d, &end); j < end; j++, at += J->row) {
+            const float *k = bf16 ? buf : (const float *)J->cache + at;
+            if (bf16) {
+                const uint16_t *h = (const uint16_t *)J->cache + at;
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(h[e]);
+            }
+            for (int g = 0; g < gb; g++) {
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t e = 0; e < d; e++) acc += q[g * d + e] * k[e];
+                acc *= J->scale;
+                s[g * PART + (j - S->a)] = acc;
+                mx[g] = acc > mx[g] ? acc : mx[g];
+            }
+        }
     }
+    for (int g = 0; g < gb; g++) sum[g] = softmax_part(s + g * PART, n, mx[g]);
+    memset(o, 0, sizeof(float) * gb * d);
+    for (int64_t j = S->a, end; j < S->b;) {
+        for (int64_t at = page_run(J, S, j, 1, elt, elt * d, &end); j < end; j++, at += J->row) {
+            const float *v = bf16 ? buf : (const float *)J->cache + at;
+            if (bf16) {
+                const uint16_t *h = (const uint16_t *)J->cache + at;
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(h[e]);
+            }
+            for (int g = 0; g < gb; g++) {
+                const float p = s[g * PART + (j - S->a)];
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) o[g * d + e] += p * v[e];
+            }
+        }
+    }
+    finish_heads(o, mx, sum, gb, d, dst, rec, g0, J->g_n);
+}
+
+#ifdef __AVX512F__
+/* NV vectors of 16 floats from element `at` of the pool (bfloat16: zero-extended and shifted). */
+__attribute__((always_inline)) static inline void load_vecs(const void *cache, const int bf16, int64_t at,
+                                                            const int nv, __m512 *x) {
+    for (int v = 0; v < nv; v++) {
+        if (bf16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * v));
+            x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            x[v] = _mm512_loadu_ps((const float *)cache + at + 16 * v);
+        }
+    }
+}
+
+/* The 16 rows a[0..15] (16 lanes each) summed across their lanes, row j into lane j, each sum
+ * in lane order from 0: ((0 + a_j[0]) + a_j[1]) + ... + a_j[15], which is how the plain loop's
+ * `omp simd` reduction folds its vector (so a score is the same bits either way). A 16 x 16
+ * transpose (64 shuffles) then 16 vector adds: far cheaper than 16 scalar folds. */
+static inline __m512 fold16(const float *a) {
+    __m512 t[16], u[16], c[16];
+    for (int r = 0; r < 16; r += 2) {
+        const __m512 x = _mm512_load_ps(a + 16 * r), y = _mm512_load_ps(a + 16 * (r + 1));
+        t[r] = _mm512_unpacklo_ps(x, y);     /* per 128-bit lane: x0 y0 x1 y1 */
+        t[r + 1] = _mm512_unpackhi_ps(x, y); /* x2 y2 x3 y3 */
+    }
+    for (int r = 0; r < 16; r += 4)
+        for (int h = 0; h < 2; h++) { /* rows r..r+3, elements 4l + 2h (+1) of each 128-bit lane l */
+            const __m512d x = _mm512_castps_pd(t[r + h]), y = _mm512_castps_pd(t[r + 2 + h]);
+            u[r + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            u[r + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    /* u[r + e] (e < 4): rows r..r+3, elements e, e + 4, e + 8, e + 12 in lanes 0..3 */
+    for (int e = 0; e < 4; e++) {
+        const __m512 lo02 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), lo13 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+        const __m512 hi02 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 hi13 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        c[e] = _mm512_shuffle_f32x4(lo02, hi02, 0x88);      /* element e of rows 0..15 */
+        c[e + 8] = _mm512_shuffle_f32x4(lo02, hi02, 0xDD);  /* element e + 8 */
+        c[e + 4] = _mm512_shuffle_f32x4(lo13, hi13, 0x88);  /* element e + 4 */
+        c[e + 12] = _mm512_shuffle_f32x4(lo13, hi13, 0xDD); /* element e + 12 */
+    }
+    __m512 s = _mm512_add_ps(_mm512_setzero_ps(), c[0]);
+    for (int e = 1; e < 16; e++) s = _mm512_add_ps(s, c[e]);
+    return s;
+}
+
+/* The K pass of pass_vec: s[g * PART + j - a] = scale * q_g . k_j for gb heads, and each
+ * head's max. Each key's FMA chain over its 16-lane slices (in order) is kept in `acc` until
+ * 16 keys are there, then folded together (fold16). */
+__attribute__((always_inline)) static inline void scores_vec(const struct decode_job *J, const struct span *S,
+                                                             const int bf16, const float *restrict q, const int gb,
+                                                             const int nv, float *restrict s, float *mx) {
+    const int64_t elt = bf16 ? 2 : 4, d = 16 * nv;
+    float acc[GB * 256] __attribute__((aligned(64)));
+    __m512 qv[GB][8], x[8], mv[GB];
+    for (int g = 0; g < gb; g++) {
+        mv[g] = _mm512_set1_ps(-FLT_MAX);
+        for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * d + 16 * v);
+    }
+    int64_t jj = 0;
+    for (int64_t j = S->a, end; j < S->b;) {
+        for (int64_t at = page_run(J, S, j, 0, elt, elt * d, &end); j < end; j++, at += J->row) {
+            load_vecs(J->cache, bf16, at, nv, x);
+            for (int g = 0; g < gb; g++) {
+                __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
+                for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[g][v], x[v], a);
+                _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a);
+            }
+            if ((++jj & 15) && j + 1 < S->b) continue;
+            const __mmask16 live = (__mmask16)(0xFFFF >> (15 - ((jj - 1) & 15)));
+            for (int g = 0; g < gb; g++) {
+                const __m512 sc = _mm512_mul_ps(fold16(acc + g * 256), _mm512_set1_ps(J->scale));
+                _mm512_store_ps(s + g * PART + ((jj - 1) & ~(int64_t)15), sc);
+                mv[g] = _mm512_mask_max_ps(mv[g], live, sc, mv[g]); /* sc > m ? sc : m, as the plain loop */
+            }
+        }
+    }
+    for (int g = 0; g < gb; g++) {
+        float m[16], r = -FLT_MAX;
+        _mm512_storeu_ps(m, mv[g]);
+        for (int l = 0; l < 16; l++) r = m[l] > r ? m[l] : r;
+        mx[g] = r;
+    }
+}
+
+/* The AVX-512 pass for head size 16 * nv (gb, nv constants): the K pass (scores_vec), the
+ * exact softmax, then the V pass with the gb heads' outputs in registers (each output the
+ * plain loop's FMA over the keys in order: the same bits). */
+__attribute__((always_inline)) static inline void pass_vec(const struct decode_job *J, const struct span *S,
+                                                           const int bf16, const float *restrict q, const int gb,
+                                                           const int nv, float *restrict dst, float *restrict rec,
+                                                           int64_t g0) {
+    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, d = 16 * nv;
+    float s[GB * PART] __attribute__((aligned(64)));
+    float mx[GB], sum[GB], o[GB * 16 * 8] __attribute__((aligned(64)));
+    __m512 acc[GB][8], x[8];
+    scores_vec(J, S, bf16, q, gb, nv, s, mx);
+    for (int g = 0; g < gb; g++) sum[g] = softmax_part(s + g * PART, n, mx[g]);
+    for (int g = 0; g < gb; g++)
+        for (int v = 0; v < nv; v++) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t j = S->a, end; j < S->b;) {
+        for (int64_t at = page_run(J, S, j, 1, elt, elt * d, &end); j < end; j++, at += J->row) {
+            load_vecs(J->cache, bf16, at, nv, x);
+            for (int g = 0; g < gb; g++) {
+                const __m512 p = _mm512_set1_ps(s[g * PART + (j - S->a)]);
+                for (int v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int v = 0; v < nv; v++) _mm512_store_ps(o + g * d + 16 * v, acc[g][v]);
+    finish_heads(o, mx, sum, gb, d, dst, rec, g0, J->g_n);
+}
+
+/* pass_vec with the head count and size constants (one copy per pair). */
+__attribute__((always_inline)) static inline int pass_fast(const struct decode_job *J, const struct span *S,
+                                                           const int bf16, const float *q, int gb, float *dst,
+                                                           float *rec, int64_t g0) {
+#define PASS_NV(nv)                                                         \
+    switch (gb) {                                                           \
+    case 1: pass_vec(J, S, bf16, q, 1, nv, dst, rec, g0); return 1;         \
+    case 2: pass_vec(J, S, bf16, q, 2, nv, dst, rec, g0); return 1;         \
+    case 3: pass_vec(J, S, bf16, q, 3, nv, dst, rec, g0); return 1;         \
+    default: pass_vec(J, S, bf16, q, 4, nv, dst, rec, g0); return 1;        \
+    }
+    if (J->d == 64) { PASS_NV(4) }
+    if (J->d == 128 && gb <= 2) {
+        if (gb == 1) pass_vec(J, S, bf16, q, 1, 8, dst, rec, g0);
+        else pass_vec(J, S, bf16, q, 2, 8, dst, rec, g0);
+        return 1;
+    }
+#undef PASS_NV
+    return 0;
+}
+#endif
+
+/* One task's partition: its G query heads in passes of up to GB (d = 128: 2). */
+__attribute__((always_inline)) static inline void run_part(const struct decode_job *J, const struct span *S,
+                                                           const int bf16, const float *q, float *dst, float *rec) {
+    const int64_t step = J->d == 128 ? 2 : GB;
+    for (int64_t g0 = 0; g0 < J->g_n; g0 += step) {
+        const int gb = (int)(J->g_n - g0 < step ? J->g_n - g0 : step);
+        const float *qg = q + g0 * J->d;
+        float *dg = dst + g0 * J->d;
+#ifdef __AVX512F__
+        if (pass_fast(J, S, bf16, qg, gb, dg, rec, g0)) continue;
+#endif
+        if (J->d == 64)  /* a constant trip count for the plain loops */
+            pass_plain(J, S, bf16, qg, gb, 64, dg, rec, g0);
+        else
+            pass_plain(J, S, bf16, qg, gb, J->d, dg, rec, g0);
+    }
+}
+
+/* Row i's KV head hk: its partitions' records merged in partition order into the output. */
+static void merge(const struct decode_job *J, int64_t i, int64_t hk, int64_t nparts) {
+    const int64_t g_n = J->g_n, d = J->d, size = g_n * (d + 2);
+    const float *rec = J->rec + (i * J->hkv + hk) * J->parts * size;
+    float *dst = J->out + J->qrow[i] * J->hq * d + hk * g_n * d;
+    float o[d];
+    for (int64_t g = 0; g < g_n; g++) {
+        float m = -FLT_MAX, l = 0.f;
+        for (int64_t p = 0; p < nparts; p++) m = rec[p * size + g] > m ? rec[p * size + g] : m;
+        memset(o, 0, sizeof(float) * d);
+        for (int64_t p = 0; p < nparts; p++) {
+            const float *r = rec + p * size, w = exp_poly(r[g] - m), *op = r + 2 * g_n + g * d;
+            l += w * r[g_n + g];
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) o[e] += w * op[e];
+        }
+        const float inv = 1.f / l;
+#pragma omp simd
+        for (int64_t e = 0; e < d; e++) dst[g * d + e] = o[e] * inv;
+    }
+}
+
+/* Task t = ((row * hkv) + kv head) * parts + partition; a slot past the row's partitions is empty. */
+__attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int bf16) {
+    const int64_t p = t % J->parts, pair = t / J->parts, i = pair / J->hkv, hk = pair % J->hkv;
+    const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
+    if (p >= nparts) return;
+    const int64_t *pg = J->pages + J->entry[i] * J->width;
+    struct span S = {pg, hk * J->d, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size};
+    S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
+    const float *q = J->q + J->qrow[i] * J->q_stride + hk * J->g_n * J->d;
+    float *dst = J->out + J->qrow[i] * J->hq * J->d + hk * J->g_n * J->d;
+    float *rec = nparts == 1 ? NULL : J->rec + (pair * J->parts + p) * J->g_n * (J->d + 2);
+    run_part(J, &S, bf16, q, dst, rec);
+    if (nparts > 1 && atomic_fetch_add_explicit(&J->done[pair], 1, memory_order_acq_rel) == nparts - 1)
+        merge(J, i, hk, nparts);
+}
+
+static void task_f32(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0); }
+static void task_bf16(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1); }
+
+/* Count slots (one int per row and KV head) at the scratch's start, rounded to 64 bytes. */
+static inline int64_t count_floats(int64_t n_rows, int64_t hkv) { return (n_rows * hkv + 15) / 16 * 16; }
+
+/* Floats of scratch a decode of n_rows rows of up to max_keys keys needs: the counts, then a
+ * record per row, KV head and partition slot (G maxes, G sums, G * d outputs). */
+int64_t mstar_paged_decode_scratch(int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t max_keys) {
+    if (n_rows < 1 || hkv < 1) return 16;
+    const int64_t parts = max_keys > 0 ? (max_keys + PART - 1) / PART : 1;
+    return count_floats(n_rows, hkv) + n_rows * parts * hq * (d + 2) + 16;
+}
+
+/* Both page types' decode: checks, then every task over the pool's threads. */
+static int paged_decode(const float *q, int64_t q_stride, const void *cache, const int bf16, const int64_t *pages,
+                        int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
+                        int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out,
+                        float *scratch, int64_t max_keys) {
+    if (hq > MAX_HEADS || hkv < 1 || (hq / hkv) * hkv != hq) return -1;
+    for (int64_t i = 0; i < n_rows; i++)
+        if (hi[i] - lo[i] <= 0 || hi[i] - lo[i] > max_keys) return -2;
+    if (n_rows <= 0) return 0;
+    const int64_t parts = (max_keys + PART - 1) / PART, counts = count_floats(n_rows, hkv);
+    if (n_rows * hkv * parts > INT32_MAX) return -2;
+    struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hkv * d,
+                           page_size * hkv * d, page_size, parts, scale, out, NULL, (_Atomic int *)scratch};
+    J.rec = (float *)(((uintptr_t)(scratch + counts) + 63) & ~(uintptr_t)63);
+    for (int64_t c = 0; c < n_rows * hkv; c++) atomic_init(&J.done[c], 0);
+    mstar_parallel_for((int)(n_rows * hkv * parts), bf16 ? task_bf16 : task_f32, &J);
     return 0;
 }
 
-/* Returns 0, or -1 for shapes it does not take (more than 128 query heads, or query heads not a multiple of KV heads), -2 for a row
- * with no keys or more than max_keys. */
+/* Returns 0, or -1 for shapes it does not take (more than 128 query heads, or query heads not
+ * a multiple of KV heads), -2 for a row with no keys or more than max_keys. scratch: at least
+ * mstar_paged_decode_scratch(n_rows, hq, hkv, d, max_keys) floats. */
 int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, const int64_t *pages, int64_t width,
                        const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi, int64_t n_rows,
                        int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,
