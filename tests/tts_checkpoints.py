@@ -189,6 +189,9 @@ def make_csm_checkpoint(path: Path, seed: int = 0, num_codebooks: int = 32, code
         for name, param in model.codec_model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+        last = model.codec_model.decoder.decoder_seanet.layers[-1].conv  # sound within [-1, 1], as 16-bit PCM holds
+        last.weight.mul_(0.01)
+        last.bias.mul_(0.01)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

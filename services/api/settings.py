@@ -47,6 +47,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: a speech model's audio sample rate (its codec's; 0 for a model that makes no sound)
     sample_rate: int = 0
     audio_language: str | None = None  # the language a speech model assumes when none is sent
+    #: a speech model's own sampling defaults (`ModelSpec.speech_defaults`), under a body's fields
+    speech_defaults: dict[str, float] = {}
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0

@@ -12,9 +12,10 @@
   "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}`.
 - `speed` other than 1.0 and `instructions` are refused (the model does not take them);
   `voice` must be one of the model's (the data worker's 400 names it).
-- Sampling: Orpheus' own defaults (temperature 0.6, top_p 0.8, repetition_penalty 1.3),
-  which a body may set (vLLM-style extra fields), with `seed` and `max_tokens` (audio
-  tokens: 7 a frame, 12 frames ~ a second).
+- Sampling: the model's own defaults (`ModelSpec.speech_defaults`: Orpheus' temperature
+  0.6, top_p 0.8, repetition_penalty 1.3; CSM's temperature 0.9, top_k 50), which a body
+  may set (vLLM-style extra fields), with `seed` and `max_tokens` (Orpheus: audio tokens,
+  7 a frame, 12 frames ~ a second; CSM: frames, 12.5 a second).
 
 The audio rides on the outputs as float32 samples (`Output.audio`, made by the gpu
 worker's codec); this module only encodes them (soundfile, numpy).
@@ -45,8 +46,6 @@ from shared.frames import SamplingParams
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 REFUSED_FORMATS = ("mp3", "opus", "aac")
-#: Orpheus' recommended sampling (its own engine's defaults)
-DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3}
 
 
 def check_speech(req: SpeechRequest) -> str:
@@ -63,10 +62,11 @@ def check_speech(req: SpeechRequest) -> str:
     return fmt
 
 
-def sampling_fields(req: SpeechRequest) -> dict[str, Any]:
-    """The sampling settings: the body's, else Orpheus' own defaults."""
+def sampling_fields(req: SpeechRequest, defaults: dict[str, float]) -> dict[str, Any]:
+    """The sampling settings: the body's, else the model's own defaults."""
     given = {k: getattr(req, k) for k in ("temperature", "top_p", "repetition_penalty", "seed")}
-    return {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    kept = {k: int(v) if k == "top_k" else v for k, v in defaults.items()}
+    return {**kept, **{k: v for k, v in given.items() if v is not None}}
 
 
 
@@ -156,7 +156,8 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     fmt = check_speech(req)
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
-                            sampling=SamplingParams(**sampling_fields(req)), max_tokens=req.max_tokens,
+                            sampling=SamplingParams(**sampling_fields(req, settings.speech_defaults)),
+                            max_tokens=req.max_tokens,
                             prompt=req.input, options=options)
     reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
     return Prepared(params, req.stream_format is not None, reply, task="speech")

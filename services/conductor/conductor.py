@@ -164,8 +164,9 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         pool_rows = min(p.num_pages * p.page_size for p in pools.values())
         max_tokens = max(1, min(max_tokens, pool_rows - req.prompt_len + 1))
     if decode_iters is not None and max_tokens - 1 > decode_iters:
+        named = "" if spec.decode_loop == "decode_loop" else f" ({spec.decode_loop})"  # a speech model's frame_loop
         raise Refusal(ErrorKind.TOO_LONG,
-                      f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}",
+                      f"max_tokens - 1 = {max_tokens - 1} exceeds the decode loop's max_iters {decode_iters}{named}",
                       "max_tokens")
     if req.prompt_len + max_tokens > max_seq_len:
         raise Refusal(ErrorKind.TOO_LONG,

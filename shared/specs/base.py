@@ -120,6 +120,8 @@ class ModelSpec(ABC):
     stop_ids: tuple[int, ...] = ()
     #: a speech model's audio sample rate (0: the model makes no sound)
     sample_rate: int = 0
+    #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
+    speech_defaults: tuple[tuple[str, float], ...] = ()
 
     def prepare_image(self, data: bytes) -> PreparedImage:
         """An image file (bytes as the client sent it) preprocessed as the model's processor

@@ -76,6 +76,8 @@ class CsmSpec(ModelSpec):
     pool = "kv"
     depth_pool = "depth"
     metadata_keys = frozenset({"prompt_len", "voice"})
+    #: Sesame's generator's sampling (temperature 0.9, top-k 50), for every codebook
+    speech_defaults = (("temperature", 0.9), ("top_k", 50))
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:

@@ -37,6 +37,8 @@ class OrpheusSpec(DecoderLMSpec):
     task = "speech"
     engine = "speech_decoder"
     metadata_keys = frozenset({"prompt_len", "voice"})
+    #: Orpheus' recommended sampling (its own engine's defaults)
+    speech_defaults = (("temperature", 0.6), ("top_p", 0.8), ("repetition_penalty", 1.3))
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:

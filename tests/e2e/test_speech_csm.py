@@ -1,0 +1,185 @@
+"""CSM speech out through the real services: a tiny random CsmForConditionalGeneration
+(backbone 2 x 64, depth decoder 2 x 32, 16 codebooks, a tiny Mimi with the real rates).
+
+- frames: `/generate`'s tokens (each frame's first code; the ending frame as the spec's
+  `eos_frame_token`) equal transformers' greedy `generate` (depth decoder greedy too) for 5
+  texts and 2 speakers, batched; the audio equals `MimiModel.decode` of transformers'
+  frames within float tolerance, so every codebook of every frame is transformers';
+- `/v1/audio/speech` in pcm, wav and flac, streamed (raw and SSE) and not: the chunks
+  joined equal the whole clip; speakers as voices;
+- the official `openai` client's `audio.speech.create` and `with_streaming_response`;
+- refusals naming the field (a length past the frame loop's cap names `frame_loop`); KV
+  debug asserts on, both labels within their footprints, pages back to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.servers import MstarServer
+from tests.tts_checkpoints import csm_reference, make_csm_checkpoint
+
+TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.", "What is the capital of France?",
+         "Numbers like 12345 appear in text.", "Goodbye, world.")
+FRAMES = 6
+GREEDY = {"temperature": 0}
+CODEBOOKS = 16
+MAX_SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_csm_checkpoint(tmp_path_factory.mktemp("csm") / "csm", num_codebooks=CODEBOOKS)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    turns = [(speaker, text) for text in TEXTS for speaker in ("0", "1")]
+    return dict(zip(turns, csm_reference(folder, turns, FRAMES)))
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "csm.log", "--num-kv-pages", "64",
+                      "--page-size", "8", "--max-seq-len", str(MAX_SEQ_LEN),
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    yield srv
+    srv.stop()
+
+
+def tokens_of(frames: np.ndarray, eos_token: int) -> list[int]:
+    """The tokens mstar sends for transformers' frames: first codes, the ending frame as eos."""
+    return [eos_token if (f[:-1] == 0).all() else int(f[0]) for f in frames]
+
+
+def pcm(samples: np.ndarray) -> np.ndarray:
+    return np.frombuffer((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes(), "<i2")
+
+
+def _clean(server: MstarServer) -> None:
+    assert server.wait_pages_free() == 0
+    log = server.log()
+    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
+
+def prompt_ids(folder: Path, speaker: str, text: str) -> list[int]:
+    """The CSM processor's ids of a `[speaker]text` turn."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    rendered = tok.apply_chat_template([{"role": speaker, "content": [{"type": "text", "text": text}]}],
+                                       tokenize=False)
+    return tok(rendered, add_special_tokens=False).input_ids
+
+
+async def test_frames_and_audio_equal_transformers(folder, server, reference):
+    """Speaker 0 as a text prompt (the default voice), both speakers as the processor's ids."""
+    turns = list(reference)
+    bodies = [{"prompt": text} for text in TEXTS] + [{"input_ids": prompt_ids(folder, s, t)} for s, t in turns]
+    turns = [("0", text) for text in TEXTS] + turns
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(client.post("/generate", json={**body, "max_tokens": FRAMES, **GREEDY})
+                                     for body in bodies))
+    for turn, r in zip(turns, got):
+        assert r.status_code == 200, r.text
+        frames, wave = reference[turn]
+        body = r.json()
+        assert body["token_ids"] == tokens_of(frames, 64)
+        audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
+        assert audio.shape == wave.shape
+        np.testing.assert_allclose(audio, wave, atol=1e-4 * max(1.0, float(np.abs(wave).max())), rtol=0)
+    _clean(server)
+
+
+async def speech(client: httpx.AsyncClient, **body) -> httpx.Response:
+    body = {"input": TEXTS[1], "max_tokens": FRAMES, **GREEDY, **body}
+    return await client.post("/v1/audio/speech", json=body)
+
+
+async def test_speech_route_formats_and_streams(server, reference):
+    import soundfile
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        whole = await speech(client, response_format="pcm")
+        wav = await speech(client, response_format="wav")
+        flac = await speech(client, response_format="flac")
+        raw = await speech(client, response_format="pcm", stream_format="audio")
+        sse = await speech(client, response_format="pcm", stream_format="sse")
+        other = await speech(client, response_format="pcm", voice="1")
+    assert whole.headers["content-type"] == "audio/pcm" and wav.headers["content-type"] == "audio/wav"
+    got = np.frombuffer(whole.content, "<i2")
+    want = pcm(reference[("0", TEXTS[1])][1])
+    assert len(got) == len(want) == FRAMES * 1920 and np.abs(got.astype(int) - want).max() <= 1
+    assert np.abs(got).max() < 32767  # not clipped: the samples themselves are compared
+    assert raw.content == whole.content
+    events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] == FRAMES
+    assert len(events) > 2  # the first frame leaves alone, then chunks of frames
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == whole.content
+    for encoded in (wav.content, flac.content):
+        samples, rate = soundfile.read(io.BytesIO(encoded), dtype="int16")
+        assert rate == 24000 and np.array_equal(samples, got)
+    second = np.frombuffer(other.content, "<i2")
+    assert np.abs(second.astype(int) - pcm(reference[("1", TEXTS[1])][1])).max() <= 1
+    _clean(server)
+    clips = server.metric("mstar_time_to_first_audio_seconds_count")
+    assert clips >= 6 and server.metric("mstar_real_time_factor_count") == clips
+    assert server.metric("mstar_audio_seconds_total") >= 6 * FRAMES * 1920 / 24000
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"input": ""}, "input", None),
+    ({"input": "x" * 5000}, "input", None),
+    ({"input": "x", "voice": "tara"}, "voice", "voice 'tara' is not one of this model's speakers"),
+    ({"input": "x", "response_format": "mp3"}, "response_format", "response_format 'mp3' is not offered"),
+    ({"input": "x", "max_tokens": 100000}, "max_tokens",
+     f"max_tokens - 1 = 99999 exceeds the decode loop's max_iters {MAX_SEQ_LEN - 1} (frame_loop)"),
+])
+async def test_speech_refusals_name_the_field(server, body, param, message):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        r = await client.post("/v1/audio/speech", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if message:
+        assert message in r.json()["error"]["message"]
+
+
+async def test_frames_to_the_cap_and_aborts_free_both_labels(server):
+    """Requests that run the frame loop to its cap (their footprints' peak, both labels:
+    the debug checks log any label held below it) and a stream dropped mid-way."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        long = MAX_SEQ_LEN - 20
+        runs = await asyncio.gather(*(client.post("/generate", json={
+            "prompt": TEXTS[0], "max_tokens": long, "ignore_eos": True, **GREEDY}) for _ in range(3)))
+        assert all(r.status_code == 200 and len(r.json()["token_ids"]) == long for r in runs)
+        async with client.stream("POST", "/v1/audio/speech", json={"input": TEXTS[2], "max_tokens": long,
+                                                                   "stream_format": "audio", **GREEDY}) as r:
+            async for _ in r.aiter_bytes():
+                break  # the first chunk, then the client goes away
+    _clean(server)
+
+
+def test_the_openai_client_speaks(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0]
+    extra = {**GREEDY, "max_tokens": FRAMES}
+    clip = client.audio.speech.create(model=model.id, voice="1", input=TEXTS[1], response_format="pcm",
+                                      extra_body=extra)
+    chunks = []
+    with client.audio.speech.with_streaming_response.create(model=model.id, voice="1", input=TEXTS[1],
+                                                            response_format="pcm", extra_body=extra) as r:
+        for chunk in r.iter_bytes():
+            chunks.append(chunk)
+    assert clip.content == b"".join(chunks) and len(clip.content) == 2 * FRAMES * 1920
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["output_modalities"] == ["audio"]
