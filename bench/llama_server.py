@@ -15,6 +15,7 @@ output token after the first, TPOT: llama-server's chunks often arrive bunched, 
 gap median reads 0), c16 tok/s >= 2.0x, RSS <= 1.0x, start-up <= 3 s.
 
     python -m bench.llama_server --rounds 3
+    python -m bench.llama_server --long        # long prompts (bench/long_prompts.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import long_prompts
 from bench.client import Backend, OpenAIBackend, make_prompts, run_load
 from bench.report import machine, results_dir, table, write_json
 from bench.server import PEERS, MemorySampler, MstarServer, Server, free_port
@@ -106,9 +108,12 @@ def measure(server: Server, args) -> dict:
     try:
         out = {"startup_s": server.startup_s, "idle": server.memory()}
         asyncio.run(run_load(server.url, _backend(server), make_prompts(2, 16, 4, seed=99), 1, client="httpx"))
-        out["c1"] = _level(server, 1, args.c1_requests, args)
-        out["c16"] = _level(server, 16, args.c16_requests, args)
-        out["greedy"] = _greedy(server.url, server.model)
+        if args.long:
+            out["long"] = long_prompts.measure(server.url, _backend(server), args.seed + args.round)
+        else:
+            out["c1"] = _level(server, 1, args.c1_requests, args)
+            out["c16"] = _level(server, 16, args.c16_requests, args)
+            out["greedy"] = _greedy(server.url, server.model)
         out["after"] = server.memory()
     finally:
         out_mem = sampler.stop()
@@ -131,6 +136,10 @@ def _ratios(m: dict, ll: dict) -> dict:
             "c16_tok_s": _div(m["c16"]["out_tok_s"], ll["c16"]["out_tok_s"]),
             "rss": _div(m["peak_rss_mib"], ll["peak_rss_mib"]), "startup_s": m["startup_s"],
             "greedy_same": sum(same) / len(same), "greedy_prefix_chars": statistics.mean(prefix)}
+
+
+HEADER = ["system", "round", "start-up s", "c1 TTFT ms", "c1 TPOT ms", "c1 ITL p50 ms", "c16 tok/s", "peak RSS MiB",
+          "peak PSS MiB", "errors"]
 
 
 def _rows(runs: list[dict]) -> list[list[str]]:
@@ -158,6 +167,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
     p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server flag (repeat; e.g. -t=1)")
+    p.add_argument("--long", action="store_true", help="the long-prompt figures (bench/long_prompts.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from shared.gguf_source import find_default_gguf
@@ -165,22 +175,23 @@ def main() -> None:
     model = args.model or str(find_default_gguf())
     out_dir = results_dir(args.out)
     runs = []
+    llama_args = (long_prompts.LLAMA_ARGS if args.long else []) + args.llama_arg
+    ratios, header, rows = ((long_prompts.ratios, long_prompts.HEADER, long_prompts.rows) if args.long
+                            else (_ratios, HEADER, _rows))
     for rnd in range(args.rounds):
+        args.round = rnd
         systems = {"mstar": lambda r=rnd: MstarServer(model, out_dir / f"mstar-{r}.log", args.serve_arg),
                    "llama-server": lambda r=rnd: LlamaServer(args.llama_bin, model, out_dir / f"llama-{r}.log",
-                                                             args.llama_arg)}
+                                                             llama_args)}
         order = list(systems) if rnd % 2 == 0 else list(systems)[::-1]
         run = {"round": rnd, "first": order[0]}
         for name in order:
             run[name] = measure(systems[name](), args)
             print(name, rnd, {k: v for k, v in run[name].items() if k != "greedy"}, flush=True)
-        run["ratios"] = _ratios(run["mstar"], run["llama-server"])
+        run["ratios"] = ratios(run["mstar"], run["llama-server"])
         print("ratios", run["ratios"], flush=True)
         runs.append(run)
-    header = ["system", "round", "start-up s", "c1 TTFT ms", "c1 TPOT ms", "c1 ITL p50 ms", "c16 tok/s",
-              "peak RSS MiB",
-              "peak PSS MiB", "errors"]
-    print(table(header, _rows(runs)))
+    print(table(header, rows(runs)))
     summary = {}
     for key in runs[0]["ratios"]:
         vals = [v for r in runs if (v := r["ratios"][key]) == v] or [float("nan")]  # nan: not measured

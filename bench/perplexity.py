@@ -26,9 +26,10 @@ import torch
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "opticks_book1.txt"
 
-#: (name, --dtype, --kv-cache-dtype) of each path on a GGUF model
-PATHS = (("float32", "float32", "float32"), ("quantized", "auto", "float32"),
-         ("quantized+bf16kv", "auto", "bfloat16"))
+#: (name, --dtype, --kv-cache-dtype, --prefill-dtype) of each path on a GGUF model
+PATHS = (("float32", "float32", "float32", "quantized"), ("quantized", "auto", "float32", "quantized"),
+         ("quantized+bf16kv", "auto", "bfloat16", "quantized"),
+         ("quantized+bf16kv+bf16prefill", "auto", "bfloat16", "bfloat16"))
 
 
 def text_ids(tokenizer, limit: int | None = None) -> list[int]:
@@ -36,15 +37,18 @@ def text_ids(tokenizer, limit: int | None = None) -> list[int]:
     return ids[:limit] if limit else ids
 
 
-def load(model: str, dtype: str, kv_dtype: str):
-    """(model, spec, KV dtype) as the worker builds them for `--dtype dtype`."""
-    from services.gpu_worker.weights import build_model, weight_dtype
+def load(model: str, dtype: str, kv_dtype: str, prefill_dtype: str = "quantized"):
+    """(model, spec, KV dtype) as the worker builds them for `--dtype dtype` and
+    `--prefill-dtype prefill_dtype`."""
+    from services.gpu_worker.weights import build_model, weight_dtype, widen_for_prompts
     from shared.model_source import ModelSource
 
     source = ModelSource(model)
     spec = source.spec(16, 0, kv_dtype)
     dt, quantized = weight_dtype(dtype, source, "cpu")
-    return build_model(source, spec, dt, "cpu", quantized), spec, getattr(torch, kv_dtype)
+    built = build_model(source, spec, dt, "cpu", quantized)
+    widen_for_prompts(built, prefill_dtype)
+    return built, spec, getattr(torch, kv_dtype)
 
 
 @torch.inference_mode()
@@ -52,6 +56,7 @@ def perplexity(model, spec, ids: list[int], kv_dtype: torch.dtype = torch.float3
     """exp(mean NLL of ids[1:]) with the model attending over paged KV, `chunk` rows a step."""
     from services.gpu_worker.attention import build_metadata
     from services.gpu_worker.kv_memory import kv_cache
+    from services.gpu_worker.layers.prompt_rows import prompt_rows_from
 
     page = 16
     pools = spec.paged_pools(len(ids) // page + 2)
@@ -70,8 +75,9 @@ def perplexity(model, spec, ids: list[int], kv_dtype: torch.dtype = torch.float3
         new = min(chunk, len(ids) - start)
         metas = {lab.name: build_metadata([(pages, 0, start, new, False)], page, lab.window) for lab in spec.kv_labels}
         x = torch.tensor(ids[start : start + new])
-        logits = model(x, torch.arange(start, start + new), layer_caches, [metas[n] for n in spec.layer_labels],
-                       torch.arange(new))
+        with prompt_rows_from(0):  # every row is a prompt row (a --prefill-dtype bfloat16 path computes them so)
+            logits = model(x, torch.arange(start, start + new), layer_caches, [metas[n] for n in spec.layer_labels],
+                           torch.arange(new))
         targets = torch.tensor(ids[start + 1 : start + new + 1])
         logp = torch.log_softmax(logits[: targets.shape[0]].float(), dim=-1)
         nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
@@ -89,9 +95,9 @@ def main() -> None:
     torch.set_num_threads(1)
     ids = text_ids(ModelSource(args.model).tokenizer.tokenizer, args.tokens or None)
     out = {"tokens": len(ids), "paths": {}}
-    for name, dtype, kv in PATHS:
+    for name, dtype, kv, prefill in PATHS:
         t0 = time.time()
-        model, spec, kvd = load(args.model, dtype, kv)
+        model, spec, kvd = load(args.model, dtype, kv, prefill)
         ppl = perplexity(model, spec, ids, kvd)
         out["paths"][name] = {"perplexity": round(ppl, 4), "seconds": round(time.time() - t0, 1)}
         print(name, out["paths"][name], flush=True)

@@ -24,6 +24,7 @@ import torch
 
 from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows, MetadataBuilder, cpu_backend
 from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.layers.prompt_rows import prompt_rows_from
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
@@ -199,7 +200,7 @@ class ModelRunner:
         flat = torch.from_numpy(np.array(ids + positions + sample_rows + prompt_rows, dtype=np.int64)).to(self.device)
         n, p = len(ids), len(ids) + len(positions)
         pos = flat[n:p] if self.position_streams == 1 else flat[n:p].view(n, self.position_streams).t()
-        with torch.inference_mode():
+        with torch.inference_mode(), prompt_rows_from(_first_prompt_row(plan)):
             logits = self.call_model(flat[:n], pos, metas, flat[p:], plan)
             if prompt_rows:  # the prompt rows come after the sampled ones
                 _keep_prompt_logprobs(logits[len(sample_rows) :], prompt_targets)
@@ -260,3 +261,16 @@ def _keep_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Request, lis
     for r, tokens in targets:
         r.prompt_logprobs.extend(prompt_logprobs(logits[i : i + len(tokens)], tokens, r.sampling.prompt_logprobs or 0))
         i += len(tokens)
+
+
+def _first_prompt_row(plan: StepPlan) -> int | None:
+    """Where the step's prompt rows start (layers/prompt_rows.py): the scheduler plans the
+    decode rows first, then the prompt chunks; None when there are none."""
+    t, first = 0, None
+    for e in plan.entries:
+        if e.decode and first is not None:
+            raise RuntimeError("a decode entry after a prompt chunk: prompt rows must come last in a step")
+        if not e.decode and first is None:
+            first = t
+        t += e.rows
+    return first

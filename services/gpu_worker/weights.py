@@ -105,6 +105,23 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     return model
 
 
+def widen_for_prompts(model: nn.Module, prefill_dtype: str) -> int:
+    """Give each decoder layer's `QuantLinear` a bfloat16 copy for prompt rows
+    (`QuantLinear.widen`) when `prefill_dtype` asks for it ("auto": where the CPU has
+    bfloat16 dot products, AMX-BF16 or AVX512-BF16; elsewhere oneDNN's bfloat16 GEMM is
+    emulated and slower than the VNNI kernel). The LM head and the embedding table stay
+    quantized only: they never see more than the step's sampled rows. Returns the copies'
+    bytes (logged: the memory this costs)."""
+    if prefill_dtype == "quantized" or (prefill_dtype == "auto" and not cpu_computes_bf16()):
+        return 0
+    layers = [m for name, m in model.named_modules() if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}"]
+    total = sum(m.widen() for m in layers)
+    if layers:
+        log.info("prompt rows on a bfloat16 copy of %d quantized layers: %.0f MB (--prefill-dtype quantized: none)",
+                 len(layers), total / 1e6)
+    return total
+
+
 #: the `nn.init` fills a module's constructor may call
 _INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")

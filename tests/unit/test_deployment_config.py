@@ -31,6 +31,7 @@ OTHER = {
     "max_batch_tokens": 96,
     "dtype": "bfloat16",
     "kv_cache_dtype": "float16",
+    "prefill_dtype": "quantized",
     "admission": "max-seq-len",
     "prefix_cache": False,
     "speculative_k": 4,

@@ -70,6 +70,12 @@ def test_default_model_perplexity_within_one_percent():
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 30 * 3
     for kv in (torch.float32, torch.bfloat16):  # the same model over float32 and bfloat16 pages
         assert abs(perplexity(model, spec, ids, kv) / base - 1) < 0.01, kv
+    # prompt rows on a bfloat16 copy of each layer's weights (--prefill-dtype bfloat16)
+    model, spec, kvd = load("", "auto", "bfloat16", "bfloat16")
+    widened = [m for m in model.modules() if isinstance(m, QuantLinear) and m.wide is not None]
+    assert len(widened) == len(model.model.layers) * 4  # q, k, v fused (Q4_1 alike), o, gate/up, down
+    assert model.head.wide is None and model.model.embed_tokens.table.wide is None  # sampled rows only
+    assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01
 
 
 def test_gguf_types_the_kernel_does_not_take_are_dequantized():

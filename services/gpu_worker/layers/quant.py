@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from services.gpu_worker import cpu_kernels
+from services.gpu_worker.layers import prompt_rows, wide_gemm
 from shared.cgroup import available_cpus
 
 FORM4 = ("Q4_0", "Q4_1", "Q4_K")
@@ -259,31 +260,50 @@ class QuantLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
 
+    def widen(self) -> int:
+        """Keep a bfloat16 copy of the weight (gguf's dequantization rounded to nearest
+        even) for prompt rows: oneDNN's bfloat16 GEMM (AMX tiles, or AVX512-BF16's dot
+        products) runs a long prefill ~1.4x (AVX512-BF16) to several times (AMX) faster than
+        the VNNI kernel, whose activations are two bytes. Returns the copy's bytes."""
+        self.wide = self.weight.to(torch.bfloat16).contiguous()
+        return self.wide.numel() * 2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        x2 = x.reshape(-1, k)
+        n = self.out_features
+        x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         rows = x2.shape[0]
         out = torch.empty(rows, n)
-        if rows:
-            ptrs = self._ptrs
-            if ptrs is None:  # the weight's pointers, once (its tensors never move)
-                ptrs = self._ptrs = (self.w.data_ptr(), self.d.data_ptr(),
-                                     None if self.m is None else self.m.data_ptr(),
-                                     None if self.bias is None else self.bias.data_ptr())
-            lib = cpu_kernels.library()
-            assert lib is not None  # quantized weights are kept only where quant.available()
-            rc = lib.mstar_qlinear(self.form, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
-                                   ptrs[3], out.data_ptr(), n, _threads, _scratch(lib, rows, k))
-            if rc:
-                raise RuntimeError(f"mstar_qlinear refused form {self.form}, {rows} x {k} x {n}")
+        first = min(prompt_rows.start(), rows) if self.wide is not None else rows
+        if first:
+            self._qgemm(x2[:first], out)
+        if first < rows:  # prompt rows (layers/prompt_rows.py): oneDNN on the bfloat16 copy
+            assert self.wide is not None
+            wide_gemm.linear(x2[first:], self.wide, self.bias, out[first:], _threads)
         return out.view(*x.shape[:-1], n).to(x.dtype)
+
+    def _qgemm(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        """out [rows, n] (contiguous) = x2 [rows, k] (rows strided) @ weight.T (+ bias), on
+        the VNNI kernel."""
+        rows, k, n = x2.shape[0], self.in_features, self.out_features
+        ptrs = self._ptrs
+        if ptrs is None:  # the weight's pointers, once (its tensors never move)
+            ptrs = self._ptrs = (self.w.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr(),
+                                 None if self.bias is None else self.bias.data_ptr())
+        lib = cpu_kernels.library()
+        assert lib is not None  # quantized weights are kept only where quant.available()
+        rc = lib.mstar_qlinear(self.form, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
+                               ptrs[3], out.data_ptr(), n, _threads, _scratch(lib, rows, k))
+        if rc:
+            raise RuntimeError(f"mstar_qlinear refused form {self.form}, {rows} x {k} x {n}")
 
     #: (w, d, m, bias) data pointers, set at the first call
     _ptrs: tuple | None = None
+    #: the weight in bfloat16 for prompt rows (`widen`), or None: every row on the VNNI kernel
+    wide: torch.Tensor | None = None
 
 
 _scratch_buf = torch.empty(0, dtype=torch.uint8)

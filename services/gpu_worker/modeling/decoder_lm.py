@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
-from services.gpu_worker.layers import fused, repack_cache
+from services.gpu_worker.layers import fused, prompt_rows, repack_cache
 from services.gpu_worker.layers.linear import (
     KernelGateUpSilu,
     KernelHead,
@@ -147,8 +147,12 @@ class MLP(nn.Module):
             # a long prefill in slices: the [T, 2 x inter] intermediate is most of a step's
             # memory (25 MB at 2,048 rows of SmolLM2), and these kernels give every row the
             # same bits whatever batch it is in, so the result is the unsliced one
-            return torch.cat([self._forward(part) for part in x.split(MLP_ROWS)])
+            return torch.cat([self._slice(part, i * MLP_ROWS) for i, part in enumerate(x.split(MLP_ROWS))])
         return self._forward(x)
+
+    def _slice(self, part: torch.Tensor, offset: int) -> torch.Tensor:
+        with prompt_rows.shifted(offset):  # which of the slice's rows are prompt rows
+            return self._forward(part)
 
     def _rows_independent(self) -> bool:
         """Every GEMM here is a C kernel whose rows do not depend on each other's (oneDNN's

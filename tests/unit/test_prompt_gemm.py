@@ -1,0 +1,111 @@
+"""Prompt rows on a bfloat16 copy of a quantized GGUF layer (`--prefill-dtype`,
+layers/quant.py `QuantLinear.widen`, layers/wide_gemm.py, layers/prompt_rows.py): prompt
+rows are oneDNN's bfloat16 GEMM of x and the weight rounded to bfloat16, decode rows stay
+the VNNI kernel's bit for bit, and a row's result depends on its kind only: not on the
+chunk it is in, the rows beside it, the thread count, or the MLP's slicing of a long
+prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.gpu_worker import runner
+from services.gpu_worker.layers import quant, wide_gemm
+from services.gpu_worker.layers.prompt_rows import prompt_rows_from, shifted, start
+from services.gpu_worker.layers.quant import QuantLinear
+from services.gpu_worker.step_types import PlanEntry, StepPlan
+from shared.config import Deployment
+from tests.unit.test_quant import random_blocks
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
+
+
+def layer(n: int = 200, k: int = 96, qtype: str = "Q4_1", bias: bool = False) -> QuantLinear:
+    q = QuantLinear.from_gguf(qtype, random_blocks(qtype, n, k, seed=n + k), (n, k))
+    if bias:
+        q.bias = torch.randn(n)
+    return q
+
+
+def test_prompt_rows_context_and_shift():
+    assert start() >= 1 << 40  # outside a forward: no prompt rows
+    with prompt_rows_from(5):
+        assert start() == 5
+        with shifted(256):
+            assert start() == 0  # a slice past the first prompt row: all of it is prompt rows
+        with shifted(3):
+            assert start() == 2
+    with prompt_rows_from(None), shifted(100):
+        assert start() >= 1 << 40
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prompt_rows_are_the_bf16_gemm_and_decode_rows_the_kernel(qtype, bias):
+    k = 256 if qtype.endswith("_K") else 96
+    q = layer(200, k, qtype, bias)
+    x = torch.randn(300, k)
+    decode = q(x[:7])  # no context: every row on the VNNI kernel
+    assert q.widen() == 200 * k * 2
+    assert torch.equal(q.wide, q.weight.to(torch.bfloat16))
+    assert torch.equal(q(x[:7]), decode)  # a widened layer outside a forward's prompt rows: unchanged
+    with prompt_rows_from(7):
+        y = q(x)
+    assert torch.equal(y[:7], decode)
+    want = F.linear(x[7:].to(torch.bfloat16), q.wide).float()
+    if bias:
+        want = want + q.bias
+    assert torch.equal(y[7:], want)
+
+
+@needs_kernel
+def test_a_prompt_row_is_the_same_in_any_chunk_and_thread_count():
+    q = layer(1536, 576)
+    q.widen()
+    x = torch.randn(700, 576)
+    saved = quant.threads()
+    try:
+        quant.set_threads(2)
+        with prompt_rows_from(0):
+            whole = q(x)
+        for lo, hi, threads in ((0, 1, 2), (5, 6, 1), (3, 20, 2), (100, 357, 2), (0, 700, 1), (129, 700, 2)):
+            quant.set_threads(threads)
+            with prompt_rows_from(0):
+                assert torch.equal(q(x[lo:hi]), whole[lo:hi]), (lo, hi, threads)
+            with prompt_rows_from(2):  # two decode rows first: the prompt rows keep their bits
+                part = q(torch.cat([x[:2], x[lo:hi]]))
+            assert torch.equal(part[2:], whole[lo:hi]), (lo, hi, threads)
+    finally:
+        quant.set_threads(saved)
+
+
+@needs_kernel
+def test_blocks_split_over_threads_cover_every_row():
+    q = layer(64, 96)
+    q.widen()
+    x = torch.randn(wide_gemm.ROWS * 3 + 5, 96)
+    out = torch.full((x.shape[0], 64), float("nan"))
+    wide_gemm.linear(x, q.wide, None, out, threads=3)
+    assert torch.equal(out, F.linear(x.to(torch.bfloat16), q.wide).float())
+
+
+def test_first_prompt_row_follows_the_plan():
+    plan = StepPlan()
+    assert runner._first_prompt_row(plan) is None
+    plan.entries = [PlanEntry(None, 1, True), PlanEntry(None, 3, True, [5, 6]), PlanEntry(None, 40, False),
+                    PlanEntry(None, 9, False)]
+    assert runner._first_prompt_row(plan) == 4
+    plan.entries = [PlanEntry(None, 40, False)]
+    assert runner._first_prompt_row(plan) == 0
+    plan.entries = [PlanEntry(None, 40, False), PlanEntry(None, 1, True)]
+    with pytest.raises(RuntimeError, match="prompt rows must come last"):
+        runner._first_prompt_row(plan)
+
+
+def test_prefill_dtype_is_validated():
+    assert Deployment().prefill_dtype == "auto"
+    with pytest.raises(ValueError, match="prefill_dtype must be one of"):
+        Deployment(prefill_dtype="int8")
