@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import long_prompts
+from bench import bandwidth, long_prompts
 from bench.client import Backend, OpenAIBackend, make_prompts, run_load
 from bench.report import machine, results_dir, table, write_json
 from bench.server import PEERS, MemorySampler, MstarServer, Server, free_port
@@ -174,6 +174,9 @@ def main() -> None:
 
     model = args.model or str(find_default_gguf())
     out_dir = results_dir(args.out)
+    mem = bandwidth.floor(model)  # before the servers start: the machine quiet
+    print(f"decode floor: {mem['weights_mb']:.1f} MB of weights at {mem['bandwidth_gb_s']:.1f} GB/s = "
+          f"{mem['tpot_floor_ms']:.2f} ms a token", flush=True)
     runs = []
     llama_args = (long_prompts.LLAMA_ARGS if args.long else []) + args.llama_arg
     ratios, header, rows = ((long_prompts.ratios, long_prompts.HEADER, long_prompts.rows) if args.long
@@ -199,7 +202,12 @@ def main() -> None:
     print("mstar / llama-server per round (median [min, max]):")
     for key, v in summary.items():
         print(f"  {key}: {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
-    write_json(out_dir / "results.json", {"machine": machine(), "args": vars(args), "runs": runs, "summary": summary})
+    for name in ("mstar", "llama-server"):
+        short = [r[name]["long"]["tpot_128_ms"] if args.long else r[name]["c1"]["tpot_ms_p50"] for r in runs]
+        print(f"{name} c1 TPOT at short context / the decode floor ({mem['tpot_floor_ms']:.2f} ms): "
+              f"{statistics.median(short) / mem['tpot_floor_ms']:.2f}x")
+    write_json(out_dir / "results.json", {"machine": machine(), "args": vars(args), "decode_floor": mem, "runs": runs,
+                                          "summary": summary})
     print("load average at the end:", os.getloadavg())
     print("results in", out_dir)
 
