@@ -13,9 +13,10 @@ Modes (the first argument; none means `run`):
   structured  time per output token with a JSON schema against free text, and the mask's cost
   embeddings  sentences/s of /v1/embeddings against sentence-transformers' encode (batch 1, 32,
             256, and concurrent single-sentence clients), same model, one run
-  speech    text to speech on a random Orpheus-shaped checkpoint with SNAC 24 kHz's shape:
-            time to first audio and real-time factor at c1 and c8, against transformers'
-            generate + snac's decode one request at a time
+  speech    text to speech on a random Orpheus-shaped checkpoint with SNAC 24 kHz's shape
+            (--family csm: a random CSM with Mimi's shape): time to first audio and real-time
+            factor at c1 and c8, against transformers' generate + the codec's decode one
+            request at a time
   vision    a one-image chat on a random Qwen2.5-VL (or --family smolvlm) bench checkpoint: TTFT, decode tok/s at c1
             and c8, against transformers' generate (processor included), one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
@@ -132,8 +133,11 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
     elif mode == "speech":
-        p.add_argument("--model", default="", help="'' (default): the random Orpheus bench checkpoint, made once")
-        p.add_argument("--frames", type=int, default=24, help="frames a request speaks (7 tokens, 2048 samples each)")
+        p.add_argument("--model", default="", help="'' (default): the family's random bench checkpoint, made once")
+        p.add_argument("--family", default="orpheus", choices=("orpheus", "csm"),
+                       help="orpheus (Llama + SNAC, default) or csm (backbone + depth decoder + Mimi)")
+        p.add_argument("--frames", type=int, default=24,
+                       help="frames a request speaks (Orpheus: 7 tokens, 2048 samples each; CSM: 1920 samples)")
         p.add_argument("--concurrency", "-c", type=int, default=8)
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--serve-arg", action="append", default=[])

@@ -57,11 +57,13 @@ def ensure_checkpoint(root: Path | None = None) -> Path:
     return path
 
 
-async def mstar_one(client: httpx.AsyncClient, max_tokens: int) -> tuple[float, float, int]:
+async def mstar_one(client: httpx.AsyncClient, max_tokens: int,
+                    sampling: dict | None = None) -> tuple[float, float, int]:
     """(TTFA s, wall s, audio bytes as pcm16) of one streamed request."""
     t0 = time.perf_counter()
     first, size = 0.0, 0
-    body = {"input": TEXT, "response_format": "pcm", "stream_format": "audio", "max_tokens": max_tokens, **GREEDY}
+    body = {"input": TEXT, "response_format": "pcm", "stream_format": "audio", "max_tokens": max_tokens,
+            **(GREEDY if sampling is None else sampling)}
     async with client.stream("POST", "/v1/audio/speech", json=body) as r:
         r.raise_for_status()
         async for chunk in r.aiter_bytes():
@@ -131,6 +133,10 @@ class Reference:
 
 
 def speech(args) -> Path:
+    if getattr(args, "family", "orpheus") == "csm":
+        from bench.speech_csm import speech_csm
+
+        return speech_csm(args)
     out = results_dir(args.out)
     folder = Path(args.model) if args.model else ensure_checkpoint()
     max_tokens = 7 * args.frames
