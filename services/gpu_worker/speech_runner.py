@@ -13,37 +13,29 @@ own:
   carries the rest (`finish`). The stream is the request's (`Request.codec`), so an aborted
   request drops it with everything else.
 
-The codec runs in a thread of its own (`CODEC_THREAD`), beside the steps: a real SNAC
-decodes a frame in tens of milliseconds on a CPU, which in the step's thread would delay
-every stream's next token by it. Torch releases the GIL in the convolutions, so the next
-step's forward runs while the codec decodes. An output waits for its sound (it is held,
-in emission order, and sent by a later step: `ready_outputs`), so a request's chunks and
-its last output reach the api in order; when nothing else is to do the engine waits for
-the oldest. One thread keeps every request's frames in order without locks.
+The codec runs in a thread of its own beside the steps (`CodecThread`,
+codec_thread.py, as CSM's runner): a real SNAC decodes a frame in tens of milliseconds on
+a CPU, which in the step's thread would delay every stream's next token by it. An output
+waits for its sound (held, in emission order, and sent by a later step: `ready_outputs`),
+so a request's chunks and its last output reach the api in order; when nothing else is to
+do the engine waits for the oldest; a codec failure is that request's 500 with an error id.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from services.gpu_worker.codec_thread import CodecThread
 from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
-from services.gpu_worker.step_types import error_frame
-from shared.errors import ErrorKind, new_error_id
 from shared.frames import Output, RequestError
 from shared.specs.base import SpeechRunnerSpec
 from shared.specs.orpheus_codes import CODES_PER_FRAME
 
-log = logging.getLogger("mstar.speech_runner")
-
-CODEC_THREAD = "mstar-codec"
 #: frames a chunk after the first waits for: each decode re-reads 5-6 frames of context, so
 #: one frame a decode would cost ~7 frames of decoding per frame of sound, four ~2.5
 CHUNK_FRAMES = 4
@@ -65,12 +57,11 @@ class SpeechRunner(ModelRunner):
         super().__init__(model, spec, kv, caches, planner)
         self.codes = spec.codes
         self.codec = SnacCodec(spec.codec_path)
-        #: the codec thread, and the outputs waiting for their sound, in emission order
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=CODEC_THREAD)
-        self.held: deque[tuple[str, Output, Future[bytes]]] = deque()
         if self.codec.codebook_size != self.codes.codebook_size:
             raise ValueError(f"the codec has {self.codec.codebook_size} codes a codebook; the model's tokens "
                              f"say {self.codes.codebook_size}")
+        #: the codec thread, and the outputs waiting for their sound, in emission order
+        self.thread = CodecThread()
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Only the k-th audio token's codebook (and, at a frame's end, end_of_speech)."""
@@ -88,8 +79,7 @@ class SpeechRunner(ModelRunner):
         if request.codec is None:
             request.codec = Voice(self.codec.stream(CHUNK_FRAMES * self.codec.samples_per_frame))
         new = [t for t in output.token_ids if t != self.codes.end_of_speech]
-        job = self.pool.submit(self._sound, request.codec, new, output.finish_reason is not None)
-        self.held.append((reply_to, output, job))
+        self.thread.submit(reply_to, output, self._sound, request.codec, new, output.finish_reason is not None)
         return True
 
     def _sound(self, voice: Voice, new: list[int], last: bool) -> bytes:
@@ -109,20 +99,7 @@ class SpeechRunner(ModelRunner):
 
     @property
     def holding(self) -> bool:
-        return bool(self.held)
+        return self.thread.holding
 
     def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
-        ready: list[tuple[str, Output]] = []
-        failed: list[tuple[str, RequestError]] = []
-        while self.held and (self.held[0][2].done() or (wait and not ready and not failed)):
-            reply_to, output, job = self.held.popleft()
-            try:
-                output.audio = job.result()
-            except Exception:
-                error_id = new_error_id()
-                log.exception("the codec failed on %s (error_id=%s)", output.request_id, error_id)
-                failed.append((reply_to, error_frame(output.request_id, ErrorKind.INTERNAL,
-                                                     "internal error in the audio codec", error_id)))
-                continue
-            ready.append((reply_to, output))
-        return ready, failed
+        return self.thread.ready(wait)
