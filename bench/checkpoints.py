@@ -97,15 +97,16 @@ def make_bench_checkpoint(path: Path, *, vocab_size: int = 32000, seed: int = 0,
     return path
 
 
-def ensure_bench_checkpoint(vocab_size: int = 32000, root: Path | None = None) -> Path:
-    """The cached checkpoint folder, made on first use (atomically: built aside, renamed)."""
+def ensure_bench_checkpoint(vocab_size: int = 32000, root: Path | None = None, context: int = 1024) -> Path:
+    """The cached checkpoint folder, made on first use (atomically: built aside, renamed);
+    `context`: its max_position_embeddings (the long-prompt benches want 8,192)."""
     root = root or cache_dir()
-    path = root / f"qwen2-8x512-v{vocab_size}"
+    path = root / (f"qwen2-8x512-v{vocab_size}" + ("" if context == 1024 else f"-ctx{context}"))
     if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
         return path
     tmp = root / f".{path.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    make_bench_checkpoint(tmp, vocab_size=vocab_size)
+    make_bench_checkpoint(tmp, vocab_size=vocab_size, max_position_embeddings=context)
     try:
         tmp.rename(path)
     except OSError:  # made meanwhile by another process

