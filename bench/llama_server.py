@@ -208,6 +208,9 @@ def main() -> None:
               f"{statistics.median(short) / mem['tpot_floor_ms']:.2f}x")
     write_json(out_dir / "results.json", {"machine": machine(), "args": vars(args), "decode_floor": mem, "runs": runs,
                                           "summary": summary})
+    if args.long:  # the table, JSON and PNG of each figure, mstar better by (median, range)
+        long_prompts.report(out_dir / "long", runs, "llama-server", "long prompts, SmolLM2-135M Q4_1",
+                            {"decode_floor": mem})
     print("load average at the end:", os.getloadavg())
     print("results in", out_dir)
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from pathlib import Path
 
+from bench import side_by_side
 from bench.client import Backend, RequestResult, make_prompts, run_load
+from bench.side_by_side import Figure
 
 #: llama-server flags for this mode: 4 slots, each the model's whole context
 LLAMA_ARGS = ["-np", "4", "-c", "32768"]
@@ -83,3 +86,17 @@ def rows(runs: list[dict]) -> list[list[str]]:
                         f"{lg['tpot_128_ms']:.2f}", f"{lg['tpot_2k_ms']:.2f}", f"{lg['tpot_8k_ms']:.2f}",
                         f"{lg['c4_tok_s']:.1f}", f"{x['peak_rss_mib']:.0f}", str(lg["errors"])])
     return out
+
+
+#: the figures of the side-by-side report (table, JSON, PNG)
+FIGURES = [Figure("TTFT 2k (s)", "ttft_2k_ms", 1e-3), Figure("TTFT 8k (s)", "ttft_8k_ms", 1e-3),
+           Figure("TPOT 128 (ms)", "tpot_128_ms"), Figure("TPOT 2k (ms)", "tpot_2k_ms"),
+           Figure("TPOT 8k (ms)", "tpot_8k_ms"), Figure("c4 tok/s", "c4_tok_s", higher_is_better=True)]
+
+
+def report(out: Path, runs: list[dict], reference: str, title: str, extra: dict) -> Path:
+    """The side-by-side table, JSON and PNG (bench/side_by_side.py) of rounds that each hold
+    {"mstar": {"long": ...}, reference: {"long": ...}}."""
+    out.mkdir(parents=True, exist_ok=True)
+    by_system = {name: [r[name]["long"] for r in runs] for name in ("mstar", reference)}
+    return side_by_side.report(out, by_system, FIGURES, reference, title, extra)

