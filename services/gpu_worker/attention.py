@@ -583,7 +583,7 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scal
     n = dec.query.shape[1]
     pages = dec.pages
     keys = pages.shape[1] * cache.shape[2]
-    scratch = torch.empty(_decode_scratch(cpu_kernels.library())(n, hq, cache.shape[3], d, keys), dtype=torch.float32)
+    scratch = torch.empty(_decode_scratch(cpu_kernels.library())(n, hq, d, keys), dtype=torch.float32)
     base, step = dec.query.data_ptr(), dec.query.stride(0) * dec.query.element_size()
     rc = kernel(q.data_ptr(), q.stride(0), cache.data_ptr(), pages.data_ptr(), pages.shape[1],
                 base, base + step, base + 2 * step, base + 3 * step, n, hq, cache.shape[3], d, cache.shape[2],
@@ -595,12 +595,12 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scal
 
 @functools.cache
 def _decode_scratch(lib: ctypes.CDLL) -> Any:
-    """`mstar_paged_decode_scratch(rows, hq, hkv, d, max_keys)`: the floats of scratch a decode
-    call needs (per row and KV head a count, and a record per partition of its keys: the
-    partition size is the kernel's, so the kernel says)."""
+    """`mstar_paged_decode_scratch(rows, hq, d, max_keys)`: the floats of scratch a decode call
+    needs (a count per row, and a record per partition of its keys: the partition size is the
+    kernel's, so the kernel says)."""
     fn = lib.mstar_paged_decode_scratch
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64] * 5
+    fn.argtypes = [ctypes.c_int64] * 4
     return fn
 
 

@@ -1,5 +1,5 @@
 """The C decode kernel over long contexts (kernels/paged_attention.c): rows of more than one
-partition (256 keys) are split into partitions run over the pool's threads and merged in a
+partition (512 keys) are split into partitions run over the pool's threads and merged in a
 fixed order (flash-decoding). Each row against torch's SDPA on its gathered K/V (bfloat16
 pages widened), within float32 rounding; the same bits on one thread as on two; bfloat16
 pages bitwise the float32 kernel on the pages widened."""
@@ -73,7 +73,7 @@ def check(cache, q, meta):
     return one
 
 
-LENGTHS = [[1], [100], [2100], [5000], [1, 100, 2100, 5000, 257]]
+LENGTHS = [[1], [100], [2100], [5000], [1, 100, 2100, 5000, 513]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,9 +84,10 @@ def test_long_rows_match_sdpa_on_any_thread_count(lengths, heads, dtype, restore
     check(cache, q, meta)
 
 
-@pytest.mark.parametrize("heads", [(8, 2, 128), (6, 2, 48), (16, 1, 64)])
+@pytest.mark.parametrize("heads", [(8, 2, 128), (9, 3, 128), (6, 2, 48), (16, 1, 64), (40, 8, 64), (20, 4, 40)])
 def test_other_head_shapes(heads, restore_threads):
-    """Head size 128 (its own AVX-512 copy), 48 (the plain loops), G = 16 (four passes of 4)."""
+    """Head size 128 (its own AVX-512 copy: blocks of 2 heads), 48 and 40 (the plain loops),
+    G = 16 (blocks of 4), 40 query heads (passes of 16: one splits a KV head's five)."""
     cache, q, meta = batch([(1299, 1), (600, 1)], heads, torch.bfloat16, seed=3)
     check(cache, q, meta)
 
@@ -104,7 +105,7 @@ def test_speculative_entries_and_a_window(restore_threads):
 
 
 def test_bf16_pages_are_the_float32_kernel_widened(restore_threads):
-    cache, q, meta = batch([(4999, 1), (255, 1), (256, 1), (512, 1)], (9, 3, 64), torch.bfloat16, seed=6)
+    cache, q, meta = batch([(4999, 1), (511, 1), (512, 1), (1024, 1)], (9, 3, 64), torch.bfloat16, seed=6)
     quant.set_threads(2)
     assert torch.equal(kernel(cache, q, meta, 2), kernel(cache.float(), q, meta, 2))
 
@@ -113,5 +114,5 @@ def test_scratch_sized_by_the_kernel():
     """The scratch the Python side allocates holds the counts and every partition's record."""
     lib = cpu_kernels.library()
     size = attention._decode_scratch(lib)
-    assert size(1, 9, 3, 64, 256) == 16 + 1 * 9 * 66 + 16
-    assert size(5, 9, 3, 64, 5000) == 16 + 5 * 20 * 9 * 66 + 16
+    assert size(1, 9, 64, 512) == 16 + 1 * 9 * 66 + 16
+    assert size(5, 9, 64, 5000) == 16 + 5 * 10 * 9 * 66 + 16

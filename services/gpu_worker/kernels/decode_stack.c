@@ -83,13 +83,9 @@ typedef struct {
     int64_t n_query, max_keys;
 } MstarDecodeStep;
 
-/* Attention tasks per step: query rows are split over the pool's threads in this many
- * groups at most, each with its own scores scratch (hq * max_keys floats). */
-#define ATTN_TASKS 8
-
 /* floats of workspace the stack needs for `rows` rows (the caller also passes the
  * quantized GEMMs' scratch, mstar_qlinear_scratch(rows, max k), and the attention's,
- * ATTN_TASKS * hq * max_keys floats) */
+ * mstar_paged_decode_scratch(rows, hq, d, max_keys) floats) */
 int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
     return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter);
@@ -100,48 +96,18 @@ static void add_into(float *x, const float *o, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
 }
 
-/* One layer's decode attention, its query rows split in groups over the pool (each row's
- * result is the kernel's whichever group it is in: rows are independent). */
-typedef struct {
-    const MstarStackShape *s;
-    const MstarDecodeStep *st;
-    const float *qkv;
-    const void *cache;
-    float *out, *scratch;
-    int64_t per;
-    int rc[ATTN_TASKS];
-} Attn;
-
-static void attn_task(void *ctx, int task) {
-    Attn *a = (Attn *)ctx;
-    const MstarStackShape *s = a->s;
-    const MstarDecodeStep *st = a->st;
-    const int64_t r0 = task * a->per, n = st->n_query - r0 < a->per ? st->n_query - r0 : a->per;
-    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
-    float *scratch = a->scratch + task * s->hq * st->max_keys;
-    if (s->kv_bf16)
-        a->rc[task] = mstar_paged_decode_bf16(a->qkv, nqkv, (const uint16_t *)a->cache, st->pages, st->width,
-                                              st->qrow + r0, st->entry + r0, st->lo + r0, st->hi + r0, n, s->hq,
-                                              s->hkv, s->d, s->page_size, s->scale, a->out, scratch, st->max_keys);
-    else
-        a->rc[task] = mstar_paged_decode(a->qkv, nqkv, (const float *)a->cache, st->pages, st->width,
-                                         st->qrow + r0, st->entry + r0, st->lo + r0, st->hi + r0, n, s->hq, s->hkv,
-                                         s->d, s->page_size, s->scale, a->out, scratch, st->max_keys);
-}
-
+/* One layer's decode attention: every query row in one kernel call, which splits the rows and
+ * their key partitions over the pool's threads itself (the same bits on any count). */
 static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
-                     float *out, float *scratch, int threads) {
-    Attn a = {s, st, qkv, cache, out, scratch, 0, {0}};
-    const int64_t groups = st->n_query < ATTN_TASKS ? st->n_query : ATTN_TASKS;
-    a.per = (st->n_query + groups - 1) / groups;
-    const int tasks = (int)((st->n_query + a.per - 1) / a.per);
-    if (tasks <= 1)
-        attn_task(&a, 0);
-    else
-        mstar_parallel_for_n(tasks, threads, attn_task, &a);
-    for (int i = 0; i < tasks; i++)
-        if (a.rc[i]) return a.rc[i];
-    return 0;
+                     float *out, float *scratch) {
+    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
+    if (s->kv_bf16)
+        return mstar_paged_decode_bf16(qkv, nqkv, (const uint16_t *)cache, st->pages, st->width, st->qrow, st->entry,
+                                       st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
+                                       scratch, st->max_keys);
+    return mstar_paged_decode(qkv, nqkv, (const float *)cache, st->pages, st->width, st->qrow, st->entry, st->lo,
+                              st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out, scratch,
+                              st->max_keys);
 }
 
 static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
@@ -170,7 +136,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         else
             mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
                            s->page_size);
-        const int rc = attention(s, st, qkv, L->cache, attn, ascratch, threads);
+        const int rc = attention(s, st, qkv, L->cache, attn, ascratch);
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
         add_into(x, o, t * hid);

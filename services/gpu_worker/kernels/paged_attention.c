@@ -13,20 +13,22 @@
  * sees the held rows [lo[i], hi[i]) of that entry. Its heads are q[qrow[i] * q_stride ...]
  * (query head h * G + g uses KV head h) and its output goes to out[qrow[i] * Hq * D ...].
  *
- * Work is split over the threads of pool.c's pool (flash-decoding): a task is one query row,
- * one KV head (its G query heads together, so each K/V row is read once for all of them) and
- * one partition of PART keys ([lo + p * PART, ...)). A task's pass over K writes its scores to
- * a buffer on its stack, the softmax is exact over the partition (its max subtracted), and one
- * pass over V accumulates the G heads' outputs in registers. A row of at most PART keys is one
- * partition, which writes its output normalized: the arithmetic of the single-threaded kernel
- * before the split, bit for bit. A longer row's partitions each leave their max m_p, sum l_p
- * and unnormalized output o_p in the scratch, and the last one of them to finish (an atomic
- * count per row and KV head) merges them in partition order: M = max m_p, w_p = exp(m_p - M),
- * out = (sum w_p o_p) / (sum w_p l_p). The partitions and the merge order depend on the row's
- * length only, never on the thread count or on which thread ran what, so the result is the
- * same bits on any number of threads; it differs from one exact softmax over the whole row by
- * float rounding only (a few ulp: tests/unit/test_decode_attention_split.py holds it to SDPA
- * within 1e-5).
+ * Work is split over the threads of pool.c's pool (flash-decoding): a task is one query row and
+ * one partition of PART keys ([lo + p * PART, ...)), every head. It walks the partition's pages
+ * twice, K then V; on each page every head takes the page's keys (the page's whole rows, read
+ * from memory once, serve all heads, and each KV head's rows all of its query heads), with the
+ * page PF_ROWS ahead prefetched into L2. The K walk writes the scores to a buffer on the task's
+ * stack, the softmax is exact over the partition (its max subtracted), and the V walk
+ * accumulates the outputs. A row of at most PART keys is one partition, which writes its
+ * output normalized: the arithmetic of the single-threaded kernel before the split, bit for
+ * bit (each score, sum and output the same operations in the same order). A longer row's
+ * partitions each leave their max m_p, sum l_p and unnormalized output o_p per head in the
+ * scratch, and the last of them to finish (an atomic count per row) merges them in partition
+ * order: M = max m_p, w_p = exp(m_p - M), out = (sum w_p o_p) / (sum w_p l_p). The partitions
+ * and the merge order depend on the row's length only, never on the thread count or on which
+ * thread ran what, so the result is the same bits on any number of threads; it differs from
+ * one exact softmax over the whole row by float rounding only (a few ulp: the partitions' sums
+ * are shorter; tests/unit/test_decode_attention_split.py holds it to SDPA within 1e-5).
  *
  * mstar_write_kv_bf16 / mstar_paged_decode_bf16: the same over bfloat16 pages (a
  * `--kv-cache-dtype bfloat16` pool; half the KV bytes). A page value is read as float32 by a
@@ -34,12 +36,18 @@
  * kernel's run on the pages widened (bitwise); a row is stored rounded to nearest even, NaN as
  * 0xFFFF, as torch's `.to(torch.bfloat16)` rounds (tests/unit/test_paged_attention_bf16.py).
  *
- * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of up to GB
- * query heads (d = 128: 2) in registers for a pass over the partition, and a score is the plain
- * loop's bits (its FMA chain, then its `omp simd` reduction's in-order fold of the 16 lanes,
- * done for 16 keys at once by a transpose, fold16). Other head sizes, or no AVX-512: the same
- * arithmetic in plain loops. The pages PF_PAGES ahead of a task's K and V reads are prefetched
- * (a request's pages lie anywhere in the pool, so the hardware prefetcher stops at each one).
+ * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of a block of
+ * up to GB query heads of one KV head (d = 128: 2) in registers while it takes a page's keys,
+ * and a score is the plain loop's bits (its FMA chain, then its `omp simd` reduction's in-order
+ * fold of the 16 lanes, done for 16 keys at once by a transpose, fold16). Other head sizes, or
+ * no AVX-512: the same arithmetic in plain loops. Heads go in passes of up to HC (their scores
+ * on the stack); only the first prefetches, the others find the partition in L2.
+ *
+ * Memory: on a 2-core EPYC VM (~28 GB/s from DRAM with two threads reading in sequence), a decode
+ * step of the default model (SmolLM2-135M, 30 layers, bfloat16 pages) at 2,048 keys spends
+ * ~2.5 ms in attention on two threads (47 MB of K/V: ~19 GB/s), ~9.5 ms on one thread before
+ * the split. Software prefetches go to L2 (prefetcht1): into L1 they held the core's few L1
+ * miss buffers and halved the speed.
  *
  * Built at first use by services/gpu_worker/cpu_kernels.py with the machine's C compiler
  * (-O3 -march=native -mprefer-vector-width=512).
@@ -58,14 +66,10 @@
 #endif
 
 #define MAX_HEADS 128
-#define PART 256    /* keys per partition (fixed: the thread count never changes the result) */
-#define GB 4        /* query heads per pass over a partition (their accumulators in registers) */
-#ifndef PF_PAGES
-#define PF_PAGES 2  /* pages ahead of the one read that are prefetched */
-#endif
-#ifndef PF_LOC
-#define PF_LOC 3
-#endif
+#define PART 512   /* keys per partition (fixed: the thread count never changes the result) */
+#define GB 4       /* query heads of one KV head whose accumulators are in registers at once */
+#define HC 16      /* query heads per pass over a partition (their scores on the task's stack) */
+#define PF_ROWS 32 /* rows (whole pages of them, at least one) prefetched ahead of the one read */
 
 /* A bfloat16 value as float32: its bits are the float's top half (exact). */
 static inline float bf16_to_f32(uint16_t h) {
@@ -90,26 +94,47 @@ struct decode_job {
     int64_t q_stride;
     const void *cache;
     const int64_t *pages, *qrow, *entry, *lo, *hi;
-    int64_t width, hq, hkv, g_n, d, row, half, page_size, parts;  /* parts: task slots per row and KV head */
+    int64_t width, hq, hkv, g_n, d, row, half, page_size, parts;  /* parts: task slots per row */
     float scale;
     float *out;
-    float *rec;         /* partition records, [n_rows][hkv][parts][G * (d + 2)]: maxes, sums, outputs */
-    _Atomic int *done;  /* per row and KV head: its partitions finished */
+    float *rec;         /* partition records, [n_rows][parts][hq * (d + 2)]: maxes, sums, outputs */
+    _Atomic int *done;  /* per row: its partitions finished */
 };
 
-/* Where one task reads: its row's pages, its KV head's offset in a cached row, keys [a, b). */
+/* One task's keys: its row's pages, keys [a, b), the row's last page (prefetches stop there),
+ * and whether its pass prefetches (the first of its passes over the heads). */
 struct span {
     const int64_t *pg;
-    int64_t hk_off, a, b, last_page;  /* last_page: the row's last page index (prefetch stops there) */
+    int64_t a, b, last_page;
+    int pf;
 };
 
-/* Prefetch KV head slice (`bytes` per row) of the rows of page index `k` (K: kv = 0, V: 1). */
-static inline void prefetch_page(const struct decode_job *J, const struct span *S, int elt, int64_t k, int kv,
-                                 int64_t bytes) {
-    if (k > S->last_page) return;
-    const char *base = (const char *)J->cache + elt * ((S->pg[k] * 2 + kv) * J->half + S->hk_off);
-    for (int64_t r = 0; r < J->page_size; r++)
-        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(base + elt * r * J->row + c, 0, PF_LOC);
+/* Prefetches page index k's half kv (every KV head's rows: contiguous) into L2. Always inlined:
+ * GCC takes a function of prefetches alone for a pure one, and drops its calls. */
+__attribute__((always_inline)) static inline void prefetch_half(const struct decode_job *J, const struct span *S,
+                                                                int64_t k, int kv, int elt) {
+    if (!S->pf || k > S->last_page) return;
+    const char *base = (const char *)J->cache + elt * (S->pg[k] * 2 + kv) * J->half;
+    for (int64_t c = 0; c < elt * J->half; c += 64) __builtin_prefetch(base + c, 0, 2);
+}
+
+/* The keys from j to the end of their page (or of the span, *end) begin at the returned
+ * element: key j's cached row (every KV head) in half kv (0 K, 1 V). The page PF_ROWS ahead is
+ * prefetched, past the span too: the thread's next task is mostly the row's next partition. */
+__attribute__((always_inline)) static inline int64_t page_run(const struct decode_job *J, const struct span *S,
+                                                              int64_t j, int kv, int elt, int64_t *end) {
+    const int64_t k = j / J->page_size, off = j - k * J->page_size;
+    *end = (k + 1) * J->page_size < S->b ? (k + 1) * J->page_size : S->b;
+    prefetch_half(J, S, k + (J->page_size < PF_ROWS ? PF_ROWS / J->page_size : 1), kv, elt);
+    return (S->pg[k] * 2 + kv) * J->half + off * J->row;
+}
+
+/* The end of the register block starting at query head h (below h1): at most `cap` heads, all
+ * of one KV head. */
+static inline int64_t block_end(const struct decode_job *J, int64_t h, int64_t h1, int64_t cap) {
+    int64_t e = (h / J->g_n + 1) * J->g_n;
+    e = e < h1 ? e : h1;
+    return e < h + cap ? e : h + cap;
 }
 
 /* exp(s - m) in place over n scores, and their sum (the loop of the kernel before the split:
@@ -124,80 +149,74 @@ static inline float softmax_part(float *restrict sh, int64_t n, float m) {
     return t;
 }
 
-/* Hands a pass's result on: normalized into `dst` (row stride of heads d) when the row is one
- * partition, else the record's maxes, sums and unnormalized outputs for the merge. */
-static inline void finish_heads(const float *restrict o, const float *mx, const float *sum, int gb, int64_t d,
-                                float *restrict dst, float *restrict rec, int64_t g0, int64_t g_n) {
+/* Hands a pass's heads [h0, h0 + nh) on: normalized into `dst` (the row's output, heads of d)
+ * when the row is one partition, else the partition's record (its maxes, sums and
+ * unnormalized outputs, for the merge). */
+static inline void finish_heads(const struct decode_job *J, const float *restrict o, const float *mx,
+                                const float *sum, int64_t h0, int64_t nh, float *restrict dst, float *restrict rec) {
+    const int64_t d = J->d;
     if (!rec) {
-        for (int g = 0; g < gb; g++) {
+        for (int64_t g = 0; g < nh; g++) {
             const float inv = 1.f / sum[g];
 #pragma omp simd
-            for (int64_t e = 0; e < d; e++) dst[g * d + e] = o[g * d + e] * inv;
+            for (int64_t e = 0; e < d; e++) dst[(h0 + g) * d + e] = o[g * d + e] * inv;
         }
         return;
     }
-    for (int g = 0; g < gb; g++) {
-        rec[g0 + g] = mx[g];
-        rec[g_n + g0 + g] = sum[g];
-        memcpy(rec + 2 * g_n + (g0 + g) * d, o + g * d, sizeof(float) * d);
+    for (int64_t g = 0; g < nh; g++) {
+        rec[h0 + g] = mx[g];
+        rec[J->hq + h0 + g] = sum[g];
+        memcpy(rec + 2 * J->hq + (h0 + g) * d, o + g * d, sizeof(float) * d);
     }
 }
 
-/* The keys from j to the end of their page (or of the span, *end) begin at the returned
- * element: key j's KV head slice in half kv (0 K, 1 V). Prefetches the page PF_PAGES ahead. */
-static inline int64_t page_run(const struct decode_job *J, const struct span *S, int64_t j, int kv, int elt,
-                               int64_t bytes, int64_t *end) {
-    const int64_t k = j / J->page_size, off = j - k * J->page_size;
-    *end = (k + 1) * J->page_size < S->b ? (k + 1) * J->page_size : S->b;
-    prefetch_page(J, S, elt, k + PF_PAGES, kv, bytes);
-    return (S->pg[k] * 2 + kv) * J->half + off * J->row + S->hk_off;
-}
-
-/* The plain-loop pass: gb query heads (q rows of d) over the span, any head size. */
+/* The plain-loop pass over heads [h0, h1), any head size d (q: the row's heads). */
 __attribute__((always_inline)) static inline void pass_plain(const struct decode_job *J, const struct span *S,
-                                                             const int bf16, const float *restrict q, int gb,
-                                                             int64_t d, float *restrict dst, float *restrict rec,
-                                                             int64_t g0) {
-    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4;
-    float s[GB * PART] __attribute__((aligned(64)));
-    float mx[GB], sum[GB], buf[bf16 ? d : 1], o[GB * d];
-    for (int g = 0; g < gb; g++) mx[g] = -FLT_MAX;
+                                                             const int bf16, const float *restrict q, int64_t h0,
+                                                             int64_t h1, int64_t d, float *restrict dst,
+                                                             float *restrict rec) {
+    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, nh = h1 - h0;
+    float s[HC * PART] __attribute__((aligned(64)));
+    float mx[HC], sum[HC], buf[bf16 ? d : 1], o[HC * d];
+    for (int64_t g = 0; g < nh; g++) mx[g] = -FLT_MAX;
     for (int64_t j = S->a, end; j < S->b;) {
-        for (int64_t at = page_run(J, S, j, 0, elt, elt * d, &end); j < end; j++, at += J->row) {
-            const float *k = bf16 ? buf : (const float *)J->cache + at;
-            if (bf16) {
-                const uint16_t *h = (const uint16_t *)J->cache + at;
+        for (int64_t at = page_run(J, S, j, 0, elt, &end); j < end; j++, at += J->row) {
+            for (int64_t h = h0, hk = -1; h < h1; h++) {
+                const float *k = bf16 ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
+                if (bf16 && h / J->g_n != hk) {  /* this KV head's slice widened */
+                    hk = h / J->g_n;
+                    const uint16_t *x = (const uint16_t *)J->cache + at + hk * d;
 #pragma omp simd
-                for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(h[e]);
-            }
-            for (int g = 0; g < gb; g++) {
+                    for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(x[e]);
+                }
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t e = 0; e < d; e++) acc += q[g * d + e] * k[e];
+                for (int64_t e = 0; e < d; e++) acc += q[h * d + e] * k[e];
                 acc *= J->scale;
-                s[g * PART + (j - S->a)] = acc;
-                mx[g] = acc > mx[g] ? acc : mx[g];
+                s[(h - h0) * PART + (j - S->a)] = acc;
+                mx[h - h0] = acc > mx[h - h0] ? acc : mx[h - h0];
             }
         }
     }
-    for (int g = 0; g < gb; g++) sum[g] = softmax_part(s + g * PART, n, mx[g]);
-    memset(o, 0, sizeof(float) * gb * d);
+    for (int64_t g = 0; g < nh; g++) sum[g] = softmax_part(s + g * PART, n, mx[g]);
+    memset(o, 0, sizeof(float) * nh * d);
     for (int64_t j = S->a, end; j < S->b;) {
-        for (int64_t at = page_run(J, S, j, 1, elt, elt * d, &end); j < end; j++, at += J->row) {
-            const float *v = bf16 ? buf : (const float *)J->cache + at;
-            if (bf16) {
-                const uint16_t *h = (const uint16_t *)J->cache + at;
+        for (int64_t at = page_run(J, S, j, 1, elt, &end); j < end; j++, at += J->row) {
+            for (int64_t h = h0, hk = -1; h < h1; h++) {
+                const float *v = bf16 ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
+                if (bf16 && h / J->g_n != hk) {
+                    hk = h / J->g_n;
+                    const uint16_t *x = (const uint16_t *)J->cache + at + hk * d;
 #pragma omp simd
-                for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(h[e]);
-            }
-            for (int g = 0; g < gb; g++) {
-                const float p = s[g * PART + (j - S->a)];
+                    for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(x[e]);
+                }
+                const float p = s[(h - h0) * PART + (j - S->a)];
 #pragma omp simd
-                for (int64_t e = 0; e < d; e++) o[g * d + e] += p * v[e];
+                for (int64_t e = 0; e < d; e++) o[(h - h0) * d + e] += p * v[e];
             }
         }
     }
-    finish_heads(o, mx, sum, gb, d, dst, rec, g0, J->g_n);
+    finish_heads(J, o, mx, sum, h0, nh, dst, rec);
 }
 
 #ifdef __AVX512F__
@@ -246,164 +265,194 @@ static inline __m512 fold16(const float *a) {
     return s;
 }
 
-/* The K pass of pass_vec: s[g * PART + j - a] = scale * q_g . k_j for gb heads, and each
- * head's max. Each key's FMA chain over its 16-lane slices (in order) is kept in `acc` until
- * 16 keys are there, then folded together (fold16). */
-__attribute__((always_inline)) static inline void scores_vec(const struct decode_job *J, const struct span *S,
-                                                             const int bf16, const float *restrict q, const int gb,
-                                                             const int nv, float *restrict s, float *mx) {
-    const int64_t elt = bf16 ? 2 : 4, d = 16 * nv;
-    float acc[GB * 256] __attribute__((aligned(64)));
-    __m512 qv[GB][8], x[8], mv[GB];
-    for (int g = 0; g < gb; g++) {
-        mv[g] = _mm512_set1_ps(-FLT_MAX);
-        for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * d + 16 * v);
-    }
-    int64_t jj = 0;
-    for (int64_t j = S->a, end; j < S->b;) {
-        for (int64_t at = page_run(J, S, j, 0, elt, elt * d, &end); j < end; j++, at += J->row) {
-            load_vecs(J->cache, bf16, at, nv, x);
-            for (int g = 0; g < gb; g++) {
-                __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
-                for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[g][v], x[v], a);
-                _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a);
-            }
-            if ((++jj & 15) && j + 1 < S->b) continue;
-            const __mmask16 live = (__mmask16)(0xFFFF >> (15 - ((jj - 1) & 15)));
-            for (int g = 0; g < gb; g++) {
-                const __m512 sc = _mm512_mul_ps(fold16(acc + g * 256), _mm512_set1_ps(J->scale));
-                _mm512_store_ps(s + g * PART + ((jj - 1) & ~(int64_t)15), sc);
-                mv[g] = _mm512_mask_max_ps(mv[g], live, sc, mv[g]); /* sc > m ? sc : m, as the plain loop */
-            }
+/* K work of one register block (gb heads of one KV head, head size 16 * nv: constants) over
+ * cnt keys of one page (their head slices at `at`, a row apart), keys jj.. of the partition's
+ * n: each key's FMA chain over its 16-lane slices (in order) is kept in acc (head g's at
+ * acc + 256 g) until 16 keys are there or the partition ends, then folded (fold16), scaled
+ * into the scores (s + g * PART) and its max taken (mv[g]: sc > m ? sc : m, as the plain loop). */
+__attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const int bf16,
+                                                          const float *restrict q, const int gb, const int nv,
+                                                          int64_t at, int64_t cnt, int64_t jj, int64_t n,
+                                                          float *restrict acc, float *restrict s, __m512 *mv) {
+    __m512 qv[GB][8], x[8];
+    for (int g = 0; g < gb; g++)
+        for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * 16 * nv + 16 * v);
+    for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
+        load_vecs(J->cache, bf16, at, nv, x);
+        for (int g = 0; g < gb; g++) {
+            __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
+            for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[g][v], x[v], a);
+            _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a);
+        }
+        if (((jj + 1) & 15) && jj + 1 < n) continue;
+        const __mmask16 live = (__mmask16)(0xFFFF >> (15 - (jj & 15)));
+        for (int g = 0; g < gb; g++) {
+            const __m512 sc = _mm512_mul_ps(fold16(acc + g * 256), _mm512_set1_ps(J->scale));
+            _mm512_store_ps(s + g * PART + (jj & ~(int64_t)15), sc);
+            mv[g] = _mm512_mask_max_ps(mv[g], live, sc, mv[g]);
         }
     }
-    for (int g = 0; g < gb; g++) {
+}
+
+/* V work of one register block over cnt keys of one page: o[g] += p_g,j * v_j, key by key in
+ * order (each output the plain loop's FMA chain: the same bits), the outputs in registers. */
+__attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const int bf16, const int gb,
+                                                          const int nv, int64_t at, int64_t cnt, int64_t jj,
+                                                          const float *restrict s, float *restrict o) {
+    __m512 acc[GB][8], x[8];
+    for (int g = 0; g < gb; g++)
+        for (int v = 0; v < nv; v++) acc[g][v] = _mm512_load_ps(o + g * 16 * nv + 16 * v);
+    for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
+        load_vecs(J->cache, bf16, at, nv, x);
+        for (int g = 0; g < gb; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * PART + jj]);
+            for (int v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int v = 0; v < nv; v++) _mm512_store_ps(o + g * 16 * nv + 16 * v, acc[g][v]);
+}
+
+/* k_block / v_block with the block's head count a constant (one copy each). */
+#define BLOCK_CASES(call_1, call_2, call_3, call_4) \
+    switch (gb) {                                    \
+    case 1: call_1; break;                           \
+    case 2: call_2; break;                           \
+    case 3: call_3; break;                           \
+    default: call_4; break;                          \
+    }
+
+__attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const int bf16, const float *q,
+                                                        int gb, const int nv, int64_t at, int64_t cnt, int64_t jj,
+                                                        int64_t n, float *acc, float *s, __m512 *mv) {
+    BLOCK_CASES(k_block(J, bf16, q, 1, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, bf16, q, 2, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, bf16, q, 3, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, bf16, q, 4, nv, at, cnt, jj, n, acc, s, mv))
+}
+
+__attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const int bf16, int gb,
+                                                        const int nv, int64_t at, int64_t cnt, int64_t jj,
+                                                        const float *s, float *o) {
+    BLOCK_CASES(v_block(J, bf16, 1, nv, at, cnt, jj, s, o), v_block(J, bf16, 2, nv, at, cnt, jj, s, o),
+                v_block(J, bf16, 3, nv, at, cnt, jj, s, o), v_block(J, bf16, 4, nv, at, cnt, jj, s, o))
+}
+
+/* The AVX-512 pass over heads [h0, h1), head size 16 * nv (a constant), page by page: on each
+ * page every register block of heads takes the page's keys (so the page's whole rows, read
+ * from memory once, serve every head while they are in L1), K pages first (scores, maxes),
+ * the exact softmax of each head over the partition, then V pages (outputs). */
+__attribute__((always_inline)) static inline void pass_vec(const struct decode_job *J, const struct span *S,
+                                                           const int bf16, const float *restrict q, int64_t h0,
+                                                           int64_t h1, const int nv, float *restrict dst,
+                                                           float *restrict rec) {
+    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, d = 16 * nv, cap = nv == 8 ? 2 : GB;
+    float s[HC * PART] __attribute__((aligned(64)));
+    float acc[HC * 256] __attribute__((aligned(64)));
+    float o[HC * 128] __attribute__((aligned(64)));
+    float mx[HC], sum[HC];
+    __m512 mv[HC];
+    for (int64_t g = 0; g < h1 - h0; g++) mv[g] = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t j = S->a, end; j < S->b; j = end) {
+        const int64_t at = page_run(J, S, j, 0, elt, &end);
+        for (int64_t h = h0, e; h < h1; h = e) {
+            e = block_end(J, h, h1, cap);
+            k_any(J, bf16, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * d, end - j, j - S->a, n,
+                  acc + (h - h0) * 256, s + (h - h0) * PART, mv + (h - h0));
+        }
+    }
+    for (int64_t g = 0; g < h1 - h0; g++) {
         float m[16], r = -FLT_MAX;
         _mm512_storeu_ps(m, mv[g]);
         for (int l = 0; l < 16; l++) r = m[l] > r ? m[l] : r;
         mx[g] = r;
+        sum[g] = softmax_part(s + g * PART, n, r);
     }
-}
-
-/* The AVX-512 pass for head size 16 * nv (gb, nv constants): the K pass (scores_vec), the
- * exact softmax, then the V pass with the gb heads' outputs in registers (each output the
- * plain loop's FMA over the keys in order: the same bits). */
-__attribute__((always_inline)) static inline void pass_vec(const struct decode_job *J, const struct span *S,
-                                                           const int bf16, const float *restrict q, const int gb,
-                                                           const int nv, float *restrict dst, float *restrict rec,
-                                                           int64_t g0) {
-    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, d = 16 * nv;
-    float s[GB * PART] __attribute__((aligned(64)));
-    float mx[GB], sum[GB], o[GB * 16 * 8] __attribute__((aligned(64)));
-    __m512 acc[GB][8], x[8];
-    scores_vec(J, S, bf16, q, gb, nv, s, mx);
-    for (int g = 0; g < gb; g++) sum[g] = softmax_part(s + g * PART, n, mx[g]);
-    for (int g = 0; g < gb; g++)
-        for (int v = 0; v < nv; v++) acc[g][v] = _mm512_setzero_ps();
-    for (int64_t j = S->a, end; j < S->b;) {
-        for (int64_t at = page_run(J, S, j, 1, elt, elt * d, &end); j < end; j++, at += J->row) {
-            load_vecs(J->cache, bf16, at, nv, x);
-            for (int g = 0; g < gb; g++) {
-                const __m512 p = _mm512_set1_ps(s[g * PART + (j - S->a)]);
-                for (int v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
-            }
+    memset(o, 0, sizeof(float) * (h1 - h0) * d);
+    for (int64_t j = S->a, end; j < S->b; j = end) {
+        const int64_t at = page_run(J, S, j, 1, elt, &end);
+        for (int64_t h = h0, e; h < h1; h = e) {
+            e = block_end(J, h, h1, cap);
+            v_any(J, bf16, (int)(e - h), nv, at + (h / J->g_n) * d, end - j, j - S->a, s + (h - h0) * PART,
+                  o + (h - h0) * d);
         }
     }
-    for (int g = 0; g < gb; g++)
-        for (int v = 0; v < nv; v++) _mm512_store_ps(o + g * d + 16 * v, acc[g][v]);
-    finish_heads(o, mx, sum, gb, d, dst, rec, g0, J->g_n);
-}
-
-/* pass_vec with the head count and size constants (one copy per pair). */
-__attribute__((always_inline)) static inline int pass_fast(const struct decode_job *J, const struct span *S,
-                                                           const int bf16, const float *q, int gb, float *dst,
-                                                           float *rec, int64_t g0) {
-#define PASS_NV(nv)                                                         \
-    switch (gb) {                                                           \
-    case 1: pass_vec(J, S, bf16, q, 1, nv, dst, rec, g0); return 1;         \
-    case 2: pass_vec(J, S, bf16, q, 2, nv, dst, rec, g0); return 1;         \
-    case 3: pass_vec(J, S, bf16, q, 3, nv, dst, rec, g0); return 1;         \
-    default: pass_vec(J, S, bf16, q, 4, nv, dst, rec, g0); return 1;        \
-    }
-    if (J->d == 64) { PASS_NV(4) }
-    if (J->d == 128 && gb <= 2) {
-        if (gb == 1) pass_vec(J, S, bf16, q, 1, 8, dst, rec, g0);
-        else pass_vec(J, S, bf16, q, 2, 8, dst, rec, g0);
-        return 1;
-    }
-#undef PASS_NV
-    return 0;
+    finish_heads(J, o, mx, sum, h0, h1 - h0, dst, rec);
 }
 #endif
 
-/* One task's partition: its G query heads in passes of up to GB (d = 128: 2). */
-__attribute__((always_inline)) static inline void run_part(const struct decode_job *J, const struct span *S,
+/* One task's partition: the row's query heads in passes of up to HC (the first pass
+ * prefetches; the others find the partition in L2). */
+__attribute__((always_inline)) static inline void run_part(const struct decode_job *J, struct span *S,
                                                            const int bf16, const float *q, float *dst, float *rec) {
-    const int64_t step = J->d == 128 ? 2 : GB;
-    for (int64_t g0 = 0; g0 < J->g_n; g0 += step) {
-        const int gb = (int)(J->g_n - g0 < step ? J->g_n - g0 : step);
-        const float *qg = q + g0 * J->d;
-        float *dg = dst + g0 * J->d;
+    for (int64_t h0 = 0; h0 < J->hq; h0 += HC) {
+        const int64_t h1 = h0 + HC < J->hq ? h0 + HC : J->hq;
+        S->pf = h0 == 0;
 #ifdef __AVX512F__
-        if (pass_fast(J, S, bf16, qg, gb, dg, rec, g0)) continue;
+        if (J->d == 64 || J->d == 128) {
+            if (J->d == 64)
+                pass_vec(J, S, bf16, q, h0, h1, 4, dst, rec);
+            else
+                pass_vec(J, S, bf16, q, h0, h1, 8, dst, rec);
+            continue;
+        }
 #endif
         if (J->d == 64)  /* a constant trip count for the plain loops */
-            pass_plain(J, S, bf16, qg, gb, 64, dg, rec, g0);
+            pass_plain(J, S, bf16, q, h0, h1, 64, dst, rec);
         else
-            pass_plain(J, S, bf16, qg, gb, J->d, dg, rec, g0);
+            pass_plain(J, S, bf16, q, h0, h1, J->d, dst, rec);
     }
 }
 
-/* Row i's KV head hk: its partitions' records merged in partition order into the output. */
-static void merge(const struct decode_job *J, int64_t i, int64_t hk, int64_t nparts) {
-    const int64_t g_n = J->g_n, d = J->d, size = g_n * (d + 2);
-    const float *rec = J->rec + (i * J->hkv + hk) * J->parts * size;
-    float *dst = J->out + J->qrow[i] * J->hq * d + hk * g_n * d;
+/* Row i: its partitions' records merged in partition order into its output, head by head. */
+static void merge(const struct decode_job *J, int64_t i, int64_t nparts) {
+    const int64_t hq = J->hq, d = J->d, size = hq * (d + 2);
+    const float *rec = J->rec + i * J->parts * size;
+    float *dst = J->out + J->qrow[i] * hq * d;
     float o[d];
-    for (int64_t g = 0; g < g_n; g++) {
+    for (int64_t h = 0; h < hq; h++) {
         float m = -FLT_MAX, l = 0.f;
-        for (int64_t p = 0; p < nparts; p++) m = rec[p * size + g] > m ? rec[p * size + g] : m;
+        for (int64_t p = 0; p < nparts; p++) m = rec[p * size + h] > m ? rec[p * size + h] : m;
         memset(o, 0, sizeof(float) * d);
         for (int64_t p = 0; p < nparts; p++) {
-            const float *r = rec + p * size, w = exp_poly(r[g] - m), *op = r + 2 * g_n + g * d;
-            l += w * r[g_n + g];
+            const float *r = rec + p * size, w = exp_poly(r[h] - m), *op = r + 2 * hq + h * d;
+            l += w * r[hq + h];
 #pragma omp simd
             for (int64_t e = 0; e < d; e++) o[e] += w * op[e];
         }
         const float inv = 1.f / l;
 #pragma omp simd
-        for (int64_t e = 0; e < d; e++) dst[g * d + e] = o[e] * inv;
+        for (int64_t e = 0; e < d; e++) dst[h * d + e] = o[e] * inv;
     }
 }
 
-/* Task t = ((row * hkv) + kv head) * parts + partition; a slot past the row's partitions is empty. */
+/* Task t = row * parts + partition (a row's partitions in a row: one thread mostly takes them
+ * one after another, and prefetches the next one's first pages); a slot past the row's
+ * partitions is empty. */
 __attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int bf16) {
-    const int64_t p = t % J->parts, pair = t / J->parts, i = pair / J->hkv, hk = pair % J->hkv;
+    const int64_t p = t % J->parts, i = t / J->parts;
     const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
     if (p >= nparts) return;
-    const int64_t *pg = J->pages + J->entry[i] * J->width;
-    struct span S = {pg, hk * J->d, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size};
+    struct span S = {J->pages + J->entry[i] * J->width, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size, 1};
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
-    const float *q = J->q + J->qrow[i] * J->q_stride + hk * J->g_n * J->d;
-    float *dst = J->out + J->qrow[i] * J->hq * J->d + hk * J->g_n * J->d;
-    float *rec = nparts == 1 ? NULL : J->rec + (pair * J->parts + p) * J->g_n * (J->d + 2);
-    run_part(J, &S, bf16, q, dst, rec);
-    if (nparts > 1 && atomic_fetch_add_explicit(&J->done[pair], 1, memory_order_acq_rel) == nparts - 1)
-        merge(J, i, hk, nparts);
+    float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
+    run_part(J, &S, bf16, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
+    if (nparts > 1 && atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts - 1)
+        merge(J, i, nparts);
 }
 
 static void task_f32(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0); }
 static void task_bf16(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1); }
 
-/* Count slots (one int per row and KV head) at the scratch's start, rounded to 64 bytes. */
-static inline int64_t count_floats(int64_t n_rows, int64_t hkv) { return (n_rows * hkv + 15) / 16 * 16; }
+/* Count slots (one int per row) at the scratch's start, rounded to 64 bytes. */
+static inline int64_t count_floats(int64_t n_rows) { return (n_rows + 15) / 16 * 16; }
 
 /* Floats of scratch a decode of n_rows rows of up to max_keys keys needs: the counts, then a
- * record per row, KV head and partition slot (G maxes, G sums, G * d outputs). */
-int64_t mstar_paged_decode_scratch(int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t max_keys) {
-    if (n_rows < 1 || hkv < 1) return 16;
+ * record per row and partition slot (hq maxes, hq sums, hq * d outputs). */
+int64_t mstar_paged_decode_scratch(int64_t n_rows, int64_t hq, int64_t d, int64_t max_keys) {
+    if (n_rows < 1) return 16;
     const int64_t parts = max_keys > 0 ? (max_keys + PART - 1) / PART : 1;
-    return count_floats(n_rows, hkv) + n_rows * parts * hq * (d + 2) + 16;
+    return count_floats(n_rows) + n_rows * parts * hq * (d + 2) + 16;
 }
 
 /* Both page types' decode: checks, then every task over the pool's threads. */
@@ -415,19 +464,19 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
     for (int64_t i = 0; i < n_rows; i++)
         if (hi[i] - lo[i] <= 0 || hi[i] - lo[i] > max_keys) return -2;
     if (n_rows <= 0) return 0;
-    const int64_t parts = (max_keys + PART - 1) / PART, counts = count_floats(n_rows, hkv);
-    if (n_rows * hkv * parts > INT32_MAX) return -2;
+    const int64_t parts = (max_keys + PART - 1) / PART;
+    if (n_rows * parts > INT32_MAX) return -2;
     struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hkv * d,
                            page_size * hkv * d, page_size, parts, scale, out, NULL, (_Atomic int *)scratch};
-    J.rec = (float *)(((uintptr_t)(scratch + counts) + 63) & ~(uintptr_t)63);
-    for (int64_t c = 0; c < n_rows * hkv; c++) atomic_init(&J.done[c], 0);
-    mstar_parallel_for((int)(n_rows * hkv * parts), bf16 ? task_bf16 : task_f32, &J);
+    J.rec = (float *)(((uintptr_t)(scratch + count_floats(n_rows)) + 63) & ~(uintptr_t)63);
+    for (int64_t c = 0; c < n_rows; c++) atomic_init(&J.done[c], 0);
+    mstar_parallel_for((int)(n_rows * parts), bf16 ? task_bf16 : task_f32, &J);
     return 0;
 }
 
 /* Returns 0, or -1 for shapes it does not take (more than 128 query heads, or query heads not
  * a multiple of KV heads), -2 for a row with no keys or more than max_keys. scratch: at least
- * mstar_paged_decode_scratch(n_rows, hq, hkv, d, max_keys) floats. */
+ * mstar_paged_decode_scratch(n_rows, hq, d, max_keys) floats. */
 int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, const int64_t *pages, int64_t width,
                        const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi, int64_t n_rows,
                        int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,

@@ -25,7 +25,7 @@ import os
 import torch
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.attention import KernelDecode, _kernel_pages
+from services.gpu_worker.attention import KernelDecode, _decode_scratch, _kernel_pages
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
 from services.gpu_worker.layers.quant import QuantLinear
@@ -54,8 +54,6 @@ class _Step(ctypes.Structure):
                 ("n_query", _i64), ("max_keys", _i64)]
 
 
-#: decode_stack.c's groups of attention query rows (each has its own scores scratch)
-ATTN_TASKS = 8
 #: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4 and 8)
 GEMM_F32, GEMM_F32_SILU = 32, 33
 
@@ -170,7 +168,7 @@ class CpuDecodeStack:
         s, st, lib = self.shape, self._step, self.lib
         pages, dq = dec.pages, dec.query
         max_keys = pages.shape[1] * s.page_size
-        attn_scratch = ATTN_TASKS * s.hq * max_keys
+        attn_scratch = int(_decode_scratch(lib)(t, s.hq, s.d, max_keys))
         need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + attn_scratch
         if self._work.numel() < need:
             self._work = torch.empty(max(need, 2 * self._work.numel()))
