@@ -2,12 +2,14 @@
 "speech" (Orpheus): the body, and the replies in each format.
 
 - `response_format`: `wav` (16-bit PCM), `pcm` (raw 16-bit signed little-endian, mono, at
-  the model's rate: 24 kHz for SNAC, as OpenAI's pcm), `flac`; `mp3`, `opus`, `aac` are
-  refused by name (no encoder here). OpenAI's default is mp3, which is not offered, so a
-  body without one gets wav.
+  the model's rate: 24 kHz for SNAC and Mimi, as OpenAI's pcm), `flac`, `mp3` (MPEG-2
+  layer III) and `opus` (in Ogg), the last three through libsndfile (soundfile); `aac` is
+  refused by name (no encoder here). A body without one gets wav (OpenAI's default is
+  mp3; wav keeps a client that never asked for a lossy format exact).
 - `stream_format`: absent: the whole clip as one body; `audio`: the audio bytes as the
   codec makes them (`pcm`, or `wav` whose header's sizes say "unknown", as OpenAI's
-  streamed wav does; `flac` is refused); `sse`: OpenAI's events
+  streamed wav does; `flac`, `mp3` and `opus` are refused: their encoders want the whole
+  clip); `sse`: OpenAI's events
   `{"type": "speech.audio.delta", "audio": base64 pcm16}` ... then `{"type":
   "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}`.
 - `speed` other than 1.0 and `instructions` are refused (the model does not take them);
@@ -44,8 +46,10 @@ from services.api.validation import GenerateParams, load, new_request_id
 from shared.audio import to_pcm16
 from shared.frames import SamplingParams
 
-FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-REFUSED_FORMATS = ("mp3", "opus", "aac")
+FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/opus"}
+REFUSED_FORMATS = ("aac",)
+#: soundfile's (format, subtype) of each format it encodes
+SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 
 
 def check_speech(req: SpeechRequest) -> str:
@@ -57,8 +61,8 @@ def check_speech(req: SpeechRequest) -> str:
         raise invalid("speed", f"speed {req.speed} is not supported: the model speaks at its own pace (1.0)")
     if req.instructions:
         raise invalid("instructions", "instructions are not supported by this model")
-    if req.stream_format == "audio" and fmt == "flac":
-        raise invalid("stream_format", "flac cannot be streamed as it is made; use pcm or wav, or stream_format sse")
+    if req.stream_format == "audio" and fmt in SOUNDFILE:
+        raise invalid("stream_format", f"{fmt} cannot be streamed as it is made; use pcm or wav, or stream_format sse")
     return fmt
 
 
@@ -82,7 +86,7 @@ def wav_header(rate: int, data_bytes: int = 0xFFFFFFFF - 36) -> bytes:
 
 
 def encode_audio(samples: np.ndarray, fmt: str, rate: int) -> bytes:
-    """A whole clip in `fmt`: wav and pcm are 16-bit PCM, flac through soundfile."""
+    """A whole clip in `fmt`: wav and pcm are 16-bit PCM, flac, mp3 and opus through soundfile."""
     if fmt == "pcm":
         return to_pcm16(samples)
     if fmt == "wav":
@@ -91,7 +95,8 @@ def encode_audio(samples: np.ndarray, fmt: str, rate: int) -> bytes:
     import soundfile
 
     buf = io.BytesIO()  # the same 16-bit samples as wav and pcm (soundfile's own float rounding differs)
-    soundfile.write(buf, np.frombuffer(to_pcm16(samples), "<i2"), rate, format="FLAC", subtype="PCM_16")
+    kind, subtype = SOUNDFILE[fmt]
+    soundfile.write(buf, np.frombuffer(to_pcm16(samples), "<i2"), rate, format=kind, subtype=subtype)
     return buf.getvalue()
 
 

@@ -139,7 +139,8 @@ async def test_speech_route_formats_and_streams(server, reference):
     ({"input": ""}, "input", None),
     ({"input": "x" * 5000}, "input", None),
     ({"input": "x", "voice": "tara"}, "voice", "voice 'tara' is not one of this model's speakers"),
-    ({"input": "x", "response_format": "mp3"}, "response_format", "response_format 'mp3' is not offered"),
+    ({"input": "x", "response_format": "aac"}, "response_format", "response_format 'aac' is not offered"),
+    ({"input": "x", "response_format": "mp3", "stream_format": "audio"}, "stream_format", "mp3 cannot be streamed"),
     ({"input": "x", "max_tokens": 100000}, "max_tokens",
      f"max_tokens - 1 = 99999 exceeds the decode loop's max_iters {MAX_SEQ_LEN - 1} (frame_loop)"),
 ])

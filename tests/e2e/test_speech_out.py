@@ -4,7 +4,7 @@ added tokens are SNAC codes) with a tiny random SNAC codec at `<folder>/snac`.
 - codes: `/generate`'s token ids equal transformers' greedy tokens under the same per-slot
   code ranges (the worker's constraint, given to `generate` as a logits processor), and
   the audio equals SNAC's own `decode` of those codes;
-- `/v1/audio/speech` in pcm, wav and flac, streamed (`stream_format` audio and sse) and
+- `/v1/audio/speech` in pcm, wav, flac, mp3 and opus, streamed (`stream_format` audio and sse) and
   not: the streamed chunks joined equal the whole clip; two voices, each transformers';
 - the official `openai` client's `audio.speech.create` and `with_streaming_response`;
 - refusals naming the field; debug asserts on, pages back to 0.
@@ -107,7 +107,8 @@ async def speech(client: httpx.AsyncClient, **body) -> httpx.Response:
 
 
 async def test_speech_route_formats_and_streams(folder, server):
-    """pcm is the reference's samples; wav and flac hold the same; the streamed pcm (raw and
+    """pcm is the reference's samples; wav and flac hold the same (mp3 and opus its rate and
+    length); the streamed pcm (raw and
     SSE) joined equals the whole clip; another voice is its own reference."""
     import soundfile
 
@@ -118,6 +119,7 @@ async def test_speech_route_formats_and_streams(folder, server):
         raw = await speech(client, response_format="pcm", stream_format="audio")
         sse = await speech(client, response_format="pcm", stream_format="sse")
         leo = await speech(client, response_format="pcm", voice="leo")
+        lossy = {fmt: await speech(client, response_format=fmt) for fmt in ("mp3", "opus")}
     assert whole.headers["content-type"] == "audio/pcm" and wav.headers["content-type"] == "audio/wav"
     want = pcm(reference(folder, TEXTS[1])[1])
     got = np.frombuffer(whole.content, "<i2")
@@ -129,19 +131,24 @@ async def test_speech_route_formats_and_streams(folder, server):
     for encoded in (wav.content, flac.content):
         samples, rate = soundfile.read(io.BytesIO(encoded), dtype="int16")
         assert rate == 24000 and np.array_equal(samples, got)
+    for fmt, media in (("mp3", "audio/mpeg"), ("opus", "audio/opus")):  # lossy: the clip's rate and length
+        assert lossy[fmt].headers["content-type"] == media
+        samples, rate = soundfile.read(io.BytesIO(lossy[fmt].content), dtype="int16")
+        assert rate == 24000 and len(samples) == len(got)
     other = np.frombuffer(leo.content, "<i2")
     assert np.abs(other.astype(int) - pcm(reference(folder, TEXTS[1], "leo")[1])).max() <= 1
     assert server.wait_pages_free() == 0
     # the speech histograms beside the token ones: every clip so far counted, its seconds summed
     clips = server.metric("mstar_time_to_first_audio_seconds_count")
-    assert clips >= 6 and server.metric("mstar_real_time_factor_count") == clips
+    assert clips >= 8 and server.metric("mstar_real_time_factor_count") == clips
     assert server.metric("mstar_audio_seconds_total") >= 6 * len(got) / 24000
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"input": ""}, "input", None),
     ({"input": "x", "voice": "robot"}, "voice", "voice 'robot' is not one of this model's"),
-    ({"input": "x", "response_format": "mp3"}, "response_format", "response_format 'mp3' is not offered"),
+    ({"input": "x", "response_format": "aac"}, "response_format", "response_format 'aac' is not offered"),
+    ({"input": "x", "response_format": "mp3", "stream_format": "audio"}, "stream_format", "mp3 cannot be streamed"),
     ({"input": "x", "speed": 2.0}, "speed", "speed 2.0 is not supported"),
     ({"input": "x", "max_tokens": 100000}, "max_tokens", None),
 ])

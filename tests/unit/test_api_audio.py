@@ -539,3 +539,18 @@ def test_verbose_json_language_is_the_one_the_worker_reports(tmp_path, whisper_t
         assert post_form(c, "/v1/audio/transcriptions", {}).json() == {"text": whisper_tok.decode(ids)}
         r = post_form(c, "/generate", {"max_tokens": "5"})  # /generate's reply object keeps its shape
         assert set(r.json()) == {"id", "text", "token_ids", "finish_reason", "usage"}
+
+
+@pytest.mark.parametrize(("fmt", "snr_db"), [("flac", 80.0), ("mp3", 25.0), ("opus", 10.0)])
+def test_speech_formats_through_soundfile_decode_to_the_clip(fmt: str, snr_db: float) -> None:
+    """flac holds the clip's 16-bit samples exactly; mp3 and opus (lossy) decode to the same
+    rate and length, close to it (a chirp at 24 kHz, SNAC's and Mimi's rate)."""
+    from services.api.speech import FORMATS, encode_audio
+
+    t = np.arange(48000) / 24000
+    clip = (0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t)).astype(np.float32)
+    encoded = encode_audio(clip, fmt, 24000)
+    got, rate = sf.read(io.BytesIO(encoded), dtype="float32")
+    assert rate == 24000 and len(got) == len(clip) and fmt in FORMATS
+    want = np.frombuffer(encode_audio(clip, "pcm", 24000), "<i2") / 32768
+    assert 10 * np.log10(np.sum(want**2) / np.sum((got - want) ** 2)) > snr_db
