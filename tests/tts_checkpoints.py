@@ -61,22 +61,28 @@ def orpheus_tokens(codebook_size: int = 64) -> list[str]:
     return ["<|begin_of_text|>", "<|eot_id|>"] + [f"<custom_token_{n}>" for n in range(count)]
 
 
-def make_orpheus_tokenizer(path: Path, codebook_size: int = 64) -> None:
-    """tests.checkpoints' byte-level BPE plus Orpheus' added tokens; like Llama 3's tokenizer it
-    writes <|begin_of_text|> before the text, and its eos is end_of_speech (<custom_token_2>)."""
+def llama3_tokenizer(path: Path, specials: list[str], config: dict) -> None:
+    """tests.checkpoints' byte-level BPE plus `specials`; like Llama 3's tokenizer it writes
+    <|begin_of_text|> before the text; tokenizer_config.json is `config` over the fast
+    tokenizer's class and that bos."""
     from tokenizers import Tokenizer, processors
 
     make_tokenizer(path)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens(orpheus_tokens(codebook_size))
+    tok.add_special_tokens(specials)
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
                                                        special_tokens=[("<|begin_of_text|>", bos)])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<custom_token_2>", "pad_token": "<|endoftext|>", "model_max_length": 4096,
-    }))
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "model_max_length": 4096,
+        **config}))
+
+
+def make_orpheus_tokenizer(path: Path, codebook_size: int = 64) -> None:
+    """Orpheus' added tokens on a Llama 3-like tokenizer; its eos is end_of_speech (<custom_token_2>)."""
+    llama3_tokenizer(path, orpheus_tokens(codebook_size),
+                     {"eos_token": "<custom_token_2>", "pad_token": "<|endoftext|>"})
 
 
 def make_orpheus_checkpoint(path: Path, seed: int = 0, codebook_size: int = 64, **shape) -> Path:
@@ -125,23 +131,10 @@ CSM_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high
 
 
 def make_csm_tokenizer(path: Path) -> None:
-    """tests.checkpoints' byte-level BPE plus CSM's specials; like Llama 3's tokenizer it
-    writes <|begin_of_text|> before the text (the CSM processor tokenizes without it: the
-    template writes its own), eos is <|end_of_text|>, and the chat template is CSM's."""
-    from tokenizers import Tokenizer, processors
-
-    make_tokenizer(path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens(CSM_TOKENS)
-    bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                                       special_tokens=[("<|begin_of_text|>", bos)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|end_of_text|>", "pad_token": "<|AUDIO|>", "model_max_length": 4096,
-        "chat_template": CSM_CHAT_TEMPLATE,
-    }))
+    """CSM's specials on a Llama 3-like tokenizer (the CSM processor tokenizes without the
+    bos: the template writes its own), eos <|end_of_text|>, and CSM's chat template."""
+    llama3_tokenizer(path, CSM_TOKENS, {"eos_token": "<|end_of_text|>", "pad_token": "<|AUDIO|>",
+                                        "chat_template": CSM_CHAT_TEMPLATE})
 
 
 def make_csm_checkpoint(path: Path, seed: int = 0, num_codebooks: int = 32, codebook_size: int = 64,

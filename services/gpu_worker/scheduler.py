@@ -105,28 +105,23 @@ class Scheduler:
         """Pages for every entry's rows on each label the step writes, before the forward
         writes them. An entry whose layout under-states what it writes and finds no page
         nobody reserved fails alone (it leaves the plan); every other entry runs."""
-        failed = []
-        for e in plan.entries:
-            try:
-                for lab in labels:
-                    e.pages[lab.name] = self.kv.reserve_rows(e.request.request_id, lab.name, e.rows)
-            except FootprintOverrun as exc:
-                failed.append(Failure(e.request, OVERRUN, exc))
-        if failed:
-            gone = {id(f.request) for f in failed}
-            plan.entries = [e for e in plan.entries if id(e.request) not in gone]
-        return failed
+        return self._reserve_each(plan, lambda e: {lab.name: e.rows for lab in labels}, scratch=False)
 
     def reserve_scratch(self, plan: StepPlan, rows_of: Callable[[PlanEntry], dict[str, int]]) -> list[Failure]:
         """Pages for the scratch rows each entry's forward writes past its committed rows
         (`rows_of`: the runner's `step_scratch`), given back by `drop_step_scratch` after
         the step; an entry that finds no page fails alone, as in `reserve`."""
+        return self._reserve_each(plan, rows_of, scratch=True)
+
+    def _reserve_each(self, plan: StepPlan, rows_of: Callable[[PlanEntry], dict[str, int]],
+                      scratch: bool) -> list[Failure]:
         failed = []
         for e in plan.entries:
             try:
                 for label, n in rows_of(e).items():
                     e.pages[label] = self.kv.reserve_rows(e.request.request_id, label, n)
-                    e.scratch.append(label)
+                    if scratch:
+                        e.scratch.append(label)
             except FootprintOverrun as exc:
                 failed.append(Failure(e.request, OVERRUN, exc))
         if failed:
