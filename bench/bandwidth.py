@@ -3,12 +3,15 @@ read every weight once (the tied LM head reads the whole embedding table), so no
 can make a token faster than the weights' bytes over the memory bandwidth.
 
 `measure()` reads a buffer far larger than the caches on every core at once (torch's sum
-over a 1 GiB float32 tensor, best of 5: what a streaming read reaches here); `weight_bytes`
+over a 1 GiB float32 tensor of random values, the median of 7: what a streaming read
+reaches here; one run of a best-of-5 over ones read 54 GB/s on a VM whose reads otherwise
+measure 19-28); `weight_bytes`
 sums the bytes of every tensor in a GGUF file (quantized as stored).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -16,21 +19,21 @@ import torch
 from shared.cgroup import available_cpus
 
 
-def measure(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second a streaming read reaches on every available core (best of `repeats`)."""
-    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+def measure(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second a streaming read reaches on every available core (median of `repeats`)."""
+    buf = torch.rand(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     saved = torch.get_num_threads()
     torch.set_num_threads(available_cpus())
     try:
         buf.sum()
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             buf.sum()
-            best = min(best, time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(saved)
-    return buf.numel() * 4 / best
+    return buf.numel() * 4 / statistics.median(times)
 
 
 def weight_bytes(gguf_path: str) -> int:
