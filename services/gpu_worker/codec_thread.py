@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from services.gpu_worker.step_types import error_frame
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import Output, RequestError
@@ -53,3 +55,22 @@ class CodecThread:
                 continue
             ready.append((reply_to, output))
         return ready, failed
+
+
+class HeldSound:
+    """The runner hooks (runner.py's `holding`, `ready_outputs`) of a speech runner whose
+    outputs wait in its `thread` for their sound (Orpheus', CSM's)."""
+
+    thread: CodecThread
+
+    @property
+    def holding(self) -> bool:
+        return self.thread.holding
+
+    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
+        return self.thread.ready(wait)
+
+
+def sound_bytes(chunks: list[np.ndarray]) -> bytes:
+    """Sample chunks as the bytes `Output.audio` carries (float32 little-endian)."""
+    return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnRows, cpu_backend
-from services.gpu_worker.codec_thread import CodecThread
+from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.mimi_codec import MimiCodec, MimiStream
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.sampler import Row, sample
 from services.gpu_worker.step_types import PlanEntry, StepPlan
-from shared.frames import Output, RequestError, SamplingParams
+from shared.frames import Output, SamplingParams
 from shared.layout import KVLabel
 from shared.specs.base import CsmRunnerSpec
 
@@ -46,7 +46,7 @@ log = logging.getLogger("mstar.csm_runner")
 CHUNK_FRAMES = 4
 
 
-class CsmRunner(ModelRunner):
+class CsmRunner(HeldSound, ModelRunner):
     SPEC = CsmRunnerSpec
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
@@ -193,12 +193,4 @@ class CsmRunner(ModelRunner):
             chunks.append(stream.push(np.asarray(keep)))
         if last:
             chunks.append(stream.finish())
-        return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""
-
-    @property
-    def holding(self) -> bool:
-        return self.thread.holding
-
-    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
-        return self.thread.ready(wait)
-
+        return sound_bytes(chunks)

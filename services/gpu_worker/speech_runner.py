@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from services.gpu_worker.codec_thread import CodecThread
+from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
-from shared.frames import Output, RequestError
+from shared.frames import Output
 from shared.specs.base import SpeechRunnerSpec
 from shared.specs.orpheus_codes import CODES_PER_FRAME
 
@@ -50,7 +49,7 @@ class Voice:
     pending: list[int] = field(default_factory=list)
 
 
-class SpeechRunner(ModelRunner):
+class SpeechRunner(HeldSound, ModelRunner):
     SPEC = SpeechRunnerSpec
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
@@ -95,11 +94,4 @@ class SpeechRunner(ModelRunner):
             del voice.pending[:done]
         if last:
             chunks.append(voice.stream.finish())
-        return np.concatenate(chunks).astype("<f4").tobytes() if chunks else b""
-
-    @property
-    def holding(self) -> bool:
-        return self.thread.holding
-
-    def ready_outputs(self, wait: bool) -> tuple[list[tuple[str, Output]], list[tuple[str, RequestError]]]:
-        return self.thread.ready(wait)
+        return sound_bytes(chunks)
