@@ -212,3 +212,17 @@ def csm_reference(path: Path, turns: list[tuple[str, str]], max_frames: int):
             sound = model.codec_model.decode(frames[:cut].t().unsqueeze(0)).audio_values[0, 0] if cut else None
         out.append((frames.numpy(), sound.numpy() if sound is not None else torch.zeros(0).numpy()))
     return out
+
+
+def openai_speech(url: str, voice: str, text: str, extra: dict) -> tuple[bytes, bytes]:
+    """The official openai client against a server's /v1/audio/speech, pcm: (the whole clip
+    from `audio.speech.create`, the chunks of `with_streaming_response` joined)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    clip = client.audio.speech.create(model=model, voice=voice, input=text, response_format="pcm", extra_body=extra)
+    with client.audio.speech.with_streaming_response.create(model=model, voice=voice, input=text,
+                                                            response_format="pcm", extra_body=extra) as r:
+        streamed = b"".join(r.iter_bytes())
+    return clip.content, streamed

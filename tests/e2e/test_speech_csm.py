@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.servers import MstarServer
-from tests.tts_checkpoints import csm_reference, make_csm_checkpoint
+from tests.tts_checkpoints import csm_reference, make_csm_checkpoint, openai_speech
 
 TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.", "What is the capital of France?",
          "Numbers like 12345 appear in text.", "Goodbye, world.")
@@ -169,18 +169,7 @@ async def test_frames_to_the_cap_and_aborts_free_both_labels(server):
 
 
 def test_the_openai_client_speaks(server):
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    model = client.models.list().data[0]
-    extra = {**GREEDY, "max_tokens": FRAMES}
-    clip = client.audio.speech.create(model=model.id, voice="1", input=TEXTS[1], response_format="pcm",
-                                      extra_body=extra)
-    chunks = []
-    with client.audio.speech.with_streaming_response.create(model=model.id, voice="1", input=TEXTS[1],
-                                                            response_format="pcm", extra_body=extra) as r:
-        for chunk in r.iter_bytes():
-            chunks.append(chunk)
-    assert clip.content == b"".join(chunks) and len(clip.content) == 2 * FRAMES * 1920
+    clip, streamed = openai_speech(server.url, "1", TEXTS[1], {**GREEDY, "max_tokens": FRAMES})
+    assert clip == streamed and len(clip) == 2 * FRAMES * 1920
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["output_modalities"] == ["audio"]

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.servers import MstarServer
-from tests.tts_checkpoints import make_orpheus_checkpoint, make_snac_folder
+from tests.tts_checkpoints import make_orpheus_checkpoint, make_snac_folder, openai_speech
 
 TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.")
 MAX_TOKENS = 7 * 6  # six frames
@@ -162,18 +162,7 @@ async def test_speech_refusals_name_the_field(server, body, param, message):
 
 
 def test_the_openai_client_speaks(folder, server):
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    model = client.models.list().data[0]
-    extra = {**GREEDY, "max_tokens": MAX_TOKENS}
-    clip = client.audio.speech.create(model=model.id, voice="tara", input=TEXTS[1], response_format="pcm",
-                                      extra_body=extra)
-    chunks = []
-    with client.audio.speech.with_streaming_response.create(model=model.id, voice="tara", input=TEXTS[1],
-                                                            response_format="pcm", extra_body=extra) as r:
-        for chunk in r.iter_bytes():
-            chunks.append(chunk)
-    assert clip.content == b"".join(chunks) and len(clip.content) > 0
+    clip, streamed = openai_speech(server.url, "tara", TEXTS[1], {**GREEDY, "max_tokens": MAX_TOKENS})
+    assert clip == streamed and len(clip) > 0
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["output_modalities"] == ["audio"]
