@@ -97,6 +97,19 @@ class PrefillChunk:
     #: bidirectional blocks): the C prefill kernel computes that from q and kv_len, so `mask`
     #: is only the torch path's
     plain: bool = False
+    #: (cached, first_row, window, blocks) of a plain chunk whose mask is built only if the
+    #: torch path runs it (`attn_mask`): the kernel needs none, and a 2,048 x 4,096 mask
+    #: costs ~10 ms a step
+    lazy_mask: tuple | None = None
+
+    def attn_mask(self) -> torch.Tensor | None:
+        """`mask`, made from `lazy_mask` at the first call that needs it."""
+        if self.mask is None and self.lazy_mask is not None:
+            cached, first_row, window, blocks = self.lazy_mask
+            self.mask = window_mask(torch.arange(cached, cached + self.q_end - self.q_start),
+                                    torch.arange(first_row, first_row + self.kv_len), window, blocks)
+            self.lazy_mask = None
+        return self.mask
 
 
 @dataclass
@@ -157,7 +170,7 @@ class AttnMetadata:
                                  for k, v in vars(view).items()})
 
         prefills = [PrefillChunk(c.q_start, c.q_end, c.pages.to(device), c.kv_len,
-                                 None if c.mask is None else c.mask.to(device), c.causal, c.plain)
+                                 None if (mask := c.attn_mask()) is None else mask.to(device), c.causal, c.plain)
                     for c in self.prefills]
         return AttnMetadata(self.slot_pages.to(device), self.slot_offsets.to(device), self.window, prefills,
                             move(self.decode), move(self.flashinfer))
@@ -267,10 +280,12 @@ class MetadataBuilder:
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                                   plain=self.plain_chunks))
             else:  # cached rows, a window or blocks: an explicit mask (else torch's plain causal fast path)
-                mask = window_mask(torch.arange(cached, cached + new), torch.arange(first_row, first_row + kv_len),
-                                   window, blocks)
-                step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, mask,
-                                                  plain=self.plain_chunks and not blocks))
+                chunk = PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
+                                     plain=self.plain_chunks and not blocks,
+                                     lazy_mask=(cached, first_row, window, blocks))
+                if not chunk.plain:
+                    chunk.attn_mask()  # the torch path runs it: built with the metadata, once for every layer
+                step.prefills.append(chunk)
             t += new
         return self._finish(step, page_size, window)
 
@@ -521,10 +536,11 @@ def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sc
         k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        if chunk.mask is None:
+        mask = chunk.attn_mask()
+        if mask is None:
             o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True)
         else:
-            o = _sdpa(qp, k, v, scale, softcap, attn_mask=chunk.mask, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, attn_mask=mask, enable_gqa=True)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
 
 

@@ -91,6 +91,7 @@ def test_matches_sdpa_and_thread_count(dtype, group, q_len, cached, taken):
     one = on_threads(1, lambda: paged_attention(q, cache, meta, D**-0.5))
     two = on_threads(2, lambda: paged_attention(q, cache, meta, D**-0.5))
     assert taken == [True, True]
+    assert meta.prefills[0].mask is None  # the kernel needs no mask: none was built
     assert torch.equal(one, two)  # the same bits whichever threads run the tasks
     torch.testing.assert_close(one, reference(q, k, v, None), rtol=1e-5, atol=1e-5)
 
@@ -141,7 +142,10 @@ def test_left_to_torch(taken):
                                 backend="torch")
     assert not blocks.prefills[0].plain and not torch_meta.prefills[0].plain
     paged_attention(q, cache, blocks, D**-0.5)
+    assert meta.prefills[0].mask is None
     paged_attention(q, cache, meta, D**-0.5, softcap=30.0)
+    # the torch path built the plain chunk's mask when it ran it: bottom-right causal over the cached rows
+    assert torch.equal(meta.prefills[0].mask, attention.window_mask(torch.arange(30, 47), torch.arange(47), None))
     torch.testing.assert_close(paged_attention(q, cache, torch_meta, D**-0.5), reference(q, k, v, None))
     assert taken == []
 
