@@ -32,6 +32,7 @@ from bench import bandwidth, long_prompts
 from bench.client import Backend, OpenAIBackend, make_prompts, run_load
 from bench.report import machine, results_dir, table, write_json
 from bench.server import PEERS, MemorySampler, MstarServer, Server, free_port
+from bench.stats import ratio
 
 DEFAULT_BIN = Path.home() / ".cache/mstar-peers/llama.cpp/src/vendor/llama.cpp/build/bin/llama-server"
 
@@ -122,19 +123,15 @@ def measure(server: Server, args) -> dict:
     return out
 
 
-def _div(a: float, b: float) -> float:
-    return a / b if b else float("nan")
-
-
 def _ratios(m: dict, ll: dict) -> dict:
     same = [a == b for a, b in zip(m["greedy"], ll["greedy"])]
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
               for a, b in zip(m["greedy"], ll["greedy"])]
-    return {"c1_tpot": _div(m["c1"]["tpot_ms_p50"], ll["c1"]["tpot_ms_p50"]),
-            "c1_itl": _div(m["c1"]["itl_ms_p50"], ll["c1"]["itl_ms_p50"]),
-            "c1_ttft": _div(m["c1"]["ttft_ms_p50"], ll["c1"]["ttft_ms_p50"]),
-            "c16_tok_s": _div(m["c16"]["out_tok_s"], ll["c16"]["out_tok_s"]),
-            "rss": _div(m["peak_rss_mib"], ll["peak_rss_mib"]), "startup_s": m["startup_s"],
+    return {"c1_tpot": ratio(m["c1"]["tpot_ms_p50"], ll["c1"]["tpot_ms_p50"]),
+            "c1_itl": ratio(m["c1"]["itl_ms_p50"], ll["c1"]["itl_ms_p50"]),
+            "c1_ttft": ratio(m["c1"]["ttft_ms_p50"], ll["c1"]["ttft_ms_p50"]),
+            "c16_tok_s": ratio(m["c16"]["out_tok_s"], ll["c16"]["out_tok_s"]),
+            "rss": ratio(m["peak_rss_mib"], ll["peak_rss_mib"]), "startup_s": m["startup_s"],
             "greedy_same": sum(same) / len(same), "greedy_prefix_chars": statistics.mean(prefix)}
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from bench import side_by_side
 from bench.client import Backend, RequestResult, make_prompts, run_load
 from bench.side_by_side import Figure
+from bench.stats import ratio
 
 #: llama-server flags for this mode: 4 slots, each the model's whole context
 LLAMA_ARGS = ["-np", "4", "-c", "32768"]
@@ -59,16 +60,12 @@ def measure(url: str, backend: Backend, seed: int) -> dict:
     return out
 
 
-def _div(a: float, b: float) -> float:
-    return a / b if b else float("nan")
-
-
 def ratios(m: dict, ll: dict) -> dict:
     """mstar / llama-server per figure, and mstar's own TPOT growth from 128 to 2,048 tokens."""
     keys = ("ttft_2k_ms", "ttft_8k_ms", "tpot_128_ms", "tpot_2k_ms", "tpot_8k_ms", "c4_tok_s")
-    r = {k: _div(m["long"][k], ll["long"][k]) for k in keys}
-    r["mstar_tpot_2k_over_128"] = _div(m["long"]["tpot_2k_ms"], m["long"]["tpot_128_ms"])
-    r["llama_tpot_2k_over_128"] = _div(ll["long"]["tpot_2k_ms"], ll["long"]["tpot_128_ms"])
+    r = {k: ratio(m["long"][k], ll["long"][k]) for k in keys}
+    r["mstar_tpot_2k_over_128"] = ratio(m["long"]["tpot_2k_ms"], m["long"]["tpot_128_ms"])
+    r["llama_tpot_2k_over_128"] = ratio(ll["long"]["tpot_2k_ms"], ll["long"]["tpot_128_ms"])
     return r
 
 

@@ -17,6 +17,11 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 (a figure not measured)."""
+    return a / b if b else math.nan
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
