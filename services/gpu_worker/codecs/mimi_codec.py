@@ -67,9 +67,12 @@ class MimiSettings:
         self.samples_per_frame = hop * self.stride
 
 
-def _load(path: Path) -> dict[str, torch.Tensor]:
-    """The codec's decoder tensors from the folder's safetensors, prefix stripped."""
-    wanted = ("quantizer.", "upsample.", "decoder_transformer.", "decoder.")
+#: the names of the decoder's tensors (the encoder's are `mimi_encoder.ENCODER_PARTS`)
+DECODER_PARTS = ("quantizer.", "upsample.", "decoder_transformer.", "decoder.")
+
+
+def _load(path: Path, wanted: tuple[str, ...] = DECODER_PARTS) -> dict[str, torch.Tensor]:
+    """The codec's tensors named `wanted` from the folder's safetensors, prefix stripped."""
     out: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
@@ -82,6 +85,17 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def codebook_tables(w: Mapping[str, torch.Tensor], s: MimiSettings) -> list[torch.Tensor]:
+    """Each codebook's centroids [codebook_size, dim], semantic first (transformers'
+    `MimiEuclideanCodebook.embed`: the sums over the usage, clamped)."""
+    names = [("semantic", i) for i in range(s.semantic)] + [("acoustic", i) for i in range(s.quantizers - s.semantic)]
+    out = []
+    for kind, i in names:
+        base = f"quantizer.{kind}_residual_vector_quantizer.layers.{i}.codebook."
+        out.append(w[base + "embed_sum"] / w[base + "cluster_usage"].clamp(min=EPSILON)[:, None])
+    return out
+
+
 class MimiCodec:
     """The decoder's weights, shared by every request's `MimiStream`."""
 
@@ -91,16 +105,11 @@ class MimiCodec:
         self.codebook_size = self.s.codebook_size
         self.samples_per_frame = self.s.samples_per_frame
         self.sample_rate = self.s.sample_rate
-        self.tables = [self._table("semantic", i) for i in range(self.s.semantic)] + \
-                      [self._table("acoustic", i) for i in range(self.s.quantizers - self.s.semantic)]
+        self.tables = codebook_tables(self.w, self.s)
         half = self.s.head_dim // 2
         self.inv_freq = 1.0 / (self.s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
                                                 / self.s.head_dim))
         self.seanet = self._seanet_plan()
-
-    def _table(self, kind: str, i: int) -> torch.Tensor:
-        base = f"quantizer.{kind}_residual_vector_quantizer.layers.{i}.codebook."
-        return self.w[base + "embed_sum"] / self.w[base + "cluster_usage"].clamp(min=EPSILON)[:, None]
 
     def _seanet_plan(self) -> list[tuple]:
         """The SEANet decoder's layers in order, as (kind, weight name, kernel, dilation, stride)."""
