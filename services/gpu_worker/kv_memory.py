@@ -10,7 +10,10 @@ fresh one), so the resident KV follows the peak the traffic needed, not the pool
 Zero (not uninitialised) memory matters: attention masks unused rows, but a masked score
 times a NaN left in an unwritten row would still be NaN.
 
-The address space is still reserved up front, and `MSTAR_KV_PREFAULT=1` writes every page
+Where the kernel gives transparent huge pages, the pools sit on 2 MB pages (huge_pages: a
+decode step's walk over K/V pages then misses the TLB far less) and are faulted 2 MB at a
+time, so the resident KV is at most 2 MB a layer past the peak. The address space is still
+reserved up front, and `MSTAR_KV_PREFAULT=1` writes every page
 at start-up instead, for a deployment that wants an out-of-memory to happen at boot rather
 than under load. On an accelerator the pools are plain `torch.zeros` (device memory is
 allocated whole either way).
@@ -19,11 +22,11 @@ allocated whole either way).
 from __future__ import annotations
 
 import math
-import mmap
 import os
 
 import torch
 
+from services.gpu_worker import huge_pages
 from shared.cgroup import memory_available
 
 
@@ -32,16 +35,15 @@ def prefault_requested() -> bool:
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor of `shape`; on the CPU backed by a lazily-faulted anonymous mapping."""
+    """A zero tensor of `shape`; on the CPU backed by a lazily-faulted anonymous mapping
+    (on 2 MB pages where the kernel gives them: huge_pages)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # The tensor keeps the mapping alive (frombuffer holds a reference to the buffer).
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+    t = huge_pages.anonymous(nbytes).view(dtype).view(shape)
     if prefault_requested():
         t.zero_()
     return t

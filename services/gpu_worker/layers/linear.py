@@ -159,6 +159,9 @@ class KernelLinear(nn.Module):
     """An `nn.Linear` through the C GEMM; only the packed weight is kept (`weight`
     unpacks a copy, for inspection)."""
 
+    #: what a decode step streams (huge_pages.place puts them on 2 MB pages)
+    hot_tensors = ("packed", "bias")
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -183,6 +186,8 @@ class KernelGateUpSilu(nn.Module):
     in_features: int
     inter: int
     packed: torch.Tensor
+    #: what a decode step streams (huge_pages.place puts it on 2 MB pages)
+    hot_tensors = ("packed",)
 
     def __init__(self, gate_up: nn.Linear) -> None:
         super().__init__()
@@ -209,6 +214,9 @@ class KernelGateUpSilu(nn.Module):
 class KernelHead:
     """The LM head through the C GEMM at every row count (a GEMV at one row is as fast as
     MKL's); only the packed weight is kept here (a tied model's embedding keeps its own)."""
+
+    #: what a decode step streams (huge_pages.place puts it on 2 MB pages)
+    hot_tensors = ("packed",)
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.vocab = weight.shape[0]

@@ -205,6 +205,9 @@ class QuantLinear(nn.Module):
     """A linear layer on a repacked GGUF weight (no bias unless given). `weight` expands a
     float32 copy (for tests and inspection), equal to gguf's dequantization."""
 
+    #: what a decode step streams (huge_pages.place puts them on 2 MB pages)
+    hot_tensors = ("w", "d", "m", "bias")
+
     def __init__(self, form: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  in_features: int, out_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()

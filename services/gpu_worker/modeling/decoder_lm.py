@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker import huge_pages
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.layers import fused, prompt_rows, repack_cache
 from services.gpu_worker.layers.linear import (
@@ -302,6 +303,7 @@ class DecoderLM(DecoderModel):
             if not self.tied:
                 del self.lm_head  # the head has its own copy (oneDNN's keeps the plain one too)
         if next(self.parameters()).device.type == "cpu":
+            huge_pages.place(huge_pages.hot_slots(self, self.head))  # before the C stack keeps their pointers
             self.cpu_stack = CpuDecodeStack.build(self)
 
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
