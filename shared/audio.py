@@ -80,10 +80,12 @@ class FeatureConfig:
 # -- decoding ------------------------------------------------------------------------------
 
 
-def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = None) -> np.ndarray:
+def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = None,
+                 limit: str = "this model transcribes") -> np.ndarray:
     """WAV/FLAC bytes -> mono float32 samples at `sampling_rate`.
 
-    The header is read first, so an over-long file is refused before it is decoded."""
+    The header is read first, so an over-long file is refused before it is decoded (the
+    message says "`limit` at most N s per request")."""
     import soundfile as sf  # lazy: only the data worker decodes audio
 
     if not isinstance(data, bytes | bytearray | memoryview) or len(data) == 0:
@@ -103,7 +105,7 @@ def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = No
         seconds = f.frames / rate
         if max_seconds is not None and seconds > max_seconds:
             raise ValueError(f"audio is {seconds:.2f} s long; "
-                             f"this model transcribes at most {max_seconds:g} s per request")
+                             f"{limit} at most {max_seconds:g} s per request")
         try:
             samples = f.read(dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError) as exc:

@@ -84,6 +84,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
 # ---- api -> data_worker -------------------------------------------------------------
 
 
+class ContextTurn(msgspec.Struct, array_like=True, gc=False):
+    """An earlier turn of a conversation a speech model continues (CSM's voice
+    continuation): who spoke, what they said, and the sound of it (the client's WAV/FLAC
+    file, undecoded; None: the text alone)."""
+
+    speaker: str
+    text: str
+    audio: bytes | None = None
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     """A validated client request, before tokenization."""
 
@@ -105,6 +115,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Vision models: each image file as the api fetched and checked it, in prompt order;
     # the prompt holds the model's image placeholder once per image.
     images: list[bytes] = []
+    # Speech models that continue a conversation (CSM): its earlier turns, oldest first;
+    # the prompt is the turn to speak.
+    context: list[ContextTurn] = []
     # Per-request model options for the spec's `process_prompt` (language and task above
     # are two of them); the data worker drops a value for a key the spec sets itself.
     options: dict[str, MetaValue] = {}

@@ -214,6 +214,54 @@ def csm_reference(path: Path, turns: list[tuple[str, str]], max_frames: int):
     return out
 
 
+def chirp(n: int, f0: float, rate: int = 24000):
+    """`n` samples of a rising tone from `f0` Hz (float32): context audio for CSM tests."""
+    import numpy as np
+
+    t = np.arange(n) / rate
+    return (0.4 * np.sin(2 * np.pi * (f0 + 300 * t) * t)).astype(np.float32)
+
+
+def audio_file(samples, rate: int = 24000, fmt: str = "WAV", subtype: str = "FLOAT") -> bytes:
+    """`samples` as a file (float WAV by default: the samples exactly)."""
+    import io
+
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def csm_context_reference(path: Path, conversations: list[list[tuple[str, str, object]]], max_frames: int):
+    """transformers' greedy CSM continuing each conversation (turns `(speaker, text,
+    audio)`, audio a float32 array at 24 kHz or None; the last turn is the one to speak),
+    one at a time: (the frames `generate` returns, the sound `MimiModel.decode` makes of
+    those before the first all-zero one). The inputs are the CSM processor's
+    (`apply_chat_template`: input_ids with the audio placeholders, input_values, cutoffs)."""
+    import torch
+    import transformers
+
+    model = transformers.CsmForConditionalGeneration.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    extractor = transformers.EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0)
+    processor = transformers.CsmProcessor(extractor, tok, chat_template=tok.chat_template)
+    out = []
+    for turns in conversations:
+        conv = [{"role": speaker, "content": [{"type": "text", "text": text}]
+                 + ([{"type": "audio", "audio": audio}] if audio is not None else [])}
+                for speaker, text, audio in turns]
+        inputs = processor.apply_chat_template(conv, tokenize=True, return_dict=True)
+        with torch.no_grad():
+            frames = model.generate(**inputs, max_new_tokens=max_frames, do_sample=False,
+                                    depth_decoder_do_sample=False)[0]
+            zero = (frames == model.config.codebook_eos_token_id).all(dim=-1).nonzero()
+            cut = int(zero.min()) if zero.numel() else frames.shape[0]
+            sound = model.codec_model.decode(frames[:cut].t().unsqueeze(0)).audio_values[0, 0] if cut else None
+        out.append((frames.numpy(), sound.numpy() if sound is not None else torch.zeros(0).numpy()))
+    return out
+
+
 def openai_speech(url: str, voice: str, text: str, extra: dict) -> tuple[bytes, bytes]:
     """The official openai client against a server's /v1/audio/speech, pcm: (the whole clip
     from `audio.speech.create`, the chunks of `with_streaming_response` joined)."""

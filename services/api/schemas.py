@@ -186,6 +186,24 @@ class ConstrainedFields(SamplingFields):
 # ---- /generate, its WebSocket frames and its audio form ------------------------------------
 
 
+class ContextTurn(Body):
+    """One earlier turn of a conversation a speech model continues (CSM's voice
+    continuation): the model hears the turns, then speaks the request's text."""
+
+    speaker: Annotated[str, Meta(min_length=1, description="who spoke: one of the model's voices (/v1/models), "
+                                                           "as `voice`")]
+    text: Annotated[str, Meta(min_length=1, max_length=4096, description="what the speaker said")]
+    audio: Annotated[str, Meta(min_length=1, description="the turn's sound: a WAV or FLAC file, base64 (a data: URL "
+                                                         "too); other rates than the model's are resampled; "
+                                                         "absent: the text alone")] | None = None
+
+
+#: a speech model's earlier turns, oldest first
+Context = Annotated[list[ContextTurn], Meta(min_length=1, max_length=64, description=(
+    "speech models that continue a conversation (CSM): its earlier turns, oldest first; the request's text is "
+    "the next turn"))]
+
+
 class GenerateRequest(ConstrainedFields):
     """`POST /generate` (DESIGN.md section 7): exactly one of `prompt` or `input_ids`."""
 
@@ -202,6 +220,7 @@ class GenerateRequest(ConstrainedFields):
                       Meta(description="vision models: image URLs (data:, http(s), or file:// under "
                                        "--allowed-local-media-path), one per image placeholder in `prompt`, "
                                        "in order (`/v1/models` lists the model's placeholder)")] | None = None
+    context: Context | None = None
 
 
 class GenerateFrame(GenerateRequest, tag="generate", tag_field="type", kw_only=True):
@@ -637,7 +656,7 @@ class SpeechRequest(Body):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
-
+    context: Context | None = None
 
 
 class Route(NamedTuple):

@@ -14,6 +14,9 @@
   "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}`.
 - `speed` other than 1.0 and `instructions` are refused (the model does not take them);
   `voice` must be one of the model's (the data worker's 400 names it).
+- `context` (CSM's voice continuation, an extension): the conversation's earlier turns,
+  oldest first, each `{"speaker", "text", "audio"}` (audio: a base64 WAV or FLAC file, or
+  absent); the model hears them and speaks `input` as the next turn.
 - Sampling: the model's own defaults (`ModelSpec.speech_defaults`: Orpheus' temperature
   0.6, top_p 0.8, repetition_penalty 1.3; CSM's temperature 0.9, top_k 50), which a body
   may set (vLLM-style extra fields), with `seed` and `max_tokens` (Orpheus: audio tokens,
@@ -42,7 +45,7 @@ from services.api.schemas import SpeechRequest
 from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
-from services.api.validation import GenerateParams, load, new_request_id
+from services.api.validation import GenerateParams, context_turns, load, new_request_id
 from shared.audio import to_pcm16
 from shared.frames import SamplingParams
 
@@ -163,7 +166,7 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
                             sampling=SamplingParams(**sampling_fields(req, settings.speech_defaults)),
                             max_tokens=req.max_tokens,
-                            prompt=req.input, options=options)
+                            prompt=req.input, options=options, context=context_turns(req.context))
     reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
     return Prepared(params, req.stream_format is not None, reply, task="speech")
 

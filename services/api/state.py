@@ -67,6 +67,7 @@ class ApiState:
             task=params.task,
             options=dict(params.options),
             images=list(images),
+            context=list(params.context),
         )
         handle = await self.backend.submit(req)
         return Generation(

@@ -25,6 +25,8 @@ form fields; `forms.py` turns each string into the JSON value it spells (`"5"` -
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import logging
 import re
@@ -43,6 +45,7 @@ from services.api.schemas import (
     UNSUPPORTED,
     AudioGenerateForm,
     Body,
+    ContextTurn,
     GenerateRequest,
     SamplingFields,
     TranscriptionForm,
@@ -50,6 +53,7 @@ from services.api.schemas import (
 )
 from services.api.structured import parse_structured
 from shared.errors import ErrorKind
+from shared.frames import ContextTurn as ContextFrame
 from shared.frames import SamplingParams
 
 log = logging.getLogger("mstar.api")
@@ -86,6 +90,9 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     #: fetched and checked them: `ApiState.load_images`) their files
     image_refs: tuple[ImageRef, ...] = ()
     images: tuple[bytes, ...] = ()
+    #: speech models that continue a conversation (CSM): its earlier turns, audio decoded
+    #: from base64 (the data worker decodes the files themselves)
+    context: tuple[ContextFrame, ...] = ()
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -401,9 +408,31 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
     sampling = sampling_params(req, req.max_tokens, grammar=parse_structured(req), logprobs=req.logprobs,
                                prompt_logprobs=req.prompt_logprobs)
     images = tuple(ImageRef(url, f"images[{i}]") for i, url in enumerate(req.images or ()))
+    if req.context and req.input_ids is not None:
+        raise invalid("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
                           prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop),
-                          image_refs=images)
+                          image_refs=images, context=context_turns(req.context))
+
+
+def context_turns(turns: list[ContextTurn] | None) -> tuple[ContextFrame, ...]:
+    """The body's context turns as the data worker takes them: each audio's file bytes
+    from its base64 (a `data:` URL's payload too); a 400 naming `context[i].audio` for
+    text that is not base64."""
+    out = []
+    for i, turn in enumerate(turns or ()):
+        audio = None
+        if turn.audio is not None:
+            text = turn.audio.split(",", 1)[1] if turn.audio.startswith("data:") and "," in turn.audio else turn.audio
+            try:
+                audio = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                raise invalid(f"context[{i}].audio", f"context[{i}].audio is not base64 (a WAV or FLAC file's "
+                                                     "bytes, base64-encoded)") from None
+            if not audio:
+                raise invalid(f"context[{i}].audio", f"context[{i}].audio is empty")
+        out.append(ContextFrame(turn.speaker, turn.text, audio))
+    return tuple(out)
 
 
 def parse_generate(obj: Mapping[str, Any]) -> GenerateParams:

@@ -1,8 +1,9 @@
 """The data worker: tokenizes, runs the model's `process_prompt`, sends `NewRequest`.
 
 Every request, text or audio, goes through the spec's `process_prompt` with what it
-needs of the request (`PromptRequest`: prompt ids, the audio file, the model options);
-the data worker itself never decodes audio. The `metadata` it returns travels in
+needs of the request (`PromptRequest`: prompt ids, the audio file, the model options,
+images and context audio as the spec's `prepare_image` / `prepare_context` made them);
+audio is decoded by the spec's own methods, never here. The `metadata` it returns travels in
 `NewRequest.metadata` to the engine, together with the client's model options for keys
 the spec does not set: a client's value for a key `process_prompt` sets (the spec's
 `metadata_keys`, or one it returned) is dropped, never passed through.
@@ -32,7 +33,7 @@ from shared.frames import (
     pack_tensors,
 )
 from shared.model_source import TokenizerBundle
-from shared.specs.base import MetaValue, ModelSpec, PreparedImage, PromptError, PromptRequest
+from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PreparedImage, PromptError, PromptRequest
 from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
@@ -123,13 +124,17 @@ class DataWorker:
             raise _ClientError(exc.param, str(exc)) from exc
         if images:
             req = msgspec.structs.replace(req, prompt=prompt)
+        context: tuple[PreparedAudio, ...] = ()
         if req.prompt is not None:
             try:
                 text = self.spec.prompt_text(req.prompt, model_options(req))
+                context, before = self.expand_context(req)
             except PromptError as exc:
                 raise _ClientError(exc.param, str(exc)) from exc
-            if text != req.prompt:
-                req = msgspec.structs.replace(req, prompt=text)
+            if before + text != req.prompt:
+                req = msgspec.structs.replace(req, prompt=before + text)
+        elif req.context:
+            raise _ClientError("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
         ids: list[int] = []
         pair_start = None
         if req.audio is None or req.prompt is not None or req.input_ids is not None:
@@ -142,7 +147,7 @@ class DataWorker:
         if pair_start is not None:
             options["pair_start"] = pair_start
         try:
-            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images))
+            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images, context))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
@@ -171,6 +176,14 @@ class DataWorker:
             except PromptError as exc:
                 raise PromptError(f"images[{i}]", str(exc)) from exc
         return tuple(images), parts[0] + "".join(img.text + part for img, part in zip(images, parts[1:]))
+
+    def expand_context(self, req: GenerateRequest) -> tuple[tuple[PreparedAudio, ...], str]:
+        """(the request's context audio, decoded by the spec's `prepare_context`; the text
+        of its earlier turns, each audio's placeholder expanded to its frames), so the
+        whole conversation is tokenized once, as the model's processor tokenizes it."""
+        if not req.context:
+            return (), ""
+        return self.spec.prepare_context(req.context)
 
     async def _handle(self, req: GenerateRequest) -> None:
         try:

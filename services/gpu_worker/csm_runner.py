@@ -17,6 +17,12 @@ The step loop, admission, footprints and stop checks are the decoder's; what is 
 - the token a frame is sent as: its first code, or `eos_frame_token` for the frame that
   ends the request (codes other than the last all `codebook_eos_token_id`, transformers'
   stop rule);
+- context turns (voice continuation): at admission (`prepare`) Mimi's encoder
+  (codecs/mimi_encoder.py) turns each context clip into frames, once per request, and the
+  prompt's frame rows (each clip's run of `<|AUDIO|>`, and the `<|audio_eos|>` closing
+  it: an all-zero frame) take those frames' summed embeddings in place of a text
+  embedding, as transformers' `_merge_input_ids_with_input_values`; a clip whose rows the
+  prefix cache holds (keyed by the clip: shared/specs/csm.py) is not encoded;
 - sound: each output's new frames go to the request's `MimiStream` in the codec thread
   (`CodecThread`); the first frame's samples leave at once, later ones `CHUNK_FRAMES` at a
   time; an all-zero frame and what follows make no sound (transformers cuts there).
@@ -32,13 +38,15 @@ import torch
 from services.gpu_worker.attention import AttnRows, cpu_backend
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.mimi_codec import MimiCodec, MimiStream
+from services.gpu_worker.codecs.mimi_encoder import MimiEncoder
 from services.gpu_worker.request import Request
 from services.gpu_worker.runner import ModelRunner
 from services.gpu_worker.sampler import Row, sample
-from services.gpu_worker.step_types import PlanEntry, StepPlan
+from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
 from shared.frames import Output, SamplingParams
 from shared.layout import KVLabel
 from shared.specs.base import CsmRunnerSpec
+from shared.specs.csm import encoded_frames
 
 log = logging.getLogger("mstar.csm_runner")
 
@@ -46,8 +54,31 @@ log = logging.getLogger("mstar.csm_runner")
 CHUNK_FRAMES = 4
 
 
+class _StepRows:
+    """A step's backbone rows as they are gathered: text rows (ids) and frame rows (codes)."""
+
+    def __init__(self) -> None:
+        self.text_ids: list[int] = []
+        self.text_rows: list[int] = []
+        self.frames: list[list[int]] = []
+        self.frame_rows: list[int] = []
+        self.positions: list[int] = []
+        self.t = 0
+
+    def text(self, tokens: list[int]) -> None:
+        self.text_ids.extend(tokens)
+        self.text_rows.extend(range(self.t, self.t + len(tokens)))
+        self.t += len(tokens)
+
+    def frame(self, codes: list[int]) -> None:
+        self.frames.append(codes)
+        self.frame_rows.append(self.t)
+        self.t += 1
+
+
 class CsmRunner(HeldSound, ModelRunner):
     SPEC = CsmRunnerSpec
+    needs_prepare = True
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         self.backbone_label, self.depth_label = spec.label(spec.backbone_label), spec.label(spec.depth_label)
@@ -58,6 +89,11 @@ class CsmRunner(HeldSound, ModelRunner):
             raise ValueError(f"the codec has {self.codec.codebook_size} codes a codebook; the model writes "
                              f"{spec.codebook_vocab}")
         self.thread = CodecThread()
+        try:
+            self.encoder: MimiEncoder | None = MimiEncoder(spec.codec_path, spec.codec_config)
+        except ValueError as exc:  # a codec saved without its encoder: context audio cannot be read
+            log.warning("no Mimi encoder (%s): requests with context audio will fail", exc)
+            self.encoder = None
 
     def _backend(self) -> str:
         """The C kernels where they take both stacks' attention, else torch."""
@@ -81,6 +117,64 @@ class CsmRunner(HeldSound, ModelRunner):
         if labels != want:
             raise ValueError(f"a CSM request needs layouts for labels {sorted(want)}")
 
+    # -- context audio (voice continuation) --------------------------------------------
+
+    def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
+        """`tensors`: "input_ids" [P], and for a request with context audio the clips
+        concatenated ("context_audio", float32 at the codec's rate) and where each ends
+        ("context_cutoffs"); their frame rows are the prompt's runs of `audio_token_id`."""
+        prompt, _ = super().make_request(tensors)
+        audio = tensors.get("context_audio")
+        if audio is None:
+            return prompt, {}
+        cutoffs = [int(c) for c in tensors["context_cutoffs"].reshape(-1)]
+        clips = np.split(np.asarray(audio, dtype=np.float32).reshape(-1), cutoffs[:-1])
+        ids = np.asarray(prompt)
+        where = np.flatnonzero(ids == self.spec.audio_token_id)
+        frames = [encoded_frames(len(c), self.codec.samples_per_frame) for c in clips]
+        if len(where) != sum(frames):
+            raise ValueError(f"the prompt holds {len(where)} audio frames; its context audio makes {sum(frames)}")
+        closing = np.flatnonzero(ids == self.spec.audio_eos_token_id)
+        return prompt, {"clips": clips, "where": where, "frames": frames, "closing": closing}
+
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """Encode the context audio of newly admitted requests (each clip whose rows the
+        prefix cache does not hold); a request keeps its frame rows' codes on `embeds`."""
+        failures = []
+        for r in admitted:
+            if "clips" not in r.inputs:
+                continue
+            if self.encoder is None:
+                failures.append(Failure(r, "the model's codec has no encoder: context audio cannot be read"))
+                continue
+            try:
+                r.embeds = self._context_frames(r)
+            except Exception as exc:
+                log.exception("the Mimi encoder failed on %s", r.request_id)
+                failures.append(Failure(r, "internal error in the Mimi encoder", exc))
+        return failures
+
+    def _context_frames(self, r: Request) -> tuple[np.ndarray, torch.Tensor]:
+        """(the prompt positions of every context frame row: each clip's frames and each
+        turn's closing frame, sorted; their codes [rows, num_codebooks]). The closing
+        frame is all `codebook_eos_token_id`, as transformers embeds `<|audio_eos|>`."""
+        assert self.encoder is not None
+        k = self.spec.num_codebooks
+        where, closing = r.inputs["where"], r.inputs["closing"]
+        parts, at = [], 0
+        for clip, n in zip(r.inputs["clips"], r.inputs["frames"]):
+            rows = where[at: at + n]
+            cached = rows[-1] < r.num_computed  # the prefix cache holds them: never read
+            codes = np.zeros((n, k), dtype=np.int64) if cached else self.encoder.encode(clip)
+            if codes.shape != (n, k):
+                raise ValueError(f"the encoder made {codes.shape} codes of a clip whose prompt holds {n} frames")
+            parts.append(codes)
+            at += n
+        positions = np.concatenate([where, closing])
+        codes = np.concatenate([*parts, np.full((len(closing), k), self.spec.codebook_eos, dtype=np.int64)])
+        order = np.argsort(positions, kind="stable")
+        return positions[order], torch.from_numpy(codes[order])
+
     def step_scratch(self, entry: PlanEntry) -> dict[str, int]:
         r = entry.request
         samples = r.num_computed + entry.rows == r.tokens_len
@@ -89,40 +183,50 @@ class CsmRunner(HeldSound, ModelRunner):
     # -- the step ----------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
-        text_ids: list[int] = []
-        text_rows: list[int] = []
-        frames: list[list[int]] = []
-        frame_rows: list[int] = []
-        positions: list[int] = []
         rows, sampled, sample_rows = [], [], []
-        t = 0
+        step = _StepRows()
         for e in plan.entries:
             r, n = e.request, e.rows
             rows.append(AttnRows(e.pages[self.backbone_label.name], r.kv.labels[self.backbone_label.name].first_page,
                                  r.num_computed, n, e.decode))
             if e.decode:
-                frames.append(r.inputs["last_frame"])
-                frame_rows.append(t)
+                step.frame(r.inputs["last_frame"])
             else:
-                text_ids.extend(r.prompt[r.num_computed: r.num_computed + n])
-                text_rows.extend(range(t, t + n))
-            positions.extend(range(r.num_computed, r.num_computed + n))
+                self._prompt_rows(r, n, step)
+            step.positions.extend(range(r.num_computed, r.num_computed + n))
             if r.num_computed + n == r.tokens_len:
                 sampled.append(e)
-                sample_rows.append(t + n - 1)
-            t += n
+                sample_rows.append(step.t - 1)
         meta = self._metadata({self.backbone_label.name: rows})[self.backbone_label.name]
 
         def long(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         with torch.inference_mode():
-            hidden = self.model.backbone(long(text_ids), long(text_rows),
-                                         long(frames).view(-1, self.spec.num_codebooks), long(frame_rows),
-                                         long(positions), self.layer_caches, meta)
+            hidden = self.model.backbone(long(step.text_ids), long(step.text_rows),
+                                         long(step.frames).view(-1, self.spec.num_codebooks), long(step.frame_rows),
+                                         long(step.positions), self.layer_caches, meta)
             made = self._frames(hidden[long(sample_rows)], sampled) if sampled else []
         tokens = {id(e): tok for e, tok in zip(sampled, made)}
         return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]
+
+    def _prompt_rows(self, r: Request, n: int, step: _StepRows) -> None:
+        """A prompt chunk's `n` rows: text ids, except the context's frame rows (its
+        audio's encoded codes, each turn's closing all-zero frame), kept on `r.embeds` by
+        `prepare` and dropped once the chunk holding the last of them runs."""
+        lo, hi = r.num_computed, r.num_computed + n
+        where, codes = r.embeds if r.embeds is not None else (np.zeros(0, dtype=np.int64), None)
+        a, b = np.searchsorted(where, [lo, hi])
+        frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist())) if b > a and codes is not None else {}
+        if not frames:  # a text chunk (every prompt without context audio)
+            step.text(r.prompt[lo:hi])
+        for pos in range(lo, hi) if frames else ():
+            if pos in frames:
+                step.frame(frames[pos])
+            else:
+                step.text([r.prompt[pos]])
+        if r.embeds is not None and b == len(where):
+            r.embeds = None
 
     def _frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the backbone's `hidden`, the

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
-from shared.frames import MetaValue
+from shared.frames import ContextTurn, MetaValue
 from shared.layout import (
     KVLabel,
     KVReqConfig,
@@ -63,16 +63,33 @@ class PreparedImage:
 
 
 @dataclass(frozen=True)
+class PreparedAudio:
+    """One context turn's audio, decoded by its spec (`ModelSpec.prepare_context`) in the
+    data worker: mono float32 samples at the model's codec rate, the frames its codec's
+    encoder makes of them (rows of the prompt), and a content key (a hash of the file and
+    the settings that made the samples) that keys those rows in the prefix cache; `param`
+    names it in a refusal (`context[i].audio`)."""
+
+    samples: np.ndarray
+    frames: int
+    key: str
+    param: str = "context"
+
+
+@dataclass(frozen=True)
 class PromptRequest:
     """What `process_prompt` sees of a request: its prompt ids (empty for a speech request
     that sends none), its multimodal inputs (`audio`: the client's file, undecoded;
     `images`: preprocessed, their placeholders already expanded in the ids) and the
-    per-request model options (Whisper's `language`, `task`; None values are left out)."""
+    per-request model options (Whisper's `language`, `task`; None values are left out);
+    `context`: the audio of a conversation's earlier turns (CSM), their placeholders
+    already expanded in the ids."""
 
     token_ids: list[int] = field(default_factory=list)
     audio: bytes | None = None
     options: Mapping[str, MetaValue] = field(default_factory=dict)
     images: tuple[PreparedImage, ...] = ()
+    context: tuple[PreparedAudio, ...] = ()
 
 
 class ModelSpec(ABC):
@@ -128,6 +145,13 @@ class ModelSpec(ABC):
         does; `PromptError` on "images" for a file it cannot use. Only for models with an
         `image_placeholder`."""
         raise PromptError("images", "the served model does not take images")
+
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
+        text that precedes the request's own prompt text, each turn's audio placeholders
+        expanded to its frames). Only for models that continue a conversation (CSM);
+        `PromptError` naming the turn's field (`context[i].audio`) for what it cannot use."""
+        raise PromptError("context", "the served model takes no context turns")
 
     @property
     def step_loops(self) -> tuple[str, ...]:
@@ -246,6 +270,13 @@ class RunnerSpec(Protocol):
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]: ...
 
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
+        text that precedes the request's own prompt text, each turn's audio placeholders
+        expanded to its frames). Only for models that continue a conversation (CSM);
+        `PromptError` naming the turn's field (`context[i].audio`) for what it cannot use."""
+        raise PromptError("context", "the served model takes no context turns")
+
     @property
     def step_loops(self) -> tuple[str, ...]: ...
 
@@ -291,7 +322,8 @@ class SpeechRunnerSpec(DecoderRunnerSpec, Protocol):
 @runtime_checkable
 class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
     """The CSM runner's (csm_runner.py): the two labels and their pools, the depth stack's
-    config, the codebooks, the frame that ends a request, and the codec."""
+    config, the codebooks, the frame that ends a request, the codec, and the ids of a
+    context turn's frame rows (its audio's frames, the all-zero frame closing it)."""
 
     backbone_label: str
     depth_label: str
@@ -306,6 +338,8 @@ class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
     depth_rows: int
     codec_path: Any
     codec_config: Any
+    audio_token_id: int | None
+    audio_eos_token_id: int | None
 
 
 @runtime_checkable

@@ -25,21 +25,34 @@ codes other than the last are all `codebook_eos_token_id` (0) ends the request, 
 transformers' generate stops; it is sent as the token `eos_frame_token` (one past the last
 code) and makes no sound unless its last code is not 0 (transformers cuts the audio at the
 first all-zero frame only).
+
+Voice continuation: a request may carry the conversation's earlier turns (`context`,
+`prepare_context`), laid out before its own as the processor's template does:
+`[speaker]text<eos>`, then for a turn with audio one `<|AUDIO|>` per frame Mimi's encoder
+makes of it (ceil(samples / 1920)) and `<|audio_eos|>`, `<bos>` before the next turn. Each
+clip's frames are a `rows` span keyed by a hash of its file (DESIGN.md section 3: the
+prefix cache may share them); the gpu worker encodes the clip at admission and fills those
+rows with the frames' summed codebook embeddings, and the `<|audio_eos|>` row with the
+all-zero frame's (transformers' `_merge_input_ids_with_input_values`). Audio at another
+rate than the codec's is resampled (shared/audio.py), not refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shared.audio import decode_audio
+from shared.frames import ContextTurn
 from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
-from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
+from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PromptError, PromptRequest, added_tokens
 
 ARCHITECTURE = "CsmForConditionalGeneration"
 #: the speakers a request may name (`voice`), as the prompt's `[N]` prefix
@@ -108,6 +121,14 @@ class CsmSpec(ModelSpec):
         #: the folder whose safetensors hold the codec's weights (`codec_model.*`)
         self.codec_path: Path | None = None
         self.eos_text = "<|end_of_text|>"
+        #: context turns (voice continuation): the ids of an audio frame's placeholder and
+        #: of the all-zero frame that closes a turn's audio (transformers' `audio_token_id`,
+        #: `audio_eos_token_id`), and the texts of them and of bos (from the tokenizer)
+        self.audio_token_id = _optional_int(config.get("audio_token_id"))
+        self.audio_eos_token_id = _optional_int(config.get("audio_eos_token_id"))
+        self.audio_text: str | None = None
+        self.audio_eos_text: str | None = None
+        self.bos_text: str | None = None
         self._labels = (KVLabel(self.backbone_label, self.pool, keys=True, grows_on=self.decode_loop),
                         KVLabel(self.depth_label, self.depth_pool))
         #: every backbone layer reads the backbone label (the runner's decoder half)
@@ -123,7 +144,10 @@ class CsmSpec(ModelSpec):
         if bos is None or bos not in vocab or eos is None or eos not in vocab:
             raise ValueError(f"{path}: the tokenizer's bos and eos tokens ({bos!r}, {eos!r}) must be added tokens "
                              "(CSM's template writes them around each turn)")
-        self.bos_id, self.eos_text = vocab[bos], eos
+        self.bos_id, self.eos_text, self.bos_text = vocab[bos], eos, bos
+        names = {i: text for text, i in vocab.items()}
+        self.audio_text = names.get(self.audio_token_id) if self.audio_token_id is not None else None
+        self.audio_eos_text = names.get(self.audio_eos_token_id) if self.audio_eos_token_id is not None else None
         self.codec_path = path
         return self
 
@@ -138,19 +162,98 @@ class CsmSpec(ModelSpec):
             raise PromptError("voice", f"voice {voice!r} is not one of this model's speakers: {', '.join(self.voices)}")
         return f"[{voice}]{text}{self.eos_text}"
 
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """The processor's chat template for the earlier turns, as text before the
+        request's own turn: `[speaker]text<eos>`, then for a turn with audio one
+        `<|AUDIO|>` per frame its encoder makes and `<|audio_eos|>`, and `<bos>` before each
+        later turn (the first turn's bos is the tokenizer's, as for a text prompt). Each
+        audio is decoded to mono at the codec's rate (other rates resampled)."""
+        if self.audio_text is None or self.audio_eos_text is None or self.bos_text is None:
+            raise PromptError("context", "the model's tokenizer lacks CSM's audio tokens: it takes no context turns")
+        audios: list[PreparedAudio] = []
+        parts = []
+        rows = 0  # the context audio's frames so far (the conductor checks the whole prompt's rows)
+        for i, turn in enumerate(turns):
+            if turn.speaker not in self.voices:
+                raise PromptError(f"context[{i}].speaker", f"speaker {turn.speaker!r} is not one of this model's "
+                                                           f"speakers: {', '.join(self.voices)}")
+            if not turn.text:
+                raise PromptError(f"context[{i}].text", "a context turn's text is empty")
+            text = f"[{turn.speaker}]{turn.text}{self.eos_text}"
+            if turn.audio is not None:
+                audio = self._context_audio(turn.audio, f"context[{i}].audio", self.max_seq_len - rows)
+                audios.append(audio)
+                rows += audio.frames
+                text += self.audio_text * audio.frames + self.audio_eos_text
+            parts.append(text)
+        return tuple(audios), self.bos_text.join(parts) + self.bos_text
+
+    def _context_audio(self, data: bytes, param: str, rows_left: int) -> PreparedAudio:
+        """One turn's audio file -> its samples, frames and content key; `PromptError` on
+        `param` for a file that is not WAV/FLAC audio or makes more frames than are left."""
+        most = max(0, rows_left) * self.samples_per_frame / self.sample_rate
+        try:
+            samples = decode_audio(data, self.sample_rate, most, limit=f"with the rest of the context, {param} holds")
+        except ValueError as exc:
+            raise PromptError(param, str(exc)) from exc
+        frames = encoded_frames(len(samples), self.samples_per_frame)
+        if frames > rows_left:
+            raise PromptError(param, f"{param} makes {frames} frames; {max(0, rows_left)} rows are left of the "
+                                     f"model's {self.max_seq_len} (max_seq_len)")
+        key = hashlib.sha256(f"csm-context:{self.sample_rate}".encode() + b"\0" + data).hexdigest()
+        return PreparedAudio(samples, frames, key, param)
+
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """The backbone's spans: the text's ids, and each context audio's frames as one
+        rows span keyed by the audio (the gpu worker encodes it and fills those rows); the
+        depth label's scratch."""
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")
         ids = list(request.token_ids)
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
+        if request.context and len(ids) >= self.max_seq_len:  # the conductor would blame the prompt
+            last = request.context[-1]
+            raise PromptError(last.param, f"with its context audio ({sum(a.frames for a in request.context)} frames) "
+                                          f"the prompt is {len(ids)} rows: no frame fits in the model's "
+                                          f"{self.max_seq_len} (max_seq_len)")
         layouts = {
-            self.backbone_label: LabelLayout(spans=(Span.ids(ids),), growth={self.decode_loop: 1}),
+            self.backbone_label: LabelLayout(spans=self._spans(ids, request.context), growth={self.decode_loop: 1}),
             self.depth_label: LabelLayout(spans=(), scratch=self.depth_rows),
         }
         meta: dict[str, MetaValue] = {"prompt_len": len(ids), "voice": str(request.options.get("voice")
                                                                           or DEFAULT_VOICE)}
-        return ProcessPromptOutput({"input_ids": np.asarray(ids, dtype=np.int32)}, layouts, meta)
+        tensors = {"input_ids": np.asarray(ids, dtype=np.int32)}
+        if request.context:
+            tensors["context_audio"] = np.concatenate([a.samples for a in request.context]).astype(np.float32)
+            tensors["context_cutoffs"] = np.cumsum([len(a.samples) for a in request.context], dtype=np.int64)
+        return ProcessPromptOutput(tensors, layouts, meta)
+
+    def _spans(self, ids: list[int], context: tuple[PreparedAudio, ...]) -> tuple[Span, ...]:
+        """`ids` spans for text, a keyed `rows` span per run of audio placeholders (one run
+        per context audio, in order, as long as its frames); `PromptError` otherwise."""
+        spans: list[Span] = []
+        text: list[int] = []
+        runs = 0
+        i = 0
+        while i < len(ids):
+            j = i
+            while j < len(ids) and ids[j] == self.audio_token_id:
+                j += 1
+            if j == i:
+                text.append(ids[i])
+                i += 1
+                continue
+            if runs >= len(context) or j - i != context[runs].frames:
+                raise PromptError("input_ids", f"the prompt's audio placeholders (id {self.audio_token_id}) do not "
+                                               "match the context's audio")
+            spans += [Span.ids(text)] if text else []
+            spans.append(Span.rows(j - i, context[runs].key))
+            text, runs, i = [], runs + 1, j
+        if runs != len(context):
+            raise PromptError("input_ids", f"the prompt holds {runs} runs of audio placeholders for "
+                                           f"{len(context)} context audio(s)")
+        return (*spans, Span.ids(text)) if text else tuple(spans)
 
     @property
     def depth_rows(self) -> int:
@@ -189,6 +292,17 @@ class CsmSpec(ModelSpec):
         width = DTYPE_BYTES[self.dtype]
         return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * c.head_dim * width
                    for c in (self.config, self.depth_config))
+
+
+def encoded_frames(samples: int, samples_per_frame: int) -> int:
+    """Frames Mimi's encoder makes of `samples` samples: every causal conv of stride r
+    makes ceil(n / r) of n, so ceil(samples / samples_per_frame) in all (transformers'
+    `MimiModel.get_encoded_length`, the processor's `_get_encoded_length`)."""
+    return -(-samples // samples_per_frame)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _token_str(value: Any) -> str | None:

@@ -9,7 +9,12 @@
   joined equal the whole clip; speakers as voices;
 - the official `openai` client's `audio.speech.create` and `with_streaming_response`;
 - refusals naming the field (a length past the frame loop's cap names `frame_loop`); KV
-  debug asserts on, both labels within their footprints, pages back to 0.
+  debug asserts on, both labels within their footprints, pages back to 0;
+- context turns (voice continuation, the `context` extension): two conversations whose
+  earlier turns carry audio (chirps; one a 48 kHz FLAC, resampled) give transformers'
+  greedy frames and sound for the CSM processor's inputs of the same conversation, through
+  `/generate`, `/v1/audio/speech` and the openai client's `extra_body`; refusals naming
+  `context[i].*`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ import numpy as np
 import pytest
 
 from tests.servers import MstarServer
-from tests.tts_checkpoints import csm_reference, make_csm_checkpoint, openai_speech
+from tests.tts_checkpoints import (
+    audio_file,
+    chirp,
+    csm_context_reference,
+    csm_reference,
+    make_csm_checkpoint,
+    openai_speech,
+)
 
 TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.", "What is the capital of France?",
          "Numbers like 12345 appear in text.", "Goodbye, world.")
@@ -173,3 +185,100 @@ def test_the_openai_client_speaks(server):
     assert clip == streamed and len(clip) == 2 * FRAMES * 1920
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["output_modalities"] == ["audio"]
+
+
+# -- context turns (voice continuation) --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    """Two conversations as (context turns for the api, turns for transformers, the text
+    to speak and its speaker): a 24 kHz float WAV and a 48 kHz FLAC (which mstar resamples;
+    transformers gets the same 24 kHz samples)."""
+    from shared.audio import decode_audio
+
+    a, b = chirp(5000, 220), chirp(9000, 330)
+    flac = audio_file(chirp(15000, 500, 48000), 48000, "FLAC", "PCM_16")
+    first = [("0", "Hello there.", audio_file(a), a), ("1", "Hi, how are you?", audio_file(b), b)]
+    second = [("1", "Numbers like 12345.", flac, decode_audio(flac, 24000)), ("0", "A text-only turn.", None, None)]
+    out = []
+    for turns, speaker, text in ((first, "0", TEXTS[4]), (second, "1", TEXTS[2])):
+        body = [{"speaker": s, "text": t, **({"audio": base64.b64encode(f).decode()} if f else {})}
+                for s, t, f, _ in turns]
+        out.append((body, [(s, t, x) for s, t, _, x in turns] + [(speaker, text, None)], speaker, text))
+    return out
+
+
+@pytest.fixture(scope="module")
+def context_reference(folder, conversations):
+    return csm_context_reference(folder, [ref for _, ref, _, _ in conversations], FRAMES)
+
+
+def _check_context(body: dict, frames: np.ndarray, wave: np.ndarray) -> None:
+    assert body["token_ids"] == tokens_of(frames, 64)
+    audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
+    assert audio.shape == wave.shape
+    np.testing.assert_allclose(audio, wave, atol=1e-4 * max(1.0, float(np.abs(wave).max())), rtol=0)
+
+
+async def test_context_turns_equal_transformers(server, reference, conversations, context_reference):
+    """Both conversations batched (by /generate and the speech route), then the first again
+    alone (its clips encoded again: CSM's depth label, scratch only, has no keys, so no
+    CSM prompt is served from the prefix cache yet)."""
+    first = {"prompt": conversations[0][3], "context": conversations[0][0], "max_tokens": FRAMES, **GREEDY}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        together = await asyncio.gather(client.post("/generate", json=first),
+                                        speech(client, input=conversations[1][3], voice=conversations[1][2],
+                                               context=conversations[1][0], response_format="pcm"))
+        again = await client.post("/generate", json=first)
+    frames, wave = context_reference[0]
+    for r in (together[0], again):
+        assert r.status_code == 200, r.text
+        _check_context(r.json(), frames, wave)
+    assert together[1].status_code == 200, together[1].text
+    got = np.frombuffer(together[1].content, "<i2")
+    want = pcm(context_reference[1][1])
+    assert len(got) == len(want) > 0 and np.abs(got.astype(int) - want).max() <= 1
+    alone = reference[("0", conversations[0][3])][0]  # the same turn without its context
+    assert not np.array_equal(frames[: len(alone)], alone[: len(frames)])
+    _clean(server)
+
+
+def test_the_openai_client_takes_context(server, conversations, context_reference):
+    body, _, speaker, text = conversations[1]
+    clip, streamed = openai_speech(server.url, speaker, text, {**GREEDY, "max_tokens": FRAMES, "context": body})
+    assert clip == streamed
+    got = np.frombuffer(clip, "<i2")
+    assert np.abs(got.astype(int) - pcm(context_reference[1][1])).max() <= 1
+    _clean(server)
+
+
+def silence(frames: int) -> str:
+    """A base64 FLAC of `frames` frames of silence (small: FLAC packs it)."""
+    return base64.b64encode(audio_file(np.zeros(frames * 1920, np.float32), fmt="FLAC", subtype="PCM_16")).decode()
+
+
+def _turn(**fields) -> dict:
+    return {"speaker": "0", "text": "Hello.", "audio": base64.b64encode(audio_file(chirp(3000, 200))).decode(),
+            **fields}
+
+
+@pytest.mark.parametrize(("context", "param", "message"), [
+    ([_turn(), _turn(audio="not base64!")], "context[1].audio", "is not base64"),
+    ([_turn(audio=base64.b64encode(b"RIFF not a wav file").decode())], "context[0].audio", "could not be decoded"),
+    ([_turn(audio=silence(MAX_SEQ_LEN))], "context[0].audio", "no frame fits in the model's 128 (max_seq_len)"),
+    ([_turn(), _turn(audio=silence(MAX_SEQ_LEN))], "context[1].audio", "holds at most"),  # refused before decoding
+    ([_turn(), _turn(speaker="7x")], "context[1].speaker", "speaker '7x' is not one of this model's speakers"),
+    ([_turn(text="")], "context[0].text", None),
+    ([{"speaker": "0"}], "context[0].text", None),
+])
+async def test_context_refusals_name_the_field(server, context, param, message):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        r = await speech(client, context=context)
+        ids = await client.post("/generate", json={"input_ids": [1, 2], "context": [_turn()]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if message:
+        assert message in r.json()["error"]["message"]
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "input_ids"
+    _clean(server)

@@ -201,9 +201,9 @@ def test_unknown_field_names_it() -> None:
     err = refused({"prompt": "x", "max_token": 5})
     assert err.param == "max_token"
     assert err.message.startswith("unknown field 'max_token'; "
-                                  "allowed fields: frequency_penalty, guided_choice, guided_grammar, guided_json, "
-                                  "guided_regex, ignore_eos, images, input_ids, logit_bias, logprobs, max_tokens, "
-                                  "min_p, min_tokens, presence_penalty, prompt,")
+                                  "allowed fields: context, frequency_penalty, guided_choice, guided_grammar, "
+                                  "guided_json, guided_regex, ignore_eos, images, input_ids, logit_bias, logprobs, "
+                                  "max_tokens, min_p, min_tokens, presence_penalty, prompt,")
 
 
 def test_internal_fields_are_refused() -> None:
@@ -375,3 +375,20 @@ def test_ws_duplicate_limit_and_cancel(client: TestClient) -> None:
     text = client.get("/metrics").text
     assert 'mstar_requests_total{model_name="test-model",status="abort"} 2.0' in text
     assert 'mstar_requests_total{model_name="test-model",status="error_4xx"} 3.0' in text
+
+
+def test_context_turns_decode_their_audio() -> None:
+    """CSM's context turns: base64 (or a data: URL's payload) to the file's bytes; text
+    that is not base64, an empty turn text and input_ids with context refused by name."""
+    import base64
+
+    turns = [{"speaker": "0", "text": "hi", "audio": base64.b64encode(b"RIFF....").decode()},
+             {"speaker": "1", "text": "text alone"},
+             {"speaker": "0", "text": "url", "audio": "data:audio/wav;base64," + base64.b64encode(b"abc").decode()}]
+    params = parse_generate({"prompt": "x", "context": turns})
+    assert [(t.speaker, t.text, t.audio) for t in params.context] == [
+        ("0", "hi", b"RIFF...."), ("1", "text alone", None), ("0", "url", b"abc")]
+    assert refused({"prompt": "x", "context": [turns[0], {**turns[1], "audio": "%%%"}]}).param == "context[1].audio"
+    assert refused({"prompt": "x", "context": [{"speaker": "0", "text": ""}]}).param == "context[0].text"
+    assert refused({"prompt": "x", "context": [{"speaker": "0", "text": "a", "tone": 1}]}).param == "context[0].tone"
+    assert refused({"input_ids": [1], "context": turns[:1]}).param == "input_ids"

@@ -100,3 +100,42 @@ def test_greedy_frames_and_sound_equal_transformers(csm, reference):
         assert tokens == want
         assert sound.shape == ref_sound.shape
         np.testing.assert_allclose(sound, ref_sound, atol=1e-4 * max(1.0, float(np.abs(ref_sound).max())))
+
+
+def test_context_prompt_is_the_processors(csm):
+    """Context turns with audio: the ids equal the CSM processor's (one `<|AUDIO|>` per
+    frame its encoder makes, `<|audio_eos|>` after), each audio's run a keyed rows span,
+    every row counted; refusals name the turn's field."""
+    import transformers
+
+    from shared.frames import ContextTurn
+    from tests.tts_checkpoints import audio_file, chirp
+
+    src = ModelSource(str(csm))
+    spec = src.spec(16)
+    tok = transformers.AutoTokenizer.from_pretrained(csm)
+    processor = transformers.CsmProcessor(transformers.EncodecFeatureExtractor(feature_size=1, sampling_rate=24000),
+                                          tok, chat_template=tok.chat_template)
+    a, b = chirp(5000, 220), chirp(9000, 330)
+    turns = [ContextTurn("0", "Hello there.", audio_file(a)), ContextTurn("1", "Text alone."),
+             ContextTurn("1", "Hi, how are you?", audio_file(b))]
+    audios, before = spec.prepare_context(turns)
+    assert [x.frames for x in audios] == [3, 5] and audios[0].key != audios[1].key
+    ids = src.tokenizer.tokenizer.encode(before + spec.prompt_text("Fine.", {"voice": "0"})).ids
+    ppo = spec.process_prompt(PromptRequest(ids, None, {"voice": "0"}, context=audios))
+    conv = [{"role": t.speaker, "content": [{"type": "text", "text": t.text}]
+             + ([{"type": "audio", "audio": x}] if x is not None else [])} for t, x in zip(turns, (a, None, b))]
+    conv.append({"role": "0", "content": [{"type": "text", "text": "Fine."}]})
+    want = processor.apply_chat_template(conv, tokenize=True, return_dict=True)
+    assert ppo.new_input_tensors["input_ids"].tolist() == want["input_ids"][0].tolist()
+    spans = ppo.kv_layout["backbone"].spans
+    assert [s.kind for s in spans] == ["ids", "rows", "ids", "rows", "ids"]
+    assert [s.key for s in spans if s.key] == [audios[0].key, audios[1].key]
+    assert sum(s.length for s in spans) == len(ids)
+    assert ppo.new_input_tensors["context_cutoffs"].tolist() == [5000, 14000]
+    refusals = [([ContextTurn("9x", "a")], "context[0].speaker"), ([ContextTurn("0", "")], "context[0].text"),
+                ([ContextTurn("0", "a"), ContextTurn("0", "b", b"junk")], "context[1].audio")]
+    for bad, param in refusals:
+        with pytest.raises(PromptError) as exc:
+            spec.prepare_context(bad)
+        assert exc.value.param == param
