@@ -401,10 +401,13 @@ class Conductor:
     def _prefix_keys(self, req: NewRequest) -> dict[str, tuple[list[int], int]]:
         """Per pool: chain keys of the keyed label's full prompt pages and how many of them
         the request may share, by the walk the worker's prefix index uses
-        (`shared.layout.prompt_pages` / `shareable_count`). Empty unless every label is
-        keyed: rows computed once feed every label."""
+        (`shared.layout.prompt_pages` / `shareable_count`). Empty unless every label the
+        prompt writes is keyed: rows computed once feed every such label (a label with no
+        spans, scratch only, holds no prompt rows: `KVManager._plan_hits` skips it too)."""
         keys: dict[str, tuple[list[int], int]] = {}
         for name, layout in req.kv_layout.items():
+            if not layout.span_rows:
+                continue
             lab = self.spec.label(name)
             cfg = req.kv_configs.get(lab.pool)
             if not lab.keys or cfg is None or not leading_keys(layout):

@@ -271,19 +271,22 @@ class KVManager:
         return all(kv.reservation(name) <= p.config.num_pages for name, p in self.pools.items())
 
     def _plan_hits(self, kv: RequestKV) -> None:
-        """Longest cached prefix every label of the request shares. Rows computed once feed
-        every label, so a label that cannot share (not keyed, a rows span) means no hit.
+        """Longest cached prefix every label the prompt writes shares. Rows computed once
+        feed every such label, so one that cannot share (not keyed, a rows span) means no
+        hit; a label the prompt does not write (no spans: a depth decoder's scratch, rewritten
+        every frame) holds no prompt rows to share and does not stand in the way.
         The last prompt row is always recomputed: its logits pick the first token."""
         kv.hits, kv.hit_rows = {}, 0
-        if not self.prefix_cache or not kv.labels or not all(st.row_keys for st in kv.labels.values()):
+        written = {name: st for name, st in kv.labels.items() if st.layout.span_rows}
+        if not self.prefix_cache or not written or not all(st.row_keys for st in written.values()):
             return
         matches = {}
-        for name, st in kv.labels.items():
+        for name, st in written.items():
             matches[name] = self.pools[st.label.pool].index.match(
                 st.key_pages[: shareable_count(st.layout, st.page_size)])
         rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
         rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
-        rows = _whole_blocks(rows, kv.blocks, [st.page_size for st in kv.labels.values()])
+        rows = _whole_blocks(rows, kv.blocks, [st.page_size for st in written.values()])
         if rows:
             kv.hits = {n: m[: rows // kv.labels[n].page_size] for n, m in matches.items()}
             kv.hit_rows = rows

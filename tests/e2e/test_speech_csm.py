@@ -45,6 +45,7 @@ FRAMES = 6
 GREEDY = {"temperature": 0}
 CODEBOOKS = 16
 MAX_SEQ_LEN = 128
+PAGE_SIZE = 8
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def reference(folder):
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "csm.log", "--num-kv-pages", "64",
-                      "--page-size", "8", "--max-seq-len", str(MAX_SEQ_LEN),
+                      "--page-size", str(PAGE_SIZE), "--max-seq-len", str(MAX_SEQ_LEN),
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
     yield srv
     srv.stop()
@@ -223,14 +224,20 @@ def _check_context(body: dict, frames: np.ndarray, wave: np.ndarray) -> None:
 
 async def test_context_turns_equal_transformers(server, reference, conversations, context_reference):
     """Both conversations batched (by /generate and the speech route), then the first again
-    alone (its clips encoded again: CSM's depth label, scratch only, has no keys, so no
-    CSM prompt is served from the prefix cache yet)."""
+    alone: its prompt, clips' frames included, now comes from the prefix cache (all but
+    the page of its last row; the clips are not encoded again), with the same frames."""
     first = {"prompt": conversations[0][3], "context": conversations[0][0], "max_tokens": FRAMES, **GREEDY}
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         together = await asyncio.gather(client.post("/generate", json=first),
                                         speech(client, input=conversations[1][3], voice=conversations[1][2],
                                                context=conversations[1][0], response_format="pcm"))
+        await asyncio.sleep(0.5)  # metrics trail the worker
+        hits = server.metric("mstar_prefix_cache_hit_tokens_total")
         again = await client.post("/generate", json=first)
+    prompt_len = again.json()["usage"]["prompt_tokens"]
+    assert prompt_len > 2 * PAGE_SIZE
+    want = hits + (prompt_len - 1) // PAGE_SIZE * PAGE_SIZE
+    assert server.wait_metric("mstar_prefix_cache_hit_tokens_total", want) == want
     frames, wave = context_reference[0]
     for r in (together[0], again):
         assert r.status_code == 200, r.text

@@ -83,3 +83,21 @@ def test_cases_cover_a_hit_past_the_first_prompts_shareable_pages(tmp_path):
     longer prompt shares it: both sides must count it (8 pages, not the first's 7)."""
     first, second = _request("a", (Span.ids(A),)), _request("b", (Span.ids([*A, 1, 2]),))
     assert _worker_hit_pages(first, second) == 8 == _conductor_hit_pages(tmp_path, first, second)
+
+
+def test_a_label_the_prompt_does_not_write_does_not_stop_the_estimate(tmp_path):
+    """A scratch-only label (CSM's depth decoder: no spans) holds no prompt rows; the
+    conductor's keys are the keyed label's, as the worker's `_plan_hits` skips it too."""
+    plain = _request("a", (Span.ids(A),))
+    with_scratch = NewRequest("b", "", {}, SamplingParams(), "", len(A), 2,
+                              {**plain.kv_layout, "depth": LabelLayout(spans=(), scratch=4)}, {"decode_loop": 1},
+                              {"kv": KVReqConfig("kv", PS)})
+    spec = DecoderLMSpec(CONFIG, page_size=PS)
+    addrs = {"conductor": f"ipc://{tmp_path}/c.sock", "conductor_control": f"ipc://{tmp_path}/cc.sock"}
+    cond = Conductor(Deployment(page_size=PS), spec, addrs)
+    try:
+        keys = cond._prefix_keys(with_scratch)
+        assert keys == cond._prefix_keys(plain) and keys["kv"][1] == (len(A) - 1) // PS
+    finally:
+        cond.pushers.close()
+        cond.ctx.term()
