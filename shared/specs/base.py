@@ -270,13 +270,6 @@ class RunnerSpec(Protocol):
     @property
     def kv_labels(self) -> tuple[KVLabel, ...]: ...
 
-    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
-        """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
-        text that precedes the request's own prompt text, each turn's audio placeholders
-        expanded to its frames). Only for models that continue a conversation (CSM);
-        `PromptError` naming the turn's field (`context[i].audio`) for what it cannot use."""
-        raise PromptError("context", "the served model takes no context turns")
-
     @property
     def step_loops(self) -> tuple[str, ...]: ...
 

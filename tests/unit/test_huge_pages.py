@@ -100,7 +100,9 @@ def test_a_quantized_model_decodes_bitwise_the_same_on_huge_pages(monkeypatch, t
         hot = [t for t in hot if t is not None]
         assert len(hot) >= 4 * len(model.model.layers)  # q/k/v, o, gate/up, down at least
         if SMAPS.exists():
-            assert all(("hg" in vm_flags(t.data_ptr())) == (on == "1") for t in hot)
+            wrong = [(tuple(t.shape), t.dtype, hex(t.data_ptr())) for t in hot
+                     if ("hg" in vm_flags(t.data_ptr())) != (on == "1")]
+            assert not wrong, (on, wrong)
         caches = _prefilled(model, spec, [21])
         steps = [_forward(model, caches, [5 + i], [21 + i], [(list(range(8)), 0, 21 + i, 1, True)], stack=True)
                  for i in range(4)]
