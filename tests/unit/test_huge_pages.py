@@ -99,10 +99,11 @@ def test_a_quantized_model_decodes_bitwise_the_same_on_huge_pages(monkeypatch, t
         hot = [getattr(o, n) for o, n in huge_pages.hot_slots(model, model.head)]
         hot = [t for t in hot if t is not None]
         assert len(hot) >= 4 * len(model.model.layers)  # q/k/v, o, gate/up, down at least
-        if SMAPS.exists():
-            wrong = [(tuple(t.shape), t.dtype, hex(t.data_ptr())) for t in hot
-                     if ("hg" in vm_flags(t.data_ptr())) != (on == "1")]
-            assert not wrong, (on, wrong)
+        if SMAPS.exists() and on == "1":
+            # (not the converse: numpy advises its own large arrays, and the heap they were
+            # carved from keeps the flag, so memory that was never placed may carry it too)
+            wrong = [(tuple(t.shape), t.dtype) for t in hot if "hg" not in vm_flags(t.data_ptr())]
+            assert not wrong
         caches = _prefilled(model, spec, [21])
         steps = [_forward(model, caches, [5 + i], [21 + i], [(list(range(8)), 0, 21 + i, 1, True)], stack=True)
                  for i in range(4)]
