@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from shared.layout import DTYPE_BYTES
+from shared.layout import DTYPE_BYTES, KV_DTYPES
 from shared.tasks import TASKS
 
 ADDRESS_NAMES = {
@@ -79,14 +79,18 @@ def advertised(bind_address: str, advertise: str | None) -> str:
 
 ADMISSION_MODES = ("footprint", "max-seq-len")
 
-#: --dtype and --kv-cache-dtype values
+#: --dtype values
 WEIGHT_DTYPES = ("auto", *DTYPE_BYTES)
+#: --kv-cache-dtype values: the float types, and int8 (opt-in: each (row, KV head) vector
+#: quantized with a float32 scale; the CPU's text decoders only)
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES)
 #: --prefill-dtype values
 PREFILL_DTYPES = ("auto", "bfloat16", "quantized")
 
 
 def kv_dtype(d: Deployment) -> str:
-    """The KV pages' dtype a deployment asks for (always one of DTYPE_BYTES).
+    """The KV pages' dtype a deployment asks for (always one of KV_DTYPES; int8 only when
+    asked for by name).
 
     `auto`: the weights' dtype where --dtype names one; bfloat16 for a GGUF file with
     quantized matrices under --dtype auto on the CPU (its weights are approximate already:
@@ -150,7 +154,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: where the device computes it natively, else float32 (`WEIGHT_DTYPES`)
     dtype: str = "auto"
     #: the KV pages' dtype; "auto": `dtype` when that names a float type, bfloat16 for a
-    #: quantized GGUF file on the CPU, else float32 (`kv_dtype`)
+    #: quantized GGUF file on the CPU, else float32 (`kv_dtype`); "int8" (opt-in, CPU text
+    #: decoders): a quarter of float32's bytes, a float32 scale per row and KV head
     kv_cache_dtype: str = "auto"
     #: how a quantized GGUF file's layers compute prompt rows on the CPU: "bfloat16" (a
     #: bfloat16 copy of their weights, oneDNN's GEMMs), "quantized" (the VNNI kernels, as
@@ -179,8 +184,11 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {WEIGHT_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8" and os.environ.get("MSTAR_DEVICE", "auto").startswith("cuda"):
+            raise ValueError("kv_cache_dtype int8 is the CPU path's (its C kernels); MSTAR_DEVICE asks for CUDA, "
+                             "whose FlashInfer path takes float pages: use --kv-cache-dtype auto or bfloat16")
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
         if self.admission not in ADMISSION_MODES:
@@ -220,7 +228,10 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
               "checkpoint's dtype where the device computes it natively (else float32); float32 dequantizes "
               "a GGUF file", WEIGHT_DTYPES),
     "kv_cache_dtype": ("dtype of the KV pages (auto: --dtype when it names one, bfloat16 for a quantized GGUF "
-                       "file on the CPU, else float32; bfloat16 halves the KV bytes)", WEIGHT_DTYPES),
+                       "file on the CPU, else float32; bfloat16 halves the KV bytes; int8, opt-in, halves "
+                       "bfloat16's: each row's K and V per KV head quantized with a float32 scale (absmax / 127), "
+                       "for text decoders on the CPU only: refused at start for CUDA and other model families)",
+                       KV_CACHE_DTYPES),
     "prefill_dtype": ("how a quantized GGUF file computes prompt rows on the CPU: bfloat16 keeps a bfloat16 copy of "
                       "each layer's weights (2 bytes a weight beside the quantized ~0.6) for oneDNN's GEMMs on AMX or "
                       "AVX512-BF16 (a long prompt's prefill 1.4x to several times faster); quantized computes them on "

@@ -14,8 +14,20 @@ import msgspec
 
 from shared.pages import ceil_div, pages_for
 
-#: bytes per element of each KV dtype a pool may hold (the one table; specs import it)
+#: bytes per element of each float KV dtype a pool may hold (the one table; specs import it)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: every KV dtype: the float ones, and int8 (each head's values quantized, and its scale)
+KV_DTYPES = (*DTYPE_BYTES, "int8")
+#: bytes of the float32 scale stored after each (row, KV head) vector of an int8 pool
+INT8_SCALE_BYTES = 4
+
+
+def kv_head_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes one (row, KV head) vector of K or V takes in a `dtype` pool: head_dim values,
+    and in an int8 pool its float32 scale too (so pool sizing and footprints count it)."""
+    if dtype == "int8":
+        return head_dim + INT8_SCALE_BYTES
+    return head_dim * DTYPE_BYTES[dtype]
 
 
 class KVLabel(msgspec.Struct, frozen=True):
@@ -143,7 +155,7 @@ class PagedKVConfig(msgspec.Struct, frozen=True):
 
     @property
     def bytes_per_page(self) -> int:
-        return self.num_layers * 2 * self.page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.num_layers * 2 * self.page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
 
 
 class KVReqConfig(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -100,6 +100,10 @@ class ModelSource:
         factory = spec_factory(archs[0], task, hf and _pooled_folder(self.path),
                                hf and (self.path / SPEECH_CODEC_FOLDER / "config.json").is_file())
         spec = factory(self.config, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        if dtype == "int8" and not spec.int8_kv:
+            raise DeploymentError(f"kv_cache_dtype int8: {archs[0]} models ({spec.engine} engine) do not take int8 "
+                                  "KV pages; only plain text decoders do (use --kv-cache-dtype auto, float32 or "
+                                  "bfloat16)")
         if self.kind == "hf":
             spec.load_folder(self.path)  # e.g. Whisper's generation and feature-extractor settings
         if task != "auto" and spec.task != task:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
+from shared.layout import INT8_SCALE_BYTES
 from shared.pages import pages_for
 
 
@@ -51,14 +52,73 @@ def _bf16_functions(lib: ctypes.CDLL) -> tuple[Any, Any] | None:
     return write, decode
 
 
+def _i8_kernels() -> tuple[Any, Any] | None:
+    """(`mstar_write_kv_i8`, `mstar_paged_decode_i8`): the int8-page kernels
+    (kernels/paged_attention.c; the write takes head_dim as one more argument before
+    page_size); None where the kernels are not built."""
+    lib = cpu_kernels.library()
+    return None if lib is None else _i8_functions(lib)
+
+
+@functools.cache
+def _i8_functions(lib: ctypes.CDLL) -> tuple[Any, Any] | None:
+    """`lib`'s two int8-page kernels with their argument types declared (once per library)."""
+    try:
+        write, decode = lib.mstar_write_kv_i8, lib.mstar_paged_decode_i8
+    except AttributeError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    write.restype = None
+    write.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    decode.restype = ctypes.c_int
+    decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                       ptr, i64]
+    return write, decode
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head size a pool holds: its last dim, less the scale's bytes in an int8 pool
+    ([P, 2, ps, H, D + 4]: each head's D values, then its float32 scale)."""
+    return cache.shape[-1] - INT8_SCALE_BYTES if cache.dtype == torch.int8 else cache.shape[-1]
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] float -> int8 [..., D + 4]: symmetric per vector, scale = absmax / 127 (float32,
+    stored in the last 4 bytes), q = round-half-even(x / scale) clamped to +-127; an all-zero
+    vector gets scale 0. Why per (row, head) and not per 32-value block as llama.cpp's q8_0:
+    one scale per head vector keeps a row's values one run of int8 the decode kernel widens
+    16 at a time, and measured perplexity (bench/perplexity.py) stayed within the budget.
+    The C write (`mstar_write_kv_i8`) stores the same bytes."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, x / scale, 0.0).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 [..., D + 4] (`quantize_kv`'s layout) -> [..., D] of `dtype`: q * scale in float32
+    (how the C kernels read a value: the same bits), then cast."""
+    d = x.shape[-1] - INT8_SCALE_BYTES
+    scale = x[..., d:].contiguous().view(torch.float32)
+    out = x[..., :d].float() * scale
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _read_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered pages in the queries' dtype (int8 pages dequantized)."""
+    return dequantize_kv(x, dtype) if x.dtype == torch.int8 else x.to(dtype)
+
+
 def _kernel_pages(cache: torch.Tensor) -> int | None:
-    """Which C kernels take `cache`'s pages: 0 float32, 1 bfloat16, None (torch's path)."""
+    """Which C kernels take `cache`'s pages: 0 float32, 1 bfloat16, 2 int8, None (torch's path)."""
     if cache.device.type != "cpu" or not cache.is_contiguous():
         return None
     if cache.dtype == torch.float32:
         return 0
     if cache.dtype == torch.bfloat16 and _bf16_kernels() is not None:
         return 1
+    if cache.dtype == torch.int8 and _i8_kernels() is not None:
+        return 2
     return None
 
 
@@ -431,10 +491,11 @@ BUILDERS: dict[str, MetadataBuilder] = {b.name: b for b in (TorchBuilder(), Kern
 def cpu_backend(cache_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
                 softcap: float | None = None, heads: int = 1, kv_heads: int = 1) -> str:
     """The backend a CPU model's attention runs on: the C kernels where they are built and
-    take the step (float32 queries on float32 or bfloat16 pages, no soft-capping, at most
-    128 query heads in whole groups per KV head), else torch."""
-    kind = {torch.float32: 0, torch.bfloat16: 1}.get(cache_dtype)
-    built = cpu_kernels.library() is not None and (kind == 0 or (kind == 1 and _bf16_kernels() is not None))
+    take the step (float32 queries on float32, bfloat16 or int8 pages, no soft-capping, at
+    most 128 query heads in whole groups per KV head), else torch."""
+    kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}.get(cache_dtype)
+    built = cpu_kernels.library() is not None and (kind == 0 or (kind == 1 and _bf16_kernels() is not None)
+                                                   or (kind == 2 and _i8_kernels() is not None))
     ok = built and compute_dtype == torch.float32 and softcap is None and heads <= 128 and heads % kv_heads == 0
     return "kernel" if ok else "torch"
 
@@ -452,21 +513,28 @@ def cross_metadata(rows: list[CrossRows], page_size: int) -> AttnMetadata:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> None:
-    """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D]. Float32
-    rows into float32 or bfloat16 pages go through a C kernel (bfloat16: rounded to nearest
-    even, as `.to(torch.bfloat16)`), others through torch's indexing."""
+    """Write this step's new K/V rows into their pages. cache: [P, 2, ps, H, D] (int8:
+    [P, 2, ps, H, D + 4], each head quantized, `quantize_kv`). Float32 rows into float32,
+    bfloat16 or int8 pages go through a C kernel (bfloat16: rounded to nearest even, as
+    `.to(torch.bfloat16)`; int8: `quantize_kv`'s bytes), others through torch's indexing."""
     kind = _kernel_pages(cache)
     if (kind is not None and torch.float32 == k.dtype == v.dtype
             and k.shape[0] == meta.slot_pages.shape[0] == meta.slot_offsets.shape[0]
             and _rows_contiguous(k) and _rows_contiguous(v)
             and meta.slot_pages.dtype == meta.slot_offsets.dtype == torch.long
             and meta.slot_pages.is_contiguous() and meta.slot_offsets.is_contiguous()):
+        if kind == 2 and (i8 := _i8_kernels()) is not None:
+            i8[0](cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
+                  meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.shape[2], cache.shape[2])
+            return
         bf16 = _bf16_kernels()
-        kernel = cpu_kernels.write_kv() if kind == 0 else None if bf16 is None else bf16[0]
+        kernel = cpu_kernels.write_kv() if kind == 0 else None if bf16 is None or kind != 1 else bf16[0]
         if kernel is not None:
             kernel(cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), meta.slot_pages.data_ptr(),
                    meta.slot_offsets.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], cache.shape[2])
             return
+    if cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     cache[meta.slot_pages, 0, meta.slot_offsets] = k.to(cache.dtype)  # a bfloat16 pool under float32 compute
     cache[meta.slot_pages, 1, meta.slot_offsets] = v.to(cache.dtype)
 
@@ -486,7 +554,7 @@ def paged_attention(
         return meta.flashinfer.wrapper.run(q, cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     page_size = cache.shape[2]
-    h, d = cache.shape[-2], cache.shape[-1]
+    h, d = cache.shape[-2], cache.shape[-1]  # (an int8 pool's d counts each head's scale bytes)
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     dec = meta.decode
     if isinstance(dec, KernelDecode):
@@ -501,9 +569,9 @@ def paged_attention(
         # result, so the reshape is a view; advanced indexing on the strided K view is slower.
         flat = dec.pages.view(-1)
         # (a KV pool in another dtype than q's, e.g. float16 pages under float32 compute, is
-        # read into q's dtype: the C decode kernels take float32 and bfloat16 pages only)
-        k = keys.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
-        v = values.index_select(0, flat).view(b, width * page_size, h, d).transpose(1, 2).to(q.dtype)
+        # read into q's dtype, int8 pages dequantized)
+        k = _read_pages(keys.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
+        v = _read_pages(values.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
         if dec.rows.dim() == 2:
             out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap)
         else:
@@ -513,8 +581,8 @@ def paged_attention(
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
             # against [B, Hkv, L, D]): one GEMM per KV head, with fewer GQA copies than SDPA's
             # expansion of K and V to every query head.
-            o = _sdpa(qd.reshape(b, h, hq // h, d), k, v, scale, softcap, attn_mask=dec.mask)
-            o = o.reshape(b, hq, d)
+            o = _sdpa(qd.reshape(b, h, hq // h, q.shape[2]), k, v, scale, softcap, attn_mask=dec.mask)
+            o = o.reshape(b, hq, q.shape[2])
             if every_row:
                 return o
             out[dec.rows] = o
@@ -533,8 +601,9 @@ def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sc
         if softcap is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
                                                                                   out):
             continue
-        k = keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        v = values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        k = _read_pages(keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
+        v = _read_pages(values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         mask = chunk.attn_mask()
         if mask is None:
@@ -566,10 +635,11 @@ def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, w
     SDPA, and the same bits on any thread count). False, with nothing written, where it does
     not take the chunk: no kernel built, pages not float32 or bfloat16 in one CPU block,
     queries not float32 rows of contiguous heads, or a shape the kernel refuses (head_dim not
-    a multiple of 8 or over 256, more than 48 query heads per KV head)."""
+    a multiple of 8 or over 256, more than 48 query heads per KV head). int8 pages are
+    dequantized as the kernel packs each KV head's keys (`dequantize_kv`'s bits)."""
     lib = cpu_kernels.library()
     fn = None if lib is None else _prefill_function(lib)
-    kind = {torch.float32: 0, torch.bfloat16: 1}.get(cache.dtype)
+    kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}.get(cache.dtype)
     hq, d = q.shape[1], q.shape[2]
     if (fn is None or kind is None or cache.device.type != "cpu" or not cache.is_contiguous()
             or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()
@@ -585,11 +655,9 @@ def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, w
 def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scale: float,
                    out: torch.Tensor) -> torch.Tensor:
     """Every decode query row through the C kernel, into `out` (returned). The runner picked
-    this backend for float32 queries on float32 or bfloat16 pages (`cpu_backend`), so a
+    this backend for float32 queries on float32, bfloat16 or int8 pages (`cpu_backend`), so a
     call it cannot take is a bug, raised as such."""
-    kind = _kernel_pages(cache)
-    bf16 = _bf16_kernels()
-    kernel = None if kind is None else cpu_kernels.paged_decode() if kind == 0 else None if bf16 is None else bf16[1]
+    kernel = _decode_function(_kernel_pages(cache))
     hq, d = q.shape[1], q.shape[2]
     if kernel is None or q.dtype != torch.float32 or hq > 128 or hq % cache.shape[3]:
         raise RuntimeError(f"metadata built for the C decode kernel, which cannot take {q.dtype} queries of "
@@ -607,6 +675,14 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scal
     if rc != 0:
         raise RuntimeError(f"paged_decode kernel refused the batch (code {rc})")
     return out
+
+
+def _decode_function(kind: int | None) -> Any:
+    """The decode kernel of page kind `kind` (`_kernel_pages`), or None."""
+    if kind == 0:
+        return cpu_kernels.paged_decode()
+    pair = _bf16_kernels() if kind == 1 else _i8_kernels() if kind == 2 else None
+    return None if pair is None else pair[1]
 
 
 @functools.cache

@@ -38,11 +38,11 @@ from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
-from shared.specs.base import ModelSpec, PromptRequest, refuse_runner_gaps
+from shared.specs.base import DeploymentError, ModelSpec, PromptRequest, refuse_runner_gaps
 
 log = logging.getLogger("mstar.build")
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 #: the spec's `engine` kind -> its runner, and the most admissions one step may do
 RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
@@ -135,6 +135,9 @@ def assemble(d: Deployment) -> Assembled:
     spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)
     spec.validate()
     device = pick_device()
+    if kv_dtype(d) == "int8" and device.type != "cpu":
+        raise DeploymentError(f"kv_cache_dtype int8 is the CPU path's (its C kernels); the worker runs on {device}, "
+                              "whose FlashInfer / torch path takes float pages: use --kv-cache-dtype auto or bfloat16")
     if spec.engine not in TEXT_STEPS and device.type != "cpu":
         log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", spec.engine, device)
         device = torch.device("cpu")

@@ -28,6 +28,7 @@ import torch
 
 from services.gpu_worker import huge_pages
 from shared.cgroup import memory_available
+from shared.layout import INT8_SCALE_BYTES
 
 
 def prefault_requested() -> bool:
@@ -51,8 +52,11 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 def kv_cache(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
              dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One [num_pages, 2 (K, V), page_size, kv_heads, head_dim] tensor per layer of a pool."""
-    return [zeroed_tensor((num_pages, 2, page_size, kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
+    """One [num_pages, 2 (K, V), page_size, kv_heads, head_dim] tensor per layer of a pool;
+    int8: [..., head_dim + 4], each head's values then its float32 scale (inline, so a pool is
+    still one tensor a layer and a page's rows one contiguous run; attention.quantize_kv)."""
+    width = head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    return [zeroed_tensor((num_pages, 2, page_size, kv_heads, width), dtype, device) for _ in range(num_layers)]
 
 
 def available_memory_bytes(device: torch.device | None = None) -> int:

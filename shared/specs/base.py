@@ -97,6 +97,10 @@ class ModelSpec(ABC):
     #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding) or
     #: "pooling" (pooling_runner.py: a prompt's forward, pooled; no decode loop)
     engine: str = "decoder"
+    #: its attention reads int8 KV pages (`--kv-cache-dtype int8`): only the plain text
+    #: decoder's path is built and tested for them; every other family is refused at start
+    #: (ModelSource.spec) rather than served through a path nobody checked
+    int8_kv: bool = False
     #: what its requests ask: "generate" (tokens), "embed" (a vector per input) or "score"
     #: (a classifier's scores of a text pair); the api routes by it
     task: str = "generate"

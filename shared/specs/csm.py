@@ -50,7 +50,7 @@ import numpy as np
 
 from shared.audio import decode_audio
 from shared.frames import ContextTurn
-from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.model_config import ModelConfig, read_model_config
 from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PromptError, PromptRequest, added_tokens
 
@@ -289,8 +289,7 @@ class CsmSpec(ModelSpec):
         return max(1, math.ceil(seconds * self.frame_rate))
 
     def bytes_per_page(self, page_size: int) -> int:
-        width = DTYPE_BYTES[self.dtype]
-        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * c.head_dim * width
+        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
                    for c in (self.config, self.depth_config))
 
 

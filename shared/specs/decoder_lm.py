@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.model_config import FULL, SLIDING, ModelConfig, read_model_config
 from shared.specs.base import ModelSpec, PromptError, PromptRequest
 
 
 class DecoderLMSpec(ModelSpec):
+    int8_kv = True
     pool = "kv"
     window_pool = "kv_window"
     decode_loop = "decode_loop"
@@ -89,5 +90,5 @@ class DecoderLMSpec(ModelSpec):
         return {self.decode_loop: max(1, max_tokens - 1)}
 
     def bytes_per_page(self, page_size: int) -> int:
-        return self.num_layers * 2 * page_size * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
 

@@ -103,6 +103,7 @@ def null_weights_dir() -> Path:
 
 
 class NullLMSpec(DecoderLMSpec):
+    int8_kv = False  # its rows are stand-ins written through torch: nothing to quantize
     def bytes_per_page(self, page_size: int) -> int:
         return max(super().bytes_per_page(page_size), NOMINAL_ROW_BYTES * page_size)
 

@@ -36,6 +36,7 @@ CODEC_FOLDER = "snac"
 class OrpheusSpec(DecoderLMSpec):
     task = "speech"
     engine = "speech_decoder"
+    int8_kv = False  # speech codes: no measure of int8 KV's effect on the sound yet
     metadata_keys = frozenset({"prompt_len", "voice"})
     #: Orpheus' recommended sampling (its own engine's defaults)
     speech_defaults = (("temperature", 0.6), ("top_p", 0.8), ("repetition_penalty", 1.3))

@@ -22,7 +22,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.specs.base import DeploymentError, ModelSpec, PromptError, PromptRequest
 
 #: config.json architectures this spec serves: an encoder's hidden states (embeddings),
@@ -38,6 +38,7 @@ class PoolingSpec(ModelSpec):
     subclass sets `pooling`, `normalize`, `heads`, `max_seq_len` and the pool's shape."""
 
     engine = "pooling"
+    int8_kv = False  # whole prompts, no decode: int8 pages would only cost accuracy
     task = "embed"
     pool = "kv"
     label_name = "text"
@@ -139,7 +140,7 @@ class EncoderSpec(PoolingSpec):
                                          self.page_size, num_pages, self.max_seq_len)}
 
     def bytes_per_page(self, page_size: int) -> int:
-        return self.num_layers * 2 * page_size * self.heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.num_layers * 2 * page_size * self.heads * kv_head_bytes(self.dtype, self.head_dim)
 
 
 def classifier_labels(config: Mapping[str, Any]) -> int:

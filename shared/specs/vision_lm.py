@@ -100,6 +100,7 @@ class VisionLMSpec(DecoderLMSpec, Generic[ImagesT]):
     pixels, placeholder text); `load_folder` sets `image_placeholder` from the settings."""
 
     engine = "vision_decoder"
+    int8_kv = False  # bidirectional image blocks: the torch path only, not checked on int8 pages
     image_token_id: int
     rows_per_tile: int
     #: the processor's image settings, None until `load_folder` read them

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.audio import FeatureConfig, audio_features, log_mel_features
-from shared.layout import DTYPE_BYTES, KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.pages import ceil_div, pages_for
 from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
 
@@ -308,7 +308,7 @@ class WhisperSpec(ModelSpec):
         return {self.decode_loop: max(1, min(max_tokens, window) - 1)}
 
     def bytes_per_page(self, page_size: int) -> int:
-        row = self.num_layers * 2 * self.heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        row = self.num_layers * 2 * self.heads * kv_head_bytes(self.dtype, self.head_dim)
         self_pages, cross_pages = self._pages_per_request(page_size)
         return ceil_div(page_size * row * (self_pages + cross_pages), self_pages)
 

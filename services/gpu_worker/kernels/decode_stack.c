@@ -41,6 +41,13 @@ int mstar_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *ca
 void mstar_write_kv_bf16(uint16_t *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                          const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row,
                          int64_t page_size);
+int mstar_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *cache, const int64_t *pages, int64_t width,
+                          const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
+                          int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
+                          float *out, float *scratch, int64_t max_keys);
+void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t d,
+                       int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
 
@@ -57,17 +64,18 @@ typedef struct {
 } MstarQWeight;
 
 /* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]
- * (float32, or bfloat16 where the shape says so). */
+ * (float32, or bfloat16 / int8 where the shape's kv_kind says so). */
 typedef struct {
     const float *ln1, *ln2;
     MstarQWeight qkv, o, gate_up, down;
     void *cache;
 } MstarLayer;
 
-/* The shapes every layer shares; kv_bf16: the pages are bfloat16 (paged_attention.c's
- * _bf16 kernels, as attention.py picks them for such a pool). */
+/* The shapes every layer shares; kv_kind: the pages' type, 0 float32, 1 bfloat16, 2 int8
+ * (paged_attention.c's plain, _bf16 and _i8 kernels, as attention.py picks them for such a
+ * pool). */
 typedef struct {
-    int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_bf16;
+    int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_kind;
     float eps, scale;
 } MstarStackShape;
 
@@ -101,7 +109,11 @@ static void add_into(float *x, const float *o, int64_t n) {
 static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
                      float *out, float *scratch) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
-    if (s->kv_bf16)
+    if (s->kv_kind == 2)
+        return mstar_paged_decode_i8(qkv, nqkv, (const int8_t *)cache, st->pages, st->width, st->qrow, st->entry,
+                                     st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
+                                     scratch, st->max_keys);
+    if (s->kv_kind == 1)
         return mstar_paged_decode_bf16(qkv, nqkv, (const uint16_t *)cache, st->pages, st->width, st->qrow, st->entry,
                                        st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
                                        scratch, st->max_keys);
@@ -130,7 +142,10 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
         mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
         const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
-        if (s->kv_bf16)
+        if (s->kv_kind == 2)
+            mstar_write_kv_i8((int8_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
+                              s->hkv * s->d, s->d, s->page_size);
+        else if (s->kv_kind == 1)
             mstar_write_kv_bf16((uint16_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
                                 s->hkv * s->d, s->page_size);
         else

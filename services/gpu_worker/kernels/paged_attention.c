@@ -36,6 +36,14 @@
  * kernel's run on the pages widened (bitwise); a row is stored rounded to nearest even, NaN as
  * 0xFFFF, as torch's `.to(torch.bfloat16)` rounds (tests/unit/test_paged_attention_bf16.py).
  *
+ * mstar_write_kv_i8 / mstar_paged_decode_i8: the same over int8 pages (`--kv-cache-dtype int8`;
+ * about a quarter of float32's KV bytes). Each (row, KV head) vector is stored as head_dim int8
+ * values then its float32 scale (absmax / 127, symmetric; head_dim + 4 bytes), so a page's
+ * rows stay one contiguous run and the scale sits in the cache line its values are read from.
+ * A value is read as (float)q * scale, so the decode is the float32 kernel's run on the pages
+ * dequantized (bitwise, as for bfloat16); the stored values are torch's quantization of the
+ * row (attention.py's quantize_kv, tests/unit/test_paged_attention_int8.py).
+ *
  * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of a block of
  * up to GB query heads of one KV head (d = 128: 2) in registers while it takes a page's keys,
  * and a score is the plain loop's bits (its FMA chain, then its `omp simd` reduction's in-order
@@ -88,13 +96,41 @@ static inline uint16_t f32_to_bf16(float f) {
     return f != f ? (uint16_t)0xFFFF : r;
 }
 
+/* Bytes of one pool element: float32 (kind 0), bfloat16 (1), int8 (2). */
+#define ELT(kind) ((kind) == 0 ? 4 : (kind) == 1 ? 2 : 1)
+
+/* An int8 head vector's scale: the float32 after its d values (unaligned: memcpy). */
+static inline float i8_scale(const int8_t *x, int64_t d) {
+    float sc;
+    memcpy(&sc, x + d, sizeof sc);
+    return sc;
+}
+
+/* d values of one head at element `at` of a bfloat16 (kind 1) or int8 (kind 2) pool as
+ * float32: bfloat16 exactly, int8 as (float)q * scale (one rounding: torch's
+ * `q.float() * scale`, the reference's dequantization, bit for bit). */
+__attribute__((always_inline)) static inline void widen(const void *cache, const int kind, int64_t at, int64_t d,
+                                                        float *restrict buf) {
+    if (kind == 1) {
+        const uint16_t *x = (const uint16_t *)cache + at;
+#pragma omp simd
+        for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(x[e]);
+    } else {
+        const int8_t *x = (const int8_t *)cache + at;
+        const float sc = i8_scale(x, d);
+#pragma omp simd
+        for (int64_t e = 0; e < d; e++) buf[e] = (float)x[e] * sc;
+    }
+}
+
 /* One decode call's shapes and pointers, shared by its tasks. */
 struct decode_job {
     const float *q;
     int64_t q_stride;
     const void *cache;
     const int64_t *pages, *qrow, *entry, *lo, *hi;
-    int64_t width, hq, hkv, g_n, d, row, half, page_size, parts;  /* parts: task slots per row */
+    int64_t width, hq, hkv, g_n, d, hs, row, half, page_size, parts;  /* parts: task slots per row; hs: a head's
+                                                                          * elements in a row (d, int8: d + 4) */
     float scale;
     float *out;
     float *rec;         /* partition records, [n_rows][parts][hq * (d + 2)]: maxes, sums, outputs */
@@ -172,22 +208,20 @@ static inline void finish_heads(const struct decode_job *J, const float *restric
 
 /* The plain-loop pass over heads [h0, h1), any head size d (q: the row's heads). */
 __attribute__((always_inline)) static inline void pass_plain(const struct decode_job *J, const struct span *S,
-                                                             const int bf16, const float *restrict q, int64_t h0,
+                                                             const int kind, const float *restrict q, int64_t h0,
                                                              int64_t h1, int64_t d, float *restrict dst,
                                                              float *restrict rec) {
-    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, nh = h1 - h0;
+    const int64_t n = S->b - S->a, elt = ELT(kind), nh = h1 - h0;
     float s[HC * PART] __attribute__((aligned(64)));
-    float mx[HC], sum[HC], buf[bf16 ? d : 1], o[HC * d];
+    float mx[HC], sum[HC], buf[kind ? d : 1], o[HC * d];
     for (int64_t g = 0; g < nh; g++) mx[g] = -FLT_MAX;
     for (int64_t j = S->a, end; j < S->b;) {
         for (int64_t at = page_run(J, S, j, 0, elt, &end); j < end; j++, at += J->row) {
             for (int64_t h = h0, hk = -1; h < h1; h++) {
-                const float *k = bf16 ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
-                if (bf16 && h / J->g_n != hk) {  /* this KV head's slice widened */
+                const float *k = kind ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
+                if (kind && h / J->g_n != hk) {  /* this KV head's slice widened */
                     hk = h / J->g_n;
-                    const uint16_t *x = (const uint16_t *)J->cache + at + hk * d;
-#pragma omp simd
-                    for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(x[e]);
+                    widen(J->cache, kind, at + hk * J->hs, d, buf);
                 }
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -203,12 +237,10 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     for (int64_t j = S->a, end; j < S->b;) {
         for (int64_t at = page_run(J, S, j, 1, elt, &end); j < end; j++, at += J->row) {
             for (int64_t h = h0, hk = -1; h < h1; h++) {
-                const float *v = bf16 ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
-                if (bf16 && h / J->g_n != hk) {
+                const float *v = kind ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
+                if (kind && h / J->g_n != hk) {
                     hk = h / J->g_n;
-                    const uint16_t *x = (const uint16_t *)J->cache + at + hk * d;
-#pragma omp simd
-                    for (int64_t e = 0; e < d; e++) buf[e] = bf16_to_f32(x[e]);
+                    widen(J->cache, kind, at + hk * J->hs, d, buf);
                 }
                 const float p = s[(h - h0) * PART + (j - S->a)];
 #pragma omp simd
@@ -220,11 +252,21 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
 }
 
 #ifdef __AVX512F__
-/* NV vectors of 16 floats from element `at` of the pool (bfloat16: zero-extended and shifted). */
-__attribute__((always_inline)) static inline void load_vecs(const void *cache, const int bf16, int64_t at,
+/* NV vectors of 16 floats from element `at` of the pool (bfloat16: zero-extended and shifted;
+ * int8: widened to int32, converted (exact) and times the head's scale, as `widen`). */
+__attribute__((always_inline)) static inline void load_vecs(const void *cache, const int kind, int64_t at,
                                                             const int nv, __m512 *x) {
+    if (kind == 2) {
+        const int8_t *p = (const int8_t *)cache + at;
+        const __m512 sc = _mm512_set1_ps(i8_scale(p, 16 * nv));
+        for (int v = 0; v < nv; v++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + 16 * v));
+            x[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sc);
+        }
+        return;
+    }
     for (int v = 0; v < nv; v++) {
-        if (bf16) {
+        if (kind) {
             const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * v));
             x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         } else {
@@ -270,7 +312,7 @@ static inline __m512 fold16(const float *a) {
  * n: each key's FMA chain over its 16-lane slices (in order) is kept in acc (head g's at
  * acc + 256 g) until 16 keys are there or the partition ends, then folded (fold16), scaled
  * into the scores (s + g * PART) and its max taken (mv[g]: sc > m ? sc : m, as the plain loop). */
-__attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const int bf16,
+__attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const int kind,
                                                           const float *restrict q, const int gb, const int nv,
                                                           int64_t at, int64_t cnt, int64_t jj, int64_t n,
                                                           float *restrict acc, float *restrict s, __m512 *mv) {
@@ -278,7 +320,7 @@ __attribute__((always_inline)) static inline void k_block(const struct decode_jo
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
-        load_vecs(J->cache, bf16, at, nv, x);
+        load_vecs(J->cache, kind, at, nv, x);
         for (int g = 0; g < gb; g++) {
             __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
             for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[g][v], x[v], a);
@@ -296,14 +338,14 @@ __attribute__((always_inline)) static inline void k_block(const struct decode_jo
 
 /* V work of one register block over cnt keys of one page: o[g] += p_g,j * v_j, key by key in
  * order (each output the plain loop's FMA chain: the same bits), the outputs in registers. */
-__attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const int bf16, const int gb,
+__attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const int kind, const int gb,
                                                           const int nv, int64_t at, int64_t cnt, int64_t jj,
                                                           const float *restrict s, float *restrict o) {
     __m512 acc[GB][8], x[8];
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) acc[g][v] = _mm512_load_ps(o + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
-        load_vecs(J->cache, bf16, at, nv, x);
+        load_vecs(J->cache, kind, at, nv, x);
         for (int g = 0; g < gb; g++) {
             const __m512 p = _mm512_set1_ps(s[g * PART + jj]);
             for (int v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
@@ -322,20 +364,20 @@ __attribute__((always_inline)) static inline void v_block(const struct decode_jo
     default: call_4; break;                          \
     }
 
-__attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const int bf16, const float *q,
+__attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const int kind, const float *q,
                                                         int gb, const int nv, int64_t at, int64_t cnt, int64_t jj,
                                                         int64_t n, float *acc, float *s, __m512 *mv) {
-    BLOCK_CASES(k_block(J, bf16, q, 1, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, bf16, q, 2, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, bf16, q, 3, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, bf16, q, 4, nv, at, cnt, jj, n, acc, s, mv))
+    BLOCK_CASES(k_block(J, kind, q, 1, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, kind, q, 2, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, kind, q, 3, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, kind, q, 4, nv, at, cnt, jj, n, acc, s, mv))
 }
 
-__attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const int bf16, int gb,
+__attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const int kind, int gb,
                                                         const int nv, int64_t at, int64_t cnt, int64_t jj,
                                                         const float *s, float *o) {
-    BLOCK_CASES(v_block(J, bf16, 1, nv, at, cnt, jj, s, o), v_block(J, bf16, 2, nv, at, cnt, jj, s, o),
-                v_block(J, bf16, 3, nv, at, cnt, jj, s, o), v_block(J, bf16, 4, nv, at, cnt, jj, s, o))
+    BLOCK_CASES(v_block(J, kind, 1, nv, at, cnt, jj, s, o), v_block(J, kind, 2, nv, at, cnt, jj, s, o),
+                v_block(J, kind, 3, nv, at, cnt, jj, s, o), v_block(J, kind, 4, nv, at, cnt, jj, s, o))
 }
 
 /* The AVX-512 pass over heads [h0, h1), head size 16 * nv (a constant), page by page: on each
@@ -343,10 +385,10 @@ __attribute__((always_inline)) static inline void v_any(const struct decode_job 
  * from memory once, serve every head while they are in L1), K pages first (scores, maxes),
  * the exact softmax of each head over the partition, then V pages (outputs). */
 __attribute__((always_inline)) static inline void pass_vec(const struct decode_job *J, const struct span *S,
-                                                           const int bf16, const float *restrict q, int64_t h0,
+                                                           const int kind, const float *restrict q, int64_t h0,
                                                            int64_t h1, const int nv, float *restrict dst,
                                                            float *restrict rec) {
-    const int64_t n = S->b - S->a, elt = bf16 ? 2 : 4, d = 16 * nv, cap = nv == 8 ? 2 : GB;
+    const int64_t n = S->b - S->a, elt = ELT(kind), d = 16 * nv, cap = nv == 8 ? 2 : GB;
     float s[HC * PART] __attribute__((aligned(64)));
     float acc[HC * 256] __attribute__((aligned(64)));
     float o[HC * 128] __attribute__((aligned(64)));
@@ -357,7 +399,7 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
         const int64_t at = page_run(J, S, j, 0, elt, &end);
         for (int64_t h = h0, e; h < h1; h = e) {
             e = block_end(J, h, h1, cap);
-            k_any(J, bf16, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * d, end - j, j - S->a, n,
+            k_any(J, kind, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, n,
                   acc + (h - h0) * 256, s + (h - h0) * PART, mv + (h - h0));
         }
     }
@@ -373,7 +415,7 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
         const int64_t at = page_run(J, S, j, 1, elt, &end);
         for (int64_t h = h0, e; h < h1; h = e) {
             e = block_end(J, h, h1, cap);
-            v_any(J, bf16, (int)(e - h), nv, at + (h / J->g_n) * d, end - j, j - S->a, s + (h - h0) * PART,
+            v_any(J, kind, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, s + (h - h0) * PART,
                   o + (h - h0) * d);
         }
     }
@@ -384,23 +426,23 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
 /* One task's partition: the row's query heads in passes of up to HC (the first pass
  * prefetches; the others find the partition in L2). */
 __attribute__((always_inline)) static inline void run_part(const struct decode_job *J, struct span *S,
-                                                           const int bf16, const float *q, float *dst, float *rec) {
+                                                           const int kind, const float *q, float *dst, float *rec) {
     for (int64_t h0 = 0; h0 < J->hq; h0 += HC) {
         const int64_t h1 = h0 + HC < J->hq ? h0 + HC : J->hq;
         S->pf = h0 == 0;
 #ifdef __AVX512F__
         if (J->d == 64 || J->d == 128) {
             if (J->d == 64)
-                pass_vec(J, S, bf16, q, h0, h1, 4, dst, rec);
+                pass_vec(J, S, kind, q, h0, h1, 4, dst, rec);
             else
-                pass_vec(J, S, bf16, q, h0, h1, 8, dst, rec);
+                pass_vec(J, S, kind, q, h0, h1, 8, dst, rec);
             continue;
         }
 #endif
         if (J->d == 64)  /* a constant trip count for the plain loops */
-            pass_plain(J, S, bf16, q, h0, h1, 64, dst, rec);
+            pass_plain(J, S, kind, q, h0, h1, 64, dst, rec);
         else
-            pass_plain(J, S, bf16, q, h0, h1, J->d, dst, rec);
+            pass_plain(J, S, kind, q, h0, h1, J->d, dst, rec);
     }
 }
 
@@ -429,20 +471,21 @@ static void merge(const struct decode_job *J, int64_t i, int64_t nparts) {
 /* Task t = row * parts + partition (a row's partitions in a row: one thread mostly takes them
  * one after another, and prefetches the next one's first pages); a slot past the row's
  * partitions is empty. */
-__attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int bf16) {
+__attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int kind) {
     const int64_t p = t % J->parts, i = t / J->parts;
     const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
     if (p >= nparts) return;
     struct span S = {J->pages + J->entry[i] * J->width, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size, 1};
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
     float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
-    run_part(J, &S, bf16, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
+    run_part(J, &S, kind, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
     if (nparts > 1 && atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts - 1)
         merge(J, i, nparts);
 }
 
 static void task_f32(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0); }
 static void task_bf16(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1); }
+static void task_i8(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 2); }
 
 /* Count slots (one int per row) at the scratch's start, rounded to 64 bytes. */
 static inline int64_t count_floats(int64_t n_rows) { return (n_rows + 15) / 16 * 16; }
@@ -456,7 +499,7 @@ int64_t mstar_paged_decode_scratch(int64_t n_rows, int64_t hq, int64_t d, int64_
 }
 
 /* Both page types' decode: checks, then every task over the pool's threads. */
-static int paged_decode(const float *q, int64_t q_stride, const void *cache, const int bf16, const int64_t *pages,
+static int paged_decode(const float *q, int64_t q_stride, const void *cache, const int kind, const int64_t *pages,
                         int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
                         int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out,
                         float *scratch, int64_t max_keys) {
@@ -466,11 +509,12 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
     if (n_rows <= 0) return 0;
     const int64_t parts = (max_keys + PART - 1) / PART;
     if (n_rows * parts > INT32_MAX) return -2;
-    struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hkv * d,
-                           page_size * hkv * d, page_size, parts, scale, out, NULL, (_Atomic int *)scratch};
+    const int64_t hs = kind == 2 ? d + 4 : d;
+    struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hs, hkv * hs,
+                           page_size * hkv * hs, page_size, parts, scale, out, NULL, (_Atomic int *)scratch};
     J.rec = (float *)(((uintptr_t)(scratch + count_floats(n_rows)) + 63) & ~(uintptr_t)63);
     for (int64_t c = 0; c < n_rows; c++) atomic_init(&J.done[c], 0);
-    mstar_parallel_for((int)(n_rows * parts), bf16 ? task_bf16 : task_f32, &J);
+    mstar_parallel_for((int)(n_rows * parts), kind == 2 ? task_i8 : kind ? task_bf16 : task_f32, &J);
     return 0;
 }
 
@@ -492,6 +536,17 @@ int mstar_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *ca
                             const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                             float scale, float *out, float *scratch, int64_t max_keys) {
     return paged_decode(q, q_stride, cache, 1, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d, page_size, scale,
+                        out, scratch, max_keys);
+}
+
+/* mstar_paged_decode over int8 pages: each (row, KV head) vector is d int8 values then its
+ * float32 scale (d + 4 bytes; mstar_write_kv_i8). Same arguments and codes; each value is read as (float)q * scale, so the result is the
+ * float32 kernel's on the dequantized pages, bit for bit. */
+int mstar_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *cache, const int64_t *pages, int64_t width,
+                          const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
+                          int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
+                          float *out, float *scratch, int64_t max_keys) {
+    return paged_decode(q, q_stride, cache, 2, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d, page_size, scale,
                         out, scratch, max_keys);
 }
 
@@ -520,5 +575,39 @@ void mstar_write_kv_bf16(uint16_t *cache, const float *k, int64_t k_stride, cons
         for (int64_t e = 0; e < row; e++) dk[e] = f32_to_bf16(ki[e]);
 #pragma omp simd
         for (int64_t e = 0; e < row; e++) dv[e] = f32_to_bf16(vi[e]);
+    }
+}
+
+/* One head's d floats quantized into int8 at dst, its scale after them: symmetric,
+ * scale = absmax / 127 (float32), q = round-half-even(x / scale) clamped to [-127, 127]
+ * (torch's `(x / scale).round()`: attention.py's quantize_kv, bit for bit); an all-zero
+ * vector gets scale 0 and zeros. */
+static inline void quantize_head(const float *restrict x, int64_t d, int8_t *restrict dst) {
+    float m = 0.f;
+    for (int64_t e = 0; e < d; e++) {
+        const float a = fabsf(x[e]);
+        m = a > m ? a : m;
+    }
+    const float sc = m / 127.f;
+    for (int64_t e = 0; e < d; e++) {
+        float r = sc > 0.f ? nearbyintf(x[e] / sc) : 0.f;
+        r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+        dst[e] = (int8_t)r;
+    }
+    memcpy(dst + d, &sc, sizeof sc);
+}
+
+/* mstar_write_kv into int8 pages (`row` = kv_heads * head_dim floats in, each head stored as
+ * head_dim int8 values and its float32 scale: quantize_head). */
+void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t d,
+                       int64_t page_size) {
+    const int64_t heads = row / d, brow = heads * (d + 4), half = page_size * brow;
+    for (int64_t i = 0; i < n; i++) {
+        int8_t *dk = cache + slot_pages[i] * 2 * half + slot_offsets[i] * brow;
+        for (int64_t h = 0; h < heads; h++) {
+            quantize_head(k + i * k_stride + h * d, d, dk + h * (d + 4));
+            quantize_head(v + i * v_stride + h * d, d, dk + half + h * (d + 4));
+        }
     }
 }

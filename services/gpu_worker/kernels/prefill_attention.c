@@ -4,8 +4,9 @@
  * mstar_prefill_attention: query rows [0, q_len) of one chunk (q rows q_stride floats apart,
  * each row's heads contiguous) attend over the chunk's first kv_len keys, which lie in its
  * pages (`pages`, int64) of the pool [P, 2, page_size, kv_heads, head_dim] (FlashInfer's
- * layout; K at [:, 0], V at [:, 1]), float32 or bfloat16 (`bf16`: a value widened by a
- * 16-bit shift, exactly). Query head h * G + g uses KV head h. Causal, aligned bottom-right:
+ * layout; K at [:, 0], V at [:, 1]), float32, bfloat16 or int8 (`kind` says which: 0, 1, 2;
+ * bfloat16 is widened by a 16-bit shift, exactly; int8 pages hold each head's head_dim values
+ * then its float32 scale, read as (float)q * scale, as paged_attention.c's decode reads them). Query head h * G + g uses KV head h. Causal, aligned bottom-right:
  * row i sees keys j <= kv_len - q_len + i, and with a sliding window W > 0 only those with
  * j > kv_len - q_len + i - W (transformers' convention, attention.py's `window_mask`).
  *
@@ -60,7 +61,7 @@ typedef struct {
     float *kp, *vp; /* the packed K and V: per KV head kvp rows of d */
     int64_t q_stride, out_stride, q_len, kv_len, hkv, g, d, page_size, window, bq, nqb, kvp, npack;
     float scale;
-    int bf16;
+    int kind; /* pages: 0 float32, 1 bfloat16, 2 int8 (each head's d values, then its float32 scale) */
 } Job;
 
 /* exp(x) on 16 lanes: Cephes' expf as exp_poly.h (x = n ln2 + r, a degree-6 polynomial in r),
@@ -95,8 +96,21 @@ static void pack_task(void *ctx, int t) {
             memset(vd, 0, sizeof(float) * d);
             continue;
         }
+        if (j->kind == 2) { /* int8: d values then the head's float32 scale, d + 4 bytes a head */
+            const int64_t brow = j->hkv * (d + 4), bhalf = j->page_size * brow;
+            const int8_t *ks = (const int8_t *)j->cache + j->pages[key / j->page_size] * 2 * bhalf
+                               + key % j->page_size * brow + h * (d + 4), *vs = ks + bhalf;
+            float ksc, vsc;
+            memcpy(&ksc, ks + d, sizeof ksc);
+            memcpy(&vsc, vs + d, sizeof vsc);
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) kd[e] = (float)ks[e] * ksc;
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) vd[e] = (float)vs[e] * vsc;
+            continue;
+        }
         const int64_t at = j->pages[key / j->page_size] * 2 * half + key % j->page_size * row + h * d;
-        if (j->bf16) {
+        if (j->kind) {
             const uint16_t *restrict ks = (const uint16_t *)j->cache + at, *restrict vs = ks + half;
             uint32_t *restrict kw = (uint32_t *)kd, *restrict vw = (uint32_t *)vd;
 #pragma omp simd
@@ -318,17 +332,18 @@ static void give_buffer(void *buf, int own) {
  * over 256; more than 48 query heads per KV head; query heads not a multiple of KV heads),
  * -2 for a chunk with more rows than keys or none, -3 when the packed K/V's memory could not
  * be had. */
-int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t bf16, const int64_t *pages,
+int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
                             int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                             int64_t window, float scale, float *out, int64_t out_stride) {
 #ifdef __AVX512F__
     if (hkv <= 0 || hq % hkv || hq / hkv > LANES || d % RD || d > MAX_D || d <= 0) return -1;
     if (q_len <= 0 || kv_len < q_len) return -2;
+    if (kind < 0 || kind > 2) return -1;
     const int64_t g = hq / hkv, bq = LANES / g < q_len ? LANES / g : q_len;
     Job j = {.q = q, .cache = (const char *)cache, .pages = pages, .out = out, .q_stride = q_stride,
              .out_stride = out_stride, .q_len = q_len, .kv_len = kv_len, .hkv = hkv, .g = g, .d = d,
              .page_size = page_size, .window = window, .bq = bq, .nqb = (q_len + bq - 1) / bq, .scale = scale,
-             .bf16 = bf16 != 0};
+             .kind = (int)kind};
     j.kvp = (kv_len + RK - 1) / RK * RK + RK; /* the S tiles' reads past the last key */
     j.npack = (j.kvp + PACK_KEYS - 1) / PACK_KEYS;
     const size_t half = (size_t)(hkv * j.kvp * d) * sizeof(float);
@@ -342,7 +357,7 @@ int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache,
     give_buffer(buf, own);
     return 0;
 #else
-    (void)q; (void)q_stride; (void)cache; (void)bf16; (void)pages; (void)q_len; (void)kv_len; (void)hq; (void)hkv;
+    (void)q; (void)q_stride; (void)cache; (void)kind; (void)pages; (void)q_len; (void)kv_len; (void)hq; (void)hkv;
     (void)d; (void)page_size; (void)window; (void)scale; (void)out; (void)out_stride;
     return -1;
 #endif

@@ -12,7 +12,7 @@ It applies only where the modules' path would run exactly those kernels: a Llama
 decoder (no q/k norm, no sandwich norms, silu MLP, no soft-cap, one RoPE, full attention
 on every layer) whose four GEMMs per layer are C kernels (q/k/v and gate/up fused):
 `QuantLinear` (GGUF weights kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32
-in gemm.c's panels), float32 activations, float32 or bfloat16 KV pages, and a step whose
+in gemm.c's panels), float32 activations, float32, bfloat16 or int8 KV pages, and a step whose
 every row is a decode query row of the one label (no prefill chunk). Anything else (a
 prefill, a float16 pool, a Gemma) takes the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
 """
@@ -25,7 +25,7 @@ import os
 import torch
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.attention import KernelDecode, _decode_scratch, _kernel_pages
+from services.gpu_worker.attention import KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
 from services.gpu_worker.layers.quant import QuantLinear
@@ -45,7 +45,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
-                ("page_size", _i64), ("kv_bf16", _i64), ("eps", _f32), ("scale", _f32)]
+                ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32)]
 
 
 class _Step(ctypes.Structure):
@@ -132,7 +132,7 @@ class CpuDecodeStack:
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at the pool's KV tensors (once: the runner passes the same list
         every step); False where the pages are not ones the attention's C kernels take
-        (float32, or bfloat16 where attention.py has its kernels), all alike."""
+        (float32, or bfloat16 or int8 where attention.py has their kernels), all alike."""
         s = self.shape
         first = kv_caches[0]
         page_size, kind = first.shape[2], _kernel_pages(first)
@@ -140,9 +140,9 @@ class CpuDecodeStack:
             return False
         for c in kv_caches:
             if (c.dtype != first.dtype or _kernel_pages(c) != kind or c.dim() != 5 or c.shape[1] != 2
-                    or c.shape[2] != page_size or c.shape[3] != s.hkv or c.shape[4] != s.d):
+                    or c.shape[2] != page_size or c.shape[3] != s.hkv or head_dim_of(c) != s.d):
                 return False
-        s.kv_bf16 = kind
+        s.kv_kind = kind
         for lay, c in zip(self.layers, kv_caches):
             lay.cache = c.data_ptr()
         s.page_size = page_size
