@@ -2,7 +2,7 @@
 gives bitwise the torch modules' result: the same logits and the same KV pages, on
 quantized Llama and Qwen2 (q/k/v bias) GGUF models and on their float32 checkpoints
 (gemm.c's packed GEMMs, the gate/up GEMM with silu * up fused), for decode steps of one and several
-rows at different lengths, on float32 and bfloat16 pages; steps it does not take (a
+rows at different lengths, on float32, bfloat16 and int8 pages; steps it does not take (a
 prefill, float16 pages) go through the modules."""
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def test_a_prefill_step_goes_through_the_modules(model):
     assert ran == [False]
 
 
-def test_bfloat16_pages_are_bitwise_the_modules_and_float16_goes_through_them(model):
+def test_bfloat16_and_int8_pages_are_bitwise_the_modules_and_float16_goes_through_them(model):
     m, spec = model
-    for dtype, runs in ((torch.bfloat16, True), (torch.float16, False)):
+    for dtype, runs in ((torch.bfloat16, True), (torch.int8, True), (torch.float16, False)):
         a, b = _prefilled(m, spec, [9, 20], dtype), _prefilled(m, spec, [9, 20], dtype)
         for step in range(3):
             rows = [(list(range(8)), 0, 9 + step, 1, True), (list(range(8, 16)), 0, 20 + step, 1, True)]
