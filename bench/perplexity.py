@@ -12,6 +12,7 @@ the float32 (dequantized) path on the default model.
 
     python -m bench.perplexity                # every path, the whole text
     python -m bench.perplexity --tokens 512   # a shorter prefix
+    python -m bench.perplexity --paths quantized+bf16kv,quantized+int8kv   # some paths (and float32)
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "opticks_book
 #: (name, --dtype, --kv-cache-dtype, --prefill-dtype) of each path on a GGUF model
 PATHS = (("float32", "float32", "float32", "quantized"), ("quantized", "auto", "float32", "quantized"),
          ("quantized+bf16kv", "auto", "bfloat16", "quantized"),
-         ("quantized+bf16kv+bf16prefill", "auto", "bfloat16", "bfloat16"))
+         ("quantized+bf16kv+bf16prefill", "auto", "bfloat16", "bfloat16"),
+         ("quantized+int8kv", "auto", "int8", "quantized"), ("quantized+int8kv+bf16prefill", "auto", "int8", "bfloat16"))
 
 
 def text_ids(tokenizer, limit: int | None = None) -> list[int]:
@@ -89,13 +91,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="model (default: the embedded SmolLM2 Q4_1 GGUF)")
     p.add_argument("--tokens", type=int, default=0, help="first N tokens of the text (0: all)")
+    p.add_argument("--paths", default="", help="comma-separated path names to run (default: all; float32 always runs, "
+                                               "the others are compared with it)")
     args = p.parse_args()
     from shared.model_source import ModelSource
 
     torch.set_num_threads(1)
     ids = text_ids(ModelSource(args.model).tokenizer.tokenizer, args.tokens or None)
     out = {"tokens": len(ids), "paths": {}}
+    wanted = set(args.paths.split(",")) | {"float32"} if args.paths else None
     for name, dtype, kv, prefill in PATHS:
+        if wanted is not None and name not in wanted:
+            continue
         t0 = time.time()
         model, spec, kvd = load(args.model, dtype, kv, prefill)
         ppl = perplexity(model, spec, ids, kvd)
