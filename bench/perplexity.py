@@ -31,7 +31,8 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "opticks_book
 PATHS = (("float32", "float32", "float32", "quantized"), ("quantized", "auto", "float32", "quantized"),
          ("quantized+bf16kv", "auto", "bfloat16", "quantized"),
          ("quantized+bf16kv+bf16prefill", "auto", "bfloat16", "bfloat16"),
-         ("quantized+int8kv", "auto", "int8", "quantized"), ("quantized+int8kv+bf16prefill", "auto", "int8", "bfloat16"))
+         ("quantized+int8kv", "auto", "int8", "quantized"),
+         ("quantized+int8kv+bf16prefill", "auto", "int8", "bfloat16"))
 
 
 def text_ids(tokenizer, limit: int | None = None) -> list[int]:

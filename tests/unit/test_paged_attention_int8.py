@@ -13,8 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import attention, cpu_kernels
-from services.gpu_worker.attention import (AttnRows, build_metadata, dequantize_kv, head_dim_of, paged_attention,
-                                           quantize_kv, write_kv)
+from services.gpu_worker.attention import (
+    AttnRows,
+    build_metadata,
+    dequantize_kv,
+    head_dim_of,
+    paged_attention,
+    quantize_kv,
+    write_kv,
+)
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.layers import quant
 from shared.config import Deployment, kv_dtype
@@ -184,5 +191,5 @@ def test_int8_is_opt_in_and_refused_where_it_is_not_served(monkeypatch, tmp_path
     monkeypatch.delenv("MSTAR_DEVICE")
     source = ModelSource(str(make_checkpoint(tmp_path / "llama", "llama")))
     assert source.spec(16, 0, "int8").int8_kv
-    with pytest.raises(DeploymentError, match="kv_cache_dtype int8: LlamaForCausalLM models .*pooling"):
+    with pytest.raises(DeploymentError, match=r"kv_cache_dtype int8: LlamaForCausalLM models .*pooling"):
         source.spec(16, 0, "int8", task="embed")

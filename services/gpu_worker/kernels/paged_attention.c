@@ -540,8 +540,9 @@ int mstar_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *ca
 }
 
 /* mstar_paged_decode over int8 pages: each (row, KV head) vector is d int8 values then its
- * float32 scale (d + 4 bytes; mstar_write_kv_i8). Same arguments and codes; each value is read as (float)q * scale, so the result is the
- * float32 kernel's on the dequantized pages, bit for bit. */
+ * float32 scale (d + 4 bytes; mstar_write_kv_i8). Same arguments and codes; each value is
+ * read as (float)q * scale, so the result is the float32 kernel's on the dequantized pages,
+ * bit for bit. */
 int mstar_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *cache, const int64_t *pages, int64_t width,
                           const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
                           int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
