@@ -33,23 +33,7 @@ def _bf16_kernels() -> tuple[Any, Any] | None:
     the float32 kernels (kernels/paged_attention.c), same arguments; None where the
     kernels are not built (or an older build lacks them)."""
     lib = cpu_kernels.library()
-    return None if lib is None else _bf16_functions(lib)
-
-
-@functools.cache
-def _bf16_functions(lib: ctypes.CDLL) -> tuple[Any, Any] | None:
-    """`lib`'s two bfloat16-page kernels with their argument types declared (once per library)."""
-    try:
-        write, decode = lib.mstar_write_kv_bf16, lib.mstar_paged_decode_bf16
-    except AttributeError:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    write.restype = None
-    write.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
-    decode.restype = ctypes.c_int
-    decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                       ptr, i64]
-    return write, decode
+    return None if lib is None else _page_functions(lib, "bf16")
 
 
 def _i8_kernels() -> tuple[Any, Any] | None:
@@ -57,19 +41,20 @@ def _i8_kernels() -> tuple[Any, Any] | None:
     (kernels/paged_attention.c; the write takes head_dim as one more argument before
     page_size); None where the kernels are not built."""
     lib = cpu_kernels.library()
-    return None if lib is None else _i8_functions(lib)
+    return None if lib is None else _page_functions(lib, "i8")
 
 
 @functools.cache
-def _i8_functions(lib: ctypes.CDLL) -> tuple[Any, Any] | None:
-    """`lib`'s two int8-page kernels with their argument types declared (once per library)."""
+def _page_functions(lib: ctypes.CDLL, kind: str) -> tuple[Any, Any] | None:
+    """`lib`'s write and decode kernels for `kind` pages ("bf16", "i8") with their argument
+    types declared (once per library and kind)."""
     try:
-        write, decode = lib.mstar_write_kv_i8, lib.mstar_paged_decode_i8
+        write, decode = getattr(lib, f"mstar_write_kv_{kind}"), getattr(lib, f"mstar_paged_decode_{kind}")
     except AttributeError:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     write.restype = None
-    write.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    write.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, *([i64] if kind == "i8" else []), i64]
     decode.restype = ctypes.c_int
     decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
                        ptr, i64]

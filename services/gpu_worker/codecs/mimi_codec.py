@@ -19,8 +19,9 @@ window, the position), so the chunks concatenate to `MimiModel.decode` of all th
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +107,7 @@ class MimiCodec:
         self.samples_per_frame = self.s.samples_per_frame
         self.sample_rate = self.s.sample_rate
         self.tables = codebook_tables(self.w, self.s)
-        half = self.s.head_dim // 2
-        self.inv_freq = 1.0 / (self.s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
-                                                / self.s.head_dim))
+        self.inv_freq = rope_inv_freq(self.s)
         self.seanet = self._seanet_plan()
 
     def _seanet_plan(self) -> list[tuple]:
@@ -238,20 +237,13 @@ class MimiStream:
     def _transformer(self, x: torch.Tensor) -> torch.Tensor:
         """[1, T, hidden] through the decoder transformer, positions continuing the
         stream's, each query seeing the keys of the last `sliding_window` positions."""
-        s, w = self.c.s, self.c.w
+        s = self.c.s
         t = x.shape[1]
         pos = torch.arange(self.position, self.position + t)
-        freqs = pos[:, None].float() * self.c.inv_freq[None]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rope_tables(self.c.inv_freq, pos)
         for i in range(s.layers):
-            p = f"decoder_transformer.layers.{i}."
-            h = F.layer_norm(x, (s.hidden,), w[p + "input_layernorm.weight"], w[p + "input_layernorm.bias"], s.eps)
-            x = x + w[p + "self_attn_layer_scale.scale"] * self._attend(i, h, cos, sin, pos)
-            h = F.layer_norm(x, (s.hidden,), w[p + "post_attention_layernorm.weight"],
-                             w[p + "post_attention_layernorm.bias"], s.eps)
-            mlp = F.linear(F.gelu(F.linear(h, w[p + "mlp.fc1.weight"])), w[p + "mlp.fc2.weight"])
-            x = x + w[p + "mlp_layer_scale.scale"] * mlp
+            x = transformer_layer(x, self.c.w, s, f"decoder_transformer.layers.{i}.",
+                                  functools.partial(self._attend, i, cos=cos, sin=sin, pos=pos))
         self.position += t
         return x
 
@@ -260,10 +252,7 @@ class MimiStream:
         s, w = self.c.s, self.c.w
         p = f"decoder_transformer.layers.{i}.self_attn."
         t = h.shape[1]
-        q = F.linear(h, w[p + "q_proj.weight"]).view(1, t, s.heads, s.head_dim).transpose(1, 2)
-        k = F.linear(h, w[p + "k_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = F.linear(h, w[p + "v_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k, v = project_qkv(h, w, s, p, cos, sin)
         past_k, past_v = self.keys[i], self.values[i]
         if past_k is not None and past_v is not None:
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
@@ -271,10 +260,52 @@ class MimiStream:
         keep = max(0, k.shape[2] - s.window)  # no later query sees these
         self.keys[i], self.values[i] = k[:, :, keep:], v[:, :, keep:]
         mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - s.window)
-        rep = s.heads // s.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
-        return F.linear(o.transpose(1, 2).reshape(1, t, -1), w[p + "o_proj.weight"])
+        return attend_out(q, k, v, mask, w, s, p)
+
+
+def rope_inv_freq(s: MimiSettings) -> torch.Tensor:
+    """The transformers' RoPE frequencies (HF's default rope)."""
+    half = s.head_dim // 2
+    return 1.0 / (s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float() / s.head_dim))
+
+
+def rope_tables(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, head_dim] at positions `pos`."""
+    freqs = pos[:, None].float() * inv_freq[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def transformer_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], s: MimiSettings, p: str,
+                      attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One layer of Mimi's encoder or decoder transformer (`p`: its weights' prefix):
+    layer-scaled attention (`attend` of the normed input: each side keeps its own keys)
+    then the layer-scaled GELU MLP, as transformers' MimiTransformerLayer."""
+    h = F.layer_norm(x, (s.hidden,), w[p + "input_layernorm.weight"], w[p + "input_layernorm.bias"], s.eps)
+    x = x + w[p + "self_attn_layer_scale.scale"] * attend(h)
+    h = F.layer_norm(x, (s.hidden,), w[p + "post_attention_layernorm.weight"],
+                     w[p + "post_attention_layernorm.bias"], s.eps)
+    mlp = F.linear(F.gelu(F.linear(h, w[p + "mlp.fc1.weight"])), w[p + "mlp.fc2.weight"])
+    return x + w[p + "mlp_layer_scale.scale"] * mlp
+
+
+def project_qkv(h: torch.Tensor, w: Mapping[str, torch.Tensor], s: MimiSettings, p: str, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (rotated) and v [1, heads, T, head_dim] of attention `p` for input h [1, T, hidden]."""
+    t = h.shape[1]
+    q = F.linear(h, w[p + "q_proj.weight"]).view(1, t, s.heads, s.head_dim).transpose(1, 2)
+    k = F.linear(h, w[p + "k_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
+    v = F.linear(h, w[p + "v_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def attend_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               w: Mapping[str, torch.Tensor], s: MimiSettings, p: str) -> torch.Tensor:
+    """Masked attention of q over k/v (GQA expanded) and attention `p`'s output projection."""
+    rep = s.heads // s.kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
+    return F.linear(o.transpose(1, 2).reshape(1, q.shape[2], -1), w[p + "o_proj.weight"])
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ clip of n samples makes ceil(n / 1920) frames at Mimi's rates (`shared.specs.csm
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.codecs.mimi_codec import MimiSettings, _load, _rope, codebook_tables
+from services.gpu_worker.codecs.mimi_codec import (
+    MimiSettings,
+    _load,
+    attend_out,
+    codebook_tables,
+    project_qkv,
+    rope_inv_freq,
+    rope_tables,
+    transformer_layer,
+)
 
 #: the names of the encoder's tensors (the quantizer's centroids are the decoder's too)
 ENCODER_PARTS = ("encoder.", "encoder_transformer.", "downsample.", "quantizer.")
@@ -56,9 +66,7 @@ class MimiEncoder:
         if "encoder.layers.0.conv.weight" not in self.w:
             raise ValueError(f"{folder}: the codec has no encoder weights (codec_model.encoder.*)")
         self.tables = codebook_tables(self.w, self.s)
-        half = self.s.head_dim // 2
-        self.inv_freq = 1.0 / (self.s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
-                                                / self.s.head_dim))
+        self.inv_freq = rope_inv_freq(self.s)
         self.seanet = self._seanet_plan()
 
     def _seanet_plan(self) -> list[tuple]:
@@ -99,34 +107,17 @@ class MimiEncoder:
         """[1, T, hidden] through the encoder transformer: positions 0..T-1, each query
         seeing the keys of the last `sliding_window` positions."""
         s, w = self.s, self.w
-        t = x.shape[1]
-        pos = torch.arange(t)
-        freqs = pos[:, None].float() * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        pos = torch.arange(x.shape[1])
+        cos, sin = rope_tables(self.inv_freq, pos)
         mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - s.window)
+
+        def attend(p: str, h: torch.Tensor) -> torch.Tensor:
+            return attend_out(*project_qkv(h, w, s, p, cos, sin), mask, w, s, p)
+
         for i in range(s.layers):
             p = f"encoder_transformer.layers.{i}."
-            h = F.layer_norm(x, (s.hidden,), w[p + "input_layernorm.weight"], w[p + "input_layernorm.bias"], s.eps)
-            x = x + w[p + "self_attn_layer_scale.scale"] * self._attend(p + "self_attn.", h, cos, sin, mask)
-            h = F.layer_norm(x, (s.hidden,), w[p + "post_attention_layernorm.weight"],
-                             w[p + "post_attention_layernorm.bias"], s.eps)
-            mlp = F.linear(F.gelu(F.linear(h, w[p + "mlp.fc1.weight"])), w[p + "mlp.fc2.weight"])
-            x = x + w[p + "mlp_layer_scale.scale"] * mlp
+            x = transformer_layer(x, w, s, p, functools.partial(attend, p + "self_attn."))
         return x
-
-    def _attend(self, p: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        s, w = self.s, self.w
-        t = h.shape[1]
-        q = F.linear(h, w[p + "q_proj.weight"]).view(1, t, s.heads, s.head_dim).transpose(1, 2)
-        k = F.linear(h, w[p + "k_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = F.linear(h, w[p + "v_proj.weight"]).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        rep = s.heads // s.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
-        return F.linear(o.transpose(1, 2).reshape(1, t, -1), w[p + "o_proj.weight"])
 
     def _quantize(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [T, hidden] -> codes [T, K]: per half, its input projection, then each
