@@ -71,3 +71,13 @@ def client(llama_server) -> openai.OpenAI:
 def model(llama_ckpt) -> str:
     """The served model name of the shared Llama server."""
     return llama_ckpt.name
+
+
+@pytest.fixture
+def restore_threads():
+    """The C kernels' thread count as it was before the test (a test that sets it)."""
+    from services.gpu_worker.layers import quant
+
+    before = quant.threads()
+    yield
+    quant.set_threads(before)

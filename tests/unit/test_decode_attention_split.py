@@ -21,13 +21,6 @@ def kernels():
         pytest.skip("no C compiler here: the CPU kernels did not build")
 
 
-@pytest.fixture
-def restore_threads():
-    before = quant.threads()
-    yield
-    quant.set_threads(before)
-
-
 def batch(shapes, heads, dtype, page_size=16, window=None, seed=0):
     """A pool holding each entry's `cached + new` rows (its pages scattered), the queries and
     the kernel's metadata: (cache, q, metadata). shapes: (cached, new) per decode entry."""

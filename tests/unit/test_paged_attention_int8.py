@@ -40,13 +40,6 @@ def kernels():
         pytest.skip("no C compiler here: the CPU kernels did not build")
 
 
-@pytest.fixture
-def restore_threads():
-    before = quant.threads()
-    yield
-    quant.set_threads(before)
-
-
 def filled(shapes, heads, page_size=PAGE, seed=0, window=None):
     """An int8 pool holding each entry's cached + new rows (pages scattered), written through the
     C write, the queries, the kernel's decode metadata and the rows' (k, v) as written."""

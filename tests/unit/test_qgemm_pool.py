@@ -19,13 +19,6 @@ from tests.unit.test_quant import random_blocks
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="no AVX-512 VNNI kernel built")
 
 
-@pytest.fixture
-def restore_threads():
-    before = quant.threads()
-    yield
-    quant.set_threads(before)
-
-
 def layers() -> dict[int, QuantLinear]:
     """form -> a layer whose columns do not fill their last tile (1000 = 62.5 tiles)."""
     n, k = 1000, 320
