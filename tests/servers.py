@@ -105,13 +105,20 @@ class MstarServer:
         return value
 
     def wait_pages_free(self, timeout: float = 5.0) -> float:
-        """Used KV pages, once they reach zero (or after `timeout`)."""
+        """Used KV pages, once they reach zero (or after `timeout`). A server that has not
+        published its pools yet (just started, asked nothing: the api has seen no cluster
+        status) is waited for too, within the same `timeout`."""
         deadline = time.monotonic() + timeout
-        used = self.metric("mstar_kv_pages_used")
-        while used and time.monotonic() < deadline:
+        while True:
+            try:
+                used = self.metric("mstar_kv_pages_used")
+            except KeyError:
+                if time.monotonic() >= deadline:
+                    raise
+                used = None
+            if used == 0 or (used is not None and time.monotonic() >= deadline):
+                return used
             time.sleep(0.1)
-            used = self.metric("mstar_kv_pages_used")
-        return used
 
     def stop(self) -> int | None:
         if self.proc is None:
