@@ -656,6 +656,9 @@ class SpeechRequest(Body):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    max_audio_seconds: Annotated[float, Meta(gt=0.0, le=86400.0, description=(
+        "the most sound to make, in seconds (rounded up to whole frames; with max_tokens, the smaller cap); "
+        "past what the model's frame loop allows it is refused as max_tokens is"))] | None = None
     context: Context | None = None
 
 

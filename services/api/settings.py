@@ -49,6 +49,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     audio_language: str | None = None  # the language a speech model assumes when none is sent
     #: a speech model's own sampling defaults (`ModelSpec.speech_defaults`), under a body's fields
     speech_defaults: dict[str, float] = {}
+    #: a speech model's frames a second and tokens a frame (`ModelSpec.audio_frame_rate`):
+    #: `max_audio_seconds` in tokens
+    audio_frame_rate: float = 0.0
+    audio_frame_tokens: int = 1
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0

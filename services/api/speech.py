@@ -20,7 +20,8 @@
 - Sampling: the model's own defaults (`ModelSpec.speech_defaults`: Orpheus' temperature
   0.6, top_p 0.8, repetition_penalty 1.3; CSM's temperature 0.9, top_k 50), which a body
   may set (vLLM-style extra fields), with `seed` and `max_tokens` (Orpheus: audio tokens,
-  7 a frame, 12 frames ~ a second; CSM: frames, 12.5 a second).
+  7 a frame, 12 frames ~ a second; CSM: frames, 12.5 a second), or the length in seconds
+  (`max_audio_seconds`, an extension: whole frames, rounded up; the smaller cap if both).
 
 The audio rides on the outputs as float32 samples (`Output.audio`, made by the gpu
 worker's codec); this module only encodes them (soundfile, numpy).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import struct
 from typing import Any
 
@@ -165,10 +167,21 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
                             sampling=SamplingParams(**sampling_fields(req, settings.speech_defaults)),
-                            max_tokens=req.max_tokens,
+                            max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens),
                             prompt=req.input, options=options, context=context_turns(req.context))
     reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
     return Prepared(params, req.stream_format is not None, reply, task="speech")
+
+
+def token_cap(req: SpeechRequest, frame_rate: float, frame_tokens: int) -> int | None:
+    """The request's cap in output tokens: `max_tokens`, or `max_audio_seconds` of sound in
+    whole frames (Orpheus: 7 tokens a frame; CSM: 1), the smaller where both are given."""
+    if req.max_audio_seconds is None:
+        return req.max_tokens
+    if frame_rate <= 0:  # (a speech model always says its rate)
+        raise invalid("max_audio_seconds", "the served model does not say its frame rate")
+    tokens = max(1, math.ceil(req.max_audio_seconds * frame_rate - 1e-9)) * frame_tokens
+    return tokens if req.max_tokens is None else min(tokens, req.max_tokens)
 
 
 async def speech(request: Request) -> Response | EventStream:

@@ -141,6 +141,10 @@ class ModelSpec(ABC):
     stop_ids: tuple[int, ...] = ()
     #: a speech model's audio sample rate (0: the model makes no sound)
     sample_rate: int = 0
+    #: a speech model's frames of sound a second and output tokens a frame (Orpheus: 7 SNAC
+    #: codes; CSM: 1, a frame is one step): how `max_audio_seconds` becomes a token cap
+    audio_frame_rate: float = 0.0
+    audio_frame_tokens: int = 1
     #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
     speech_defaults: tuple[tuple[str, float], ...] = ()
 

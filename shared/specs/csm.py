@@ -112,6 +112,7 @@ class CsmSpec(ModelSpec):
         self.text_vocab_size = int(config.get("text_vocab_size") or 0)
         self.sample_rate, self.samples_per_frame = mimi_frame(self.codec_config)
         self.frame_rate = self.sample_rate / self.samples_per_frame
+        self.audio_frame_rate = self.frame_rate
         self.page_size = page_size
         self.dtype = dtype
         ctx = self.config.max_position_embeddings

@@ -25,12 +25,15 @@ from typing import Any
 from shared.layout import ProcessPromptOutput
 from shared.specs.base import MetaValue, PromptError, PromptRequest, added_tokens
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.orpheus_codes import OrpheusCodes
+from shared.specs.orpheus_codes import CODES_PER_FRAME, OrpheusCodes
 
 #: Orpheus' English voices (canopylabs/orpheus-3b-0.1-ft)
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 DEFAULT_VOICE = "tara"
 CODEC_FOLDER = "snac"
+#: samples of one SNAC 24 kHz frame (hop 512 x the coarsest codebook's stride 4), until the
+#: codec's config says otherwise
+SNAC_FRAME_SAMPLES = 2048
 
 
 class OrpheusSpec(DecoderLMSpec):
@@ -47,6 +50,8 @@ class OrpheusSpec(DecoderLMSpec):
         self.codes: OrpheusCodes | None = None
         self.codec_path: Path | None = None
         self.sample_rate = 24000
+        self.audio_frame_rate = self.sample_rate / SNAC_FRAME_SAMPLES
+        self.audio_frame_tokens = CODES_PER_FRAME
         self.voices = VOICES
 
     def load_folder(self, path: str | Path) -> OrpheusSpec:
@@ -63,6 +68,9 @@ class OrpheusSpec(DecoderLMSpec):
         vocab = added_tokens(path)
         self.codes = OrpheusCodes(vocab, int(settings.get("codebook_size", 4096)))
         self.sample_rate = int(settings.get("sampling_rate", 24000))
+        # a frame is one code of the coarsest codebook: hop_length samples x its stride
+        strides = settings.get("vq_strides") or [SNAC_FRAME_SAMPLES // 512]
+        self.audio_frame_rate = self.sample_rate / (int(settings.get("hop_length", 512)) * int(strides[0]))
         self.codec_path = codec.parent
         self.stop_ids = (self.codes.end_of_speech,)
         return self

@@ -127,12 +127,16 @@ async def test_speech_route_formats_and_streams(server, reference):
         raw = await speech(client, response_format="pcm", stream_format="audio")
         sse = await speech(client, response_format="pcm", stream_format="sse")
         other = await speech(client, response_format="pcm", voice="1")
+        # 0.42 s is 5.25 frames of 80 ms: rounded up to the 6 max_tokens asks for; 0.3 s: 4 frames
+        seconds = await speech(client, response_format="pcm", max_tokens=None, max_audio_seconds=0.42)
+        shorter = await speech(client, response_format="pcm", max_audio_seconds=0.3)
     assert whole.headers["content-type"] == "audio/pcm" and wav.headers["content-type"] == "audio/wav"
     got = np.frombuffer(whole.content, "<i2")
     want = pcm(reference[("0", TEXTS[1])][1])
     assert len(got) == len(want) == FRAMES * 1920 and np.abs(got.astype(int) - want).max() <= 1
     assert np.abs(got).max() < 32767  # not clipped: the samples themselves are compared
     assert raw.content == whole.content
+    assert seconds.content == whole.content and shorter.content == whole.content[: 4 * 1920 * 2]
     events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] == FRAMES
     assert len(events) > 2  # the first frame leaves alone, then chunks of frames
@@ -156,6 +160,9 @@ async def test_speech_route_formats_and_streams(server, reference):
     ({"input": "x", "response_format": "mp3", "stream_format": "audio"}, "stream_format", "mp3 cannot be streamed"),
     ({"input": "x", "max_tokens": 100000}, "max_tokens",
      f"max_tokens - 1 = 99999 exceeds the decode loop's max_iters {MAX_SEQ_LEN - 1} (frame_loop)"),
+    ({"input": "x", "max_audio_seconds": 1000}, "max_tokens",  # 12,500 frames
+     f"max_tokens - 1 = 12499 exceeds the decode loop's max_iters {MAX_SEQ_LEN - 1} (frame_loop)"),
+    ({"input": "x", "max_audio_seconds": 0}, "max_audio_seconds", None),
 ])
 async def test_speech_refusals_name_the_field(server, body, param, message):
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:

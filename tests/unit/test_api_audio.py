@@ -554,3 +554,26 @@ def test_speech_formats_through_soundfile_decode_to_the_clip(fmt: str, snr_db: f
     assert rate == 24000 and len(got) == len(clip) and fmt in FORMATS
     want = np.frombuffer(encode_audio(clip, "pcm", 24000), "<i2") / 32768
     assert 10 * np.log10(np.sum(want**2) / np.sum((got - want) ** 2)) > snr_db
+
+
+def test_max_audio_seconds_is_whole_frames_of_the_models_codec():
+    """Orpheus: SNAC frames of 2,048 samples at 24 kHz (11.72 a second), 7 tokens each; CSM:
+    Mimi's 12.5 frames a second, one token each; the smaller cap with max_tokens."""
+    import msgspec
+
+    from services.api.schemas import SpeechRequest
+    from services.api.speech import token_cap
+    from shared.specs.orpheus import OrpheusSpec
+
+    orpheus = OrpheusSpec({"vocab_size": 200, "hidden_size": 8, "num_attention_heads": 1, "num_hidden_layers": 1},
+                          page_size=16)
+    assert (orpheus.audio_frame_rate, orpheus.audio_frame_tokens) == (24000 / 2048, 7)
+
+    def cap(rate: float, tokens: int, **body) -> int | None:
+        return token_cap(msgspec.convert({"input": "x", **body}, SpeechRequest), rate, tokens)
+
+    assert cap(24000 / 2048, 7, max_audio_seconds=1.0) == 12 * 7  # 11.72 frames, rounded up
+    assert cap(24000 / 2048, 7, max_audio_seconds=1.0, max_tokens=50) == 50
+    assert cap(12.5, 1, max_audio_seconds=0.4) == 5 and cap(12.5, 1, max_audio_seconds=0.41) == 6
+    assert cap(12.5, 1, max_tokens=9) == 9 and cap(12.5, 1) is None
+    assert cap(12.5, 1, max_audio_seconds=0.4, max_tokens=3) == 3
