@@ -139,12 +139,11 @@ class StepCosts:
         # n rows cost c_row n + c_key (n offset + n (n + 1) / 2) / KEY_UNIT: solve for n
         qa = c_key / (2 * KEY_UNIT)
         qb = c_row + (c_sample if scored else 0.0) + c_key * (offset + 0.5) / KEY_UNIT
-        if qa > 0:
-            n = int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa) + 1e-6)
-        elif qb > 0:
-            n = int(seconds / qb + 1e-6)
-        else:
-            n = remaining
+        # the positive root written 2 s / (qb + sqrt(qb^2 + 4 qa s)), which is s / qb when
+        # qa = 0: the textbook (-qb + sqrt(...)) / 2 qa cancels catastrophically when the key
+        # cost is tiny (a fit of steps that show none leaves ~1e-17 s, and 20 rows became 19)
+        denom = qb + math.sqrt(qb * qb + 4 * qa * seconds)
+        n = int(2 * seconds / denom + 1e-6) if denom > 0 else remaining
         if n >= remaining:
             return remaining if self._cost(offset, remaining, 1) <= seconds + 1e-9 else remaining - 1
         return max(n, 0)

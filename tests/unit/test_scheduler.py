@@ -63,6 +63,8 @@ def test_chunk_within_solves_for_rows_from_known_costs():
     assert costs.chunk_within(10.4 * MS, 0, 20) == 19  # the 20th would also sample: 1 ms more
     assert costs.chunk_within(11 * MS, 0, 20) == 20
     assert costs.chunk_within(0.0, 0, 128) == 0
+    costs.coef[3] = 1e-17  # a fit's leftover key cost: the root must not cancel to 19
+    assert costs.chunk_within(10 * MS, 0, 128) == 20
     with_keys = known_costs(5.0, 0.5, 1.0, key=1.0)  # 1 ms per 1024 keys: a later chunk costs more
     assert with_keys.chunk_within(10 * MS, 900, 128) < with_keys.chunk_within(10 * MS, 0, 128)
     n = with_keys.chunk_within(10 * MS, 900, 128)
