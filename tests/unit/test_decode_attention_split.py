@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import attention, cpu_kernels
-from services.gpu_worker.attention import build_metadata
+from services.gpu_worker.attention import build_metadata, head_dim_of
 from services.gpu_worker.layers import quant
 
 
@@ -43,14 +43,15 @@ def kernel(cache, q, meta, threads):
 
 
 def reference(cache, q, meta):
-    """Each decode row by SDPA on its keys [lo, hi) gathered and widened to float32, [N, Hq, D]."""
+    """Each decode row by SDPA on its keys [lo, hi) gathered and read as float32 (int8 pages
+    dequantized, `attention._read_pages`), [N, Hq, D]."""
     dec = meta.decode
-    hkv, d = cache.shape[3], cache.shape[4]
+    hkv, d = cache.shape[3], head_dim_of(cache)
     outs = []
     for row, entry, lo, hi in dec.query.t().tolist():
         pages = dec.pages[entry]
-        k = cache[pages, 0].reshape(-1, hkv, d)[lo:hi].float().transpose(0, 1)
-        v = cache[pages, 1].reshape(-1, hkv, d)[lo:hi].float().transpose(0, 1)
+        k = attention._read_pages(cache[pages, 0], torch.float32).reshape(-1, hkv, d)[lo:hi].transpose(0, 1)
+        v = attention._read_pages(cache[pages, 1], torch.float32).reshape(-1, hkv, d)[lo:hi].transpose(0, 1)
         o = F.scaled_dot_product_attention(q[row].unsqueeze(1), k, v, scale=d**-0.5, enable_gqa=True)
         outs.append(o.squeeze(1))
     return torch.stack(outs)

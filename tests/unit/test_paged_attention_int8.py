@@ -17,7 +17,6 @@ from services.gpu_worker.attention import (
     AttnRows,
     build_metadata,
     dequantize_kv,
-    head_dim_of,
     paged_attention,
     quantize_kv,
     write_kv,
@@ -30,6 +29,7 @@ from shared.model_source import ModelSource
 from shared.specs.base import DeploymentError
 from shared.specs.decoder_lm import DecoderLMSpec
 from tests.checkpoints import make_checkpoint
+from tests.unit.test_decode_attention_split import kernel, reference
 
 PAGE = 16
 
@@ -58,27 +58,6 @@ def filled(shapes, heads, page_size=PAGE, seed=0, window=None):
     return cache, q, build_metadata(rows, page_size, window, backend="kernel")
 
 
-def decode(cache, q, meta, threads):
-    quant.set_threads(threads)
-    out = torch.zeros_like(q)
-    attention._decode_kernel(q, cache, meta.decode, q.shape[-1] ** -0.5, out)
-    return out
-
-
-def reference_decode(cache, q, meta):
-    """Each decode row by SDPA on its keys [lo, hi), the pages dequantized in torch."""
-    dec = meta.decode
-    hkv, d = cache.shape[3], head_dim_of(cache)
-    outs = []
-    for row, entry, lo, hi in dec.query.t().tolist():
-        pages = dec.pages[entry]
-        k = dequantize_kv(cache[pages, 0]).reshape(-1, hkv, d)[lo:hi].transpose(0, 1)
-        v = dequantize_kv(cache[pages, 1]).reshape(-1, hkv, d)[lo:hi].transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q[row].unsqueeze(1), k, v, scale=d**-0.5, enable_gqa=True)
-                    .squeeze(1))
-    return torch.stack(outs)
-
-
 def test_c_write_stores_torchs_quantization_and_reads_back_within_half_a_step(kernels):
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(50, 3, 64, generator=g) * 3, torch.randn(50, 3, 64, generator=g)
@@ -101,22 +80,22 @@ def test_c_write_stores_torchs_quantization_and_reads_back_within_half_a_step(ke
 @pytest.mark.parametrize("lengths", [[1], [100], [2100], [1, 100, 2100, 5000, 513]])
 def test_decode_matches_sdpa_on_dequantized_pages_on_any_thread_count(kernels, restore_threads, heads, lengths):
     cache, q, meta = filled([(n - 1, 1) for n in lengths], heads)
-    one, two = decode(cache, q, meta, 1), decode(cache, q, meta, 2)
+    one, two = kernel(cache, q, meta, 1), kernel(cache, q, meta, 2)
     assert torch.equal(one, two), "the thread count changed the result"
-    ref = reference_decode(cache, q, meta)
+    ref = reference(cache, q, meta)
     torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_decode_is_the_float32_kernel_on_the_dequantized_pages(kernels, restore_threads):
     cache, q, meta = filled([(4999, 1), (511, 1), (512, 1), (1024, 1)], (9, 3, 64), seed=6)
     widened = dequantize_kv(cache).contiguous()
-    assert torch.equal(decode(cache, q, meta, 2), decode(widened, q, meta, 2))
+    assert torch.equal(kernel(cache, q, meta, 2), kernel(widened, q, meta, 2))
 
 
 def test_a_row_is_the_same_bits_alone_and_in_a_batch(kernels, restore_threads):
     shapes = [(2999, 1), (40, 1), (700, 1)]
     cache, q, meta = filled(shapes, (9, 3, 64), seed=3)
-    both = decode(cache, q, meta, 2)
+    both = kernel(cache, q, meta, 2)
     dec = meta.decode
     for i in range(len(shapes)):
         alone = attention.KernelDecode(dec.pages[i : i + 1].contiguous(),
@@ -129,9 +108,9 @@ def test_a_row_is_the_same_bits_alone_and_in_a_batch(kernels, restore_threads):
 def test_speculative_rows_and_a_window(kernels, restore_threads):
     cache, q, meta = filled([(1200, 3), (600, 2)], (9, 3, 64), page_size=8, window=500, seed=5)
     assert meta.decode.query[2].min() > 0
-    one = decode(cache, q, meta, 1)
-    assert torch.equal(one, decode(cache, q, meta, 2))
-    torch.testing.assert_close(one, reference_decode(cache, q, meta), rtol=1e-5, atol=1e-5)
+    one = kernel(cache, q, meta, 1)
+    assert torch.equal(one, kernel(cache, q, meta, 2))
+    torch.testing.assert_close(one, reference(cache, q, meta), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_len,cached,window", [(300, 0, None), (17, 200, None), (1, 530, None), (64, 300, 100)])
