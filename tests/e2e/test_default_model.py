@@ -9,15 +9,22 @@ import jinja2
 from shared.model_source import ModelSource
 
 
+def ask_capital_of_france(server) -> dict:
+    """The default model's chat template around the question, greedy, 30 tokens: the 200
+    body of `/generate` (the int8-KV test asks the same)."""
+    bundle = ModelSource("").tokenizer
+    prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(bundle.chat_template).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    r = httpx.post(server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_default_model_answers_paris(smollm_server):
     bundle = ModelSource("").tokenizer
     assert bundle.tokenizer.get_vocab_size() == 49152 and bundle.eos_token == "<|im_end|>"
-    prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(bundle.chat_template).render(
-        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
-    r = httpx.post(smollm_server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0},
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = ask_capital_of_france(smollm_server)
     assert "Paris" in body["text"]
     assert body["finish_reason"] == "stop"  # <|im_end|> from the GGUF metadata ends it
     assert "loading" in smollm_server.log() or "dequantizing" in smollm_server.log()  # the progress bar

@@ -5,11 +5,9 @@ model family that does not take int8 pages stops at start with the option named.
 
 from __future__ import annotations
 
-import httpx
-import jinja2
 import pytest
 
-from shared.model_source import ModelSource
+from tests.e2e.test_default_model import ask_capital_of_france
 from tests.servers import MstarServer, serve_until_exit
 
 
@@ -22,13 +20,7 @@ def int8_server(tmp_path_factory):
 
 
 def test_default_model_on_int8_pages_answers_paris(int8_server):
-    bundle = ModelSource("").tokenizer
-    prompt = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(bundle.chat_template).render(
-        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
-    r = httpx.post(int8_server.url + "/generate", json={"prompt": prompt, "max_tokens": 30, "temperature": 0},
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = ask_capital_of_france(int8_server)
     assert "Paris" in body["text"], body["text"]
     assert body["finish_reason"] == "stop"
 
