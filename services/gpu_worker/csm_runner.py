@@ -215,18 +215,21 @@ class CsmRunner(HeldSound, ModelRunner):
         audio's encoded codes, each turn's closing all-zero frame), kept on `r.embeds` by
         `prepare` and dropped once the chunk holding the last of them runs."""
         lo, hi = r.num_computed, r.num_computed + n
-        where, codes = r.embeds if r.embeds is not None else (np.zeros(0, dtype=np.int64), None)
-        a, b = np.searchsorted(where, [lo, hi])
-        frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist())) if b > a and codes is not None else {}
+        frames: dict[int, list[int]] = {}
+        if r.embeds is not None:
+            where, codes = r.embeds
+            a, b = np.searchsorted(where, [lo, hi])
+            frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist()))
+            if b == len(where):
+                r.embeds = None
         if not frames:  # a text chunk (every prompt without context audio)
             step.text(r.prompt[lo:hi])
-        for pos in range(lo, hi) if frames else ():
+            return
+        for pos in range(lo, hi):
             if pos in frames:
                 step.frame(frames[pos])
             else:
                 step.text([r.prompt[pos]])
-        if r.embeds is not None and b == len(where):
-            r.embeds = None
 
     def _frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the backbone's `hidden`, the
