@@ -110,3 +110,13 @@ def test_scratch_sized_by_the_kernel():
     size = attention._decode_scratch(lib)
     assert size(1, 9, 64, 512) == 16 + 1 * 9 * 66 + 16
     assert size(5, 9, 64, 5000) == 16 + 5 * 10 * 9 * 66 + 16
+
+
+def test_short_rows_split_over_kv_heads_keep_their_bits(restore_threads):
+    """A call with fewer partitions than two per thread splits each over groups of KV heads
+    (1 thread: 2 groups, 2 threads: 4, 3: 4 of SmolLM2-like GQA with 4 KV heads); a head's
+    arithmetic is the same in any group, so every count gives the same bits, and SDPA's values."""
+    cache, q, meta = batch([(99, 1)], (12, 4, 64), torch.bfloat16, seed=3)
+    outs = [kernel(cache, q, meta, threads) for threads in (1, 2, 3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "the KV-head groups changed the result"
+    torch.testing.assert_close(outs[0], reference(cache, q, meta), rtol=1e-5, atol=1e-5)

@@ -14,10 +14,14 @@
  * (query head h * G + g uses KV head h) and its output goes to out[qrow[i] * Hq * D ...].
  *
  * Work is split over the threads of pool.c's pool (flash-decoding): a task is one query row and
- * one partition of PART keys ([lo + p * PART, ...)), every head. It walks the partition's pages
- * twice, K then V; on each page every head takes the page's keys (the page's whole rows, read
- * from memory once, serve all heads, and each KV head's rows all of its query heads), with the
- * page PF_ROWS ahead prefetched into L2. The K walk writes the scores to a buffer on the task's
+ * one partition of PART keys ([lo + p * PART, ...)), every head; when a call has fewer
+ * partitions than GROUP_TASKS per thread (one short row: a c1 decode step), each is split
+ * further into groups of KV heads (a head's arithmetic is the same in any group, so the bits
+ * do not change; a 128-key row of SmolLM2's 3 KV heads, K/V cold: ~14.8 us a layer as one
+ * task, ~9 us as three on two threads). A task walks its partition's pages twice, K then V; on
+ * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
+ * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
+ * prefetched into L2. The K walk writes the scores to a buffer on the task's
  * stack, the softmax is exact over the partition (its max subtracted), and the V walk
  * accumulates the outputs. A row of at most PART keys is one partition, which writes its
  * output normalized: the arithmetic of the single-threaded kernel before the split, bit for
@@ -46,8 +50,8 @@
  *
  * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of a block of
  * up to GB query heads of one KV head (d = 128: 2) in registers while it takes a page's keys,
- * and a score is the plain loop's bits (its FMA chain, then its `omp simd` reduction's in-order
- * fold of the 16 lanes, done for 16 keys at once by a transpose, fold16). Other head sizes, or
+ * and a score is its FMA chain over the head's 16-lane slices, then a fixed tree over the 16
+ * lanes, done for 16 keys at once (fold16). Other head sizes, or
  * no AVX-512: the same arithmetic in plain loops. Heads go in passes of up to HC (their scores
  * on the stack); only the first prefetches, the others find the partition in L2.
  *
@@ -77,6 +81,7 @@
 #define PART 512   /* keys per partition (fixed: the thread count never changes the result) */
 #define GB 4       /* query heads of one KV head whose accumulators are in registers at once */
 #define HC 16      /* query heads per pass over a partition (their scores on the task's stack) */
+#define GROUP_TASKS 2 /* a call with fewer partitions than this per thread splits them by KV head */
 #define PF_ROWS 32 /* rows (whole pages of them, at least one) prefetched ahead of the one read */
 
 /* A bfloat16 value as float32: its bits are the float's top half (exact). */
@@ -129,7 +134,7 @@ struct decode_job {
     int64_t q_stride;
     const void *cache;
     const int64_t *pages, *qrow, *entry, *lo, *hi;
-    int64_t width, hq, hkv, g_n, d, hs, row, half, page_size, parts;  /* parts: task slots per row; hs: a head's
+    int64_t width, hq, hkv, g_n, d, hs, row, half, page_size, parts, groups;  /* parts: task slots per row; hs: a head's
                                                                           * elements in a row (d, int8: d + 4) */
     float scale;
     float *out;
@@ -143,6 +148,7 @@ struct span {
     const int64_t *pg;
     int64_t a, b, last_page;
     int pf;
+    int64_t ka, kb; /* the task's KV heads [ka, kb): only their slices of a row are prefetched */
 };
 
 /* Prefetches page index k's half kv (every KV head's rows: contiguous) into L2. Always inlined:
@@ -150,8 +156,14 @@ struct span {
 __attribute__((always_inline)) static inline void prefetch_half(const struct decode_job *J, const struct span *S,
                                                                 int64_t k, int kv, int elt) {
     if (!S->pf || k > S->last_page) return;
-    const char *base = (const char *)J->cache + elt * (S->pg[k] * 2 + kv) * J->half;
-    for (int64_t c = 0; c < elt * J->half; c += 64) __builtin_prefetch(base + c, 0, 2);
+    const char *base = (const char *)J->cache + elt * ((S->pg[k] * 2 + kv) * J->half + S->ka * J->hs);
+    const int64_t len = elt * (S->kb - S->ka) * J->hs;
+    if (len == elt * J->row) { /* every KV head: the page half is one run */
+        for (int64_t c = 0; c < elt * J->half; c += 64) __builtin_prefetch(base + c, 0, 2);
+        return;
+    }
+    for (int64_t r = 0; r < J->page_size; r++, base += elt * J->row)
+        for (int64_t c = 0; c < len; c += 64) __builtin_prefetch(base + c, 0, 2);
 }
 
 /* The keys from j to the end of their page (or of the span, *end) begin at the returned
@@ -275,36 +287,27 @@ __attribute__((always_inline)) static inline void load_vecs(const void *cache, c
     }
 }
 
-/* The 16 rows a[0..15] (16 lanes each) summed across their lanes, row j into lane j, each sum
- * in lane order from 0: ((0 + a_j[0]) + a_j[1]) + ... + a_j[15], which is how the plain loop's
- * `omp simd` reduction folds its vector (so a score is the same bits either way). A 16 x 16
- * transpose (64 shuffles) then 16 vector adds: far cheaper than 16 scalar folds. */
+/* The 16 rows a[0..15] (16 lanes each) summed across their lanes, row j into lane j, by a
+ * tree that stays inside the 128-bit lanes as long as it can (cross-lane shuffles cost the
+ * most): rows paired by unpacklo/hi + add (each 128-bit lane then holds two partial sums of
+ * each of the two rows), pairs paired again (one partial of each of four rows per 128-bit lane),
+ * then the 128-bit lanes added across in two steps: 24 in-lane and 6 cross-lane shuffles and
+ * 15 adds for the 16 sums (a transpose then in-order adds took 32 and 32 and 16). Each sum's
+ * order is fixed, so a score is the same bits whatever the thread, batch or partition. */
 static inline __m512 fold16(const float *a) {
-    __m512 t[16], u[16], c[16];
-    for (int r = 0; r < 16; r += 2) {
-        const __m512 x = _mm512_load_ps(a + 16 * r), y = _mm512_load_ps(a + 16 * (r + 1));
-        t[r] = _mm512_unpacklo_ps(x, y);     /* per 128-bit lane: x0 y0 x1 y1 */
-        t[r + 1] = _mm512_unpackhi_ps(x, y); /* x2 y2 x3 y3 */
+    __m512 t[8], v[4];
+    for (int i = 0; i < 8; i++) { /* rows 2i, 2i + 1: per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3] */
+        const __m512 x = _mm512_load_ps(a + 32 * i), y = _mm512_load_ps(a + 32 * i + 16);
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
     }
-    for (int r = 0; r < 16; r += 4)
-        for (int h = 0; h < 2; h++) { /* rows r..r+3, elements 4l + 2h (+1) of each 128-bit lane l */
-            const __m512d x = _mm512_castps_pd(t[r + h]), y = _mm512_castps_pd(t[r + 2 + h]);
-            u[r + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
-            u[r + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
-        }
-    /* u[r + e] (e < 4): rows r..r+3, elements e, e + 4, e + 8, e + 12 in lanes 0..3 */
-    for (int e = 0; e < 4; e++) {
-        const __m512 lo02 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), lo13 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-        const __m512 hi02 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
-        const __m512 hi13 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
-        c[e] = _mm512_shuffle_f32x4(lo02, hi02, 0x88);      /* element e of rows 0..15 */
-        c[e + 8] = _mm512_shuffle_f32x4(lo02, hi02, 0xDD);  /* element e + 8 */
-        c[e + 4] = _mm512_shuffle_f32x4(lo13, hi13, 0x88);  /* element e + 4 */
-        c[e + 12] = _mm512_shuffle_f32x4(lo13, hi13, 0xDD); /* element e + 12 */
+    for (int i = 0; i < 4; i++) { /* rows 4i .. 4i + 3, one partial each per 128-bit lane */
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    __m512 s = _mm512_add_ps(_mm512_setzero_ps(), c[0]);
-    for (int e = 1; e < 16; e++) s = _mm512_add_ps(s, c[e]);
-    return s;
+    /* lanes 0, 1 of w0: rows 0-3 (two partials), lanes 2, 3: rows 4-7; w1 the same for rows 8-15 */
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
 /* K work of one register block (gb heads of one KV head, head size 16 * nv: constants) over
@@ -427,9 +430,10 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
  * prefetches; the others find the partition in L2). */
 __attribute__((always_inline)) static inline void run_part(const struct decode_job *J, struct span *S,
                                                            const int kind, const float *q, float *dst, float *rec) {
-    for (int64_t h0 = 0; h0 < J->hq; h0 += HC) {
-        const int64_t h1 = h0 + HC < J->hq ? h0 + HC : J->hq;
-        S->pf = h0 == 0;
+    const int64_t ha = S->ka * J->g_n, hb = S->kb * J->g_n;
+    for (int64_t h0 = ha; h0 < hb; h0 += HC) {
+        const int64_t h1 = h0 + HC < hb ? h0 + HC : hb;
+        S->pf = h0 == ha;
 #ifdef __AVX512F__
         if (J->d == 64 || J->d == 128) {
             if (J->d == 64)
@@ -472,14 +476,17 @@ static void merge(const struct decode_job *J, int64_t i, int64_t nparts) {
  * one after another, and prefetches the next one's first pages); a slot past the row's
  * partitions is empty. */
 __attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int kind) {
-    const int64_t p = t % J->parts, i = t / J->parts;
+    const int64_t grp = t % J->groups, p = t / J->groups % J->parts, i = t / J->groups / J->parts;
     const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
     if (p >= nparts) return;
-    struct span S = {J->pages + J->entry[i] * J->width, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size, 1};
+    const int64_t ka = grp * J->hkv / J->groups, kb = (grp + 1) * J->hkv / J->groups;
+    struct span S = {J->pages + J->entry[i] * J->width, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size, 1,
+                     ka, kb};
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
     float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
     run_part(J, &S, kind, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
-    if (nparts > 1 && atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts - 1)
+    if (nparts > 1 &&
+        atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts * J->groups - 1)
         merge(J, i, nparts);
 }
 
@@ -504,17 +511,24 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
                         int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out,
                         float *scratch, int64_t max_keys) {
     if (hq > MAX_HEADS || hkv < 1 || (hq / hkv) * hkv != hq) return -1;
-    for (int64_t i = 0; i < n_rows; i++)
+    int64_t work = 0; /* the partitions of every row */
+    for (int64_t i = 0; i < n_rows; i++) {
         if (hi[i] - lo[i] <= 0 || hi[i] - lo[i] > max_keys) return -2;
+        work += (hi[i] - lo[i] + PART - 1) / PART;
+    }
     if (n_rows <= 0) return 0;
     const int64_t parts = (max_keys + PART - 1) / PART;
-    if (n_rows * parts > INT32_MAX) return -2;
+    /* fewer partitions than GROUP_TASKS a thread: each split over the KV heads too (same bits) */
+    const int64_t want = GROUP_TASKS * mstar_pool_threads();
+    int64_t groups = work >= want ? 1 : (want + work - 1) / work;
+    if (groups > hkv) groups = hkv;
+    if (n_rows * parts * groups > INT32_MAX) return -2;
     const int64_t hs = kind == 2 ? d + 4 : d;
     struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hs, hkv * hs,
-                           page_size * hkv * hs, page_size, parts, scale, out, NULL, (_Atomic int *)scratch};
+                           page_size * hkv * hs, page_size, parts, groups, scale, out, NULL, (_Atomic int *)scratch};
     J.rec = (float *)(((uintptr_t)(scratch + count_floats(n_rows)) + 63) & ~(uintptr_t)63);
     for (int64_t c = 0; c < n_rows; c++) atomic_init(&J.done[c], 0);
-    mstar_parallel_for((int)(n_rows * parts), kind == 2 ? task_i8 : kind ? task_bf16 : task_f32, &J);
+    mstar_parallel_for((int)(n_rows * parts * groups), kind == 2 ? task_i8 : kind ? task_bf16 : task_f32, &J);
     return 0;
 }
 
