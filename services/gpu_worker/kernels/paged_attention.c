@@ -21,7 +21,7 @@
  * task, ~9 us as three on two threads). A task walks its partition's pages twice, K then V; on
  * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
  * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
- * prefetched into L2. The K walk writes the scores to a buffer on the task's
+ * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the scores to a buffer on the task's
  * stack, the softmax is exact over the partition (its max subtracted), and the V walk
  * accumulates the outputs. A row of at most PART keys is one partition, which writes its
  * output normalized: the arithmetic of the single-threaded kernel before the split, bit for
@@ -59,7 +59,10 @@
  * step of the default model (SmolLM2-135M, 30 layers, bfloat16 pages) at 2,048 keys spends
  * ~2.5 ms in attention on two threads (47 MB of K/V: ~19 GB/s), ~9.5 ms on one thread before
  * the split. Software prefetches go to L2 (prefetcht1): into L1 they held the core's few L1
- * miss buffers and halved the speed.
+ * miss buffers and halved the speed. On a Zen 4 EPYC VM (~32 GB/s) the same step's attention
+ * took ~2.9 ms with a page's prefetches issued at once and ~2.2 ms spread over its keys
+ * (a plain two-thread read of K/V pages scattered as the pool holds them reaches ~21 GB/s:
+ * ~2.2 ms).
  *
  * Built at first use by services/gpu_worker/cpu_kernels.py with the machine's C compiler
  * (-O3 -march=native -mprefer-vector-width=512).
@@ -149,17 +152,38 @@ struct span {
     int64_t a, b, last_page;
     int pf;
     int64_t ka, kb; /* the task's KV heads [ka, kb): only their slices of a row are prefetched */
+    struct pf_cursor *pc;
 };
 
-/* Prefetches page index k's half kv (every KV head's rows: contiguous) into L2. Always inlined:
- * GCC takes a function of prefetches alone for a pure one, and drops its calls. */
+/* The prefetches still to issue for the page ahead ([cur, end)), `step` bytes of them with
+ * each key a block takes (pf_some): spread over the page's work rather than issued at once,
+ * which stalled the core on its few miss buffers until the page arrived, so the loads did
+ * not overlap the arithmetic (2,048 keys of SmolLM2 a layer, cold, two threads: ~85 us in a
+ * burst, ~60 us spread; a plain read of the same pages takes ~55). */
+struct pf_cursor {
+    const char *cur, *end;
+    int64_t step;
+};
+
+__attribute__((always_inline)) static inline void pf_some(const struct span *S) {
+    struct pf_cursor *c = S->pc;
+    for (int64_t b = 0; b < c->step && c->cur < c->end; b += 64, c->cur += 64) __builtin_prefetch(c->cur, 0, 2);
+}
+
+/* Prefetches page index k's half kv into L2: every KV head's rows (one run) through the
+ * cursor, whose rest for the previous page is issued now; a task's slices of the rows (a
+ * group of KV heads, short rows) at once. Always inlined: GCC takes a function of prefetches
+ * alone for a pure one, and drops its calls. */
 __attribute__((always_inline)) static inline void prefetch_half(const struct decode_job *J, const struct span *S,
                                                                 int64_t k, int kv, int elt) {
     if (!S->pf || k > S->last_page) return;
     const char *base = (const char *)J->cache + elt * ((S->pg[k] * 2 + kv) * J->half + S->ka * J->hs);
     const int64_t len = elt * (S->kb - S->ka) * J->hs;
     if (len == elt * J->row) { /* every KV head: the page half is one run */
-        for (int64_t c = 0; c < elt * J->half; c += 64) __builtin_prefetch(base + c, 0, 2);
+        struct pf_cursor *c = S->pc;
+        for (; c->cur < c->end; c->cur += 64) __builtin_prefetch(c->cur, 0, 2);
+        c->cur = base;
+        c->end = base + elt * J->half;
         return;
     }
     for (int64_t r = 0; r < J->page_size; r++, base += elt * J->row)
@@ -227,8 +251,10 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     float s[HC * PART] __attribute__((aligned(64)));
     float mx[HC], sum[HC], buf[kind ? d : 1], o[HC * d];
     for (int64_t g = 0; g < nh; g++) mx[g] = -FLT_MAX;
+    S->pc->step = (elt * J->half / J->page_size + 63) / 64 * 64;
     for (int64_t j = S->a, end; j < S->b;) {
         for (int64_t at = page_run(J, S, j, 0, elt, &end); j < end; j++, at += J->row) {
+            pf_some(S);
             for (int64_t h = h0, hk = -1; h < h1; h++) {
                 const float *k = kind ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
                 if (kind && h / J->g_n != hk) {  /* this KV head's slice widened */
@@ -248,6 +274,7 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     memset(o, 0, sizeof(float) * nh * d);
     for (int64_t j = S->a, end; j < S->b;) {
         for (int64_t at = page_run(J, S, j, 1, elt, &end); j < end; j++, at += J->row) {
+            pf_some(S);
             for (int64_t h = h0, hk = -1; h < h1; h++) {
                 const float *v = kind ? buf : (const float *)J->cache + at + (h / J->g_n) * d;
                 if (kind && h / J->g_n != hk) {
@@ -315,14 +342,16 @@ static inline __m512 fold16(const float *a) {
  * n: each key's FMA chain over its 16-lane slices (in order) is kept in acc (head g's at
  * acc + 256 g) until 16 keys are there or the partition ends, then folded (fold16), scaled
  * into the scores (s + g * PART) and its max taken (mv[g]: sc > m ? sc : m, as the plain loop). */
-__attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const int kind,
-                                                          const float *restrict q, const int gb, const int nv,
-                                                          int64_t at, int64_t cnt, int64_t jj, int64_t n,
-                                                          float *restrict acc, float *restrict s, __m512 *mv) {
+__attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const struct span *S,
+                                                          const int kind, const float *restrict q, const int gb,
+                                                          const int nv, int64_t at, int64_t cnt, int64_t jj,
+                                                          int64_t n, float *restrict acc, float *restrict s,
+                                                          __m512 *mv) {
     __m512 qv[GB][8], x[8];
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
+        pf_some(S);
         load_vecs(J->cache, kind, at, nv, x);
         for (int g = 0; g < gb; g++) {
             __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
@@ -341,13 +370,15 @@ __attribute__((always_inline)) static inline void k_block(const struct decode_jo
 
 /* V work of one register block over cnt keys of one page: o[g] += p_g,j * v_j, key by key in
  * order (each output the plain loop's FMA chain: the same bits), the outputs in registers. */
-__attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const int kind, const int gb,
-                                                          const int nv, int64_t at, int64_t cnt, int64_t jj,
-                                                          const float *restrict s, float *restrict o) {
+__attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const struct span *S,
+                                                          const int kind, const int gb, const int nv, int64_t at,
+                                                          int64_t cnt, int64_t jj, const float *restrict s,
+                                                          float *restrict o) {
     __m512 acc[GB][8], x[8];
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) acc[g][v] = _mm512_load_ps(o + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
+        pf_some(S);
         load_vecs(J->cache, kind, at, nv, x);
         for (int g = 0; g < gb; g++) {
             const __m512 p = _mm512_set1_ps(s[g * PART + jj]);
@@ -367,20 +398,21 @@ __attribute__((always_inline)) static inline void v_block(const struct decode_jo
     default: call_4; break;                          \
     }
 
-__attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const int kind, const float *q,
-                                                        int gb, const int nv, int64_t at, int64_t cnt, int64_t jj,
-                                                        int64_t n, float *acc, float *s, __m512 *mv) {
-    BLOCK_CASES(k_block(J, kind, q, 1, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, kind, q, 2, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, kind, q, 3, nv, at, cnt, jj, n, acc, s, mv),
-                k_block(J, kind, q, 4, nv, at, cnt, jj, n, acc, s, mv))
+__attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const struct span *S,
+                                                        const int kind, const float *q, int gb, const int nv,
+                                                        int64_t at, int64_t cnt, int64_t jj, int64_t n, float *acc,
+                                                        float *s, __m512 *mv) {
+    BLOCK_CASES(k_block(J, S, kind, q, 1, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, S, kind, q, 2, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, S, kind, q, 3, nv, at, cnt, jj, n, acc, s, mv),
+                k_block(J, S, kind, q, 4, nv, at, cnt, jj, n, acc, s, mv))
 }
 
-__attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const int kind, int gb,
-                                                        const int nv, int64_t at, int64_t cnt, int64_t jj,
-                                                        const float *s, float *o) {
-    BLOCK_CASES(v_block(J, kind, 1, nv, at, cnt, jj, s, o), v_block(J, kind, 2, nv, at, cnt, jj, s, o),
-                v_block(J, kind, 3, nv, at, cnt, jj, s, o), v_block(J, kind, 4, nv, at, cnt, jj, s, o))
+__attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const struct span *S,
+                                                        const int kind, int gb, const int nv, int64_t at, int64_t cnt,
+                                                        int64_t jj, const float *s, float *o) {
+    BLOCK_CASES(v_block(J, S, kind, 1, nv, at, cnt, jj, s, o), v_block(J, S, kind, 2, nv, at, cnt, jj, s, o),
+                v_block(J, S, kind, 3, nv, at, cnt, jj, s, o), v_block(J, S, kind, 4, nv, at, cnt, jj, s, o))
 }
 
 /* The AVX-512 pass over heads [h0, h1), head size 16 * nv (a constant), page by page: on each
@@ -398,11 +430,14 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
     float mx[HC], sum[HC];
     __m512 mv[HC];
     for (int64_t g = 0; g < h1 - h0; g++) mv[g] = _mm512_set1_ps(-FLT_MAX);
+    int64_t blocks = 0; /* register blocks a page's keys go through: the page ahead's prefetches over them */
+    for (int64_t h = h0; h < h1; h = block_end(J, h, h1, cap)) blocks++;
+    S->pc->step = (elt * J->half / (J->page_size * blocks) + 63) / 64 * 64;
     for (int64_t j = S->a, end; j < S->b; j = end) {
         const int64_t at = page_run(J, S, j, 0, elt, &end);
         for (int64_t h = h0, e; h < h1; h = e) {
             e = block_end(J, h, h1, cap);
-            k_any(J, kind, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, n,
+            k_any(J, S, kind, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, n,
                   acc + (h - h0) * 256, s + (h - h0) * PART, mv + (h - h0));
         }
     }
@@ -418,7 +453,7 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
         const int64_t at = page_run(J, S, j, 1, elt, &end);
         for (int64_t h = h0, e; h < h1; h = e) {
             e = block_end(J, h, h1, cap);
-            v_any(J, kind, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, s + (h - h0) * PART,
+            v_any(J, S, kind, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, s + (h - h0) * PART,
                   o + (h - h0) * d);
         }
     }
@@ -480,11 +515,13 @@ __attribute__((always_inline)) static inline void decode_task(const struct decod
     const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
     if (p >= nparts) return;
     const int64_t ka = grp * J->hkv / J->groups, kb = (grp + 1) * J->hkv / J->groups;
+    struct pf_cursor pc = {NULL, NULL, 0};
     struct span S = {J->pages + J->entry[i] * J->width, J->lo[i] + p * PART, 0, (J->hi[i] - 1) / J->page_size, 1,
-                     ka, kb};
+                     ka, kb, &pc};
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
     float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
     run_part(J, &S, kind, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
+    for (; pc.cur < pc.end; pc.cur += 64) __builtin_prefetch(pc.cur, 0, 2); /* the next partition's start */
     if (nparts > 1 &&
         atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts * J->groups - 1)
         merge(J, i, nparts);
