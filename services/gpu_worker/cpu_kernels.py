@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qgemm_available.argtypes = []
         lib.mstar_qlinear_scratch.restype = i64
         lib.mstar_qlinear_scratch.argtypes = [i64, i64]
+        lib.mstar_qrows.restype = ctypes.c_int
+        lib.mstar_qrows.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
         lib.mstar_qlinear.restype = ctypes.c_int
         lib.mstar_qlinear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int,
                                       ptr]

@@ -60,6 +60,20 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_without_the_kernels_are_the_same_bits(qtype, monkeypatch):
+    """An embedding lookup on torch's ops (no C compiler) and on mstar_qrows agree bit for bit;
+    the kernel refuses an id past the table (it would read past the weight's last tile)."""
+    k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96
+    layer = QuantLinear.from_gguf(qtype, random_blocks(qtype, 40, k), (40, k))
+    ids = torch.tensor([5, 39, 0, 16, 5])
+    kernel = layer.rows(ids)
+    with pytest.raises(IndexError):
+        layer.rows(torch.tensor([40]))
+    monkeypatch.setattr(quant.cpu_kernels, "library", lambda: None)
+    assert torch.equal(layer.rows(ids), kernel)
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):

@@ -38,6 +38,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "pool.h"
 
@@ -53,6 +54,55 @@ int64_t mstar_qgemm_available(void) {
 int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32;
     return 2 * m * kp + 2 * m * kb * 4 + 2 * m * kb * 4 + 64;
+}
+
+/* IQ4_NL's values (ggml-common.h kvalues_iq4nl) as floats, for mstar_qrows */
+static const float kvalues_nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Rows `ids` of a weight in the tiled layout above, in float32 (an embedding lookup: a tied
+ * model's table is its LM head's weight), each value as gguf dequantizes it and as
+ * layers/quant.py's torch expression computes it, bit for bit: d * q then + m, two roundings
+ * (fp-contract off: a fused multiply-add would round once). out [n_ids, ldo], the first k
+ * columns written. Returns 0, -1 for a form it does not take, -2 for an id outside [0, n) (nothing
+ * written). On any CPU: the decode step's one row cost ~10 torch ops (~0.1 ms) through the
+ * tensor expression. */
+__attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uint8_t *w, const float *d,
+                                                              const float *mn, int64_t n, int64_t k,
+                                                              const int64_t *ids, int64_t n_ids, float *out,
+                                                              int64_t ldo) {
+    if (form != 4 && form != 8 && form != 16) return -1;
+    for (int64_t r = 0; r < n_ids; r++)
+        if (ids[r] < 0 || ids[r] >= n) return -2;
+    const int64_t kb = (k + 31) / 32, groups = form == 8 ? 8 : 4;
+    float v[32];
+    for (int64_t r = 0; r < n_ids; r++) {
+        const int64_t t = ids[r] / 16, j = ids[r] % 16;
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *src = w + (t * kb + b) * groups * 64 + j * 4;
+            const float m = mn ? mn[(t * kb + b) * 16 + j] : 0.f;
+            if (form == 8) {
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) {
+                        const float q = (float)((int)src[g * 64 + i] - 128);
+                        v[4 * g + i] = d[((t * kb + b) * 2 + g / 4) * 16 + j] * q;
+                    }
+            } else {
+                const float dd = d[(t * kb + b) * 16 + j];
+                for (int g = 0; g < 4; g++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = src[g * 64 + i];
+                        const int lo = byte & 15, hi = byte >> 4;
+                        v[4 * g + i] = form == 4 ? dd * (float)lo : dd * kvalues_nl[lo];
+                        v[4 * g + i + 16] = form == 4 ? dd * (float)hi : dd * kvalues_nl[hi];
+                    }
+            }
+            if (mn)
+                for (int e = 0; e < 32; e++) v[e] = v[e] + m;
+            const int64_t n = k - 32 * b < 32 ? k - 32 * b : 32;
+            memcpy(out + r * ldo + 32 * b, v, sizeof(float) * n);
+        }
+    }
+    return 0;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
