@@ -44,9 +44,9 @@ def _executor(helpers: int) -> ThreadPoolExecutor:
 
 
 def linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, threads: int) -> None:
-    """out [rows, n] (float32) = x [rows, k] @ wide [n, k].T (+ bias), x rounded to bfloat16."""
-    xb = x.to(torch.bfloat16)
-    rows = xb.shape[0]
+    """out [rows, n] (float32) = x [rows, k] @ wide [n, k].T (+ bias), x rounded to bfloat16
+    (block by block, by the thread that multiplies it: the rounding is a pass over x)."""
+    rows = x.shape[0]
     blocks = -(-rows // ROWS)
     counter = itertools.count()  # next() on it is atomic under the GIL
     inference = torch.is_inference_mode_enabled()  # thread-local: the helpers take the caller's
@@ -55,7 +55,7 @@ def linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None, out: 
         with torch.inference_mode(inference):
             while (i := next(counter)) < blocks:
                 part = out[i * ROWS : (i + 1) * ROWS]
-                part.copy_(F.linear(xb[i * ROWS : (i + 1) * ROWS], wide))
+                part.copy_(F.linear(x[i * ROWS : (i + 1) * ROWS].to(torch.bfloat16), wide))
                 if bias is not None:
                     part.add_(bias)
 
