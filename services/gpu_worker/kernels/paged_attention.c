@@ -21,8 +21,8 @@
  * task, ~9 us as three on two threads). A task walks its partition's pages twice, K then V; on
  * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
  * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
- * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the scores to a buffer on the task's
- * stack, the softmax is exact over the partition (its max subtracted), and the V walk
+ * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the
+ * scores to a buffer on the task's stack, the softmax is exact over the partition (its max subtracted), and the V walk
  * accumulates the outputs. A row of at most PART keys is one partition, which writes its
  * output normalized: the arithmetic of the single-threaded kernel before the split, bit for
  * bit (each score, sum and output the same operations in the same order). A longer row's
@@ -137,8 +137,9 @@ struct decode_job {
     int64_t q_stride;
     const void *cache;
     const int64_t *pages, *qrow, *entry, *lo, *hi;
-    int64_t width, hq, hkv, g_n, d, hs, row, half, page_size, parts, groups;  /* parts: task slots per row; hs: a head's
-                                                                          * elements in a row (d, int8: d + 4) */
+    /* parts: task slots per row; groups: tasks per partition (KV-head groups); hs: a head's
+     * elements in a row (d, int8: d + 4) */
+    int64_t width, hq, hkv, g_n, d, hs, row, half, page_size, parts, groups;
     float scale;
     float *out;
     float *rec;         /* partition records, [n_rows][parts][hq * (d + 2)]: maxes, sums, outputs */
@@ -165,6 +166,11 @@ struct pf_cursor {
     int64_t step;
 };
 
+/* The cursor's page, all of what is left of it, now. */
+__attribute__((always_inline)) static inline void pf_rest(struct pf_cursor *c) {
+    for (; c->cur < c->end; c->cur += 64) __builtin_prefetch(c->cur, 0, 2);
+}
+
 __attribute__((always_inline)) static inline void pf_some(const struct span *S) {
     struct pf_cursor *c = S->pc;
     for (int64_t b = 0; b < c->step && c->cur < c->end; b += 64, c->cur += 64) __builtin_prefetch(c->cur, 0, 2);
@@ -181,7 +187,7 @@ __attribute__((always_inline)) static inline void prefetch_half(const struct dec
     const int64_t len = elt * (S->kb - S->ka) * J->hs;
     if (len == elt * J->row) { /* every KV head: the page half is one run */
         struct pf_cursor *c = S->pc;
-        for (; c->cur < c->end; c->cur += 64) __builtin_prefetch(c->cur, 0, 2);
+        pf_rest(c);
         c->cur = base;
         c->end = base + elt * J->half;
         return;
@@ -251,7 +257,7 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     float s[HC * PART] __attribute__((aligned(64)));
     float mx[HC], sum[HC], buf[kind ? d : 1], o[HC * d];
     for (int64_t g = 0; g < nh; g++) mx[g] = -FLT_MAX;
-    S->pc->step = (elt * J->half / J->page_size + 63) / 64 * 64;
+    S->pc->step = (elt * J->row + 63) / 64 * 64; /* a page's rows over its keys */
     for (int64_t j = S->a, end; j < S->b;) {
         for (int64_t at = page_run(J, S, j, 0, elt, &end); j < end; j++, at += J->row) {
             pf_some(S);
@@ -432,7 +438,7 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
     for (int64_t g = 0; g < h1 - h0; g++) mv[g] = _mm512_set1_ps(-FLT_MAX);
     int64_t blocks = 0; /* register blocks a page's keys go through: the page ahead's prefetches over them */
     for (int64_t h = h0; h < h1; h = block_end(J, h, h1, cap)) blocks++;
-    S->pc->step = (elt * J->half / (J->page_size * blocks) + 63) / 64 * 64;
+    S->pc->step = (elt * J->row / blocks + 63) / 64 * 64;
     for (int64_t j = S->a, end; j < S->b; j = end) {
         const int64_t at = page_run(J, S, j, 0, elt, &end);
         for (int64_t h = h0, e; h < h1; h = e) {
@@ -521,7 +527,7 @@ __attribute__((always_inline)) static inline void decode_task(const struct decod
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
     float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
     run_part(J, &S, kind, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
-    for (; pc.cur < pc.end; pc.cur += 64) __builtin_prefetch(pc.cur, 0, 2); /* the next partition's start */
+    pf_rest(&pc); /* the next partition's start */
     if (nparts > 1 &&
         atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts * J->groups - 1)
         merge(J, i, nparts);
