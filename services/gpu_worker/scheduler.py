@@ -16,13 +16,17 @@ prefill chunks beside them are cut so the step's predicted time (`step_costs.Ste
 learned at warm-up and from every step since) stays within the target, since every
 running stream waits for the whole step. A step with no decode row (an idle engine) fills
 the token budget, so a lone prompt's first token is not held back; so does a step whose
-decode rows are no more than `1 / IDLE_RATIO` of the prompts waiting beside them: a batch of
-prompts that arrived together (all but the few the previous step caught) is prefilled at
-once and then decodes in step with them, at the cost of one long gap for those few, rather
-than being dribbled in while they run ahead (which spreads every later prefill over every
-stream's decode steps). Prompts always move: at least `MIN_PREFILL_ROWS` rows a step
-whatever the target, and under a load the target cannot hold, prompts pile up until they
-outnumber the decode rows and the next step prefills at the full budget. The target
+decode rows are no more than `1 / IDLE_RATIO` (a quarter) of the prompts waiting beside
+them: a wave of prompts that arrived together (all but the few the previous step caught) is
+prefilled at once and then decodes in step with them, at the cost of one long gap for those
+few, rather than being dribbled in while they run ahead (which spreads every later prefill
+over every stream's decode steps). A quarter, not one to one: one to three prompts beside
+as many streams are not a wave, and prefilling them whole stalled the streams for their
+whole prompts (~0.65 s at 2,048 tokens on the bench checkpoint: 15 such gaps in 2,048 at c4
+under a 15 ms target, the P99 inter-token latency; docs/benchmarks.md). Prompts always
+move: at least `MIN_PREFILL_ROWS` rows a step whatever the target, and under a load the
+target cannot hold, prompts pile up until the streams finish or the prompts are four times
+their number, and the next step prefills at the full budget. The target
 changes only when rows run, never what they compute: each row sees the same keys whatever
 chunk it came in, so every request gets the same tokens.
 
@@ -55,7 +59,7 @@ from shared.layout import KVLabel, block_boundary
 #: prompt rows a step beside decode rows may always prefill, whatever the time target
 MIN_PREFILL_ROWS = 16
 #: a step is as good as idle when its decode rows x this are no more than the prompts waiting
-IDLE_RATIO = 1.0
+IDLE_RATIO = 4.0
 
 
 @dataclass(frozen=True)

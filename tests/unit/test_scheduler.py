@@ -117,14 +117,26 @@ def test_an_idle_engine_prefills_at_the_full_token_budget():
     assert plan_rows(s) == ([], [300, 212])
 
 
-def test_prompts_that_outnumber_the_decode_rows_go_at_the_full_budget():
+def test_a_wave_of_prompts_four_times_the_decode_rows_goes_at_the_full_budget():
     s = scheduler(30, known_costs(5.0, 0.5, 1.0), budget=2048)
-    # 4 prompts of a wave the previous step caught now decode; the other 12 arrived meanwhile
+    # 3 prompts of a wave the previous step caught now decode; the other 12 arrived meanwhile
+    s.running = [req(f"d{i}", 128, 128) for i in range(3)] + [req(f"p{i}", 128, 0) for i in range(12)]
+    assert plan_rows(s) == ([1] * 3, [128] * 12)
     s.running = [req(f"d{i}", 128, 128) for i in range(4)] + [req(f"p{i}", 128, 0) for i in range(12)]
-    assert plan_rows(s) == ([1] * 4, [128] * 12)
-    s.running = [req(f"d{i}", 128, 128) for i in range(13)] + [req(f"p{i}", 128, 0) for i in range(12)]
-    decodes, chunks = plan_rows(s)  # more decode rows than prompts: cut to the target
-    assert decodes == [1] * 13 and sum(chunks) < 128
+    s.limits = Limits(64, 2048, 4096, None, 30.2 * MS)  # (off the boundary of a whole row)
+    decodes, chunks = plan_rows(s)  # fewer than four prompts a decode row: cut to the target
+    # 4 decode rows: 5 + 4 * 1.5 = 11 ms; 19.2 ms left at 0.5 ms a row = 38 rows
+    assert decodes == [1] * 4 and chunks == [38]
+
+
+def test_a_few_long_prompts_do_not_stall_a_running_stream():
+    # c4 with long prompts: one stream decodes while three 2,048-token prompts wait; prefilled
+    # whole they would hold its next token for the whole step (~1 s here), so they are cut
+    s = scheduler(15.2, known_costs(5.0, 0.5, 1.0), budget=2048)
+    for waiting in (1, 3):
+        s.running = [req("d0", 2048, 2048)] + [req(f"p{i}", 2048, 0) for i in range(waiting)]
+        # 1 decode row: 6.5 ms; 8.7 ms left at 0.5 ms a row = 17 rows
+        assert plan_rows(s) == ([1], [17])
 
 
 def test_target_off_or_costs_unknown_is_the_token_budget_alone():
