@@ -2,7 +2,8 @@
 over the compute threads.
 
 oneDNN (through torch) runs the bfloat16 GEMM on the CPU's matrix units where it has
-them (AMX tiles) or its AVX512-BF16 dot products; one call per block of `ROWS` rows, each
+them (AMX tiles) or its AVX512-BF16 dot products; one call per block of at most `ROWS` rows
+(as many blocks as a multiple of the threads, none under `MIN_ROWS` rows), each
 on one oneDNN thread, the blocks taken from a shared counter by `threads` threads (the
 caller and a small pool). Not torch's own intra-op threads: on a machine whose other
 cores are busy (the api and conductor share them) an OpenMP team waits at its barrier for
@@ -28,6 +29,11 @@ from services.gpu_worker.threads import torch_threads
 #: rows per oneDNN call: a block is ~1-4 ms of work for a 135M model's layers, far above a
 #: block's dispatch cost (tens of microseconds), and small enough to balance two threads
 ROWS = 128
+#: the fewest rows a block is cut to so that a short chunk still has a block per thread: a
+#: prompt chunk beside decode rows is often under ROWS x threads rows (~85 in a 100 ms step
+#: of the default model), and one thread ran it all; oneDNN's bfloat16 GEMM is ~140 GFLOP/s
+#: a thread at 16 rows against ~200 at 64 and up, so two 16-row blocks beat one 32-row one
+MIN_ROWS = 16
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -47,15 +53,19 @@ def linear(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None, out: 
     """out [rows, n] (float32) = x [rows, k] @ wide [n, k].T (+ bias), x rounded to bfloat16
     (block by block, by the thread that multiplies it: the rounding is a pass over x)."""
     rows = x.shape[0]
-    blocks = -(-rows // ROWS)
+    # blocks of <= ROWS rows, as many as a multiple of the threads (each takes a like share;
+    # a 300-row chunk was 128 + 128 + 44), but none under MIN_ROWS
+    want = threads * -(-rows // (threads * ROWS))
+    size = max(MIN_ROWS, -(-rows // want))
+    blocks = -(-rows // size)
     counter = itertools.count()  # next() on it is atomic under the GIL
     inference = torch.is_inference_mode_enabled()  # thread-local: the helpers take the caller's
 
     def work() -> None:
         with torch.inference_mode(inference):
             while (i := next(counter)) < blocks:
-                part = out[i * ROWS : (i + 1) * ROWS]
-                part.copy_(F.linear(x[i * ROWS : (i + 1) * ROWS].to(torch.bfloat16), wide))
+                part = out[i * size : (i + 1) * size]
+                part.copy_(F.linear(x[i * size : (i + 1) * size].to(torch.bfloat16), wide))
                 if bias is not None:
                     part.add_(bias)
 
