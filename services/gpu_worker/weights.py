@@ -40,6 +40,15 @@ def cpu_computes_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_has_amx_bf16() -> bool:
+    """The CPU has AMX's bfloat16 tiles (where oneDNN's bfloat16 GEMM outruns the VNNI
+    kernel at every prompt chunk size, not only at whole long prompts)."""
+    try:
+        return "amx_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
 def weight_dtype(name: str, source: ModelSource, device: torch.device | str) -> tuple[torch.dtype, bool]:
     """`--dtype` -> (the dtype the model computes in, whether GGUF weights stay quantized).
     "auto": a GGUF file stays quantized on the CPU (computing in float32 around the
@@ -107,12 +116,16 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
 
 def widen_for_prompts(model: nn.Module, prefill_dtype: str) -> int:
     """Give each decoder layer's `QuantLinear` a bfloat16 copy for prompt rows
-    (`QuantLinear.widen`) when `prefill_dtype` asks for it ("auto": where the CPU has
-    bfloat16 dot products, AMX-BF16 or AVX512-BF16; elsewhere oneDNN's bfloat16 GEMM is
-    emulated and slower than the VNNI kernel). The LM head and the embedding table stay
-    quantized only: they never see more than the step's sampled rows. Returns the copies'
-    bytes (logged: the memory this costs)."""
-    if prefill_dtype == "quantized" or (prefill_dtype == "auto" and not cpu_computes_bf16()):
+    (`QuantLinear.widen`) when `prefill_dtype` asks for it ("auto": where the CPU has AMX
+    tiles). With AVX512-BF16 dot products alone (a Zen 4) oneDNN's bfloat16 GEMM beats the
+    VNNI kernel only on chunks of ~512 rows and more, and by ~15% at 2,048 (353 against
+    300 GFLOP/s on two threads), while a chunk beside decode rows is tens to a few hundred
+    rows, where it is 1.3-2.9x slower (84 against 242 GFLOP/s at 20 rows: each call streams
+    the 2-byte copy), and the copy costs 2 bytes a weight (212 MB for SmolLM2-135M);
+    docs/benchmarks.md has the table. Without AVX512-BF16 it is emulated. The LM head and
+    the embedding table stay quantized only: they never see more than the step's sampled
+    rows. Returns the copies' bytes (logged: the memory this costs)."""
+    if prefill_dtype == "quantized" or (prefill_dtype == "auto" and not cpu_has_amx_bf16()):
         return 0
     layers = [m for name, m in model.named_modules() if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}"]
     total = sum(m.widen() for m in layers)
