@@ -109,3 +109,19 @@ def test_prefill_dtype_is_validated():
     assert Deployment().prefill_dtype == "auto"
     with pytest.raises(ValueError, match="prefill_dtype must be one of"):
         Deployment(prefill_dtype="int8")
+
+
+@pytest.mark.parametrize(("prefill_dtype", "amx", "copied"), [
+    ("auto", True, True), ("auto", False, False),  # AVX512-BF16 alone: the VNNI kernel (docs/benchmarks.md)
+    ("bfloat16", False, True), ("quantized", True, False)])
+def test_which_cpus_keep_a_bfloat16_copy_for_prompt_rows(monkeypatch, prefill_dtype, amx, copied):
+    from torch import nn
+
+    from services.gpu_worker import weights
+
+    monkeypatch.setattr(weights, "cpu_has_amx_bf16", lambda: amx)
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer(32, 64)])
+    model.head = layer(48, 64)  # outside the decoder layers: sampled rows only, never copied
+    assert weights.widen_for_prompts(model, prefill_dtype) == (32 * 64 * 2 if copied else 0)
+    assert (model.layers[0].wide is not None) == copied and model.head.wide is None
