@@ -1,6 +1,8 @@
 """The real scheduler in a simulated closed loop, with a known step-cost model.
 
     python -m bench.schedule_sim [-c 16 64] [--target-ms 30] [--budget 2048] [--jitter-ms 15]
+    python -m bench.schedule_sim -c 4 -n 64 --target-ms 15 100 --budget 2048 --prompt-len 2048 \
+        --output-len 128 --c0-ms 6 --row-ms 0.25 --sample-ms 0.3 --key-ms 0.1 --jitter-ms 5
 
 No model runs: a step takes `c0 + row * rows + sample * sampled + key * keys / 1024`
 (defaults fitted to the bench checkpoint on this machine: a 16-row decode step ~16 ms, a
@@ -85,10 +87,10 @@ def simulate(args, concurrency: int, n: int, target_ms: float, budget: int, seed
                     arrivals.append((t + rng.uniform(*jitter), sent))
                     arrivals.sort()
                     sent += 1
-    return _summary([v for v in times.values() if len(v[1]) == out_len], out_len)
+    return _summary([v for v in times.values() if len(v[1]) == out_len], out_len, args.gap_ms / 1e3)
 
 
-def _summary(reqs: list[tuple[float, list[float]]], out_len: int) -> dict:
+def _summary(reqs: list[tuple[float, list[float]]], out_len: int, gap: float) -> dict:
     itl = [b - a for _, toks in reqs for a, b in itertools.pairwise(toks)]
     return {
         "out tok/s": out_len * len(reqs) / max(toks[-1] for _, toks in reqs),
@@ -96,6 +98,7 @@ def _summary(reqs: list[tuple[float, list[float]]], out_len: int) -> dict:
         "TPOT p50": statistics.median((toks[-1] - toks[0]) / (out_len - 1) for _, toks in reqs) * 1e3,
         "ITL p50": float(np.percentile(itl, 50)) * 1e3,
         "ITL p99": float(np.percentile(itl, 99)) * 1e3,
+        "gaps": sum(x > gap for x in itl),
     }
 
 
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=0.5)
     ap.add_argument("--key-ms", type=float, default=0.02, help="per 1024 attention keys")
     ap.add_argument("--seeds", type=int, default=3, help="median over this many seeds")
+    ap.add_argument("--gap-ms", type=float, default=200.0, help="count the inter-token gaps longer than this")
     args = ap.parse_args(argv)
     policies = [("vLLM-like (no target, budget 2048)", 0.0, 2048)]
     policies += [(f"target {t:g} ms, budget {b}", t, b) for t in args.target_ms for b in args.budget]
@@ -120,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         n = args.num_requests or max(192, 4 * c)
         print(f"\nc{c}, {n} requests, prompt {args.prompt_len}, output {args.output_len}, "
               f"jitter <= {args.jitter_ms:g} ms")
-        print(f"| policy | {' | '.join(['out tok/s', 'TTFT p50', 'TPOT p50', 'ITL p50', 'ITL p99'])} |")
-        print("|---|---:|---:|---:|---:|---:|")
+        names = ["out tok/s", "TTFT p50", "TPOT p50", "ITL p50", "ITL p99", f"gaps > {args.gap_ms:g} ms"]
+        print(f"| policy | {' | '.join(names)} |")
+        print("|---|" + "---:|" * len(names))
         for name, target, budget in policies:
             runs = [simulate(args, c, n, target, budget, seed) for seed in range(args.seeds)]
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"| {name} | " + " | ".join(f"{v:,.1f}" for v in row.values()) + " |")
+            cells = [f"{v:,.0f}" if k == "gaps" else f"{v:,.1f}" for k, v in row.items()]
+            print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 
