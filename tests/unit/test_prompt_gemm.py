@@ -111,6 +111,7 @@ def test_prefill_dtype_is_validated():
         Deployment(prefill_dtype="int8")
 
 
+@needs_kernel  # (without it no weight stays quantized, so nothing is copied)
 @pytest.mark.parametrize(("prefill_dtype", "amx", "copied"), [
     ("auto", True, True), ("auto", False, False),  # AVX512-BF16 alone: the VNNI kernel (docs/benchmarks.md)
     ("bfloat16", False, True), ("quantized", True, False)])
