@@ -22,8 +22,8 @@
  * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
  * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
  * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the
- * scores to a buffer on the task's stack, the softmax is exact over the partition (its max subtracted), and the V walk
- * accumulates the outputs. A row of at most PART keys is one partition, which writes its
+ * scores to a buffer on the task's stack, the softmax is exact over the partition (its max
+ * subtracted), and the V walk accumulates the outputs. A row of at most PART keys is one partition, which writes its
  * output normalized: the arithmetic of the single-threaded kernel before the split, bit for
  * bit (each score, sum and output the same operations in the same order). A longer row's
  * partitions each leave their max m_p, sum l_p and unnormalized output o_p per head in the

@@ -42,6 +42,8 @@
 
 #include "pool.h"
 
+#define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4 and 8) */
+
 int64_t mstar_qgemm_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     return 1;
@@ -70,7 +72,7 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                                                               const float *mn, int64_t n, int64_t k,
                                                               const int64_t *ids, int64_t n_ids, float *out,
                                                               int64_t ldo) {
-    if (form != 4 && form != 8 && form != 16) return -1;
+    if (form != 4 && form != 8 && form != FORM_NL) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
     const int64_t kb = (k + 31) / 32, groups = form == 8 ? 8 : 4;
@@ -98,8 +100,8 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
             }
             if (mn)
                 for (int e = 0; e < 32; e++) v[e] = v[e] + m;
-            const int64_t n = k - 32 * b < 32 ? k - 32 * b : 32;
-            memcpy(out + r * ldo + 32 * b, v, sizeof(float) * n);
+            const int64_t cols = k - 32 * b < 32 ? k - 32 * b : 32;
+            memcpy(out + r * ldo + 32 * b, v, sizeof(float) * cols);
         }
     }
     return 0;
@@ -110,7 +112,6 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
 
 #define NT 16 /* output columns per tile: one 32-bit lane each */
 #define MR 4  /* rows per tile */
-#define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4 and 8) */
 
 /* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl, gguf.quants.IQ4_NL.kvalues) + 128, in each
  * 16-byte lane for vpshufb */
