@@ -31,6 +31,7 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "opticks_book
 PATHS = (("float32", "float32", "float32", "quantized"), ("quantized", "auto", "float32", "quantized"),
          ("quantized+bf16kv", "auto", "bfloat16", "quantized"),
          ("quantized+bf16kv+bf16prefill", "auto", "bfloat16", "bfloat16"),
+         ("quantized+bf16kv+int8prefill", "auto", "bfloat16", "int8"),
          ("quantized+int8kv", "auto", "int8", "quantized"),
          ("quantized+int8kv+bf16prefill", "auto", "int8", "bfloat16"))
 
@@ -43,14 +44,14 @@ def text_ids(tokenizer, limit: int | None = None) -> list[int]:
 def load(model: str, dtype: str, kv_dtype: str, prefill_dtype: str = "quantized"):
     """(model, spec, KV dtype) as the worker builds them for `--dtype dtype` and
     `--prefill-dtype prefill_dtype`."""
-    from services.gpu_worker.weights import build_model, weight_dtype, widen_for_prompts
+    from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
     from shared.model_source import ModelSource
 
     source = ModelSource(model)
     spec = source.spec(16, 0, kv_dtype)
     dt, quantized = weight_dtype(dtype, source, "cpu")
     built = build_model(source, spec, dt, "cpu", quantized)
-    widen_for_prompts(built, prefill_dtype)
+    prompt_path(built, prefill_dtype)
     return built, spec, getattr(torch, kv_dtype)
 
 

@@ -33,7 +33,7 @@ from services.gpu_worker.speech_runner import SpeechRunner
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
 from services.gpu_worker.vision_runner import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.vision_runner import VisionRunner
-from services.gpu_worker.weights import build_model, weight_dtype, widen_for_prompts
+from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
 from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
@@ -147,7 +147,7 @@ def assemble(d: Deployment) -> Assembled:
     dtype, quantized = weight_dtype(d.dtype, source, device)
     t0 = time.time()
     model = build_model(source, spec, dtype, device, quantized)
-    widen_for_prompts(model, d.prefill_dtype)
+    prompt_path(model, d.prefill_dtype)
     cache_dtype = TORCH_DTYPES[kv_dtype(d)]
     caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
               for name, p in pools.items()}

@@ -131,8 +131,8 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qrows.restype = ctypes.c_int
         lib.mstar_qrows.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
         lib.mstar_qlinear.restype = ctypes.c_int
-        lib.mstar_qlinear.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int,
-                                      ptr]
+        lib.mstar_qlinear.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                      ctypes.c_int, ptr]
         lib.mstar_pool_threads.restype = ctypes.c_int
         lib.mstar_pool_threads.argtypes = []
         lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None

@@ -114,20 +114,37 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     return model
 
 
-def widen_for_prompts(model: nn.Module, prefill_dtype: str) -> int:
-    """Give each decoder layer's `QuantLinear` a bfloat16 copy for prompt rows
-    (`QuantLinear.widen`) when `prefill_dtype` asks for it ("auto": where the CPU has AMX
-    tiles). With AVX512-BF16 dot products alone (a Zen 4) oneDNN's bfloat16 GEMM beats the
-    VNNI kernel only on chunks of ~512 rows and more, and by ~15% at 2,048 (353 against
-    300 GFLOP/s on two threads), while a chunk beside decode rows is tens to a few hundred
-    rows, where it is 1.3-2.9x slower (84 against 242 GFLOP/s at 20 rows: each call streams
-    the 2-byte copy), and the copy costs 2 bytes a weight (212 MB for SmolLM2-135M);
-    docs/benchmarks.md has the table. Without AVX512-BF16 it is emulated. The LM head and
-    the embedding table stay quantized only: they never see more than the step's sampled
-    rows. Returns the copies' bytes (logged: the memory this costs)."""
-    if prefill_dtype == "quantized" or (prefill_dtype == "auto" and not cpu_has_amx_bf16()):
-        return 0
+def prompt_path(model: nn.Module, prefill_dtype: str) -> int:
+    """How each decoder layer's `QuantLinear` computes prompt rows, as `prefill_dtype` asks
+    ("auto": bfloat16 where the CPU has AMX tiles, else quantized):
+
+    - bfloat16: on a bfloat16 copy of the weight (`QuantLinear.widen`), oneDNN's GEMM. With
+      AMX several times the VNNI kernel. With AVX512-BF16 dot products alone (a Zen 4) it
+      beats the two-byte VNNI kernel only on chunks of ~512 rows and more, and by ~15% at
+      2,048 (353 against 300 GFLOP/s on two threads). A chunk beside decode rows is tens to
+      a few hundred rows, where it is 1.3-2.9x slower (84 against 242 GFLOP/s at 20 rows:
+      each call streams the 2-byte copy). The copy costs 2 bytes a weight (212 MB for
+      SmolLM2-135M); docs/benchmarks.md has the table. Without AVX512-BF16 it is emulated.
+    - int8 (opt-in): the VNNI kernel with each prompt row's values rounded to one byte per
+      block of 32 (`prompt_bytes` 1: llama.cpp's Q8_1 rounding, which its prompt and decode
+      rows both use), half the kernel's dot products: ~1.5x the two-byte kernel's GEMMs on a
+      2,048-token prompt, no copy. Not the default: on SmolLM2-135M the perplexity is within
+      the 1% quality rule (20.14 against 20.06 in float32, bench/perplexity.py) but the greedy
+      text of 6 of the bench's 12 prompts leaves the float32 path's (10 of 12 for the other
+      two paths) and the e2e test's Paris answer changes.
+    - quantized: as decode rows (two bytes a value).
+
+    The LM head and the embedding table stay as they are: they never see more than the
+    step's sampled rows. Returns the bfloat16 copies' bytes (logged: the memory this costs)."""
+    if prefill_dtype == "auto":
+        prefill_dtype = "bfloat16" if cpu_has_amx_bf16() else "quantized"
     layers = [m for name, m in model.named_modules() if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}"]
+    if prefill_dtype == "int8":
+        for m in layers:
+            m.prompt_bytes = 1
+        return 0
+    if prefill_dtype != "bfloat16":
+        return 0
     total = sum(m.widen() for m in layers)
     if layers:
         log.info("prompt rows on a bfloat16 copy of %d quantized layers: %.0f MB (--prefill-dtype quantized: none)",

@@ -1,9 +1,10 @@
-"""Prompt rows on a bfloat16 copy of a quantized GGUF layer (`--prefill-dtype`,
-layers/quant.py `QuantLinear.widen`, layers/wide_gemm.py, layers/prompt_rows.py): prompt
-rows are oneDNN's bfloat16 GEMM of x and the weight rounded to bfloat16, decode rows stay
-the VNNI kernel's bit for bit, and a row's result depends on its kind only: not on the
-chunk it is in, the rows beside it, the thread count, or the MLP's slicing of a long
-prefill."""
+"""Prompt rows of a quantized GGUF layer computed their own way (`--prefill-dtype`,
+layers/prompt_rows.py): on a bfloat16 copy (layers/quant.py `QuantLinear.widen`,
+layers/wide_gemm.py) they are oneDNN's bfloat16 GEMM of x and the weight rounded to
+bfloat16; under int8 (`QuantLinear.prompt_bytes`) the VNNI kernel's with x rounded to one
+byte. Decode rows stay the two-byte kernel's bit for bit, and a row's result depends on its
+kind only: not on the chunk it is in, the rows beside it, the thread count, or the MLP's
+slicing of a long prefill."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from services.gpu_worker.layers.prompt_rows import prompt_rows_from, shifted, st
 from services.gpu_worker.layers.quant import QuantLinear
 from services.gpu_worker.step_types import PlanEntry, StepPlan
 from shared.config import Deployment
-from tests.unit.test_quant import random_blocks
+from tests.unit.test_quant import dequantized, random_blocks, rounded
 
 needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
 
@@ -62,9 +63,33 @@ def test_prompt_rows_are_the_bf16_gemm_and_decode_rows_the_kernel(qtype, bias):
 
 
 @needs_kernel
-def test_a_prompt_row_is_the_same_in_any_chunk_and_thread_count():
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL"])
+def test_int8_prompt_rows_are_x_in_one_byte_and_decode_rows_the_two_byte_kernel(qtype):
+    k = 256 if qtype.endswith("_K") else 96
+    raw = random_blocks(qtype, 200, k, seed=200 + k)
+    q = QuantLinear.from_gguf(qtype, raw, (200, k))
+    x = torch.randn(300, k)
+    decode = q(x[:7])
+    q.prompt_bytes = 1
+    assert torch.equal(q(x[:7]), decode)  # outside a forward's prompt rows: unchanged
+    with prompt_rows_from(7):
+        y = q(x)
+    assert torch.equal(y[:7], decode)
+    w = dequantized(qtype, raw, 200, k).double()
+    want = (rounded(x[7:], 1) @ w.T).float()
+    assert torch.allclose(y[7:], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    two = (rounded(x[7:], 2) @ w.T).float()
+    assert not torch.allclose(y[7:], two, rtol=1e-4, atol=1e-4 * float(two.abs().max()))  # not the two-byte rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["bfloat16", "int8"])
+def test_a_prompt_row_is_the_same_in_any_chunk_and_thread_count(path):
     q = layer(1536, 576)
-    q.widen()
+    if path == "bfloat16":
+        q.widen()
+    else:
+        q.prompt_bytes = 1
     x = torch.randn(700, 576)
     saved = quant.threads()
     try:
@@ -108,14 +133,14 @@ def test_first_prompt_row_follows_the_plan():
 def test_prefill_dtype_is_validated():
     assert Deployment().prefill_dtype == "auto"
     with pytest.raises(ValueError, match="prefill_dtype must be one of"):
-        Deployment(prefill_dtype="int8")
+        Deployment(prefill_dtype="float16")
 
 
 @needs_kernel  # (without it no weight stays quantized, so nothing is copied)
-@pytest.mark.parametrize(("prefill_dtype", "amx", "copied"), [
-    ("auto", True, True), ("auto", False, False),  # AVX512-BF16 alone: the VNNI kernel (docs/benchmarks.md)
-    ("bfloat16", False, True), ("quantized", True, False)])
-def test_which_cpus_keep_a_bfloat16_copy_for_prompt_rows(monkeypatch, prefill_dtype, amx, copied):
+@pytest.mark.parametrize(("prefill_dtype", "amx", "copied", "prompt_bytes"), [
+    ("auto", True, True, 2), ("auto", False, False, 2),  # AVX512-BF16 alone: the VNNI kernel (docs/benchmarks.md)
+    ("bfloat16", False, True, 2), ("quantized", True, False, 2), ("int8", True, False, 1)])
+def test_which_cpus_keep_a_bfloat16_copy_for_prompt_rows(monkeypatch, prefill_dtype, amx, copied, prompt_bytes):
     from torch import nn
 
     from services.gpu_worker import weights
@@ -124,5 +149,6 @@ def test_which_cpus_keep_a_bfloat16_copy_for_prompt_rows(monkeypatch, prefill_dt
     model = nn.Module()
     model.layers = nn.ModuleList([layer(32, 64)])
     model.head = layer(48, 64)  # outside the decoder layers: sampled rows only, never copied
-    assert weights.widen_for_prompts(model, prefill_dtype) == (32 * 64 * 2 if copied else 0)
+    assert weights.prompt_path(model, prefill_dtype) == (32 * 64 * 2 if copied else 0)
     assert (model.layers[0].wide is not None) == copied and model.head.wide is None
+    assert model.layers[0].prompt_bytes == prompt_bytes and model.head.prompt_bytes == 2  # int8: decoder layers only

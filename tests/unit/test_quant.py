@@ -1,6 +1,7 @@
 """GGUF weights kept quantized (layers/quant.py, kernels/qgemm.c): each type's repack
-reproduces `gguf.quants.dequantize` bit for bit, the GEMM equals x rounded to two bytes per
-value and block of 32 times that weight (the one approximation), and a quantized GGUF
+reproduces `gguf.quants.dequantize` bit for bit, the GEMM equals x rounded to two bytes (or,
+for prompt rows under `--prefill-dtype int8`, one) per value and block of 32 times that
+weight (the one approximation), and a quantized GGUF
 model loads with `--dtype auto` as `QuantLinear`s and with `--dtype float32` as today."""
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ def dequantized(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).copy())
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
+def rounded(x: torch.Tensor, xbytes: int = 2) -> torch.Tensor:
     """x as the kernel reads it: per block of 32, d * (q1 + q2 / 256), q1 = round(x / d) with
-    d = amax / 127, q2 = round((x - d q1) * 256 / d) clamped to [-127, 127] (float64 here)."""
+    d = amax / 127, q2 = round((x - d q1) * 256 / d) clamped to [-127, 127] (float64 here);
+    with one byte, d * q1 (llama.cpp's Q8_1)."""
     k = x.shape[1]
     xb = torch.nn.functional.pad(x, (0, -k % 32)).view(x.shape[0], -1, 32).double()
     d = (xb.abs().amax(-1, keepdim=True).float() / 127).double()
     safe = torch.where(d > 0, d, 1)
     q1 = torch.round(xb / safe)
-    q2 = torch.round((xb - d * q1) * 256 / safe).clamp(-127, 127)
+    q2 = torch.round((xb - d * q1) * 256 / safe).clamp(-127, 127) if xbytes == 2 else 0
     return (d * (q1 + q2 / 256)).view(x.shape[0], -1)[:, :k]
 
 
@@ -86,12 +88,16 @@ def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):
     w = dequantized(qtype, raw, n, k).double()
     for rows in (1, 3, 4, 6, 17):
         x = torch.randn(rows, k)
-        y = layer(x)
-        ref = (rounded(x).double() @ w.T + bias.double()).float()
-        assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())), (rows, (y - ref).abs().max())
-        # against float32 x, the rounding is a small error
         exact = x.double() @ w.T + bias.double()
-        assert float((y - exact).abs().max()) < 1e-3 * float(exact.abs().max())
+        for xbytes, error in ((2, 1e-3), (1, 3e-2)):
+            y = torch.empty(rows, n)
+            layer._qgemm(x, y, xbytes)
+            if xbytes == 2:
+                assert torch.equal(y, layer(x))  # what the layer computes outside a forward's prompt rows
+            ref = (rounded(x, xbytes).double() @ w.T + bias.double()).float()
+            assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())), (rows, xbytes)
+            # against float32 x, the rounding is a small error: ~2^-15 with two bytes, ~2^-8 with one
+            assert float((y - exact).abs().max()) < error * float(exact.abs().max()), (rows, xbytes)
 
 
 @needs_kernel

@@ -76,6 +76,10 @@ def test_default_model_perplexity_within_one_percent():
     assert len(widened) == len(model.model.layers) * 4  # q, k, v fused (Q4_1 alike), o, gate/up, down
     assert model.head.wide is None and model.model.embed_tokens.table.wide is None  # sampled rows only
     assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01
+    # prompt rows rounded to one byte a value (--prefill-dtype int8, llama.cpp's rounding)
+    model, spec, kvd = load("", "auto", "bfloat16", "int8")
+    assert {m.prompt_bytes for m in model.model.layers.modules() if isinstance(m, QuantLinear)} == {1}
+    assert abs(perplexity(model, spec, ids, kvd) / base - 1) < 0.01
 
 
 def test_gguf_types_the_kernel_does_not_take_are_dequantized():

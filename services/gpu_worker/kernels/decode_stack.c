@@ -24,8 +24,9 @@ void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps,
 void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d, const float *cos,
                 const float *sin_signed, int64_t tab_stride);
 void mstar_silu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
-int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
-                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads, void *scratch);
+int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
+                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  void *scratch);
 int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                const float *bias, float *out, int64_t ldo);
 int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
@@ -125,7 +126,7 @@ static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const 
 static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
     if (w->form == GEMM_F32) return mstar_gemm(x, m, w->k, w->k, (const float *)w->w, w->n, w->bias, out, w->n);
     if (w->form == GEMM_F32_SILU) return mstar_gemm_silu(x, m, w->k, w->k, (const float *)w->w, w->n, out, w->n);
-    return mstar_qlinear((int)w->form, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, w->n, threads,
+    return mstar_qlinear((int)w->form, 2, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, w->n, threads,
                          qscratch);
 }
 

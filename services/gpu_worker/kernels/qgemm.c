@@ -31,6 +31,12 @@
  * float additions): x's rounding is the only approximation. The Q8 and NL forms' +128 is
  * taken back exactly in int32: 128 * (256 sum(q1) + sum(q2)) per half block.
  *
+ * `xbytes` 1 rounds x to q1 alone, x ~ d * q1 (llama.cpp's Q8_1 exactly: its prompt and
+ * decode rows alike): half the vpdpbusd work, which bounds the kernel from a few rows up, so
+ * a long prompt's GEMMs take ~2/3 of the time (2,048 rows of SmolLM2-135M on two Zen 4
+ * threads: ~1.4 -> ~0.95 s). The caller uses it for prompt rows only (layers/quant.py), whose
+ * error averages out over the keys they become; decode rows keep two bytes.
+ *
  * Output column tiles and row blocks are split over the threads of pool.c's pool (tasks taken
  * from a shared counter: a busy core's thread just takes fewer); each output is computed the
  * same way whichever thread runs it, so results do not depend on the thread count or split.
@@ -123,9 +129,10 @@ static inline __m512i nl_table(void) {
 
 /* x [m, lda] floats, k values per row -> q1, q2 [m, kp] bytes (kp: k padded to 32),
  * dx = d / 256 and sx (the block's sum of the rounded x) [m, kb] floats, and
- * corr [m, kb, 2] = 128 * (256 sum(q1) + sum(q2)) per half block (int32). */
+ * corr [m, kb, 2] = 128 * (256 sum(q1) + sum(q2)) per half block (int32). xbytes 1: q1
+ * alone (q2 not written), dx = d, corr = 128 * sum(q1). */
 static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int8_t *q1s, int8_t *q2s, float *dx,
-                          float *sx, int32_t *corr) {
+                          float *sx, int32_t *corr, int xbytes) {
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32;
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     for (int64_t r = 0; r < m; r++) {
@@ -142,27 +149,35 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int
             int32_t total = 0;
             for (int h = 0; h < 2; h++) {
                 __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], iv)); /* round to nearest even */
-                __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), dv, v[h]);
-                __m512i q2 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, iv256)), lo),
-                                              hi);
-                const int32_t half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q1, 8), q2));
+                _mm_storeu_si128((__m128i *)(q1s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q1));
+                int32_t half;
+                if (xbytes == 1) {
+                    half = _mm512_reduce_add_epi32(q1);
+                } else {
+                    __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), dv, v[h]);
+                    __m512i q2 = _mm512_min_epi32(
+                        _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, iv256)), lo), hi);
+                    half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q1, 8), q2));
+                    _mm_storeu_si128((__m128i *)(q2s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q2));
+                }
                 corr[(r * kb + b) * 2 + h] = 128 * half;
                 total += half;
-                _mm_storeu_si128((__m128i *)(q1s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q1));
-                _mm_storeu_si128((__m128i *)(q2s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q2));
             }
-            dx[r * kb + b] = d / 256.f;
-            sx[r * kb + b] = (d / 256.f) * (float)total;
+            const float unit = xbytes == 1 ? d : d / 256.f; /* what one step of the integer sums is worth */
+            dx[r * kb + b] = unit;
+            sx[r * kb + b] = unit * (float)total;
         }
     }
 }
 
-/* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written) */
+/* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written); xbytes a
+ * constant (1: q1 alone, half the dot products) */
 static inline __attribute__((always_inline)) void tile(int form, const int8_t *q1s, const int8_t *q2s,
                                                        const float *dx, const float *sx, const int32_t *corr,
                                                        int64_t r0, int mr, int64_t kp, const uint8_t *w,
                                                        const float *d, const float *mn, const float *bias,
-                                                       float *out, int64_t ldc, int64_t n, int64_t t) {
+                                                       float *out, int64_t ldc, int64_t n, int64_t t,
+                                                       const int xbytes) {
     const int64_t kb = kp / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i table = nl_table();
@@ -194,9 +209,9 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                 __m512i p1 = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) {
                     p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
-                    p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
+                    if (xbytes == 2) p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
                 }
-                __m512i p = _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
+                __m512i p = xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
                 if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
                     p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
                 __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d + (t * kb + b) * 16), xs);
@@ -206,9 +221,9 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     __m512i p1 = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
                     for (int g = 4 * h; g < 4 * h + 4; g++) {
                         p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
-                        p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
+                        if (xbytes == 2) p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
                     }
-                    __m512i p = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
+                    __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
                                                  _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
                     __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d + ((t * kb + b) * 2 + h) * 16), xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
@@ -225,20 +240,25 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (r0 + i) * ldc + c0, keep, _mm512_add_ps(acc[i], bv));
 }
 
-#define TILE_ROWS(form)                                                                                         \
-    switch (mr) {                                                                                               \
-    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t); break;              \
-    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t); break;              \
-    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t); break;              \
-    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t);                    \
+#define TILE_ROWS(form, xbytes)                                                                                \
+    switch (mr) {                                                                                                  \
+    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
+    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
+    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
+    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t, xbytes);               \
     }
+
+/* TILE_ROWS with the form and x's bytes as constants (one copy of tile() each) */
+#define TILE_FORMS(xbytes)                                                                                     \
+    if (j->form == 4) { TILE_ROWS(4, xbytes) } else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes) }   \
+    else { TILE_ROWS(8, xbytes) }
 
 /* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
  * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
  * each output element is made by the same tile() call on the same rows (row groups of MR
  * start at multiples of MR either way), so the result does not depend on the split. */
 struct qjob {
-    int form;
+    int form, xbytes;
     const float *x;
     int8_t *q1s, *q2s;
     float *dx, *sx;
@@ -266,8 +286,7 @@ static void gemm_task(void *p, int task) {
         for (int64_t r0 = ra; r0 < rz; r0 += MR) {
             const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
             for (int64_t t = s0; t < s1; t++) {
-                if (j->form == 4) { TILE_ROWS(4) } else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL) }
-                else { TILE_ROWS(8) }
+                if (j->xbytes == 1) { TILE_FORMS(1) } else { TILE_FORMS(2) }
             }
         }
     }
@@ -277,24 +296,25 @@ static void quantize_task(void *p, int task) {
     const struct qjob *j = (const struct qjob *)p;
     const int64_t r0 = task * j->qrows, r1 = r0 + j->qrows < j->m ? r0 + j->qrows : j->m, kb = j->kp / 32;
     quantize_rows(j->x + r0 * j->lda, r1 - r0, j->k, j->lda, j->q1s + r0 * j->kp, j->q2s + r0 * j->kp,
-                  j->dx + r0 * kb, j->sx + r0 * kb, j->corr + r0 * kb * 2);
+                  j->dx + r0 * kb, j->sx + r0 * kb, j->corr + r0 * kb * 2, j->xbytes);
 }
 
 #define TASK_NS 2000  /* the least work a task is given (a claim costs ~0.1 us) */
 #define TASK_MAX_NS 30000 /* the most: the caller waits out a task a descheduled worker holds */
 #define TASKS_PER_THREAD 8
 
-/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4, 8 or 16 (NL); w, d, mn in the tiled
- * layout above; scratch: at least mstar_qlinear_scratch(m, k) bytes. `threads` > 0: run on
- * up to that many threads of the pool (pool.c; its workers are started if fewer), <= 0: on
- * the pool's default count (mstar_pool_threads()); the result is the same bits either way.
- * Returns 0, or -1 for a form it does not take. */
-int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp, const float *d,
-                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4, 8 or 16 (NL); xbytes 2 or 1, the
+ * bytes each value of x is rounded to (above); w, d, mn in the tiled layout above; scratch:
+ * at least mstar_qlinear_scratch(m, k) bytes. `threads` > 0: run on up to that many threads
+ * of the pool (pool.c; its workers are started if fewer), <= 0: on the pool's default count
+ * (mstar_pool_threads()); the result is the same bits either way.
+ * Returns 0, or -1 for a form or xbytes it does not take. */
+int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp,
+                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
-    if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn)) return -1;
+    if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn) || (xbytes != 1 && xbytes != 2)) return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
-    struct qjob j = {.form = form, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
+    struct qjob j = {.form = form, .xbytes = xbytes, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
                      .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias, .out = out};
     j.q1s = (int8_t *)scratch;
     j.q2s = j.q1s + m * kp;
@@ -308,7 +328,7 @@ int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, c
     if (threads > 1 && m >= 32)
         mstar_parallel_for_n((int)((m + j.qrows - 1) / j.qrows), threads, quantize_task, &j);
     else
-        quantize_rows(x, m, k, lda, j.q1s, j.q2s, j.dx, j.sx, j.corr);
+        quantize_rows(x, m, k, lda, j.q1s, j.q2s, j.dx, j.sx, j.corr, j.xbytes);
     /* the grid: row blocks of 32, column chunks of about tiles / (8 threads / row blocks)
      * tiles, but at least TASK_NS and at most TASK_MAX_NS of work (~ kb (weight + 6 ns per
      * row) ns per tile) */
@@ -328,10 +348,10 @@ int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, c
 }
 
 #else
-int mstar_qlinear(int form, const float *x, int64_t m, int64_t k, int64_t lda, const void *w, const float *d,
-                  const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
+                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
-    (void)form; (void)x; (void)m; (void)k; (void)lda; (void)w; (void)d; (void)mn; (void)n; (void)bias;
+    (void)form; (void)xbytes; (void)x; (void)m; (void)k; (void)lda; (void)w; (void)d; (void)mn; (void)n; (void)bias;
     (void)out; (void)ldc; (void)threads; (void)scratch;
     return -1;
 }

@@ -23,6 +23,8 @@ does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization b
 The GEMM rounds the activations per block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256)
 with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone SmolLM2's
 greedy answers drift from the float32 path's): that rounding is the one approximation.
+Prompt rows may keep q1 alone (`prompt_bytes` = 1, `--prefill-dtype int8`: llama.cpp's
+rounding, half the kernel's dot products); decode rows always keep two bytes.
 Other types (Q2_K, Q3_K, the other IQ types, ...) are dequantized to float32 at load, as
 `--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
@@ -293,17 +295,20 @@ class QuantLinear(nn.Module):
             x2 = x2.contiguous()
         rows = x2.shape[0]
         out = torch.empty(rows, n)
-        first = min(prompt_rows.start(), rows) if self.wide is not None else rows
+        own_way = self.wide is not None or self.prompt_bytes != 2  # prompt rows computed another way
+        first = min(prompt_rows.start(), rows) if own_way else rows
         if first:
             self._qgemm(x2[:first], out)
-        if first < rows:  # prompt rows (layers/prompt_rows.py): oneDNN on the bfloat16 copy
-            assert self.wide is not None
-            wide_gemm.linear(x2[first:], self.wide, self.bias, out[first:], _threads)
+        if first < rows:  # prompt rows (layers/prompt_rows.py)
+            if self.wide is not None:  # oneDNN on the bfloat16 copy
+                wide_gemm.linear(x2[first:], self.wide, self.bias, out[first:], _threads)
+            else:  # the VNNI kernel with x rounded to prompt_bytes
+                self._qgemm(x2[first:], out[first:], self.prompt_bytes)
         return out.view(*x.shape[:-1], n).to(x.dtype)
 
-    def _qgemm(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+    def _qgemm(self, x2: torch.Tensor, out: torch.Tensor, xbytes: int = 2) -> None:
         """out [rows, n] (contiguous) = x2 [rows, k] (rows strided) @ weight.T (+ bias), on
-        the VNNI kernel."""
+        the VNNI kernel, x rounded to `xbytes` bytes a value (qgemm.c)."""
         rows, k, n = x2.shape[0], self.in_features, self.out_features
         ptrs = self._ptrs
         if ptrs is None:  # the weight's pointers, once (its tensors never move)
@@ -311,7 +316,7 @@ class QuantLinear(nn.Module):
                                  None if self.bias is None else self.bias.data_ptr())
         lib = cpu_kernels.library()
         assert lib is not None  # quantized weights are kept only where quant.available()
-        rc = lib.mstar_qlinear(self.form, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
+        rc = lib.mstar_qlinear(self.form, xbytes, x2.data_ptr(), rows, k, x2.stride(0), ptrs[0], ptrs[1], ptrs[2], n,
                                ptrs[3], out.data_ptr(), n, _threads, _scratch(lib, rows, k))
         if rc:
             raise RuntimeError(f"mstar_qlinear refused form {self.form}, {rows} x {k} x {n}")
@@ -320,6 +325,8 @@ class QuantLinear(nn.Module):
     _ptrs: tuple | None = None
     #: the weight in bfloat16 for prompt rows (`widen`), or None: every row on the VNNI kernel
     wide: torch.Tensor | None = None
+    #: bytes the VNNI kernel rounds a prompt row's values to (2 as decode rows; 1: llama.cpp's)
+    prompt_bytes: int = 2
 
 
 _scratch_buf = torch.empty(0, dtype=torch.uint8)
