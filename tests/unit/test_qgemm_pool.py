@@ -68,7 +68,7 @@ def test_threads_argument_caps_or_defaults(restore_threads):
     for pool, arg in ((1, 3), (3, 0), (3, 2), (2, -1)):
         lib.mstar_pool_set_threads(pool)
         out = torch.empty(64, layer.out_features)
-        assert lib.mstar_qlinear(4, 2, x.data_ptr(), 64, layer.in_features, layer.in_features, w, d, m,
+        assert lib.mstar_qlinear(layer.form, 2, x.data_ptr(), 64, layer.in_features, layer.in_features, w, d, m,
                                  layer.out_features, None, out.data_ptr(), layer.out_features, arg,
                                  quant._scratch(lib, 64, layer.in_features)) == 0
         assert torch.equal(out, want), (pool, arg)

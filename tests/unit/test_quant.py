@@ -40,13 +40,16 @@ def dequantized(qtype: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
 
 def rounded(x: torch.Tensor, xbytes: int = 2) -> torch.Tensor:
     """x as the kernel reads it: per block of 32, d * (q1 + q2 / 256), q1 = round(x / d) with
-    d = amax / 127, q2 = round((x - d q1) * 256 / d) clamped to [-127, 127] (float64 here);
-    with one byte, d * q1 (llama.cpp's Q8_1)."""
+    d = amax / 127, q2 = round((x - d q1) * 256 / d) clamped to [-127, 127]; with one byte,
+    d * q1 (llama.cpp's Q8_1). q1 in float32 as the kernel makes it (x times the float32
+    1 / d, rounded half to even: a float64 quotient rounds some halves the other way, which
+    one byte has no q2 to take back), the rest in float64."""
     k = x.shape[1]
-    xb = torch.nn.functional.pad(x, (0, -k % 32)).view(x.shape[0], -1, 32).double()
-    d = (xb.abs().amax(-1, keepdim=True).float() / 127).double()
+    xb = torch.nn.functional.pad(x, (0, -k % 32)).view(x.shape[0], -1, 32)
+    d32 = xb.abs().amax(-1, keepdim=True) / 127
+    q1 = torch.round(xb * torch.where(d32 > 0, 1 / d32, 0)).double()
+    d, xb = d32.double(), xb.double()
     safe = torch.where(d > 0, d, 1)
-    q1 = torch.round(xb / safe)
     q2 = torch.round((xb - d * q1) * 256 / safe).clamp(-127, 127) if xbytes == 2 else 0
     return (d * (q1 + q2 / 256)).view(x.shape[0], -1)[:, :k]
 
@@ -56,7 +59,11 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96  # 96: not a multiple of 64, the kernel's padding
     raw = random_blocks(qtype, 40, k)
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
-    assert layer.form == (4 if qtype in quant.FORM4 else quant.NL if qtype in quant.FORMNL else 8)
+    assert layer.form & ~quant.HALF_SCALES == (4 if qtype in quant.FORM4 else quant.NL if qtype in quant.FORMNL else 8)
+    # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's products d * sc do not
+    half = qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+    assert bool(layer.form & quant.HALF_SCALES) == half
+    assert layer.d.dtype == (torch.float16 if half else torch.float32)
     assert torch.equal(layer.weight, dequantized(qtype, raw, 40, k))
     ids = torch.tensor([[3, 0], [39, 3]])
     assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
@@ -98,6 +105,28 @@ def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):
             assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())), (rows, xbytes)
             # against float32 x, the rounding is a small error: ~2^-15 with two bytes, ~2^-8 with one
             assert float((y - exact).abs().max()) < error * float(exact.abs().max()), (rows, xbytes)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "IQ4_NL"])
+def test_float16_scales_give_the_float32_scales_bits(qtype):
+    """A layer whose scales are kept float16 computes what it would with them widened to
+    float32 (the kernel widens them exactly): GEMM rows of either width, and lookups."""
+    raw = random_blocks(qtype, 45, 96, seed=3)
+    half = QuantLinear.from_gguf(qtype, raw, (45, 96))
+    assert half.form & quant.HALF_SCALES and half.d.dtype == torch.float16
+    wide = QuantLinear(half.form & ~quant.HALF_SCALES, half.w, half.d.float(),
+                       None if half.m is None else half.m.float(), 96, 45)
+    assert half.d.nbytes * 2 == wide.d.nbytes  # what a step reads less
+    ids = torch.tensor([0, 44, 17])
+    assert torch.equal(half.rows(ids), wide.rows(ids))
+    for rows in (1, 17):
+        x = torch.randn(rows, 96)
+        for xbytes in (1, 2):
+            a, b = torch.empty(rows, 45), torch.empty(rows, 45)
+            half._qgemm(x, a, xbytes)
+            wide._qgemm(x, b, xbytes)
+            assert torch.equal(a, b), (rows, xbytes)
 
 
 @needs_kernel

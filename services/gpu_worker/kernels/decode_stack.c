@@ -25,7 +25,7 @@ void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t
                 const float *sin_signed, int64_t tab_stride);
 void mstar_silu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
-                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch);
 int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                const float *bias, float *out, int64_t ldo);
@@ -52,16 +52,17 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
 
-/* One GEMM's weight. form 4 or 8: a quantized one (layers/quant.py QuantLinear: tiled w,
- * d, m, bias); GEMM_F32: float32 packed panels in w (layers/linear.py KernelLinear, with
- * bias); GEMM_F32_SILU: the MLP's gate/up panels with silu * up in the epilogue
- * (KernelGateUpSilu; n is inter, its output is the activation). */
+/* One GEMM's weight. form 4, 8 or 16, with qgemm.c's HALF_SCALES flag or not: a quantized
+ * one (layers/quant.py QuantLinear: tiled w, d, m (float16 or float32), bias); GEMM_F32:
+ * float32 packed panels in w (layers/linear.py KernelLinear, with bias); GEMM_F32_SILU: the
+ * MLP's gate/up panels with silu * up in the epilogue (KernelGateUpSilu; n is inter, its
+ * output is the activation). */
 #define GEMM_F32 32
 #define GEMM_F32_SILU 33
 typedef struct {
     int64_t form, k, n;
-    const void *w;
-    const float *d, *m, *bias;
+    const void *w, *d, *m;
+    const float *bias;
 } MstarQWeight;
 
 /* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]

@@ -22,6 +22,12 @@
  *   Q8 form: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
  *   NL form: w as the Q4 form's (q the table index)
  *   d: Q4 and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
+ * d and m are float32, or float16 where the form code has HALF_SCALES (256) set: the repack
+ * stores them so when every value is a float16 exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+ * IQ4_NL's scales are GGUF's own float16s; the k-quants' d * sc products mostly are not).
+ * Widened exactly in the kernel (vcvtph2ps), they give the same bits as float32 scales
+ * while a decode step reads 0.125 bytes a weight less: 0.625 for Q4_1 (GGUF's size) against
+ * 0.75, 1.0625 for Q8_0 against 1.25.
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,
@@ -49,6 +55,30 @@
 #include "pool.h"
 
 #define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4 and 8) */
+#define HALF_SCALES 256 /* a form code's flag: d and m stored as float16 */
+
+/* a float16 (IEEE binary16) widened to float32, exactly; for mstar_qrows, on any CPU */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (e == 31) {
+        bits = sign | 0x7F800000u | man << 13;
+    } else if (e) {
+        bits = sign | (e + 112) << 23 | man << 13;
+    } else { /* zero or subnormal: man * 2^-24, exact in float32 */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* scale i of d or m, float16 (half) or float32 */
+static inline float scale_at(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 int64_t mstar_qgemm_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -74,10 +104,12 @@ static const float kvalues_nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1
  * columns written. Returns 0, -1 for a form it does not take, -2 for an id outside [0, n) (nothing
  * written). On any CPU: the decode step's one row cost ~10 torch ops (~0.1 ms) through the
  * tensor expression. */
-__attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uint8_t *w, const float *d,
-                                                              const float *mn, int64_t n, int64_t k,
+__attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uint8_t *w, const void *d,
+                                                              const void *mn, int64_t n, int64_t k,
                                                               const int64_t *ids, int64_t n_ids, float *out,
                                                               int64_t ldo) {
+    const int half = (form & HALF_SCALES) != 0;
+    form &= ~HALF_SCALES;
     if (form != 4 && form != 8 && form != FORM_NL) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
@@ -87,15 +119,15 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
         for (int64_t b = 0; b < kb; b++) {
             const uint8_t *src = w + (t * kb + b) * groups * 64 + j * 4;
-            const float m = mn ? mn[(t * kb + b) * 16 + j] : 0.f;
+            const float m = mn ? scale_at(mn, (t * kb + b) * 16 + j, half) : 0.f;
             if (form == 8) {
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const float q = (float)((int)src[g * 64 + i] - 128);
-                        v[4 * g + i] = d[((t * kb + b) * 2 + g / 4) * 16 + j] * q;
+                        v[4 * g + i] = scale_at(d, ((t * kb + b) * 2 + g / 4) * 16 + j, half) * q;
                     }
             } else {
-                const float dd = d[(t * kb + b) * 16 + j];
+                const float dd = scale_at(d, (t * kb + b) * 16 + j, half);
                 for (int g = 0; g < 4; g++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = src[g * 64 + i];
@@ -170,14 +202,20 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int
     }
 }
 
-/* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written); xbytes a
- * constant (1: q1 alone, half the dot products) */
+/* 16 scales from element i of d or m: float16 widened (exact), or float32 */
+static inline __attribute__((always_inline)) __m512 scales16(const void *p, int64_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written); xbytes and half
+ * constants (xbytes 1: q1 alone, half the dot products; half: d and m are float16) */
 static inline __attribute__((always_inline)) void tile(int form, const int8_t *q1s, const int8_t *q2s,
                                                        const float *dx, const float *sx, const int32_t *corr,
                                                        int64_t r0, int mr, int64_t kp, const uint8_t *w,
-                                                       const float *d, const float *mn, const float *bias,
+                                                       const void *d, const void *mn, const float *bias,
                                                        float *out, int64_t ldc, int64_t n, int64_t t,
-                                                       const int xbytes) {
+                                                       const int xbytes, const int half) {
     const int64_t kb = kp / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i table = nl_table();
@@ -214,7 +252,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                 __m512i p = xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
                 if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
                     p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
-                __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d + (t * kb + b) * 16), xs);
+                __m512 ds = _mm512_mul_ps(scales16(d, (t * kb + b) * 16, half), xs);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
             } else {
                 for (int h = 0; h < 2; h++) {
@@ -225,12 +263,12 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     }
                     __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
                                                  _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
-                    __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d + ((t * kb + b) * 2 + h) * 16), xs);
+                    __m512 ds = _mm512_mul_ps(scales16(d, ((t * kb + b) * 2 + h) * 16, half), xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
             }
             if (mn)
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + (t * kb + b) * 16), _mm512_set1_ps(sx[r * kb + b]),
+                acc[i] = _mm512_fmadd_ps(scales16(mn, (t * kb + b) * 16, half), _mm512_set1_ps(sx[r * kb + b]),
                                          acc[i]);
         }
     }
@@ -240,32 +278,34 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (r0 + i) * ldc + c0, keep, _mm512_add_ps(acc[i], bv));
 }
 
-#define TILE_ROWS(form, xbytes)                                                                                \
+#define TILE_ROWS(form, xbytes, half)                                                                          \
     switch (mr) {                                                                                                  \
-    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
-    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
-    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t, xbytes); break;         \
-    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t, xbytes);               \
+    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
+    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
+    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
+    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half);         \
     }
 
-/* TILE_ROWS with the form and x's bytes as constants (one copy of tile() each) */
-#define TILE_FORMS(xbytes)                                                                                     \
-    if (j->form == 4) { TILE_ROWS(4, xbytes) } else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes) }   \
-    else { TILE_ROWS(8, xbytes) }
+/* TILE_ROWS with the form, x's bytes and the scales' type as constants (one copy of tile() each) */
+#define TILE_FORMS(xbytes, half)                                                                               \
+    if (j->form == 4) { TILE_ROWS(4, xbytes, half) }                                                           \
+    else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes, half) }                                          \
+    else { TILE_ROWS(8, xbytes, half) }
 
 /* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
  * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
  * each output element is made by the same tile() call on the same rows (row groups of MR
  * start at multiples of MR either way), so the result does not depend on the split. */
 struct qjob {
-    int form, xbytes;
+    int form, xbytes, half; /* form without the HALF_SCALES flag, which is `half` */
     const float *x;
     int8_t *q1s, *q2s;
     float *dx, *sx;
     int32_t *corr;
     int64_t m, k, lda, kp, n, ldc, tiles;
     const uint8_t *w;
-    const float *d, *mn, *bias;
+    const void *d, *mn;
+    const float *bias;
     float *out;
     int64_t ct, rb, nrb, qrows;
 };
@@ -273,7 +313,8 @@ struct qjob {
 static void gemm_task(void *p, int task) {
     const struct qjob *j = (const struct qjob *)p;
     const int8_t *q1s = j->q1s, *q2s = j->q2s;
-    const float *dx = j->dx, *sx = j->sx, *d = j->d, *mn = j->mn, *bias = j->bias;
+    const float *dx = j->dx, *sx = j->sx, *bias = j->bias;
+    const void *d = j->d, *mn = j->mn;
     const int32_t *corr = j->corr;
     const uint8_t *w = j->w;
     float *out = j->out;
@@ -286,7 +327,11 @@ static void gemm_task(void *p, int task) {
         for (int64_t r0 = ra; r0 < rz; r0 += MR) {
             const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
             for (int64_t t = s0; t < s1; t++) {
-                if (j->xbytes == 1) { TILE_FORMS(1) } else { TILE_FORMS(2) }
+                if (j->half) {
+                    if (j->xbytes == 1) { TILE_FORMS(1, 1) } else { TILE_FORMS(2, 1) }
+                } else {
+                    if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }
+                }
             }
         }
     }
@@ -303,18 +348,21 @@ static void quantize_task(void *p, int task) {
 #define TASK_MAX_NS 30000 /* the most: the caller waits out a task a descheduled worker holds */
 #define TASKS_PER_THREAD 8
 
-/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4, 8 or 16 (NL); xbytes 2 or 1, the
+/* x [m, lda] floats -> out [m, ldc] (columns < n). form 4, 8 or 16 (NL), | HALF_SCALES where
+ * d and m are float16; xbytes 2 or 1, the
  * bytes each value of x is rounded to (above); w, d, mn in the tiled layout above; scratch:
  * at least mstar_qlinear_scratch(m, k) bytes. `threads` > 0: run on up to that many threads
  * of the pool (pool.c; its workers are started if fewer), <= 0: on the pool's default count
  * (mstar_pool_threads()); the result is the same bits either way.
  * Returns 0, or -1 for a form or xbytes it does not take. */
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp,
-                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
+    const int half = (form & HALF_SCALES) != 0;
+    form &= ~HALF_SCALES;
     if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn) || (xbytes != 1 && xbytes != 2)) return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
-    struct qjob j = {.form = form, .xbytes = xbytes, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
+    struct qjob j = {.form = form, .xbytes = xbytes, .half = half, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
                      .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias, .out = out};
     j.q1s = (int8_t *)scratch;
     j.q2s = j.q1s + m * kp;
@@ -349,7 +397,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
 
 #else
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
-                  const float *d, const float *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
+                  const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
     (void)form; (void)xbytes; (void)x; (void)m; (void)k; (void)lda; (void)w; (void)d; (void)mn; (void)n; (void)bias;
     (void)out; (void)ldc; (void)threads; (void)scratch;

@@ -25,6 +25,11 @@ with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone 
 greedy answers drift from the float32 path's): that rounding is the one approximation.
 Prompt rows may keep q1 alone (`prompt_bytes` = 1, `--prefill-dtype int8`: llama.cpp's
 rounding, half the kernel's dot products); decode rows always keep two bytes.
+Scales and offsets are kept as float16 where every one is a float16 exactly (`HALF_SCALES`:
+GGUF's own float16s in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the k-quants' and IQ4_XS's
+products d * sc mostly are not, and stay float32): the kernel widens them exactly, so the
+results are the same bits, and a decode step, which reads every weight once, reads GGUF's
+bytes (0.625 a weight for Q4_1) rather than 0.75.
 Other types (Q2_K, Q3_K, the other IQ types, ...) are dequantized to float32 at load, as
 `--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
@@ -57,6 +62,8 @@ FORMNL = ("IQ4_NL", "IQ4_XS")
 KEPT_TYPES = frozenset(FORM4 + FORM8 + FORMNL)
 #: qgemm.c's code of the NL form
 NL = 16
+#: qgemm.c's flag on a form code: d and m are float16
+HALF_SCALES = 256
 #: IQ4_NL's (and IQ4_XS's) values of the 16 indices (ggml's kvalues_iq4nl)
 KVALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
 _KVALUES_F32 = torch.from_numpy(KVALUES.astype(np.float32))
@@ -179,7 +186,28 @@ def _padded(a: np.ndarray, rows: int, width: int, value: int = 0) -> np.ndarray:
 TILE = 16
 
 
+def _narrowed(d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(d, m) as float16 when every value is one exactly (so widened back, the same bits),
+    else None."""
+    parts = [d] if m is None else [d, m]
+    half = [p.astype(np.float16) for p in parts]
+    if not all(np.array_equal(h.astype(np.float32), p) for h, p in zip(half, parts, strict=True)):
+        return None
+    return half[0], None if m is None else half[1]
+
+
 def repack(qtype: str, raw: np.ndarray,
+           shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks -> (form, w, d, m) in qgemm.c's layout (`_tiled`), d and m float16 with the
+    form's HALF_SCALES flag where that is exact."""
+    form, w, d, m = _tiled(qtype, raw, shape)
+    narrow = _narrowed(d, m)
+    if narrow is None:
+        return form, w, d, m
+    return form | HALF_SCALES, w, narrow[0], narrow[1]
+
+
+def _tiled(qtype: str, raw: np.ndarray,
            shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks -> (form, w, d, m) in qgemm.c's tiled layout (n padded to tiles of 16
     columns, k to blocks of 32, with zero weights): forms 4 and 16: w [tiles, kb, 4, 16, 4]
@@ -221,16 +249,21 @@ class QuantLinear(nn.Module):
     def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantLinear:
         form, w, d, m = repack(qtype, raw, shape)
         t = torch.from_numpy
-        return cls(form, t(w), t(d.astype(np.float32)), None if m is None else t(m.astype(np.float32)), shape[1],
-                   shape[0])
+        return cls(form, t(w), t(d), None if m is None else t(m), shape[1], shape[0])
 
     @staticmethod
     def concat(parts: list[QuantLinear]) -> QuantLinear | None:
         """One layer whose outputs are the parts' side by side, or None (different forms, or
         a part before the last whose columns do not fill their tiles)."""
         first = parts[0]
-        if any(p.form != first.form or (p.m is None) != (first.m is None) for p in parts):
+        if any(p.form & ~HALF_SCALES != first.form & ~HALF_SCALES or (p.m is None) != (first.m is None)
+               for p in parts):
             return None
+        if len({p.form for p in parts}) > 1:  # float16 scales beside float32 ones: all widened (exact)
+            parts = [p if not p.form & HALF_SCALES else
+                     QuantLinear(p.form & ~HALF_SCALES, p.w, p.d.float(), None if p.m is None else p.m.float(),
+                                 p.in_features, p.out_features, p.bias) for p in parts]
+            first = parts[0]
         if any(p.out_features % TILE for p in parts[:-1]) or any(p.bias is not None for p in parts[:-1]) != (
                 first.bias is not None):
             return None
@@ -258,20 +291,22 @@ class QuantLinear(nn.Module):
         t, j = ids // TILE, ids % TILE
         w = self.w[t, :, :, j]  # [*ids, kb, groups, 4]
         lead, kb = ids.shape, self.w.shape[1]
-        if self.form == 4:
-            assert self.m is not None  # form 4 always has offsets
+        d, m = self.d.float(), None if self.m is None else self.m.float()  # (float16 ones widen exactly)
+        form = self.form & ~HALF_SCALES
+        if form == 4:
+            assert m is not None  # form 4 always has offsets
             q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
-            out = self.d[t, :, j].unsqueeze(-1) * q + self.m[t, :, j].unsqueeze(-1)
-        elif self.form == NL:
+            out = d[t, :, j].unsqueeze(-1) * q + m[t, :, j].unsqueeze(-1)
+        elif form == NL:
             idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
-            out = self.d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
-            if self.m is not None:
-                out = out + self.m[t, :, j].unsqueeze(-1)
+            out = d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
+            if m is not None:
+                out = out + m[t, :, j].unsqueeze(-1)
         else:
             q = (w.reshape(*lead, kb, 2, 16).to(torch.int16) - 128).float()
-            out = self.d[t, :, :, j].unsqueeze(-1) * q
-            if self.m is not None:
-                out = out.reshape(*lead, kb, 32) + self.m[t, :, j].unsqueeze(-1)
+            out = d[t, :, :, j].unsqueeze(-1) * q
+            if m is not None:
+                out = out.reshape(*lead, kb, 32) + m[t, :, j].unsqueeze(-1)
         return out.reshape(*lead, self.kp)[..., : self.in_features]
 
     @property

@@ -46,7 +46,7 @@ from shared import disk_cache
 log = logging.getLogger("mstar.repack_cache")
 
 #: bumped whenever the file format or what a file holds changes
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"MSTARRP1"
 ALIGN = 64
 SUFFIX = ".rpk"
@@ -106,7 +106,7 @@ def build(quant_state: dict) -> dict[str, Entry]:
         except ValueError:
             out[name] = None
             continue
-        out[name] = (form, w, np.asarray(d, dtype=np.float32), None if m is None else np.asarray(m, dtype=np.float32))
+        out[name] = (form, w, d, m)  # (d and m float16 or float32, as the form says)
     return out
 
 
