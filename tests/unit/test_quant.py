@@ -69,6 +69,18 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
 
 
+#: bytes a weight in memory (layers/quant.py's table; the README's): float16 scales where exact
+BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.1875, "Q5_K": 1.375,
+                    "Q6_K": 1.25, "Q8_0": 1.125, "IQ4_NL": 0.5625, "IQ4_XS": 0.625}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_bytes_per_weight_in_memory(qtype):
+    layer = QuantLinear.from_gguf(qtype, random_blocks(qtype, 32, 512), (32, 512))
+    nbytes = sum(t.nbytes for t in (layer.w, layer.d, layer.m) if t is not None)
+    assert nbytes / (32 * 512) == BYTES_PER_WEIGHT[qtype]
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_without_the_kernels_are_the_same_bits(qtype, monkeypatch):
     """An embedding lookup on torch's ops (no C compiler) and on mstar_qrows agree bit for bit;

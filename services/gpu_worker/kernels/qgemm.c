@@ -27,7 +27,7 @@
  * IQ4_NL's scales are GGUF's own float16s; the k-quants' d * sc products mostly are not).
  * Widened exactly in the kernel (vcvtph2ps), they give the same bits as float32 scales
  * while a decode step reads 0.125 bytes a weight less: 0.625 for Q4_1 (GGUF's size) against
- * 0.75, 1.0625 for Q8_0 against 1.25.
+ * 0.75, 1.125 for Q8_0 (its scale written twice, per 16) against 1.25.
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,

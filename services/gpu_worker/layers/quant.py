@@ -7,15 +7,15 @@ does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization b
 
 | GGUF type | form | weight | bytes per weight |
 |---|---|---|---|
-| Q4_0 | 4 | d * q + (-8 d) | 0.75 |
-| Q4_1 | 4 | d * q + m | 0.75 |
+| Q4_0 | 4 | d * q + (-8 d) | 0.625 (float16 scales) |
+| Q4_1 | 4 | d * q + m | 0.625 (float16) |
 | Q4_K | 4 | (d * sc) * q - dmin * mn, per 32-group | 0.75 |
-| Q5_0 | 8 | d * (q - 16) | 1.25 |
-| Q5_1 | 8 | d * q + m | 1.375 |
+| Q5_0 | 8 | d * (q - 16) | 1.125 (float16) |
+| Q5_1 | 8 | d * q + m | 1.1875 (float16) |
 | Q5_K | 8 | (d * sc) * q - dmin * mn | 1.375 |
 | Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.25 |
-| Q8_0 | 8 | d * q | 1.25 |
-| IQ4_NL | 16 | d * kvalues[q] | 0.625 |
+| Q8_0 | 8 | d * q | 1.125 (float16) |
+| IQ4_NL | 16 | d * kvalues[q] | 0.5625 (float16) |
 | IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.625 |
 
 (form 16: 4-bit indices into IQ4_NL's 16-value table `kvalues`, a signed byte each.)
