@@ -37,11 +37,11 @@
  * float additions): x's rounding is the only approximation. The Q8 and NL forms' +128 is
  * taken back exactly in int32: 128 * (256 sum(q1) + sum(q2)) per half block.
  *
- * `xbytes` 1 rounds x to q1 alone, x ~ d * q1 (llama.cpp's Q8_1 exactly: its prompt and
+ * `xbytes` 1 rounds x to q1 alone, x ~ d * q1 (as llama.cpp's Q8_1 rounds its prompt and
  * decode rows alike): half the vpdpbusd work, which bounds the kernel from a few rows up, so
  * a long prompt's GEMMs take ~2/3 of the time (2,048 rows of SmolLM2-135M on two Zen 4
- * threads: ~1.4 -> ~0.95 s). The caller uses it for prompt rows only (layers/quant.py), whose
- * error averages out over the keys they become; decode rows keep two bytes.
+ * threads: ~1.4 -> ~0.95 s). The caller uses it for prompt rows only, and only when asked
+ * (`--prefill-dtype int8`, layers/quant.py): it changes small models' greedy answers.
  *
  * Output column tiles and row blocks are split over the threads of pool.c's pool (tasks taken
  * from a shared counter: a busy core's thread just takes fewer); each output is computed the
@@ -182,18 +182,18 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int
             for (int h = 0; h < 2; h++) {
                 __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], iv)); /* round to nearest even */
                 _mm_storeu_si128((__m128i *)(q1s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q1));
-                int32_t half;
+                int32_t part; /* the half block's sum of x in steps of dx */
                 if (xbytes == 1) {
-                    half = _mm512_reduce_add_epi32(q1);
+                    part = _mm512_reduce_add_epi32(q1);
                 } else {
                     __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), dv, v[h]);
                     __m512i q2 = _mm512_min_epi32(
                         _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, iv256)), lo), hi);
-                    half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q1, 8), q2));
+                    part = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q1, 8), q2));
                     _mm_storeu_si128((__m128i *)(q2s + r * kp + b * 32 + 16 * h), _mm512_cvtsepi32_epi8(q2));
                 }
-                corr[(r * kb + b) * 2 + h] = 128 * half;
-                total += half;
+                corr[(r * kb + b) * 2 + h] = 128 * part;
+                total += part;
             }
             const float unit = xbytes == 1 ? d : d / 256.f; /* what one step of the integer sums is worth */
             dx[r * kb + b] = unit;
