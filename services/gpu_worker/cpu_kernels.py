@@ -116,6 +116,9 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
         lib.mstar_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
         lib.mstar_silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+        lib.mstar_gelu_mul.restype = lib.mstar_head_norm.restype = None
+        lib.mstar_gelu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+        lib.mstar_head_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
         lib.mstar_gemm_nr.restype = i64
         lib.mstar_gemm_nr.argtypes = []
         lib.mstar_gemm_pack.restype = lib.mstar_gemm_unpack.restype = None

@@ -1,6 +1,7 @@
 """The decode step's layer stack in one C call (modeling/cpu_stack.py, kernels/decode_stack.c)
 gives bitwise the torch modules' result: the same logits and the same KV pages, on
-quantized Llama and Qwen2 (q/k/v bias) GGUF models and on their float32 checkpoints
+quantized Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
+norms, GELU, sliding-window layers with their own RoPE) GGUF models and on float32 checkpoints
 (gemm.c's packed GEMMs, the gate/up GEMM with silu * up fused), for decode steps of one and several
 rows at different lengths, on float32, bfloat16 and int8 pages; steps it does not take (a
 prefill, float16 pages) go through the modules."""
@@ -16,8 +17,9 @@ from bench.perplexity import load
 from services.gpu_worker.attention import build_metadata, cpu_backend
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.layers import quant
+from shared.model_config import SLIDING
 from tests.checkpoints import make_checkpoint
-from tests.gguf_files import write_gguf
+from tests.gguf_files import gguf_checkpoint_overrides, write_gguf
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")
 
@@ -28,20 +30,23 @@ QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight":
 PAGE = 16
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-float32", "qwen2-float32"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "llama-float32", "qwen2-float32",
+                                        "gemma3-float32"])
 def model(request, tmp_path_factory):
     """A quantized GGUF model, or a float32 checkpoint on gemm.c's packed GEMMs (those are
-    used with one torch thread, as the worker has on a 2-core machine)."""
+    used with one torch thread, as the worker has on a 2-core machine). Gemma 3: five
+    sliding-window layers of six, their own RoPE base (what a GGUF file of it holds)."""
     arch, _, float32 = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"stack-{request.param}")
-    ckpt = make_checkpoint(root / "ckpt", arch)
+    ckpt = make_checkpoint(root / "ckpt", arch, **gguf_checkpoint_overrides(arch))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         if float32:
             model, spec, _ = load(str(ckpt), "float32", "float32")
         else:
-            path = write_gguf(ckpt, root / "model.gguf", arch, "gpt2" if arch == "llama" else "qwen2", qtypes=QTYPES)
+            path = write_gguf(ckpt, root / "model.gguf", arch, "qwen2" if arch.startswith("qwen") else "gpt2",
+                              qtypes=QTYPES)
             model, spec, _ = load(str(path), "auto", "float32")
     finally:
         torch.set_num_threads(threads)
@@ -49,8 +54,11 @@ def model(request, tmp_path_factory):
 
 
 def _caches(model, spec, dtype=torch.float32):
+    """A KV tensor per layer (a Gemma's sliding and full layers in one list, as the runner
+    hands them to the model)."""
     pool = next(iter(spec.paged_pools(64).values()))
-    return kv_cache(pool.num_layers, pool.num_pages, PAGE, pool.kv_heads, pool.head_dim, dtype, torch.device("cpu"))
+    return kv_cache(len(model.model.layers), pool.num_pages, PAGE, pool.kv_heads, pool.head_dim, dtype,
+                    torch.device("cpu"))
 
 
 def _forward(model, caches, ids, positions, rows, stack: bool):
@@ -58,10 +66,13 @@ def _forward(model, caches, ids, positions, rows, stack: bool):
     if not stack:
         model.cpu_stack = None
     try:
-        meta = build_metadata(rows, PAGE, None, cpu_backend(caches[0].dtype))  # the runner's pick
+        backend = cpu_backend(caches[0].dtype)  # the runner's pick
+        meta = build_metadata(rows, PAGE, None, backend)
+        window = model.config.sliding_window
+        local = build_metadata(rows, PAGE, window, backend) if window else meta  # a sliding label's rows
+        metas = [local if kind == SLIDING else meta for kind in model.config.layer_types]
         with torch.inference_mode():
-            return model(torch.tensor(ids), torch.tensor(positions), caches, [meta] * len(caches),
-                         torch.arange(len(ids)))
+            return model(torch.tensor(ids), torch.tensor(positions), caches, metas, torch.arange(len(ids)))
     finally:
         model.cpu_stack = saved
 
@@ -93,7 +104,10 @@ def _runs(m):
 
 
 def test_the_stack_applies_to_a_llama_shape_on_the_c_gemms(model):
-    assert model[0].cpu_stack is not None
+    m = model[0]
+    assert m.cpu_stack is not None
+    if m.config.sandwich_norm:  # Gemma 3: both kinds of layer, each with its RoPE tables
+        assert set(m.config.layer_types) == {"sliding_attention", "full_attention"} and len(m.rotaries) == 2
 
 
 @pytest.mark.parametrize("lens", [[5], [17, 40, 3], [16, 33]])

@@ -24,6 +24,8 @@ void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps,
 void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d, const float *cos,
                 const float *sin_signed, int64_t tab_stride);
 void mstar_silu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
+void mstar_gelu_mul(const float *gu, int64_t gu_stride, int64_t inter, float *out, int64_t rows);
+void mstar_head_norm(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d, const float *w, float eps);
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
                   const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch);
@@ -66,11 +68,16 @@ typedef struct {
 } MstarQWeight;
 
 /* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]
- * (float32, or bfloat16 / int8 where the shape's kv_kind says so). */
+ * (float32, or bfloat16 / int8 where the shape's kv_kind says so). Gemma 3 (the shape's
+ * qk_norm and sandwich): q_norm, k_norm over each head, ln2 the norm of the attention's
+ * output, ln3 / ln4 the norms before and after the MLP. `step`: which of the call's steps
+ * (its metadata and RoPE tables) the layer reads: 0 full attention, 1 sliding window. */
 typedef struct {
     const float *ln1, *ln2;
     MstarQWeight qkv, o, gate_up, down;
     void *cache;
+    const float *q_norm, *k_norm, *ln3, *ln4;
+    int64_t step;
 } MstarLayer;
 
 /* The shapes every layer shares; kv_kind: the pages' type, 0 float32, 1 bfloat16, 2 int8
@@ -79,10 +86,12 @@ typedef struct {
 typedef struct {
     int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_kind;
     float eps, scale;
+    int64_t qk_norm, sandwich, gelu; /* Gemma 3's layer: q/k norms, sandwich norms, gelu_tanh * up */
 } MstarStackShape;
 
 /* The step: T rows, all decode query rows of one label (the metadata's decode_query
- * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d]. */
+ * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d]. A call takes one per
+ * kind of layer (full attention; sliding window, whose label and RoPE are its own). */
 typedef struct {
     int64_t rows;
     const float *cos, *sin_signed;
@@ -131,17 +140,25 @@ static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, i
                          qscratch);
 }
 
-/* x [rows, hidden] in place through every layer. Returns 0, or the first kernel's error
- * code (a GEMM's -1 as -10 - layer * 8 - which, the attention's as -20000 - layer). */
-int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *st, float *x,
+/* x [rows, hidden] in place through every layer; steps[layer's step] its metadata. Returns 0,
+ * or the first kernel's error code (a GEMM's -1 as -10 - layer * 8 - which, the attention's
+ * as -20000 - layer). The modules' order (modeling/decoder_lm.py): a Llama layer is
+ * x += attn(norm1(x)); x += mlp(norm2(x)); a Gemma 3 layer x += norm2(attn(norm1(x)));
+ * x += norm4(mlp(norm3(x))), with q and k normalised per head before RoPE. */
+int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps, float *x,
                        float *work, void *qscratch, float *ascratch, int threads) {
-    const int64_t t = st->rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
+    const int64_t t = steps[0].rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
     float *h = work, *qkv = h + t * hid, *attn = qkv + t * nqkv, *o = attn + t * s->hq * s->d;
     float *gu = o + t * hid, *act = gu + t * 2 * s->inter;
     for (int64_t l = 0; l < s->n_layers; l++) {
         const MstarLayer *L = layers + l;
+        const MstarDecodeStep *st = steps + L->step;
         mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
         if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
+        if (s->qk_norm) {
+            mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
+            mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
+        }
         mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
         const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
         if (s->kv_kind == 2)
@@ -156,16 +173,30 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         const int rc = attention(s, st, qkv, L->cache, attn, ascratch);
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
-        add_into(x, o, t * hid);
-        mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
+        if (s->sandwich) {
+            mstar_rms_norm(o, hid, L->ln2, s->eps, h, t, hid);
+            add_into(x, h, t * hid);
+            mstar_rms_norm(x, hid, L->ln3, s->eps, h, t, hid);
+        } else {
+            add_into(x, o, t * hid);
+            mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
+        }
         if (L->gate_up.form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
             if (qgemm(&L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);
         } else {
             if (qgemm(&L->gate_up, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
-            mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
+            if (s->gelu)
+                mstar_gelu_mul(gu, 2 * s->inter, s->inter, act, t);
+            else
+                mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
         }
         if (qgemm(&L->down, act, t, o, threads, qscratch)) return (int)(-13 - l * 8);
-        add_into(x, o, t * hid);
+        if (s->sandwich) {
+            mstar_rms_norm(o, hid, L->ln4, s->eps, h, t, hid);
+            add_into(x, h, t * hid);
+        } else {
+            add_into(x, o, t * hid);
+        }
     }
     return 0;
 }

@@ -1,5 +1,5 @@
-/* Fused elementwise ops of a decoder layer for the CPU path (float32): RMSNorm, RoPE in
- * place, silu(gate) * up. Each is a chain of 3-6 torch ops on small tensors in a decode
+/* Fused elementwise ops of a decoder layer for the CPU path (float32): RMSNorm (of rows, or
+ * of each head in place), RoPE in place, silu(gate) * up, gelu_tanh(gate) * up. Each is a chain of 3-6 torch ops on small tensors in a decode
  * step (16 x 512 floats), where torch's per-op dispatch is most of the cost: ~40 us per
  * chain against a few us here, about 160 us per layer per step.
  *
@@ -10,18 +10,27 @@
 
 #include "silu_mul.h"
 
+/* One row: o = x * rsqrt(mean(x^2) + eps) * w (o may be x: x is read whole first). */
+static inline void rms_row(const float *xr, const float *w, float eps, float *o, int64_t dim) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) o[i] = (xr[i] * inv) * w[i];
+}
+
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, as HF's RMSNorm in float32. */
 void mstar_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t rows, int64_t dim) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        float *o = out + r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = (xr[i] * inv) * w[i];
-    }
+    for (int64_t r = 0; r < rows; r++) rms_row(x + r * x_stride, w, eps, out + r * dim, dim);
+}
+
+/* The same per head, in place: heads [0, heads) of each row (row stride x_stride, each head's
+ * d values contiguous, heads adjacent), each normalised with w [d] (Gemma 3's q and k norms,
+ * on the q/k/v GEMM's output where it lies). */
+void mstar_head_norm(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d, const float *w, float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) rms_row(x + r * x_stride + h * d, w, eps, x + r * x_stride + h * d, d);
 }
 
 /* In place on heads [0, heads) of each row (row stride x_stride, head_dim d contiguous):
@@ -47,4 +56,9 @@ void mstar_rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t
 /* out[r] = silu(gu[r, :inter]) * gu[r, inter:2 inter]; silu(g) = g / (1 + exp(-g)). */
 void mstar_silu_mul(const float *restrict gu, int64_t gu_stride, int64_t inter, float *restrict out, int64_t rows) {
     silu_mul_rows(gu, gu_stride, inter, inter, out, inter, rows);
+}
+
+/* out[r] = gelu_tanh(gu[r, :inter]) * gu[r, inter:2 inter] (silu_mul.h). */
+void mstar_gelu_mul(const float *restrict gu, int64_t gu_stride, int64_t inter, float *restrict out, int64_t rows) {
+    gelu_mul_rows(gu, gu_stride, inter, inter, out, inter, rows);
 }

@@ -1,5 +1,6 @@
 /* silu(gate) * up over rows, shared by mstar_silu_mul (elementwise.c) and the GEMM's
- * silu epilogue (gemm.c), so the two paths give the same bits by construction. */
+ * silu epilogue (gemm.c), so the two paths give the same bits by construction; and
+ * gelu_tanh(gate) * up (Gemma's MLP), shared by mstar_gelu_mul and the decode stack. */
 #ifndef MSTAR_SILU_MUL_H
 #define MSTAR_SILU_MUL_H
 #include <stdint.h>
@@ -16,6 +17,22 @@ static inline void silu_mul_rows(const float *restrict gu, int64_t gu_stride, in
         float *restrict o = out + r * out_stride;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) o[i] = exp_poly(-g[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
+    }
+}
+
+/* out[r, :n] = gelu_tanh(g) * u (transformers' gelu_pytorch_tanh: 0.5 g (1 + tanh(c (g +
+ * 0.044715 g^3))), c = sqrt(2 / pi)), as g / (1 + exp(-2 c (g + 0.044715 g^3))): the same
+ * function without tanh's cancellation near 0. Shared by mstar_gelu_mul and the decode stack. */
+static inline void gelu_mul_rows(const float *restrict gu, int64_t gu_stride, int64_t up, int64_t n,
+                                 float *restrict out, int64_t out_stride, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gu + r * gu_stride;
+        const float *restrict u = g + up;
+        float *restrict o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = exp_poly(-1.5957691216057308f * (g[i] + 0.044715f * g[i] * g[i] * g[i]));
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
     }

@@ -12,6 +12,11 @@ import torch
 from services.gpu_worker import cpu_kernels
 
 
+def available() -> bool:
+    """The C kernels are built (CPU float32 tensors then take them)."""
+    return cpu_kernels.library() is not None
+
+
 def _lib(*tensors: torch.Tensor):
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
@@ -41,6 +46,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x
 
 
+def head_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of each head of x [T, heads, D] in place (rows may be strided, each row's heads
+    contiguous: the q/k/v GEMM's output), with weight [D]; None (x untouched) where the kernel
+    does not apply."""
+    lib = _lib(x, weight)
+    d = x.shape[-1]
+    if (lib is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != d or not weight.is_contiguous()
+            or weight.numel() != d):
+        return None
+    lib.mstar_head_norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], d, weight.data_ptr(), eps)
+    return x
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up = [gate | up] along the last dim, into a fresh tensor."""
     lib = _lib(gate_up)
@@ -49,4 +67,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter)
     lib.mstar_silu_mul(gate_up.data_ptr(), gate_up.shape[1], inter, out.data_ptr(), gate_up.shape[0])
+    return out
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up (Gemma's MLP) for gate_up = [gate | up], into a fresh tensor."""
+    lib = _lib(gate_up)
+    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return None
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inter)
+    lib.mstar_gelu_mul(gate_up.data_ptr(), gate_up.shape[1], inter, out.data_ptr(), gate_up.shape[0])
     return out

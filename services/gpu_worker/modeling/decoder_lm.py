@@ -90,11 +90,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta: AttnMetadata):
         t = x.shape[0]
-        if self.qkv_proj is not None and not self.qk_norm and x.device.type == "cpu":
+        if self.qkv_proj is not None and x.device.type == "cpu" and self._norms_in_place(x):
             # one RoPE pass over q and k: they are adjacent heads of the qkv output. q comes
             # out strided (a view of that pass's output), which the torch path takes as is;
             # CUDA keeps the path below, where q is contiguous for the attention backends.
+            # Gemma 3's q and k norms run in place on the same output first (the C kernel).
             qkv = self.qkv_proj(x).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                fused.head_norm_(qkv[:, : self.heads], self.q_norm.weight, self.q_norm.eps)
+                fused.head_norm_(qkv[:, self.heads : self.heads + self.kv_heads], self.k_norm.weight,
+                                 self.k_norm.eps)
             qk = qkv[:, : self.heads + self.kv_heads]
             if fused.rope_(qk, *rope) is None:  # in place by the C kernel, else torch's ops
                 qk = apply_rope(qk, *rope)
@@ -115,6 +120,15 @@ class Attention(nn.Module):
         write_kv(cache, k, v, meta)
         o = paged_attention(q, cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+    def _norms_in_place(self, x: torch.Tensor) -> bool:
+        """No q/k norm, or the C kernel can run them in place on the q/k/v output (float32
+        on the CPU with the kernels built: then the decode stack computes the same)."""
+        if not self.qk_norm:
+            return True
+        w = self.q_norm.weight
+        return (fused.available() and x.dtype == torch.float32 and w.dtype == torch.float32
+                and w.is_contiguous() and self.k_norm.weight.is_contiguous())
 
 
 class MLP(nn.Module):
@@ -167,7 +181,7 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_silu(x))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            act = fused.silu_mul(gate_up) if self.silu else None  # the C kernel on the CPU, where built
+            act = fused.silu_mul(gate_up) if self.silu else fused.gelu_mul(gate_up)  # C kernels, where built
             if act is not None:
                 return self.down_proj(act)
             gate, up = gate_up.chunk(2, dim=-1)
@@ -343,8 +357,8 @@ class DecoderLM(DecoderModel):
             x[embeds[0]] = embeds[1].to(x.dtype)
         rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
         ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
-        stack, full = self.cpu_stack, ropes.get(FULL)  # a stack is built for all-FULL models only
-        if stack is None or full is None or not stack.run(x, full, kv_caches, metas):
+        stack = self.cpu_stack
+        if stack is None or not stack.run(x, ropes, kv_caches, metas):
             for layer, cache, meta, kind in zip(self.model.layers, kv_caches, metas, self.layer_rope):
                 x = layer(x, ropes[kind], cache, meta)
         return x
