@@ -61,21 +61,19 @@ def head_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up = [gate | up] along the last dim, into a fresh tensor."""
-    lib = _lib(gate_up)
-    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
-        return None
-    inter = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], inter)
-    lib.mstar_silu_mul(gate_up.data_ptr(), gate_up.shape[1], inter, out.data_ptr(), gate_up.shape[0])
-    return out
+    return _act_mul(gate_up, "mstar_silu_mul")
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gelu_tanh(gate) * up (Gemma's MLP) for gate_up = [gate | up], into a fresh tensor."""
+    return _act_mul(gate_up, "mstar_gelu_mul")
+
+
+def _act_mul(gate_up: torch.Tensor, kernel: str) -> torch.Tensor | None:
     lib = _lib(gate_up)
     if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return None
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter)
-    lib.mstar_gelu_mul(gate_up.data_ptr(), gate_up.shape[1], inter, out.data_ptr(), gate_up.shape[0])
+    getattr(lib, kernel)(gate_up.data_ptr(), gate_up.shape[1], inter, out.data_ptr(), gate_up.shape[0])
     return out
