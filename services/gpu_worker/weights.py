@@ -8,8 +8,10 @@ The torch class comes from the explicit spec -> model table
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -31,22 +33,24 @@ log = logging.getLogger("mstar.weights")
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+@functools.cache
+def _cpu_flags() -> str:
+    """/proc/cpuinfo's text ("" where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_computes_bf16() -> bool:
     """The CPU has bf16 dot-product instructions (AVX-512 BF16 or AMX), which oneDNN uses."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "avx512_bf16" in _cpu_flags() or "amx_bf16" in _cpu_flags()
 
 
 def cpu_has_amx_bf16() -> bool:
     """The CPU has AMX's bfloat16 tiles (where oneDNN's bfloat16 GEMM outruns the VNNI
     kernel at every prompt chunk size, not only at whole long prompts)."""
-    try:
-        return "amx_bf16" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
+    return "amx_bf16" in _cpu_flags()
 
 
 def weight_dtype(name: str, source: ModelSource, device: torch.device | str) -> tuple[torch.dtype, bool]:
