@@ -127,8 +127,8 @@ def test_float16_scales_give_the_float32_scales_bits(qtype):
     raw = random_blocks(qtype, 45, 96, seed=3)
     half = QuantLinear.from_gguf(qtype, raw, (45, 96))
     assert half.form & quant.HALF_SCALES and half.d.dtype == torch.float16
-    wide = QuantLinear(half.form & ~quant.HALF_SCALES, half.w, half.d.float(),
-                       None if half.m is None else half.m.float(), 96, 45)
+    wide = half.float32_scales()
+    assert not wide.form & quant.HALF_SCALES and wide.d.dtype == torch.float32
     assert half.d.nbytes * 2 == wide.d.nbytes  # what a step reads less
     ids = torch.tensor([0, 44, 17])
     assert torch.equal(half.rows(ids), wide.rows(ids))

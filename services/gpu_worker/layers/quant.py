@@ -260,9 +260,7 @@ class QuantLinear(nn.Module):
                for p in parts):
             return None
         if len({p.form for p in parts}) > 1:  # float16 scales beside float32 ones: all widened (exact)
-            parts = [p if not p.form & HALF_SCALES else
-                     QuantLinear(p.form & ~HALF_SCALES, p.w, p.d.float(), None if p.m is None else p.m.float(),
-                                 p.in_features, p.out_features, p.bias) for p in parts]
+            parts = [p.float32_scales() for p in parts]
             first = parts[0]
         if any(p.out_features % TILE for p in parts[:-1]) or any(p.bias is not None for p in parts[:-1]) != (
                 first.bias is not None):
@@ -272,6 +270,14 @@ class QuantLinear(nn.Module):
         return QuantLinear(first.form, cat([p.w for p in parts]), cat([p.d for p in parts]),
                            None if first.m is None else cat([p.m for p in parts]), first.in_features,
                            sum(p.out_features for p in parts), bias)
+
+    def float32_scales(self) -> QuantLinear:
+        """This layer with float32 scales and offsets (itself where they are): the float16
+        ones widened, exactly, so it computes the same bits."""
+        if not self.form & HALF_SCALES:
+            return self
+        return QuantLinear(self.form & ~HALF_SCALES, self.w, self.d.float(), None if self.m is None else self.m.float(),
+                           self.in_features, self.out_features, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32 (an embedding lookup), as gguf dequantizes them:
