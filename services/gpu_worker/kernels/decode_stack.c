@@ -68,9 +68,9 @@ typedef struct {
 } MstarQWeight;
 
 /* One layer: its norms, its four GEMMs and its KV tensor [P, 2, page_size, hkv, d]
- * (float32, or bfloat16 / int8 where the shape's kv_kind says so). Gemma 3 (the shape's
- * qk_norm and sandwich): q_norm, k_norm over each head, ln2 the norm of the attention's
- * output, ln3 / ln4 the norms before and after the MLP. `step`: which of the call's steps
+ * (float32, or bfloat16 / int8 where the shape's kv_kind says so). q_norm, k_norm (Gemma 3,
+ * Qwen3; else NULL): over each head. ln3 / ln4 (Gemma 3's sandwich norms; else NULL): the
+ * norms before and after the MLP, and then ln2 is the norm of the attention's output. `step`: which of the call's steps
  * (its metadata and RoPE tables) the layer reads: 0 full attention, 1 sliding window. */
 typedef struct {
     const float *ln1, *ln2;
@@ -86,7 +86,7 @@ typedef struct {
 typedef struct {
     int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_kind;
     float eps, scale;
-    int64_t qk_norm, sandwich, gelu; /* Gemma 3's layer: q/k norms, sandwich norms, gelu_tanh * up */
+    int64_t gelu; /* the MLP's activation: gelu_tanh (Gemma), else silu */
 } MstarStackShape;
 
 /* The step: T rows, all decode query rows of one label (the metadata's decode_query
@@ -155,7 +155,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         const MstarDecodeStep *st = steps + L->step;
         mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
         if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
-        if (s->qk_norm) {
+        if (L->q_norm) {
             mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
             mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
         }
@@ -173,7 +173,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         const int rc = attention(s, st, qkv, L->cache, attn, ascratch);
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
-        if (s->sandwich) {
+        if (L->ln3) {
             mstar_rms_norm(o, hid, L->ln2, s->eps, h, t, hid);
             add_into(x, h, t * hid);
             mstar_rms_norm(x, hid, L->ln3, s->eps, h, t, hid);
@@ -191,7 +191,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
                 mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
         }
         if (qgemm(&L->down, act, t, o, threads, qscratch)) return (int)(-13 - l * 8);
-        if (s->sandwich) {
+        if (L->ln4) {
             mstar_rms_norm(o, hid, L->ln4, s->eps, h, t, hid);
             add_into(x, h, t * hid);
         } else {

@@ -1,7 +1,8 @@
 /* Fused elementwise ops of a decoder layer for the CPU path (float32): RMSNorm (of rows, or
- * of each head in place), RoPE in place, silu(gate) * up, gelu_tanh(gate) * up. Each is a chain of 3-6 torch ops on small tensors in a decode
- * step (16 x 512 floats), where torch's per-op dispatch is most of the cost: ~40 us per
- * chain against a few us here, about 160 us per layer per step.
+ * of each head in place), RoPE in place, silu(gate) * up, gelu_tanh(gate) * up. Each is a
+ * chain of 3-6 torch ops on small tensors in a decode step (16 x 512 floats), where torch's
+ * per-op dispatch is most of the cost: ~40 us per chain against a few us here, about 160 us
+ * per layer per step.
  *
  * Built at first use by services/gpu_worker/cpu_kernels.py (see there for flags).
  */

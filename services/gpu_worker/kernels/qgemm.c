@@ -362,8 +362,9 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
     form &= ~HALF_SCALES;
     if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn) || (xbytes != 1 && xbytes != 2)) return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
-    struct qjob j = {.form = form, .xbytes = xbytes, .half = half, .x = x, .m = m, .k = k, .lda = lda, .kp = kp, .n = n, .ldc = ldc,
-                     .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias, .out = out};
+    struct qjob j = {.form = form, .xbytes = xbytes, .half = half, .x = x, .m = m, .k = k, .lda = lda, .kp = kp,
+                     .n = n, .ldc = ldc, .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias,
+                     .out = out};
     j.q1s = (int8_t *)scratch;
     j.q2s = j.q1s + m * kp;
     j.dx = (float *)(j.q2s + m * kp); /* 2 m kp is a multiple of 64: aligned */

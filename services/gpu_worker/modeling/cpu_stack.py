@@ -49,8 +49,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
-                ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("qk_norm", _i64),
-                ("sandwich", _i64), ("gelu", _i64)]
+                ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("gelu", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -144,8 +143,7 @@ class CpuDecodeStack:
             ptrs = [None if w is None else w.data_ptr() for w in ws]
             layers.append(_Layer(ptrs[0], ptrs[1], *gemms, None, *ptrs[2:], KINDS.index(kind)))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale, int(cfg.qk_norm),
-                       int(cfg.sandwich_norm), int(cfg.hidden_act != "silu"))
+                       cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"))
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}
         return cls(lib, shape, layers, norms, list(cfg.layer_types), rope_of)
 
@@ -195,16 +193,16 @@ class CpuDecodeStack:
             return False
         s, lib = self.shape, self.lib
         max_keys = max(m.decode.pages.shape[1] for m in kind_meta.values()) * s.page_size
+        for st in self._steps:  # (the C side reads the rows from the first)
+            st.rows = t
         for k, meta in kind_meta.items():
             st, dec, (cos, sin) = self._steps[KINDS.index(k)], meta.decode, ropes[self._rope_of[k]]
             base, step = dec.query.data_ptr(), dec.query.stride(0) * 8
-            st.rows, st.cos, st.sin_signed = t, cos.data_ptr(), sin.data_ptr()
+            st.cos, st.sin_signed = cos.data_ptr(), sin.data_ptr()
             st.slot_pages, st.slot_offsets = meta.slot_pages.data_ptr(), meta.slot_offsets.data_ptr()
             st.pages, st.width = dec.pages.data_ptr(), dec.pages.shape[1]
             st.qrow, st.entry, st.lo, st.hi = base, base + step, base + 2 * step, base + 3 * step
             st.n_query, st.max_keys = t, dec.pages.shape[1] * s.page_size
-        if FULL not in kind_meta:  # the C side reads rows from the first step
-            self._steps[0].rows = t
         attn_scratch = int(_decode_scratch(lib)(t, s.hq, s.d, max_keys))
         need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + attn_scratch
         if self._work.numel() < need:
