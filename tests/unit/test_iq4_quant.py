@@ -239,7 +239,7 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.head, QuantLinear)
     forms = {m.form & ~quant.HALF_SCALES for m in [*model.modules(), model.head] if isinstance(m, QuantLinear)}
-    assert forms == ({4, 8} if mix == "k_mix" else {quant.NL, 8})
+    assert forms == ({4, quant.Q5, 8, quant.Q8S} if mix == "k_mix" else {quant.NL, quant.Q8S})
     stack_runs: list[bool] = []
     if mix == "iq4_mix":  # q/k/v and gate/up fused in the NL form: a decode step is one C call
         stack = model.cpu_stack

@@ -59,7 +59,9 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96  # 96: not a multiple of 64, the kernel's padding
     raw = random_blocks(qtype, 40, k)
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
-    assert layer.form & ~quant.HALF_SCALES == (4 if qtype in quant.FORM4 else quant.NL if qtype in quant.FORMNL else 8)
+    forms = {**dict.fromkeys(quant.FORM4, 4), **dict.fromkeys(quant.FORM5, quant.Q5), **dict.fromkeys(quant.FORM8, 8),
+             **dict.fromkeys(quant.FORM9, quant.Q8S), **dict.fromkeys(quant.FORMNL, quant.NL)}
+    assert layer.form & ~quant.HALF_SCALES == forms[qtype]
     # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's products d * sc do not
     half = qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
     assert bool(layer.form & quant.HALF_SCALES) == half
@@ -70,8 +72,8 @@ def test_repack_reproduces_gguf_dequantization(qtype):
 
 
 #: bytes a weight in memory (layers/quant.py's table; the README's): float16 scales where exact
-BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.1875, "Q5_K": 1.375,
-                    "Q6_K": 1.25, "Q8_0": 1.125, "IQ4_NL": 0.5625, "IQ4_XS": 0.625}
+BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 0.75, "Q5_1": 0.75, "Q5_K": 0.875,
+                    "Q6_K": 1.25, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.625}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -179,3 +181,20 @@ def test_a_q8_byte_of_minus_128_is_taken():
     assert torch.equal(layer.weight, w)
     x = torch.randn(2, 64)
     assert torch.allclose(layer(x), (rounded(x).double() @ w.double().T).float(), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_concat_puts_five_bit_and_one_scale_parts_in_the_byte_form():
+    """Gemma 3's Q4_K_M files fuse Q5_0 q and k with a Q8_0 v: one layer in form 8 (Q8_0's
+    scale per 16, a zero offset where a part has none), the parts' weights bit for bit."""
+    parts = [QuantLinear.from_gguf(t, random_blocks(t, n, 64, seed), (n, 64))
+             for t, n, seed in (("Q5_0", 32, 1), ("Q5_1", 16, 2), ("Q8_0", 16, 3))]
+    assert [p.form & ~quant.HALF_SCALES for p in parts] == [quant.Q5, quant.Q5, quant.Q8S]
+    fused = QuantLinear.concat(parts)
+    assert fused is not None and fused.form & ~quant.HALF_SCALES == 8
+    w = torch.cat([p.weight for p in parts])
+    assert torch.equal(fused.weight, w)
+    x = torch.randn(3, 64)
+    ref = (rounded(x).double() @ w.double().T).float()
+    assert torch.allclose(fused(x), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=1), rtol=1e-5, atol=1e-6)

@@ -1,13 +1,17 @@
 /* GEMM on GGUF-quantized weights, computed on as they come (llama.cpp's method):
  * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), where w is never expanded to floats.
  *
- * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of three forms,
- * all in blocks of 32 along k, every scale a float32 (the GGUF scales are float16 and
- * small integers, so each product below is the one gguf's dequantization computes):
- *   Q4 form: w = d[b] * q + m[b], q in 0..15 (Q4_0: m = -8 d; Q4_1: d, m; Q4_K: d * scale,
+ * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of five forms,
+ * all in blocks of 32 along k (the GGUF scales are float16 and small integers, so each
+ * product below is the one gguf's dequantization computes):
+ *   Q4 form (4): w = d[b] * q + m[b], q in 0..15 (Q4_0: m = -8 d; Q4_1: d, m; Q4_K: d * scale,
  *            -dmin * min per 32-group)
- *   Q8 form: w = d16[h] * q + m[b], q a signed byte stored as q + 128, one scale per 16
- *            (Q6_K's groups; Q8_0's written twice), m per 32 or none (Q5_1, Q5_K: one)
+ *   Q5 form (5): the same with q in 0..31 (Q5_0: m = -16 d; Q5_1: d, m; Q5_K as Q4_K): the
+ *            Q4 form's nibbles and a plane of the fifth bits, 5 bits a weight as in GGUF
+ *   Q8 form (8): w = d16[h] * q + m[b], q a signed byte stored as q + 128, one scale per 16
+ *            (Q6_K's groups), m per 32 or none; a Q5 or Q8S layer concatenated with another
+ *            form's (fused q/k/v of mixed types) is expanded to it
+ *   Q8S form (9): the Q8 form with one scale per 32 (Q8_0's own), no m
  *   NL form (16, a 16-value table): w = d[b] * kvalues_iq4nl[q], q in 0..15 (IQ4_NL: d;
  *            IQ4_XS: d * (scale - 32) per 32-group), m per 32 or none (none from GGUF).
  *            Stored as the Q4 form's nibbles (4 bits a weight); in the kernel each nibble
@@ -19,15 +23,18 @@
  * a block of 32 values of 16 columns is 8 (Q4: 4 bytes holding two nibbles each) 64-byte
  * vectors, x is never shuffled, and each block's scales are one 16-float load per tile:
  *   Q4 form: w [n/16][kb][4][16 columns][4]: byte = q[k] | q[k + 16] << 4, k = 4 g + i
- *   Q8 form: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
+ *   Q5 form: w [n/16][kb][5][16][4]: the Q4 form's 4 groups of q's low nibbles, then 8
+ *            64-bit words, word G's bit 4 j + i the fifth bit of value 4 G + i of column j
+ *            (a byte mask: one masked vpaddb of 16 per 64 weights)
+ *   Q8 and Q8S forms: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
  *   NL form: w as the Q4 form's (q the table index)
- *   d: Q4 and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
+ *   d: Q4, Q5, Q8S and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
  * d and m are float32, or float16 where the form code has HALF_SCALES (256) set: the repack
  * stores them so when every value is a float16 exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
  * IQ4_NL's scales are GGUF's own float16s; the k-quants' d * sc products mostly are not).
- * Widened exactly in the kernel (vcvtph2ps), they give the same bits as float32 scales
- * while a decode step reads 0.125 bytes a weight less: 0.625 for Q4_1 (GGUF's size) against
- * 0.75, 1.125 for Q8_0 (its scale written twice, per 16) against 1.25.
+ * Widened exactly in the kernel (vcvtph2ps), they give the same bits as float32 scales.
+ * Bytes a weight in memory, what a decode step reads: Q4_0 / Q4_1 0.625 (GGUF's size),
+ * Q5_0 / Q5_1 0.75, Q8_0 1.0625 (GGUF's), Q5_K 0.875, Q6_K 1.25, Q4_K 0.75.
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,
@@ -54,7 +61,8 @@
 
 #include "pool.h"
 
-#define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4 and 8) */
+#define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4, 5 and 8) */
+#define FORM_Q8S 9 /* the byte form with one scale per 32 (Q8_0's) */
 #define HALF_SCALES 256 /* a form code's flag: d and m stored as float16 */
 
 /* a float16 (IEEE binary16) widened to float32, exactly; for mstar_qrows, on any CPU */
@@ -110,21 +118,22 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                                                               int64_t ldo) {
     const int half = (form & HALF_SCALES) != 0;
     form &= ~HALF_SCALES;
-    if (form != 4 && form != 8 && form != FORM_NL) return -1;
+    if (form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
-    const int64_t kb = (k + 31) / 32, groups = form == 8 ? 8 : 4;
+    const int64_t kb = (k + 31) / 32, groups = form == 8 || form == FORM_Q8S ? 8 : form == 5 ? 5 : 4;
     float v[32];
     for (int64_t r = 0; r < n_ids; r++) {
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
         for (int64_t b = 0; b < kb; b++) {
             const uint8_t *src = w + (t * kb + b) * groups * 64 + j * 4;
             const float m = mn ? scale_at(mn, (t * kb + b) * 16 + j, half) : 0.f;
-            if (form == 8) {
+            if (form == 8 || form == FORM_Q8S) {
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const float q = (float)((int)src[g * 64 + i] - 128);
-                        v[4 * g + i] = scale_at(d, ((t * kb + b) * 2 + g / 4) * 16 + j, half) * q;
+                        const int64_t si = form == 8 ? ((t * kb + b) * 2 + g / 4) * 16 + j : (t * kb + b) * 16 + j;
+                        v[4 * g + i] = scale_at(d, si, half) * q;
                     }
             } else {
                 const float dd = scale_at(d, (t * kb + b) * 16 + j, half);
@@ -132,8 +141,12 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = src[g * 64 + i];
                         const int lo = byte & 15, hi = byte >> 4;
-                        v[4 * g + i] = form == 4 ? dd * (float)lo : dd * kvalues_nl[lo];
-                        v[4 * g + i + 16] = form == 4 ? dd * (float)hi : dd * kvalues_nl[hi];
+                        /* form 5: the fifth bit of value 4 G + i is bit 4 j + i of word G after the nibbles */
+                        const uint8_t *fifth = w + (t * kb + b) * groups * 64 + 256;
+                        const int b5lo = form == 5 ? (fifth[8 * g + (4 * j + i) / 8] >> ((4 * j + i) % 8)) & 1 : 0;
+                        const int b5hi = form == 5 ? (fifth[8 * (g + 4) + (4 * j + i) / 8] >> ((4 * j + i) % 8)) & 1 : 0;
+                        v[4 * g + i] = form == FORM_NL ? dd * kvalues_nl[lo] : dd * (float)(lo | b5lo << 4);
+                        v[4 * g + i + 16] = form == FORM_NL ? dd * kvalues_nl[hi] : dd * (float)(hi | b5hi << 4);
                     }
             }
             if (mn)
@@ -223,8 +236,8 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         __m512i wv[8];
-        if (form == 4 || form == FORM_NL) {
-            const uint8_t *src = w + ((t * kb + b) * 4) * 64;
+        if (form == 4 || form == 5 || form == FORM_NL) {
+            const uint8_t *src = w + ((t * kb + b) * (form == 5 ? 5 : 4)) * 64;
             for (int g = 0; g < 4; g++) {
                 __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
                 wv[g] = _mm512_and_si512(v, low);
@@ -232,6 +245,14 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                 if (form == FORM_NL) {
                     wv[g] = _mm512_shuffle_epi8(table, wv[g]);
                     wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
+                }
+            }
+            if (form == 5) { /* each byte's fifth bit: word G's bit 4 j + i, as a byte mask */
+                const __m512i sixteen = _mm512_set1_epi8(16);
+                for (int g = 0; g < 8; g++) {
+                    uint64_t bits;
+                    memcpy(&bits, src + 256 + 8 * g, sizeof bits);
+                    wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], sixteen);
                 }
             }
         } else {
@@ -243,7 +264,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
             const int32_t *x2 = (const int32_t *)(q2s + r * kp + b * 32);
             const __m512 xs = _mm512_set1_ps(dx[r * kb + b]);
-            if (form == 4 || form == FORM_NL) {
+            if (form == 4 || form == 5 || form == FORM_NL) {
                 __m512i p1 = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) {
                     p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
@@ -263,7 +284,8 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     }
                     __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
                                                  _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
-                    __m512 ds = _mm512_mul_ps(scales16(d, ((t * kb + b) * 2 + h) * 16, half), xs);
+                    const int64_t si = form == FORM_Q8S ? (t * kb + b) * 16 : ((t * kb + b) * 2 + h) * 16;
+                    __m512 ds = _mm512_mul_ps(scales16(d, si, half), xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
             }
@@ -289,7 +311,9 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
 /* TILE_ROWS with the form, x's bytes and the scales' type as constants (one copy of tile() each) */
 #define TILE_FORMS(xbytes, half)                                                                               \
     if (j->form == 4) { TILE_ROWS(4, xbytes, half) }                                                           \
+    else if (j->form == 5) { TILE_ROWS(5, xbytes, half) }                                                      \
     else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes, half) }                                          \
+    else if (j->form == FORM_Q8S) { TILE_ROWS(FORM_Q8S, xbytes, half) }                                        \
     else { TILE_ROWS(8, xbytes, half) }
 
 /* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
@@ -360,7 +384,9 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
                   void *scratch) {
     const int half = (form & HALF_SCALES) != 0;
     form &= ~HALF_SCALES;
-    if ((form != 4 && form != 8 && form != FORM_NL) || (form == 4 && !mn) || (xbytes != 1 && xbytes != 2)) return -1;
+    if ((form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) || ((form == 4 || form == 5) && !mn)
+        || (xbytes != 1 && xbytes != 2))
+        return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
     struct qjob j = {.form = form, .xbytes = xbytes, .half = half, .x = x, .m = m, .k = k, .lda = lda, .kp = kp,
                      .n = n, .ldc = ldc, .tiles = tiles, .w = (const uint8_t *)wp, .d = d, .mn = mn, .bias = bias,
@@ -383,7 +409,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
      * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
-    const int64_t per_tile = kb * ((form == 4 ? 8 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
+    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 ? 10 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;

@@ -1,8 +1,8 @@
 """GGUF weights kept quantized and computed on as such (kernels/qgemm.c, llama.cpp's method).
 
-At load each quantized GGUF matrix is repacked into one of the kernel's three forms (see
-qgemm.c), every scale a float32 made by the same float32 operations `gguf.quants.dequantize`
-does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization bit for bit
+At load each quantized GGUF matrix is repacked into one of the kernel's five forms (see
+qgemm.c), every scale made by the same float32 operations `gguf.quants.dequantize` does, so
+`QuantLinear.weight` (the form expanded) equals gguf's dequantization bit for bit
 (tests/unit/test_quant.py checks each type):
 
 | GGUF type | form | weight | bytes per weight |
@@ -10,15 +10,20 @@ does, so `QuantLinear.weight` (the form expanded) equals gguf's dequantization b
 | Q4_0 | 4 | d * q + (-8 d) | 0.625 (float16 scales) |
 | Q4_1 | 4 | d * q + m | 0.625 (float16) |
 | Q4_K | 4 | (d * sc) * q - dmin * mn, per 32-group | 0.75 |
-| Q5_0 | 8 | d * (q - 16) | 1.125 (float16) |
-| Q5_1 | 8 | d * q + m | 1.1875 (float16) |
-| Q5_K | 8 | (d * sc) * q - dmin * mn | 1.375 |
+| Q5_0 | 5 | d * q + (-16 d) | 0.75 (float16) |
+| Q5_1 | 5 | d * q + m | 0.75 (float16) |
+| Q5_K | 5 | (d * sc) * q - dmin * mn | 0.875 |
 | Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.25 |
-| Q8_0 | 8 | d * q | 1.125 (float16) |
+| Q8_0 | 9 | d * q | 1.0625 (float16) |
 | IQ4_NL | 16 | d * kvalues[q] | 0.5625 (float16) |
 | IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.625 |
 
-(form 16: 4-bit indices into IQ4_NL's 16-value table `kvalues`, a signed byte each.)
+(form 5: 5-bit values, the nibbles of form 4 and a plane of fifth bits; form 9: form 8's
+signed bytes with Q8_0's one scale per 32 rather than form 8's per 16; form 16: 4-bit
+indices into IQ4_NL's 16-value table `kvalues`, a signed byte each. Q5_0 and Q5_1 were
+signed bytes at 1.125-1.1875 bytes a weight, and Q8_0's scale was written twice, until
+Gemma 3's files, whose layers are mostly Q5_0 and whose head is Q8_0, showed it: a decode
+step of the 270M Q4_K_M file read 294 MB where the file holds 247.)
 
 The GEMM rounds the activations per block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256)
 with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone SmolLM2's
@@ -56,12 +61,16 @@ from services.gpu_worker.layers import prompt_rows, wide_gemm
 from shared.cgroup import available_cpus
 
 FORM4 = ("Q4_0", "Q4_1", "Q4_K")
-FORM8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+#: 5-bit values: form 4's nibbles and a plane of their fifth bits (form 5 of qgemm.c)
+FORM5 = ("Q5_0", "Q5_1", "Q5_K")
+#: signed bytes with a scale per 16 (form 8) or per 32 (form 9)
+FORM8 = ("Q6_K",)
+FORM9 = ("Q8_0",)
 #: 4-bit indices into a 16-value table (form 16 of qgemm.c)
 FORMNL = ("IQ4_NL", "IQ4_XS")
-KEPT_TYPES = frozenset(FORM4 + FORM8 + FORMNL)
-#: qgemm.c's code of the NL form
-NL = 16
+KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM8 + FORM9 + FORMNL)
+#: qgemm.c's codes of the 5-bit, one-scale byte and NL forms
+Q5, Q8S, NL = 5, 9, 16
 #: qgemm.c's flag on a form code: d and m are float16
 HALF_SCALES = 256
 #: IQ4_NL's (and IQ4_XS's) values of the 16 indices (ggml's kvalues_iq4nl)
@@ -134,9 +143,9 @@ def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
 
 
 def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGUF blocks -> (q [rows, K] integers (form 16: table indices), scale per 32 (forms 4
-    and 16) or per 16 (form 8), offset per 32 or None), each scale and offset as gguf's
-    dequantization computes it."""
+    """GGUF blocks -> (q [rows, K] integers (form 16: table indices; forms 4 and 5 unsigned,
+    their offset in m), scale per 32 (forms 4, 5, 9 and 16) or per 16 (form 8), offset per
+    32 or None), each scale and offset as gguf's dequantization computes it."""
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
     b = np.ascontiguousarray(raw).reshape(-1, size)
     if qtype in ("Q4_0", "Q4_1"):
@@ -153,19 +162,17 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
         d, m = _iq4_xs_scales(b), None
         q = _nibbles(b[:, 8:], 8)  # per 32-group: 16 bytes, low nibbles first
     elif qtype == "Q8_0":
-        d, m = np.repeat(_f16(b[:, 0:2]), 2, axis=1), None
+        d, m = _f16(b[:, 0:2]), None
         q = b[:, 2:].copy().view(np.int8)
     elif qtype in ("Q5_0", "Q5_1"):
         off = 2 if qtype == "Q5_0" else 4
         q = _nibbles(b[:, off + 4:], 1) | _high_bits(b[:, off:off + 4], 32)
-        d = np.repeat(_f16(b[:, 0:2]), 2, axis=1)
-        m = None if qtype == "Q5_0" else _f16(b[:, 2:4])
-        q = (q.astype(np.int8) - np.int8(16)) if qtype == "Q5_0" else q.astype(np.int8)
+        d = _f16(b[:, 0:2])
+        m = -16 * d if qtype == "Q5_0" else _f16(b[:, 2:4])  # d (q - 16) = d q + (-16 d), exactly
     elif qtype == "Q5_K":
-        d32, m = _k_scales(b)
-        d = np.repeat(d32, 2, axis=1)
+        d, m = _k_scales(b)
         qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-        q = (_nibbles(b[:, 48:], 4) | ((qh & 1).reshape(b.shape[0], -1) << np.uint8(4))).astype(np.int8)
+        q = _nibbles(b[:, 48:], 4) | ((qh & 1).reshape(b.shape[0], -1) << np.uint8(4))
     elif qtype == "Q6_K":
         d, m = _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None
         ql = _nibbles(b[:, :128], 2)  # per 128 values: bytes 0-63 low nibbles, then their high ones
@@ -212,21 +219,32 @@ def _tiled(qtype: str, raw: np.ndarray,
     """GGUF blocks -> (form, w, d, m) in qgemm.c's tiled layout (n padded to tiles of 16
     columns, k to blocks of 32, with zero weights): forms 4 and 16: w [tiles, kb, 4, 16, 4]
     bytes (q[k] | q[k + 16] << 4 at k = 4 g + i), d [tiles, kb, 16], m (form 4) the same
-    shape or None (form 16); form 8: w
-    [tiles, kb, 8, 16, 4] bytes (q + 128), d [tiles, kb, 2, 16], m [tiles, kb, 16] or None."""
+    shape or None (form 16); form 5: w [tiles, kb, 5, 16, 4], form 4's then a group of the
+    fifth bits (bit 4 j + i of 64-bit word G: value 4 G + i of column j); forms 8 and 9: w
+    [tiles, kb, 8, 16, 4] bytes (q + 128), d [tiles, kb, 2, 16] (form 8) or [tiles, kb, 16]
+    (form 9), m [tiles, kb, 16] or None."""
     n, k = shape
     q, d, m = split_blocks(qtype, raw, n)
     tiles, kb = -(-n // TILE), -(-k // 32)
     np_, kp = tiles * TILE, kb * 32
     if m is not None:
         m = np.ascontiguousarray(_padded(m, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1))
-    if qtype in FORM4 or qtype in FORMNL:
-        q = _padded(q.astype(np.uint8), np_, kp).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
-        w = (q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
+    if qtype in FORM4 or qtype in FORM5 or qtype in FORMNL:
+        q = _padded(q.astype(np.uint8), np_, kp)
+        q4 = (q & np.uint8(15)).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
+        w = (q4[:, :, :, 0] | (q4[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
+        if qtype in FORM5:  # a fifth group: the fifth bits, bit 4 j + i of word G = value 4 G + i of column j
+            fifth = (q >> np.uint8(4)).reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)  # [t, b, G, j, i]
+            bits = np.packbits(fifth.reshape(tiles, kb, 8, 64), axis=-1, bitorder="little")  # 8 bytes per G
+            w = np.concatenate([w, bits.reshape(tiles, kb, 1, TILE, 4)], axis=2)
         d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
-        return 4 if qtype in FORM4 else NL, np.ascontiguousarray(w), np.ascontiguousarray(d), m
+        form = 4 if qtype in FORM4 else Q5 if qtype in FORM5 else NL
+        return form, np.ascontiguousarray(w), np.ascontiguousarray(d), m
     u = _padded((q.astype(np.int16) + 128).astype(np.uint8), np_, kp, 128)  # 128: a zero weight
     w = u.reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)
+    if qtype in FORM9:
+        d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
+        return Q8S, np.ascontiguousarray(w), np.ascontiguousarray(d), m
     d = _padded(d, np_, 2 * kb).reshape(tiles, TILE, kb, 2).transpose(0, 2, 3, 1)
     return 8, np.ascontiguousarray(w), np.ascontiguousarray(d), m
 
@@ -255,9 +273,15 @@ class QuantLinear(nn.Module):
     def concat(parts: list[QuantLinear]) -> QuantLinear | None:
         """One layer whose outputs are the parts' side by side, or None (different forms, or
         a part before the last whose columns do not fill their tiles)."""
+        forms = {p.form & ~HALF_SCALES for p in parts}
+        if len(forms) > 1:  # Q5_0 q and k beside a Q8_0 v (Gemma 3's files): all in the byte form
+            if not forms <= {Q5, 8, Q8S}:
+                return None
+            parts = [p.in_byte_form() for p in parts]
+            if any(p.m is not None for p in parts):  # a zero offset where a part has none
+                parts = [p.with_offsets() for p in parts]
         first = parts[0]
-        if any(p.form & ~HALF_SCALES != first.form & ~HALF_SCALES or (p.m is None) != (first.m is None)
-               for p in parts):
+        if any((p.m is None) != (first.m is None) for p in parts):
             return None
         if len({p.form for p in parts}) > 1:  # float16 scales beside float32 ones: all widened (exact)
             parts = [p.float32_scales() for p in parts]
@@ -279,6 +303,32 @@ class QuantLinear(nn.Module):
         return QuantLinear(self.form & ~HALF_SCALES, self.w, self.d.float(), None if self.m is None else self.m.float(),
                            self.in_features, self.out_features, self.bias)
 
+    def in_byte_form(self) -> QuantLinear:
+        """This layer in form 8 (a signed byte a weight, a scale per 16; itself where it is):
+        how a form 5 or 9 part is concatenated with another form's. The same weight, bit for
+        bit; a form 5 layer's GEMM sums its two halves apart there (float rounding only)."""
+        form = self.form & ~HALF_SCALES
+        if form == 8:
+            return self
+        if form not in (Q5, Q8S):
+            raise ValueError(f"form {form} has no byte form")
+        w = self.w
+        if form == Q5:
+            q = torch.cat((w[:, :, :4] & 15, w[:, :, :4] >> 4), dim=2)  # [t, b, G, j, i]: value 4 G + i
+            bits = np.unpackbits(w[:, :, 4].reshape(*w.shape[:2], 8, 8).numpy(), axis=-1, bitorder="little")
+            w = q | (torch.from_numpy(bits).reshape(q.shape) << 4)
+            w = w + 128  # q + 128 (q < 32): form 8's bytes
+        d = self.d.unsqueeze(2).expand(-1, -1, 2, -1).contiguous()  # [t, b, 2, 16]
+        return QuantLinear(8 | (self.form & HALF_SCALES), w.contiguous(), d, self.m, self.in_features,
+                           self.out_features, self.bias)
+
+    def with_offsets(self) -> QuantLinear:
+        """This layer with offsets: zeros where it has none (form 8; itself where it has)."""
+        if self.m is not None:
+            return self
+        m = torch.zeros(self.d.shape[0], self.d.shape[1], TILE, dtype=self.d.dtype)
+        return QuantLinear(self.form, self.w, self.d, m, self.in_features, self.out_features, self.bias)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in float32 (an embedding lookup), as gguf dequantizes them:
         on the CPU by qgemm.c's mstar_qrows (one call; the same bits as the expression below,
@@ -299,10 +349,16 @@ class QuantLinear(nn.Module):
         lead, kb = ids.shape, self.w.shape[1]
         d, m = self.d.float(), None if self.m is None else self.m.float()  # (float16 ones widen exactly)
         form = self.form & ~HALF_SCALES
-        if form == 4:
-            assert m is not None  # form 4 always has offsets
-            q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
-            out = d[t, :, j].unsqueeze(-1) * q + m[t, :, j].unsqueeze(-1)
+        if form in (4, Q5):
+            assert m is not None  # forms 4 and 5 always have offsets
+            nib = w[..., :4, :]
+            q = torch.cat(((nib & 15).reshape(*lead, kb, 16), (nib >> 4).reshape(*lead, kb, 16)), dim=-1)
+            if form == Q5:  # value 4 G + i of column j: bit 4 j + i of the fifth group's word G
+                words = self.w[t, :, 4].reshape(*lead, kb, 8, 8)  # [*, kb, G, byte]
+                byte = torch.gather(words, -1, (j // 2).reshape(*lead, 1, 1, 1).expand(*lead, kb, 8, 1))
+                shift = (4 * (j % 2)).reshape(*lead, 1, 1, 1) + torch.arange(4)
+                q = q | (((byte >> shift) & 1) << 4).reshape(*lead, kb, 32)
+            out = d[t, :, j].unsqueeze(-1) * q.float() + m[t, :, j].unsqueeze(-1)
         elif form == NL:
             idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
             out = d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
@@ -310,7 +366,7 @@ class QuantLinear(nn.Module):
                 out = out + m[t, :, j].unsqueeze(-1)
         else:
             q = (w.reshape(*lead, kb, 2, 16).to(torch.int16) - 128).float()
-            out = d[t, :, :, j].unsqueeze(-1) * q
+            out = (d[t, :, j].unsqueeze(-1).unsqueeze(-1) if form == Q8S else d[t, :, :, j].unsqueeze(-1)) * q
             if m is not None:
                 out = out.reshape(*lead, kb, 32) + m[t, :, j].unsqueeze(-1)
         return out.reshape(*lead, self.kp)[..., : self.in_features]

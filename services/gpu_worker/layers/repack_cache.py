@@ -46,7 +46,7 @@ from shared import disk_cache
 log = logging.getLogger("mstar.repack_cache")
 
 #: bumped whenever the file format or what a file holds changes
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAGIC = b"MSTARRP1"
 ALIGN = 64
 SUFFIX = ".rpk"
