@@ -64,11 +64,11 @@ def test_iq4_types_are_kept_at_four_bits():
     assert set(IQ4) <= quant.KEPT_TYPES
     for qtype, k in (("IQ4_NL", 96), ("IQ4_XS", 512)):
         layer = QuantLinear.from_gguf(qtype, blocks(qtype, 64, k), (64, k))
-        assert layer.form & ~quant.HALF_SCALES == quant.NL and layer.m is None
+        assert layer.form & ~quant.FLAGS == quant.NL and layer.m is None
         # 4-bit indices and one scale per 32: IQ4_NL's float16 (GGUF's own: 0.5625 bytes a
-        # weight), IQ4_XS's d * (sc - 32) as a float32 (0.625)
+        # weight), IQ4_XS's d per 256 and its factor sc - 32 per 32 (0.5390625; GGUF's 0.53125)
         nbytes = layer.w.numel() * layer.w.element_size() + layer.d.numel() * layer.d.element_size()
-        assert nbytes / (64 * k) == (0.5625 if qtype == "IQ4_NL" else 0.625)
+        assert nbytes / (64 * k) == (0.5625 if qtype == "IQ4_NL" else 0.5390625)
 
 
 @pytest.mark.parametrize("qtype", IQ4)
@@ -167,9 +167,9 @@ def test_same_bits_whatever_the_threads():
 def test_concat_of_iq4_layers():
     a = QuantLinear.from_gguf("IQ4_XS", blocks("IQ4_XS", 32, 256, 7), (32, 256))
     c = QuantLinear.from_gguf("IQ4_NL", blocks("IQ4_NL", 40, 256, 8), (40, 256))
-    assert c.form == quant.NL | quant.HALF_SCALES and a.form == quant.NL  # IQ4_XS's d * (sc - 32): float32
+    assert c.form == quant.NL | quant.HALF_SCALES and a.form == quant.NL | quant.SUPER_SCALES
     both = QuantLinear.concat([a, c])
-    assert both is not None and both.form == quant.NL and both.d.dtype == torch.float32  # c's widened
+    assert both is not None and both.form == quant.NL and both.d.dtype == torch.float32  # both widened
     x = torch.randn(3, 256)
     assert torch.equal(both(x), torch.cat([a(x), c(x)], dim=1))
     assert torch.equal(both.weight, torch.cat([a.weight, c.weight]))
@@ -238,12 +238,12 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
     plain, _, _ = load(str(path), "float32", "float32")
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.head, QuantLinear)
-    forms = {m.form & ~quant.HALF_SCALES for m in [*model.modules(), model.head] if isinstance(m, QuantLinear)}
+    forms = {m.form & ~quant.FLAGS for m in [*model.modules(), model.head] if isinstance(m, QuantLinear)}
     assert forms == ({4, quant.Q5, 8, quant.Q8S} if mix == "k_mix" else {quant.NL, quant.Q8S})
     stack_runs: list[bool] = []
     if mix == "iq4_mix":  # q/k/v and gate/up fused in the NL form: a decode step is one C call
         stack = model.cpu_stack
-        assert stack is not None and model.model.layers[0].self_attn.qkv_proj.form & ~quant.HALF_SCALES == quant.NL
+        assert stack is not None and model.model.layers[0].self_attn.qkv_proj.form & ~quant.FLAGS == quant.NL
         real_run = stack.run
         monkeypatch.setattr(stack, "run", lambda *a: stack_runs.append(real_run(*a)) or stack_runs[-1])
 

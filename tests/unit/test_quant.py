@@ -61,19 +61,21 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
     forms = {**dict.fromkeys(quant.FORM4, 4), **dict.fromkeys(quant.FORM5, quant.Q5), **dict.fromkeys(quant.FORM8, 8),
              **dict.fromkeys(quant.FORM9, quant.Q8S), **dict.fromkeys(quant.FORMNL, quant.NL)}
-    assert layer.form & ~quant.HALF_SCALES == forms[qtype]
-    # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's products d * sc do not
+    assert layer.form & ~quant.FLAGS == forms[qtype]
+    # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's as the file has them:
+    # a float16 per 256 values and an integer factor per group, in one byte blob
     half = qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
     assert bool(layer.form & quant.HALF_SCALES) == half
-    assert layer.d.dtype == (torch.float16 if half else torch.float32)
+    assert bool(layer.form & quant.SUPER_SCALES) == (not half)
+    assert layer.d.dtype == (torch.float16 if half else torch.uint8)
     assert torch.equal(layer.weight, dequantized(qtype, raw, 40, k))
     ids = torch.tensor([[3, 0], [39, 3]])
     assert torch.equal(QuantEmbedding(layer)(ids), dequantized(qtype, raw, 40, k)[ids])
 
 
 #: bytes a weight in memory (layers/quant.py's table; the README's): float16 scales where exact
-BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 0.75, "Q5_1": 0.75, "Q5_K": 0.875,
-                    "Q6_K": 1.25, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.625}
+BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.578125, "Q5_0": 0.75, "Q5_1": 0.75, "Q5_K": 0.703125,
+                    "Q6_K": 1.0703125, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -144,6 +146,33 @@ def test_float16_scales_give_the_float32_scales_bits(qtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", quant.SUPER_TYPES)
+def test_super_block_scales_give_the_float32_scales_bits(qtype):
+    """The k-quants' and IQ4_XS's scales kept as the file has them (a float16 per 256 values
+    per column, an int8 factor per group): the kernel's d * factor is the float32 product
+    gguf makes, so GEMM rows of either width and lookups are the float32 scales' bits."""
+    raw = random_blocks(qtype, 45, 512, seed=4)
+    small = QuantLinear.from_gguf(qtype, raw, (45, 512))
+    assert small.form & quant.SUPER_SCALES and small.d.dtype == torch.uint8
+    wide = small.float32_scales()
+    assert not wide.form & quant.FLAGS and wide.d.dtype == torch.float32
+    groups = 16 if qtype == "Q6_K" else 8  # Q6_K: a scale per 16 values
+    # per tile of 16 columns and super-block: 32 bytes of d and a byte per group and column,
+    # against 4 bytes per group and column
+    assert small.d.nbytes == 3 * 2 * (32 + 16 * groups) and wide.d.nbytes == 3 * 2 * groups * 16 * 4
+    ids = torch.tensor([0, 44, 17])
+    assert torch.equal(small.rows(ids), wide.rows(ids))
+    assert torch.equal(small.weight, dequantized(qtype, raw, 45, 512))
+    for rows in (1, 17):
+        x = torch.randn(rows, 512)
+        for xbytes in (1, 2):
+            a, b = torch.empty(rows, 45), torch.empty(rows, 45)
+            small._qgemm(x, a, xbytes)
+            wide._qgemm(x, b, xbytes)
+            assert torch.equal(a, b), (rows, xbytes)
+
+
+@needs_kernel
 def test_threads_split_columns_without_changing_a_bit():
     raw = random_blocks("Q4_1", 100, 256, seed=2)
     layer = QuantLinear.from_gguf("Q4_1", raw, (100, 256))
@@ -189,9 +218,9 @@ def test_concat_puts_five_bit_and_one_scale_parts_in_the_byte_form():
     scale per 16, a zero offset where a part has none), the parts' weights bit for bit."""
     parts = [QuantLinear.from_gguf(t, random_blocks(t, n, 64, seed), (n, 64))
              for t, n, seed in (("Q5_0", 32, 1), ("Q5_1", 16, 2), ("Q8_0", 16, 3))]
-    assert [p.form & ~quant.HALF_SCALES for p in parts] == [quant.Q5, quant.Q5, quant.Q8S]
+    assert [p.form & ~quant.FLAGS for p in parts] == [quant.Q5, quant.Q5, quant.Q8S]
     fused = QuantLinear.concat(parts)
-    assert fused is not None and fused.form & ~quant.HALF_SCALES == 8
+    assert fused is not None and fused.form & ~quant.FLAGS == 8
     w = torch.cat([p.weight for p in parts])
     assert torch.equal(fused.weight, w)
     x = torch.randn(3, 64)

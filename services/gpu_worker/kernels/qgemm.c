@@ -31,10 +31,13 @@
  *   d: Q4, Q5, Q8S and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
  * d and m are float32, or float16 where the form code has HALF_SCALES (256) set: the repack
  * stores them so when every value is a float16 exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
- * IQ4_NL's scales are GGUF's own float16s; the k-quants' d * sc products mostly are not).
- * Widened exactly in the kernel (vcvtph2ps), they give the same bits as float32 scales.
- * Bytes a weight in memory, what a decode step reads: Q4_0 / Q4_1 0.625 (GGUF's size),
- * Q5_0 / Q5_1 0.75, Q8_0 1.0625 (GGUF's), Q5_K 0.875, Q6_K 1.25, Q4_K 0.75.
+ * IQ4_NL's scales are GGUF's own float16s). Widened exactly in the kernel (vcvtph2ps), they
+ * give the same bits as float32 scales. The k-quants' and IQ4_XS's scales are products, d (a
+ * float16 per 256 values) times a 6-bit integer per group: with SUPER_SCALES (512) set, d and
+ * m are kept so (super_blob below) and multiplied in the kernel, the float32 product gguf
+ * makes, so again the same bits. Bytes a weight in memory, what a decode step reads: Q4_0 /
+ * Q4_1 0.625 (GGUF's size), Q4_K 0.578, IQ4_XS 0.539, Q5_0 / Q5_1 0.75, Q5_K 0.703, Q8_0
+ * 1.0625 (GGUF's), Q6_K 1.070.
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,
@@ -64,6 +67,7 @@
 #define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4, 5 and 8) */
 #define FORM_Q8S 9 /* the byte form with one scale per 32 (Q8_0's) */
 #define HALF_SCALES 256 /* a form code's flag: d and m stored as float16 */
+#define SUPER_SCALES 512 /* a form code's flag: d and m as the k-quants keep them (below) */
 
 /* a float16 (IEEE binary16) widened to float32, exactly; for mstar_qrows, on any CPU */
 static float half_to_float(uint16_t h) {
@@ -86,6 +90,27 @@ static float half_to_float(uint16_t h) {
 /* scale i of d or m, float16 (half) or float32 */
 static inline float scale_at(const void *p, int64_t i, int half) {
     return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Super-block scales (SUPER_SCALES, `half` 2 below): per tile and super-block of 8 blocks, a
+ * blob of the 16 columns' float16 d, then per group (8 of 32 values, or 16 of 16: the Q8
+ * form's) the 16 columns' int8 factors; a scale is d * factor in float32, the product gguf's
+ * dequantization makes (exact: 11 by 7 bits). */
+static inline const uint8_t *super_blob(const void *p, int64_t t, int64_t b, int64_t kb, int per16) {
+    return (const uint8_t *)p + (t * (kb / 8) + b / 8) * (32 + 16 * (per16 ? 16 : 8));
+}
+
+static inline int super_group(int64_t b, int h, int per16) { return per16 ? (int)(b % 8) * 2 + h : (int)(b % 8); }
+
+/* column j's scale of block b (half h of it where per16) in d or m, any storage */
+static float scale_of(const void *p, int64_t t, int64_t b, int h, int64_t j, int64_t kb, int half, int per16) {
+    if (half == 2) {
+        const uint8_t *blob = super_blob(p, t, b, kb, per16);
+        uint16_t base;
+        memcpy(&base, blob + 2 * j, sizeof base);
+        return half_to_float(base) * (float)(int8_t)blob[32 + 16 * super_group(b, h, per16) + j];
+    }
+    return scale_at(p, (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16 + j, half);
 }
 
 int64_t mstar_qgemm_available(void) {
@@ -116,9 +141,10 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                                                               const void *mn, int64_t n, int64_t k,
                                                               const int64_t *ids, int64_t n_ids, float *out,
                                                               int64_t ldo) {
-    const int half = (form & HALF_SCALES) != 0;
-    form &= ~HALF_SCALES;
+    const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
+    form &= ~(HALF_SCALES | SUPER_SCALES);
     if (form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) return -1;
+    if (half == 2 && ((k + 31) / 32) % 8) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
     const int64_t kb = (k + 31) / 32, groups = form == 8 || form == FORM_Q8S ? 8 : form == 5 ? 5 : 4;
@@ -127,16 +153,15 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
         for (int64_t b = 0; b < kb; b++) {
             const uint8_t *src = w + (t * kb + b) * groups * 64 + j * 4;
-            const float m = mn ? scale_at(mn, (t * kb + b) * 16 + j, half) : 0.f;
+            const float m = !mn ? 0.f : half == 2 ? -scale_of(mn, t, b, 0, j, kb, 2, 0) : scale_of(mn, t, b, 0, j, kb, half, 0);
             if (form == 8 || form == FORM_Q8S) {
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const float q = (float)((int)src[g * 64 + i] - 128);
-                        const int64_t si = form == 8 ? ((t * kb + b) * 2 + g / 4) * 16 + j : (t * kb + b) * 16 + j;
-                        v[4 * g + i] = scale_at(d, si, half) * q;
+                        v[4 * g + i] = scale_of(d, t, b, g / 4, j, kb, half, form == 8) * q;
                     }
             } else {
-                const float dd = scale_at(d, (t * kb + b) * 16 + j, half);
+                const float dd = scale_of(d, t, b, 0, j, kb, half, 0);
                 for (int g = 0; g < 4; g++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = src[g * 64 + i];
@@ -221,8 +246,21 @@ static inline __attribute__((always_inline)) __m512 scales16(const void *p, int6
                 : _mm512_loadu_ps((const float *)p + i);
 }
 
+/* tile t's 16 scales of block b (half h where per16) in d or m: half 2, super-block scales
+ * (d * factor, as scale_of), else scales16's */
+static inline __attribute__((always_inline)) __m512 tile_scales(const void *p, int64_t t, int64_t b, int h, int64_t kb,
+                                                                const int half, const int per16) {
+    if (half == 2) {
+        const uint8_t *blob = super_blob(p, t, b, kb, per16);
+        const __m512 base = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blob));
+        const __m128i f = _mm_loadu_si128((const __m128i *)(blob + 32 + 16 * super_group(b, h, per16)));
+        return _mm512_mul_ps(base, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(f)));
+    }
+    return scales16(p, (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16, half);
+}
+
 /* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written); xbytes and half
- * constants (xbytes 1: q1 alone, half the dot products; half: d and m are float16) */
+ * constants (xbytes 1: q1 alone, half the dot products; half 1: d and m are float16, 2: super-block scales) */
 static inline __attribute__((always_inline)) void tile(int form, const int8_t *q1s, const int8_t *q2s,
                                                        const float *dx, const float *sx, const int32_t *corr,
                                                        int64_t r0, int mr, int64_t kp, const uint8_t *w,
@@ -273,7 +311,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                 __m512i p = xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
                 if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
                     p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
-                __m512 ds = _mm512_mul_ps(scales16(d, (t * kb + b) * 16, half), xs);
+                __m512 ds = _mm512_mul_ps(tile_scales(d, t, b, 0, kb, half, 0), xs);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
             } else {
                 for (int h = 0; h < 2; h++) {
@@ -284,12 +322,13 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     }
                     __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
                                                  _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
-                    const int64_t si = form == FORM_Q8S ? (t * kb + b) * 16 : ((t * kb + b) * 2 + h) * 16;
-                    __m512 ds = _mm512_mul_ps(scales16(d, si, half), xs);
+                    __m512 ds = _mm512_mul_ps(tile_scales(d, t, b, h, kb, half, form == 8), xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
             }
-            if (mn)
+            if (mn && half == 2) /* the offset is -(dmin * factor): fnmadd is fmadd of its negation, bitwise */
+                acc[i] = _mm512_fnmadd_ps(tile_scales(mn, t, b, 0, kb, 2, 0), _mm512_set1_ps(sx[r * kb + b]), acc[i]);
+            else if (mn)
                 acc[i] = _mm512_fmadd_ps(scales16(mn, (t * kb + b) * 16, half), _mm512_set1_ps(sx[r * kb + b]),
                                          acc[i]);
         }
@@ -321,7 +360,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
  * each output element is made by the same tile() call on the same rows (row groups of MR
  * start at multiples of MR either way), so the result does not depend on the split. */
 struct qjob {
-    int form, xbytes, half; /* form without the HALF_SCALES flag, which is `half` */
+    int form, xbytes, half; /* form without its flags; half: scales float32 (0), float16 (1), super-block (2) */
     const float *x;
     int8_t *q1s, *q2s;
     float *dx, *sx;
@@ -351,7 +390,9 @@ static void gemm_task(void *p, int task) {
         for (int64_t r0 = ra; r0 < rz; r0 += MR) {
             const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
             for (int64_t t = s0; t < s1; t++) {
-                if (j->half) {
+                if (j->half == 2) {
+                    if (j->xbytes == 1) { TILE_FORMS(1, 2) } else { TILE_FORMS(2, 2) }
+                } else if (j->half) {
                     if (j->xbytes == 1) { TILE_FORMS(1, 1) } else { TILE_FORMS(2, 1) }
                 } else {
                     if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }
@@ -382,10 +423,10 @@ static void quantize_task(void *p, int task) {
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *wp,
                   const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {
-    const int half = (form & HALF_SCALES) != 0;
-    form &= ~HALF_SCALES;
+    const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
+    form &= ~(HALF_SCALES | SUPER_SCALES);
     if ((form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) || ((form == 4 || form == 5) && !mn)
-        || (xbytes != 1 && xbytes != 2))
+        || (xbytes != 1 && xbytes != 2) || (half == 2 && ((k + 31) / 32) % 8))
         return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
     struct qjob j = {.form = form, .xbytes = xbytes, .half = half, .x = x, .m = m, .k = k, .lda = lda, .kp = kp,

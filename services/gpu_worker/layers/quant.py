@@ -9,14 +9,14 @@ qgemm.c), every scale made by the same float32 operations `gguf.quants.dequantiz
 |---|---|---|---|
 | Q4_0 | 4 | d * q + (-8 d) | 0.625 (float16 scales) |
 | Q4_1 | 4 | d * q + m | 0.625 (float16) |
-| Q4_K | 4 | (d * sc) * q - dmin * mn, per 32-group | 0.75 |
+| Q4_K | 4 | (d * sc) * q - dmin * mn, per 32-group | 0.578 (super-block scales) |
 | Q5_0 | 5 | d * q + (-16 d) | 0.75 (float16) |
 | Q5_1 | 5 | d * q + m | 0.75 (float16) |
-| Q5_K | 5 | (d * sc) * q - dmin * mn | 0.875 |
-| Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.25 |
+| Q5_K | 5 | (d * sc) * q - dmin * mn | 0.703 (super-block) |
+| Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.070 (super-block) |
 | Q8_0 | 9 | d * q | 1.0625 (float16) |
 | IQ4_NL | 16 | d * kvalues[q] | 0.5625 (float16) |
-| IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.625 |
+| IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.539 (super-block) |
 
 (form 5: 5-bit values, the nibbles of form 4 and a plane of fifth bits; form 9: form 8's
 signed bytes with Q8_0's one scale per 32 rather than form 8's per 16; form 16: 4-bit
@@ -31,10 +31,13 @@ greedy answers drift from the float32 path's): that rounding is the one approxim
 Prompt rows may keep q1 alone (`prompt_bytes` = 1, `--prefill-dtype int8`: llama.cpp's
 rounding, half the kernel's dot products); decode rows always keep two bytes.
 Scales and offsets are kept as float16 where every one is a float16 exactly (`HALF_SCALES`:
-GGUF's own float16s in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the k-quants' and IQ4_XS's
-products d * sc mostly are not, and stay float32): the kernel widens them exactly, so the
-results are the same bits, and a decode step, which reads every weight once, reads GGUF's
-bytes (0.625 a weight for Q4_1) rather than 0.75.
+GGUF's own float16s in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), and for the k-quants and IQ4_XS,
+whose scales are products d * sc (a float16 per 256 values times a 6-bit integer per group),
+as the file has them (`SUPER_SCALES`: d per column and super-block, and an int8 factor per
+group, multiplied in the kernel: the same float32 product). The kernel widens both
+exactly, so the results are the same bits as with float32 scales, and a decode step, which
+reads every weight once, reads about GGUF's bytes (0.625 a weight for Q4_1, 0.578 for Q4_K)
+rather than 0.75.
 Other types (Q2_K, Q3_K, the other IQ types, ...) are dequantized to float32 at load, as
 `--dtype float32` does for every type. Where the kernel is not built
 (no compiler, no AVX-512 VNNI) `available()` is False and the loader dequantizes too.
@@ -73,6 +76,13 @@ KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM8 + FORM9 + FORMNL)
 Q5, Q8S, NL = 5, 9, 16
 #: qgemm.c's flag on a form code: d and m are float16
 HALF_SCALES = 256
+#: qgemm.c's flag on a form code: d and m as the k-quants store them, a float16 per column
+#: and super-block of 256 and a small integer per group (`super_scales`)
+SUPER_SCALES = 512
+#: the types whose scales are a float16 per 256 times a small integer per group
+SUPER_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+#: the flags on a form code (how its scales are stored); `form & ~FLAGS` is the form
+FLAGS = HALF_SCALES | SUPER_SCALES
 #: IQ4_NL's (and IQ4_XS's) values of the 16 indices (ggml's kvalues_iq4nl)
 KVALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
 _KVALUES_F32 = torch.from_numpy(KVALUES.astype(np.float32))
@@ -131,15 +141,18 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return ((bits & 1).astype(np.uint8)) << np.uint8(4)
 
 
-def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_XS: per-32-group scale d * (sc - 32), [blocks, 8], as gguf's dequantization makes it:
-    sc's low 4 bits from scales_l (bytes 4-7, a nibble per group), its high 2 from scales_h
-    (bytes 2-3, a little-endian u16, 2 bits per group)."""
-    d = _f16(blocks[:, 0:2])
+def _iq4_xs_factors(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: per-32-group factor sc - 32 of d, [blocks, 8] int8: sc's low 4 bits from
+    scales_l (bytes 4-7, a nibble per group), its high 2 from scales_h (bytes 2-3, a
+    little-endian u16, 2 bits per group)."""
     lo = (blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(-1, 8)
     hi = blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)
-    sc = ((lo & np.uint8(0x0F)) | ((hi.astype(np.uint8) & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return d * sc.astype(np.float32)
+    return ((lo & np.uint8(0x0F)) | ((hi.astype(np.uint8) & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: per-32-group scale d * (sc - 32), [blocks, 8], as gguf's dequantization makes it."""
+    return _f16(blocks[:, 0:2]) * _iq4_xs_factors(blocks).astype(np.float32)
 
 
 def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -183,6 +196,38 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     return q.reshape(rows, -1), d.reshape(rows, -1).astype(np.float32), None if m is None else m.reshape(rows, -1)
 
 
+def _super_parts(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                   np.ndarray | None]:
+    """The k-quants' and IQ4_XS's scales as the file has them: (d [rows, super-blocks]
+    float16, its integer factor per group [rows, groups] int8, and for Q4_K / Q5_K dmin and
+    its factor), so that d * factor in float32 is `split_blocks`' scale (and -(dmin * factor)
+    its offset), bit for bit."""
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    b = np.ascontiguousarray(raw).reshape(-1, size)
+    f16 = (lambda c: np.ascontiguousarray(c).view(np.float16).reshape(rows, -1))  # noqa: E731
+    i8 = (lambda a: a.astype(np.int8).reshape(rows, -1))  # noqa: E731
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+        return f16(b[:, 0:2]), i8(sc), f16(b[:, 2:4]), i8(mn)
+    if qtype == "Q6_K":
+        return f16(b[:, 208:210]), i8(b[:, 192:208].view(np.int8)), None, None
+    if qtype == "IQ4_XS":
+        return f16(b[:, 0:2]), i8(_iq4_xs_factors(b)), None, None
+    raise NotImplementedError(f"GGUF type {qtype} has no super-block scales")
+
+
+def _super_blob(base: np.ndarray, factor: np.ndarray, tiles: int) -> np.ndarray:
+    """[tiles, super-blocks, 32 + groups * 16] bytes: per tile and super-block, the 16
+    columns' float16 d, then each group's 16 factors (int8), the kernel's one load each."""
+    nsb = base.shape[1]
+    groups = factor.shape[1] // nsb
+    base = _padded(base.view(np.uint16), tiles * TILE, nsb).reshape(tiles, TILE, nsb).transpose(0, 2, 1)
+    fac = _padded(factor, tiles * TILE, nsb * groups).reshape(tiles, TILE, nsb, groups).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(np.concatenate(
+        [np.ascontiguousarray(base).view(np.uint8).reshape(tiles, nsb, 2 * TILE),
+         np.ascontiguousarray(fac).view(np.uint8).reshape(tiles, nsb, groups * TILE)], axis=2))
+
+
 def _padded(a: np.ndarray, rows: int, width: int, value: int = 0) -> np.ndarray:
     if a.shape == (rows, width):
         return a
@@ -206,8 +251,15 @@ def _narrowed(d: np.ndarray, m: np.ndarray | None) -> tuple[np.ndarray, np.ndarr
 def repack(qtype: str, raw: np.ndarray,
            shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks -> (form, w, d, m) in qgemm.c's layout (`_tiled`), d and m float16 with the
-    form's HALF_SCALES flag where that is exact."""
+    form's HALF_SCALES flag where that is exact, or for the k-quants and IQ4_XS as the file
+    keeps them (SUPER_SCALES: `_super_blob`, 0.08 bytes a weight where float32 products per
+    group took 0.25, or 0.125 for IQ4_XS and Q6_K's... per 16, 0.25)."""
     form, w, d, m = _tiled(qtype, raw, shape)
+    if qtype in SUPER_TYPES:
+        tiles = -(-shape[0] // TILE)
+        base, factor, mbase, mfactor = _super_parts(qtype, raw, shape[0])
+        return (form | SUPER_SCALES, w, _super_blob(base, factor, tiles),
+                None if mbase is None or mfactor is None else _super_blob(mbase, mfactor, tiles))
     narrow = _narrowed(d, m)
     if narrow is None:
         return form, w, d, m
@@ -273,7 +325,7 @@ class QuantLinear(nn.Module):
     def concat(parts: list[QuantLinear]) -> QuantLinear | None:
         """One layer whose outputs are the parts' side by side, or None (different forms, or
         a part before the last whose columns do not fill their tiles)."""
-        forms = {p.form & ~HALF_SCALES for p in parts}
+        forms = {p.form & ~FLAGS for p in parts}
         if len(forms) > 1:  # Q5_0 q and k beside a Q8_0 v (Gemma 3's files): all in the byte form
             if not forms <= {Q5, 8, Q8S}:
                 return None
@@ -297,7 +349,13 @@ class QuantLinear(nn.Module):
 
     def float32_scales(self) -> QuantLinear:
         """This layer with float32 scales and offsets (itself where they are): the float16
-        ones widened, exactly, so it computes the same bits."""
+        ones widened, super-block ones multiplied out (each d * factor, and -(dmin * factor),
+        as gguf computes them), exactly, so it computes the same bits."""
+        if self.form & SUPER_SCALES:
+            d, m = _super_products(self.d, self.form & ~SUPER_SCALES == 8), None
+            if self.m is not None:
+                m = -_super_products(self.m, False)
+            return QuantLinear(self.form & ~SUPER_SCALES, self.w, d, m, self.in_features, self.out_features, self.bias)
         if not self.form & HALF_SCALES:
             return self
         return QuantLinear(self.form & ~HALF_SCALES, self.w, self.d.float(), None if self.m is None else self.m.float(),
@@ -307,6 +365,8 @@ class QuantLinear(nn.Module):
         """This layer in form 8 (a signed byte a weight, a scale per 16; itself where it is):
         how a form 5 or 9 part is concatenated with another form's. The same weight, bit for
         bit; a form 5 layer's GEMM sums its two halves apart there (float rounding only)."""
+        if self.form & SUPER_SCALES:
+            return self.float32_scales().in_byte_form()
         form = self.form & ~HALF_SCALES
         if form == 8:
             return self
@@ -344,6 +404,8 @@ class QuantLinear(nn.Module):
                 return out
             if rc == -2:  # as torch's indexing refuses it
                 raise IndexError(f"a row id outside [0, {self.out_features})")
+        if self.form & SUPER_SCALES:
+            return self.float32_scales().rows(ids)
         t, j = ids // TILE, ids % TILE
         w = self.w[t, :, :, j]  # [*ids, kb, groups, 4]
         lead, kb = ids.shape, self.w.shape[1]
@@ -424,6 +486,16 @@ class QuantLinear(nn.Module):
     wide: torch.Tensor | None = None
     #: bytes the VNNI kernel rounds a prompt row's values to (2 as decode rows; 1: llama.cpp's)
     prompt_bytes: int = 2
+
+
+def _super_products(blob: torch.Tensor, per16: bool) -> torch.Tensor:
+    """A `_super_blob` [tiles, super-blocks, 32 + groups * 16] multiplied out: float32 d *
+    factor per group, [tiles, kb, 16] (per 32) or [tiles, kb, 2, 16] (per 16, form 8)."""
+    tiles, nsb = blob.shape[:2]
+    base = blob[:, :, : 2 * TILE].contiguous().view(torch.float16).float()  # [tiles, nsb, 16]
+    factor = blob[:, :, 2 * TILE :].contiguous().view(torch.int8).reshape(tiles, nsb, -1, TILE).float()
+    prod = base.unsqueeze(2) * factor  # [tiles, nsb, groups, 16]
+    return prod.reshape(tiles, -1, 2, TILE) if per16 else prod.reshape(tiles, -1, TILE)
 
 
 _scratch_buf = torch.empty(0, dtype=torch.uint8)
