@@ -297,6 +297,11 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             const uint8_t *src = w + ((t * kb + b) * 8) * 64;
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512((const void *)(src + 64 * g));
         }
+        /* the block's scales, once for its rows (half 2 multiplies them out) */
+        const __m512 sd0 = tile_scales(d, t, b, 0, kb, half, form == 8);
+        const __m512 sd1 = form == 8 ? tile_scales(d, t, b, 1, kb, half, 1) : sd0;
+        const __m512 sm = !mn ? _mm512_setzero_ps() : half == 2 ? tile_scales(mn, t, b, 0, kb, 2, 0)
+                                                                 : scales16(mn, (t * kb + b) * 16, half);
         for (int i = 0; i < mr; i++) {
             const int64_t r = r0 + i;
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
@@ -311,7 +316,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                 __m512i p = xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
                 if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
                     p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
-                __m512 ds = _mm512_mul_ps(tile_scales(d, t, b, 0, kb, half, 0), xs);
+                __m512 ds = _mm512_mul_ps(sd0, xs);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
             } else {
                 for (int h = 0; h < 2; h++) {
@@ -322,15 +327,14 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     }
                     __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
                                                  _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
-                    __m512 ds = _mm512_mul_ps(tile_scales(d, t, b, h, kb, half, form == 8), xs);
+                    __m512 ds = _mm512_mul_ps(h ? sd1 : sd0, xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
             }
             if (mn && half == 2) /* the offset is -(dmin * factor): fnmadd is fmadd of its negation, bitwise */
-                acc[i] = _mm512_fnmadd_ps(tile_scales(mn, t, b, 0, kb, 2, 0), _mm512_set1_ps(sx[r * kb + b]), acc[i]);
+                acc[i] = _mm512_fnmadd_ps(sm, _mm512_set1_ps(sx[r * kb + b]), acc[i]);
             else if (mn)
-                acc[i] = _mm512_fmadd_ps(scales16(mn, (t * kb + b) * 16, half), _mm512_set1_ps(sx[r * kb + b]),
-                                         acc[i]);
+                acc[i] = _mm512_fmadd_ps(sm, _mm512_set1_ps(sx[r * kb + b]), acc[i]);
         }
     }
     const int64_t c0 = t * NT;
