@@ -78,10 +78,12 @@ def test_long_rows_match_sdpa_on_any_thread_count(lengths, heads, dtype, restore
     check(cache, q, meta)
 
 
-@pytest.mark.parametrize("heads", [(8, 2, 128), (9, 3, 128), (6, 2, 48), (16, 1, 64), (40, 8, 64), (20, 4, 40)])
+@pytest.mark.parametrize("heads", [(8, 2, 128), (9, 3, 128), (4, 1, 256), (8, 2, 256), (6, 2, 48), (16, 1, 64),
+                                   (40, 8, 64), (20, 4, 40)])
 def test_other_head_shapes(heads, restore_threads):
-    """Head size 128 (its own AVX-512 copy: blocks of 2 heads), 48 and 40 (the plain loops),
-    G = 16 (blocks of 4), 40 query heads (passes of 16: one splits a KV head's five)."""
+    """Head size 128 (its own AVX-512 copy: blocks of 2 heads), 256 (Gemma 3's: blocks of
+    one), 48 and 40 (the plain loops), G = 16 (blocks of 4), 40 query heads (passes of 16:
+    one splits a KV head's five)."""
     cache, q, meta = batch([(1299, 1), (600, 1)], heads, torch.bfloat16, seed=3)
     check(cache, q, meta)
 

@@ -76,7 +76,7 @@ def test_c_write_stores_torchs_quantization_and_reads_back_within_half_a_step(ke
     assert quantize_kv(k).abs().max() <= 127
 
 
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 2, 32)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 1, 256), (6, 2, 32)])
 @pytest.mark.parametrize("lengths", [[1], [100], [2100], [1, 100, 2100, 5000, 513]])
 def test_decode_matches_sdpa_on_dequantized_pages_on_any_thread_count(kernels, restore_threads, heads, lengths):
     cache, q, meta = filled([(n - 1, 1) for n in lengths], heads)

@@ -48,8 +48,9 @@
  * dequantized (bitwise, as for bfloat16); the stored values are torch's quantization of the
  * row (attention.py's quantize_kv, tests/unit/test_paged_attention_int8.py).
  *
- * Head sizes 64 and 128 with AVX-512 have a path of intrinsics: q and the outputs of a block of
- * up to GB query heads of one KV head (d = 128: 2) in registers while it takes a page's keys,
+ * Head sizes 64, 128 and 256 (Gemma 3) with AVX-512 have a path of intrinsics: q and the outputs
+ * of a block of up to GB query heads of one KV head (d = 128: 2, d = 256: 1) in registers while
+ * it takes a page's keys,
  * and a score is its FMA chain over the head's 16-lane slices, then a fixed tree over the 16
  * lanes, done for 16 keys at once (fold16). Other head sizes, or
  * no AVX-512: the same arithmetic in plain loops. Heads go in passes of up to HC (their scores
@@ -297,27 +298,26 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
 }
 
 #ifdef __AVX512F__
-/* NV vectors of 16 floats from element `at` of the pool (bfloat16: zero-extended and shifted;
- * int8: widened to int32, converted (exact) and times the head's scale, as `widen`). */
-__attribute__((always_inline)) static inline void load_vecs(const void *cache, const int kind, int64_t at,
-                                                            const int nv, __m512 *x) {
+/* Vector v (16 floats) of the head slice at element `at` of the pool (bfloat16: zero-extended
+ * and shifted; int8: widened to int32, converted (exact) and times the slice's scale `sc`, as
+ * `widen`). One vector at a time: a 256-wide head's q or outputs already fill 16 registers. */
+__attribute__((always_inline)) static inline __m512 load_vec(const void *cache, const int kind, int64_t at, int v,
+                                                             __m512 sc) {
     if (kind == 2) {
-        const int8_t *p = (const int8_t *)cache + at;
-        const __m512 sc = _mm512_set1_ps(i8_scale(p, 16 * nv));
-        for (int v = 0; v < nv; v++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(p + 16 * v));
-            x[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sc);
-        }
-        return;
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)cache + at + 16 * v));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sc);
     }
-    for (int v = 0; v < nv; v++) {
-        if (kind) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * v));
-            x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        } else {
-            x[v] = _mm512_loadu_ps((const float *)cache + at + 16 * v);
-        }
+    if (kind) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * v));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+    return _mm512_loadu_ps((const float *)cache + at + 16 * v);
+}
+
+/* the int8 slice's scale at `at` (head size 16 * nv), broadcast; unused for other pages */
+__attribute__((always_inline)) static inline __m512 slice_scale(const void *cache, const int kind, int64_t at,
+                                                                const int nv) {
+    return kind == 2 ? _mm512_set1_ps(i8_scale((const int8_t *)cache + at, 16 * nv)) : _mm512_setzero_ps();
 }
 
 /* The 16 rows a[0..15] (16 lanes each) summed across their lanes, row j into lane j, by a
@@ -353,17 +353,18 @@ __attribute__((always_inline)) static inline void k_block(const struct decode_jo
                                                           const int nv, int64_t at, int64_t cnt, int64_t jj,
                                                           int64_t n, float *restrict acc, float *restrict s,
                                                           __m512 *mv) {
-    __m512 qv[GB][8], x[8];
+    __m512 qv[GB][16];
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
         pf_some(S);
-        load_vecs(J->cache, kind, at, nv, x);
-        for (int g = 0; g < gb; g++) {
-            __m512 a = _mm512_fmadd_ps(qv[g][0], x[0], _mm512_setzero_ps());
-            for (int v = 1; v < nv; v++) a = _mm512_fmadd_ps(qv[g][v], x[v], a);
-            _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a);
+        const __m512 sc = slice_scale(J->cache, kind, at, nv);
+        __m512 a[GB];
+        for (int v = 0; v < nv; v++) {
+            const __m512 x = load_vec(J->cache, kind, at, v, sc);
+            for (int g = 0; g < gb; g++) a[g] = _mm512_fmadd_ps(qv[g][v], x, v ? a[g] : _mm512_setzero_ps());
         }
+        for (int g = 0; g < gb; g++) _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a[g]);
         if (((jj + 1) & 15) && jj + 1 < n) continue;
         const __mmask16 live = (__mmask16)(0xFFFF >> (15 - (jj & 15)));
         for (int g = 0; g < gb; g++) {
@@ -380,15 +381,17 @@ __attribute__((always_inline)) static inline void v_block(const struct decode_jo
                                                           const int kind, const int gb, const int nv, int64_t at,
                                                           int64_t cnt, int64_t jj, const float *restrict s,
                                                           float *restrict o) {
-    __m512 acc[GB][8], x[8];
+    __m512 acc[GB][16];
     for (int g = 0; g < gb; g++)
         for (int v = 0; v < nv; v++) acc[g][v] = _mm512_load_ps(o + g * 16 * nv + 16 * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
         pf_some(S);
-        load_vecs(J->cache, kind, at, nv, x);
-        for (int g = 0; g < gb; g++) {
-            const __m512 p = _mm512_set1_ps(s[g * PART + jj]);
-            for (int v = 0; v < nv; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
+        const __m512 sc = slice_scale(J->cache, kind, at, nv);
+        __m512 p[GB];
+        for (int g = 0; g < gb; g++) p[g] = _mm512_set1_ps(s[g * PART + jj]);
+        for (int v = 0; v < nv; v++) {
+            const __m512 x = load_vec(J->cache, kind, at, v, sc);
+            for (int g = 0; g < gb; g++) acc[g][v] = _mm512_fmadd_ps(p[g], x, acc[g][v]);
         }
     }
     for (int g = 0; g < gb; g++)
@@ -429,10 +432,11 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
                                                            const int kind, const float *restrict q, int64_t h0,
                                                            int64_t h1, const int nv, float *restrict dst,
                                                            float *restrict rec) {
-    const int64_t n = S->b - S->a, elt = ELT(kind), d = 16 * nv, cap = nv == 8 ? 2 : GB;
+    /* register blocks: 4 heads of 64, 2 of 128, 1 of 256 (q or the outputs: 16 registers) */
+    const int64_t n = S->b - S->a, elt = ELT(kind), d = 16 * nv, cap = nv == 16 ? 1 : nv == 8 ? 2 : GB;
     float s[HC * PART] __attribute__((aligned(64)));
     float acc[HC * 256] __attribute__((aligned(64)));
-    float o[HC * 128] __attribute__((aligned(64)));
+    float o[HC * 256] __attribute__((aligned(64)));
     float mx[HC], sum[HC];
     __m512 mv[HC];
     for (int64_t g = 0; g < h1 - h0; g++) mv[g] = _mm512_set1_ps(-FLT_MAX);
@@ -476,11 +480,13 @@ __attribute__((always_inline)) static inline void run_part(const struct decode_j
         const int64_t h1 = h0 + HC < hb ? h0 + HC : hb;
         S->pf = h0 == ha;
 #ifdef __AVX512F__
-        if (J->d == 64 || J->d == 128) {
+        if (J->d == 64 || J->d == 128 || J->d == 256) {
             if (J->d == 64)
                 pass_vec(J, S, kind, q, h0, h1, 4, dst, rec);
-            else
+            else if (J->d == 128)
                 pass_vec(J, S, kind, q, h0, h1, 8, dst, rec);
+            else
+                pass_vec(J, S, kind, q, h0, h1, 16, dst, rec);
             continue;
         }
 #endif
