@@ -1,7 +1,8 @@
 """The decode step's layer stack in one C call (modeling/cpu_stack.py, kernels/decode_stack.c)
 gives bitwise the torch modules' result: the same logits and the same KV pages, on
 quantized Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
-norms, GELU, sliding-window layers with their own RoPE) GGUF models and on float32 checkpoints
+norms, GELU, sliding-window layers with their own RoPE) GGUF models, one whose q/k/v and
+gate/up GEMMs run apart (types whose forms do not concatenate), and on float32 checkpoints
 (gemm.c's packed GEMMs, the gate/up GEMM with silu * up fused), for decode steps of one and several
 rows at different lengths, on float32, bfloat16 and int8 pages; steps it does not take (a
 prefill, float16 pages) go through the modules."""
@@ -27,27 +28,34 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM
 QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1",
           "attn_v.weight": "Q4_1", "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q4_1",
           "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0"}
+#: forms that do not concatenate (Q4_1 q/k beside a Q8_0 v, a Q4_1 gate beside a Q5_0 up): the
+#: GEMMs run apart (QuantParts), the stack runs each into its columns
+PARTS_QTYPES = {**QTYPES, "attn_v.weight": "Q8_0", "ffn_up.weight": "Q5_0"}
 PAGE = 16
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "llama-float32", "qwen2-float32",
-                                        "gemma3-float32"])
+                                        "gemma3-float32", "llama-parts"])
 def model(request, tmp_path_factory):
     """A quantized GGUF model, or a float32 checkpoint on gemm.c's packed GEMMs (those are
     used with one torch thread, as the worker has on a 2-core machine). Gemma 3: five
     sliding-window layers of six, their own RoPE base (what a GGUF file of it holds)."""
-    arch, _, float32 = request.param.partition("-")
+    arch, _, variant = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"stack-{request.param}")
     ckpt = make_checkpoint(root / "ckpt", arch, **gguf_checkpoint_overrides(arch))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if float32:
+        if variant == "float32":
             model, spec, _ = load(str(ckpt), "float32", "float32")
         else:
             path = write_gguf(ckpt, root / "model.gguf", arch, "qwen2" if arch.startswith("qwen") else "gpt2",
-                              qtypes=QTYPES)
+                              qtypes=PARTS_QTYPES if variant == "parts" else QTYPES)
             model, spec, _ = load(str(path), "auto", "float32")
+            if variant == "parts":
+                layer = model.model.layers[0]
+                assert isinstance(layer.self_attn.qkv_proj, quant.QuantParts)
+                assert isinstance(layer.mlp.gate_up_proj, quant.QuantParts)
     finally:
         torch.set_num_threads(threads)
     return model, spec

@@ -241,11 +241,17 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
     forms = {m.form & ~quant.FLAGS for m in [*model.modules(), model.head] if isinstance(m, QuantLinear)}
     assert forms == ({4, quant.Q5, 8, quant.Q8S} if mix == "k_mix" else {quant.NL, quant.Q8S})
     stack_runs: list[bool] = []
-    if mix == "iq4_mix":  # q/k/v and gate/up fused in the NL form: a decode step is one C call
-        stack = model.cpu_stack
-        assert stack is not None and model.model.layers[0].self_attn.qkv_proj.form & ~quant.FLAGS == quant.NL
-        real_run = stack.run
-        monkeypatch.setattr(stack, "run", lambda *a: stack_runs.append(real_run(*a)) or stack_runs[-1])
+    # iq4_mix: q/k/v and gate/up fused in the NL form; k_mix: Q4_K q and k beside a Q6_K v run
+    # apart (QuantParts) into one output: either way a decode step is one C call
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    if mix == "iq4_mix":
+        assert qkv.form & ~quant.FLAGS == quant.NL
+    else:
+        assert isinstance(qkv, quant.QuantParts) and [p.form & ~quant.FLAGS for p in qkv.layers] == [4, 4, 8]
+    stack = model.cpu_stack
+    assert stack is not None
+    real_run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: stack_runs.append(real_run(*a)) or stack_runs[-1])
 
     ids = [int(i) for i in np.random.default_rng(2).integers(0, 200, 40)]
     pool = next(iter(spec.paged_pools(4).values()))
@@ -263,7 +269,7 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
         return torch.cat([a, b])
 
     ours, ref = run(model), run(plain)
-    assert stack_runs == ([False, True] if mix == "iq4_mix" else [])  # the prefill on the modules, the decode step in C
+    assert stack_runs == [False, True]  # the prefill on the modules, the decode step in C
     assert torch.isfinite(ours).all()
     err = float((ours - ref).abs().max()) / float(ref.abs().max())
     assert err < 2e-3, err

@@ -14,7 +14,7 @@ import torch
 from bench.perplexity import load, perplexity, text_ids
 from services.gpu_worker.gguf_weights import load_gguf_weights
 from services.gpu_worker.layers import quant
-from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 
@@ -41,7 +41,8 @@ def test_auto_keeps_gguf_matrices_quantized_and_float32_dequantizes(quantized_gg
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
     assert isinstance(model.head, QuantLinear)
     layer = model.model.layers[0]
-    assert layer.self_attn.qkv_proj is None  # Q4_0 / Q4_1 / Q5_1: two forms, kept apart
+    qkv = layer.self_attn.qkv_proj  # Q4_0 / Q4_1 / Q5_1: forms 4 and 5, the GEMMs apart in one module
+    assert isinstance(qkv, QuantParts) and [p.form & ~quant.FLAGS for p in qkv.layers] == [4, 4, quant.Q5]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear)  # both Q4_1: one GEMM
     # each kept matrix is gguf's dequantization, bit for bit
     _, arrays = load_gguf_weights(quantized_gguf, progress=False)

@@ -74,7 +74,10 @@ typedef struct {
  * (its metadata and RoPE tables) the layer reads: 0 full attention, 1 sliding window. */
 typedef struct {
     const float *ln1, *ln2;
-    MstarQWeight qkv, o, gate_up, down;
+    /* qkv[1..2] and gate_up[1]: where the GEMM is split (layers/quant.py QuantParts: parts of
+     * forms that do not concatenate), the parts after the first, each into its column range;
+     * w NULL otherwise */
+    MstarQWeight qkv[3], o, gate_up[2], down;
     void *cache;
     const float *q_norm, *k_norm, *ln3, *ln4;
     int64_t step;
@@ -133,11 +136,28 @@ static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const 
                               st->max_keys);
 }
 
-static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
-    if (w->form == GEMM_F32) return mstar_gemm(x, m, w->k, w->k, (const float *)w->w, w->n, w->bias, out, w->n);
-    if (w->form == GEMM_F32_SILU) return mstar_gemm_silu(x, m, w->k, w->k, (const float *)w->w, w->n, out, w->n);
-    return mstar_qlinear((int)w->form, 2, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, w->n, threads,
+static int qgemm_ld(const MstarQWeight *w, const float *x, int64_t m, float *out, int64_t ldo, int threads,
+                    void *qscratch) {
+    if (w->form == GEMM_F32) return mstar_gemm(x, m, w->k, w->k, (const float *)w->w, w->n, w->bias, out, ldo);
+    if (w->form == GEMM_F32_SILU) return mstar_gemm_silu(x, m, w->k, w->k, (const float *)w->w, w->n, out, ldo);
+    return mstar_qlinear((int)w->form, 2, x, m, w->k, w->k, w->w, w->d, w->m, w->n, w->bias, out, ldo, threads,
                          qscratch);
+}
+
+static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
+    return qgemm_ld(w, x, m, out, w->n, threads, qscratch);
+}
+
+/* A GEMM given as up to `parts` weights (w[1..]: NULL where it is one): each part into its
+ * column range of out [m, total columns]. */
+static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t m, float *out, int threads,
+                       void *qscratch) {
+    if (parts < 2 || !w[1].w) return qgemm(w, x, m, out, threads, qscratch);
+    int64_t ldo = 0, at = 0;
+    for (int p = 0; p < parts && (p == 0 || w[p].w); p++) ldo += w[p].n;
+    for (int p = 0; p < parts && (p == 0 || w[p].w); at += w[p].n, p++)
+        if (qgemm_ld(w + p, x, m, out + at, ldo, threads, qscratch)) return -1;
+    return 0;
 }
 
 /* x [rows, hidden] in place through every layer; steps[layer's step] its metadata. Returns 0,
@@ -154,7 +174,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         const MstarLayer *L = layers + l;
         const MstarDecodeStep *st = steps + L->step;
         mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
-        if (qgemm(&L->qkv, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
+        if (qgemm_parts(L->qkv, 3, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
         if (L->q_norm) {
             mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
             mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
@@ -181,10 +201,10 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
             add_into(x, o, t * hid);
             mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
         }
-        if (L->gate_up.form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
-            if (qgemm(&L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);
+        if (L->gate_up[0].form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
+            if (qgemm(L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);
         } else {
-            if (qgemm(&L->gate_up, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
+            if (qgemm_parts(L->gate_up, 2, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
             if (s->gelu)
                 mstar_gelu_mul(gu, 2 * s->inter, s->inter, act, t);
             else

@@ -510,6 +510,31 @@ def _scratch(lib, rows: int, k: int) -> int:
     return _scratch_buf.data_ptr()
 
 
+class QuantParts(nn.Module):
+    """GEMMs on one input whose outputs sit side by side but whose weights cannot be one
+    `QuantLinear` (`concat` refuses their forms: Q4_K q and k beside a Q6_K v, as llama.cpp's
+    Q4_K_M recipe writes every few layers): each runs apart and their outputs are
+    concatenated, so the layer computes as with one fused GEMM, and the C decode stack
+    (modeling/cpu_stack.py) runs the parts into one buffer's column ranges: the same values."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def layers(self) -> list[QuantLinear]:
+        return list(self.parts)  # type: ignore[arg-type]  # ModuleList of QuantLinear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight for p in self.layers])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.layers], dim=-1)
+
+
 class QuantEmbedding(nn.Module):
     """An embedding whose table stays quantized (a tied model's LM head computes on it)."""
 

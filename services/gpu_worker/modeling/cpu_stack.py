@@ -12,7 +12,8 @@ It applies only where the modules' path would run exactly those kernels: a Llama
 decoder (silu MLP, no soft-cap; Qwen3's q/k norms) or Gemma 3's layer (q/k norms, sandwich
 norms, gelu_tanh MLP), full-attention and sliding-window layers (each kind its own label
 and RoPE tables), whose
-four GEMMs per layer are C kernels (q/k/v and gate/up fused): `QuantLinear` (GGUF weights
+four GEMMs per layer are C kernels (q/k/v and gate/up fused, or `QuantParts` of GEMMs apart
+where their GGUF types' forms do not concatenate): `QuantLinear` (GGUF weights
 kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32 in gemm.c's panels), float32
 activations, float32, bfloat16 or int8 KV pages, and a step whose every row is a decode
 query row of each label (no prefill chunk). Anything else (a prefill, a float16 pool, Gemma
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import cast
 
 import torch
 
@@ -31,7 +33,7 @@ from services.gpu_worker import cpu_kernels
 from services.gpu_worker.attention import KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
-from services.gpu_worker.layers.quant import QuantLinear
+from services.gpu_worker.layers.quant import QuantLinear, QuantParts
 from shared.model_config import FULL, SLIDING
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -42,7 +44,7 @@ class _QWeight(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight),
+    _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight * 3), ("o", _QWeight), ("gate_up", _QWeight * 2),
                 ("down", _QWeight), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("ln3", _ptr), ("ln4", _ptr),
                 ("step", _i64)]
 
@@ -62,6 +64,16 @@ class _Step(ctypes.Structure):
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
+
+
+def _gemm_parts(layer, parts: int) -> list[_QWeight | None]:
+    """A fused GEMM's C structs: `parts` of them, the first its whole weight, or for
+    `QuantParts` each part's (the rest empty)."""
+    if isinstance(layer, QuantParts):
+        if len(layer.layers) > parts:
+            return [None]
+        return [_qweight(p) for p in layer.layers] + [_QWeight()] * (parts - len(layer.layers))
+    return [_qweight(layer)] + [_QWeight()] * (parts - 1)
 
 
 def _qweight(layer) -> _QWeight | None:
@@ -127,7 +139,8 @@ class CpuDecodeStack:
         for layer, kind in zip(model.model.layers, cfg.layer_types, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             gate_up = mlp.gate_up_silu if mlp.gate_up_silu is not None else mlp.gate_up_proj
-            gemms = [_qweight(g) for g in (attn.qkv_proj, attn.o_proj, gate_up, getattr(mlp, "down_proj", None))]
+            qkv, gu = _gemm_parts(attn.qkv_proj, 3), _gemm_parts(gate_up, 2)
+            gemms = [*qkv, _qweight(attn.o_proj), *gu, _qweight(getattr(mlp, "down_proj", None))]
             # ln1, ln2, then q/k norms (Gemma 3, Qwen3) and the MLP's own two (Gemma 3), or None
             mods = [layer.input_layernorm, layer.post_attention_layernorm,
                     *((attn.q_norm, attn.k_norm) if cfg.qk_norm else (None, None)),
@@ -141,7 +154,9 @@ class CpuDecodeStack:
                 return None
             norms.append(ws)
             ptrs = [None if w is None else w.data_ptr() for w in ws]
-            layers.append(_Layer(ptrs[0], ptrs[1], *gemms, None, *ptrs[2:], KINDS.index(kind)))
+            g = cast("list[_QWeight]", gemms)  # q, k, v, o, gate, up, down (k, v, up empty where fused)
+            layers.append(_Layer(ptrs[0], ptrs[1], (_QWeight * 3)(*g[:3]), g[3], (_QWeight * 2)(*g[4:6]), g[6], None,
+                                 *ptrs[2:], KINDS.index(kind)))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                        cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"))
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}

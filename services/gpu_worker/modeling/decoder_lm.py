@@ -30,7 +30,7 @@ from services.gpu_worker.layers.linear import (
     pack_linears,
     warm_packed,
 )
-from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
 from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
@@ -79,7 +79,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
-        self.qkv_proj: nn.Linear | QuantLinear | None = None
+        self.qkv_proj: nn.Linear | QuantLinear | QuantParts | None = None
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (loaded under HF's three names, then concatenated)."""
@@ -141,7 +141,7 @@ class MLP(nn.Module):
         #: silu (the C kernels' activation) or GELU with the tanh approximation (Gemma)
         self.silu = cfg.hidden_act == "silu"
 
-        self.gate_up_proj: nn.Linear | QuantLinear | None = None
+        self.gate_up_proj: nn.Linear | QuantLinear | QuantParts | None = None
         #: gate/up GEMM and silu * up in one C call (CPU, the GEMM kernel's path)
         self.gate_up_silu: KernelGateUpSilu | None = None
 
@@ -172,7 +172,7 @@ class MLP(nn.Module):
     def _rows_independent(self) -> bool:
         """Every GEMM here is a C kernel whose rows do not depend on each other's (oneDNN's
         blocking, and so its rounding, changes with the row count: not sliced)."""
-        kernels = (QuantLinear, KernelLinear, KernelGateUpSilu)
+        kernels = (QuantLinear, QuantParts, KernelLinear, KernelGateUpSilu)
         gate_up = self.gate_up_silu if self.gate_up_silu is not None else self.gate_up_proj
         return isinstance(gate_up, kernels) and isinstance(getattr(self, "down_proj", None), kernels)
 
@@ -191,14 +191,18 @@ class MLP(nn.Module):
         return self.down_proj(act.mul_(up))  # the activation's output is fresh: multiply in place
 
 
-def _concat_linears(parts: list[nn.Linear | QuantLinear]) -> nn.Linear | QuantLinear | None:
+def _concat_linears(parts: list[nn.Linear | QuantLinear]) -> nn.Linear | QuantLinear | QuantParts | None:
     """One Linear whose output is the parts' outputs side by side (weights concatenated);
-    None where they cannot be (GGUF weights kept quantized in different forms, or some not)."""
+    GGUF weights kept quantized in forms that do not concatenate run as `QuantParts` (one
+    module, the GEMMs apart); None where some are quantized and some not."""
     quants = [p for p in parts if isinstance(p, QuantLinear)]
     if quants:
-        joined = QuantLinear.concat(quants) if len(quants) == len(parts) else None
-        if joined is not None:  # the parts' pages mapped from the repack cache are not read again
-            repack_cache.release([t for p in quants for t in (p.w, p.d, p.m)])
+        if len(quants) != len(parts):
+            return None
+        joined = QuantLinear.concat(quants)
+        if joined is None:
+            return QuantParts(quants)
+        repack_cache.release([t for p in quants for t in (p.w, p.d, p.m)])  # the parts' pages: not read again
         return joined
     linears = cast("list[nn.Linear]", parts)  # none is quantized
     w = torch.cat([p.weight.detach() for p in linears], dim=0)
