@@ -239,7 +239,7 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.head, QuantLinear)
     forms = {m.form & ~quant.FLAGS for m in [*model.modules(), model.head] if isinstance(m, QuantLinear)}
-    assert forms == ({4, quant.Q5, 8, quant.Q8S} if mix == "k_mix" else {quant.NL, quant.Q8S})
+    assert forms == ({4, quant.Q5, quant.Q6, quant.Q8S} if mix == "k_mix" else {quant.NL, quant.Q8S})
     stack_runs: list[bool] = []
     # iq4_mix: q/k/v and gate/up fused in the NL form; k_mix: Q4_K q and k beside a Q6_K v run
     # apart (QuantParts) into one output: either way a decode step is one C call
@@ -247,7 +247,7 @@ def test_mixed_file_computes_as_the_float32_path(mixed_gguf, monkeypatch):
     if mix == "iq4_mix":
         assert qkv.form & ~quant.FLAGS == quant.NL
     else:
-        assert isinstance(qkv, quant.QuantParts) and [p.form & ~quant.FLAGS for p in qkv.layers] == [4, 4, 8]
+        assert isinstance(qkv, quant.QuantParts) and [p.form & ~quant.FLAGS for p in qkv.layers] == [4, 4, quant.Q6]
     stack = model.cpu_stack
     assert stack is not None
     real_run = stack.run

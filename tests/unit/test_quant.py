@@ -59,8 +59,9 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     k = 768 if qtype.endswith("_K") or qtype == "IQ4_XS" else 96  # 96: not a multiple of 64, the kernel's padding
     raw = random_blocks(qtype, 40, k)
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
-    forms = {**dict.fromkeys(quant.FORM4, 4), **dict.fromkeys(quant.FORM5, quant.Q5), **dict.fromkeys(quant.FORM8, 8),
-             **dict.fromkeys(quant.FORM9, quant.Q8S), **dict.fromkeys(quant.FORMNL, quant.NL)}
+    forms = {**dict.fromkeys(quant.FORM4, 4), **dict.fromkeys(quant.FORM5, quant.Q5),
+             **dict.fromkeys(quant.FORM6, quant.Q6), **dict.fromkeys(quant.FORM9, quant.Q8S),
+             **dict.fromkeys(quant.FORMNL, quant.NL)}
     assert layer.form & ~quant.FLAGS == forms[qtype]
     # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's as the file has them:
     # a float16 per 256 values and an integer factor per group, in one byte blob
@@ -75,7 +76,7 @@ def test_repack_reproduces_gguf_dequantization(qtype):
 
 #: bytes a weight in memory (layers/quant.py's table; the README's): float16 scales where exact
 BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.578125, "Q5_0": 0.75, "Q5_1": 0.75, "Q5_K": 0.703125,
-                    "Q6_K": 1.0703125, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625}
+                    "Q6_K": 0.8203125, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -227,3 +228,11 @@ def test_concat_puts_five_bit_and_one_scale_parts_in_the_byte_form():
     ref = (rounded(x).double() @ w.double().T).float()
     assert torch.allclose(fused(x), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     assert torch.allclose(fused(x), torch.cat([p(x) for p in parts], dim=1), rtol=1e-5, atol=1e-6)
+    # Q6_K's 6 bits (q - 32 a scale per 16) beside Q8_0: bytes q + 96, the same GEMM bits
+    q6, q8 = (QuantLinear.from_gguf(t, random_blocks(t, 16, 256, 5), (16, 256)) for t in ("Q6_K", "Q8_0"))
+    assert q6.form & ~quant.FLAGS == quant.Q6
+    fused = QuantLinear.concat([q6, q8])
+    assert fused is not None and fused.form & ~quant.FLAGS == 8
+    assert torch.equal(fused.weight, torch.cat([q6.weight, q8.weight]))
+    x = torch.randn(3, 256)
+    assert torch.equal(fused(x), torch.cat([q6(x), q8(x)], dim=1))

@@ -1,16 +1,18 @@
 /* GEMM on GGUF-quantized weights, computed on as they come (llama.cpp's method):
  * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), where w is never expanded to floats.
  *
- * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of five forms,
+ * Weights are repacked at load (services/gpu_worker/layers/quant.py) into one of six forms,
  * all in blocks of 32 along k (the GGUF scales are float16 and small integers, so each
  * product below is the one gguf's dequantization computes):
  *   Q4 form (4): w = d[b] * q + m[b], q in 0..15 (Q4_0: m = -8 d; Q4_1: d, m; Q4_K: d * scale,
  *            -dmin * min per 32-group)
  *   Q5 form (5): the same with q in 0..31 (Q5_0: m = -16 d; Q5_1: d, m; Q5_K as Q4_K): the
  *            Q4 form's nibbles and a plane of the fifth bits, 5 bits a weight as in GGUF
- *   Q8 form (8): w = d16[h] * q + m[b], q a signed byte stored as q + 128, one scale per 16
- *            (Q6_K's groups), m per 32 or none; a Q5 or Q8S layer concatenated with another
- *            form's (fused q/k/v of mixed types) is expanded to it
+ *   Q6 form (6): w = d16[h] * (q - 32), q in 0..63, one scale per 16 (Q6_K): the nibbles and
+ *            two planes of high bits, 6 bits a weight as in GGUF
+ *   Q8 form (8): w = d16[h] * q + m[b], q a signed byte stored as q + 128, one scale per 16,
+ *            m per 32 or none: a Q5, Q6 or Q8S layer concatenated with another form's
+ *            (fused q/k/v of mixed types) is expanded to it
  *   Q8S form (9): the Q8 form with one scale per 32 (Q8_0's own), no m
  *   NL form (16, a 16-value table): w = d[b] * kvalues_iq4nl[q], q in 0..15 (IQ4_NL: d;
  *            IQ4_XS: d * (scale - 32) per 32-group), m per 32 or none (none from GGUF).
@@ -26,9 +28,11 @@
  *   Q5 form: w [n/16][kb][5][16][4]: the Q4 form's 4 groups of q's low nibbles, then 8
  *            64-bit words, word G's bit 4 j + i the fifth bit of value 4 G + i of column j
  *            (a byte mask: one masked vpaddb of 16 per 64 weights)
+ *   Q6 form: w [n/16][kb][6][16][4]: the Q5 form's, then the sixth bits' 8 words alike; its
+ *            - 32 is taken back in int32 as the Q8 form's + 128 is (corr / 4)
  *   Q8 and Q8S forms: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
  *   NL form: w as the Q4 form's (q the table index)
- *   d: Q4, Q5, Q8S and NL [n/16][kb][16], Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
+ *   d: Q4, Q5, Q8S and NL [n/16][kb][16], Q6 and Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
  * d and m are float32, or float16 where the form code has HALF_SCALES (256) set: the repack
  * stores them so when every value is a float16 exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
  * IQ4_NL's scales are GGUF's own float16s). Widened exactly in the kernel (vcvtph2ps), they
@@ -37,7 +41,7 @@
  * m are kept so (super_blob below) and multiplied in the kernel, the float32 product gguf
  * makes, so again the same bits. Bytes a weight in memory, what a decode step reads: Q4_0 /
  * Q4_1 0.625 (GGUF's size), Q4_K 0.578, IQ4_XS 0.539, Q5_0 / Q5_1 0.75, Q5_K 0.703, Q8_0
- * 1.0625 (GGUF's), Q6_K 1.070.
+ * 1.0625 (GGUF's), Q6_K 0.820 (GGUF's).
  *
  * x is rounded per row and block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256) with
  * d = amax / 127 (llama.cpp's Q8_0 is q1 alone; the second byte, the remainder in 1/256ths,
@@ -143,11 +147,11 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                                                               int64_t ldo) {
     const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
     form &= ~(HALF_SCALES | SUPER_SCALES);
-    if (form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) return -1;
+    if (form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && form != FORM_NL) return -1;
     if (half == 2 && ((k + 31) / 32) % 8) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
-    const int64_t kb = (k + 31) / 32, groups = form == 8 || form == FORM_Q8S ? 8 : form == 5 ? 5 : 4;
+    const int64_t kb = (k + 31) / 32, groups = form == 8 || form == FORM_Q8S ? 8 : form == 5 || form == 6 ? form : 4;
     float v[32];
     for (int64_t r = 0; r < n_ids; r++) {
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
@@ -159,6 +163,16 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                     for (int i = 0; i < 4; i++) {
                         const float q = (float)((int)src[g * 64 + i] - 128);
                         v[4 * g + i] = scale_of(d, t, b, g / 4, j, kb, half, form == 8) * q;
+                    }
+            } else if (form == 6) { /* value 4 G + i: its nibble, bit 4 j + i of word G of each plane */
+                const uint8_t *planes = w + (t * kb + b) * groups * 64 + 256;
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = src[(g % 4) * 64 + i];
+                        const int bit = 4 * (int)j + i, nib = g < 4 ? byte & 15 : byte >> 4;
+                        const int q = nib | ((planes[8 * g + bit / 8] >> (bit % 8)) & 1) << 4 |
+                                      ((planes[64 + 8 * g + bit / 8] >> (bit % 8)) & 1) << 5;
+                        v[4 * g + i] = scale_of(d, t, b, g / 4, j, kb, half, 1) * (float)(q - 32);
                     }
             } else {
                 const float dd = scale_of(d, t, b, 0, j, kb, half, 0);
@@ -274,8 +288,8 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         __m512i wv[8];
-        if (form == 4 || form == 5 || form == FORM_NL) {
-            const uint8_t *src = w + ((t * kb + b) * (form == 5 ? 5 : 4)) * 64;
+        if (form == 4 || form == 5 || form == 6 || form == FORM_NL) {
+            const uint8_t *src = w + ((t * kb + b) * (form == 5 || form == 6 ? form : 4)) * 64;
             for (int g = 0; g < 4; g++) {
                 __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
                 wv[g] = _mm512_and_si512(v, low);
@@ -285,12 +299,16 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
                 }
             }
-            if (form == 5) { /* each byte's fifth bit: word G's bit 4 j + i, as a byte mask */
-                const __m512i sixteen = _mm512_set1_epi8(16);
+            if (form == 5 || form == 6) { /* each byte's fifth (and sixth) bit: word G's bit 4 j + i, a byte mask */
+                const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
                 for (int g = 0; g < 8; g++) {
                     uint64_t bits;
                     memcpy(&bits, src + 256 + 8 * g, sizeof bits);
                     wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], sixteen);
+                    if (form == 6) {
+                        memcpy(&bits, src + 320 + 8 * g, sizeof bits);
+                        wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], thirty_two);
+                    }
                 }
             }
         } else {
@@ -298,8 +316,9 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512((const void *)(src + 64 * g));
         }
         /* the block's scales, once for its rows (half 2 multiplies them out) */
-        const __m512 sd0 = tile_scales(d, t, b, 0, kb, half, form == 8);
-        const __m512 sd1 = form == 8 ? tile_scales(d, t, b, 1, kb, half, 1) : sd0;
+        const int per16 = form == 8 || form == 6;
+        const __m512 sd0 = tile_scales(d, t, b, 0, kb, half, per16);
+        const __m512 sd1 = per16 ? tile_scales(d, t, b, 1, kb, half, 1) : sd0;
         const __m512 sm = !mn ? _mm512_setzero_ps() : half == 2 ? tile_scales(mn, t, b, 0, kb, 2, 0)
                                                                  : scales16(mn, (t * kb + b) * 16, half);
         for (int i = 0; i < mr; i++) {
@@ -325,8 +344,10 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                         p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
                         if (xbytes == 2) p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
                     }
+                    /* the bytes' offset taken back: 128 (forms 8, 9), 32 (form 6, q - 32): corr / 4, exact */
+                    const int32_t c = corr[(r * kb + b) * 2 + h];
                     __m512i p = _mm512_sub_epi32(xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2),
-                                                 _mm512_set1_epi32(corr[(r * kb + b) * 2 + h]));
+                                                 _mm512_set1_epi32(form == 6 ? c / 4 : c));
                     __m512 ds = _mm512_mul_ps(h ? sd1 : sd0, xs);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
@@ -355,6 +376,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
 #define TILE_FORMS(xbytes, half)                                                                               \
     if (j->form == 4) { TILE_ROWS(4, xbytes, half) }                                                           \
     else if (j->form == 5) { TILE_ROWS(5, xbytes, half) }                                                      \
+    else if (j->form == 6) { TILE_ROWS(6, xbytes, half) }                                                      \
     else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes, half) }                                          \
     else if (j->form == FORM_Q8S) { TILE_ROWS(FORM_Q8S, xbytes, half) }                                        \
     else { TILE_ROWS(8, xbytes, half) }
@@ -429,7 +451,8 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
                   void *scratch) {
     const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
     form &= ~(HALF_SCALES | SUPER_SCALES);
-    if ((form != 4 && form != 5 && form != 8 && form != FORM_Q8S && form != FORM_NL) || ((form == 4 || form == 5) && !mn)
+    if ((form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && form != FORM_NL)
+        || ((form == 4 || form == 5) && !mn)
         || (xbytes != 1 && xbytes != 2) || (half == 2 && ((k + 31) / 32) % 8))
         return -1;
     const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32, tiles = (n + NT - 1) / NT;
@@ -454,7 +477,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
      * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
-    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 ? 10 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
+    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 || form == 6 ? 10 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;

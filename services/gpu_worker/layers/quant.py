@@ -13,17 +13,19 @@ qgemm.c), every scale made by the same float32 operations `gguf.quants.dequantiz
 | Q5_0 | 5 | d * q + (-16 d) | 0.75 (float16) |
 | Q5_1 | 5 | d * q + m | 0.75 (float16) |
 | Q5_K | 5 | (d * sc) * q - dmin * mn | 0.703 (super-block) |
-| Q6_K | 8 | (d * sc) * (q - 32), per 16-group | 1.070 (super-block) |
+| Q6_K | 6 | (d * sc) * (q - 32), per 16-group | 0.820 (super-block) |
 | Q8_0 | 9 | d * q | 1.0625 (float16) |
 | IQ4_NL | 16 | d * kvalues[q] | 0.5625 (float16) |
 | IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.539 (super-block) |
 
-(form 5: 5-bit values, the nibbles of form 4 and a plane of fifth bits; form 9: form 8's
-signed bytes with Q8_0's one scale per 32 rather than form 8's per 16; form 16: 4-bit
+(form 5: 5-bit values, the nibbles of form 4 and a plane of fifth bits; form 6: 6-bit values,
+the nibbles and two planes, a scale per 16; form 9: signed bytes with Q8_0's one scale per
+32; form 8, signed bytes with a scale per 16, is what a layer fused from parts of forms 5,
+6, 8 and 9 is kept in; form 16: 4-bit
 indices into IQ4_NL's 16-value table `kvalues`, a signed byte each. Q5_0 and Q5_1 were
-signed bytes at 1.125-1.1875 bytes a weight, and Q8_0's scale was written twice, until
-Gemma 3's files, whose layers are mostly Q5_0 and whose head is Q8_0, showed it: a decode
-step of the 270M Q4_K_M file read 294 MB where the file holds 247.)
+signed bytes at 1.125-1.1875 bytes a weight, Q6_K too at 1.25, and Q8_0's scale was
+written twice, until Gemma 3's files, whose layers are mostly Q5_0 and whose head is Q8_0,
+showed it: a decode step of the 270M Q4_K_M file read 294 MB where the file holds 247.)
 
 The GEMM rounds the activations per block of 32 to two signed bytes, x ~ d * (q1 + q2 / 256)
 with d = amax / 127 (about 15 bits; llama.cpp keeps q1 alone, and with it alone SmolLM2's
@@ -66,14 +68,16 @@ from shared.cgroup import available_cpus
 FORM4 = ("Q4_0", "Q4_1", "Q4_K")
 #: 5-bit values: form 4's nibbles and a plane of their fifth bits (form 5 of qgemm.c)
 FORM5 = ("Q5_0", "Q5_1", "Q5_K")
-#: signed bytes with a scale per 16 (form 8) or per 32 (form 9)
-FORM8 = ("Q6_K",)
+#: 6-bit values: form 4's nibbles and two planes of high bits, a scale per 16 (form 6)
+FORM6 = ("Q6_K",)
+#: signed bytes with a scale per 32 (form 9; form 8, a scale per 16, is what other forms
+#: expand to where a layer concatenates several: `QuantLinear.in_byte_form`)
 FORM9 = ("Q8_0",)
 #: 4-bit indices into a 16-value table (form 16 of qgemm.c)
 FORMNL = ("IQ4_NL", "IQ4_XS")
-KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM8 + FORM9 + FORMNL)
-#: qgemm.c's codes of the 5-bit, one-scale byte and NL forms
-Q5, Q8S, NL = 5, 9, 16
+KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM6 + FORM9 + FORMNL)
+#: qgemm.c's codes of the 5-bit, 6-bit, one-scale byte and NL forms
+Q5, Q6, Q8S, NL = 5, 6, 9, 16
 #: qgemm.c's flag on a form code: d and m are float16
 HALF_SCALES = 256
 #: qgemm.c's flag on a form code: d and m as the k-quants store them, a float16 per column
@@ -190,7 +194,7 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
         d, m = _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None
         ql = _nibbles(b[:, :128], 2)  # per 128 values: bytes 0-63 low nibbles, then their high ones
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        q = ((ql.reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32))
+        q = ql.reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << np.uint8(4))  # 0..63: q - 32 the value
     else:
         raise NotImplementedError(f"GGUF type {qtype} is not kept quantized")
     return q.reshape(rows, -1), d.reshape(rows, -1).astype(np.float32), None if m is None else m.reshape(rows, -1)
@@ -252,8 +256,8 @@ def repack(qtype: str, raw: np.ndarray,
            shape: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks -> (form, w, d, m) in qgemm.c's layout (`_tiled`), d and m float16 with the
     form's HALF_SCALES flag where that is exact, or for the k-quants and IQ4_XS as the file
-    keeps them (SUPER_SCALES: `_super_blob`, 0.08 bytes a weight where float32 products per
-    group took 0.25, or 0.125 for IQ4_XS and Q6_K's... per 16, 0.25)."""
+    keeps them (SUPER_SCALES: `_super_blob`; Q4_K's d and m in 0.078 bytes a weight where
+    float32 products per 32 took 0.25, Q6_K's d in 0.070 where per 16 it took 0.25)."""
     form, w, d, m = _tiled(qtype, raw, shape)
     if qtype in SUPER_TYPES:
         tiles = -(-shape[0] // TILE)
@@ -281,14 +285,18 @@ def _tiled(qtype: str, raw: np.ndarray,
     np_, kp = tiles * TILE, kb * 32
     if m is not None:
         m = np.ascontiguousarray(_padded(m, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1))
-    if qtype in FORM4 or qtype in FORM5 or qtype in FORMNL:
-        q = _padded(q.astype(np.uint8), np_, kp)
+    if qtype in FORM4 or qtype in FORM5 or qtype in FORM6 or qtype in FORMNL:
+        q = _padded(q.astype(np.uint8), np_, kp, 32 if qtype in FORM6 else 0)  # (32: Q6_K's zero)
         q4 = (q & np.uint8(15)).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
         w = (q4[:, :, :, 0] | (q4[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
-        if qtype in FORM5:  # a fifth group: the fifth bits, bit 4 j + i of word G = value 4 G + i of column j
-            fifth = (q >> np.uint8(4)).reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)  # [t, b, G, j, i]
-            bits = np.packbits(fifth.reshape(tiles, kb, 8, 64), axis=-1, bitorder="little")  # 8 bytes per G
+        for plane in range(4, 6 if qtype in FORM6 else 5 if qtype in FORM5 else 4):
+            # a group of the bits `plane`: bit 4 j + i of word G = value 4 G + i of column j
+            high = ((q >> np.uint8(plane)) & np.uint8(1)).reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)
+            bits = np.packbits(high.reshape(tiles, kb, 8, 64), axis=-1, bitorder="little")  # 8 bytes per G
             w = np.concatenate([w, bits.reshape(tiles, kb, 1, TILE, 4)], axis=2)
+        if qtype in FORM6:  # a scale per 16, as form 8's
+            d = _padded(d, np_, 2 * kb).reshape(tiles, TILE, kb, 2).transpose(0, 2, 3, 1)
+            return Q6, np.ascontiguousarray(w), np.ascontiguousarray(d), m
         d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
         form = 4 if qtype in FORM4 else Q5 if qtype in FORM5 else NL
         return form, np.ascontiguousarray(w), np.ascontiguousarray(d), m
@@ -327,7 +335,7 @@ class QuantLinear(nn.Module):
         a part before the last whose columns do not fill their tiles)."""
         forms = {p.form & ~FLAGS for p in parts}
         if len(forms) > 1:  # Q5_0 q and k beside a Q8_0 v (Gemma 3's files): all in the byte form
-            if not forms <= {Q5, 8, Q8S}:
+            if not forms <= {Q5, Q6, 8, Q8S}:
                 return None
             parts = [p.in_byte_form() for p in parts]
             if any(p.m is not None for p in parts):  # a zero offset where a part has none
@@ -352,7 +360,7 @@ class QuantLinear(nn.Module):
         ones widened, super-block ones multiplied out (each d * factor, and -(dmin * factor),
         as gguf computes them), exactly, so it computes the same bits."""
         if self.form & SUPER_SCALES:
-            d, m = _super_products(self.d, self.form & ~SUPER_SCALES == 8), None
+            d, m = _super_products(self.d, self.form & ~SUPER_SCALES in (8, Q6)), None
             if self.m is not None:
                 m = -_super_products(self.m, False)
             return QuantLinear(self.form & ~SUPER_SCALES, self.w, d, m, self.in_features, self.out_features, self.bias)
@@ -370,15 +378,17 @@ class QuantLinear(nn.Module):
         form = self.form & ~HALF_SCALES
         if form == 8:
             return self
-        if form not in (Q5, Q8S):
+        if form not in (Q5, Q6, Q8S):
             raise ValueError(f"form {form} has no byte form")
-        w = self.w
-        if form == Q5:
+        w, d = self.w, self.d
+        if form in (Q5, Q6):
             q = torch.cat((w[:, :, :4] & 15, w[:, :, :4] >> 4), dim=2)  # [t, b, G, j, i]: value 4 G + i
-            bits = np.unpackbits(w[:, :, 4].reshape(*w.shape[:2], 8, 8).numpy(), axis=-1, bitorder="little")
-            w = q | (torch.from_numpy(bits).reshape(q.shape) << 4)
-            w = w + 128  # q + 128 (q < 32): form 8's bytes
-        d = self.d.unsqueeze(2).expand(-1, -1, 2, -1).contiguous()  # [t, b, 2, 16]
+            for plane in range(4, form):  # the high bits' groups
+                bits = np.unpackbits(w[:, :, plane].reshape(*w.shape[:2], 8, 8).numpy(), axis=-1, bitorder="little")
+                q = q | (torch.from_numpy(bits).reshape(q.shape) << plane)
+            w = q + (96 if form == Q6 else 128)  # form 8's bytes: q + 128, Q6_K's q being q - 32
+        if form != Q6:  # a scale per 32, written twice
+            d = self.d.unsqueeze(2).expand(-1, -1, 2, -1).contiguous()  # [t, b, 2, 16]
         return QuantLinear(8 | (self.form & HALF_SCALES), w.contiguous(), d, self.m, self.in_features,
                            self.out_features, self.bias)
 
@@ -411,16 +421,20 @@ class QuantLinear(nn.Module):
         lead, kb = ids.shape, self.w.shape[1]
         d, m = self.d.float(), None if self.m is None else self.m.float()  # (float16 ones widen exactly)
         form = self.form & ~HALF_SCALES
-        if form in (4, Q5):
-            assert m is not None  # forms 4 and 5 always have offsets
+        if form in (4, Q5, Q6):
             nib = w[..., :4, :]
             q = torch.cat(((nib & 15).reshape(*lead, kb, 16), (nib >> 4).reshape(*lead, kb, 16)), dim=-1)
-            if form == Q5:  # value 4 G + i of column j: bit 4 j + i of the fifth group's word G
-                words = self.w[t, :, 4].reshape(*lead, kb, 8, 8)  # [*, kb, G, byte]
+            for plane in range(4, form if form in (Q5, Q6) else 4):
+                # value 4 G + i of column j: bit 4 j + i of the group's word G, bit `plane` of q
+                words = self.w[t, :, plane].reshape(*lead, kb, 8, 8)  # [*, kb, G, byte]
                 byte = torch.gather(words, -1, (j // 2).reshape(*lead, 1, 1, 1).expand(*lead, kb, 8, 1))
                 shift = (4 * (j % 2)).reshape(*lead, 1, 1, 1) + torch.arange(4)
-                q = q | (((byte >> shift) & 1) << 4).reshape(*lead, kb, 32)
-            out = d[t, :, j].unsqueeze(-1) * q.float() + m[t, :, j].unsqueeze(-1)
+                q = q | (((byte >> shift) & 1) << plane).reshape(*lead, kb, 32)
+            if form == Q6:  # Q6_K: a scale per 16 of q - 32
+                out = d[t, :, :, j].unsqueeze(-1) * (q.reshape(*lead, kb, 2, 16).to(torch.int16) - 32).float()
+            else:
+                assert m is not None  # forms 4 and 5 always have offsets
+                out = d[t, :, j].unsqueeze(-1) * q.float() + m[t, :, j].unsqueeze(-1)
         elif form == NL:
             idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
             out = d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
