@@ -64,6 +64,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
@@ -273,6 +274,57 @@ static inline __attribute__((always_inline)) __m512 tile_scales(const void *p, i
     return scales16(p, (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16, half);
 }
 
+/* block b of tile t's weights as 8 vectors of one byte a weight (value 4 g + i of column j at
+ * byte 4 j + i of vector g, as vpdpbusd takes them): the nibbles split (NL: through its
+ * table), forms 5 and 6 with their high bits put back, the byte forms loaded */
+static inline __attribute__((always_inline)) void unpack_block(const int form, const uint8_t *w, int64_t t, int64_t kb,
+                                                               int64_t b, __m512i *wv) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i table = nl_table();
+    if (form == 4 || form == 5 || form == 6 || form == FORM_NL) {
+        const uint8_t *src = w + ((t * kb + b) * (form == 5 || form == 6 ? form : 4)) * 64;
+        for (int g = 0; g < 4; g++) {
+            __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
+            wv[g] = _mm512_and_si512(v, low);
+            wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if (form == FORM_NL) {
+                wv[g] = _mm512_shuffle_epi8(table, wv[g]);
+                wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
+            }
+        }
+        if (form == 5 || form == 6) { /* each byte's fifth (and sixth) bit: word G's bit 4 j + i, a byte mask */
+            const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
+            for (int g = 0; g < 8; g++) {
+                uint64_t bits;
+                memcpy(&bits, src + 256 + 8 * g, sizeof bits);
+                wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], sixteen);
+                if (form == 6) {
+                    memcpy(&bits, src + 320 + 8 * g, sizeof bits);
+                    wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], thirty_two);
+                }
+            }
+        }
+    } else {
+        const uint8_t *src = w + ((t * kb + b) * 8) * 64;
+        for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512((const void *)(src + 64 * g));
+    }
+}
+
+/* block b of tile t's scales (half 2 multiplies them out): sd0, sd1 the halves' (the same
+ * where one scale covers 32), sm the offsets (0 where there are none) */
+static inline __attribute__((always_inline)) void block_scales(const int form, const void *d, const void *mn,
+                                                               int64_t t, int64_t b, int64_t kb, const int half,
+                                                               __m512 *sd0, __m512 *sd1, __m512 *sm) {
+    const int per16 = form == 8 || form == 6;
+    *sd0 = tile_scales(d, t, b, 0, kb, half, per16);
+    *sd1 = per16 ? tile_scales(d, t, b, 1, kb, half, 1) : *sd0;
+    *sm = !mn ? _mm512_setzero_ps() : half == 2 ? tile_scales(mn, t, b, 0, kb, 2, 0)
+                                               : scales16(mn, (t * kb + b) * 16, half);
+}
+
+/* bytes of one expanded block: its 8 weight vectors, then sd0, sd1, sm (expand_tile) */
+#define XBLOCK (11 * 64)
+
 /* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written); xbytes and half
  * constants (xbytes 1: q1 alone, half the dot products; half 1: d and m are float16, 2: super-block scales) */
 static inline __attribute__((always_inline)) void tile(int form, const int8_t *q1s, const int8_t *q2s,
@@ -280,47 +332,23 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                                                        int64_t r0, int mr, int64_t kp, const uint8_t *w,
                                                        const void *d, const void *mn, const float *bias,
                                                        float *out, int64_t ldc, int64_t n, int64_t t,
-                                                       const int xbytes, const int half) {
+                                                       const int xbytes, const int half, const uint8_t *xw) {
     const int64_t kb = kp / 32;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i table = nl_table();
     __m512 acc[MR];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         __m512i wv[8];
-        if (form == 4 || form == 5 || form == 6 || form == FORM_NL) {
-            const uint8_t *src = w + ((t * kb + b) * (form == 5 || form == 6 ? form : 4)) * 64;
-            for (int g = 0; g < 4; g++) {
-                __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
-                wv[g] = _mm512_and_si512(v, low);
-                wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (form == FORM_NL) {
-                    wv[g] = _mm512_shuffle_epi8(table, wv[g]);
-                    wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
-                }
-            }
-            if (form == 5 || form == 6) { /* each byte's fifth (and sixth) bit: word G's bit 4 j + i, a byte mask */
-                const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
-                for (int g = 0; g < 8; g++) {
-                    uint64_t bits;
-                    memcpy(&bits, src + 256 + 8 * g, sizeof bits);
-                    wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], sixteen);
-                    if (form == 6) {
-                        memcpy(&bits, src + 320 + 8 * g, sizeof bits);
-                        wv[g] = _mm512_mask_add_epi8(wv[g], (__mmask64)bits, wv[g], thirty_two);
-                    }
-                }
-            }
+        __m512 sd0, sd1, sm; /* the block's scales (per 16: two) and offsets, once for its rows */
+        if (xw) { /* the tile expanded beforehand (expand_tile): a prompt's row groups share it */
+            const uint8_t *e = xw + b * XBLOCK;
+            for (int g = 0; g < 8; g++) wv[g] = _mm512_load_si512((const void *)(e + g * 64));
+            sd0 = _mm512_load_ps((const float *)(e + 512));
+            sd1 = _mm512_load_ps((const float *)(e + 576));
+            sm = _mm512_load_ps((const float *)(e + 640));
         } else {
-            const uint8_t *src = w + ((t * kb + b) * 8) * 64;
-            for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512((const void *)(src + 64 * g));
+            unpack_block(form, w, t, kb, b, wv);
+            block_scales(form, d, mn, t, b, kb, half, &sd0, &sd1, &sm);
         }
-        /* the block's scales, once for its rows (half 2 multiplies them out) */
-        const int per16 = form == 8 || form == 6;
-        const __m512 sd0 = tile_scales(d, t, b, 0, kb, half, per16);
-        const __m512 sd1 = per16 ? tile_scales(d, t, b, 1, kb, half, 1) : sd0;
-        const __m512 sm = !mn ? _mm512_setzero_ps() : half == 2 ? tile_scales(mn, t, b, 0, kb, 2, 0)
-                                                                 : scales16(mn, (t * kb + b) * 16, half);
         for (int i = 0; i < mr; i++) {
             const int64_t r = r0 + i;
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
@@ -366,10 +394,10 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
 
 #define TILE_ROWS(form, xbytes, half)                                                                          \
     switch (mr) {                                                                                                  \
-    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
-    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
-    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half); break;   \
-    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half);         \
+    case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw); break;   \
+    case 3: tile(form, q1s, q2s, dx, sx, corr, r0, 3, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw); break;   \
+    case 2: tile(form, q1s, q2s, dx, sx, corr, r0, 2, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw); break;   \
+    default: tile(form, q1s, q2s, dx, sx, corr, r0, 1, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw);     \
     }
 
 /* TILE_ROWS with the form, x's bytes and the scales' type as constants (one copy of tile() each) */
@@ -380,6 +408,16 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes, half) }                                          \
     else if (j->form == FORM_Q8S) { TILE_ROWS(FORM_Q8S, xbytes, half) }                                        \
     else { TILE_ROWS(8, xbytes, half) }
+
+/* TILE_FORMS for the job's x bytes and scales (tile t, rows r0 .. r0 + mr) */
+#define TILE_ANY                                                                                               \
+    if (j->half == 2) {                                                                                        \
+        if (j->xbytes == 1) { TILE_FORMS(1, 2) } else { TILE_FORMS(2, 2) }                                     \
+    } else if (j->half) {                                                                                      \
+        if (j->xbytes == 1) { TILE_FORMS(1, 1) } else { TILE_FORMS(2, 1) }                                     \
+    } else {                                                                                                   \
+        if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }                                     \
+    }
 
 /* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
  * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
@@ -399,6 +437,43 @@ struct qjob {
     int64_t ct, rb, nrb, qrows;
 };
 
+/* Tile t's weights unpacked (unpack_block) and its scales made (block_scales) into xw
+ * [kb][XBLOCK]: forms 5 and 6 put their high bits back with 8-16 masked adds a block, and the
+ * k-quants' scales are multiplied out, which a prompt's row groups would each repeat (a
+ * 512-row Q6_K GEMM took 1.4x its byte form's time); so they do it once a tile, into a
+ * buffer that stays in L2 while the row groups read it. The same values: the same bits. */
+static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
+    for (int64_t b = 0; b < kb; b++) {
+        __m512i wv[8];
+        __m512 sc[3];
+        if (j->form == 5)
+            unpack_block(5, j->w, t, kb, b, wv);
+        else
+            unpack_block(6, j->w, t, kb, b, wv);
+        if (j->half == 2)
+            block_scales(j->form, j->d, j->mn, t, b, kb, 2, sc, sc + 1, sc + 2);
+        else if (j->half)
+            block_scales(j->form, j->d, j->mn, t, b, kb, 1, sc, sc + 1, sc + 2);
+        else
+            block_scales(j->form, j->d, j->mn, t, b, kb, 0, sc, sc + 1, sc + 2);
+        uint8_t *e = xw + b * XBLOCK;
+        for (int g = 0; g < 8; g++) _mm512_store_si512((void *)(e + g * 64), wv[g]);
+        for (int i = 0; i < 3; i++) _mm512_store_ps((float *)(e + 512 + 64 * i), sc[i]);
+    }
+}
+
+/* a thread's expansion buffer, grown as needed (64-byte aligned; kept for the thread's life) */
+static uint8_t *expansion_buffer(int64_t bytes) {
+    static __thread uint8_t *buf;
+    static __thread int64_t cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
 static void gemm_task(void *p, int task) {
     const struct qjob *j = (const struct qjob *)p;
     const int8_t *q1s = j->q1s, *q2s = j->q2s;
@@ -410,19 +485,26 @@ static void gemm_task(void *p, int task) {
     const int64_t kp = j->kp, ldc = j->ldc, n = j->n;
     const int64_t t0 = task / j->nrb * j->ct, t1 = t0 + j->ct < j->tiles ? t0 + j->ct : j->tiles;
     const int64_t ra = task % j->nrb * j->rb, rz = ra + j->rb < j->m ? ra + j->rb : j->m;
+    const int64_t kb = kp / 32;
+    /* forms 5 and 6 under more than one row group: each tile expanded once, then its row groups */
+    const uint8_t *xw = (j->form == 5 || j->form == 6) && rz - ra > MR ? expansion_buffer(kb * XBLOCK) : NULL;
+    if (xw) {
+        for (int64_t t = t0; t < t1; t++) {
+            expand_tile(j, t, kb, (uint8_t *)xw);
+            for (int64_t r0 = ra; r0 < rz; r0 += MR) {
+                const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
+                TILE_ANY
+            }
+        }
+        return;
+    }
     /* column tiles in slices that stay in L1/L2 while every row group reads them */
     for (int64_t s0 = t0; s0 < t1; s0 += 8) {
         const int64_t s1 = s0 + 8 < t1 ? s0 + 8 : t1;
         for (int64_t r0 = ra; r0 < rz; r0 += MR) {
             const int mr = rz - r0 < MR ? (int)(rz - r0) : MR;
             for (int64_t t = s0; t < s1; t++) {
-                if (j->half == 2) {
-                    if (j->xbytes == 1) { TILE_FORMS(1, 2) } else { TILE_FORMS(2, 2) }
-                } else if (j->half) {
-                    if (j->xbytes == 1) { TILE_FORMS(1, 1) } else { TILE_FORMS(2, 1) }
-                } else {
-                    if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }
-                }
+                TILE_ANY
             }
         }
     }
