@@ -135,13 +135,20 @@ def test_float16_scales_give_the_float32_scales_bits(qtype):
     wide = half.float32_scales()
     assert not wide.form & quant.HALF_SCALES and wide.d.dtype == torch.float32
     assert half.d.nbytes * 2 == wide.d.nbytes  # what a step reads less
+    assert_same_bits(half, wide)
+
+
+def assert_same_bits(narrow: QuantLinear, wide: QuantLinear) -> None:
+    """Lookups and GEMM rows (a decode row, a prompt's row groups; x in one or two bytes) of
+    a layer and of its copy with float32 scales are the same bits."""
     ids = torch.tensor([0, 44, 17])
-    assert torch.equal(half.rows(ids), wide.rows(ids))
+    assert torch.equal(narrow.rows(ids), wide.rows(ids))
+    n, k = narrow.out_features, narrow.in_features
     for rows in (1, 17):
-        x = torch.randn(rows, 96)
+        x = torch.randn(rows, k)
         for xbytes in (1, 2):
-            a, b = torch.empty(rows, 45), torch.empty(rows, 45)
-            half._qgemm(x, a, xbytes)
+            a, b = torch.empty(rows, n), torch.empty(rows, n)
+            narrow._qgemm(x, a, xbytes)
             wide._qgemm(x, b, xbytes)
             assert torch.equal(a, b), (rows, xbytes)
 
@@ -161,16 +168,8 @@ def test_super_block_scales_give_the_float32_scales_bits(qtype):
     # per tile of 16 columns and super-block: 32 bytes of d and a byte per group and column,
     # against 4 bytes per group and column
     assert small.d.nbytes == 3 * 2 * (32 + 16 * groups) and wide.d.nbytes == 3 * 2 * groups * 16 * 4
-    ids = torch.tensor([0, 44, 17])
-    assert torch.equal(small.rows(ids), wide.rows(ids))
     assert torch.equal(small.weight, dequantized(qtype, raw, 45, 512))
-    for rows in (1, 17):
-        x = torch.randn(rows, 512)
-        for xbytes in (1, 2):
-            a, b = torch.empty(rows, 45), torch.empty(rows, 45)
-            small._qgemm(x, a, xbytes)
-            wide._qgemm(x, b, xbytes)
-            assert torch.equal(a, b), (rows, xbytes)
+    assert_same_bits(small, wide)
 
 
 @needs_kernel
@@ -187,6 +186,25 @@ def test_threads_split_columns_without_changing_a_bit():
     finally:
         quant.set_threads(before)
     assert torch.equal(one, two)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_K", "Q6_K"])
+def test_a_row_is_the_same_bits_alone_and_among_a_prompts(qtype):
+    """Forms 5 and 6 under a prompt's rows compute on each tile expanded once (weights to
+    bytes, scales multiplied out) rather than per row group: the same values, so a row's
+    output is the same bits as when it runs alone (a decode row), on one thread or two."""
+    layer = QuantLinear.from_gguf(qtype, random_blocks(qtype, 100, 512, seed=6), (100, 512))
+    x = torch.randn(70, 512)
+    before = quant.threads()
+    try:
+        for threads in (1, 2):
+            quant.set_threads(threads)
+            batch = layer(x)
+            for i in (0, 5, 69):
+                assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1]), (threads, i)
+    finally:
+        quant.set_threads(before)
 
 
 @needs_kernel
