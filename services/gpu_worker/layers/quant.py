@@ -1,6 +1,6 @@
 """GGUF weights kept quantized and computed on as such (kernels/qgemm.c, llama.cpp's method).
 
-At load each quantized GGUF matrix is repacked into one of the kernel's five forms (see
+At load each quantized GGUF matrix is repacked into one of the kernel's forms (see
 qgemm.c), every scale made by the same float32 operations `gguf.quants.dequantize` does, so
 `QuantLinear.weight` (the form expanded) equals gguf's dequantization bit for bit
 (tests/unit/test_quant.py checks each type):
@@ -161,8 +161,9 @@ def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
 
 def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks -> (q [rows, K] integers (form 16: table indices; forms 4 and 5 unsigned,
-    their offset in m), scale per 32 (forms 4, 5, 9 and 16) or per 16 (form 8), offset per
-    32 or None), each scale and offset as gguf's dequantization computes it."""
+    their offset in m; form 6 unsigned, q - 32 the value), scale per 32 (forms 4, 5, 9 and
+    16) or per 16 (form 6), offset per 32 or None), each scale and offset as gguf's
+    dequantization computes it."""
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
     b = np.ascontiguousarray(raw).reshape(-1, size)
     if qtype in ("Q4_0", "Q4_1"):
@@ -276,7 +277,8 @@ def _tiled(qtype: str, raw: np.ndarray,
     columns, k to blocks of 32, with zero weights): forms 4 and 16: w [tiles, kb, 4, 16, 4]
     bytes (q[k] | q[k + 16] << 4 at k = 4 g + i), d [tiles, kb, 16], m (form 4) the same
     shape or None (form 16); form 5: w [tiles, kb, 5, 16, 4], form 4's then a group of the
-    fifth bits (bit 4 j + i of 64-bit word G: value 4 G + i of column j); forms 8 and 9: w
+    fifth bits (bit 4 j + i of 64-bit word G: value 4 G + i of column j); form 6: w [tiles,
+    kb, 6, 16, 4], the sixth bits' group after, d [tiles, kb, 2, 16]; forms 8 and 9: w
     [tiles, kb, 8, 16, 4] bytes (q + 128), d [tiles, kb, 2, 16] (form 8) or [tiles, kb, 16]
     (form 9), m [tiles, kb, 16] or None."""
     n, k = shape
