@@ -54,8 +54,9 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
 
-/* One GEMM's weight. form 4, 5, 8, 9 or 16, with qgemm.c's HALF_SCALES flag or not: a quantized
- * one (layers/quant.py QuantLinear: tiled w, d, m (float16 or float32), bias); GEMM_F32:
+/* One GEMM's weight. form 4, 5, 6, 8, 9 or 16, with qgemm.c's HALF_SCALES or SUPER_SCALES flag
+ * or neither: a quantized one (layers/quant.py QuantLinear: tiled w, d, m (float16, float32
+ * or super-block blobs), bias); GEMM_F32:
  * float32 packed panels in w (layers/linear.py KernelLinear, with bias); GEMM_F32_SILU: the
  * MLP's gate/up panels with silu * up in the epilogue (KernelGateUpSilu; n is inter, its
  * output is the activation). */

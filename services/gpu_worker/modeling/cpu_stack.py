@@ -60,7 +60,7 @@ class _Step(ctypes.Structure):
                 ("n_query", _i64), ("max_keys", _i64)]
 
 
-#: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4, 5, 8, 9 and 16)
+#: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4, 5, 6, 8, 9 and 16)
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
