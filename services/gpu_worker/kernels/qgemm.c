@@ -107,6 +107,11 @@ static inline const uint8_t *super_blob(const void *p, int64_t t, int64_t b, int
 
 static inline int super_group(int64_t b, int h, int per16) { return per16 ? (int)(b % 8) * 2 + h : (int)(b % 8); }
 
+/* where block b's scales (half h of it where per16) of tile t start in plain d or m */
+static inline int64_t scale_index(int64_t t, int64_t b, int h, int64_t kb, int per16) {
+    return (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16;
+}
+
 /* column j's scale of block b (half h of it where per16) in d or m, any storage */
 static float scale_of(const void *p, int64_t t, int64_t b, int h, int64_t j, int64_t kb, int half, int per16) {
     if (half == 2) {
@@ -115,7 +120,7 @@ static float scale_of(const void *p, int64_t t, int64_t b, int h, int64_t j, int
         memcpy(&base, blob + 2 * j, sizeof base);
         return half_to_float(base) * (float)(int8_t)blob[32 + 16 * super_group(b, h, per16) + j];
     }
-    return scale_at(p, (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16 + j, half);
+    return scale_at(p, scale_index(t, b, h, kb, per16) + j, half);
 }
 
 int64_t mstar_qgemm_available(void) {
@@ -158,35 +163,28 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
         for (int64_t b = 0; b < kb; b++) {
             const uint8_t *src = w + (t * kb + b) * groups * 64 + j * 4;
-            const float m = !mn ? 0.f : half == 2 ? -scale_of(mn, t, b, 0, j, kb, 2, 0) : scale_of(mn, t, b, 0, j, kb, half, 0);
+            const float s = mn ? scale_of(mn, t, b, 0, j, kb, half, 0) : 0.f;
+            const float m = half == 2 ? -s : s; /* super-block offsets are -(dmin * factor) */
             if (form == 8 || form == FORM_Q8S) {
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const float q = (float)((int)src[g * 64 + i] - 128);
                         v[4 * g + i] = scale_of(d, t, b, g / 4, j, kb, half, form == 8) * q;
                     }
-            } else if (form == 6) { /* value 4 G + i: its nibble, bit 4 j + i of word G of each plane */
+            } else { /* nibbles (NL: table indices); forms 5 and 6: the high bits from the planes after
+                      * them, value 4 g + i's bit p at bit 4 j + i of word g of plane p - 4 */
                 const uint8_t *planes = w + (t * kb + b) * groups * 64 + 256;
+                const float dd = form == 6 ? 0.f : scale_of(d, t, b, 0, j, kb, half, 0); /* (6: per 16, below) */
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t byte = src[(g % 4) * 64 + i];
-                        const int bit = 4 * (int)j + i, nib = g < 4 ? byte & 15 : byte >> 4;
-                        const int q = nib | ((planes[8 * g + bit / 8] >> (bit % 8)) & 1) << 4 |
-                                      ((planes[64 + 8 * g + bit / 8] >> (bit % 8)) & 1) << 5;
-                        v[4 * g + i] = scale_of(d, t, b, g / 4, j, kb, half, 1) * (float)(q - 32);
-                    }
-            } else {
-                const float dd = scale_of(d, t, b, 0, j, kb, half, 0);
-                for (int g = 0; g < 4; g++)
-                    for (int i = 0; i < 4; i++) {
-                        const uint8_t byte = src[g * 64 + i];
-                        const int lo = byte & 15, hi = byte >> 4;
-                        /* form 5: the fifth bit of value 4 G + i is bit 4 j + i of word G after the nibbles */
-                        const uint8_t *fifth = w + (t * kb + b) * groups * 64 + 256;
-                        const int b5lo = form == 5 ? (fifth[8 * g + (4 * j + i) / 8] >> ((4 * j + i) % 8)) & 1 : 0;
-                        const int b5hi = form == 5 ? (fifth[8 * (g + 4) + (4 * j + i) / 8] >> ((4 * j + i) % 8)) & 1 : 0;
-                        v[4 * g + i] = form == FORM_NL ? dd * kvalues_nl[lo] : dd * (float)(lo | b5lo << 4);
-                        v[4 * g + i + 16] = form == FORM_NL ? dd * kvalues_nl[hi] : dd * (float)(hi | b5hi << 4);
+                        const int bit = 4 * (int)j + i;
+                        int q = g < 4 ? byte & 15 : byte >> 4;
+                        for (int p = 4; p < groups; p++)
+                            q |= ((planes[64 * (p - 4) + 8 * g + bit / 8] >> (bit % 8)) & 1) << p;
+                        v[4 * g + i] = form == FORM_NL ? dd * kvalues_nl[q]
+                                       : form == 6    ? scale_of(d, t, b, g / 4, j, kb, half, 1) * (float)(q - 32)
+                                                      : dd * (float)q;
                     }
             }
             if (mn)
@@ -271,7 +269,7 @@ static inline __attribute__((always_inline)) __m512 tile_scales(const void *p, i
         const __m128i f = _mm_loadu_si128((const __m128i *)(blob + 32 + 16 * super_group(b, h, per16)));
         return _mm512_mul_ps(base, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(f)));
     }
-    return scales16(p, (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16, half);
+    return scales16(p, scale_index(t, b, h, kb, per16), half);
 }
 
 /* block b of tile t's weights as 8 vectors of one byte a weight (value 4 g + i of column j at
@@ -311,15 +309,17 @@ static inline __attribute__((always_inline)) void unpack_block(const int form, c
 }
 
 /* block b of tile t's scales (half 2 multiplies them out): sd0, sd1 the halves' (the same
- * where one scale covers 32), sm the offsets (0 where there are none) */
+ * where one scale covers 32), sm the offsets (0 where there are none; super-block ones are
+ * -(dmin * factor): negated here, by the sign bit, exactly) */
 static inline __attribute__((always_inline)) void block_scales(const int form, const void *d, const void *mn,
                                                                int64_t t, int64_t b, int64_t kb, const int half,
                                                                __m512 *sd0, __m512 *sd1, __m512 *sm) {
     const int per16 = form == 8 || form == 6;
     *sd0 = tile_scales(d, t, b, 0, kb, half, per16);
     *sd1 = per16 ? tile_scales(d, t, b, 1, kb, half, 1) : *sd0;
-    *sm = !mn ? _mm512_setzero_ps() : half == 2 ? tile_scales(mn, t, b, 0, kb, 2, 0)
-                                               : scales16(mn, (t * kb + b) * 16, half);
+    *sm = !mn ? _mm512_setzero_ps() : tile_scales(mn, t, b, 0, kb, half, 0);
+    if (mn && half == 2)
+        *sm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(*sm), _mm512_set1_epi32(INT32_MIN)));
 }
 
 /* bytes of one expanded block: its 8 weight vectors, then sd0, sd1, sm (expand_tile) */
@@ -380,10 +380,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
                 }
             }
-            if (mn && half == 2) /* the offset is -(dmin * factor): fnmadd is fmadd of its negation, bitwise */
-                acc[i] = _mm512_fnmadd_ps(sm, _mm512_set1_ps(sx[r * kb + b]), acc[i]);
-            else if (mn)
-                acc[i] = _mm512_fmadd_ps(sm, _mm512_set1_ps(sx[r * kb + b]), acc[i]);
+            if (mn) acc[i] = _mm512_fmadd_ps(sm, _mm512_set1_ps(sx[r * kb + b]), acc[i]);
         }
     }
     const int64_t c0 = t * NT;
@@ -559,7 +556,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
      * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
-    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 || form == 6 ? 10 : form == FORM_NL ? 10 : 25) + 6 * j.rb);
+    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 || form == 6 || form == FORM_NL ? 10 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;
