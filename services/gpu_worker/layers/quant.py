@@ -418,25 +418,17 @@ class QuantLinear(nn.Module):
                 raise IndexError(f"a row id outside [0, {self.out_features})")
         if self.form & SUPER_SCALES:
             return self.float32_scales().rows(ids)
+        if self.form & ~FLAGS in (Q5, Q6):  # the same weights as bytes (form 8): the same values
+            return self.in_byte_form().rows(ids)
         t, j = ids // TILE, ids % TILE
         w = self.w[t, :, :, j]  # [*ids, kb, groups, 4]
         lead, kb = ids.shape, self.w.shape[1]
         d, m = self.d.float(), None if self.m is None else self.m.float()  # (float16 ones widen exactly)
         form = self.form & ~HALF_SCALES
-        if form in (4, Q5, Q6):
-            nib = w[..., :4, :]
-            q = torch.cat(((nib & 15).reshape(*lead, kb, 16), (nib >> 4).reshape(*lead, kb, 16)), dim=-1)
-            for plane in range(4, form if form in (Q5, Q6) else 4):
-                # value 4 G + i of column j: bit 4 j + i of the group's word G, bit `plane` of q
-                words = self.w[t, :, plane].reshape(*lead, kb, 8, 8)  # [*, kb, G, byte]
-                byte = torch.gather(words, -1, (j // 2).reshape(*lead, 1, 1, 1).expand(*lead, kb, 8, 1))
-                shift = (4 * (j % 2)).reshape(*lead, 1, 1, 1) + torch.arange(4)
-                q = q | (((byte >> shift) & 1) << plane).reshape(*lead, kb, 32)
-            if form == Q6:  # Q6_K: a scale per 16 of q - 32
-                out = d[t, :, :, j].unsqueeze(-1) * (q.reshape(*lead, kb, 2, 16).to(torch.int16) - 32).float()
-            else:
-                assert m is not None  # forms 4 and 5 always have offsets
-                out = d[t, :, j].unsqueeze(-1) * q.float() + m[t, :, j].unsqueeze(-1)
+        if form == 4:
+            assert m is not None  # form 4 always has offsets
+            q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
+            out = d[t, :, j].unsqueeze(-1) * q + m[t, :, j].unsqueeze(-1)
         elif form == NL:
             idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
             out = d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
