@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -46,23 +47,18 @@ def _bindings():
 
 def make_checkpoint(path: Path, seed: int = 0) -> Path:
     """The random Llama checkpoint with SmolLM2's tokenizer (from the default model's file)."""
-    import json
-
     import torch
     import transformers
+    from tokenizers import Tokenizer
 
-    from shared.model_source import ModelSource
+    from tests.llama_converter import smollm2_vocabulary
 
-    bundle = ModelSource("").tokenizer
-    path.mkdir(parents=True, exist_ok=True)
-    bundle.tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": bundle.bos_token, "eos_token": bundle.eos_token,
-        "unk_token": "<|endoftext|>", "chat_template": bundle.chat_template}))
-    tok = bundle.tokenizer
+    smollm2_vocabulary(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    specials = json.loads((path / "tokenizer_config.json").read_text())
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=8192, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=True, eos_token_id=tok.token_to_id(bundle.eos_token),
-                                   bos_token_id=tok.token_to_id(bundle.bos_token), **SHAPE)
+                                   tie_word_embeddings=True, eos_token_id=tok.token_to_id(specials["eos_token"]),
+                                   bos_token_id=tok.token_to_id(specials["bos_token"]), **SHAPE)
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     return path

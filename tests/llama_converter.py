@@ -50,3 +50,20 @@ def convert(ckpt: Path, out: Path, outtype: str = "f32", timeout: float = 300) -
         log = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {ckpt} (exit {proc.returncode}):\n{log}")
     return Path(out)
+
+
+def smollm2_vocabulary(out: Path) -> Path:
+    """The default model's BPE vocabulary (SmolLM2's, rebuilt from its GGUF file) as
+    tokenizer.json and tokenizer_config.json in `out`: a vocabulary whose pre-tokenizer the
+    converter names by its hash, for checkpoints it is to convert."""
+    import json
+
+    from shared.model_source import ModelSource
+
+    bundle = ModelSource("").tokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    bundle.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": bundle.bos_token, "eos_token": bundle.eos_token,
+        "unk_token": "<|endoftext|>", "chat_template": bundle.chat_template}))  # as SmolLM2's own says
+    return out

@@ -40,7 +40,7 @@ import pytest
 from tests.checkpoints import CORPUS, make_checkpoint
 from tests.engines import greedy_on
 from tests.gguf_files import gguf_checkpoint_overrides
-from tests.llama_converter import convert, converter
+from tests.llama_converter import convert, converter, smollm2_vocabulary
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.skipif(converter() is None, reason="llama.cpp's convert_hf_to_gguf.py is not available "
@@ -72,20 +72,8 @@ MAX_TOKENS = 8
 def vocabularies(tmp_path_factory) -> dict[str, Path]:
     """Folders holding each vocabulary's tokenizer files, to copy into checkpoints."""
     root = tmp_path_factory.mktemp("vocab")
-    return {"bpe": _smollm_vocab(root / "bpe"), "spm": _spm_vocab(root / "spm", gemma=False),
+    return {"bpe": smollm2_vocabulary(root / "bpe"), "spm": _spm_vocab(root / "spm", gemma=False),
             "spm-gemma": _spm_vocab(root / "spm-gemma", gemma=True)}
-
-
-def _smollm_vocab(out: Path) -> Path:
-    from shared.model_source import ModelSource
-
-    bundle = ModelSource("").tokenizer
-    out.mkdir(parents=True)
-    bundle.tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": bundle.bos_token, "eos_token": bundle.eos_token,
-        "unk_token": "<|endoftext|>", "chat_template": bundle.chat_template}))  # as SmolLM2's own says
-    return out
 
 
 def _spm_vocab(out: Path, gemma: bool) -> Path:
