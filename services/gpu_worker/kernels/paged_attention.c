@@ -17,8 +17,10 @@
  * one partition of PART keys ([lo + p * PART, ...)), every head; when a call has fewer
  * partitions than GROUP_TASKS per thread (one short row: a c1 decode step), each is split
  * further into groups of KV heads (a head's arithmetic is the same in any group, so the bits
- * do not change; a 128-key row of SmolLM2's 3 KV heads, K/V cold: ~14.8 us a layer as one
- * task, ~9 us as three on two threads). A task walks its partition's pages twice, K then V; on
+ * do not change), as many heads to a group, where the tasks then come out even over the
+ * threads: 4 KV heads as 4 tasks on two threads, but SmolLM2's 3 as one task (as 3 on two
+ * threads, in its decode steps at 100-400 keys, its attention took 20-35% longer: one thread
+ * did two tasks' strided halves of the pages while the other waited). A task walks its partition's pages twice, K then V; on
  * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
  * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
  * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the
@@ -567,10 +569,16 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
     }
     if (n_rows <= 0) return 0;
     const int64_t parts = (max_keys + PART - 1) / PART;
-    /* fewer partitions than GROUP_TASKS a thread: each split over the KV heads too (same bits) */
-    const int64_t want = GROUP_TASKS * mstar_pool_threads();
-    int64_t groups = work >= want ? 1 : (want + work - 1) / work;
-    if (groups > hkv) groups = hkv;
+    /* fewer partitions than GROUP_TASKS a thread: each split over the KV heads too (same bits),
+     * in groups of as many heads whose tasks come out even over the threads, or not at all */
+    const int64_t threads = mstar_pool_threads(), want = GROUP_TASKS * threads;
+    int64_t groups = 1;
+    if (work < want)
+        for (int64_t g = (want + work - 1) / work; g > 1; g--)
+            if (g <= hkv && hkv % g == 0 && work * g % threads == 0) {
+                groups = g;
+                break;
+            }
     if (n_rows * parts * groups > INT32_MAX) return -2;
     const int64_t hs = kind == 2 ? d + 4 : d;
     struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hs, hkv * hs,
