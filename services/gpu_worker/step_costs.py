@@ -63,20 +63,31 @@ def chunk_shape(offset: int, n: int, sampled: int) -> StepShape:
     return StepShape(n, sampled, n * offset + n * (n + 1) // 2)
 
 
-def _x(s: StepShape) -> np.ndarray:
-    return np.array([1.0, s.rows, s.sampled, s.keys / KEY_UNIT])
-
-
 class StepCosts:
-    """The learned step-cost model (seconds)."""
+    """The learned step-cost model (seconds).
+
+    `observe` and `predict` run every step, so they add and multiply Python floats: the
+    same IEEE operations numpy's outer product and decay would do element by element (the
+    same bits), without numpy's per-call cost on 4-element arrays, which a decode step pays
+    with its caches cold from the weights it streamed (~87 us a step where ~7 warm). The
+    solve, every `RESOLVE` steps, takes them as arrays."""
 
     def __init__(self) -> None:
-        self.a = np.zeros((4, 4))
-        self.b = np.zeros(4)
+        self._a = [0.0] * 16  # sum of decayed x x^T, row-major
+        self._b = [0.0] * 4  # sum of decayed x * seconds
         self.steps = 0
         self._coef = np.zeros(4)
+        self._c: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # _coef as floats, for predict
         self._unsolved = 0
         self.prior: np.ndarray | None = None
+
+    @property
+    def a(self) -> np.ndarray:
+        return np.array(self._a).reshape(4, 4)
+
+    @property
+    def b(self) -> np.ndarray:
+        return np.array(self._b)
 
     @property
     def ready(self) -> bool:
@@ -86,28 +97,40 @@ class StepCosts:
     def coef(self) -> np.ndarray:
         """(c0, c_row, c_sample, c_key) in seconds, solved again once `RESOLVE` steps came in
         since the last solve (a step's observation is a few µs; a solve some tens)."""
-        if self._unsolved and (self._unsolved >= RESOLVE or self.steps <= RESOLVE):
-            self._coef = self._solve()
+        return self._coef if not self._unsolved else self._fresh()
+
+    def _fresh(self) -> np.ndarray:
+        if self._unsolved >= RESOLVE or self.steps <= RESOLVE:
+            self._set(self._solve())
             self._unsolved = 0
         return self._coef
 
+    def _set(self, coef: np.ndarray) -> None:
+        self._coef = coef
+        self._c = tuple(float(c) for c in coef)
+
     def predict(self, s: StepShape) -> float:
-        return float(_x(s) @ self.coef)
+        if self._unsolved:
+            self._fresh()
+        c0, c_row, c_sample, c_key = self._c
+        return c0 + c_row * s.rows + c_sample * s.sampled + c_key * (s.keys / KEY_UNIT)
 
     def observe(self, s: StepShape, seconds: float) -> None:
-        x = _x(s)
+        x = (1.0, float(s.rows), float(s.sampled), s.keys / KEY_UNIT)
         if self.ready:
             seconds = min(seconds, OUTLIER * max(self.predict(s), 1e-4))
-        self.a *= DECAY
-        self.b *= DECAY
-        self.a += np.outer(x, x)
-        self.b += x * seconds
+        a, b = self._a, self._b
+        for i in range(4):
+            xi = x[i]
+            for j in range(4):
+                a[4 * i + j] = a[4 * i + j] * DECAY + xi * x[j]
+            b[i] = b[i] * DECAY + xi * seconds
         self.steps += 1
         self._unsolved += 1
 
     def anchor(self) -> None:
         """Keep the current fit as the prior later fits are pulled towards (after warm-up)."""
-        self._coef = self._solve()
+        self._set(self._solve())
         self._unsolved = 0
         self.prior = self._coef.copy()
 
@@ -116,12 +139,13 @@ class StepCosts:
         negative and solve again without it (at most one pass per feature)."""
         reg = PRIOR_STEPS * TYPICAL**2 if self.prior is not None else 1e-6 * TYPICAL**2
         target = self.prior if self.prior is not None else np.zeros(4)
+        a, b = self.a, self.b
         active = np.ones(4, dtype=bool)
         coef = np.zeros(4)
         for _ in range(4):
             idx = np.flatnonzero(active)
-            m = self.a[np.ix_(idx, idx)] + np.diag(reg[idx])
-            rhs = self.b[idx] + reg[idx] * target[idx]
+            m = a[np.ix_(idx, idx)] + np.diag(reg[idx])
+            rhs = b[idx] + reg[idx] * target[idx]
             coef = np.zeros(4)
             coef[idx] = np.linalg.solve(m, rhs)
             if (coef >= 0).all():
@@ -228,8 +252,8 @@ CALIBRATION_VERSION = 2
 def costs_from_sums(a, b, steps: int) -> StepCosts:
     """The model a calibration with these sums left: the same prior, the same fit."""
     costs = StepCosts()
-    costs.a = np.array(a, dtype=np.float64).reshape(4, 4)
-    costs.b = np.array(b, dtype=np.float64).reshape(4)
+    costs._a = [float(v) for v in np.array(a, dtype=np.float64).reshape(16)]
+    costs._b = [float(v) for v in np.array(b, dtype=np.float64).reshape(4)]
     costs.steps = int(steps)
     costs.anchor()
     return costs
