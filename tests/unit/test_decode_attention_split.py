@@ -116,8 +116,9 @@ def test_scratch_sized_by_the_kernel():
 
 def test_short_rows_split_over_kv_heads_keep_their_bits(restore_threads):
     """A call with fewer partitions than two per thread splits each over groups of KV heads
-    (1 thread: 2 groups, 2 threads: 4, 3: 4 of SmolLM2-like GQA with 4 KV heads); a head's
-    arithmetic is the same in any group, so every count gives the same bits, and SDPA's values."""
+    where its tasks come out even over the threads (4 KV heads: 1 thread 2 groups, 2 threads
+    4, 3 threads none); a head's arithmetic is the same in any group, so every count gives
+    the same bits, and SDPA's values."""
     cache, q, meta = batch([(99, 1)], (12, 4, 64), torch.bfloat16, seed=3)
     outs = [kernel(cache, q, meta, threads) for threads in (1, 2, 3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "the KV-head groups changed the result"

@@ -37,6 +37,30 @@ def test_the_fit_recovers_known_costs():
     assert costs.predict(StepShape(16, 16, 16 * 200)) == pytest.approx((4.0 + 16 * 1.1 + 0.05 * 3200 / 1024) * MS)
 
 
+def test_observations_sum_as_numpy_would():
+    """observe keeps its sums in Python floats (a decode step's cheaper path): each is the
+    decayed sum of x x^T and x * seconds that numpy's element-wise arithmetic gives, bit for
+    bit, and the fit solved from them predicts the same."""
+    from services.gpu_worker.step_costs import DECAY, KEY_UNIT, OUTLIER
+
+    costs, a, b = StepCosts(), np.zeros((4, 4)), np.zeros(4)
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        s = StepShape(int(rng.integers(1, 300)), int(rng.integers(1, 40)), int(rng.integers(0, 500_000)))
+        seconds = float(rng.uniform(1e-3, 0.1))
+        if costs.ready:  # the outlier clip, as observe applies it
+            seconds = min(seconds, OUTLIER * max(costs.predict(s), 1e-4))
+        costs.observe(s, seconds)
+        x = np.array([1.0, s.rows, s.sampled, s.keys / KEY_UNIT])
+        a *= DECAY
+        a += np.outer(x, x)
+        b *= DECAY
+        b += x * seconds
+    assert np.array_equal(costs.a, a) and np.array_equal(costs.b, b)
+    s = StepShape(16, 16, 4000)
+    assert costs.predict(s) == pytest.approx(float(np.array([1.0, 16, 16, 4000 / KEY_UNIT]) @ costs.coef), rel=1e-12)
+
+
 def test_costs_never_go_negative_and_follow_a_slower_machine():
     costs = StepCosts()
     for rows in (1, 2, 4, 8) * 3:  # a step that costs the same whatever its rows: no negative slope
