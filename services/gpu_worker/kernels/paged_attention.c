@@ -20,9 +20,10 @@
  * do not change), as many heads to a group, where the tasks then come out even over the
  * threads: 4 KV heads as 4 tasks on two threads, but SmolLM2's 3 as one task (as 3 on two
  * threads, in its decode steps at 100-400 keys, its attention took 20-35% longer: one thread
- * did two tasks' strided halves of the pages while the other waited). A task walks its partition's pages twice, K then V; on
- * each page every head of the task takes the page's keys (the rows' slices of its KV heads,
- * read from memory once, serve each KV head's query heads), with the page PF_ROWS ahead
+ * did two tasks' strided slices of the pages while the other waited). A task walks its
+ * partition's pages twice, K then V; on each page every head of the task takes the page's
+ * keys (the rows' slices of its KV heads, read from memory once, serve each KV head's query
+ * heads), with the page PF_ROWS ahead
  * prefetched into L2, a few lines with each key (struct pf_cursor). The K walk writes the
  * scores to a buffer on the task's stack, the softmax is exact over the partition (its max
  * subtracted), and the V walk accumulates the outputs. A row of at most PART keys is one partition, which writes its
