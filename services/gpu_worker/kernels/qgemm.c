@@ -107,6 +107,12 @@ static inline const uint8_t *super_blob(const void *p, int64_t t, int64_t b, int
 
 static inline int super_group(int64_t b, int h, int per16) { return per16 ? (int)(b % 8) * 2 + h : (int)(b % 8); }
 
+/* 64-byte vectors a block of 32 values of a tile's 16 columns takes in w: the nibbles' 4,
+ * then forms 5 and 6's bit planes; the byte forms' 8 */
+static inline int block_vectors(int form) {
+    return form == 8 || form == FORM_Q8S ? 8 : form == 5 || form == 6 ? form : 4;
+}
+
 /* where block b's scales (half h of it where per16) of tile t start in plain d or m */
 static inline int64_t scale_index(int64_t t, int64_t b, int h, int64_t kb, int per16) {
     return (per16 ? (t * kb + b) * 2 + h : t * kb + b) * 16;
@@ -157,7 +163,7 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
     if (half == 2 && ((k + 31) / 32) % 8) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
-    const int64_t kb = (k + 31) / 32, groups = form == 8 || form == FORM_Q8S ? 8 : form == 5 || form == 6 ? form : 4;
+    const int64_t kb = (k + 31) / 32, groups = block_vectors(form);
     float v[32];
     for (int64_t r = 0; r < n_ids; r++) {
         const int64_t t = ids[r] / 16, j = ids[r] % 16;
@@ -289,7 +295,7 @@ static inline __attribute__((always_inline)) void unpack_block(const int form, c
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i table = nl_table();
     if (form == 4 || form == 5 || form == 6 || form == FORM_NL) {
-        const uint8_t *src = w + ((t * kb + b) * (form == 5 || form == 6 ? form : 4)) * 64;
+        const uint8_t *src = w + ((t * kb + b) * block_vectors(form)) * 64;
         for (int g = 0; g < 4; g++) {
             __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
             wv[g] = _mm512_and_si512(v, low);
@@ -337,7 +343,7 @@ static inline __attribute__((always_inline)) void block_scales(const int form, c
 static inline __attribute__((always_inline)) void prefetch_ahead(const int form, const int half, const uint8_t *w,
                                                                  const void *d, const void *mn, int64_t t, int64_t b,
                                                                  int64_t kb) {
-    const int groups = form == 5 || form == 6 ? form : 4, per16 = form == 6;
+    const int groups = block_vectors(form), per16 = form == 6;
     const char *ahead = (const char *)(w + (t * kb + b) * groups * 64) + PREFETCH_AHEAD;
     for (int c = 0; c < groups * 64; c += 64) _mm_prefetch(ahead + c, _MM_HINT_NTA);
     const int64_t at = b + PREFETCH_AHEAD / (groups * 64), ta = t + at / kb, ba = at % kb;
@@ -381,7 +387,7 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             sd1 = _mm512_load_ps((const float *)(e + 576));
             sm = _mm512_load_ps((const float *)(e + 640));
         } else {
-            if (prefetch && form != 8 && form != FORM_Q8S) prefetch_ahead(form, half, w, d, mn, t, b, kb);
+            if (prefetch) prefetch_ahead(form, half, w, d, mn, t, b, kb);
             unpack_block(form, w, t, kb, b, wv);
             block_scales(form, d, mn, t, b, kb, half, &sd0, &sd1, &sm);
         }
@@ -521,7 +527,8 @@ static void gemm_task(void *p, int task) {
     const int64_t kb = kp / 32;
     /* forms 5 and 6 under more than one row group: each tile expanded once, then its row groups */
     const uint8_t *xw = (j->form == 5 || j->form == 6) && rz - ra > MR ? expansion_buffer(kb * XBLOCK) : NULL;
-    const int pf = j->m <= MR; /* a decode GEMV's one row group (more rows are compute-bound) */
+    /* a decode GEMV's one row group (more rows are compute-bound), on a nibble form */
+    const int pf = j->m <= MR && j->form != 8 && j->form != FORM_Q8S;
     if (xw) {
         for (int64_t t = t0; t < t1; t++) {
             expand_tile(j, t, kb, (uint8_t *)xw);
