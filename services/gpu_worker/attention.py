@@ -292,6 +292,9 @@ class MetadataBuilder:
               causal: bool = True) -> AttnMetadata:
         """`causal=False`: every new row sees every row its request holds (an encoder's
         prompt, which runs whole; no decode entries)."""
+        return self._finish(self._pass(rows, page_size, window, causal), page_size, window)
+
+    def _pass(self, rows: list[AttnRows], page_size: int, window: int | None, causal: bool) -> _Step:
         step = _Step()
         slot_pages, slot_offsets, csr = step.slot_pages, step.slot_offsets, step.csr
         t = 0
@@ -332,7 +335,7 @@ class MetadataBuilder:
                     chunk.attn_mask()  # the torch path runs it: built with the metadata, once for every layer
                 step.prefills.append(chunk)
             t += new
-        return self._finish(step, page_size, window)
+        return step
 
     def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
         raise NotImplementedError
@@ -425,30 +428,58 @@ class KernelBuilder(MetadataBuilder):
     plain_chunks = True
 
     def _finish(self, step: _Step, page_size: int, window: int | None) -> AttnMetadata:
-        n_slots = len(step.slot_pages)
-        flat = step.slot_pages + step.slot_offsets
         if not step.entries:
-            ints = torch.from_numpy(np.array(flat, dtype=np.int64))
+            n_slots = len(step.slot_pages)
+            ints = torch.from_numpy(np.array(step.slot_pages + step.slot_offsets, dtype=np.int64))
             return AttnMetadata(ints[:n_slots], ints[n_slots:], window, step.prefills)
-        query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
-        width = max(len(e[0]) for e in step.entries)
-        for b, (_, first_row, held, cached, new, t) in enumerate(step.entries):
-            for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
-                query[0].append(t + i)
-                query[1].append(b)
-                query[2].append(0 if window is None else max(0, cached + i - window - first_row + 1))
-                query[3].append(held - (new - 1 - i))
-        n_query = len(query[0])
-        for col in query:
-            flat += col
-        for e in step.entries:
-            flat += e[0]
-            flat += [0] * (width - len(e[0]))  # pad: page 0, never read (hi bounds the keys)
-        ints = torch.from_numpy(np.array(flat, dtype=np.int64))
-        at = 2 * n_slots
-        decode = KernelDecode(ints[at + 4 * n_query :].view(len(step.entries), width),
+        host = _host_decode(step, window)
+        ints = torch.from_numpy(np.array(host.ints, dtype=np.int64))
+        at, n_query = 2 * host.n_slots, host.n_query
+        decode = KernelDecode(ints[host.pages_at :].view(len(step.entries), host.width),
                               ints[at : at + 4 * n_query].view(4, n_query))
-        return AttnMetadata(ints[:n_slots], ints[n_slots:at], window, step.prefills, decode)
+        return AttnMetadata(ints[: host.n_slots], ints[host.n_slots : at], window, step.prefills, decode)
+
+    def host(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> HostDecode | None:
+        """A decode-only step's metadata as `_finish` lays it out, as plain ints: what the C
+        decode stack reads (modeling/cpu_stack.py), without the tensors, whose every op costs
+        tens of microseconds with the caches cold from a step's weights. None where the step
+        has prefill chunks."""
+        step = self._pass(rows, page_size, window, True)
+        return None if step.prefills or not step.entries else _host_decode(step, window)
+
+
+class HostDecode(NamedTuple):
+    """`KernelBuilder`'s int64 fields of a decode-only step, end to end in `ints`: slot
+    pages [T], slot offsets [T], then per decode query row its row of T, its entry, and the
+    held rows [lo, hi) it sees ([4, n_query]), then the entries' pages [B, width] from
+    `pages_at` (padded with page 0, never read: hi bounds the keys)."""
+
+    ints: list[int]
+    n_slots: int
+    n_query: int
+    width: int
+    pages_at: int
+
+
+def _host_decode(step: _Step, window: int | None) -> HostDecode:
+    n_slots = len(step.slot_pages)
+    flat = step.slot_pages + step.slot_offsets
+    query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
+    width = max(len(e[0]) for e in step.entries)
+    for b, (_, first_row, held, cached, new, t) in enumerate(step.entries):
+        for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
+            query[0].append(t + i)
+            query[1].append(b)
+            query[2].append(0 if window is None else max(0, cached + i - window - first_row + 1))
+            query[3].append(held - (new - 1 - i))
+    n_query = len(query[0])
+    for col in query:
+        flat += col
+    pages_at = len(flat)
+    for e in step.entries:
+        flat += e[0]
+        flat += [0] * (width - len(e[0]))  # pad: page 0, never read (hi bounds the keys)
+    return HostDecode(flat, n_slots, n_query, width, pages_at)
 
 
 class FlashInferBuilder(MetadataBuilder):

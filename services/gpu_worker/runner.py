@@ -22,9 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows, MetadataBuilder, cpu_backend
+from services.gpu_worker.attention import (
+    BUILDERS,
+    AttnMetadata,
+    AttnRows,
+    KernelBuilder,
+    MetadataBuilder,
+    cpu_backend,
+)
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.layers.prompt_rows import prompt_rows_from
+from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
@@ -55,6 +63,23 @@ class ModelRunner:
         self.layer_caches = self._layer_caches()
         #: the one metadata builder of the attention backend every layer runs on
         self.builder: MetadataBuilder = BUILDERS[self._backend()]
+        #: the model's C decode stack where decode steps go to it whole (`_decode_on_host`)
+        self.host_decode = self._host_decode()
+
+    def _host_decode(self) -> CpuDecodeStack | None:
+        """The model's C decode stack, where this runner's decode steps can run in its one
+        call from plain ints (`CpuDecodeStack.decode`): the C kernels' attention, one
+        position a row, no final soft-cap, and this class's own `call_model` and
+        `process_logits` (a subclass's extra inputs or logits changes are not the C
+        call's)."""
+        stack = getattr(self.model, "cpu_stack", None)
+        cls = type(self)
+        if (not isinstance(stack, CpuDecodeStack) or not isinstance(self.builder, KernelBuilder)
+                or self.position_streams != 1 or cls.call_model is not ModelRunner.call_model
+                or cls.process_logits is not ModelRunner.process_logits
+                or getattr(self.spec.config, "final_softcap", None) is not None):
+            return None
+        return stack
 
     def _backend(self) -> str:
         """FlashInfer where a planner is given (CUDA); on the CPU the C kernels where they
@@ -194,6 +219,10 @@ class ModelRunner:
             sample_reqs.extend([r] * counts[-1])
             positions.extend(self.positions(r, r.num_computed, n))
             t += n
+        if self.host_decode is not None and not prompt_rows and all(e.decode for e in plan.entries):
+            host = self._decode_on_host(rows, ids, positions, sample_rows)
+            if host is not None:
+                return _split(_sample(host, sample_reqs, extras), counts)
         metas = self._metadata(rows)
         # ids, positions and the sampled rows as one tensor (three views): each tensor made
         # from a Python list has a fixed cost, a visible part of a one-row step
@@ -207,11 +236,18 @@ class ModelRunner:
                 logits = logits[: len(sample_rows)]
             logits = self.process_logits(logits, sample_reqs)
             toks = _sample(logits, sample_reqs, extras)
-        out, i = [], 0
-        for count in counts:
-            out.append(toks[i : i + count])
-            i += count
-        return out
+        return _split(toks, counts)
+
+    def _decode_on_host(self, rows: dict[str, list], ids: list[int], positions: list[int],
+                        sample_rows: list[int]) -> np.ndarray | None:
+        """A decode-only step's logits from the C stack's one call, or None where it does
+        not take the step (then the modules run it). No tensor is made on the way: with the
+        caches cold from the step's weights each torch op costs tens of microseconds."""
+        stack, builder = self.host_decode, self.builder
+        assert stack is not None and isinstance(builder, KernelBuilder)
+        host = {name: builder.host(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
+        return stack.decode(ids, positions, sample_rows, [host[name] for name in self.spec.layer_labels],
+                            self.layer_caches)
 
     def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
         metas = {name: self.builder.build(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
@@ -231,7 +267,16 @@ class ModelRunner:
 # -- logprobs and the logits processors' inputs ----------------------------------------
 
 
-def _sample(logits: torch.Tensor, reqs: list[Request], extras: list[list[int]]) -> list[int]:
+def _split(toks: list[int], counts: list[int]) -> list[list[int]]:
+    """The step's sampled tokens per entry (`counts[i]` of them for entry i)."""
+    out, i = [], 0
+    for count in counts:
+        out.append(toks[i : i + count])
+        i += count
+    return out
+
+
+def _sample(logits: torch.Tensor | np.ndarray, reqs: list[Request], extras: list[list[int]]) -> list[int]:
     """Sample every row; a request that asked for logprobs gets this step's on
     `step_logprobs` (one per sampled row, for the output processor to send)."""
     rows = [Row(r.sampling, r.generator, r.prompt, [*r.output, *x] if x else r.output, r.stop_ids, r.guide)

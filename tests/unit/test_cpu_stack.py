@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.perplexity import load
-from services.gpu_worker.attention import build_metadata, cpu_backend
+from services.gpu_worker.attention import BUILDERS, KernelBuilder, build_metadata, cpu_backend
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.layers import quant
 from shared.model_config import SLIDING
@@ -113,7 +113,7 @@ def _runs(m):
 
 def test_the_stack_applies_to_a_llama_shape_on_the_c_gemms(model):
     m = model[0]
-    assert m.cpu_stack is not None
+    assert m.cpu_stack is not None and m.cpu_stack._ends is not None  # whole steps too, embedding to head
     if m.config.sandwich_norm:  # Gemma 3: both kinds of layer, each with its RoPE tables
         assert set(m.config.layer_types) == {"sliding_attention", "full_attention"} and len(m.rotaries) == 2
 
@@ -131,6 +131,58 @@ def test_decode_steps_are_bitwise_the_modules(model, lens):
         want = _forward(m, b, ids, pos, rows, stack=False)
         assert ran == [True] and torch.equal(got, want), step
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _decode(model, caches, ids, positions, rows, sample_rows):
+    """A decode step through `CpuDecodeStack.decode` (the runner's path: the whole step
+    in one call, from `KernelBuilder.host`'s plain ints), as a tensor."""
+    kernel = BUILDERS["kernel"]
+    assert isinstance(kernel, KernelBuilder)
+    full = kernel.host(rows, PAGE, None)
+    window = model.config.sliding_window
+    local = kernel.host(rows, PAGE, window) if window else full
+    metas = [local if kind == SLIDING else full for kind in model.config.layer_types]
+    logits = model.cpu_stack.decode(ids, positions, sample_rows, metas, caches)
+    return None if logits is None else torch.from_numpy(logits.copy())
+
+
+@pytest.mark.parametrize(("lens", "dtype"), [([5], torch.float32), ([17, 40, 3], torch.float32),
+                                             ([9, 20], torch.bfloat16), ([9, 20], torch.int8)])
+def test_whole_decode_steps_are_bitwise_the_modules(model, lens, dtype):
+    """Embedding, layers, final norm and head in one call (RoPE read from the whole tables
+    at each row's position, Gemma's embedding scale) give the modules' logits and pages."""
+    m, spec = model
+    a, b = _prefilled(m, spec, lens, dtype), _prefilled(m, spec, lens, dtype)
+    for step in range(18):  # crosses page boundaries (16 rows a page)
+        rows = [(list(range(8 * r, 8 * r + 8)), 0, n + step, 1, True) for r, n in enumerate(lens)]
+        ids = [(11 * r + step) % 90 + 3 for r in range(len(lens))]
+        pos = [n + step for n in lens]
+        got = _decode(m, a, ids, pos, rows, list(range(len(lens))))
+        want = _forward(m, b, ids, pos, rows, stack=False)
+        assert got is not None and torch.equal(got, want), step
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_whole_decode_step_samples_the_rows_asked_in_their_order_and_refuses_bad_ids(model):
+    m, spec = model
+    a, b = _prefilled(m, spec, [6, 21]), _prefilled(m, spec, [6, 21])
+    rows = [(list(range(8)), 0, 6, 1, True), (list(range(8, 16)), 0, 21, 1, True)]
+    got = _decode(m, a, [9, 4], [6, 21], rows, [1])
+    want = _forward(m, b, [9, 4], [6, 21], rows, stack=False)
+    assert got is not None and torch.equal(got, want[1:])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(IndexError, match=r"a token id outside \[0, "):
+        _decode(m, a, [9, 10**6], [7, 22], rows, [0, 1])
+
+
+def test_a_whole_step_declines_a_prefill_and_float16_pages(model):
+    m, spec = model
+    kernel = BUILDERS["kernel"]
+    assert isinstance(kernel, KernelBuilder)
+    rows = [(list(range(8)), 0, 4, 1, True), (list(range(8, 16)), 0, 0, 6, False)]
+    assert kernel.host(rows, PAGE, None) is None  # a prefill chunk: no host metadata, the modules run it
+    caches = _prefilled(m, spec, [4], torch.float16)
+    assert _decode(m, caches, [5], [4], [(list(range(8)), 0, 4, 1, True)], [0]) is None
 
 
 def test_a_prefill_step_goes_through_the_modules(model):

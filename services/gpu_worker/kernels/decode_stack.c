@@ -94,8 +94,10 @@ typedef struct {
 } MstarStackShape;
 
 /* The step: T rows, all decode query rows of one label (the metadata's decode_query
- * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d]. A call takes one per
- * kind of layer (full attention; sliding window, whose label and RoPE are its own). */
+ * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d], or with `positions`
+ * [T] the whole tables [positions, d] (row r reads table row positions[r]: the same values
+ * the gathered rows hold). A call takes one per kind of layer (full attention; sliding
+ * window, whose label and RoPE are its own). */
 typedef struct {
     int64_t rows;
     const float *cos, *sin_signed;
@@ -104,7 +106,23 @@ typedef struct {
     int64_t width;
     const int64_t *qrow, *entry, *lo, *hi;
     int64_t n_query, max_keys;
+    const int64_t *positions;
 } MstarDecodeStep;
+
+/* What a whole decode forward adds around the layers (mstar_decode_model): the token
+ * embedding (embed.form 0: a float32 table [n, k]; else a quantized table, rows as
+ * mstar_qrows dequantizes them), times embed_scale where it is not 1 (Gemma); the final
+ * norm of the rows that sample, and the LM head on them into logits [n_sample, head.n]. */
+typedef struct {
+    MstarQWeight embed;
+    float embed_scale;
+    const int64_t *ids;
+    const float *norm;
+    MstarQWeight head;
+    const int64_t *sample_rows;
+    int64_t n_sample;
+    float *logits;
+} MstarModelEnds;
 
 /* floats of workspace the stack needs for `rows` rows (the caller also passes the
  * quantized GEMMs' scratch, mstar_qlinear_scratch(rows, max k), and the attention's,
@@ -180,7 +198,12 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
             mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
             mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
         }
-        mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
+        if (st->positions)
+            for (int64_t r = 0; r < t; r++)
+                mstar_rope(qkv + r * nqkv, nqkv, 1, s->hq + s->hkv, s->d, st->cos + st->positions[r] * s->d,
+                           st->sin_signed + st->positions[r] * s->d, s->d);
+        else
+            mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
         const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
         if (s->kv_kind == 2)
             mstar_write_kv_i8((int8_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
@@ -219,5 +242,45 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
             add_into(x, o, t * hid);
         }
     }
+    return 0;
+}
+
+/* floats of workspace mstar_decode_model needs: the stack's, the rows' hidden states and the
+ * sampled rows' normalised ones */
+int64_t mstar_model_workspace(const MstarStackShape *s, int64_t rows, int64_t n_sample) {
+    return mstar_stack_workspace(s, rows) + (rows + n_sample) * s->hidden;
+}
+
+/* A decode step's whole forward: the embedding of ids [T], every layer (mstar_decode_stack),
+ * the final norm of the rows that sample and the LM head, as the modules' path does them
+ * (modeling/decoder_lm.py DecoderLM.forward: the same kernels on the same values, so the
+ * same bits). Why: each of these was a module call around one kernel, and with the caches
+ * cold from the weights each cost 30-90 us of a ~4 ms step. Returns 0, the stack's error
+ * code, -2 for an id outside the embedding (nothing run), or -3 / -4 for the embedding's /
+ * the head's kernel refusing its form. */
+int mstar_decode_model(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps,
+                       const MstarModelEnds *e, float *work, void *qscratch, float *ascratch, int threads) {
+    const int64_t t = steps[0].rows, hid = s->hidden;
+    float *x = work + mstar_stack_workspace(s, t), *xs = x + t * hid;
+    const MstarQWeight *em = &e->embed;
+    if (em->form == 0) {
+        for (int64_t r = 0; r < t; r++) {
+            if (e->ids[r] < 0 || e->ids[r] >= em->n) return -2;
+            const float *row = (const float *)em->w + e->ids[r] * em->k;
+            for (int64_t i = 0; i < hid; i++) x[r * hid + i] = row[i];
+        }
+    } else {
+        const int rc = mstar_qrows((int)em->form, (const uint8_t *)em->w, em->d, em->m, em->n, em->k, e->ids, t, x,
+                                   hid);
+        if (rc == -2) return -2;
+        if (rc) return -3;
+    }
+    if (e->embed_scale != 1.0f)
+        for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] * e->embed_scale;
+    const int rc = mstar_decode_stack(s, layers, steps, x, work, qscratch, ascratch, threads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < e->n_sample; i++)
+        mstar_rms_norm(x + e->sample_rows[i] * hid, hid, e->norm, s->eps, xs + i * hid, 1, hid);
+    if (e->n_sample && qgemm(&e->head, xs, e->n_sample, e->logits, threads, qscratch)) return -4;
     return 0;
 }

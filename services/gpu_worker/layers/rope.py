@@ -141,6 +141,9 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope, self.head_dim, self.max_pos = rope, head_dim, max_pos
         self.scaling = attention_factor(rope)
+        #: positions the tables hold (a plain int: read every decode step, where a buffer's
+        #: shape is a module lookup and a tensor call)
+        self.rows = 0
         self.register_buffer("cos", torch.empty(0, head_dim), persistent=False)
         self.register_buffer("sin_signed", torch.empty(0, head_dim), persistent=False)
         self.reset_buffers()
@@ -153,6 +156,7 @@ class Rotary(nn.Module):
         device = "cpu" if self.cos.is_meta else self.cos.device
         self.cos = torch.empty(0, self.head_dim, device=device)
         self.sin_signed = torch.empty(0, self.head_dim, device=device)
+        self.rows = 0
         self._grow(rows)
 
     def _grow(self, rows: int) -> None:
@@ -166,11 +170,13 @@ class Rotary(nn.Module):
         device, dtype = self.cos.device, self.cos.dtype
         self.cos = torch.cat((self.cos, cos.to(device, dtype)))
         self.sin_signed = torch.cat((self.sin_signed, sin_signed.to(device, dtype)))
+        self.rows = self.cos.shape[0]
 
     def ensure(self, rows: int) -> None:
-        """Tables for positions below `rows` (doubling, so a long sequence grows them a few times)."""
-        if rows > self.cos.shape[0]:
-            self._grow(min(self.max_pos, max(rows, 2 * self.cos.shape[0])))
+        """Tables for positions below `rows` (doubling, so a long sequence grows them a few
+        times; never past `max_pos`)."""
+        if rows > self.rows:
+            self._grow(min(self.max_pos, max(rows, 2 * self.rows)))
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows [T, 1, D] for this step's positions (once per step, not per layer)."""

@@ -19,6 +19,11 @@ activations, float32, bfloat16 or int8 KV pages, and a step whose every row is a
 query row of each label (no prefill chunk). Anything else (a prefill, a float16 pool, Gemma
 2's soft-caps) takes the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
 On Gemma 3 270M (18 layers) the modules' path cost ~9 ms of a ~22 ms decode step.
+
+The runner's decode steps go further (`decode`): the embedding, the final norm and the head
+run in the same call, from plain ints and into a kept logits buffer, with no torch op on
+the way. After the step's weights have streamed through the caches every torch op costs
+20-40 us (10 warm), and a SmolLM2 step spent ~0.6 ms of its ~4.5 ms in a dozen of them.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ import ctypes
 import os
 from typing import cast
 
+import numpy as np
 import torch
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.attention import KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
+from services.gpu_worker.attention import HostDecode, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
-from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelLinear
-from services.gpu_worker.layers.quant import QuantLinear, QuantParts
+from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelHead, KernelLinear
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
+from services.gpu_worker.layers.rope import Rotary
 from shared.model_config import FULL, SLIDING
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -57,7 +64,12 @@ class _Shape(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("cos", _ptr), ("sin_signed", _ptr), ("slot_pages", _ptr), ("slot_offsets", _ptr),
                 ("pages", _ptr), ("width", _i64), ("qrow", _ptr), ("entry", _ptr), ("lo", _ptr), ("hi", _ptr),
-                ("n_query", _i64), ("max_keys", _i64)]
+                ("n_query", _i64), ("max_keys", _i64), ("positions", _ptr)]
+
+
+class _Ends(ctypes.Structure):
+    _fields_ = [("embed", _QWeight), ("embed_scale", _f32), ("ids", _ptr), ("norm", _ptr), ("head", _QWeight),
+                ("sample_rows", _ptr), ("n_sample", _i64), ("logits", _ptr)]
 
 
 #: decode_stack.c's kinds of float32 GEMM (beside the quantized forms 4, 5, 6, 8, 9 and 16)
@@ -90,6 +102,10 @@ def _qweight(layer) -> _QWeight | None:
     return None
 
 
+def _plain_f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def _library():
     lib = cpu_kernels.library()
     if lib is None or not hasattr(lib, "mstar_decode_stack") or not quant.available():
@@ -98,12 +114,19 @@ def _library():
     lib.mstar_decode_stack.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
     lib.mstar_stack_workspace.restype = _i64
     lib.mstar_stack_workspace.argtypes = [_ptr, _i64]
+    lib.mstar_decode_model.restype = ctypes.c_int
+    lib.mstar_decode_model.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+    lib.mstar_model_workspace.restype = _i64
+    lib.mstar_model_workspace.argtypes = [_ptr, _i64, _i64]
     return lib
 
 
 class CpuDecodeStack:
-    """The layers of a `DecoderLM` as the C stack's structs; `run` does a decode step's
-    layer loop in one call, or declines (False) and the modules run it."""
+    """The layers of a `DecoderLM` as the C stack's structs. `decode` does a whole decode
+    step (embedding to logits) in one call from the runner's plain ints; `run` does the
+    layer loop alone on the modules' tensors (`DecoderLM.hidden`: image rows, a model whose
+    ends the C side does not take). Each declines a step it does not take, and the modules
+    run it."""
 
     def __init__(self, lib, shape: _Shape, layers: list, norms: list[list[torch.Tensor | None]], kinds: list[str],
                  ropes: dict[str, str]) -> None:
@@ -120,6 +143,21 @@ class CpuDecodeStack:
         self._refused: list[torch.Tensor] | None = None  # KV tensors it does not take
         self._work = torch.empty(0)
         self._steps = (_Step * len(KINDS))()
+        #: the embedding, final norm and head as `decode`'s struct (None: it declines),
+        #: the tensors its pointers are into, and the RoPE modules whose tables it reads whole
+        self._ends: _Ends | None = None
+        self._ends_keep: list[torch.Tensor] = []
+        self._rotaries: dict = {}
+        #: per RoPE key, its tables' pointers and the cos table they were taken from
+        self._tables: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self._io = np.empty(0, dtype=np.int64)
+        self._io_ptr = 0
+        self._logits = np.empty((0, 0), dtype=np.float32)
+        self._shape_ref = ctypes.byref(shape)
+        self._ends_ref: object = None  # ctypes.byref(self._ends)
+        #: `decode`'s workspace pointers and what they were for: (rows, sampled rows), the
+        #: keys their attention scratch holds, the buffers they point into
+        self._ws: tuple | None = None
 
     @classmethod
     def build(cls, model) -> CpuDecodeStack | None:
@@ -160,7 +198,48 @@ class CpuDecodeStack:
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                        cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"))
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}
-        return cls(lib, shape, layers, norms, list(cfg.layer_types), rope_of)
+        stack = cls(lib, shape, layers, norms, list(cfg.layer_types), rope_of)
+        stack._take_ends(model)
+        return stack
+
+    def _take_ends(self, model) -> None:
+        """`decode`'s embedding, final norm and head, where each is one the C side runs
+        as the modules do: a float32 or quantized embedding (a form `mstar_qrows` takes), the
+        model's RMSNorm in float32 with the layers' eps, a quantized or C-kernel float32
+        head, and plain RoPE (one position a row). Otherwise `decode` declines."""
+        from services.gpu_worker.modeling.decoder_lm import RMSNorm  # (it imports this module)
+
+        cfg, lib, s = model.config, self.lib, self.shape
+        embed, norm, head = model.model.embed_tokens, model.model.norm, model.head
+        rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
+        if (any(type(r) is not Rotary for r in rotaries.values()) or not isinstance(norm, RMSNorm)
+                or norm.eps != cfg.rms_norm_eps or not _plain_f32(norm.weight)):
+            return
+        keep: list[torch.Tensor] = [norm.weight]
+        if isinstance(embed, QuantEmbedding):
+            em = _qweight(embed.table)
+            probe, row = torch.zeros(1, dtype=torch.int64), torch.empty(embed.embedding_dim)
+            if em is None or lib.mstar_qrows(em.form, em.w, em.d, em.m, em.n, em.k, probe.data_ptr(), 1,
+                                             row.data_ptr(), em.k) != 0:
+                return  # a form whose rows torch dequantizes
+        elif type(embed) is torch.nn.Embedding and _plain_f32(embed.weight):
+            em = _QWeight(0, embed.embedding_dim, embed.num_embeddings, embed.weight.data_ptr(), None, None, None)
+            keep.append(embed.weight)
+        else:
+            return
+        if isinstance(head, QuantLinear):
+            hw = _qweight(head)
+        elif isinstance(head, KernelHead):
+            hw = _QWeight(GEMM_F32, s.hidden, head.vocab, head.packed.data_ptr(), None, None, None)
+        else:
+            return
+        if hw is None or em.k != s.hidden or hw.k != s.hidden:
+            return
+        scale = float(torch.tensor(cfg.embed_scale, dtype=torch.float32))  # as the modules multiply
+        self._ends = _Ends(em, scale, None, norm.weight.data_ptr(), hw, None, 0, None)
+        self._ends_ref = ctypes.byref(self._ends)
+        self._ends_keep = keep
+        self._rotaries = rotaries
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at the pool's KV tensors (once: the runner passes the same list
@@ -192,42 +271,141 @@ class CpuDecodeStack:
         t = x.shape[0]
         if t == 0 or x.dtype != torch.float32 or not x.is_contiguous():
             return False
+        for cos, sin in ropes.values():
+            if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+                return False
+        max_keys = self._set_steps(t, metas, kv_caches, ropes)
+        if max_keys is None:
+            return False
+        s, lib = self.shape, self.lib
+        work, qscratch, ascratch = self._workspace(t, int(lib.mstar_stack_workspace(ctypes.byref(s), t)), max_keys)
+        rc = lib.mstar_decode_stack(ctypes.byref(s), self.layers, self._steps, x.data_ptr(), work, qscratch, ascratch,
+                                    quant.threads())
+        if rc:
+            raise RuntimeError(f"the CPU decode stack failed (code {rc})")
+        return True
+
+    def decode(self, ids: list[int], positions: list[int], sample_rows: list[int], metas: list[HostDecode | None],
+               kv_caches: list[torch.Tensor]) -> np.ndarray | None:
+        """A decode step's whole forward in one call, from plain ints: the embedding of
+        `ids`, every layer (`metas[i]`: layer i's label's `KernelBuilder.host` metadata, one
+        per kind), the final norm of `sample_rows` and the LM head. Returns their logits
+        [S, vocab] (before any final soft-cap; valid until the next call), or None where the
+        stack does not take the step or the model's ends (`_take_ends`), and the modules
+        run it. Nothing here is a torch op: each costs tens of microseconds with the caches
+        cold from the step's weights, which made ~0.5 ms of a ~4 ms SmolLM2 step."""
+        ends, t, n_sample = self._ends, len(ids), len(sample_rows)
+        if ends is None or t == 0 or len(positions) != t:
+            return None
+        kind_meta: dict[str, HostDecode] = {}
+        for k, i in self._first.items():
+            meta = metas[i]
+            if meta is None or meta.n_query != t:
+                return None
+            kind_meta[k] = meta
+        if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
+            return None
+        if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
+            self._refused = kv_caches
+            return None
+        high = max(positions) + 1
+        tables = self._tables
+        for key, rot in self._rotaries.items():
+            if rot.rows < high:
+                rot.ensure(high)
+                if rot.rows < high:  # past the model's positions: the modules' indexing refuses it
+                    return None
+            cos = rot.cos
+            if key not in tables or tables[key][2] is not cos:  # grown (here or by a prefill): new tensors
+                tables[key] = (cos.data_ptr(), rot.sin_signed.data_ptr(), cos)
+        flat = ids + positions + sample_rows
+        starts = {}
+        for k, meta in kind_meta.items():
+            starts[k] = len(flat)
+            flat += meta.ints
+        if len(flat) > len(self._io) or n_sample > len(self._logits):
+            self._grow_io(len(flat), n_sample)
+        self._io[: len(flat)] = flat
+        io = self._io_ptr
+        ends.ids, ends.sample_rows, ends.n_sample = io, io + 16 * t, n_sample
+        s = self.shape
+        for st in self._steps:
+            st.rows = t
+        max_keys = 0
+        for k, meta in kind_meta.items():
+            st, base = self._steps[KINDS.index(k)], io + 8 * starts[k]
+            st.cos, st.sin_signed, _ = tables[self._rope_of[k]]
+            st.positions = io + 8 * t
+            st.slot_pages, st.slot_offsets = base, base + 8 * meta.n_slots
+            q = base + 16 * meta.n_slots
+            st.qrow, st.entry, st.lo, st.hi = q, q + 8 * t, q + 16 * t, q + 24 * t
+            st.pages, st.width = base + 8 * meta.pages_at, meta.width
+            st.n_query, st.max_keys = t, meta.width * s.page_size
+            max_keys = max(max_keys, st.max_keys)
+        lib, ws = self.lib, self._ws
+        if (ws is None or ws[0] != (t, n_sample) or max_keys > ws[1] or ws[2] is not self._work
+                or ws[3] is not quant._scratch_buf):  # else the last step's buffers still fit
+            floats = int(lib.mstar_model_workspace(self._shape_ref, t, n_sample))
+            ptrs = self._workspace(t, floats, max_keys)
+            ws = self._ws = ((t, n_sample), max_keys, self._work, quant._scratch_buf, ptrs)
+        work, qscratch, ascratch = ws[4]
+        rc = lib.mstar_decode_model(self._shape_ref, self.layers, self._steps, self._ends_ref, work, qscratch,
+                                    ascratch, quant.threads())
+        if rc == -2:  # as torch's embedding refuses it
+            raise IndexError(f"a token id outside [0, {ends.embed.n})")
+        if rc:
+            raise RuntimeError(f"the CPU decode stack failed (code {rc})")
+        return self._logits[:n_sample]
+
+    def _grow_io(self, ints: int, rows: int) -> None:
+        """`decode`'s host buffers (kept: their addresses go into the structs once a step,
+        where a fresh array's pointer is itself a cold call): the step's ints, the logits."""
+        ends = self._ends
+        assert ends is not None
+        self._io = np.empty(max(ints, 2 * len(self._io)), dtype=np.int64)
+        self._io_ptr = self._io.ctypes.data
+        if rows > len(self._logits):
+            self._logits = np.empty((max(rows, 2 * len(self._logits)), ends.head.n), dtype=np.float32)
+            ends.logits = self._logits.ctypes.data
+
+    def _set_steps(self, t: int, metas: list, kv_caches: list[torch.Tensor],
+                   ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+        """Fill the call's step structs from a step's metadata (one per layer kind) and each
+        kind's RoPE rows; the longest row's keys, or None where the stack does not take the
+        step."""
         kind_meta = {k: metas[i] for k, i in self._first.items()}
         if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
-            return False
+            return None
         for meta in kind_meta.values():
             dec = meta.decode
             if not isinstance(dec, KernelDecode) or meta.prefills or dec.query.shape[1] != t:
-                return False
-        for k in kind_meta:
-            cos, sin = ropes[self._rope_of[k]]
-            if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
-                return False
+                return None
         if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
             self._refused = kv_caches  # asked once per pool list, not every step
-            return False
-        s, lib = self.shape, self.lib
-        max_keys = max(m.decode.pages.shape[1] for m in kind_meta.values()) * s.page_size
+            return None
+        s = self.shape
         for st in self._steps:  # (the C side reads the rows from the first)
             st.rows = t
+        max_keys = 0
         for k, meta in kind_meta.items():
             st, dec, (cos, sin) = self._steps[KINDS.index(k)], meta.decode, ropes[self._rope_of[k]]
             base, step = dec.query.data_ptr(), dec.query.stride(0) * 8
-            st.cos, st.sin_signed = cos.data_ptr(), sin.data_ptr()
+            st.cos, st.sin_signed, st.positions = cos.data_ptr(), sin.data_ptr(), None
             st.slot_pages, st.slot_offsets = meta.slot_pages.data_ptr(), meta.slot_offsets.data_ptr()
             st.pages, st.width = dec.pages.data_ptr(), dec.pages.shape[1]
             st.qrow, st.entry, st.lo, st.hi = base, base + step, base + 2 * step, base + 3 * step
             st.n_query, st.max_keys = t, dec.pages.shape[1] * s.page_size
+            max_keys = max(max_keys, st.max_keys)
+        return max_keys
+
+    def _workspace(self, t: int, floats: int, max_keys: int) -> tuple[int, int, int]:
+        """(work, the quantized GEMMs' scratch, the attention's scratch) pointers for a step
+        of `t` rows whose own workspace is `floats` floats."""
+        s, lib = self.shape, self.lib
         attn_scratch = int(_decode_scratch(lib)(t, s.hq, s.d, max_keys))
-        need = int(lib.mstar_stack_workspace(ctypes.byref(s), t)) + attn_scratch
+        need = floats + attn_scratch
         if self._work.numel() < need:
             self._work = torch.empty(max(need, 2 * self._work.numel()))
         work = self._work.data_ptr()
-        k_max = max(s.hidden, s.inter, s.hq * s.d)
-        qscratch = quant._scratch(lib, t, k_max)
-        ascratch = work + 4 * (need - attn_scratch)
-        rc = lib.mstar_decode_stack(ctypes.byref(s), self.layers, self._steps, x.data_ptr(), work, qscratch,
-                                    ascratch, quant.threads())
-        if rc:
-            raise RuntimeError(f"the CPU decode stack failed (code {rc})")
-        return True
+        qscratch = quant._scratch(lib, t, max(s.hidden, s.inter, s.hq * s.d))
+        return work, qscratch, work + 4 * floats
