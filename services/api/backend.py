@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from typing import Any, cast
 
 import msgspec
@@ -44,7 +45,7 @@ from shared.frames import (
     StepOutputs,
     ToApi,
 )
-from shared.zmq_utils import bind, cleanup_ipc, connect, recv_frames
+from shared.zmq_utils import bind_pull, cleanup_ipc, connect, recv_frames
 
 log = logging.getLogger("mstar.api.backend")
 
@@ -105,7 +106,7 @@ class Backend:
         self._codec = FrameCodec(ToApi)
         self._control_codec = FrameCodec(ClusterStatus)
         self._ctx: zmq.asyncio.Context | None = None
-        self._pull: zmq.asyncio.Socket | None = None
+        self._pull: zmq.Socket | None = None
         self._to_data: zmq.asyncio.Socket | None = None
         self._to_conductor: zmq.asyncio.Socket | None = None
         self._control: zmq.asyncio.Socket | None = None
@@ -139,7 +140,7 @@ class Backend:
         if self._closed:
             raise RuntimeError("backend is closed")
         self._ctx = zmq.asyncio.Context()
-        self._pull = bind(self._ctx, zmq.PULL, self.api_addr)
+        self._pull = bind_pull(self._ctx, self.api_addr)
         loop = asyncio.get_running_loop()
         self._recv_task = loop.create_task(self._receive(), name="api-recv")
         self._to_data = self._socket(zmq.PUSH, self.data_worker_addr)
@@ -166,9 +167,10 @@ class Backend:
             for sock in (self._to_data, self._to_conductor):
                 if sock is not None:
                     sock.close(linger=CLOSE_LINGER_MS)
-            for sock in (self._pull, self._control):
-                if sock is not None:
-                    sock.close(linger=0)
+            if self._pull is not None:
+                self._pull.close(linger=0)
+            if self._control is not None:
+                self._control.close(linger=0)
             curve.stop(self._ctx)
             self._ctx.term()
         if self._pull is not None:
@@ -248,8 +250,10 @@ class Backend:
         assert self._pull is not None
         while True:
             try:
-                async for msg, _ in recv_frames(self._pull, self._codec, peer=f"api pull {self.api_addr}"):
-                    self._dispatch(msg)
+                # closed before another is made: a reader on the socket's fd at a time
+                async with aclosing(recv_frames(self._pull, self._codec, peer=f"api pull {self.api_addr}")) as frames:
+                    async for msg, _ in frames:
+                        self._dispatch(msg)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug here must not stop every request's outputs

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import msgspec
@@ -54,7 +55,7 @@ from shared.frames import (
 from shared.layout import PagedKVConfig, leading_keys, prefix_chain, prompt_pages, shareable_count
 from shared.pages import pages_for
 from shared.specs.base import ModelSpec
-from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
+from shared.zmq_utils import Pushers, bind, bind_pull, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.conductor")
 
@@ -237,7 +238,7 @@ class Conductor:
         self._picks = 0
 
     async def run(self) -> None:
-        pull = bind(self.ctx, zmq.PULL, self.addrs["conductor"])
+        pull = bind_pull(self.ctx, self.addrs["conductor"])
         router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         try:
             await asyncio.gather(self._intake(pull), self._control(router), self._watch_heartbeats(),
@@ -251,12 +252,13 @@ class Conductor:
 
     # -- sockets -------------------------------------------------------------------------
 
-    async def _intake(self, pull: zmq.asyncio.Socket) -> None:
-        async for msg, bufs in recv_frames(pull, self.codec, "conductor intake"):
-            try:
-                await self._on(msg, bufs)
-            except Exception:
-                log.exception("error handling %s (dropped)", type(msg).__name__)
+    async def _intake(self, pull: zmq.Socket) -> None:
+        async with aclosing(recv_frames(pull, self.codec, "conductor intake")) as frames:
+            async for msg, bufs in frames:
+                try:
+                    await self._on(msg, bufs)
+                except Exception:
+                    log.exception("error handling %s (dropped)", type(msg).__name__)
 
     async def _control(self, router: zmq.asyncio.Socket) -> None:
         while True:

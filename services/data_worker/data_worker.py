@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from contextlib import aclosing
 
 import msgspec
 import zmq
@@ -34,7 +35,7 @@ from shared.frames import (
 )
 from shared.model_source import TokenizerBundle
 from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PreparedImage, PromptError, PromptRequest
-from shared.zmq_utils import Pushers, bind, cleanup_ipc, recv_frames
+from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
 
@@ -59,14 +60,15 @@ class DataWorker:
         self.recent: OrderedDict[str, NewRequest] = OrderedDict()
 
     async def run(self) -> None:
-        pull = bind(self.ctx, zmq.PULL, self.addrs["data_worker"])
+        pull = bind_pull(self.ctx, self.addrs["data_worker"])
         try:
-            async for msg, _ in recv_frames(pull, self.codec, "data worker intake"):
-                if isinstance(msg, Abort):
-                    self._note_abort(msg)
-                    await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg))
-                    continue
-                await self._handle(msg)
+            async with aclosing(recv_frames(pull, self.codec, "data worker intake")) as frames:
+                async for msg, _ in frames:
+                    if isinstance(msg, Abort):
+                        self._note_abort(msg)
+                        await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg))
+                        continue
+                    await self._handle(msg)
         finally:
             pull.close(0)
             self.pushers.close()
