@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncGenerator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -19,6 +19,9 @@ from shared.frames import FrameCodec
 log = logging.getLogger("mstar.zmq")
 
 SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+#: plain ints: pyzmq's enum constants make each `&` and call a Python enum operation
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def _prepare_ipc(address: str) -> None:
@@ -106,24 +109,34 @@ async def recv_frames(
     with its peer and dropped.
 
     The socket is drained without blocking, woken by the running loop's reader on its ZMQ_FD.
-    That fd only says "events may have changed" (edge-like), and reading ZMQ_EVENTS re-arms
-    it: so clear the wake-up flag, read while ZMQ_EVENTS says a message is in, then wait."""
+    That fd only says "events may have changed" (reading ZMQ_EVENTS takes the change in), and
+    a message that comes while the queue is not empty does not signal it. So: read while
+    ZMQ_EVENTS says a message is in; then arm a future, check once more, and wait."""
     loop = asyncio.get_running_loop()
-    ready = asyncio.Event()
     fd = int(sock.getsockopt(zmq.FD))
-    loop.add_reader(fd, ready.set)
+    waiter: list[asyncio.Future[None]] = []  # the future the generator waits on, while it waits
+
+    def wake() -> None:
+        if waiter and not waiter[0].done():
+            waiter[0].set_result(None)
+
+    loop.add_reader(fd, wake)
     try:
         while True:
-            ready.clear()  # before ZMQ_EVENTS: a message after the check sets it again
-            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # (no EAGAIN raised: its error costs)
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            while cast(int, sock.get(_EVENTS)) & _POLLIN:  # (no EAGAIN raised: its error costs)
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
                 try:
                     decoded = codec.decode([f.buffer for f in frames])
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
                     log.error("protocol error from %s: %s (frame dropped)", peer, exc)
                     continue
                 yield decoded
-            await ready.wait()
+            waiter.append(loop.create_future())
+            try:
+                if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # (one that came in since the check above)
+                    await waiter[0]
+            finally:
+                waiter.clear()
     finally:  # (callers close it, contextlib.aclosing, before they close the socket)
         if not sock.closed:
             loop.remove_reader(fd)

@@ -62,3 +62,4 @@ def test_every_frame_in_order_and_a_malformed_one_dropped(tmp_path, loop_factory
                    + [f"late{i}" for i in range(5)] + ["again"])
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["protocol error from test peer"]
     assert reader_left is (None if loop_factory is uvloop.new_event_loop else False)  # closing took it off the loop
+
