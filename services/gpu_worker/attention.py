@@ -261,12 +261,13 @@ def block_ids(pos: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> torch.T
 class _Step:
     """What one pass over a step's rows gathers, for a builder to turn into tensors."""
 
-    __slots__ = ("csr", "entries", "prefills", "slot_offsets", "slot_pages")
+    __slots__ = ("chunk_pages", "csr", "entries", "prefills", "slot_offsets", "slot_pages")
 
     def __init__(self) -> None:
         self.slot_pages: list[int] = []
         self.slot_offsets: list[int] = []
         self.prefills: list[PrefillChunk] = []
+        self.chunk_pages: list[list[int]] = []  # each prefill chunk's pages, as ints
         #: per decode entry: (its live pages, first row held, rows held, rows cached, rows new, row of T)
         self.entries: list[tuple[list[int], int, int, int, int, int]] = []
         #: FlashInfer's (indptr, indices, last page lengths, query indptr)
@@ -322,9 +323,11 @@ class MetadataBuilder:
             elif is_decode:
                 step.entries.append((used, first_row, kv_len, cached, new, t))
             elif not causal:
+                step.chunk_pages.append(used)
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                                   False))
             elif first_row == 0 and cached == 0 and window is None and not blocks:
+                step.chunk_pages.append(used)
                 step.prefills.append(PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                                   plain=self.plain_chunks))
             else:  # cached rows, a window or blocks: an explicit mask (else torch's plain causal fast path)
@@ -333,6 +336,7 @@ class MetadataBuilder:
                                      lazy_mask=(cached, first_row, window, blocks))
                 if not chunk.plain:
                     chunk.attn_mask()  # the torch path runs it: built with the metadata, once for every layer
+                step.chunk_pages.append(used)
                 step.prefills.append(chunk)
             t += new
         return step
@@ -435,37 +439,46 @@ class KernelBuilder(MetadataBuilder):
         host = _host_decode(step, window)
         ints = torch.from_numpy(np.array(host.ints, dtype=np.int64))
         at, n_query = 2 * host.n_slots, host.n_query
-        decode = KernelDecode(ints[host.pages_at :].view(len(step.entries), host.width),
+        b, width = len(step.entries), host.width
+        decode = KernelDecode(ints[host.pages_at : host.pages_at + b * width].view(b, width),
                               ints[at : at + 4 * n_query].view(4, n_query))
         return AttnMetadata(ints[: host.n_slots], ints[host.n_slots : at], window, step.prefills, decode)
 
     def host(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> HostDecode | None:
-        """A decode-only step's metadata as `_finish` lays it out, as plain ints: what the C
-        decode stack reads (modeling/cpu_stack.py), without the tensors, whose every op costs
-        tens of microseconds with the caches cold from a step's weights. None where the step
-        has prefill chunks."""
+        """A step's metadata as `_finish` lays it out, as plain ints: what the C stack reads
+        (modeling/cpu_stack.py), without the tensors, whose every op costs tens of
+        microseconds with the caches cold from a step's weights. None where a prefill chunk
+        is not one the C prefill kernel takes whole (`PrefillChunk.plain`)."""
         step = self._pass(rows, page_size, window, True)
-        return None if step.prefills or not step.entries else _host_decode(step, window)
+        if not all(c.plain for c in step.prefills):
+            return None
+        return _host_decode(step, window)
 
 
 class HostDecode(NamedTuple):
-    """`KernelBuilder`'s int64 fields of a decode-only step, end to end in `ints`: slot
-    pages [T], slot offsets [T], then per decode query row its row of T, its entry, and the
-    held rows [lo, hi) it sees ([4, n_query]), then the entries' pages [B, width] from
-    `pages_at` (padded with page 0, never read: hi bounds the keys)."""
+    """`KernelBuilder`'s int64 fields of a step, end to end in `ints`: slot pages [T], slot
+    offsets [T], then per decode query row its row of T, its entry, and the held rows
+    [lo, hi) it sees ([4, n_query]), then the entries' pages [B, width] from `pages_at`
+    (padded with page 0, never read: hi bounds the keys), then per prompt chunk its first
+    and end rows of T, its keys held and where its pages start after `chunk_pages_at`
+    ([n_chunks, 4] from `chunks_at`), then the chunks' pages from `chunk_pages_at`."""
 
     ints: list[int]
     n_slots: int
     n_query: int
     width: int
     pages_at: int
+    n_chunks: int = 0
+    chunks_at: int = 0
+    chunk_pages_at: int = 0
+    window: int = 0  # the label's sliding window (0: none), which the chunks' keys are under
 
 
 def _host_decode(step: _Step, window: int | None) -> HostDecode:
     n_slots = len(step.slot_pages)
     flat = step.slot_pages + step.slot_offsets
     query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
-    width = max(len(e[0]) for e in step.entries)
+    width = max((len(e[0]) for e in step.entries), default=0)
     for b, (_, first_row, held, cached, new, t) in enumerate(step.entries):
         for i in range(new):  # query i sits at row cached + i and sees the held rows up to it
             query[0].append(t + i)
@@ -479,7 +492,17 @@ def _host_decode(step: _Step, window: int | None) -> HostDecode:
     for e in step.entries:
         flat += e[0]
         flat += [0] * (width - len(e[0]))  # pad: page 0, never read (hi bounds the keys)
-    return HostDecode(flat, n_slots, n_query, width, pages_at)
+    if not step.prefills:
+        return HostDecode(flat, n_slots, n_query, width, pages_at, window=window or 0)
+    chunks_at, at = len(flat), 0
+    for chunk, pages in zip(step.prefills, step.chunk_pages):
+        flat += (chunk.q_start, chunk.q_end, chunk.kv_len, at)
+        at += len(pages)
+    chunk_pages_at = len(flat)
+    for pages in step.chunk_pages:
+        flat += pages
+    return HostDecode(flat, n_slots, n_query, width, pages_at, len(step.prefills), chunks_at, chunk_pages_at,
+                      window or 0)
 
 
 class FlashInferBuilder(MetadataBuilder):

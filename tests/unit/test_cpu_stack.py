@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.perplexity import load
-from services.gpu_worker.attention import BUILDERS, KernelBuilder, build_metadata, cpu_backend
+from services.gpu_worker.attention import BUILDERS, AttnRows, KernelBuilder, build_metadata, cpu_backend
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.layers import quant
 from shared.model_config import SLIDING
@@ -175,12 +175,31 @@ def test_a_whole_decode_step_samples_the_rows_asked_in_their_order_and_refuses_b
         _decode(m, a, [9, 10**6], [7, 22], rows, [0, 1])
 
 
-def test_a_whole_step_declines_a_prefill_and_float16_pages(model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_whole_steps_with_prompt_chunks_beside_decode_rows_are_bitwise_the_modules(model, dtype):
+    """Decode rows, a new prompt's first chunk and another prompt's later chunk (its first
+    rows already held) in one call: the chunks through the prefill kernel as the modules
+    call it, the same logits and pages (a Gemma's sliding layers under their window)."""
+    m, spec = model
+    a, b = _prefilled(m, spec, [5, 17, 10], dtype), _prefilled(m, spec, [5, 17, 10], dtype)
+    fresh = [(31 * j) % 90 + 3 for j in range(12)]
+    later = [(13 * j) % 90 + 3 for j in range(9)]
+    rows = [(list(range(8)), 0, 5, 1, True), (list(range(8, 16)), 0, 17, 1, True),
+            (list(range(16, 24)), 0, 10, 9, False), (list(range(24, 32)), 0, 0, 12, False)]
+    ids, pos = [7, 8, *later, *fresh], [5, 17, *range(10, 19), *range(12)]
+    sample = [0, 1, 10, 22]  # the decode rows, the last row of each chunk
+    got = _decode(m, a, ids, pos, rows, sample)
+    full = _forward(m, b, ids, pos, rows, stack=False)
+    assert got is not None and torch.equal(got, full[sample])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_whole_step_declines_float16_pages_and_a_chunk_the_kernel_does_not_take(model):
     m, spec = model
     kernel = BUILDERS["kernel"]
     assert isinstance(kernel, KernelBuilder)
-    rows = [(list(range(8)), 0, 4, 1, True), (list(range(8, 16)), 0, 0, 6, False)]
-    assert kernel.host(rows, PAGE, None) is None  # a prefill chunk: no host metadata, the modules run it
+    image = AttnRows(list(range(8, 16)), 0, 0, 6, False, ((1, 4),))  # bidirectional block: not plain
+    assert kernel.host([(list(range(8)), 0, 4, 1, True), image], PAGE, None) is None
     caches = _prefilled(m, spec, [4], torch.float16)
     assert _decode(m, caches, [5], [4], [(list(range(8)), 0, 4, 1, True)], [0]) is None
 

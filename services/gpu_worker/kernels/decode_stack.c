@@ -1,4 +1,5 @@
-/* A decode step's whole layer stack in one call, for a Llama-shaped decoder whose GEMMs are
+/* A decode step's whole layer stack in one call (and a step with short prompt chunks beside
+ * its decode rows), for a Llama-shaped decoder whose GEMMs are
  * C kernels: quantized GGUF weights (qgemm.c) or float32 in the packed panels of gemm.c
  * (services/gpu_worker/modeling/cpu_stack.py decides when it applies).
  *
@@ -53,6 +54,9 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
                        int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
+int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
+                            int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
+                            int64_t window, float scale, float *out, int64_t out_stride);
 
 /* One GEMM's weight. form 4, 5, 6, 8, 9 or 16, with qgemm.c's HALF_SCALES or SUPER_SCALES flag
  * or neither: a quantized one (layers/quant.py QuantLinear: tiled w, d, m (float16, float32
@@ -93,11 +97,13 @@ typedef struct {
     int64_t gelu; /* the MLP's activation: gelu_tanh (Gemma), else silu */
 } MstarStackShape;
 
-/* The step: T rows, all decode query rows of one label (the metadata's decode_query
- * columns qrow, entry, lo, hi; pages [B, width]); rope tables [T, d], or with `positions`
- * [T] the whole tables [positions, d] (row r reads table row positions[r]: the same values
- * the gathered rows hold). A call takes one per kind of layer (full attention; sliding
- * window, whose label and RoPE are its own). */
+/* The step: T rows of one label, its decode query rows (the metadata's decode_query columns
+ * qrow, entry, lo, hi; pages [B, width]) and its prompt chunks (chunks [n_chunks, 4]: first
+ * row, end row, keys held, and where in `chunk_pages` the chunk's pages start; each a plain
+ * causal chunk, under `window` when not 0); rope tables [T, d], or with `positions` [T] the
+ * whole tables [positions, d] (row r reads table row positions[r]: the same values the
+ * gathered rows hold). A call takes one per kind of layer (full attention; sliding window,
+ * whose label and RoPE are its own). */
 typedef struct {
     int64_t rows;
     const float *cos, *sin_signed;
@@ -107,6 +113,8 @@ typedef struct {
     const int64_t *qrow, *entry, *lo, *hi;
     int64_t n_query, max_keys;
     const int64_t *positions;
+    const int64_t *chunks, *chunk_pages;
+    int64_t n_chunks, window;
 } MstarDecodeStep;
 
 /* What a whole decode forward adds around the layers (mstar_decode_model): the token
@@ -137,11 +145,20 @@ static void add_into(float *x, const float *o, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
 }
 
-/* One layer's decode attention: every query row in one kernel call, which splits the rows and
- * their key partitions over the pool's threads itself (the same bits on any count). */
+/* One layer's attention: the decode query rows in one kernel call, which splits the rows and
+ * their key partitions over the pool's threads itself (the same bits on any count); then each
+ * prompt chunk through the prefill kernel, as attention.py's `_prefill_kernel` calls it. */
 static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
                      float *out, float *scratch) {
-    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
+    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d, hd = s->hq * s->d;
+    for (int64_t c = 0; c < st->n_chunks; c++) {
+        const int64_t *ch = st->chunks + 4 * c;
+        if (mstar_prefill_attention(qkv + ch[0] * nqkv, nqkv, cache, s->kv_kind, st->chunk_pages + ch[3],
+                                    ch[1] - ch[0], ch[2], s->hq, s->hkv, s->d, s->page_size, st->window, s->scale,
+                                    out + ch[0] * hd, hd))
+            return -2;
+    }
+    if (!st->n_query) return 0;
     if (s->kv_kind == 2)
         return mstar_paged_decode_i8(qkv, nqkv, (const int8_t *)cache, st->pages, st->width, st->qrow, st->entry,
                                      st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
@@ -180,8 +197,8 @@ static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t
 }
 
 /* x [rows, hidden] in place through every layer; steps[layer's step] its metadata. Returns 0,
- * or the first kernel's error code (a GEMM's -1 as -10 - layer * 8 - which, the attention's
- * as -20000 - layer). The modules' order (modeling/decoder_lm.py): a Llama layer is
+ * or the first kernel's error code (a GEMM's -1 as -10 - layer * 8 - which, the decode
+ * attention's as -20000 - layer, a prompt chunk's as -30000 - layer). The modules' order (modeling/decoder_lm.py): a Llama layer is
  * x += attn(norm1(x)); x += mlp(norm2(x)); a Gemma 3 layer x += norm2(attn(norm1(x)));
  * x += norm4(mlp(norm3(x))), with q and k normalised per head before RoPE. */
 int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps, float *x,
@@ -215,6 +232,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
             mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
                            s->page_size);
         const int rc = attention(s, st, qkv, L->cache, attn, ascratch);
+        if (rc == -2) return (int)(-30000 - l); /* a chunk the prefill kernel refused: nothing is lost */
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
         if (L->ln3) {
@@ -256,8 +274,10 @@ int64_t mstar_model_workspace(const MstarStackShape *s, int64_t rows, int64_t n_
  * (modeling/decoder_lm.py DecoderLM.forward: the same kernels on the same values, so the
  * same bits). Why: each of these was a module call around one kernel, and with the caches
  * cold from the weights each cost 30-90 us of a ~4 ms step. Returns 0, the stack's error
- * code, -2 for an id outside the embedding (nothing run), or -3 / -4 for the embedding's /
- * the head's kernel refusing its form. */
+ * code (-30000 - layer: the prefill kernel refused a prompt chunk, and the caller may run the
+ * step another way: every K/V row written is the one any path writes), -2 for an id outside
+ * the embedding (nothing run), or -3 / -4 for the embedding's / the head's kernel refusing
+ * its form. */
 int mstar_decode_model(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps,
                        const MstarModelEnds *e, float *work, void *qscratch, float *ascratch, int threads) {
     const int64_t t = steps[0].rows, hid = s->hidden;

@@ -64,7 +64,8 @@ class _Shape(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("cos", _ptr), ("sin_signed", _ptr), ("slot_pages", _ptr), ("slot_offsets", _ptr),
                 ("pages", _ptr), ("width", _i64), ("qrow", _ptr), ("entry", _ptr), ("lo", _ptr), ("hi", _ptr),
-                ("n_query", _i64), ("max_keys", _i64), ("positions", _ptr)]
+                ("n_query", _i64), ("max_keys", _i64), ("positions", _ptr), ("chunks", _ptr), ("chunk_pages", _ptr),
+                ("n_chunks", _i64), ("window", _i64)]
 
 
 class _Ends(ctypes.Structure):
@@ -76,6 +77,9 @@ class _Ends(ctypes.Structure):
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
+#: the most rows of a step with prompt chunks `decode` takes (its workspace grows with the
+#: rows; a longer chunk's Python is a small part of its time, and the modules slice its MLP)
+MAX_CHUNK_ROWS = 256
 
 
 def _gemm_parts(layer, parts: int) -> list[_QWeight | None]:
@@ -148,6 +152,10 @@ class CpuDecodeStack:
         self._ends: _Ends | None = None
         self._ends_keep: list[torch.Tensor] = []
         self._rotaries: dict = {}
+        #: the layers' quantized GEMMs, and whether they compute prompt rows as decode rows
+        #: (no bfloat16 copy, two bytes a value: `weights.prompt_path`, set once at load)
+        self._quants: list[QuantLinear] = []
+        self._plain_prompts: bool | None = None
         #: per RoPE key, its tables' pointers and the cos table they were taken from
         self._tables: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._io = np.empty(0, dtype=np.int64)
@@ -200,7 +208,16 @@ class CpuDecodeStack:
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}
         stack = cls(lib, shape, layers, norms, list(cfg.layer_types), rope_of)
         stack._take_ends(model)
+        stack._quants = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)]
         return stack
+
+    def _plain_prompt_rows(self) -> bool:
+        """Prompt rows go through the layers' GEMMs as decode rows do, as the C side runs
+        them (no bfloat16 copy, two-byte values); asked at the first step with a prompt chunk,
+        after `weights.prompt_path` set them at load."""
+        if self._plain_prompts is None:
+            self._plain_prompts = all(m.wide is None and m.prompt_bytes == 2 for m in self._quants)
+        return self._plain_prompts
 
     def _take_ends(self, model) -> None:
         """`decode`'s embedding, final norm and head, where each is one the C side runs
@@ -300,7 +317,9 @@ class CpuDecodeStack:
         kind_meta: dict[str, HostDecode] = {}
         for k, i in self._first.items():
             meta = metas[i]
-            if meta is None or meta.n_query != t:
+            if meta is None or meta.n_slots != t:
+                return None
+            if meta.n_chunks and (t > MAX_CHUNK_ROWS or not self._plain_prompt_rows()):
                 return None
             kind_meta[k] = meta
         if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
@@ -337,10 +356,12 @@ class CpuDecodeStack:
             st.cos, st.sin_signed, _ = tables[self._rope_of[k]]
             st.positions = io + 8 * t
             st.slot_pages, st.slot_offsets = base, base + 8 * meta.n_slots
-            q = base + 16 * meta.n_slots
-            st.qrow, st.entry, st.lo, st.hi = q, q + 8 * t, q + 16 * t, q + 24 * t
+            q, n = base + 16 * meta.n_slots, meta.n_query
+            st.qrow, st.entry, st.lo, st.hi = q, q + 8 * n, q + 16 * n, q + 24 * n
             st.pages, st.width = base + 8 * meta.pages_at, meta.width
-            st.n_query, st.max_keys = t, meta.width * s.page_size
+            st.n_query, st.max_keys = meta.n_query, meta.width * s.page_size
+            st.chunks, st.chunk_pages = base + 8 * meta.chunks_at, base + 8 * meta.chunk_pages_at
+            st.n_chunks, st.window = meta.n_chunks, meta.window
             max_keys = max(max_keys, st.max_keys)
         lib, ws = self.lib, self._ws
         if (ws is None or ws[0] != (t, n_sample) or max_keys > ws[1] or ws[2] is not self._work
@@ -353,6 +374,8 @@ class CpuDecodeStack:
                                     ascratch, quant.threads())
         if rc == -2:  # as torch's embedding refuses it
             raise IndexError(f"a token id outside [0, {ends.embed.n})")
+        if -30000 - len(self.layers) < rc <= -30000:  # a chunk the prefill kernel refused: the modules
+            return None  # run the step (the K/V rows written here are the ones they write)
         if rc:
             raise RuntimeError(f"the CPU decode stack failed (code {rc})")
         return self._logits[:n_sample]
