@@ -436,7 +436,7 @@ class KernelBuilder(MetadataBuilder):
             n_slots = len(step.slot_pages)
             ints = torch.from_numpy(np.array(step.slot_pages + step.slot_offsets, dtype=np.int64))
             return AttnMetadata(ints[:n_slots], ints[n_slots:], window, step.prefills)
-        host = _host_decode(step, window)
+        host = _host_step(step, window)
         ints = torch.from_numpy(np.array(host.ints, dtype=np.int64))
         at, n_query = 2 * host.n_slots, host.n_query
         b, width = len(step.entries), host.width
@@ -444,7 +444,7 @@ class KernelBuilder(MetadataBuilder):
                               ints[at : at + 4 * n_query].view(4, n_query))
         return AttnMetadata(ints[: host.n_slots], ints[host.n_slots : at], window, step.prefills, decode)
 
-    def host(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> HostDecode | None:
+    def host(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> HostStep | None:
         """A step's metadata as `_finish` lays it out, as plain ints: what the C stack reads
         (modeling/cpu_stack.py), without the tensors, whose every op costs tens of
         microseconds with the caches cold from a step's weights. None where a prefill chunk
@@ -452,10 +452,10 @@ class KernelBuilder(MetadataBuilder):
         step = self._pass(rows, page_size, window, True)
         if not all(c.plain for c in step.prefills):
             return None
-        return _host_decode(step, window)
+        return _host_step(step, window)
 
 
-class HostDecode(NamedTuple):
+class HostStep(NamedTuple):
     """`KernelBuilder`'s int64 fields of a step, end to end in `ints`: slot pages [T], slot
     offsets [T], then per decode query row its row of T, its entry, and the held rows
     [lo, hi) it sees ([4, n_query]), then the entries' pages [B, width] from `pages_at`
@@ -474,7 +474,7 @@ class HostDecode(NamedTuple):
     window: int = 0  # the label's sliding window (0: none), which the chunks' keys are under
 
 
-def _host_decode(step: _Step, window: int | None) -> HostDecode:
+def _host_step(step: _Step, window: int | None) -> HostStep:
     n_slots = len(step.slot_pages)
     flat = step.slot_pages + step.slot_offsets
     query: list[list[int]] = [[], [], [], []]  # per decode query row: row of T, entry, lo, hi
@@ -493,7 +493,7 @@ def _host_decode(step: _Step, window: int | None) -> HostDecode:
         flat += e[0]
         flat += [0] * (width - len(e[0]))  # pad: page 0, never read (hi bounds the keys)
     if not step.prefills:
-        return HostDecode(flat, n_slots, n_query, width, pages_at, window=window or 0)
+        return HostStep(flat, n_slots, n_query, width, pages_at, window=window or 0)
     chunks_at, at = len(flat), 0
     for chunk, pages in zip(step.prefills, step.chunk_pages):
         flat += (chunk.q_start, chunk.q_end, chunk.kv_len, at)
@@ -501,7 +501,7 @@ def _host_decode(step: _Step, window: int | None) -> HostDecode:
     chunk_pages_at = len(flat)
     for pages in step.chunk_pages:
         flat += pages
-    return HostDecode(flat, n_slots, n_query, width, pages_at, len(step.prefills), chunks_at, chunk_pages_at,
+    return HostStep(flat, n_slots, n_query, width, pages_at, len(step.prefills), chunks_at, chunk_pages_at,
                       window or 0)
 
 

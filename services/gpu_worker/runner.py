@@ -63,15 +63,15 @@ class ModelRunner:
         self.layer_caches = self._layer_caches()
         #: the one metadata builder of the attention backend every layer runs on
         self.builder: MetadataBuilder = BUILDERS[self._backend()]
-        #: the model's C decode stack where decode steps go to it whole (`_decode_on_host`)
-        self.host_decode = self._host_decode()
+        #: the model's C stack where steps of decode rows and short prompt chunks go to it
+        #: whole (`_run_on_host`)
+        self.host_stack = self._host_stack()
 
-    def _host_decode(self) -> CpuDecodeStack | None:
-        """The model's C decode stack, where this runner's decode steps can run in its one
-        call from plain ints (`CpuDecodeStack.decode`): the C kernels' attention, one
-        position a row, no final soft-cap, and this class's own `call_model` and
-        `process_logits` (a subclass's extra inputs or logits changes are not the C
-        call's)."""
+    def _host_stack(self) -> CpuDecodeStack | None:
+        """The model's C stack, where this runner's steps can run in its one call from plain
+        ints (`CpuDecodeStack.run_step`): the C kernels' attention, one position a row, no
+        final soft-cap, and this class's own `call_model` and `process_logits` (a
+        subclass's extra inputs or logits changes are not the C call's)."""
         stack = getattr(self.model, "cpu_stack", None)
         cls = type(self)
         if (not isinstance(stack, CpuDecodeStack) or not isinstance(self.builder, KernelBuilder)
@@ -219,8 +219,8 @@ class ModelRunner:
             sample_reqs.extend([r] * counts[-1])
             positions.extend(self.positions(r, r.num_computed, n))
             t += n
-        if self.host_decode is not None and not prompt_rows:
-            host = self._decode_on_host(rows, ids, positions, sample_rows)
+        if self.host_stack is not None and not prompt_rows:
+            host = self._run_on_host(rows, ids, positions, sample_rows)
             if host is not None:
                 return _split(_sample(host, sample_reqs, extras), counts)
         metas = self._metadata(rows)
@@ -238,17 +238,17 @@ class ModelRunner:
             toks = _sample(logits, sample_reqs, extras)
         return _split(toks, counts)
 
-    def _decode_on_host(self, rows: dict[str, list], ids: list[int], positions: list[int],
+    def _run_on_host(self, rows: dict[str, list], ids: list[int], positions: list[int],
                         sample_rows: list[int]) -> np.ndarray | None:
         """The step's logits from the C stack's one call (decode rows, and short prompt
         chunks beside them), or None where it does not take the step (then the modules run
         it). No tensor is made on the way: with the caches cold from the step's weights each
         torch op costs tens of microseconds, and a step through the modules costs ~3 ms more
         on an 8-layer model (8 on SmolLM2's 30), prompt chunks or not."""
-        stack, builder = self.host_decode, self.builder
+        stack, builder = self.host_stack, self.builder
         assert stack is not None and isinstance(builder, KernelBuilder)
         host = {name: builder.host(r, self.page_sizes[name], self.windows[name]) for name, r in rows.items()}
-        return stack.decode(ids, positions, sample_rows, [host[name] for name in self.spec.layer_labels],
+        return stack.run_step(ids, positions, sample_rows, [host[name] for name in self.spec.layer_labels],
                             self.layer_caches)
 
     def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:

@@ -134,7 +134,7 @@ def test_decode_steps_are_bitwise_the_modules(model, lens):
 
 
 def _decode(model, caches, ids, positions, rows, sample_rows):
-    """A decode step through `CpuDecodeStack.decode` (the runner's path: the whole step
+    """A decode step through `CpuDecodeStack.run_step` (the runner's path: the whole step
     in one call, from `KernelBuilder.host`'s plain ints), as a tensor."""
     kernel = BUILDERS["kernel"]
     assert isinstance(kernel, KernelBuilder)
@@ -142,7 +142,7 @@ def _decode(model, caches, ids, positions, rows, sample_rows):
     window = model.config.sliding_window
     local = kernel.host(rows, PAGE, window) if window else full
     metas = [local if kind == SLIDING else full for kind in model.config.layer_types]
-    logits = model.cpu_stack.decode(ids, positions, sample_rows, metas, caches)
+    logits = model.cpu_stack.run_step(ids, positions, sample_rows, metas, caches)
     return None if logits is None else torch.from_numpy(logits.copy())
 
 

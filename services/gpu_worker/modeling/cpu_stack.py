@@ -20,10 +20,13 @@ query row of each label (no prefill chunk). Anything else (a prefill, a float16 
 2's soft-caps) takes the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
 On Gemma 3 270M (18 layers) the modules' path cost ~9 ms of a ~22 ms decode step.
 
-The runner's decode steps go further (`decode`): the embedding, the final norm and the head
-run in the same call, from plain ints and into a kept logits buffer, with no torch op on
-the way. After the step's weights have streamed through the caches every torch op costs
-20-40 us (10 warm), and a SmolLM2 step spent ~0.6 ms of its ~4.5 ms in a dozen of them.
+The runner's steps go further (`run_step`): the embedding, the final norm and the head run
+in the same call, from plain ints and into a kept logits buffer, with no torch op on the
+way; and plain causal prompt chunks beside the decode rows (steps of up to
+`MAX_CHUNK_ROWS`) run there too, through the prefill kernel. After the step's weights have
+streamed through the caches every torch op costs 20-40 us (10 warm): a SmolLM2 decode step
+spent ~0.6 ms of its ~4.5 ms in a dozen of them, and a step through the modules costs ~3 ms
+more than one call on an 8-layer model, ~8 ms on SmolLM2's 30 layers.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from services.gpu_worker import cpu_kernels
-from services.gpu_worker.attention import HostDecode, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
+from services.gpu_worker.attention import HostStep, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelHead, KernelLinear
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
@@ -77,7 +80,7 @@ class _Ends(ctypes.Structure):
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
-#: the most rows of a step with prompt chunks `decode` takes (its workspace grows with the
+#: the most rows of a step with prompt chunks `run_step` takes (its workspace grows with the
 #: rows; a longer chunk's Python is a small part of its time, and the modules slice its MLP)
 MAX_CHUNK_ROWS = 256
 
@@ -126,7 +129,7 @@ def _library():
 
 
 class CpuDecodeStack:
-    """The layers of a `DecoderLM` as the C stack's structs. `decode` does a whole decode
+    """The layers of a `DecoderLM` as the C stack's structs. `run_step` does a whole decode
     step (embedding to logits) in one call from the runner's plain ints; `run` does the
     layer loop alone on the modules' tensors (`DecoderLM.hidden`: image rows, a model whose
     ends the C side does not take). Each declines a step it does not take, and the modules
@@ -147,7 +150,7 @@ class CpuDecodeStack:
         self._refused: list[torch.Tensor] | None = None  # KV tensors it does not take
         self._work = torch.empty(0)
         self._steps = (_Step * len(KINDS))()
-        #: the embedding, final norm and head as `decode`'s struct (None: it declines),
+        #: the embedding, final norm and head as `run_step`'s struct (None: it declines),
         #: the tensors its pointers are into, and the RoPE modules whose tables it reads whole
         self._ends: _Ends | None = None
         self._ends_keep: list[torch.Tensor] = []
@@ -163,7 +166,7 @@ class CpuDecodeStack:
         self._logits = np.empty((0, 0), dtype=np.float32)
         self._shape_ref = ctypes.byref(shape)
         self._ends_ref: object = None  # ctypes.byref(self._ends)
-        #: `decode`'s workspace pointers and what they were for: (rows, sampled rows), the
+        #: `run_step`'s workspace pointers and what they were for: (rows, sampled rows), the
         #: keys their attention scratch holds, the buffers they point into
         self._ws: tuple | None = None
 
@@ -220,10 +223,10 @@ class CpuDecodeStack:
         return self._plain_prompts
 
     def _take_ends(self, model) -> None:
-        """`decode`'s embedding, final norm and head, where each is one the C side runs
+        """`run_step`'s embedding, final norm and head, where each is one the C side runs
         as the modules do: a float32 or quantized embedding (a form `mstar_qrows` takes), the
         model's RMSNorm in float32 with the layers' eps, a quantized or C-kernel float32
-        head, and plain RoPE (one position a row). Otherwise `decode` declines."""
+        head, and plain RoPE (one position a row). Otherwise `run_step` declines."""
         from services.gpu_worker.modeling.decoder_lm import RMSNorm  # (it imports this module)
 
         cfg, lib, s = model.config, self.lib, self.shape
@@ -302,19 +305,20 @@ class CpuDecodeStack:
             raise RuntimeError(f"the CPU decode stack failed (code {rc})")
         return True
 
-    def decode(self, ids: list[int], positions: list[int], sample_rows: list[int], metas: list[HostDecode | None],
-               kv_caches: list[torch.Tensor]) -> np.ndarray | None:
-        """A decode step's whole forward in one call, from plain ints: the embedding of
-        `ids`, every layer (`metas[i]`: layer i's label's `KernelBuilder.host` metadata, one
-        per kind), the final norm of `sample_rows` and the LM head. Returns their logits
-        [S, vocab] (before any final soft-cap; valid until the next call), or None where the
-        stack does not take the step or the model's ends (`_take_ends`), and the modules
-        run it. Nothing here is a torch op: each costs tens of microseconds with the caches
-        cold from the step's weights, which made ~0.5 ms of a ~4 ms SmolLM2 step."""
+    def run_step(self, ids: list[int], positions: list[int], sample_rows: list[int], metas: list[HostStep | None],
+                 kv_caches: list[torch.Tensor]) -> np.ndarray | None:
+        """A step's whole forward in one call, from plain ints: the embedding of `ids`,
+        every layer (`metas[i]`: layer i's label's `KernelBuilder.host` metadata, one per
+        kind: decode rows, and plain prompt chunks in a step of up to `MAX_CHUNK_ROWS`), the
+        final norm of `sample_rows` and the LM head. Returns their logits [S, vocab] (before
+        any final soft-cap; valid until the next call), or None where the stack does not take
+        the step or the model's ends (`_take_ends`), and the modules run it. Nothing here is
+        a torch op: each costs tens of microseconds with the caches cold from the step's
+        weights, which made ~0.5 ms of a ~4 ms SmolLM2 decode step."""
         ends, t, n_sample = self._ends, len(ids), len(sample_rows)
         if ends is None or t == 0 or len(positions) != t:
             return None
-        kind_meta: dict[str, HostDecode] = {}
+        kind_meta: dict[str, HostStep] = {}
         for k, i in self._first.items():
             meta = metas[i]
             if meta is None or meta.n_slots != t:
@@ -381,7 +385,7 @@ class CpuDecodeStack:
         return self._logits[:n_sample]
 
     def _grow_io(self, ints: int, rows: int) -> None:
-        """`decode`'s host buffers (kept: their addresses go into the structs once a step,
+        """`run_step`'s host buffers (kept: their addresses go into the structs once a step,
         where a fresh array's pointer is itself a cold call): the step's ints, the logits."""
         ends = self._ends
         assert ends is not None
