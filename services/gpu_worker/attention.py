@@ -502,7 +502,7 @@ def _host_step(step: _Step, window: int | None) -> HostStep:
     for pages in step.chunk_pages:
         flat += pages
     return HostStep(flat, n_slots, n_query, width, pages_at, len(step.prefills), chunks_at, chunk_pages_at,
-                      window or 0)
+                    window or 0)
 
 
 class FlashInferBuilder(MetadataBuilder):

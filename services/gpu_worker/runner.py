@@ -69,15 +69,15 @@ class ModelRunner:
 
     def _host_stack(self) -> CpuDecodeStack | None:
         """The model's C stack, where this runner's steps can run in its one call from plain
-        ints (`CpuDecodeStack.run_step`): the C kernels' attention, one position a row, no
-        final soft-cap, and this class's own `call_model` and `process_logits` (a
-        subclass's extra inputs or logits changes are not the C call's)."""
-        stack = getattr(self.model, "cpu_stack", None)
+        ints (`CpuDecodeStack.run_step`): where the model offers it (`DecoderLM.step_stack`),
+        on the C kernels' attention, one position a row, and with this class's own
+        `call_model` and `process_logits` (a subclass's extra inputs or logits changes are
+        not the C call's)."""
+        stack = getattr(self.model, "step_stack", None)
         cls = type(self)
         if (not isinstance(stack, CpuDecodeStack) or not isinstance(self.builder, KernelBuilder)
                 or self.position_streams != 1 or cls.call_model is not ModelRunner.call_model
-                or cls.process_logits is not ModelRunner.process_logits
-                or getattr(self.spec.config, "final_softcap", None) is not None):
+                or cls.process_logits is not ModelRunner.process_logits):
             return None
         return stack
 

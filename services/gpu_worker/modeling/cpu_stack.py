@@ -42,6 +42,7 @@ from services.gpu_worker import cpu_kernels
 from services.gpu_worker.attention import HostStep, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelHead, KernelLinear
+from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import Rotary
 from shared.model_config import FULL, SLIDING
@@ -227,8 +228,6 @@ class CpuDecodeStack:
         as the modules do: a float32 or quantized embedding (a form `mstar_qrows` takes), the
         model's RMSNorm in float32 with the layers' eps, a quantized or C-kernel float32
         head, and plain RoPE (one position a row). Otherwise `run_step` declines."""
-        from services.gpu_worker.modeling.decoder_lm import RMSNorm  # (it imports this module)
-
         cfg, lib, s = model.config, self.lib, self.shape
         embed, norm, head = model.model.embed_tokens, model.model.norm, model.head
         rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
@@ -318,29 +317,9 @@ class CpuDecodeStack:
         ends, t, n_sample = self._ends, len(ids), len(sample_rows)
         if ends is None or t == 0 or len(positions) != t:
             return None
-        kind_meta: dict[str, HostStep] = {}
-        for k, i in self._first.items():
-            meta = metas[i]
-            if meta is None or meta.n_slots != t:
-                return None
-            if meta.n_chunks and (t > MAX_CHUNK_ROWS or not self._plain_prompt_rows()):
-                return None
-            kind_meta[k] = meta
-        if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
+        kind_meta = self._kind_metas(t, metas, kv_caches)
+        if kind_meta is None or not self._rope_tables(max(positions) + 1):
             return None
-        if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
-            self._refused = kv_caches
-            return None
-        high = max(positions) + 1
-        tables = self._tables
-        for key, rot in self._rotaries.items():
-            if rot.rows < high:
-                rot.ensure(high)
-                if rot.rows < high:  # past the model's positions: the modules' indexing refuses it
-                    return None
-            cos = rot.cos
-            if key not in tables or tables[key][2] is not cos:  # grown (here or by a prefill): new tensors
-                tables[key] = (cos.data_ptr(), rot.sin_signed.data_ptr(), cos)
         flat = ids + positions + sample_rows
         starts = {}
         for k, meta in kind_meta.items():
@@ -351,22 +330,7 @@ class CpuDecodeStack:
         self._io[: len(flat)] = flat
         io = self._io_ptr
         ends.ids, ends.sample_rows, ends.n_sample = io, io + 16 * t, n_sample
-        s = self.shape
-        for st in self._steps:
-            st.rows = t
-        max_keys = 0
-        for k, meta in kind_meta.items():
-            st, base = self._steps[KINDS.index(k)], io + 8 * starts[k]
-            st.cos, st.sin_signed, _ = tables[self._rope_of[k]]
-            st.positions = io + 8 * t
-            st.slot_pages, st.slot_offsets = base, base + 8 * meta.n_slots
-            q, n = base + 16 * meta.n_slots, meta.n_query
-            st.qrow, st.entry, st.lo, st.hi = q, q + 8 * n, q + 16 * n, q + 24 * n
-            st.pages, st.width = base + 8 * meta.pages_at, meta.width
-            st.n_query, st.max_keys = meta.n_query, meta.width * s.page_size
-            st.chunks, st.chunk_pages = base + 8 * meta.chunks_at, base + 8 * meta.chunk_pages_at
-            st.n_chunks, st.window = meta.n_chunks, meta.window
-            max_keys = max(max_keys, st.max_keys)
+        max_keys = self._host_steps(t, kind_meta, {k: io + 8 * at for k, at in starts.items()}, io + 8 * t)
         lib, ws = self.lib, self._ws
         if (ws is None or ws[0] != (t, n_sample) or max_keys > ws[1] or ws[2] is not self._work
                 or ws[3] is not quant._scratch_buf):  # else the last step's buffers still fit
@@ -383,6 +347,61 @@ class CpuDecodeStack:
         if rc:
             raise RuntimeError(f"the CPU decode stack failed (code {rc})")
         return self._logits[:n_sample]
+
+    def _kind_metas(self, t: int, metas: list[HostStep | None], kv_caches: list[torch.Tensor]
+                    ) -> dict[str, HostStep] | None:
+        """Each layer kind's metadata, where `run_step` takes the step (every row of each
+        label a decode row or a plain chunk's, the chunks' rows computed as decode rows are,
+        the KV tensors ones it binds); else None."""
+        kind_meta: dict[str, HostStep] = {}
+        for k, i in self._first.items():
+            meta = metas[i]
+            if meta is None or meta.n_slots != t:
+                return None
+            if meta.n_chunks and (t > MAX_CHUNK_ROWS or not self._plain_prompt_rows()):
+                return None
+            kind_meta[k] = meta
+        if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
+            return None
+        if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
+            self._refused = kv_caches
+            return None
+        return kind_meta
+
+    def _rope_tables(self, high: int) -> bool:
+        """The RoPE tables hold positions below `high` (grown where needed), their pointers
+        in `_tables`; False past the model's positions (the modules' indexing refuses it)."""
+        tables = self._tables
+        for key, rot in self._rotaries.items():
+            if rot.rows < high:
+                rot.ensure(high)
+                if rot.rows < high:
+                    return False
+            cos = rot.cos
+            if key not in tables or tables[key][2] is not cos:  # grown (here or by a prefill): new tensors
+                tables[key] = (cos.data_ptr(), rot.sin_signed.data_ptr(), cos)
+        return True
+
+    def _host_steps(self, t: int, kind_meta: dict[str, HostStep], bases: dict[str, int], positions: int) -> int:
+        """Point each kind's step struct into the host buffer (`bases[kind]`: where its
+        metadata's ints are, `positions`: the rows' positions); the most keys a decode row
+        may read."""
+        s, max_keys = self.shape, 0
+        for st in self._steps:
+            st.rows = t
+        for k, meta in kind_meta.items():
+            st, base = self._steps[KINDS.index(k)], bases[k]
+            st.cos, st.sin_signed, _ = self._tables[self._rope_of[k]]
+            st.positions = positions
+            st.slot_pages, st.slot_offsets = base, base + 8 * meta.n_slots
+            q, n = base + 16 * meta.n_slots, meta.n_query
+            st.qrow, st.entry, st.lo, st.hi = q, q + 8 * n, q + 16 * n, q + 24 * n
+            st.pages, st.width = base + 8 * meta.pages_at, meta.width
+            st.n_query, st.max_keys = meta.n_query, meta.width * s.page_size
+            st.chunks, st.chunk_pages = base + 8 * meta.chunks_at, base + 8 * meta.chunk_pages_at
+            st.n_chunks, st.window = meta.n_chunks, meta.window
+            max_keys = max(max_keys, st.max_keys)
+        return max_keys
 
     def _grow_io(self, ints: int, rows: int) -> None:
         """`run_step`'s host buffers (kept: their addresses go into the structs once a step,

@@ -30,6 +30,7 @@ from services.gpu_worker.layers.linear import (
     pack_linears,
     warm_packed,
 )
+from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
@@ -40,24 +41,6 @@ _apply_rope = apply_rope  # the name the kernel tests compare against
 
 #: rows of a step the MLP runs at once on the C kernels (longer prefills go in slices)
 MLP_ROWS = 256
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fused.rms_norm(x, self.weight, self.eps)  # the C kernel on the CPU, where built
-        if out is not None:
-            return out
-        # HF's Qwen2RMSNorm op for op (bitwise), with the temporaries updated in place
-        # (fewer allocations); `.float()` is no copy for float32 input.
-        h = x.float()
-        var = h.pow(2).mean(-1, keepdim=True)
-        y = (h * var.add_(self.eps).rsqrt_()).to(x.dtype)  # fresh either way
-        return y.mul_(self.weight) if y.dtype == self.weight.dtype else y * self.weight
 
 
 class Attention(nn.Module):
@@ -323,6 +306,15 @@ class DecoderLM(DecoderModel):
         if next(self.parameters()).device.type == "cpu":
             huge_pages.place(huge_pages.hot_slots(self, self.head))  # before the C stack keeps their pointers
             self.cpu_stack = CpuDecodeStack.build(self)
+
+    @property
+    def step_stack(self) -> CpuDecodeStack | None:
+        """The C stack where a whole step may run in its one call in place of `forward`
+        (`CpuDecodeStack.run_step`, which computes this forward): not where a subclass has
+        a forward of its own, nor under a final soft-cap."""
+        if type(self).forward is not DecoderLM.forward or self.config.final_softcap is not None:
+            return None
+        return self.cpu_stack
 
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """The LM head's weight as `prepare` packs it (all of it; an embedder has no head)."""
