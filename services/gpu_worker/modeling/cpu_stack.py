@@ -405,13 +405,15 @@ class CpuDecodeStack:
 
     def _grow_io(self, ints: int, rows: int) -> None:
         """`run_step`'s host buffers (kept: their addresses go into the structs once a step,
-        where a fresh array's pointer is itself a cold call): the step's ints, the logits."""
+        where a fresh array's pointer is itself a cold call): the step's ints, and the logits,
+        grown to exactly the most rows a step has sampled (the warm-up's steps come close to
+        the most the limits allow: what the modules' path holds during such a step)."""
         ends = self._ends
         assert ends is not None
         self._io = np.empty(max(ints, 2 * len(self._io)), dtype=np.int64)
         self._io_ptr = self._io.ctypes.data
         if rows > len(self._logits):
-            self._logits = np.empty((max(rows, 2 * len(self._logits)), ends.head.n), dtype=np.float32)
+            self._logits = np.empty((rows, ends.head.n), dtype=np.float32)
             ends.logits = self._logits.ctypes.data
 
     def _set_steps(self, t: int, metas: list, kv_caches: list[torch.Tensor],
