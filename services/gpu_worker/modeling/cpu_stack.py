@@ -353,18 +353,24 @@ class CpuDecodeStack:
         """Each layer kind's metadata, where `run_step` takes the step (every row of each
         label a decode row or a plain chunk's, the chunks' rows computed as decode rows are,
         the KV tensors ones it binds); else None."""
-        kind_meta: dict[str, HostStep] = {}
-        for k, i in self._first.items():
-            meta = metas[i]
+        kind_meta = self._per_kind(metas, kv_caches)
+        if kind_meta is None:
+            return None
+        for meta in kind_meta.values():
             if meta is None or meta.n_slots != t:
                 return None
             if meta.n_chunks and (t > MAX_CHUNK_ROWS or not self._plain_prompt_rows()):
                 return None
-            kind_meta[k] = meta
+        return kind_meta
+
+    def _per_kind(self, metas: list, kv_caches: list[torch.Tensor]) -> dict | None:
+        """Each layer kind's metadata (its first layer's), where every layer of the kind has
+        that same one and the KV tensors are ones the structs bind; else None."""
+        kind_meta = {k: metas[i] for k, i in self._first.items()}
         if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
             return None
         if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
-            self._refused = kv_caches
+            self._refused = kv_caches  # asked once per pool list, not every step
             return None
         return kind_meta
 
@@ -421,16 +427,13 @@ class CpuDecodeStack:
         """Fill the call's step structs from a step's metadata (one per layer kind) and each
         kind's RoPE rows; the longest row's keys, or None where the stack does not take the
         step."""
-        kind_meta = {k: metas[i] for k, i in self._first.items()}
-        if any(m is not kind_meta[k] for m, k in zip(metas, self.kinds)):
+        kind_meta = self._per_kind(metas, kv_caches)
+        if kind_meta is None:
             return None
         for meta in kind_meta.values():
             dec = meta.decode
             if not isinstance(dec, KernelDecode) or meta.prefills or dec.query.shape[1] != t:
                 return None
-        if kv_caches is not self._caches and (kv_caches is self._refused or not self._bind(kv_caches)):
-            self._refused = kv_caches  # asked once per pool list, not every step
-            return None
         s = self.shape
         for st in self._steps:  # (the C side reads the rows from the first)
             st.rows = t
