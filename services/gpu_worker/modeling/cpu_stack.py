@@ -442,6 +442,7 @@ class CpuDecodeStack:
             st, dec, (cos, sin) = self._steps[KINDS.index(k)], meta.decode, ropes[self._rope_of[k]]
             base, step = dec.query.data_ptr(), dec.query.stride(0) * 8
             st.cos, st.sin_signed, st.positions = cos.data_ptr(), sin.data_ptr(), None
+            st.n_chunks = 0  # (a `run_step` before may have left its chunks: pointers into a buffer since reused)
             st.slot_pages, st.slot_offsets = meta.slot_pages.data_ptr(), meta.slot_offsets.data_ptr()
             st.pages, st.width = dec.pages.data_ptr(), dec.pages.shape[1]
             st.qrow, st.entry, st.lo, st.hi = base, base + step, base + 2 * step, base + 3 * step
