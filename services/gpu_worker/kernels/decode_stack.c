@@ -1,6 +1,6 @@
 /* A decode step's whole layer stack in one call (and a step with short prompt chunks beside
- * its decode rows), for a Llama-shaped decoder whose GEMMs are
- * C kernels: quantized GGUF weights (qgemm.c) or float32 in the packed panels of gemm.c
+ * its decode rows), for a Llama-shaped decoder whose GEMMs are C kernels: quantized GGUF
+ * weights (qgemm.c) or float32 in the packed panels of gemm.c
  * (services/gpu_worker/modeling/cpu_stack.py decides when it applies).
  *
  * Why: on the CPU a one-row decode step of a small model is mostly the per-op cost around
@@ -198,9 +198,10 @@ static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t
 
 /* x [rows, hidden] in place through every layer; steps[layer's step] its metadata. Returns 0,
  * or the first kernel's error code (a GEMM's -1 as -10 - layer * 8 - which, the decode
- * attention's as -20000 - layer, a prompt chunk's as -30000 - layer). The modules' order (modeling/decoder_lm.py): a Llama layer is
- * x += attn(norm1(x)); x += mlp(norm2(x)); a Gemma 3 layer x += norm2(attn(norm1(x)));
- * x += norm4(mlp(norm3(x))), with q and k normalised per head before RoPE. */
+ * attention's as -20000 - layer, a prompt chunk's as -30000 - layer). The modules' order
+ * (modeling/decoder_lm.py): a Llama layer is x += attn(norm1(x)); x += mlp(norm2(x)); a
+ * Gemma 3 layer x += norm2(attn(norm1(x))); x += norm4(mlp(norm3(x))), with q and k
+ * normalised per head before RoPE. */
 int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps, float *x,
                        float *work, void *qscratch, float *ascratch, int threads) {
     const int64_t t = steps[0].rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
