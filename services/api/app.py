@@ -28,7 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import embeddings, openai_routes, scoring, speech, tokenization
+from services.api import dialects, embeddings, openai_routes, scoring, speech, tokenization
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -172,6 +172,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
+        *dialects.http_routes(),
         Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
         Route("/v1/audio/speech", speech.speech, methods=["POST"]),
         Route("/tokenize", _guard(tokenization.tokenize), methods=["POST"]),

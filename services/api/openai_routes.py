@@ -18,27 +18,17 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.errors import ApiError
+from services.api.chat import plan_chat
 from services.api.fanout import Choice, expand
 from services.api.forms import Form, parse_form
 from services.api.openai_format import ChatReply, CompletionReply, ManyReply
-from services.api.openai_params import (
-    check_model,
-    parse_chat,
-    parse_completion,
-    parse_transcription,
-    with_grammar,
-    with_prompt,
-)
-from services.api.reasoning import after_thinking, prompt_state, thinks
+from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription
 from services.api.schemas import ModelCard, ModelList, openapi
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
-from services.api.tools import pick_format, prepare_messages, tool_grammar
 from services.api.transcription import TranscriptionReply, language_code, require_speech_model
 from services.api.validation import GenerateParams
-from shared.errors import ErrorKind
 from shared.version import mstar_version
 
 
@@ -67,7 +57,9 @@ async def get_model(request: Request) -> Response:
 
 @functools.cache
 def _openapi_document() -> bytes:
-    return msgspec.json.encode(openapi(mstar_version()))
+    from services.api.dialects import shapes  # the dialects import this module's neighbours
+
+    return msgspec.json.encode(openapi(mstar_version(), shapes()))
 
 
 async def openapi_json(request: Request) -> Response:
@@ -102,26 +94,14 @@ def _firsts(choices: list[Choice]) -> set[int]:
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     req, messages = parse_chat(obj, state.settings.model_name, vision=bool(state.settings.image_placeholder))
-    if state.chat_template is None:
-        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
-                       "use /v1/completions with a formatted prompt", "messages")
-    fmt, native = pick_format(state.chat_template.source, state.settings.tool_call_parser)
-    tools = req.tools
-    if tools is not None and tools.forced:
-        req = with_grammar(req, tool_grammar(tools, fmt))
-    messages = prepare_messages(messages, tools, fmt, native)
-    listed = tools.tools if tools is not None and native else None
-    req = with_prompt(req, state.chat_template.render(messages, tools=listed, extra=req.template_kwargs))
-    reasoning = prompt_state(req.params.prompt or "") if thinks(state.chat_template.source) else None
-    if reasoning is not None and req.params.sampling.grammar is not None:  # the constraint binds the answer
-        req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), check=None)
+    plan = plan_chat(req, messages, state)
+    req = plan.req
     created = int(time.time())
 
     def reply(index: int = 0, final_usage: bool = True) -> ChatReply:
         return ChatReply(req.params.request_id, state.settings.model_name, created, include_usage=req.include_usage,
                          tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage,
-                         tool_format=fmt if tools is not None else None,
-                         tools_forced=tools is not None and tools.forced, reasoning=reasoning)
+                         tool_format=plan.tool_format, tools_forced=plan.tools_forced, reasoning=plan.reasoning)
 
     choices = expand(req.params, [], req.n)
     if not choices:

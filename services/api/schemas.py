@@ -705,19 +705,20 @@ def _declare_unsupported(component: dict[str, Any], cls: type[Body]) -> None:
             properties[name] = {"enum": [None, *neutral], "description": message}
 
 
-def openapi(version: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of `ROUTES`: paths with their bodies and replies, and every
-    Struct as a component."""
-    bodies = {route: route.body if isinstance(route.body, tuple) else (route.body,) for route in ROUTES.values()
+def openapi(version: str, extra: dict[tuple[str, str], Route] | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `ROUTES` and the dialects' `extra` routes: paths with
+    their bodies and replies, and every Struct as a component."""
+    routes = {**ROUTES, **(extra or {})}
+    bodies = {route: route.body if isinstance(route.body, tuple) else (route.body,) for route in routes.values()
               if route.body is not None}
-    types: list[Any] = [t for route in ROUTES.values() for t in (route.response, route.form) if t is not None]
+    types: list[Any] = [t for route in routes.values() for t in (route.response, route.form) if t is not None]
     types += [t for group in bodies.values() for t in group] + [ErrorResponse, *EXTRA_COMPONENTS.values()]
     schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     schema_of = dict(zip(types, schemas, strict=True))
     components.update({name: schema_of[tp] for name, tp in EXTRA_COMPONENTS.items()})
     error = {"application/json": {"schema": schema_of[ErrorResponse]}}
     paths: dict[str, dict[str, Any]] = {}
-    for (path, method), route in ROUTES.items():
+    for (path, method), route in routes.items():
         content: dict[str, Any] = {}
         if route in bodies:
             for cls in bodies[route]:

@@ -89,9 +89,11 @@ def json_body(body: bytes, content_type: str | None) -> dict[str, Any]:
 
 
 async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], what: str,
-                decode: Callable[[bytes, str | None], Any] = json_body) -> Response | EventStream:
+                decode: Callable[[bytes, str | None], Any] = json_body,
+                errors: Callable[[ApiError], Response] = error_response) -> Response | EventStream:
     """Run one request end to end; `what` names the route in logs. `decode` turns the body
-    (and its Content-Type) into what `accept` takes: a JSON object, or a `forms.Form`."""
+    (and its Content-Type) into what `accept` takes: a JSON object, or a `forms.Form`.
+    `errors` writes a refusal in the route's dialect (OpenAI's shape unless told)."""
     started = time.perf_counter()
     arrival = time.time()
     state = api_state(request)
@@ -109,10 +111,10 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
                                                arrival_time=arrival, task=prepared.task)
     except ApiError as err:
         state.metrics.count(status_label(err.status))
-        return error_response(err)
+        return errors(err)
     except Exception as exc:
         state.metrics.count("error_5xx")
-        return error_response(internal_error(f"accepting a {what} request", exc))
+        return errors(internal_error(f"accepting a {what} request", exc))
 
     watcher = watch_disconnect(request.receive, gen)
     handed_over = False
@@ -128,10 +130,10 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
         handed_over = True
         return EventStream(gen, events, first, watcher, prepared.reply)
     except ApiError as err:
-        return error_response(err)
+        return errors(err)
     except Exception as exc:
         gen.close("error_5xx")
-        return error_response(internal_error(f"serving {gen.request_id}", exc))
+        return errors(internal_error(f"serving {gen.request_id}", exc))
     finally:
         if not handed_over:
             watcher.cancel()

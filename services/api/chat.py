@@ -1,0 +1,54 @@
+"""The one chat path every dialect takes: a validated chat request and its messages ->
+the prompt (the checkpoint's chat template), the tools' format and grammar, and where a
+reasoning template leaves the thinking.
+
+`/v1/chat/completions` (OpenAI), `/v1/responses` (OpenAI Responses) and `/v1/messages`
+(Anthropic Messages) differ in how a body is read and how the answer is written; each
+translates its body into a chat request (`openai_params.parse_chat`'s `OpenAIRequest` and
+plain-dict messages) and calls `plan_chat`, so the template, the tool formats, the
+reasoning split and the structured-output grammar are one code in all three.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from services.api.errors import ApiError
+from services.api.openai_params import OpenAIRequest, with_grammar, with_prompt
+from services.api.reasoning import after_thinking, prompt_state, thinks
+from services.api.state import ApiState
+from services.api.tools import pick_format, prepare_messages, tool_grammar
+from shared.errors import ErrorKind
+
+
+class ChatPlan(NamedTuple):
+    """A chat request ready to generate, and what its reply needs to read the answer."""
+
+    #: the request with its rendered prompt (and its grammar, for forced tool calls)
+    req: OpenAIRequest
+    #: how tool calls are written in the answer (None: the request has no tools)
+    tool_format: str | None
+    #: tool_choice required or a named function: the answer is calls only
+    tools_forced: bool
+    #: where the prompt leaves a reasoning template's thinking (None: not a reasoning template)
+    reasoning: str | None
+
+
+def plan_chat(req: OpenAIRequest, messages: list[dict[str, Any]], state: ApiState,
+              messages_param: str = "messages") -> ChatPlan:
+    """Render `messages` with the served model's chat template; `messages_param` names the
+    dialect's field in a refusal (a model without a chat template)."""
+    if state.chat_template is None:
+        raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
+                       "use /v1/completions with a formatted prompt", messages_param)
+    fmt, native = pick_format(state.chat_template.source, state.settings.tool_call_parser)
+    tools = req.tools
+    if tools is not None and tools.forced:
+        req = with_grammar(req, tool_grammar(tools, fmt))
+    messages = prepare_messages(messages, tools, fmt, native)
+    listed = tools.tools if tools is not None and native else None
+    req = with_prompt(req, state.chat_template.render(messages, tools=listed, extra=req.template_kwargs))
+    reasoning = prompt_state(req.params.prompt or "") if thinks(state.chat_template.source) else None
+    if reasoning is not None and req.params.sampling.grammar is not None:  # the constraint binds the answer
+        req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), check=None)
+    return ChatPlan(req, fmt if tools is not None else None, tools is not None and tools.forced, reasoning)
