@@ -12,7 +12,14 @@ does not compile is a 400 naming the field, with llguidance's reason):
 The grammar is llguidance's own (`LLMatcher.grammar_from_*`): the api compiles and checks it
 once, and the frame carries the compiled text, so the worker never sees a request field.
 JSON schemas are compiled strictly: a keyword llguidance cannot enforce is refused by name,
-never ignored.
+never ignored. Before compiling, a schema gets the defaults llama.cpp's schema converter
+and vLLM's strict backends give (`tightened`), so a small model cannot run away inside it:
+- an object that declares `properties` is closed to them unless it says otherwise
+  (`additionalProperties` or `patternProperties` given; `true` reopens it); an object with
+  no `properties` (`{"type": "object"}`, `json_object`) stays open;
+- an integer without a bound in some direction gets one of 16 digits (|n| < 10^16, as
+  llama.cpp's `integral-part` allows; a bound the schema gives is kept), and a number's
+  integer part likewise.
 """
 
 from __future__ import annotations
@@ -37,6 +44,59 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 
+#: the most digits an unbounded integer may have (llama.cpp's converter allows 16)
+INTEGER_DIGITS = 16
+_INT_LIMIT = 10**INTEGER_DIGITS - 1
+#: keywords whose value is one subschema, a list of them, or a name -> subschema map
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_MANY = ("anyOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _is(schema: dict[str, Any], kind: str) -> bool:
+    t = schema.get("type")
+    return t == kind or (isinstance(t, list) and kind in t)
+
+
+def _bound(schema: dict[str, Any], limit: int | float) -> None:
+    """An integer's (or a number's integer part's) range, where the schema leaves a side open."""
+    if "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = limit
+    if "minimum" not in schema and "exclusiveMinimum" not in schema:
+        schema["minimum"] = -limit
+
+
+def tightened(schema: Any, closable: bool = True) -> Any:
+    """A copy of `schema` with the defaults above; `closable` is false for the members of an
+    `allOf`, whose properties are merged (closing each would refuse the others')."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = (tightened(out[key]) if not isinstance(out[key], list)
+                        else [tightened(s) for s in out[key]])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [tightened(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [tightened(s, closable=False) for s in out["allOf"]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: tightened(s) for name, s in out[key].items()}
+    has_type = "type" in out
+    if (closable and isinstance(out.get("properties"), dict) and (not has_type or _is(out, "object"))
+            and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()):
+        out["additionalProperties"] = False
+    if "enum" not in out and "const" not in out:
+        if _is(out, "integer") and not _is(out, "number"):
+            _bound(out, _INT_LIMIT)
+        elif _is(out, "number"):
+            _bound(out, float(_INT_LIMIT + 1))
+    return out
+
+
 def _llg():
     import llguidance
 
@@ -57,7 +117,7 @@ def _schema(value: dict[str, Any] | bool | str, param: str) -> dict[str, Any] | 
 
 def _from_schema(schema: dict[str, Any] | bool, param: str) -> str:
     try:
-        return _llg().grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return _llg().grammar_from_json_schema(tightened(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise invalid(param, f"{param} is not a usable JSON schema: {exc}") from None
 

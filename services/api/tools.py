@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from services.api.errors import invalid
-from services.api.structured import JSON_OPTIONS
+from services.api.structured import JSON_OPTIONS, tightened
 
 if TYPE_CHECKING:  # schemas imports this module (through openai_format)
     from services.api.schemas import ChatCompletionRequest, HistoryToolCall, ToolDefinition
@@ -201,7 +201,7 @@ def prepare_messages(messages: list[dict[str, Any]], tools: Tools | None, fmt: s
 
 def _fn_schema(tool: dict[str, Any], key: str) -> dict[str, Any]:
     fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: fn["parameters"]},
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: tightened(fn["parameters"])},
             "required": ["name", key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
 
 
@@ -216,7 +216,7 @@ def tool_grammar(tools: Tools, fmt: str) -> str:
         return f"start: {json.dumps(MISTRAL_MARKER)} %json {json.dumps(array)}\n"
     if fmt == "mistral_args":
         fns = [f"fn{i}: {json.dumps(t['function']['name'] + MISTRAL_ARGS)} "
-               f"%json {json.dumps({**t['function']['parameters'], 'x-guidance': JSON_OPTIONS})}"
+               f"%json {json.dumps({**tightened(t['function']['parameters']), 'x-guidance': JSON_OPTIONS})}"
                for i, t in enumerate(tools.tools)]
         call = f"call: {json.dumps(MISTRAL_MARKER)} (" + " | ".join(f"fn{i}" for i in range(len(fns))) + ")"
         return "\n".join(["start: call+" if tools.parallel else "start: call", call, *fns]) + "\n"
