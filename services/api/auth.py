@@ -1,14 +1,16 @@
-"""Optional API key (`--api-key` / `MSTAR_API_KEY`): `Authorization: Bearer <key>`.
+"""Optional API key (`--api-key` / `MSTAR_API_KEY`): `Authorization: Bearer <key>`, or
+`x-api-key: <key>` (Anthropic's header, which its SDK sends).
 
 An ASGI middleware in front of every route, so no route can forget the check; only the
 probes `/health` and `/ready` stay open (orchestrators call them without credentials).
 `/metrics` needs the key like everything else (Prometheus can send a bearer token).
 
 A refusal is 401 with OpenAI's error body (`type` invalid_request_error, `code`
-invalid_api_key) and `WWW-Authenticate: Bearer`. A WebSocket handshake without the key
-is refused before it is accepted: with a 401 and the same body where the server offers
-the ASGI `websocket.http.response` extension, else by closing with 1008 (policy
-violation), which servers turn into an HTTP 403 to the handshake.
+invalid_api_key) and `WWW-Authenticate: Bearer`; under `/v1/messages` the body is
+Anthropic's (`{"type": "error", "error": {"type": "authentication_error", ...}}`). A
+WebSocket handshake without the key is refused before it is accepted: with a 401 and the
+same body where the server offers the ASGI `websocket.http.response` extension, else by
+closing with 1008 (policy violation), which servers turn into an HTTP 403 to the handshake.
 
 The comparison is constant-time (`hmac.compare_digest`), so a key cannot be found by
 timing replies.
@@ -39,9 +41,25 @@ def bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+def api_key_header(scope: Scope) -> bytes | None:
+    """The value of an `x-api-key` header (Anthropic's), or None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-api-key":
+            return value.strip() or None
+    return None
+
+
 def auth_error(token: bytes | None) -> ApiError:
-    message = "missing API key: send the header Authorization: Bearer <key>" if token is None else "invalid API key"
+    message = ("missing API key: send the header Authorization: Bearer <key> (or x-api-key: <key>)" if token is None
+               else "invalid API key")
     return ApiError(HttpKind.UNAUTHORIZED, message, code="invalid_api_key")
+
+
+def _body(err: ApiError, path: str) -> bytes:
+    """The 401's body: Anthropic's error shape on its routes, OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        return encode({"type": "error", "error": {"type": "authentication_error", "message": err.message}})
+    return encode(err.body())
 
 
 class ApiKeyMiddleware:
@@ -55,8 +73,9 @@ class ApiKeyMiddleware:
         self._open = frozenset(open_paths)
 
     def _allowed(self, scope: Scope) -> tuple[bool, bytes | None]:
-        token = bearer_token(scope)
-        return token is not None and hmac.compare_digest(token, self._key), token
+        tokens = [t for t in (bearer_token(scope), api_key_header(scope)) if t is not None]
+        ok = [hmac.compare_digest(t, self._key) for t in tokens]  # each compared, in constant time
+        return any(ok), tokens[0] if tokens else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("path") in self._open:
@@ -68,7 +87,7 @@ class ApiKeyMiddleware:
             return
         err = auth_error(token)
         if scope["type"] == "http":
-            await _send_401(send, "http.response", encode(err.body()))
+            await _send_401(send, "http.response", _body(err, scope.get("path", "")))
             return
         # WebSocket: take the connect event, then refuse the handshake.
         message = await receive()
