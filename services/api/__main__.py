@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' on every route but /health and /ready "
                         "(env MSTAR_API_KEY; default: none, no key needed)")
     add_media_flags(p)
+    p.add_argument("--responses-store-max", type=int, default=int(os.environ.get("MSTAR_RESPONSES_STORE_MAX", 1000)),
+                   help="most /v1/responses kept in memory for previous_response_id and GET, least recently used "
+                        "evicted first; 0 keeps none (env MSTAR_RESPONSES_STORE_MAX; default 1000)")
+    p.add_argument("--responses-store-ttl", type=float,
+                   default=float(os.environ.get("MSTAR_RESPONSES_STORE_TTL_S", 3600.0)), metavar="SECONDS",
+                   help="seconds a stored response is kept (env MSTAR_RESPONSES_STORE_TTL_S; default 3600)")
     add_logging_flags(p)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("MSTAR_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
@@ -249,6 +255,8 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
+        responses_store_max=args.responses_store_max,
+        responses_store_ttl_s=args.responses_store_ttl,
         **media_settings(args),  # type: ignore[arg-type]
     )
     return settings, tokenizer

@@ -76,6 +76,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
+    #: stored /v1/responses (`dialects/responses/store.py`): at most this many (least
+    #: recently used evicted first; 0 stores none), each for at most this many seconds
+    responses_store_max: int = 1000
+    responses_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.model_name.strip():
@@ -88,6 +92,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_model_len and log_stats_s must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
+        if self.responses_store_max < 0 or self.responses_store_ttl_s <= 0:
+            raise ValueError("responses_store_max must be >= 0 and responses_store_ttl_s > 0")
         self.media_policy()  # a bad media setting is refused at start, not at the first image
 
     def media_policy(self) -> MediaPolicy:
