@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
+from shared.generation_config import FLAG_HELP as GENERATION_FLAG_HELP
 from shared.logs import add_logging_flags
 from shared.memory import release_free_heap
 
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=("auto", "hermes", "llama3_json", "mistral", "mistral_args"),
                        help="the format the model writes tool calls in: auto (chosen from the chat template), "
                             "hermes, llama3_json, mistral or mistral_args (env MSTAR_TOOL_CALL_PARSER; default auto)")
+    serve.add_argument("--generation-config", default=os.environ.get("MSTAR_GENERATION_CONFIG") or "auto",
+                       help=GENERATION_FLAG_HELP)
     serve.add_argument("--host", default=os.environ.get("MSTAR_API_HOST") or "127.0.0.1",
                        help="address the HTTP api binds (env MSTAR_API_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=int(os.environ.get("MSTAR_API_PORT") or 8000),
@@ -395,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         api_flags += ["--chat-template", chat_template]
     if args.tool_call_parser != "auto":
         api_flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.generation_config not in ("auto", "vllm", "none"):  # a folder: as the api's cwd may differ
+        api_flags += ["--generation-config", os.path.abspath(os.path.expanduser(args.generation_config))]
+    elif args.generation_config != "auto":
+        api_flags += ["--generation-config", args.generation_config]
     api_flags += media_flags(args)
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:

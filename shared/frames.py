@@ -121,6 +121,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Per-request model options for the spec's `process_prompt` (language and task above
     # are two of them); the data worker drops a value for a key the spec sets itself.
     options: dict[str, MetaValue] = {}
+    #: with max_tokens None: the model's default (generation_config.json's max_new_tokens),
+    #: still bounded by what the prompt leaves (None: the most the limits allow)
+    max_tokens_default: int | None = None
 
 
 # ---- data_worker -> conductor -> gpu_worker -----------------------------------------
@@ -142,6 +145,8 @@ class NewRequest(msgspec.Struct, tag="new_request", **HOT):
     arrival_time: float = 0.0
     #: `process_prompt`'s metadata (and the client's model options it does not set)
     metadata: dict[str, MetaValue] = {}
+    #: with max_tokens None: the model's default, bounded by the limits (GenerateRequest's)
+    max_tokens_default: int | None = None
 
     def without_layouts(self) -> NewRequest:
         """The copy a data worker keeps after sending: layouts live only on the wire."""

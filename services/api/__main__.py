@@ -21,6 +21,7 @@ from shared.config import (
     kv_dtype,
     resolve_addresses,
 )
+from shared.generation_config import FLAG_HELP as GENERATION_FLAG_HELP
 from shared.logs import add_logging_flags, setup_logging
 from shared.memory import release_free_heap
 from shared.zmq_utils import cleanup_ipc
@@ -39,6 +40,25 @@ DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end 
 KEEP_ALIVE_S = 65.0
 
 
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """How the served model is named and read: its name, tool-call format, default
+    sampling and chat template."""
+    p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
+                   help="the name /v1/models lists and OpenAI requests must give as `model` "
+                        "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
+    p.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
+                   choices=("auto", "hermes", "llama3_json", "mistral", "mistral_args"),
+                   help="the format the model writes tool calls in: hermes, llama3_json, mistral, mistral_args, "
+                        "or auto (chosen from the chat template) (env MSTAR_TOOL_CALL_PARSER; default auto)")
+    p.add_argument("--generation-config", default=os.environ.get("MSTAR_GENERATION_CONFIG") or "auto",
+                   help=GENERATION_FLAG_HELP)
+    p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
+                   help="a Jinja chat template file that replaces the checkpoint's "
+                        "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.api.settings import (
         DEFAULT_LOG_STATS_S,
@@ -55,16 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP port (env MSTAR_API_PORT; default 8000)")
     # --model, --max-seq-len (for max_model_len), and --deployment as the launcher hands it
     add_deployment_flags(p, names=("model", "max_seq_len"))
-    p.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
-                   help="the name /v1/models lists and OpenAI requests must give as `model` "
-                        "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
-    p.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
-                   choices=("auto", "hermes", "llama3_json", "mistral", "mistral_args"),
-                   help="the format the model writes tool calls in: hermes, llama3_json, mistral, mistral_args, "
-                        "or auto (chosen from the chat template) (env MSTAR_TOOL_CALL_PARSER; default auto)")
-    p.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
-                   help="a Jinja chat template file that replaces the checkpoint's "
-                        "(env MSTAR_CHAT_TEMPLATE; default: the checkpoint's own)")
+    add_model_flags(p)
     add_address_flags(p, ADDRESSES)
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None,
                    help="the api address workers reply to "
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)%s",
              settings.model_name, args.host, args.port, settings.api_addr, reply_to,
              "; API key required" if settings.api_key else "")
+    log.info("default sampling from %s: %s", args.generation_config, settings.generation_defaults.describe())
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -220,6 +232,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
     from services.api.chat_template import read_template_file
     from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES, ApiSettings
     from services.api.transcription import default_language, is_speech_model
+    from shared.generation_config import read_generation_defaults
     from shared.model_source import ModelSource
 
     d = deployment_from_args(args)
@@ -251,6 +264,8 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         max_model_len=max_model_len(source, d),
         log_stats_s=args.log_stats_s,
         tool_call_parser=args.tool_call_parser,
+        generation_defaults=read_generation_defaults(args.generation_config,
+                                                     source.path if source.kind == "hf" else None),
         task=spec.task,
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,

@@ -51,6 +51,7 @@ from services.api.validation import (
     ImageRef,
     check_audio,
     json_repr,
+    left_out,
     load,
     sampling_params,
     stop_strings,
@@ -165,6 +166,7 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
         input_ids=input_ids,
         stream=stream,
         stop=stop_strings(req.stop),
+        defaulted=left_out(req),
     )
     return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(req.echo),
                          logprobs=logprobs, n=n, prompts=prompts)
@@ -242,6 +244,7 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tup
         stop=stop_strings(req.stop),
         add_special_tokens=False,
         image_refs=tuple(images),
+        defaulted=left_out(req),
     )
     tools = parse_tools(req)
     if tools is not None and tools.forced and params.sampling.grammar is not None:

@@ -39,8 +39,10 @@ def _model_card(state: ApiState) -> ModelCard:
     if settings.image_placeholder:
         inputs.append("image")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"]}.get(settings.task, ["score"])
+    defaults = msgspec.structs.asdict(settings.generation_defaults)
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
-                     image_placeholder=settings.image_placeholder or None)
+                     image_placeholder=settings.image_placeholder or None,
+                     default_sampling={k: v for k, v in defaults.items() if v is not None} or None)
 
 
 async def list_models(request: Request) -> Response:

@@ -468,6 +468,9 @@ class ModelCard(msgspec.Struct):
     object: str = "model"
     owned_by: str = "mstar"
     image_placeholder: str | None = None
+    #: the sampling defaults in force where a request leaves a field out (the checkpoint's
+    #: generation_config.json, `--generation-config`), `max_tokens` among them; null: none
+    default_sampling: dict[str, float | int] | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -19,6 +19,7 @@ from services.api.media import (
     MediaPolicy,
 )
 from shared.config import advertised, env_address
+from shared.generation_config import GenerationDefaults
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 #: ... for a model that takes images: a chat body carries its images as base64 data URLs
@@ -56,6 +57,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0
+    #: the checkpoint's sampling defaults (generation_config.json; `--generation-config`),
+    #: under every request's own fields
+    generation_defaults: GenerationDefaults = GenerationDefaults()
     log_stats_s: float = DEFAULT_LOG_STATS_S  # the stats line's period while there is traffic; 0: off
     #: the format tool calls are parsed from ("auto": chosen from the chat template)
     tool_call_parser: str = "auto"

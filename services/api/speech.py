@@ -45,6 +45,7 @@ from services.api.events import DeltaEvent, DoneEvent, error_event, sse_chunk
 from services.api.openai_params import check_model
 from services.api.schemas import SpeechRequest
 from services.api.serving import Prepared, serve
+from services.api.settings import ApiSettings
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, context_turns, load, new_request_id
@@ -69,6 +70,11 @@ def check_speech(req: SpeechRequest) -> str:
     if req.stream_format == "audio" and fmt in SOUNDFILE:
         raise invalid("stream_format", f"{fmt} cannot be streamed as it is made; use pcm or wav, or stream_format sse")
     return fmt
+
+
+def model_defaults(settings: ApiSettings) -> dict[str, float]:
+    """The model family's speech defaults, under the checkpoint's generation_config.json."""
+    return {**settings.speech_defaults, **settings.generation_defaults.sampling()}
 
 
 def sampling_fields(req: SpeechRequest, defaults: dict[str, float]) -> dict[str, Any]:
@@ -166,9 +172,10 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     fmt = check_speech(req)
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
-                            sampling=SamplingParams(**sampling_fields(req, settings.speech_defaults)),
+                            sampling=SamplingParams(**sampling_fields(req, model_defaults(settings))),
                             max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens),
-                            prompt=req.input, options=options, context=context_turns(req.context))
+                            prompt=req.input, options=options, context=context_turns(req.context),
+                            defaulted=frozenset())  # its sampling is filled above; max_tokens' default applies
     reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
     return Prepared(params, req.stream_format is not None, reply, task="speech")
 

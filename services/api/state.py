@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 from tokenizers import Tokenizer
 
 from services.api.backend import Backend
@@ -17,7 +18,7 @@ from services.api.media import load_image
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.validation import GenerateParams, check_token_ids
-from shared.frames import GenerateRequest
+from shared.frames import GenerateRequest, SamplingParams
 
 
 class ApiState:
@@ -52,10 +53,12 @@ class ApiState:
             raise invalid("model", task_refusal(self.settings.model_name, self.settings.task, task))
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         images = await self.load_images(params)
+        sampling = self.with_model_defaults(params)
+        defaults = self.settings.generation_defaults
         req = GenerateRequest(
             request_id=params.request_id,
             model=self.settings.model_name,
-            sampling=params.sampling,
+            sampling=sampling,
             reply_to=self.settings.advertise_addr,
             max_tokens=params.max_tokens,
             prompt=params.prompt,
@@ -68,6 +71,7 @@ class ApiState:
             options=dict(params.options),
             images=list(images),
             context=list(params.context),
+            max_tokens_default=defaults.max_tokens if params.defaulted is not None else None,
         )
         handle = await self.backend.submit(req)
         return Generation(
@@ -78,10 +82,17 @@ class ApiState:
             started=started,
             prompt_tokens=len(params.input_ids or ()),
             stop=params.stop,
-            sampling=params.sampling,
+            sampling=sampling,
             count_prompt=count_prompt,
         )
 
+
+    def with_model_defaults(self, params: GenerateParams) -> SamplingParams:
+        """The request's sampling with the checkpoint's defaults (generation_config.json) in
+        the fields its client left out."""
+        model = self.settings.generation_defaults.sampling()
+        fill = {name: value for name, value in model.items() if name in (params.defaulted or ())}
+        return msgspec.structs.replace(params.sampling, **fill) if fill else params.sampling
 
     async def load_images(self, params: GenerateParams) -> tuple[bytes, ...]:
         """The files of the images the request names, fetched and checked (`media.py`), all

@@ -55,6 +55,7 @@ from services.api.structured import parse_structured
 from shared.errors import ErrorKind
 from shared.frames import ContextTurn as ContextFrame
 from shared.frames import SamplingParams
+from shared.generation_config import SAMPLING
 
 log = logging.getLogger("mstar.api")
 B = TypeVar("B", bound=Body)
@@ -93,6 +94,10 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     #: speech models that continue a conversation (CSM): its earlier turns, audio decoded
     #: from base64 (the data worker decodes the files themselves)
     context: tuple[ContextFrame, ...] = ()
+    #: the sampling fields the client left out, which take the model's defaults
+    #: (generation_config.json) where it has them (`left_out`); None: the route takes none
+    #: of them (max_tokens' default included)
+    defaulted: frozenset[str] | None = None
 
 
 # ---- decoding --------------------------------------------------------------------------------
@@ -378,6 +383,11 @@ def sampling_params(body: SamplingFields | TranscriptionForm, max_tokens: int | 
     return SamplingParams(**given, **{k: v for k, v in extra.items() if v is not None})
 
 
+def left_out(body: SamplingFields) -> frozenset[str]:
+    """The sampling fields a model's generation_config.json may set that `body` leaves out."""
+    return frozenset(name for name in SAMPLING if getattr(body, name, None) is None)
+
+
 def check_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
     """logit_bias keys and stop_token_ids must be tokens of the model's vocabulary."""
     for name, ids in (("logit_bias", sampling.logit_bias), ("stop_token_ids", sampling.stop_token_ids)):
@@ -412,7 +422,7 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
         raise invalid("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
                           prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop),
-                          image_refs=images, context=context_turns(req.context))
+                          image_refs=images, context=context_turns(req.context), defaulted=left_out(req))
 
 
 def context_turns(turns: list[ContextTurn] | None) -> tuple[ContextFrame, ...]:
@@ -456,4 +466,4 @@ def parse_audio_generate(obj: Mapping[str, Any], audio: bytes | None) -> Generat
     sampling = sampling_params(req, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
                           stream=req.stream, stop=stop_strings(req.stop), audio=check_audio(audio),
-                          language=req.language, task=req.task)
+                          language=req.language, task=req.task, defaulted=left_out(req))

@@ -164,6 +164,8 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
         # ...and what the smallest pool can hold (one row per token, the last never written).
         pool_rows = min(p.num_pages * p.page_size for p in pools.values())
         max_tokens = max(1, min(max_tokens, pool_rows - req.prompt_len + 1))
+        if req.max_tokens_default is not None:  # the model's own default (generation_config.json)
+            max_tokens = min(max_tokens, req.max_tokens_default)
     if decode_iters is not None and max_tokens - 1 > decode_iters:
         named = "" if spec.decode_loop == "decode_loop" else f" ({spec.decode_loop})"  # a speech model's frame_loop
         raise Refusal(ErrorKind.TOO_LONG,

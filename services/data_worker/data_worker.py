@@ -205,6 +205,7 @@ class DataWorker:
             msg = NewRequest(
                 req.request_id, req.model, refs, req.sampling, req.reply_to, prompt_len,
                 req.max_tokens, ppo.kv_layout, arrival_time=req.arrival_time, metadata=metadata,
+                max_tokens_default=req.max_tokens_default,
             )
         except Exception:
             error_id = new_error_id()

@@ -217,10 +217,10 @@ def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
-                                    "output_modalities", "image_placeholder"}
+                                    "output_modalities", "image_placeholder", "default_sampling"}
     card = body["data"][0]
     assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])
-    assert card["image_placeholder"] is None
+    assert card["image_placeholder"] is None and card["default_sampling"] is None  # no generation_config.json
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     r = client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
