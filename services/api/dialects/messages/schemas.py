@@ -36,11 +36,17 @@ class MessagesCacheControl(Body):
     ttl: Literal["5m", "1h"] | None = None
 
 
+#: a field of the SDK's reply objects that a client may send back in the history as null
+#: (`model_dump()` of a reply block writes it)
+SdkNull = Annotated[None, Meta(description="null (a reply block's field, sent back unchanged)")]
+
+
 class MessagesTextParam(Body, tag_field="type", tag="text"):
     """A text block."""
 
     text: str
     cache_control: MessagesCacheControl | None = None
+    citations: SdkNull = None
 
 
 class MessagesBase64Source(Body, tag_field="type", tag="base64"):
@@ -72,6 +78,8 @@ class MessagesToolUseParam(Body, tag_field="type", tag="tool_use"):
     name: NonEmpty
     input: Annotated[dict[str, Any], Meta(description="the call's arguments, an object")]
     cache_control: MessagesCacheControl | None = None
+    caller: SdkNull = None
+    toolset_name: SdkNull = None
 
 
 class MessagesToolResultParam(Body, tag_field="type", tag="tool_result"):
