@@ -40,8 +40,11 @@ if TYPE_CHECKING:  # schemas imports tools, which imports this module
 
 #: the keys of vLLM's `structured_outputs` that name a constraint
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-#: JSON the model writes is compact-friendly but may use whitespace as the schema allows
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+#: between two JSON tokens at most one space, or a newline and an indent of up to 20: the
+#: `space` rule of llama.cpp's converter. Models write `{"a": 1}` and pretty-printed JSON as
+#: they learned it (forced into compact JSON, SmolLM2 ran away in a third of the cases the
+#: agents test asks), and a bounded gap cannot be padded forever.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern": r"(?:[ ]|\n[ \t]{0,20})?"}
 
 
 #: the most digits an unbounded integer may have (llama.cpp's converter allows 16)

@@ -103,3 +103,11 @@ def test_forced_tool_arguments_are_closed_and_bounded(tokenizer):
     assert accepts(tokenizer, grammar, call)
     assert not accepts(tokenizer, grammar, call.replace('"limit":5', '"limit":5,"description":"y"'))
     assert not accepts(tokenizer, grammar, call.replace('"limit":5', '"limit":' + "1" * 17))
+
+
+def test_the_gap_between_tokens_is_llama_cpps_space_rule(tokenizer):
+    grammar = schema_grammar(CITY)
+    assert accepts(tokenizer, grammar, '{"name": "Oslo", "population": 7}')
+    assert accepts(tokenizer, grammar, '{\n  "name": "Oslo",\n  "population": 7\n}')
+    assert not accepts(tokenizer, grammar, '{"name":  "Oslo","population":7}')  # two spaces
+    assert not accepts(tokenizer, grammar, '{"name":' + "\n" + " " * 21 + '"Oslo","population":7}')
