@@ -50,15 +50,15 @@ def api_key_header(scope: Scope) -> bytes | None:
 
 
 def auth_error(token: bytes | None) -> ApiError:
-    message = ("missing API key: send the header Authorization: Bearer <key> (or x-api-key: <key>)" if token is None
-               else "invalid API key")
+    message = "missing API key: send the header Authorization: Bearer <key>" if token is None else "invalid API key"
     return ApiError(HttpKind.UNAUTHORIZED, message, code="invalid_api_key")
 
 
-def _body(err: ApiError, path: str) -> bytes:
-    """The 401's body: Anthropic's error shape on its routes, OpenAI's elsewhere."""
+def _body(err: ApiError, token: bytes | None, path: str) -> bytes:
+    """The 401's body: Anthropic's error shape (naming its header) on its routes, OpenAI's elsewhere."""
     if path.startswith("/v1/messages"):
-        return encode({"type": "error", "error": {"type": "authentication_error", "message": err.message}})
+        message = "missing API key: send the header x-api-key: <key>" if token is None else err.message
+        return encode({"type": "error", "error": {"type": "authentication_error", "message": message}})
     return encode(err.body())
 
 
@@ -87,7 +87,7 @@ class ApiKeyMiddleware:
             return
         err = auth_error(token)
         if scope["type"] == "http":
-            await _send_401(send, "http.response", _body(err, scope.get("path", "")))
+            await _send_401(send, "http.response", _body(err, token, scope.get("path", "")))
             return
         # WebSocket: take the connect event, then refuse the handshake.
         message = await receive()
