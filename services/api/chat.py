@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from services.api.errors import ApiError
+from services.api.errors import ApiError, invalid
 from services.api.openai_params import OpenAIRequest, with_grammar, with_prompt
 from services.api.reasoning import after_thinking, prompt_state, thinks
-from services.api.state import ApiState
+from services.api.state import ApiState, task_refusal
 from services.api.tools import pick_format, prepare_messages, tool_grammar
 from shared.errors import ErrorKind
 
@@ -38,6 +38,9 @@ def plan_chat(req: OpenAIRequest, messages: list[dict[str, Any]], state: ApiStat
               messages_param: str = "messages") -> ChatPlan:
     """Render `messages` with the served model's chat template; `messages_param` names the
     dialect's field in a refusal (a model without a chat template)."""
+    settings = state.settings
+    if settings.task not in ("generate", "speech"):  # an embedding or scoring model: name its task and routes
+        raise invalid("model", task_refusal(settings.model_name, settings.task, "generate"))
     if state.chat_template is None:
         raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
                        "use /v1/completions with a formatted prompt", messages_param)

@@ -113,7 +113,8 @@ class ApiState:
 
 
 #: the route family of each task, for the refusal of another task's route
-TASK_ROUTES = {"generate": "/generate, /v1/completions and /v1/chat/completions", "embed": "/v1/embeddings",
+TASK_ROUTES = {"generate": "/generate, /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages",
+               "embed": "/v1/embeddings",
                "speech": "/v1/audio/speech (and /generate: tokens and audio)",
                "score": "/v1/score and /v1/rerank"}
 

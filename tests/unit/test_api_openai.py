@@ -19,6 +19,7 @@ from services.api.metrics import ApiMetrics
 from services.api.openai_format import ChatReply, CompletionReply
 from services.api.openai_params import parse_chat, parse_completion
 from services.api.settings import ApiSettings
+from services.api.state import task_refusal
 from shared.errors import ErrorKind
 from shared.frames import Output
 from shared.model_source import TokenizerBundle
@@ -372,3 +373,13 @@ async def test_stop_inside_a_speculative_burst_ends_at_the_same_token(finish) ->
     assert burst.usage == one_by_one.usage == Usage(3, 3) and burst.finish_reason == "stop"
     assert aborts_one == [("r1", "stop")]
     assert aborts_burst == ([("r1", "stop")] if finish is None else [])  # a finished request needs no abort
+
+
+def test_chat_on_an_embedding_model_names_its_task_and_routes(tmp_path) -> None:
+    bundle = TokenizerBundle(tiny_tokenizer(), CHAT_TEMPLATE, [0])
+    with TestClient(create_app(make_settings(tmp_path, task="embed"), bundle)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["message"] == task_refusal(MODEL, "embed", "generate")
+    assert "/v1/embeddings" in r.json()["error"]["message"]
