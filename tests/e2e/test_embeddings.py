@@ -143,7 +143,8 @@ def test_a_chat_model_refuses_embeddings(smollm_server):
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "model"
     assert r.json()["error"]["message"].endswith("is a 'generate' model: this route is for 'embed' models; it "
-                                                 "serves /generate, /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages")
+                                                 "serves /generate, /v1/completions, /v1/chat/completions, "
+                                                 "/v1/responses and /v1/messages")
 
 
 def test_task_embed_serves_a_decoder_lm_by_its_last_token(tmp_path):
