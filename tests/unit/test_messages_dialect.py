@@ -61,8 +61,10 @@ def test_sampling_stop_and_ids() -> None:
     assert p.stop == ["a", "b"] and p.max_tokens == 16 and not p.add_special_tokens
     assert p.request_id.startswith("msg_") and t.req.stream and p.stream and t.req.tools is None
     assert t.messages == [{"role": "user", "content": "hi"}]
-    defaults = parsed(body()).req.params.sampling
-    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (1.0, 1.0, 0)
+    assert p.defaulted == {"min_p", "repetition_penalty"}  # generation_config.json may fill them
+    left = parsed(body()).req.params
+    assert (left.sampling.temperature, left.sampling.top_p, left.sampling.top_k) == (1.0, 1.0, 0)
+    assert left.defaulted == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 
 
 def test_system_text_blocks_and_tool_history() -> None:

@@ -22,6 +22,7 @@ The mapping (choices Anthropic's API leaves to a server are marked *):
   tools shown; `disable_parallel_tool_use` -> at most one call where a grammar enforces
   calls (any, tool);
 - `stop_sequences` -> stop strings; `temperature` (Anthropic's [0, 1]), `top_p`, `top_k`;
+  the sampling fields a body leaves out take the model's generation_config.json defaults;
 - `thinking`: * disabled -> a thinking template rendered with `enable_thinking: false`
   (Qwen3's switch; other templates ignore it); enabled -> allowed only where the template
   thinks, its budget checked as Anthropic checks it (>= 1024 and below `max_tokens`), not
@@ -57,6 +58,7 @@ from services.api.structured import JSON_OPTIONS, validated
 from services.api.tools import Tools
 from services.api.validation import GenerateParams, ImageRef, stop_strings
 from shared.frames import SamplingParams
+from shared.generation_config import SAMPLING
 
 
 class Translated(NamedTuple):
@@ -255,6 +257,9 @@ def translate(req: MessagesInput, served: str, template: str | None, vision: boo
                                   top_p=sampling.top_p if req.top_p is None else req.top_p,
                                   top_k=sampling.top_k if req.top_k is None else req.top_k)
         stream, stops = bool(req.stream), stop_strings(req.stop_sequences)
+    # the sampling fields left out take the model's generation_config.json defaults, as on chat
+    defaulted = frozenset(name for name in SAMPLING if getattr(req, name, None) is None)
     params = GenerateParams(request_id=message_id(), sampling=sampling, max_tokens=max_tokens, prompt=None,
-                            stream=stream, stop=stops, add_special_tokens=False, image_refs=tuple(images))
+                            stream=stream, stop=stops, add_special_tokens=False, image_refs=tuple(images),
+                            defaulted=defaulted)
     return Translated(OpenAIRequest(params=params, stream=stream, tools=tools, template_kwargs=kwargs), messages)
