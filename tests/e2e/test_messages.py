@@ -178,6 +178,24 @@ def test_max_tokens(smollm_server, smollm, greedy):
     assert _text(greedy).startswith(_text(done))
 
 
+def test_prefill_is_continued(smollm_server, smollm):
+    """A final assistant turn is continued: the reply equals /v1/completions on the prompt
+    /tokenize renders with continue_final_message (transformers' cut after its content)."""
+    client, model = smollm
+    prefill = "The capital of France is"
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    done = client.messages.create(model=model, system=SYSTEM, messages=messages, max_tokens=12, extra_body=GREEDY)
+    chat = [{"role": "system", "content": SYSTEM}, *messages]
+    ids = httpx.post(smollm_server.url + "/tokenize", json={"messages": chat, "add_generation_prompt": False,
+                                                            "continue_final_message": True}, timeout=10).json()
+    assert done.usage.input_tokens == ids["count"]
+    assert client.messages.count_tokens(model=model, system=SYSTEM, messages=messages).input_tokens == ids["count"]
+    completion = openai.OpenAI(base_url=smollm_server.url + "/v1", api_key="x", max_retries=0).completions.create(
+        model=model, prompt=ids["tokens"], max_tokens=12, temperature=0)
+    assert _text(done) == completion.choices[0].text and _text(done)
+    assert done.stop_reason == STOP_REASONS[completion.choices[0].finish_reason]
+
+
 @pytest.mark.parametrize(("messages", "extra", "field"), [
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "4"}]}], {},
      "messages.0.content.0.tool_use_id"),

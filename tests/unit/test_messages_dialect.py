@@ -93,6 +93,13 @@ def test_system_text_blocks_and_tool_history() -> None:
     ]
 
 
+def test_a_final_assistant_turn_is_a_prefill() -> None:
+    t = parsed(body(messages=[*USER, {"role": "assistant", "content": [{"type": "text", "text": "The"},
+                                                                       {"type": "text", "text": "answer is"}]}]))
+    assert t.messages == [{"role": "user", "content": "hi"}] and t.prefill == "The\nanswer is"
+    assert parsed(body()).prefill == ""
+
+
 def test_images_on_a_vision_model_are_data_urls_in_order() -> None:
     content = [{"type": "text", "text": "what?"},
                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}},
@@ -151,8 +158,11 @@ def test_thinking() -> None:
      'messages.0.content.0.tool_use_id: "toolu_9" answers no tool_use block of an earlier assistant message'),
     (body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
      "messages.0.content.0.type: a tool_use block is not allowed in a user message"),
-    (body(messages=[*USER, {"role": "assistant", "content": "The answer is"}]),
-     "messages.1: the last message must be a user message (prefilling the assistant's reply is not supported)"),
+    (body(messages=[*USER, {"role": "assistant", "content": "The answer is "}]),
+     "messages.1: final assistant content cannot end with trailing whitespace"),
+    (body(messages=[*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
+     "messages.1.content.0.type: a final assistant message (a prefill) holds text only, not a tool_use block"),
     (body(messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "x"}}]}]),
      'messages.0.content.0.source.media_type must be image/jpeg, image/png, image/gif or image/webp, got "image/tiff"'),

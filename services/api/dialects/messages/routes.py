@@ -28,6 +28,7 @@ from services.api.dialects.messages.schemas import (
 )
 from services.api.dialects.messages.translate import translate
 from services.api.errors import ApiError, internal_error, invalid
+from services.api.openai_params import with_prompt
 from services.api.serving import Prepared, api_state, json_response, read_body, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
@@ -37,7 +38,14 @@ from services.api.validation import decode_json_object, load
 def _plan(req: MessagesInput, state: ApiState) -> ChatPlan:
     template = state.chat_template.source if state.chat_template is not None else None
     translated = translate(req, state.settings.model_name, template, bool(state.settings.image_placeholder))
-    return plan_chat(translated.req, translated.messages, state)
+    plan = plan_chat(translated.req, translated.messages, state)
+    if not translated.prefill:
+        return plan
+    at = f"messages.{len(req.messages) - 1}"
+    if plan.tools_forced or plan.reasoning is not None:
+        why = "tool_choice forces a call" if plan.tools_forced else "the served model's template thinks"
+        raise invalid(at, f"{at}: a final assistant message (a prefill) cannot be continued here: {why}")
+    return plan._replace(req=with_prompt(plan.req, (plan.req.params.prompt or "") + translated.prefill))
 
 
 def _prompt_tokens(plan: ChatPlan, state: ApiState) -> int:

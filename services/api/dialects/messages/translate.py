@@ -13,8 +13,11 @@ The mapping (choices Anthropic's API leaves to a server are marked *):
   * `is_error: true` writes the result as `Error: <content>` (chat has no error flag);
 - an assistant turn's text -> `content`, its `tool_use` blocks -> `tool_calls` (arguments
   as the object), its `thinking` blocks are dropped (templates drop earlier thinking);
-  * a final assistant turn (Anthropic's prefill) is refused: the chat path renders a
-    generation prompt after every turn;
+- a final assistant turn of text is Anthropic's prefill: the prompt is the conversation
+  before it with the generation prompt, then that text, which the reply continues (the
+  reply holds only the continuation). As Anthropic, it may not end in whitespace; it may
+  not hold tool_use blocks, and (`routes.py`) is refused with forced tool calls or where
+  the template thinks (the grammar and the thinking split start at the reply);
 - `image` sources: base64 -> a `data:` URL, url -> the URL, through the api's image path;
 - `tools[].input_schema` (type object, compiled by llguidance: a schema it cannot
   enforce is a 400 naming the tool) -> the function's `parameters`;
@@ -66,6 +69,8 @@ class Translated(NamedTuple):
 
     req: OpenAIRequest
     messages: list[dict[str, Any]]
+    #: the final assistant turn's text, which the reply continues ("" for none)
+    prefill: str = ""
 
 
 def message_id() -> str:
@@ -229,18 +234,32 @@ def template_kwargs(req: MessagesInput, template: str | None, max_tokens: int | 
     return {"enable_thinking": True}
 
 
-def messages_of(req: MessagesInput, vision: bool) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """The conversation as the chat path's plain-dict messages, and its images in order."""
+def _prefill(req: MessagesInput) -> str:
+    """The text of a final assistant turn ("" when the last turn is the user's)."""
+    last, at = req.messages[-1], f"messages.{len(req.messages) - 1}"
+    if last.role != "assistant":
+        return ""
+    blocks = [MessagesTextParam(text=last.content)] if isinstance(last.content, str) else last.content
+    for j, block in enumerate(blocks):
+        if not isinstance(block, MessagesTextParam | MessagesThinkingParam):
+            kind = type(block).__struct_config__.tag
+            raise invalid(f"{at}.content.{j}.type", f"{at}.content.{j}.type: a final assistant message (a prefill) "
+                          f"holds text only, not a {kind} block")
+    text = "\n".join(b.text for b in blocks if isinstance(b, MessagesTextParam))
+    if text != text.rstrip():
+        raise invalid(at, f"{at}: final assistant content cannot end with trailing whitespace")
+    return text
+
+
+def messages_of(req: MessagesInput, vision: bool) -> tuple[list[dict[str, Any]], list[ImageRef], str]:
+    """The conversation as the chat path's plain-dict messages, its images in order, and
+    the prefill (the final assistant turn's text, left out of the messages)."""
     turns = _Turns(vision)
     turns.system(req.system)
-    for i, msg in enumerate(req.messages):
+    prefill = _prefill(req)
+    for i, msg in enumerate(req.messages[:-1] if prefill or req.messages[-1].role == "assistant" else req.messages):
         turns.turn(i, msg)
-    last = req.messages[-1]
-    if last.role == "assistant":
-        at = f"messages.{len(req.messages) - 1}"
-        raise invalid(at, f"{at}: the last message must be a user message (prefilling the assistant's reply is "
-                      "not supported)")
-    return turns.out, turns.images
+    return turns.out, turns.images, prefill
 
 
 def translate(req: MessagesInput, served: str, template: str | None, vision: bool) -> Translated:
@@ -249,7 +268,7 @@ def translate(req: MessagesInput, served: str, template: str | None, vision: boo
     max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None
     kwargs = template_kwargs(req, template, max_tokens)
     tools = tools_of(req)
-    messages, images = messages_of(req, vision)
+    messages, images, prefill = messages_of(req, vision)
     sampling = SamplingParams()
     stream, stops = False, []
     if isinstance(req, MessagesRequest):
@@ -262,4 +281,5 @@ def translate(req: MessagesInput, served: str, template: str | None, vision: boo
     params = GenerateParams(request_id=message_id(), sampling=sampling, max_tokens=max_tokens, prompt=None,
                             stream=stream, stop=stops, add_special_tokens=False, image_refs=tuple(images),
                             defaulted=defaulted)
-    return Translated(OpenAIRequest(params=params, stream=stream, tools=tools, template_kwargs=kwargs), messages)
+    return Translated(OpenAIRequest(params=params, stream=stream, tools=tools, template_kwargs=kwargs), messages,
+                      prefill)
