@@ -44,15 +44,21 @@ def smol(smollm_server) -> tuple[openai.OpenAI, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama served with a hermes tool template; the test module restarts it."""
+def tiny_server(tmp_path_factory):
+    """A tiny random Llama served with a hermes tool template (the last test restarts it)."""
     folder = tmp_path_factory.mktemp("responses")
     ckpt = make_checkpoint(folder / "tiny-llama", "llama", max_position_embeddings=4096)
     (folder / "template.jinja").write_text(HERMES_TEMPLATE)
     server = MstarServer(str(ckpt), folder / "log.txt", "--num-kv-pages", "512",
                          "--chat-template", str(folder / "template.jinja")).start()
-    yield server, ckpt.name
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_server) -> tuple[MstarServer, str]:
+    """(the server, its model name); through `tiny_server`, pages_back_to_zero checks it."""
+    return tiny_server, tiny_client(tiny_server).models.list().data[0].id
 
 
 def tiny_client(server: MstarServer) -> openai.OpenAI:
