@@ -31,7 +31,7 @@ def served(tmp_path_factory):
 
 
 def test_models_and_the_log_say_which_defaults_are_in_force(served):
-    server, name = served
+    server, _ = served
     card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
     assert card["default_sampling"] == {"temperature": 0.0, "max_tokens": 6}
     assert "default sampling from auto: temperature=0.0, max_tokens=6" in server.log()
@@ -52,7 +52,7 @@ def test_left_out_fields_take_the_files_defaults(served):
 
 
 def test_the_requests_own_values_win(served):
-    server, name = served
+    server, _ = served
     body = {"prompt": "the sea", "ignore_eos": True}
     longer = httpx.post(server.url + "/generate", json={**body, "max_tokens": 9}, timeout=60).json()
     assert len(longer["token_ids"]) == 9

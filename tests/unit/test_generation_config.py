@@ -59,7 +59,7 @@ def test_the_flag_auto_vllm_none_and_a_folder(tmp_path):
     assert read_generation_defaults(str(other / "generation_config.json"), None) == GenerationDefaults(top_k=5)
     assert read_generation_defaults("auto", None) == GenerationDefaults()  # a GGUF file has none
     assert read_generation_defaults("auto", other.parent / "missing") == GenerationDefaults()
-    with pytest.raises(ValueError, match="no generation_config.json there"):
+    with pytest.raises(ValueError, match=r"no generation_config\.json there"):
         read_generation_defaults(str(tmp_path / "nowhere"), ckpt)
     (other / "generation_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
