@@ -258,6 +258,9 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     prefix_hit_tokens: int = 0  # prompt rows they did not compute
     spec_draft_tokens: int = 0  # speculative drafts verified
     spec_accepted_tokens: int = 0  # of them, accepted
+    #: the CPU kernels' class the worker runs (`cpu_kernels.cpu_class`: avx512, avx2, neon,
+    #: generic), "" where it runs none (CUDA, no compiler, MSTAR_CPU_KERNELS=0)
+    kernels: str = ""
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):

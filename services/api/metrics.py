@@ -125,6 +125,12 @@ class ClusterCollector(Collector):
         yield self._counter("mstar_kv_footprint_overruns",
                             "pages taken past a label's footprint (bugs), summed over workers",
                             sum(w.footprint_overruns for w in ws))
+        kernels = GaugeMetricFamily("mstar_cpu_kernels_info", "1 for the CPU kernels' class each worker runs "
+                                    "(avx512, avx2, neon, generic; none: no CPU kernels)",
+                                    labels=["model_name", "worker_id", "kernels"])
+        for w in ws:
+            kernels.add_metric([self.model_name, w.worker_id, w.kernels or "none"], 1.0)
+        yield kernels
         placed = CounterMetricFamily("mstar_worker_requests_dispatched",
                                      "requests the conductor placed on each ready worker (since it registered)",
                                      labels=["model_name", "worker_id"])

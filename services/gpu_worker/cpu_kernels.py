@@ -9,6 +9,15 @@ cached by a hash of its source, flags and compiler, so a restart only loads it.
 Where there is no compiler (a slim image), or `MSTAR_CPU_KERNELS=0`, or the build fails,
 `library()` returns None and attention keeps its torch path: same results, slower
 decode. Nothing else depends on a kernel being there.
+
+The kernels are built for one class of CPU (`cpu_class()`): `avx512` (AVX-512 with VNNI,
+BW and VL: Zen 4+, Ice Lake+, Sapphire Rapids; hosts with AMX run it too), `avx2` (AVX2,
+FMA and F16C, x86-64-v3: Zen 2/3, Haswell+ and every recent desktop chip), `neon` (64-bit
+Arm) or `generic` (anything else: plain C the compiler vectorizes as it can). Each kernel
+picks its code for the class at compile time. `MSTAR_CPU_CLASS` forces a lower x86 class
+than the host's (`avx2` on an AVX-512 host), so every x86 path is built, tested and
+measured on any x86 machine; a class the host cannot run is refused. The class is part of
+the build's flags, so of the cached shared object's name and of every cache keyed by it.
 """
 
 from __future__ import annotations
@@ -29,13 +38,64 @@ log = logging.getLogger("mstar.cpu_kernels")
 SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
 
 
+#: x86 kernel classes, best first, and the CPU flags each needs
+X86_CLASSES = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "avx2": ("avx2", "fma", "f16c"),
+               "generic": ()}
+#: compiler flags per class (avx2: exactly x86-64-v3, so a forced AVX2 build on an AVX-512
+#: host runs the instructions an AVX2-only machine has, no more)
+CLASS_FLAGS = {"avx512": ["-march=native", "-mprefer-vector-width=512"], "avx2": ["-march=x86-64-v3", "-mtune=native"],
+               "generic": ["-march=x86-64-v2", "-mtune=native"], "neon": ["-mcpu=native"]}
+
+
+def host_flags() -> set[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`) from /proc/cpuinfo."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def host_class() -> str:
+    """The best kernel class this CPU runs."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return "neon"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "generic"
+    flags = host_flags()
+    return next(c for c, need in X86_CLASSES.items() if all(f in flags for f in need))
+
+
+@functools.cache
+def cpu_class() -> str:
+    """The class the kernels are built for: the host's, or a lower x86 one that
+    `MSTAR_CPU_CLASS` asks for (ValueError for a class the host cannot run)."""
+    host = host_class()
+    asked = os.environ.get("MSTAR_CPU_CLASS", "auto").strip().lower() or "auto"
+    if asked == "auto" or asked == host:
+        return host
+    order = list(X86_CLASSES)
+    if host in order and asked in order and order.index(asked) > order.index(host):
+        return asked
+    runs = ", ".join(order[order.index(host):]) if host in order else host
+    raise ValueError(f"MSTAR_CPU_CLASS={asked}: this CPU runs {runs} (auto: {host})")
+
+
+def describe() -> str:
+    """`kernels: <class>` for the start-up log, with the host's class where it was forced
+    lower and `amx` where the host has AMX (which no kernel uses yet)."""
+    cls, host = cpu_class(), host_class()
+    extra = [f"host {host}, MSTAR_CPU_CLASS"] if cls != host else []
+    if "amx_int8" in host_flags():
+        extra.append("host has amx")
+    return f"kernels: {cls}" + (f" ({'; '.join(extra)})" if extra else "")
+
+
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
-    elif platform.machine() in ("aarch64", "arm64"):
-        flags += ["-mcpu=native"]
-    return flags
+    return ["-O3", "-fopenmp", "-shared", "-fPIC", *CLASS_FLAGS[cpu_class()]]
 
 
 def cpu_signature() -> str:
@@ -100,6 +160,11 @@ def build(name: str = "mstar_kernels") -> Path | None:
 def library() -> ctypes.CDLL | None:
     """kernels/*.c, built and loaded (None: use torch's ops)."""
     if os.environ.get("MSTAR_CPU_KERNELS", "1").lower() in ("0", "false", "no"):
+        return None
+    try:
+        log.info("%s", describe())
+    except ValueError as exc:
+        log.error("%s; the CPU kernels are off (torch's ops are used)", exc)
         return None
     path = build()
     if path is None:

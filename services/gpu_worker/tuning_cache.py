@@ -56,8 +56,12 @@ def machine_identity() -> list:
 
     lib = cpu_kernels.library()
     name = getattr(lib, "_name", None)
+    try:
+        cls = cpu_kernels.cpu_class()
+    except ValueError:
+        cls = "none"
     return [platform.machine(), cpu_kernels.cpu_signature(), os.cpu_count(), len(os.sched_getaffinity(0)),
-            cpu_limit(), None if name is None else Path(name).name, os.environ.get("MSTAR_CPU_KERNELS", "1")]
+            cpu_limit(), None if name is None else Path(name).name, os.environ.get("MSTAR_CPU_KERNELS", "1"), cls]
 
 
 @functools.cache

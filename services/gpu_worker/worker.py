@@ -7,6 +7,7 @@ between steps every queued frame is drained, so new requests join the next step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -101,6 +102,15 @@ class Gather:
         return left
 
 
+def kernel_class(device: torch.device) -> str:
+    """The CPU kernels' class this worker runs (`WorkerStats.kernels`; "" where none)."""
+    from services.gpu_worker import cpu_kernels
+
+    if device.type != "cpu" or cpu_kernels.library() is None:
+        return ""
+    return cpu_kernels.cpu_class()
+
+
 class GpuWorker:
     def __init__(self, d: Deployment, bind_addr: str, advertise_addr: str, conductor_addr: str, worker_id: str) -> None:
         self.d = d
@@ -133,6 +143,8 @@ class GpuWorker:
         self.fingerprint = fingerprint(d)
         self.refused: str | None = None  # the conductor's reason, when it refused this worker
         self._last_stats: tuple | None = None
+        tensor = next(itertools.chain(parts.model.parameters(), parts.model.buffers()), torch.empty(0))
+        self._kernels = kernel_class(tensor.device)
         self.liveness = Liveness(self.ctx, conductor_addr, worker_id, self.incarnation, self._held)
         #: the exit status `__main__` returns (a lost device or a hung step: non-zero, restarted)
         self.exit_code = 0
@@ -204,7 +216,7 @@ class GpuWorker:
             self._last_stats = key
             self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting),
                                            kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens,
-                                           drafted, accepted))
+                                           drafted, accepted, kernels=self._kernels))
 
     def _held(self) -> str:
         """The requests this worker holds, for the step watchdog's log line."""

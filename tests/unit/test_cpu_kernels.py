@@ -54,3 +54,46 @@ def test_another_cpu_gets_its_own_build(fresh, monkeypatch):
     second = cpu_kernels.build()
     assert first is not None and second is not None and first != second
     assert sorted(fresh.glob("mstar_kernels-*.so")) == sorted([first, second])
+
+
+@pytest.fixture
+def cpu_class_env(monkeypatch):
+    """MSTAR_CPU_CLASS set by the test, the class cache cleared before and after."""
+    cpu_kernels.cpu_class.cache_clear()
+    yield monkeypatch
+    cpu_kernels.cpu_class.cache_clear()
+
+
+def test_the_host_class_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"}
+    for flags, want in ((zen4, "avx512"), (zen4 - {"avx512_vnni"}, "avx2"), ({"avx2", "fma", "f16c"}, "avx2"),
+                        ({"avx", "sse4_2"}, "generic")):
+        monkeypatch.setattr(cpu_kernels, "host_flags", lambda f=flags: f)
+        assert cpu_kernels.host_class() == want, flags
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.host_class() == "neon"
+
+
+def test_a_lower_x86_class_may_be_forced_never_a_higher_one(cpu_class_env):
+    cpu_class_env.setattr(cpu_kernels, "host_class", lambda: "avx512")
+    cpu_class_env.setenv("MSTAR_CPU_CLASS", "avx2")
+    assert cpu_kernels.cpu_class() == "avx2"
+    assert cpu_kernels.describe().startswith("kernels: avx2 (host avx512, MSTAR_CPU_CLASS")
+    assert "-march=x86-64-v3" in cpu_kernels._flags() and "-march=native" not in cpu_kernels._flags()
+    cpu_kernels.cpu_class.cache_clear()
+    cpu_class_env.setattr(cpu_kernels, "host_class", lambda: "avx2")
+    cpu_class_env.setenv("MSTAR_CPU_CLASS", "avx512")
+    with pytest.raises(ValueError, match="MSTAR_CPU_CLASS=avx512: this CPU runs avx2, generic"):
+        cpu_kernels.cpu_class()
+
+
+def test_each_class_builds_its_own_object(cpu_class_env):
+    if cpu_kernels.host_class() != "avx512":
+        pytest.skip("needs an AVX-512 host to build both x86 classes")
+    native = cpu_kernels.build()  # the suite's own cache: usually built already
+    cpu_kernels.cpu_class.cache_clear()
+    cpu_class_env.setenv("MSTAR_CPU_CLASS", "avx2")
+    forced = cpu_kernels.build()
+    assert native is not None and forced is not None and native != forced  # the class is in the object's key
+    assert native.exists() and forced.exists()
