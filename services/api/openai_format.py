@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from services.api.answer import AnswerStream, read_answer
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode, floor
-from services.api.reasoning import ReasoningStream, split
-from services.api.tools import ToolCall, ToolCallDelta, ToolStream, extract
+from services.api.tools import ToolCall, ToolCallDelta
 from shared.frames import TokenLogprobs
 
 DONE_LINE = b"data: [DONE]\n\n"
@@ -325,10 +325,9 @@ class ChatReply:
         self._k = logprobs
         #: the format tool calls are parsed from (None: the request has no tools)
         self.tool_format = tool_format
-        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
         #: the prompt's thinking state (None: not a reasoning template)
         self.reasoning = reasoning
-        self._thinking = ReasoningStream(reasoning) if reasoning is not None else None
+        self._answer = AnswerStream(reasoning, tool_format, tools_forced)
 
     def _logprobs(self, event: DeltaEvent | DoneEvent) -> ChatLogprobs | None:
         if self._k is None or event.logprobs is UNSET:
@@ -336,16 +335,14 @@ class ChatReply:
         return chat_logprobs(self._text_of, event.token_ids, event.logprobs)
 
     def choice(self, done: DoneEvent) -> ChatChoice:
-        thinking, answer = (None, done.text) if self.reasoning is None else split(done.text, self.reasoning)
-        reasoning_content: str | UnsetType = UNSET if thinking is None else thinking
-        if self.tool_format is not None:
-            content, calls = extract(answer, self.tool_format)
-            if calls:
-                return ChatChoice(self.index, ChatMessage(content, tool_calls=calls,
-                                                          reasoning_content=reasoning_content),
-                                  "tool_calls", self._logprobs(done), _stop_reason(done))
-        return ChatChoice(self.index, ChatMessage(answer, reasoning_content=reasoning_content), done.finish_reason,
-                          self._logprobs(done), _stop_reason(done))
+        answer = read_answer(done.text, self.reasoning, self.tool_format)
+        reasoning_content: str | UnsetType = UNSET if answer.thinking is None else answer.thinking
+        if answer.calls:
+            return ChatChoice(self.index, ChatMessage(answer.content, tool_calls=answer.calls,
+                                                      reasoning_content=reasoning_content),
+                              "tool_calls", self._logprobs(done), _stop_reason(done))
+        return ChatChoice(self.index, ChatMessage(answer.content, reasoning_content=reasoning_content),
+                          done.finish_reason, self._logprobs(done), _stop_reason(done))
 
     def wrap(self, choices: list, usage: OpenAIUsage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
@@ -361,12 +358,10 @@ class ChatReply:
         return _data(chunk)
 
     def _parts(self, thinking: str, answer: str) -> bytes:
-        """Chunks for text cut into thinking and answer (the answer through the tool-call hold-back)."""
+        """Chunks for text cut into thinking and answer (already through the tool-call hold-back)."""
         out = b""
         if thinking:
             out += self._chunk(ChatDelta(reasoning_content=thinking), None)
-        if self._tools is not None:
-            answer = self._tools.feed(answer)
         if answer:
             out += self._chunk(ChatDelta(content=answer), None)
         return out
@@ -377,24 +372,19 @@ class ChatReply:
             self._started = True
             out = self._chunk(ChatDelta(role="assistant", content=""), None)
         if type(event) is DeltaEvent:
-            if self._thinking is None and self._tools is None:  # plain text: as it comes, with its logprobs
+            if self._answer.plain:  # plain text: as it comes, with its logprobs
                 if event.text or (self._k is not None and event.token_ids):
                     out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
                 return out
-            thinking, answer = (("", event.text) if self._thinking is None else self._thinking.feed(event.text))
-            return out + self._parts(thinking, answer)
+            return out + self._parts(*self._answer.feed(event.text))
         assert type(event) is DoneEvent
         finish = event.finish_reason
-        if self._thinking is not None:
-            out += self._parts(*self._thinking.finish())
-        if self._tools is not None:
-            rest, calls = self._tools.finish()
-            if rest:
-                out += self._chunk(ChatDelta(content=rest), None)
-            if calls:
-                out += self._chunk(ChatDelta(tool_calls=[ToolCallDelta(i, c.id, c.function)
-                                                          for i, c in enumerate(calls)]), None)
-                finish = "tool_calls"
+        thinking, rest, calls = self._answer.finish()
+        out += self._parts(thinking, rest)
+        if calls:
+            out += self._chunk(ChatDelta(tool_calls=[ToolCallDelta(i, c.id, c.function) for i, c in enumerate(calls)]),
+                               None)
+            finish = "tool_calls"
         out += self._chunk(ChatDelta(), finish, stop_reason=_stop_reason(event))
         if self.include_usage and self._final_usage:
             out += _data(ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_of(event)))

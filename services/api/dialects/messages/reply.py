@@ -9,7 +9,7 @@ reply's `content`: a reasoning model's `thinking` (a `signature_delta` of "" bef
 closes: nothing here signs it), the `text`, then each `tool_use` (whole, as one
 `input_json_delta`: the calls are parsed once the reply is complete, as the chat route does).
 The thinking is split and tool calls held back by the chat route's own pieces
-(`reasoning.split` / `ReasoningStream`, `tools.extract` / `ToolStream`), so a streamed
+(`answer.read_answer` / `AnswerStream`), so a streamed
 reply joins to exactly the unstreamed one. A failure after the stream began is
 `event: error` with Anthropic's error object; nothing follows it.
 
@@ -25,6 +25,7 @@ import uuid
 
 import msgspec
 
+from services.api.answer import AnswerStream, read_answer
 from services.api.dialects.messages.errors import error_event
 from services.api.dialects.messages.schemas import (
     ContentBlockDelta,
@@ -49,8 +50,7 @@ from services.api.dialects.messages.schemas import (
 )
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode
-from services.api.reasoning import ReasoningStream, split
-from services.api.tools import ToolCall, ToolStream, extract
+from services.api.tools import ToolCall
 
 
 def tool_use_id() -> str:
@@ -90,8 +90,7 @@ class MessagesReply:
         self.input_tokens = input_tokens
         self.tool_format = tool_format
         self.reasoning = reasoning
-        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
-        self._thinking = ReasoningStream(reasoning) if reasoning is not None else None
+        self._answer = AnswerStream(reasoning, tool_format, tools_forced)
         self._started = False
         self._index = -1  # the index of the last block started
         self._open: str | None = None  # the kind of the block open now ("thinking", "text")
@@ -100,17 +99,12 @@ class MessagesReply:
 
     def content(self, text: str) -> tuple[list[MessagesBlock], bool]:
         """(the content blocks of a whole reply, whether it holds tool calls)."""
-        thinking, answer = (None, text) if self.reasoning is None else split(text, self.reasoning)
-        blocks: list[MessagesBlock] = [MessagesThinkingBlock(thinking)] if thinking else []
-        calls: list[ToolCall] = []
-        if self.tool_format is not None:
-            content, calls = extract(answer, self.tool_format)
-            if calls:
-                answer = content or ""
-        if answer:
-            blocks.append(MessagesTextBlock(answer))
-        blocks += [tool_use(c) for c in calls]
-        return blocks, bool(calls)
+        answer = read_answer(text, self.reasoning, self.tool_format)
+        blocks: list[MessagesBlock] = [MessagesThinkingBlock(answer.thinking)] if answer.thinking else []
+        if answer.content:
+            blocks.append(MessagesTextBlock(answer.content))
+        blocks += [tool_use(c) for c in answer.calls]
+        return blocks, bool(answer.calls)
 
     def json(self, done: DoneEvent) -> MessagesResponse:
         blocks, calls = self.content(done.text)
@@ -146,10 +140,7 @@ class MessagesReply:
         return out + sse(ContentBlockDelta(self._index, ThinkingDelta(text)))
 
     def _parts(self, thinking: str, answer: str) -> bytes:
-        out = self._think(thinking)
-        if self._tools is not None:
-            answer = self._tools.feed(answer)
-        return out + self._text(answer)
+        return self._think(thinking) + self._text(answer)
 
     def event(self, event: DeltaEvent | DoneEvent) -> bytes:
         out = b""
@@ -158,20 +149,14 @@ class MessagesReply:
             usage = MessagesUsage(self.input_tokens, 0)
             out = sse(MessageStart(MessagesResponse(self.id, self.model, [], None, None, usage))) + sse(Ping())
         if type(event) is DeltaEvent:
-            if self._thinking is None and self._tools is None:
-                return out + self._text(event.text)
-            return out + self._parts(*(("", event.text) if self._thinking is None else self._thinking.feed(event.text)))
+            return out + self._parts(*self._answer.feed(event.text))
         assert type(event) is DoneEvent
-        if self._thinking is not None:
-            out += self._parts(*self._thinking.finish())
-        calls: list[ToolCall] = []
-        if self._tools is not None:
-            rest, calls = self._tools.finish()
-            out += self._text(rest)
-            for call in calls:
-                block = tool_use(call)
-                out += self._start(MessagesToolUseBlock(block.id, block.name, {}))
-                out += sse(ContentBlockDelta(self._index, InputJsonDelta(call.function.arguments)))
+        thinking, rest, calls = self._answer.finish()
+        out += self._parts(thinking, rest)
+        for call in calls:
+            block = tool_use(call)
+            out += self._start(MessagesToolUseBlock(block.id, block.name, {}))
+            out += sse(ContentBlockDelta(self._index, InputJsonDelta(call.function.arguments)))
         out += self._close()
         reason, sequence = stop_of(event, bool(calls))
         usage = MessagesUsage(event.usage.prompt_tokens, event.usage.completion_tokens)

@@ -1,10 +1,10 @@
 """The Responses API's answer: a generation's `DeltaEvent` / `DoneEvent` -> the `response`
 object (JSON), or OpenAI's stream of typed SSE events.
 
-The answer is read as chat's is (`openai_format.ChatReply`): a reasoning template's
-thinking is split off (`reasoning.split` / `ReasoningStream`) into a `reasoning` item, and
-with tools the calls are parsed from the text (`tools.extract` / `ToolStream`) into
-`function_call` items; the rest is a `message` item with one `output_text` part.
+The answer is read as chat's is (`answer.read_answer` / `AnswerStream`): a reasoning
+template's thinking is split off into a `reasoning` item, and with tools the calls are
+parsed from the text into `function_call` items; the rest is a `message` item with one
+`output_text` part.
 
 Stream (each event an SSE `event: <type>` line and a `data:` object with `type` and
 `sequence_number`, numbered from 0): `response.created`, `response.in_progress`; for the
@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from services.api.answer import AnswerStream, read_answer
 from services.api.dialects.responses.schemas import (
     RespArgumentsDeltaEvent,
     RespArgumentsDoneEvent,
@@ -64,8 +65,7 @@ from services.api.dialects.responses.store import ResponseStore, StoredResponse
 from services.api.dialects.responses.translate import as_input
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent
-from services.api.reasoning import ReasoningStream, split
-from services.api.tools import ToolCall, ToolStream, extract
+from services.api.tools import ToolCall
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -128,8 +128,7 @@ class ResponsesReply:
         self._seq = 0
         self._started = False
         self._output: list[RespOutputItem] = []
-        self._thinking = ReasoningStream(ctx.reasoning) if ctx.reasoning is not None else None
-        self._tools = ToolStream(ctx.tool_format, ctx.tools_forced) if ctx.tool_format is not None else None
+        self._answer = AnswerStream(ctx.reasoning, ctx.tool_format, ctx.tools_forced)
         self._open: RespOutputMessage | RespReasoning | None = None  # the item whose text is streaming
         self._text = ""  # the open item's text so far
         self._thought = ""  # all the thinking, for reasoning_tokens
@@ -159,17 +158,11 @@ class ResponsesReply:
 
     def json(self, done: DoneEvent) -> ResponseObject:
         ctx = self.ctx
-        thinking, answer = (None, done.text) if ctx.reasoning is None else split(done.text, ctx.reasoning)
+        thinking, content, calls = read_answer(done.text, ctx.reasoning, ctx.tool_format)
         message_status = "incomplete" if done.finish_reason == "length" else "completed"
         output: list[RespOutputItem] = []
         if thinking is not None:
             output.append(RespReasoning(new_id("rs"), [], [RespReasoningText(thinking)]))
-        content: str | None = answer
-        calls: list[ToolCall] = []
-        if ctx.tool_format is not None:
-            content, calls = extract(answer, ctx.tool_format)
-            if not calls:
-                content = answer
         if content is not None:
             output.append(RespOutputMessage(new_id("msg"), message_status, [RespOutputText(content)]))
         output += [RespFunctionCall(new_id("fc"), c.id, c.function.name, c.function.arguments) for c in calls]
@@ -235,10 +228,7 @@ class ResponsesReply:
                                                    len(self._output) - 1, 0, text))
 
     def _parts(self, thinking: str, answer: str) -> bytes:
-        out = self._think(thinking)
-        if self._tools is not None:
-            answer = self._tools.feed(answer)
-        return out + self._say(answer)
+        return self._think(thinking) + self._say(answer)
 
     def _call(self, call: ToolCall) -> bytes:
         item = RespFunctionCall(new_id("fc"), call.id, call.function.name, "", "in_progress")
@@ -260,16 +250,10 @@ class ResponsesReply:
             out += self._emit(RespLifecycleEvent("response.created", 0, snapshot))
             out += self._emit(RespLifecycleEvent("response.in_progress", 0, snapshot))
         if type(event) is DeltaEvent:
-            if self._thinking is None:
-                return out + self._parts("", event.text)
-            return out + self._parts(*self._thinking.feed(event.text))
+            return out + self._parts(*self._answer.feed(event.text))
         assert type(event) is DoneEvent
-        if self._thinking is not None:
-            out += self._parts(*self._thinking.finish())
-        calls: list[ToolCall] = []
-        if self._tools is not None:
-            rest, calls = self._tools.finish()
-            out += self._say(rest)
+        thinking, rest, calls = self._answer.finish()
+        out += self._parts(thinking, rest)
         if not calls and not any(isinstance(i, RespOutputMessage) for i in self._output):  # an empty answer
             out += self._close_item() + self._open_item(RespOutputMessage(new_id("msg"), "in_progress", []))
         out += self._close_item("incomplete" if event.finish_reason == "length" else "completed")
