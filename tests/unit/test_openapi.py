@@ -46,7 +46,12 @@ def app(tmp_path):
 def test_every_post_route_has_its_body(app) -> None:
     posts = [r.path for r in app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]
     assert len(posts) >= 6
+    declared = {**schemas.ROUTES, **dialects.shapes()}
     for path in posts:
+        shape = declared[(path, "post")]  # every POST route is declared
+        if shape.body is None and shape.form is None:  # an action on a path (a response's cancel)
+            assert "requestBody" not in DOC["paths"][path]["post"], path
+            continue
         assert DOC["paths"][path]["post"]["requestBody"]["content"], path
     generate = DOC["paths"]["/generate"]["post"]["requestBody"]["content"]
     assert {"application/json", "multipart/form-data"} <= set(generate)
