@@ -6,7 +6,7 @@
  * one-row pass needs to read the weight. Here the
  * weight is packed once at load into panels of NR output columns ([K][NR] each, zero
  * padded): the inner loop streams one panel contiguously and does MR x 3 FMAs per k with
- * each x element broadcast from memory, 24 accumulators, FMA-bound; the panel two ahead
+ * each x element broadcast from memory, MR x 3 accumulators, FMA-bound; the panel two ahead
  * is prefetched while one computes (its lines spread over all the row groups that use this
  * panel, not issued in one burst), so the weight's read overlaps the arithmetic.
  * Measured with `python -m bench.gemm` (one thread, bench checkpoint shapes): 16 rows,
@@ -16,26 +16,30 @@
  * share the call: a row's result does not depend on the batch it is in, nor on the threads
  * (pool.h) its blocks of panels are split over.
  *
- * Only built for AVX-512 (mstar_gemm_nr() is 0 elsewhere, and the caller keeps oneDNN).
+ * Built with AVX-512 (16-lane vectors, 32 registers: panels of 48 columns, 8 rows a call)
+ * or AVX2 + FMA (8 lanes, 16 registers: panels of 24 columns, 4 rows a call) over simd.h's
+ * one vector type: the same loop at either width, each output the same FMA chain. Elsewhere
+ * mstar_gemm_nr() is 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "pool.h"
 #include "silu_mul.h"
+#include "simd.h"
 
-#define NR 48 /* output columns per panel: three 16-float vectors */
-#define MR 8  /* rows per micro-kernel call: 8 x 3 accumulators + 3 panel vectors */
+#define NV 3 /* vectors per panel row */
+#if MSTAR_VL == 16
+#define MR 8 /* rows per micro-kernel call: 8 x 3 accumulators + 3 panel vectors */
+#else
+#define MR 4 /* AVX2: 4 x 3 accumulators + 3 panel vectors + the broadcast, 16 registers (6 x 2
+              * with 16-column panels measured ~8% slower here: more broadcasts per FMA) */
+#endif
+#define NR (NV * (MSTAR_VL ? MSTAR_VL : 8)) /* output columns per panel: 48, AVX2 24 */
 #define MC 256 /* rows per block: MC x K floats of x stay in L2 across all panels */
 #define PF_AHEAD 2 /* panels */
 
-int64_t mstar_gemm_nr(void) {
-#ifdef __AVX512F__
-    return NR;
-#else
-    return 0;
-#endif
-}
+int64_t mstar_gemm_nr(void) { return MSTAR_VL ? NR : 0; }
 
 /* w [N, K] row-major (nn.Linear's weight) -> packed [ceil(N / NR)][K][NR], zero padded. */
 void mstar_gemm_pack(const float *w, int64_t n, int64_t k, float *packed) {
@@ -58,56 +62,45 @@ void mstar_gemm_unpack(const float *packed, int64_t n, int64_t k, float *w) {
     }
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
+#if MSTAR_VL
+/* MR x NR outputs (mr rows, a constant) over all of k: each x element broadcast, each panel
+ * row's NV vectors loaded once for the mr rows; then + bias, and the `cols` real columns
+ * stored. */
 static inline __attribute__((always_inline)) void micro(const int mr, const float *x, int64_t ldx, const float *b,
                                                         int64_t k, const float *bias, float *out, int64_t ldo,
                                                         int64_t cols, const float *pf, int64_t pf_lines) {
-    __m512 acc[MR][3];
+    vf acc[MR][NV];
     int64_t due = 0;
 #pragma GCC unroll 8
-    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = acc[m][2] = _mm512_setzero_ps();
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = vzero();
 #pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; kk++) {
-        const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16),
-                     b2 = _mm512_loadu_ps(b + kk * NR + 32);
+        vf bv[NV];
+        for (int v = 0; v < NV; v++) bv[v] = vload(b + kk * NR + v * MSTAR_VL);
         /* this call's share of a panel ahead, pf_lines lines spread evenly over its k loop
          * (a running remainder, no division in the loop) */
         for (due += pf_lines; due >= k; due -= k, pf += 16) _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const __m512 a = _mm512_set1_ps(x[m * ldx + kk]);
-            acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
-            acc[m][2] = _mm512_fmadd_ps(a, b2, acc[m][2]);
+            const vf a = vset1(x[m * ldx + kk]);
+            for (int v = 0; v < NV; v++) acc[m][v] = vfma(a, bv[v], acc[m][v]);
         }
     }
     if (bias != NULL) {
-        const __m512 c0 = _mm512_loadu_ps(bias), c1 = _mm512_loadu_ps(bias + 16), c2 = _mm512_loadu_ps(bias + 32);
+        vf c[NV];
+        for (int v = 0; v < NV; v++) c[v] = vload(bias + v * MSTAR_VL);
 #pragma GCC unroll 8
-        for (int m = 0; m < mr; m++) {
-            acc[m][0] = _mm512_add_ps(acc[m][0], c0);
-            acc[m][1] = _mm512_add_ps(acc[m][1], c1);
-            acc[m][2] = _mm512_add_ps(acc[m][2], c2);
-        }
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < NV; v++) acc[m][v] = vadd(acc[m][v], c[v]);
     }
     if (cols == NR) {
 #pragma GCC unroll 8
-        for (int m = 0; m < mr; m++) {
-            _mm512_storeu_ps(out + m * ldo, acc[m][0]);
-            _mm512_storeu_ps(out + m * ldo + 16, acc[m][1]);
-            _mm512_storeu_ps(out + m * ldo + 32, acc[m][2]);
-        }
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < NV; v++) vstore(out + m * ldo + v * MSTAR_VL, acc[m][v]);
     } else { /* the last panel: masked stores of its `cols` real columns */
-        const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-        const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-        const __mmask16 k2 = cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1);
-        for (int m = 0; m < mr; m++) {
-            _mm512_mask_storeu_ps(out + m * ldo, k0, acc[m][0]);
-            _mm512_mask_storeu_ps(out + m * ldo + 16, k1, acc[m][1]);
-            _mm512_mask_storeu_ps(out + m * ldo + 32, k2, acc[m][2]);
-        }
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < NV; v++) vstore_n(out + m * ldo + v * MSTAR_VL, acc[m][v], cols - v * MSTAR_VL);
     }
 }
 
@@ -120,15 +113,15 @@ static void micro_any(int mr, const float *x, int64_t ldx, const float *b, int64
                       int64_t ldo, int64_t cols, const float *pf, int64_t pf_lines) {
     switch (mr) {
         MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4)
+#if MR > 4
         MICRO_CASE(5) MICRO_CASE(6) MICRO_CASE(7) MICRO_CASE(8)
+#endif
     }
 }
-#endif
 
-#ifdef __AVX512F__
-/* One GEMM: both entry points' arguments. `silu`: the panels hold 24 gate + 24 up columns
- * and each tile goes through silu_mul_rows into 24 output columns, else a panel is NR
- * output columns (+ bias). */
+/* One GEMM: both entry points' arguments. `silu`: the panels hold NR / 2 gate + NR / 2 up
+ * columns and each tile goes through silu_mul_rows into NR / 2 output columns, else a panel
+ * is NR output columns (+ bias). */
 typedef struct {
     const float *x, *packed, *bias;
     float *out;
@@ -140,7 +133,7 @@ typedef struct {
 static void drive_range(const Gemm *g, int64_t m0, int64_t mc, int64_t p0, int64_t p1) {
     const float *x = g->x, *packed = g->packed, *bias = g->bias;
     const int64_t k = g->k, ldx = g->ldx, n = g->n, ldo = g->ldo, width = g->width;
-    float bias_tail[NR], tile[MR * NR];
+    float bias_tail[NR], tile[MR * NR] __attribute__((aligned(64)));
     const int64_t calls = (mc + MR - 1) / MR;
     for (int64_t p = p0; p < p1; p++) {
         const int64_t col = p * width, cols = n - col < width ? n - col : width;
@@ -208,10 +201,10 @@ static void drive(const float *x, int64_t m, int64_t k, int64_t ldx, const float
 }
 #endif
 
-/* out [M, ldo] = x [M, ldx] @ unpacked(w)^T + bias; 0 on success, -1 without AVX-512. */
+/* out [M, ldo] = x [M, ldx] @ unpacked(w)^T + bias; 0 on success, -1 without AVX-512 or AVX2. */
 int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                const float *bias, float *out, int64_t ldo) {
-#ifdef __AVX512F__
+#if MSTAR_VL
     drive(x, m, k, ldx, packed, n, bias, out, ldo, 0);
     return 0;
 #else
@@ -227,7 +220,7 @@ int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
  * output's GEMM chains are mstar_gemm's and its silu is mstar_silu_mul's (silu_mul.h): bit for bit. */
 int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
                     float *out, int64_t ldo) {
-#ifdef __AVX512F__
+#if MSTAR_VL
     drive(x, m, k, ldx, packed, inter, NULL, out, ldo, 1);
     return 0;
 #else
