@@ -94,8 +94,14 @@ def describe() -> str:
     return f"kernels: {cls}" + (f" ({'; '.join(extra)})" if extra else "")
 
 
+def class_flags(cls: str) -> list[str]:
+    """The compiler flags a build for class `cls` uses (tests/unit/test_kernels_aarch64.py
+    cross-compiles the `neon` build with them, `-march=armv8-a` for `-mcpu=native`)."""
+    return ["-O3", "-fopenmp", "-shared", "-fPIC", *CLASS_FLAGS[cls]]
+
+
 def _flags() -> list[str]:
-    return ["-O3", "-fopenmp", "-shared", "-fPIC", *CLASS_FLAGS[cpu_class()]]
+    return class_flags(cpu_class())
 
 
 def cpu_signature() -> str:
