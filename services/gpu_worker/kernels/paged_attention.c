@@ -39,7 +39,7 @@
  *
  * mstar_write_kv_bf16 / mstar_paged_decode_bf16: the same over bfloat16 pages (a
  * `--kv-cache-dtype bfloat16` pool; half the KV bytes). A page value is read as float32 by a
- * 16-bit shift (exact; vpmovzxwd + vpslld in the AVX-512 path), so the decode is the float32
+ * 16-bit shift (exact; vpmovzxwd + vpslld in the vector paths), so the decode is the float32
  * kernel's run on the pages widened (bitwise); a row is stored rounded to nearest even, NaN as
  * 0xFFFF, as torch's `.to(torch.bfloat16)` rounds (tests/unit/test_paged_attention_bf16.py).
  *
@@ -51,13 +51,15 @@
  * dequantized (bitwise, as for bfloat16); the stored values are torch's quantization of the
  * row (attention.py's quantize_kv, tests/unit/test_paged_attention_int8.py).
  *
- * Head sizes 64, 128 and 256 (Gemma 3) with AVX-512 have a path of intrinsics: q and the outputs
- * of a block of up to GB query heads of one KV head (d = 128: 2, d = 256: 1) in registers while
- * it takes a page's keys,
- * and a score is its FMA chain over the head's 16-lane slices, then a fixed tree over the 16
- * lanes, done for 16 keys at once (fold16). Other head sizes, or
- * no AVX-512: the same arithmetic in plain loops. Heads go in passes of up to HC (their scores
- * on the stack); only the first prefetches, the others find the partition in L2.
+ * Head sizes 64, 128 and 256 (Gemma 3) with AVX-512 or AVX2 + FMA have a path of intrinsics
+ * (simd.h's vector of VL = 16 or 8 lanes): q and the outputs of a block of up to GB query heads
+ * of one KV head (AVX-512, d = 128: 2, d = 256: 1) in registers while it takes a page's keys
+ * (AVX2, with half the registers: q from L1 and the outputs in chunks of head dims), and a
+ * score is its FMA chain over the head's VL-lane slices, then a fixed tree over the VL lanes,
+ * done for VL keys at once (vfold). Other head sizes, or neither: the same arithmetic in plain
+ * loops. Each class's scores are its own bits (16- or 8-lane partial sums), fixed by the
+ * shapes alone. Heads go in passes of up to HC (their scores on the stack); only the first
+ * prefetches, the others find the partition in L2.
  *
  * Memory: on a 2-core EPYC VM (~28 GB/s from DRAM with two threads reading in sequence), a decode
  * step of the default model (SmolLM2-135M, 30 layers, bfloat16 pages) at 2,048 keys spends
@@ -68,8 +70,13 @@
  * (a plain two-thread read of K/V pages scattered as the pool holds them reaches ~21 GB/s:
  * ~2.2 ms).
  *
+ * Timed per class with `python -m bench.kernel_classes` (AVX2 on an AVX-512 host through
+ * MSTAR_CPU_CLASS=avx2): on a Zen 5 core, whose AVX2 FMA rate is half its AVX-512 one, the
+ * AVX2 path takes 1.2-2.4x the AVX-512 path's time over cached pages (2-3x faster than the
+ * plain loops it replaces there).
+ *
  * Built at first use by services/gpu_worker/cpu_kernels.py with the machine's C compiler
- * (-O3 -march=native -mprefer-vector-width=512).
+ * (-O3, the class's flags).
  */
 #include <float.h>
 #include <math.h>
@@ -79,10 +86,7 @@
 
 #include "exp_poly.h"
 #include "pool.h"
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define MAX_HEADS 128
 #define PART 512   /* keys per partition (fixed: the thread count never changes the result) */
@@ -300,105 +304,97 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     finish_heads(J, o, mx, sum, h0, nh, dst, rec);
 }
 
-#ifdef __AVX512F__
-/* Vector v (16 floats) of the head slice at element `at` of the pool (bfloat16: zero-extended
+#if MSTAR_VL
+#define VL MSTAR_VL
+#if VL == 16
+#define QREGS 16 /* q vectors a K block keeps in registers (of 32) */
+#define VC_MAX 16 /* output vectors a V block keeps in registers */
+/* heads per register block: 4 of 64, 2 of 128, 1 of 256 (q or the outputs: 16 registers) */
+#define BLOCK_CAP(nv) ((nv) == 16 ? 1 : (nv) == 8 ? 2 : GB)
+#define V_CHUNK(gb, nv) (nv)
+#else
+/* AVX2: 16 registers. A K block of GB heads takes q from L1 (one load per FMA, as a memory
+ * operand) where its heads' q would not fit beside the key's vectors; a V block keeps at
+ * most 8 output vectors, so the outputs go in chunks of head dims (V_CHUNK vectors of each
+ * of the block's heads: 12 or fewer accumulators, each key vector loaded and widened once
+ * for all of them). An output is the same FMA chain over the keys in any chunk. */
+#define QREGS 8
+#define VC_MAX 8
+#define BLOCK_CAP(nv) GB
+#define V_CHUNK(gb, nv) ((gb) == 1 ? 8 : (gb) <= 3 ? 4 : 2)
+#endif
+
+/* Vector v (VL floats) of the head slice at element `at` of the pool (bfloat16: zero-extended
  * and shifted; int8: widened to int32, converted (exact) and times the slice's scale `sc`, as
- * `widen`). One vector at a time: a 256-wide head's q or outputs already fill 16 registers. */
-__attribute__((always_inline)) static inline __m512 load_vec(const void *cache, const int kind, int64_t at, int v,
-                                                             __m512 sc) {
-    if (kind == 2) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)cache + at + 16 * v));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sc);
-    }
-    if (kind) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at + 16 * v));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)cache + at + 16 * v);
+ * `widen`). */
+__attribute__((always_inline)) static inline vf load_vec(const void *cache, const int kind, int64_t at, int v, vf sc) {
+    if (kind == 2) return vmul(vload_i8((const int8_t *)cache + at + VL * v), sc);
+    if (kind) return vload_bf16((const uint16_t *)cache + at + VL * v);
+    return vload((const float *)cache + at + VL * v);
 }
 
-/* the int8 slice's scale at `at` (head size 16 * nv), broadcast; unused for other pages */
-__attribute__((always_inline)) static inline __m512 slice_scale(const void *cache, const int kind, int64_t at,
-                                                                const int nv) {
-    return kind == 2 ? _mm512_set1_ps(i8_scale((const int8_t *)cache + at, 16 * nv)) : _mm512_setzero_ps();
+/* the int8 slice's scale at `at` (head size VL * nv), broadcast; unused for other pages */
+__attribute__((always_inline)) static inline vf slice_scale(const void *cache, const int kind, int64_t at,
+                                                            const int nv) {
+    return kind == 2 ? vset1(i8_scale((const int8_t *)cache + at, VL * nv)) : vzero();
 }
 
-/* The 16 rows a[0..15] (16 lanes each) summed across their lanes, row j into lane j, by a
- * tree that stays inside the 128-bit lanes as long as it can (cross-lane shuffles cost the
- * most): rows paired by unpacklo/hi + add (each 128-bit lane then holds two partial sums of
- * each of the two rows), pairs paired again (one partial of each of four rows per 128-bit lane),
- * then the 128-bit lanes added across in two steps: 24 in-lane and 6 cross-lane shuffles and
- * 15 adds for the 16 sums (a transpose then in-order adds took 32 and 32 and 16). Each sum's
- * order is fixed, so a score is the same bits whatever the thread, batch or partition. */
-static inline __m512 fold16(const float *a) {
-    __m512 t[8], v[4];
-    for (int i = 0; i < 8; i++) { /* rows 2i, 2i + 1: per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3] */
-        const __m512 x = _mm512_load_ps(a + 32 * i), y = _mm512_load_ps(a + 32 * i + 16);
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    for (int i = 0; i < 4; i++) { /* rows 4i .. 4i + 3, one partial each per 128-bit lane */
-        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-        v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* lanes 0, 1 of w0: rows 0-3 (two partials), lanes 2, 3: rows 4-7; w1 the same for rows 8-15 */
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
-/* K work of one register block (gb heads of one KV head, head size 16 * nv: constants) over
+/* K work of one register block (gb heads of one KV head, head size VL * nv: constants) over
  * cnt keys of one page (their head slices at `at`, a row apart), keys jj.. of the partition's
- * n: each key's FMA chain over its 16-lane slices (in order) is kept in acc (head g's at
- * acc + 256 g) until 16 keys are there or the partition ends, then folded (fold16), scaled
- * into the scores (s + g * PART) and its max taken (mv[g]: sc > m ? sc : m, as the plain loop). */
+ * n: each key's FMA chain over its VL-lane slices (in order) is kept in acc (head g's at
+ * acc + VL * VL g) until VL keys are there or the partition ends, then folded (simd.h's vfold),
+ * scaled into the scores (s + g * PART) and its max taken (mv[g]: sc > m ? sc : m, as the
+ * plain loop). */
 __attribute__((always_inline)) static inline void k_block(const struct decode_job *J, const struct span *S,
                                                           const int kind, const float *restrict q, const int gb,
                                                           const int nv, int64_t at, int64_t cnt, int64_t jj,
-                                                          int64_t n, float *restrict acc, float *restrict s,
-                                                          __m512 *mv) {
-    __m512 qv[GB][16];
-    for (int g = 0; g < gb; g++)
-        for (int v = 0; v < nv; v++) qv[g][v] = _mm512_loadu_ps(q + g * 16 * nv + 16 * v);
+                                                          int64_t n, float *restrict acc, float *restrict s, vf *mv) {
+    const int qreg = gb * nv <= QREGS;
+    vf qv[GB][QREGS];
+    if (qreg)
+        for (int g = 0; g < gb; g++)
+            for (int v = 0; v < nv; v++) qv[g][v % QREGS] = vload(q + g * VL * nv + VL * v);
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
         pf_some(S);
-        const __m512 sc = slice_scale(J->cache, kind, at, nv);
-        __m512 a[GB];
+        const vf sc = slice_scale(J->cache, kind, at, nv);
+        vf a[GB];
         for (int v = 0; v < nv; v++) {
-            const __m512 x = load_vec(J->cache, kind, at, v, sc);
-            for (int g = 0; g < gb; g++) a[g] = _mm512_fmadd_ps(qv[g][v], x, v ? a[g] : _mm512_setzero_ps());
+            const vf x = load_vec(J->cache, kind, at, v, sc);
+            for (int g = 0; g < gb; g++)
+                a[g] = vfma(qreg ? qv[g][v % QREGS] : vload(q + g * VL * nv + VL * v), x, v ? a[g] : vzero());
         }
-        for (int g = 0; g < gb; g++) _mm512_store_ps(acc + g * 256 + (jj & 15) * 16, a[g]);
-        if (((jj + 1) & 15) && jj + 1 < n) continue;
-        const __mmask16 live = (__mmask16)(0xFFFF >> (15 - (jj & 15)));
+        for (int g = 0; g < gb; g++) vstore_a(acc + g * VL * VL + (jj & (VL - 1)) * VL, a[g]);
+        if (((jj + 1) & (VL - 1)) && jj + 1 < n) continue;
         for (int g = 0; g < gb; g++) {
-            const __m512 sc = _mm512_mul_ps(fold16(acc + g * 256), _mm512_set1_ps(J->scale));
-            _mm512_store_ps(s + g * PART + (jj & ~(int64_t)15), sc);
-            mv[g] = _mm512_mask_max_ps(mv[g], live, sc, mv[g]);
+            const vf sc = vmul(vfold(acc + g * VL * VL), vset1(J->scale));
+            vstore_a(s + g * PART + (jj & ~(int64_t)(VL - 1)), sc);
+            mv[g] = vblend_n(mv[g], vmax(sc, mv[g]), (jj & (VL - 1)) + 1);
         }
     }
 }
 
-/* V work of one register block over cnt keys of one page: o[g] += p_g,j * v_j, key by key in
- * order (each output the plain loop's FMA chain: the same bits), the outputs in registers. */
+/* V work of one register block over cnt keys of one page, output vectors [v0, v0 + vc) of
+ * each head: o[g] += p_g,j * v_j, key by key in order (each output the plain loop's FMA
+ * chain: the same bits), the outputs in registers. The first chunk prefetches. */
 __attribute__((always_inline)) static inline void v_block(const struct decode_job *J, const struct span *S,
-                                                          const int kind, const int gb, const int nv, int64_t at,
-                                                          int64_t cnt, int64_t jj, const float *restrict s,
-                                                          float *restrict o) {
-    __m512 acc[GB][16];
+                                                          const int kind, const int gb, const int nv, int v0,
+                                                          const int vc, int64_t at, int64_t cnt, int64_t jj,
+                                                          const float *restrict s, float *restrict o) {
+    vf acc[GB][VC_MAX];
     for (int g = 0; g < gb; g++)
-        for (int v = 0; v < nv; v++) acc[g][v] = _mm512_load_ps(o + g * 16 * nv + 16 * v);
+        for (int v = 0; v < vc; v++) acc[g][v] = vload_a(o + g * VL * nv + VL * (v0 + v));
     for (int64_t e = 0; e < cnt; e++, jj++, at += J->row) {
-        pf_some(S);
-        const __m512 sc = slice_scale(J->cache, kind, at, nv);
-        __m512 p[GB];
-        for (int g = 0; g < gb; g++) p[g] = _mm512_set1_ps(s[g * PART + jj]);
-        for (int v = 0; v < nv; v++) {
-            const __m512 x = load_vec(J->cache, kind, at, v, sc);
-            for (int g = 0; g < gb; g++) acc[g][v] = _mm512_fmadd_ps(p[g], x, acc[g][v]);
+        if (!v0) pf_some(S);
+        const vf sc = slice_scale(J->cache, kind, at, nv);
+        vf p[GB];
+        for (int g = 0; g < gb; g++) p[g] = vset1(s[g * PART + jj]);
+        for (int v = 0; v < vc; v++) {
+            const vf x = load_vec(J->cache, kind, at, v0 + v, sc);
+            for (int g = 0; g < gb; g++) acc[g][v] = vfma(p[g], x, acc[g][v]);
         }
     }
     for (int g = 0; g < gb; g++)
-        for (int v = 0; v < nv; v++) _mm512_store_ps(o + g * 16 * nv + 16 * v, acc[g][v]);
+        for (int v = 0; v < vc; v++) vstore_a(o + g * VL * nv + VL * (v0 + v), acc[g][v]);
 }
 
 /* k_block / v_block with the block's head count a constant (one copy each). */
@@ -413,21 +409,28 @@ __attribute__((always_inline)) static inline void v_block(const struct decode_jo
 __attribute__((always_inline)) static inline void k_any(const struct decode_job *J, const struct span *S,
                                                         const int kind, const float *q, int gb, const int nv,
                                                         int64_t at, int64_t cnt, int64_t jj, int64_t n, float *acc,
-                                                        float *s, __m512 *mv) {
+                                                        float *s, vf *mv) {
     BLOCK_CASES(k_block(J, S, kind, q, 1, nv, at, cnt, jj, n, acc, s, mv),
                 k_block(J, S, kind, q, 2, nv, at, cnt, jj, n, acc, s, mv),
                 k_block(J, S, kind, q, 3, nv, at, cnt, jj, n, acc, s, mv),
                 k_block(J, S, kind, q, 4, nv, at, cnt, jj, n, acc, s, mv))
 }
 
+/* v_block over all of a head's vectors, V_CHUNK(gb) at a time */
+__attribute__((always_inline)) static inline void v_chunks(const struct decode_job *J, const struct span *S,
+                                                           const int kind, const int gb, const int nv, int64_t at,
+                                                           int64_t cnt, int64_t jj, const float *s, float *o) {
+    for (int v0 = 0; v0 < nv; v0 += V_CHUNK(gb, nv)) v_block(J, S, kind, gb, nv, v0, V_CHUNK(gb, nv), at, cnt, jj, s, o);
+}
+
 __attribute__((always_inline)) static inline void v_any(const struct decode_job *J, const struct span *S,
                                                         const int kind, int gb, const int nv, int64_t at, int64_t cnt,
                                                         int64_t jj, const float *s, float *o) {
-    BLOCK_CASES(v_block(J, S, kind, 1, nv, at, cnt, jj, s, o), v_block(J, S, kind, 2, nv, at, cnt, jj, s, o),
-                v_block(J, S, kind, 3, nv, at, cnt, jj, s, o), v_block(J, S, kind, 4, nv, at, cnt, jj, s, o))
+    BLOCK_CASES(v_chunks(J, S, kind, 1, nv, at, cnt, jj, s, o), v_chunks(J, S, kind, 2, nv, at, cnt, jj, s, o),
+                v_chunks(J, S, kind, 3, nv, at, cnt, jj, s, o), v_chunks(J, S, kind, 4, nv, at, cnt, jj, s, o))
 }
 
-/* The AVX-512 pass over heads [h0, h1), head size 16 * nv (a constant), page by page: on each
+/* The vector pass over heads [h0, h1), head size VL * nv (a constant), page by page: on each
  * page every register block of heads takes the page's keys (so the page's whole rows, read
  * from memory once, serve every head while they are in L1), K pages first (scores, maxes),
  * the exact softmax of each head over the partition, then V pages (outputs). */
@@ -435,14 +438,13 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
                                                            const int kind, const float *restrict q, int64_t h0,
                                                            int64_t h1, const int nv, float *restrict dst,
                                                            float *restrict rec) {
-    /* register blocks: 4 heads of 64, 2 of 128, 1 of 256 (q or the outputs: 16 registers) */
-    const int64_t n = S->b - S->a, elt = ELT(kind), d = 16 * nv, cap = nv == 16 ? 1 : nv == 8 ? 2 : GB;
+    const int64_t n = S->b - S->a, elt = ELT(kind), d = VL * nv, cap = BLOCK_CAP(nv);
     float s[HC * PART] __attribute__((aligned(64)));
-    float acc[HC * 256] __attribute__((aligned(64)));
+    float acc[HC * VL * VL] __attribute__((aligned(64)));
     float o[HC * 256] __attribute__((aligned(64)));
     float mx[HC], sum[HC];
-    __m512 mv[HC];
-    for (int64_t g = 0; g < h1 - h0; g++) mv[g] = _mm512_set1_ps(-FLT_MAX);
+    vf mv[HC];
+    for (int64_t g = 0; g < h1 - h0; g++) mv[g] = vset1(-FLT_MAX);
     int64_t blocks = 0; /* register blocks a page's keys go through: the page ahead's prefetches over them */
     for (int64_t h = h0; h < h1; h = block_end(J, h, h1, cap)) blocks++;
     S->pc->step = (elt * J->row / blocks + 63) / 64 * 64;
@@ -451,13 +453,13 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
         for (int64_t h = h0, e; h < h1; h = e) {
             e = block_end(J, h, h1, cap);
             k_any(J, S, kind, q + h * d, (int)(e - h), nv, at + (h / J->g_n) * J->hs, end - j, j - S->a, n,
-                  acc + (h - h0) * 256, s + (h - h0) * PART, mv + (h - h0));
+                  acc + (h - h0) * VL * VL, s + (h - h0) * PART, mv + (h - h0));
         }
     }
     for (int64_t g = 0; g < h1 - h0; g++) {
-        float m[16], r = -FLT_MAX;
-        _mm512_storeu_ps(m, mv[g]);
-        for (int l = 0; l < 16; l++) r = m[l] > r ? m[l] : r;
+        float m[VL], r = -FLT_MAX;
+        vstore(m, mv[g]);
+        for (int l = 0; l < VL; l++) r = m[l] > r ? m[l] : r;
         mx[g] = r;
         sum[g] = softmax_part(s + g * PART, n, r);
     }
@@ -482,14 +484,14 @@ __attribute__((always_inline)) static inline void run_part(const struct decode_j
     for (int64_t h0 = ha; h0 < hb; h0 += HC) {
         const int64_t h1 = h0 + HC < hb ? h0 + HC : hb;
         S->pf = h0 == ha;
-#ifdef __AVX512F__
+#if MSTAR_VL
         if (J->d == 64 || J->d == 128 || J->d == 256) {
             if (J->d == 64)
-                pass_vec(J, S, kind, q, h0, h1, 4, dst, rec);
+                pass_vec(J, S, kind, q, h0, h1, 64 / VL, dst, rec);
             else if (J->d == 128)
-                pass_vec(J, S, kind, q, h0, h1, 8, dst, rec);
+                pass_vec(J, S, kind, q, h0, h1, 128 / VL, dst, rec);
             else
-                pass_vec(J, S, kind, q, h0, h1, 16, dst, rec);
+                pass_vec(J, S, kind, q, h0, h1, 256 / VL, dst, rec);
             continue;
         }
 #endif
