@@ -30,14 +30,13 @@ from bench.checkpoints import cache_dir
 from bench.report import results_dir
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
+from bench.speech_client import TEXT, mstar_one
 
-TEXT = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all."
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
 #: hubertsiuzdak/snac_24khz's config
 SNAC_24KHZ = dict(sampling_rate=24000, encoder_dim=48, encoder_rates=[2, 4, 8, 8], decoder_dim=1024,
                   decoder_rates=[8, 8, 4, 2], attn_window_size=None, codebook_dim=8, vq_strides=[4, 2, 1],
                   noise=True, depthwise=True)
-GREEDY = {"temperature": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def ensure_checkpoint(root: Path | None = None) -> Path:
@@ -55,22 +54,6 @@ def ensure_checkpoint(root: Path | None = None) -> Path:
     except OSError:
         pass
     return path
-
-
-async def mstar_one(client: httpx.AsyncClient, max_tokens: int,
-                    sampling: dict | None = None) -> tuple[float, float, int]:
-    """(TTFA s, wall s, audio bytes as pcm16) of one streamed request."""
-    t0 = time.perf_counter()
-    first, size = 0.0, 0
-    body = {"input": TEXT, "response_format": "pcm", "stream_format": "audio", "max_tokens": max_tokens,
-            **(GREEDY if sampling is None else sampling)}
-    async with client.stream("POST", "/v1/audio/speech", json=body) as r:
-        r.raise_for_status()
-        async for chunk in r.aiter_bytes():
-            if chunk and not first:
-                first = time.perf_counter()
-            size += len(chunk)
-    return first - t0, time.perf_counter() - t0, size
 
 
 async def mstar_round(url: str, max_tokens: int, concurrency: int) -> dict:

@@ -24,8 +24,8 @@ from bench.checkpoints import cache_dir
 from bench.report import results_dir
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
+from bench.speech_client import TEXT, mstar_one
 
-TEXT = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all."
 BACKBONE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=2)
 DEPTH = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
@@ -54,7 +54,6 @@ def ensure_checkpoint(root: Path | None = None) -> Path:
 async def mstar_round(url: str, frames: int, concurrency: int) -> dict:
     import httpx
 
-    from bench.speech import mstar_one
 
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         ttfa, wall, size = await mstar_one(client, frames, {"temperature": 0})

@@ -19,11 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.chat import plan_chat
+from services.api.dialects import shapes
 from services.api.fanout import Choice, expand
 from services.api.forms import Form, parse_form
 from services.api.openai_format import ChatReply, CompletionReply, ManyReply
 from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription
-from services.api.schemas import ModelCard, ModelList, openapi
+from services.api.openapi import openapi
+from services.api.schemas import ModelCard, ModelList
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
@@ -59,8 +61,6 @@ async def get_model(request: Request) -> Response:
 
 @functools.cache
 def _openapi_document() -> bytes:
-    from services.api.dialects import shapes  # the dialects import this module's neighbours
-
     return msgspec.json.encode(openapi(mstar_version(), shapes()))
 
 

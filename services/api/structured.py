@@ -25,18 +25,16 @@ and vLLM's strict backends give (`tightened`), so a small model cannot run away 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from services.api.errors import invalid
-
-if TYPE_CHECKING:  # schemas imports tools, which imports this module
-    from services.api.schemas import (
-        ConstrainedFields,
-        JsonObjectFormat,
-        JsonSchemaFormat,
-        StructuredOutputs,
-        TextFormat,
-    )
+from services.api.schemas import (
+    ConstrainedFields,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    StructuredOutputs,
+    TextFormat,
+)
 
 #: the keys of vLLM's `structured_outputs` that name a constraint
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")

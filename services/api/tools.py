@@ -31,18 +31,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from services.api.errors import invalid
+from services.api.schemas import NAME_RE, ChatCompletionRequest, HistoryToolCall, ToolDefinition
 from services.api.structured import JSON_OPTIONS, tightened
 
-if TYPE_CHECKING:  # schemas imports this module (through openai_format)
-    from services.api.schemas import ChatCompletionRequest, HistoryToolCall, ToolDefinition
-
 FORMATS = ("hermes", "llama3_json", "mistral", "mistral_args")
-NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

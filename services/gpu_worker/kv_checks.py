@@ -11,17 +11,26 @@ not in the allocation state every request carries.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
-from shared.layout import label_footprint, pages_in
-
-if TYPE_CHECKING:
-    from services.gpu_worker.kv_manager import KVManager, LabelState, RequestKV
+from services.gpu_worker.kv_state import LabelState, RequestKV
+from shared.layout import PagedKVConfig, label_footprint, pages_in
 
 log = logging.getLogger("mstar.kv")
+
+
+class PagePool(Protocol):
+    """What the conservation check reads of a `kv_manager.Pool`."""
+
+    config: PagedKVConfig
+    refs: dict[int, int]
+    index: Any  # its PrefixIndex: `evictable`, the pages cached and held by nobody
+
+    def free_pages(self) -> list[int]: ...
 
 
 class LayoutViolation(Exception):
@@ -121,11 +130,12 @@ class LayoutChecker:
                     kv.request_id, st.label.name, w.peak_pages, st.footprint,
                 )
 
-    def conservation(self, manager: KVManager) -> None:
+    def conservation(self, pools: Mapping[str, PagePool], requests: Iterable[RequestKV]) -> None:
         """Every page is exactly one of: free, cached-evictable, held; holders match refs."""
-        for name, pool in manager.pools.items():
+        requests = list(requests)
+        for name, pool in pools.items():
             held: dict[int, int] = {}
-            for kv in manager.requests.values():
+            for kv in requests:
                 for st in kv.labels.values():
                     if st.label.pool == name:
                         for pg in st.pages:

@@ -13,15 +13,13 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from services.gpu_worker.kv_checks import LayoutChecker, LayoutViolation
-from services.gpu_worker.prefix_cache import ROOT, PrefixIndex
+from services.gpu_worker.kv_state import LabelState, RequestKV
+from services.gpu_worker.prefix_cache import PrefixIndex
 from shared.frames import NewRequest, PoolStats
 from shared.layout import (
     KVLabel,
-    KVReqConfig,
-    LabelLayout,
     PagedKVConfig,
     bidirectional_blocks,
     block_boundary,
@@ -52,51 +50,6 @@ def max_seq_len_pages(pool: PagedKVConfig) -> int:
 
 def debug_asserts_enabled() -> bool:
     return os.environ.get("MSTAR_KV_DEBUG_ASSERTS", "0") not in ("", "0", "false")
-
-
-@dataclass
-class LabelState:
-    """One label of one request: its footprint, the pages it holds, the rows it committed,
-    and its prefix-cache keys (what the debug checks remember lives in kv_checks.Walk)."""
-
-    label: KVLabel
-    layout: LabelLayout
-    footprint: int
-    page_size: int
-    pages: list[int] = field(default_factory=list)
-    rows: int = 0  # rows committed (label positions 0..rows-1)
-    first_page: int = 0  # label page index of pages[0] (pages before it were released)
-    overrun_logged: bool = False
-    row_keys: tuple[int, ...] = ()  # `leading_keys` of its layout, when the label is keyed
-    key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
-    keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
-    key_parent: int = ROOT  # entry id the next keyed page chains from
-
-    def page_for_row(self, row: int) -> int:
-        return self.pages[row // self.page_size - self.first_page]
-
-
-@dataclass
-class RequestKV:
-    request_id: str
-    caps: dict[str, int]
-    configs: dict[str, KVReqConfig]
-    labels: dict[str, LabelState]
-    #: pages reserved beyond the footprint per pool (only under max-seq-len admission)
-    extra: dict[str, int] = field(default_factory=dict)
-    #: prefix-cache matches planned by `can_admit`, attached by `admit`
-    hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    hit_rows: int = 0
-    #: the prompt's bidirectional blocks, row ranges [start, end) (`Span.bidirectional`, of
-    #: every label's layout: a step writes the same rows of each label), which no prefill
-    #: chunk and no prefix-cache hit may end inside
-    blocks: tuple[tuple[int, int], ...] = ()
-
-    def footprint(self, pool: str) -> int:
-        return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)
-
-    def reservation(self, pool: str) -> int:
-        return self.footprint(pool) + self.extra.get(pool, 0)
 
 
 #: resident pages the prefix cache may keep however few the running requests have held
@@ -456,4 +409,4 @@ class KVManager:
     def _check_conservation(self) -> None:
         """Under the debug checks, every page is exactly one of free, cached or held."""
         if self.checker is not None:
-            self.checker.conservation(self)
+            self.checker.conservation(self.pools, self.requests.values())

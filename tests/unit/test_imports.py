@@ -1,14 +1,15 @@
-"""The import graph of services/ and shared/, read statically (ast, nothing imported).
+"""The import graph of services/, shared/ and bench/, read statically (ast, nothing imported).
 
 - No import cycle among their modules, counting every import: module level, inside
-  functions, relative ones, and `importlib.import_module("literal")` calls.
+  functions, relative ones, `importlib.import_module("literal")` calls, and those under
+  `if TYPE_CHECKING:` (a type-only circle is still two modules that need each other).
 - The processes that never touch tensors (DESIGN.md section 1: api, data worker,
   conductor, the launcher, and everything in shared/) never import torch: no module of
   theirs imports it (at module level or inside a function), and nothing they import at
   module level does, however far down services/ and shared/ the chain goes.
 - shared/ imports no service.
 
-Imports under `if TYPE_CHECKING:` never run and are left out.
+Imports under `if TYPE_CHECKING:` never run: they count for cycles, not for torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("services", "shared")
+ROOTS = ("services", "shared", "bench")
 
 #: modules (and packages) whose processes never import torch
 TORCH_FREE = ("shared", "services.api", "services.data_worker", "services.conductor", "services.launcher")
@@ -37,6 +38,7 @@ class Import:
     target: str  # the dotted name imported (an internal module where it resolves to one)
     line: int
     scope: str  # the enclosing function ("Class.method"), "" at module level
+    type_only: bool = False  # under `if TYPE_CHECKING:`: never run
 
     @property
     def in_function(self) -> bool:
@@ -81,9 +83,11 @@ class _Collector(ast.NodeVisitor):
         self.scopes: list[str] = []  # enclosing classes and functions
         self.functions = 0  # how many of them are functions
         self.found: list[Import] = []
+        self.type_only = False  # inside `if TYPE_CHECKING:`
 
     def _add(self, name: str, line: int) -> None:
-        self.found.append(Import(_resolve(name), line, ".".join(self.scopes) if self.functions else ""))
+        self.found.append(Import(_resolve(name), line, ".".join(self.scopes) if self.functions else "",
+                                 self.type_only))
 
     def _scope(self, node, name: str, function: bool) -> None:
         self.scopes.append(name)
@@ -105,6 +109,10 @@ class _Collector(ast.NodeVisitor):
 
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):
+            self.type_only = True
+            for child in node.body:
+                self.visit(child)
+            self.type_only = False
             for child in node.orelse:  # the else branch runs
                 self.visit(child)
             return
@@ -168,10 +176,10 @@ def test_the_walk_sees_every_kind_of_import():
             "def f():\n    import torch.nn\n    importlib.import_module('shared.layout')\n")
     c = _Collector("shared.specs.decoder_lm", False)
     c.visit(ast.parse(code))
-    got = {(i.target, i.in_function) for i in c.found}
-    assert got == {("typing", False), ("importlib", False), ("shared.specs.base", False),
-                   ("shared.specs.registry", False), ("shared.frames", False), ("torch.nn", True),
-                   ("shared.layout", True)}, got
+    got = {(i.target, i.in_function, i.type_only) for i in c.found}
+    assert got == {("typing", False, False), ("importlib", False, False), ("shared.specs.base", False, False),
+                   ("shared.specs.registry", False, False), ("shared.frames", False, False),
+                   ("torch", False, True), ("torch.nn", True, False), ("shared.layout", True, False)}, got
 
 
 def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
@@ -218,7 +226,7 @@ def _torch_chains(module: str) -> list[tuple[list[str], Import]]:
     while frontier:
         chain = frontier.pop(0)
         for imp in imports_of(chain[-1]):
-            if imp.in_function and len(chain) > 1:
+            if imp.type_only or (imp.in_function and len(chain) > 1):
                 continue
             if _is_torch(imp.target):
                 chains.append(([*chain, imp.target], imp))

@@ -11,14 +11,14 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from services.api import dialects, schemas
+from services.api import dialects, openapi, schemas
 from services.api.app import create_app
 from services.api.errors import ApiError
 from services.api.validation import load
 from tests.unit.test_api_openai import make_settings
 from tests.unit.test_api_validation import tiny_tokenizer
 
-DOC = schemas.openapi("test", dialects.shapes())  # as /openapi.json publishes it
+DOC = openapi.openapi("test", dialects.shapes())  # as /openapi.json publishes it
 COMPONENTS = DOC["components"]["schemas"]
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -46,7 +46,7 @@ def app(tmp_path):
 def test_every_post_route_has_its_body(app) -> None:
     posts = [r.path for r in app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]
     assert len(posts) >= 6
-    declared = {**schemas.ROUTES, **dialects.shapes()}
+    declared = {**openapi.ROUTES, **dialects.shapes()}
     for path in posts:
         shape = declared[(path, "post")]  # every POST route is declared
         if shape.body is None and shape.form is None:  # an action on a path (a response's cancel)

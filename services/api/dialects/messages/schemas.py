@@ -17,8 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from services.api.schemas import END, MAX_TOOLS, Body, MaxTokens, NonEmpty, StopString, TopP
-from services.api.tools import NAME_RE
+from services.api.schemas import END, MAX_TOOLS, NAME_RE, Body, MaxTokens, NonEmpty, StopString, TopP
 
 #: stop sequences per request (Anthropic documents no limit; this bounds the per-delta
 #: hold-back scan of `stop.StopMatcher`)

@@ -14,8 +14,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from services.api.schemas import END, MAX_TOOLS, Body, JsonSchema, MaxTokens, Metadata, ServiceTier, Temperature, TopP
-from services.api.tools import NAME_RE
+from services.api.schemas import (
+    END,
+    MAX_TOOLS,
+    NAME_RE,
+    Body,
+    JsonSchema,
+    MaxTokens,
+    Metadata,
+    ServiceTier,
+    Temperature,
+    TopP,
+)
 
 # ---- input items ---------------------------------------------------------------------------
 
