@@ -15,13 +15,15 @@
  * pages once, as float32 (a contiguous run of K rows and of V rows per head, so no task
  * gathers pages), then a second splits the attention in tasks of (KV head, block of query
  * rows), the most expensive (last) blocks first. A task's lanes are its query rows x the G
- * heads of its KV head (up to 48, three vectors), so one read of a key block serves all of
+ * heads of its KV head (up to 48: three 16-lane vectors, or six of AVX2's 8), so one read of a key block serves all of
  * them, and the softmax state (running max, sum, the scale of the output) is per lane: every
  * step of the online softmax is a vertical vector op. Per block of 64 keys: S^T [keys x
- * lanes] = K Q^T (a register tile of 8 keys x the lanes, broadcasting K), the block's max and
- * exp, then O^T [head_dim x lanes] += V^T P^T (a tile of 8 head dims x the lanes,
- * broadcasting V), rescaled by exp(old max - new max) as it is loaded. float32 FMAs
- * throughout (about 85% of the FMA peak on a 2,048-row prompt): within float32 rounding of
+ * lanes] = K Q^T (a register tile of 8 keys x the lanes, broadcasting K; AVX2, with 16
+ * registers: 4 keys x up to 3 vectors), the block's max and exp, then O^T [head_dim x lanes]
+ * += V^T P^T (a tile of 8 head dims x the lanes, broadcasting V; AVX2 4), rescaled by
+ * exp(old max - new max) as it is loaded. float32 FMAs throughout (about 85% of the FMA peak
+ * on a 2,048-row prompt; the AVX2 path takes ~2.4x the AVX-512 one's time at 512 rows on a
+ * Zen 5 core, whose AVX2 FMA rate is half its AVX-512 one): within float32 rounding of
  * torch's SDPA (tests/unit/test_prefill_attention.py). (bfloat16 dot products, with the
  * queries or the softmax weights rounded to bfloat16, were up to 1.8x faster but moved the
  * default model's logits by 0.3-0.5 and changed a greedy answer: not taken.)
@@ -30,8 +32,10 @@
  * ascending inside a dot product), so the result does not depend on the thread count or on
  * which thread runs the task.
  *
- * Built by services/gpu_worker/cpu_kernels.py with the other kernels; without AVX-512 the
- * function returns -1 and attention.py keeps the torch path.
+ * Written once over simd.h's vector (16 lanes with AVX-512, 8 with AVX2 + FMA); every lane's
+ * arithmetic is the same operations in the same order at either width. Built by
+ * services/gpu_worker/cpu_kernels.py with the other kernels; without either the function
+ * returns -1 and attention.py keeps the torch path.
  */
 #include <float.h>
 #include <math.h>
@@ -41,14 +45,21 @@
 #include <string.h>
 
 #include "pool.h"
+#include "simd.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
+#if MSTAR_VL
+#define VL MSTAR_VL
 #define BK 64              /* keys per block */
-#define LANES 48           /* the most query rows x heads a task holds: three vectors */
-#define RK 8               /* keys per S tile */
+#define LANES 48           /* the most query rows x heads a task holds: three vectors (AVX2: six) */
+#define NV_MAX (LANES / VL)
+#define TV 3               /* lane vectors per register tile */
+#if VL == 16
+#define RK 8               /* keys per S tile: 8 x 3 accumulators */
 #define RD 8               /* head dims per O tile */
+#else
+#define RK 4               /* AVX2, 16 registers: 4 x 3 accumulators, 3 lane vectors, a broadcast */
+#define RD 4
+#endif
 #define MAX_D 256          /* the stack buffers' bound (d * (2 * LANES) + BK * LANES floats) */
 #define PACK_KEYS 256      /* keys per packing task */
 #define KEEP_BYTES (64 << 20) /* the packed K/V buffer is kept for the next call up to this size */
@@ -63,25 +74,6 @@ typedef struct {
     float scale;
     int kind; /* pages: 0 float32, 1 bfloat16, 2 int8 (each head's d values, then its float32 scale) */
 } Job;
-
-/* exp(x) on 16 lanes: Cephes' expf as exp_poly.h (x = n ln2 + r, a degree-6 polynomial in r),
- * 2^n applied by scalef; within 2 ulp of libm's for x in [-87, 88]. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 
 /* Packing task t: keys [k0, k0 + PACK_KEYS) of KV head t / npack out of the pages into the
  * head's contiguous runs of float32 K rows and V rows (rows from kv_len up to kvp zeros). */
@@ -127,89 +119,105 @@ static void pack_task(void *ctx, int t) {
     }
 }
 
-/* s [n x nv*16] = kb [n x d] qt^T, qt [d x nv*16] (the scaled queries, transposed); n a
- * multiple of RK. */
-__attribute__((always_inline)) static inline void scores(const float *restrict kb, const float *restrict qt,
-                                                         int64_t n, const int64_t d, const int nv, float *restrict s) {
-    const int w = nv * 16;
+/* s [n x w] = kb [n x d] qt^T at lane vectors [v0, v0 + tv) (tv <= TV, a constant), qt
+ * [d x w] the scaled queries, transposed; n a multiple of RK. A tile of RK keys x tv vectors;
+ * each score one FMA chain over e in order, whatever the tile. */
+__attribute__((always_inline)) static inline void scores_tile(const float *restrict kb, const float *restrict qt,
+                                                              int64_t n, const int64_t d, const int w, int v0,
+                                                              const int tv, float *restrict s) {
     for (int64_t j0 = 0; j0 < n; j0 += RK) {
-        __m512 acc[RK][3];
+        vf acc[RK][TV];
         for (int r = 0; r < RK; r++)
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+            for (int v = 0; v < tv; v++) acc[r][v] = vzero();
         const float *k = kb + j0 * d;
         for (int64_t e = 0; e < d; e++) {
-            __m512 qv[3];
-            for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_ps(qt + e * w + v * 16);
+            vf qv[TV];
+            for (int v = 0; v < tv; v++) qv[v] = vload(qt + e * w + (v0 + v) * VL);
             for (int r = 0; r < RK; r++) {
-                const __m512 kk = _mm512_set1_ps(k[r * d + e]);
-                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(qv[v], kk, acc[r][v]);
+                const vf kk = vset1(k[r * d + e]);
+                for (int v = 0; v < tv; v++) acc[r][v] = vfma(qv[v], kk, acc[r][v]);
             }
         }
         for (int r = 0; r < RK; r++)
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(s + (j0 + r) * w + v * 16, acc[r][v]);
+            for (int v = 0; v < tv; v++) vstore(s + (j0 + r) * w + (v0 + v) * VL, acc[r][v]);
     }
 }
 
-/* ot [d x nv*16] = ot * alpha (per lane) + vb^T [d x n] p [n x nv*16]. */
-__attribute__((always_inline)) static inline void accumulate(const float *restrict vb, const float *restrict p,
-                                                             int64_t n, const int64_t d, const int nv,
-                                                             const __m512 *alpha, float *restrict ot) {
-    const int w = nv * 16;
+/* All nv lane vectors' scores: one tile's width, or (AVX2's six) tiles of TV over the same
+ * keys, each its own call so that its width is a constant. */
+__attribute__((always_inline)) static inline void scores(const float *restrict kb, const float *restrict qt,
+                                                         int64_t n, const int64_t d, const int nv, float *restrict s) {
+    if (nv <= TV)
+        scores_tile(kb, qt, n, d, nv * VL, 0, nv, s);
+    else
+        for (int v0 = 0; v0 < nv; v0 += TV) scores_tile(kb, qt, n, d, nv * VL, v0, TV, s);
+}
+
+/* ot [d x w] = ot * alpha (per lane) + vb^T [d x n] p [n x w] at lane vectors [v0, v0 + tv),
+ * in tiles of RD head dims; each output one FMA chain over the keys in order. */
+__attribute__((always_inline)) static inline void accumulate_tile(const float *restrict vb, const float *restrict p,
+                                                                  int64_t n, const int64_t d, const int w, int v0,
+                                                                  const int tv, const vf *alpha, float *restrict ot) {
     for (int64_t e0 = 0; e0 < d; e0 += RD) {
-        __m512 acc[RD][3];
+        vf acc[RD][TV];
         for (int r = 0; r < RD; r++)
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + (e0 + r) * w + v * 16), alpha[v]);
+            for (int v = 0; v < tv; v++) acc[r][v] = vmul(vload(ot + (e0 + r) * w + (v0 + v) * VL), alpha[v0 + v]);
         const float *vr = vb + e0;
         for (int64_t k = 0; k < n; k++, vr += d) {
-            __m512 pv[3];
-            for (int v = 0; v < nv; v++) pv[v] = _mm512_loadu_ps(p + k * w + v * 16);
+            vf pv[TV];
+            for (int v = 0; v < tv; v++) pv[v] = vload(p + k * w + (v0 + v) * VL);
             for (int r = 0; r < RD; r++) {
-                const __m512 vv = _mm512_set1_ps(vr[r]);
-                for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(pv[v], vv, acc[r][v]);
+                const vf vv = vset1(vr[r]);
+                for (int v = 0; v < tv; v++) acc[r][v] = vfma(pv[v], vv, acc[r][v]);
             }
         }
         for (int r = 0; r < RD; r++)
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(ot + (e0 + r) * w + v * 16, acc[r][v]);
+            for (int v = 0; v < tv; v++) vstore(ot + (e0 + r) * w + (v0 + v) * VL, acc[r][v]);
     }
+}
+
+__attribute__((always_inline)) static inline void accumulate(const float *restrict vb, const float *restrict p,
+                                                             int64_t n, const int64_t d, const int nv,
+                                                             const vf *alpha, float *restrict ot) {
+    if (nv <= TV)
+        accumulate_tile(vb, p, n, d, nv * VL, 0, nv, alpha, ot);
+    else
+        for (int v0 = 0; v0 < nv; v0 += TV) accumulate_tile(vb, p, n, d, nv * VL, v0, TV, alpha, ot);
 }
 
 /* The block's part of the online softmax for one vector of lanes (s at that vector, rows w
  * floats apart): when `masked`, a key k0 + j outside a lane's [lo, hi] becomes -inf; sets the
  * new running max and alpha = exp(old max - new max), and returns what exp subtracts (the new
  * max, or 0 in a lane that has seen no key yet: its p are all 0). */
-__attribute__((always_inline)) static inline __m512 block_max(float *restrict s, int64_t n, int64_t k0, int w,
-                                                              int masked, __m512i lo, __m512i hi, __m512 *mx,
-                                                              __m512 *alpha) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 bm = ninf;
+__attribute__((always_inline)) static inline vf block_max(float *restrict s, int64_t n, int64_t k0, int w, int masked,
+                                                          vi lo, vi hi, vf *mx, vf *alpha) {
+    const vf ninf = vset1(-INFINITY);
+    vf bm = ninf;
     for (int64_t j = 0; j < n; j++) {
-        __m512 x = _mm512_loadu_ps(s + j * w);
+        vf x = vload(s + j * w);
         if (masked) {
-            const __m512i key = _mm512_set1_epi32((int32_t)(k0 + j));
-            const __mmask16 vis = _mm512_cmple_epi32_mask(lo, key) & _mm512_cmple_epi32_mask(key, hi);
-            x = _mm512_mask_blend_ps(vis, ninf, x);
-            _mm512_storeu_ps(s + j * w, x);
+            x = vin_range(x, lo, hi, (int32_t)(k0 + j), ninf);
+            vstore(s + j * w, x);
         }
-        bm = _mm512_max_ps(bm, x);
+        bm = vmax(bm, x);
     }
-    const __m512 m = _mm512_max_ps(*mx, bm);
-    const __m512 use = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ), m);
-    *alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(*mx, ninf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(*mx, use)));
+    const vf m = vmax(*mx, bm);
+    const vf use = vunless_ninf(m, m);
+    *alpha = vunless_ninf(*mx, vexp(vsub(*mx, use)));
     *mx = m;
     return use;
 }
 
 /* p = exp(s - use) in place for one vector of lanes (a masked key's p is 0); returns the
  * lanes' sums of p, added in key order. */
-__attribute__((always_inline)) static inline __m512 block_exp(float *restrict s, int64_t n, int w, int masked,
-                                                              __m512 use) {
-    __m512 t = _mm512_setzero_ps();
+__attribute__((always_inline)) static inline vf block_exp(float *restrict s, int64_t n, int w, int masked, vf use) {
+    vf t = vzero();
     for (int64_t j = 0; j < n; j++) {
-        const __m512 x = _mm512_loadu_ps(s + j * w);
-        __m512 e = exp512(_mm512_sub_ps(x, use));
-        if (masked) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
-        _mm512_storeu_ps(s + j * w, e);
-        t = _mm512_add_ps(t, e);
+        const vf x = vload(s + j * w);
+        vf e = vexp(vsub(x, use));
+        if (masked) e = vunless_ninf(x, e);
+        vstore(s + j * w, e);
+        t = vadd(t, e);
     }
     return t;
 }
@@ -218,12 +226,12 @@ __attribute__((always_inline)) static inline __m512 block_exp(float *restrict s,
  * lanes: p = exp(s - new max) in place, the running max and sum updated, alpha =
  * exp(old max - new max) for the output. */
 __attribute__((always_inline)) static inline void softmax_block(float *restrict s, int64_t n, int64_t k0, const int nv,
-                                                                int masked, const __m512i *lo, const __m512i *hi,
-                                                                __m512 *mx, __m512 *sum, __m512 *alpha) {
-    const int w = nv * 16;
+                                                                int masked, const vi *lo, const vi *hi, vf *mx,
+                                                                vf *sum, vf *alpha) {
+    const int w = nv * VL;
     for (int v = 0; v < nv; v++) {
-        const __m512 use = block_max(s + v * 16, n, k0, w, masked, lo[v], hi[v], &mx[v], &alpha[v]);
-        sum[v] = _mm512_fmadd_ps(sum[v], alpha[v], block_exp(s + v * 16, n, w, masked, use));
+        const vf use = block_max(s + v * VL, n, k0, w, masked, lo[v], hi[v], &mx[v], &alpha[v]);
+        sum[v] = vfma(sum[v], alpha[v], block_exp(s + v * VL, n, w, masked, use));
     }
 }
 
@@ -245,20 +253,20 @@ static void pack_queries(const Job *j, int64_t h, int64_t i0, int64_t lanes, int
  * m = r * G + g (nv vectors); d a constant where it is the common 64. */
 __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t h, int64_t i0, int64_t rows,
                                                            const int nv, const int64_t d) {
-    const int64_t g = j->g, lanes = rows * g, off = j->kv_len - j->q_len, w = nv * 16;
+    const int64_t g = j->g, lanes = rows * g, off = j->kv_len - j->q_len, w = nv * VL;
     float qt[d * w] __attribute__((aligned(64)));
     float ot[d * w] __attribute__((aligned(64)));
     float s[BK * w] __attribute__((aligned(64)));
     int32_t lo_a[LANES] __attribute__((aligned(64))), hi_a[LANES] __attribute__((aligned(64)));
     pack_queries(j, h, i0, lanes, w, qt, lo_a, hi_a);
     memset(ot, 0, sizeof(float) * d * w);
-    __m512i lo[3], hi[3];
-    __m512 mx[3], sum[3], alpha[3];
+    vi lo[NV_MAX], hi[NV_MAX];
+    vf mx[NV_MAX], sum[NV_MAX], alpha[NV_MAX];
     for (int v = 0; v < nv; v++) {
-        lo[v] = _mm512_loadu_si512(lo_a + v * 16);
-        hi[v] = _mm512_loadu_si512(hi_a + v * 16);
-        mx[v] = _mm512_set1_ps(-INFINITY);
-        sum[v] = _mm512_setzero_ps();
+        lo[v] = viload(lo_a + v * VL);
+        hi[v] = viload(hi_a + v * VL);
+        mx[v] = vset1(-INFINITY);
+        sum[v] = vzero();
     }
     const int64_t first = lo_a[0], last = off + i0 + rows - 1;    /* keys any lane sees */
     const int64_t all_from = lo_a[lanes - 1], all_to = off + i0;  /* keys every lane sees: no mask */
@@ -271,7 +279,7 @@ __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t
         softmax_block(s, n, k0, nv, masked, lo, hi, mx, sum, alpha);
         accumulate(vh + k0 * d, s, n, d, nv, alpha, ot);
     }
-    for (int v = 0; v < nv; v++) _mm512_storeu_ps(s + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]));
+    for (int v = 0; v < nv; v++) vstore(s + v * VL, vdiv(vset1(1.0f), sum[v]));
     for (int64_t m = 0; m < lanes; m++) {
         float *o = j->out + (i0 + m / g) * j->out_stride + (h * g + m % g) * d;
         const float inv = s[m];
@@ -279,21 +287,25 @@ __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t
     }
 }
 
-/* Task t: KV head t % hkv, query block nqb - 1 - t / hkv (the longest rows first); run_task
- * with nv and (for 64) d as constants. */
+/* run_task with nv and (for 64) d as constants: nv 1-3, and with AVX2's 8 lanes 6 (4 or 5
+ * rounded up: a padding lane sees no key and is never written). */
+#define NV_CASES(D)                                                          \
+    switch (nv) {                                                            \
+    case 1: run_task(j, h, i0, rows, 1, D); break;                          \
+    case 2: run_task(j, h, i0, rows, 2, D); break;                          \
+    case 3: run_task(j, h, i0, rows, 3, D); break;                          \
+    default: if (NV_MAX > 3) run_task(j, h, i0, rows, NV_MAX, D); break;    \
+    }
+
+/* Task t: KV head t % hkv, query block nqb - 1 - t / hkv (the longest rows first). */
 static void task(void *ctx, int t) {
     const Job *j = (const Job *)ctx;
     const int64_t h = t % j->hkv, i0 = (j->nqb - 1 - t / j->hkv) * j->bq;
-    const int64_t rows = j->q_len - i0 < j->bq ? j->q_len - i0 : j->bq, nv = (rows * j->g + 15) / 16;
-    if (j->d == 64) {
-        if (nv == 1) run_task(j, h, i0, rows, 1, 64);
-        else if (nv == 2) run_task(j, h, i0, rows, 2, 64);
-        else run_task(j, h, i0, rows, 3, 64);
-    } else {
-        if (nv == 1) run_task(j, h, i0, rows, 1, j->d);
-        else if (nv == 2) run_task(j, h, i0, rows, 2, j->d);
-        else run_task(j, h, i0, rows, 3, j->d);
-    }
+    const int64_t rows = j->q_len - i0 < j->bq ? j->q_len - i0 : j->bq, nv = (rows * j->g + VL - 1) / VL;
+    if (j->d == 64)
+        NV_CASES(64)
+    else
+        NV_CASES(j->d)
 }
 
 /* The packed K/V buffer: one kept between calls (up to KEEP_BYTES), taken by one call at a
@@ -328,14 +340,14 @@ static void give_buffer(void *buf, int own) {
 }
 #endif
 
-/* Returns 0, or -1 for what it does not take (no AVX-512; head_dim not a multiple of 8 or
+/* Returns 0, or -1 for what it does not take (no AVX-512 or AVX2; head_dim not a multiple of 8 or
  * over 256; more than 48 query heads per KV head; query heads not a multiple of KV heads),
  * -2 for a chunk with more rows than keys or none, -3 when the packed K/V's memory could not
  * be had. */
 int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
                             int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                             int64_t window, float scale, float *out, int64_t out_stride) {
-#ifdef __AVX512F__
+#if MSTAR_VL
     if (hkv <= 0 || hq % hkv || hq / hkv > LANES || d % RD || d > MAX_D || d <= 0) return -1;
     if (q_len <= 0 || kv_len < q_len) return -2;
     if (kind < 0 || kind > 2) return -1;
