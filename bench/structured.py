@@ -62,13 +62,15 @@ def _tpot(results: list[RequestResult], wall: float, cpu: float, c: int) -> dict
 
 def mask_cost(model: str, replies: list[list[int]]) -> dict:
     """µs per `Guide.allowed()` over the tokens of constrained replies (and per accept)."""
+    from services.api.schemas import ConstrainedFields
     from services.api.structured import parse_structured
+    from services.api.validation import load
     from services.gpu_worker.guided import Guides
     from shared.model_source import ModelSource
 
     source = ModelSource(model)
-    grammar = parse_structured({"response_format": {"type": "json_schema",
-                                                    "json_schema": {"name": "people", "schema": SCHEMA}}})
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "people", "schema": SCHEMA}}}
+    grammar = parse_structured(load(body, ConstrainedFields))
     guides = Guides(lambda: source.tokenizer.tokenizer.to_str(), source.tokenizer.tokenizer.get_vocab_size(),
                     source.eos_token_ids)
     t0 = time.perf_counter()
