@@ -9,6 +9,8 @@ import pytest
 
 from services.gpu_worker import cpu_kernels
 
+pytestmark = pytest.mark.kernels
+
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):

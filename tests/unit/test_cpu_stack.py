@@ -22,7 +22,8 @@ from shared.model_config import SLIDING
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import gguf_checkpoint_overrides, write_gguf
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")]
 
 #: q/k/v in one form (fused into one GEMM), gate/up too, both forms present
 QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1",

@@ -14,6 +14,8 @@ from services.gpu_worker import attention, cpu_kernels
 from services.gpu_worker.attention import build_metadata, head_dim_of
 from services.gpu_worker.layers import quant
 
+pytestmark = pytest.mark.kernels
+
 
 @pytest.fixture(autouse=True)
 def kernels():

@@ -13,7 +13,8 @@ from services.gpu_worker.layers import fused
 from services.gpu_worker.modeling.decoder_lm import Rotary, _apply_rope
 from shared.model_config import RopeConfig
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the CPU kernels did not build")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: the CPU kernels did not build")]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])

@@ -27,6 +27,8 @@ from services.gpu_worker.layers.linear import (
     warm_packed,
 )
 
+pytestmark = pytest.mark.kernels
+
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
 

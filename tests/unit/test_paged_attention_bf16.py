@@ -11,6 +11,8 @@ import torch
 from services.gpu_worker import attention, cpu_kernels
 from services.gpu_worker.attention import build_metadata, paged_attention, write_kv
 
+pytestmark = pytest.mark.kernels
+
 
 @pytest.fixture(autouse=True)
 def kernels():

@@ -31,6 +31,8 @@ from shared.specs.decoder_lm import DecoderLMSpec
 from tests.checkpoints import make_checkpoint
 from tests.unit.test_decode_attention_split import kernel, reference
 
+pytestmark = pytest.mark.kernels
+
 PAGE = 16
 
 

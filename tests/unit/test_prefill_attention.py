@@ -14,6 +14,8 @@ from services.gpu_worker import attention, cpu_kernels
 from services.gpu_worker.attention import AttnRows, build_metadata, paged_attention
 from services.gpu_worker.layers import quant
 
+pytestmark = pytest.mark.kernels
+
 PAGE = 16
 D = 64
 

@@ -12,6 +12,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from services.gpu_worker.layers.rope import Rotary, attention_factor, inv_freq
 from shared.model_config import read_model_config
 
+pytestmark = pytest.mark.kernels
+
 HEAD_DIM = 16
 LONG = [1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]
 SHORT = [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)]

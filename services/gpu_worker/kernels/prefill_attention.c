@@ -348,7 +348,9 @@ int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache,
                             int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                             int64_t window, float scale, float *out, int64_t out_stride) {
 #if MSTAR_VL
-    if (hkv <= 0 || hq % hkv || hq / hkv > LANES || d % RD || d > MAX_D || d <= 0) return -1;
+    /* head_dim a multiple of 8 on either class (AVX2's O tile would take 4): the same shapes
+     * run here whichever class was built */
+    if (hkv <= 0 || hq % hkv || hq / hkv > LANES || d % 8 || d > MAX_D || d <= 0) return -1;
     if (q_len <= 0 || kv_len < q_len) return -2;
     if (kind < 0 || kind > 2) return -1;
     const int64_t g = hq / hkv, bq = LANES / g < q_len ? LANES / g : q_len;
