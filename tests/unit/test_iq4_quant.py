@@ -18,7 +18,9 @@ from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
 from tests.gguf_files import random_blocks, write_gguf_mix
 from tests.unit.test_quant import dequantized, rounded
 
-needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
+pytestmark = pytest.mark.kernels
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler, AVX2)")
 
 IQ4 = ("IQ4_NL", "IQ4_XS")
 

@@ -20,7 +20,9 @@ from services.gpu_worker.step_types import PlanEntry, StepPlan
 from shared.config import Deployment
 from tests.unit.test_quant import dequantized, random_blocks, rounded
 
-needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
+pytestmark = pytest.mark.kernels
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler, AVX2)")
 
 
 def layer(n: int = 200, k: int = 96, qtype: str = "Q4_1", bias: bool = False) -> QuantLinear:

@@ -16,7 +16,9 @@ from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.quant import QuantLinear
 from tests.unit.test_quant import random_blocks
 
-needs_kernel = pytest.mark.skipif(not quant.available(), reason="no AVX-512 VNNI kernel built")
+pytestmark = pytest.mark.kernels
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel built")
 
 
 def layers() -> dict[int, QuantLinear]:

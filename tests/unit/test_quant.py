@@ -14,7 +14,9 @@ import torch
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
 
-needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler or AVX-512 VNNI)")
+pytestmark = pytest.mark.kernels
+
+needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel (compiler, AVX2)")
 
 #: byte offsets of each type's float16 fields within a block
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],

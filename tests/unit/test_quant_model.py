@@ -18,7 +18,7 @@ from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantP
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")
+pytestmark = [pytest.mark.kernels, pytest.mark.skipif(not quant.available(), reason="no quantized GEMM kernel")]
 
 #: a mix: q/k/v in different forms (not fused), every type the gguf package can write
 QTYPES = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1",

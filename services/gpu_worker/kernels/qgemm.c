@@ -60,7 +60,9 @@
  * Output column tiles and row blocks are split over the threads of pool.c's pool (tasks taken
  * from a shared counter: a busy core's thread just takes fewer); each output is computed the
  * same way whichever thread runs it, so results do not depend on the thread count or split.
- * Needs AVX-512 VNNI (mstar_qgemm_available() is 0 elsewhere and the caller dequantizes).
+ * Needs AVX-512 VNNI, or AVX2 with FMA and F16C (its own code, below: the same layout and the
+ * same bits, vpmaddubsw in place of vpdpbusd); mstar_qgemm_available() is 0 elsewhere and the
+ * caller dequantizes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -68,6 +70,19 @@
 #include <string.h>
 
 #include "pool.h"
+
+/* the instruction sets this file has code for (the build's class, cpu_kernels.py) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define QGEMM_AVX512 1
+#define QGEMM_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QGEMM_AVX512 0
+#define QGEMM_AVX2 1
+#else
+#define QGEMM_AVX512 0
+#define QGEMM_AVX2 0
+#endif
+#define QGEMM_SIMD (QGEMM_AVX512 || QGEMM_AVX2)
 
 #define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4, 5 and 8) */
 #define FORM_Q8S 9 /* the byte form with one scale per 32 (Q8_0's) */
@@ -129,13 +144,7 @@ static float scale_of(const void *p, int64_t t, int64_t b, int h, int64_t j, int
     return scale_at(p, scale_index(t, b, h, kb, per16) + j, half);
 }
 
-int64_t mstar_qgemm_available(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int64_t mstar_qgemm_available(void) { return QGEMM_SIMD; }
 
 /* bytes of scratch mstar_qlinear needs for m rows of k */
 int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
@@ -202,8 +211,9 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
     return 0;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if QGEMM_SIMD
 #include <immintrin.h>
+
 
 #define NT 16 /* output columns per tile: one 32-bit lane each */
 #define MR 4  /* rows per tile */
@@ -217,6 +227,53 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
  * without. */
 #define PREFETCH_AHEAD 3072
 
+/* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
+ * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
+ * each output element is made by the same tile() call on the same rows (row groups of MR
+ * start at multiples of MR either way), so the result does not depend on the split. */
+struct qjob {
+    int form, xbytes, half; /* form without its flags; half: scales float32 (0), float16 (1), super-block (2) */
+    const float *x;
+    int8_t *q1s, *q2s;
+    float *dx, *sx;
+    int32_t *corr;
+    int64_t m, k, lda, kp, n, ldc, tiles;
+    const uint8_t *w;
+    const void *d, *mn;
+    const float *bias;
+    float *out;
+    int64_t ct, rb, nrb, qrows;
+};
+
+/* A decode GEMV's prefetches at block b of tile t: the weights PREFETCH_AHEAD bytes on, and
+ * the scales (and offsets) of the block as far on, each their own stream (the next tiles' where
+ * it runs past this one's); non-temporal, as the weights are read once a step. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const int form, const int half, const uint8_t *w,
+                                                                 const void *d, const void *mn, int64_t t, int64_t b,
+                                                                 int64_t kb) {
+    const int groups = block_vectors(form), per16 = form == 6;
+    const char *ahead = (const char *)(w + (t * kb + b) * groups * 64) + PREFETCH_AHEAD;
+    for (int c = 0; c < groups * 64; c += 64) _mm_prefetch(ahead + c, _MM_HINT_NTA);
+    int64_t ta = t, ba = b + PREFETCH_AHEAD / (groups * 64); /* (no division: one costs a block's work) */
+    while (ba >= kb) ba -= kb, ta++;
+    if (half == 2) { /* a blob per 8 blocks: at the first block of a super-block, the whole blob */
+        if (b % 8) return;
+        const int64_t size = 32 + 16 * (per16 ? 16 : 8);
+        for (const void *p = d; p; p = p == d ? mn : NULL) {
+            const char *blob = (const char *)super_blob(p, ta, ba, kb, per16);
+            for (int64_t c = 0; c < size; c += 64) _mm_prefetch(blob + c, _MM_HINT_NTA);
+            _mm_prefetch(blob + size - 1, _MM_HINT_NTA);
+        }
+        return;
+    }
+    const int64_t elt = half ? 2 : 4; /* the block's first line of scales (of offsets) */
+    _mm_prefetch((const char *)d + elt * scale_index(ta, ba, 0, kb, per16), _MM_HINT_NTA);
+    if (mn) _mm_prefetch((const char *)mn + elt * scale_index(ta, ba, 0, kb, 0), _MM_HINT_NTA);
+}
+
+#endif
+
+#if QGEMM_AVX512
 /* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl, gguf.quants.IQ4_NL.kvalues) + 128, in each
  * 16-byte lane for vpshufb */
 static inline __m512i nl_table(void) {
@@ -337,31 +394,6 @@ static inline __attribute__((always_inline)) void block_scales(const int form, c
         *sm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(*sm), _mm512_set1_epi32(INT32_MIN)));
 }
 
-/* A decode GEMV's prefetches at block b of tile t: the weights PREFETCH_AHEAD bytes on, and
- * the scales (and offsets) of the block as far on, each their own stream (the next tiles' where
- * it runs past this one's); non-temporal, as the weights are read once a step. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const int form, const int half, const uint8_t *w,
-                                                                 const void *d, const void *mn, int64_t t, int64_t b,
-                                                                 int64_t kb) {
-    const int groups = block_vectors(form), per16 = form == 6;
-    const char *ahead = (const char *)(w + (t * kb + b) * groups * 64) + PREFETCH_AHEAD;
-    for (int c = 0; c < groups * 64; c += 64) _mm_prefetch(ahead + c, _MM_HINT_NTA);
-    const int64_t at = b + PREFETCH_AHEAD / (groups * 64), ta = t + at / kb, ba = at % kb;
-    if (half == 2) { /* a blob per 8 blocks: at the first block of a super-block, the whole blob */
-        if (b % 8) return;
-        const int64_t size = 32 + 16 * (per16 ? 16 : 8);
-        for (const void *p = d; p; p = p == d ? mn : NULL) {
-            const char *blob = (const char *)super_blob(p, ta, ba, kb, per16);
-            for (int64_t c = 0; c < size; c += 64) _mm_prefetch(blob + c, _MM_HINT_NTA);
-            _mm_prefetch(blob + size - 1, _MM_HINT_NTA);
-        }
-        return;
-    }
-    const int64_t elt = half ? 2 : 4; /* the block's first line of scales (of offsets) */
-    _mm_prefetch((const char *)d + elt * scale_index(ta, ba, 0, kb, per16), _MM_HINT_NTA);
-    if (mn) _mm_prefetch((const char *)mn + elt * scale_index(ta, ba, 0, kb, 0), _MM_HINT_NTA);
-}
-
 /* bytes of one expanded block: its 8 weight vectors, then sd0, sd1, sm (expand_tile) */
 #define XBLOCK (11 * 64)
 
@@ -431,6 +463,401 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(out + (r0 + i) * ldc + c0, keep, _mm512_add_ps(acc[i], bv));
 }
 
+/* Tile t's weights unpacked (unpack_block) and its scales made (block_scales) into xw
+ * [kb][XBLOCK]: forms 5 and 6 put their high bits back with 8-16 masked adds a block, and the
+ * k-quants' scales are multiplied out, which a prompt's row groups would each repeat (a
+ * 512-row Q6_K GEMM took 1.4x its byte form's time); so they do it once a tile, into a
+ * buffer that stays in L2 while the row groups read it. The same values: the same bits. */
+static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
+    for (int64_t b = 0; b < kb; b++) {
+        __m512i wv[8];
+        __m512 sc[3];
+        if (j->form == 5)
+            unpack_block(5, j->w, t, kb, b, wv);
+        else
+            unpack_block(6, j->w, t, kb, b, wv);
+        if (j->half == 2)
+            block_scales(j->form, j->d, j->mn, t, b, kb, 2, sc, sc + 1, sc + 2);
+        else if (j->half)
+            block_scales(j->form, j->d, j->mn, t, b, kb, 1, sc, sc + 1, sc + 2);
+        else
+            block_scales(j->form, j->d, j->mn, t, b, kb, 0, sc, sc + 1, sc + 2);
+        uint8_t *e = xw + b * XBLOCK;
+        for (int g = 0; g < 8; g++) _mm512_store_si512((void *)(e + g * 64), wv[g]);
+        for (int i = 0; i < 3; i++) _mm512_store_ps((float *)(e + 512 + 64 * i), sc[i]);
+    }
+}
+
+#elif QGEMM_AVX2
+/* AVX2 (+ FMA, F16C): no vpdpbusd, so each column's 4-byte dot is vpmaddubsw (u8 x s8 pairs
+ * to int16, saturating) then vpmaddwd (int16 pairs to int32), llama.cpp's AVX2 method, on the
+ * same layout: a tile's 16 columns are two 8-lane halves (bytes 32 c .. 32 c + 31 of each
+ * 64-byte vector). The integer sums are exactly the AVX-512 path's, and the float steps the
+ * same operations in the same order, so the results are the same bits:
+ * - a pair's sum must fit int16: 2 * 15 * 127 (Q4 form) fits, so up to 8 vectors' pairs are
+ *   summed in int16 before the vpmaddwd (the Q5 form's 31: 4; the Q6 form's 63: 2);
+ * - the byte forms' q + 128 (up to 255) and NL's kvalues + 128 do not fit (2 * 255 * 127), so
+ *   they go signed, with the sign trick: |w| x (x with w's sign), |w| <= 128, x in +-127; the
+ *   sum is then q x itself, the AVX-512 path's after its - 128 sum(x) (corr), so no corr;
+ * - x's two bytes join in the vpmaddwd: pairs of q1 products times 256, of q2 times 1, the
+ *   AVX-512 path's (p1 << 8) + p2. */
+
+/* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl) as signed bytes, in each 16-byte lane for
+ * vpshufb */
+static inline __m256i nl_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                                                     89, 113));
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline float hmax_ps(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 int32 (two vectors, each in +-127) -> 16 signed bytes, in order */
+static inline void store_bytes16(int8_t *dst, __m256i a, __m256i b) {
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm_storeu_si128((__m128i *)dst, _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+
+/* quantize_rows as the AVX-512 path's (the same operations per value: the same bytes and sums) */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int8_t *q1s, int8_t *q2s, float *dx,
+                          float *sx, int32_t *corr, int xbytes) {
+    const int64_t kp = (k + 31) / 32 * 32, kb = kp / 32;
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < kb; b++) {
+            const float *src = x + r * lda + b * 32;
+            const int64_t left = k - b * 32;
+            float tail[32];
+            if (left < 32) { /* the last block, zero-padded */
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, src, sizeof(float) * (size_t)left);
+                src = tail;
+            }
+            __m256 v[4];
+            for (int e = 0; e < 4; e++) v[e] = _mm256_loadu_ps(src + 8 * e);
+            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            const float amax = hmax_ps(a);
+            const float d = amax / 127.f;
+            const float id = d > 0.f ? 1.f / d : 0.f;
+            const __m256 iv = _mm256_set1_ps(id), dv = _mm256_set1_ps(d), iv256 = _mm256_set1_ps(256.f * id);
+            int32_t total = 0;
+            for (int h = 0; h < 2; h++) {
+                __m256i q1[2], q2[2], s = _mm256_setzero_si256();
+                for (int e = 0; e < 2; e++) {
+                    q1[e] = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + e], iv)); /* round to nearest even */
+                    if (xbytes == 1) {
+                        s = _mm256_add_epi32(s, q1[e]);
+                    } else {
+                        const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q1[e]), dv, v[2 * h + e]);
+                        q2[e] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, iv256)), lo),
+                                                 hi);
+                        s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(q1[e], 8), q2[e]));
+                    }
+                }
+                store_bytes16(q1s + r * kp + b * 32 + 16 * h, q1[0], q1[1]);
+                if (xbytes == 2) store_bytes16(q2s + r * kp + b * 32 + 16 * h, q2[0], q2[1]);
+                const int32_t part = hsum_epi32(s); /* the half block's sum of x in steps of dx */
+                corr[(r * kb + b) * 2 + h] = 128 * part;
+                total += part;
+            }
+            const float unit = xbytes == 1 ? d : d / 256.f; /* what one step of the integer sums is worth */
+            dx[r * kb + b] = unit;
+            sx[r * kb + b] = unit * (float)total;
+        }
+    }
+}
+
+/* forms whose bytes go signed (the sign trick above) */
+static inline int signed_form(const int form) { return form == 8 || form == FORM_Q8S || form == FORM_NL; }
+
+/* 8 scales from element i of d or m: float16 widened (exact), or float32 */
+static inline __attribute__((always_inline)) __m256 scales8(const void *p, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* half c of tile t's 16 scales of block b (half h where per16) in d or m (tile_scales of the
+ * AVX-512 path, 8 columns) */
+static inline __attribute__((always_inline)) __m256 tile_scales(const void *p, int64_t t, int64_t b, int h, int64_t kb,
+                                                                const int half, const int per16, int c) {
+    if (half == 2) {
+        const uint8_t *blob = super_blob(p, t, b, kb, per16);
+        const __m256 base = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blob + 16 * c)));
+        const __m128i f = _mm_loadl_epi64((const __m128i *)(blob + 32 + 16 * super_group(b, h, per16) + 8 * c));
+        return _mm256_mul_ps(base, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(f)));
+    }
+    return scales8(p, scale_index(t, b, h, kb, per16) + 8 * c, half);
+}
+
+/* one bit plane's 32 bits for half c of vector g as a byte each: bit 4 j + i -> byte 4 j + i,
+ * `value` where set (each byte of the word repeated 8 times, one bit of each picked) */
+static inline __attribute__((always_inline)) __m256i plane_bytes(const uint8_t *word, __m256i value) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    int32_t bits;
+    memcpy(&bits, word, sizeof bits);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
+}
+
+/* vector g of half c of a block's weights (src: the block's first byte) as one byte a weight
+ * (value 4 g + i of column 8 c + j at byte 4 j + i): the nibbles split, forms 5 and 6 with
+ * their high bits put back, NL through its (signed) table, the byte forms as signed q */
+static inline __attribute__((always_inline)) __m256i weight_vector(const int form, const uint8_t *src, int g, int c) {
+    if (form == 8 || form == FORM_Q8S)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * c)),
+                                _mm256_set1_epi8((char)0x80));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 64 * (g % 4) + 32 * c));
+    __m256i q = g < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if (form == FORM_NL) q = _mm256_shuffle_epi8(nl_table(), q);
+    if (form == 5 || form == 6) q = _mm256_or_si256(q, plane_bytes(src + 256 + 8 * g + 4 * c, _mm256_set1_epi8(16)));
+    if (form == 6) q = _mm256_or_si256(q, plane_bytes(src + 320 + 8 * g + 4 * c, _mm256_set1_epi8(32)));
+    return q;
+}
+
+/* half c of block b of tile t's weights: its 8 vectors (weight_vector) */
+static inline __attribute__((always_inline)) void unpack_half(const int form, const uint8_t *w, int64_t t, int64_t kb,
+                                                              int64_t b, int c, __m256i *wv) {
+    const uint8_t *src = w + ((t * kb + b) * block_vectors(form)) * 64;
+    for (int g = 0; g < 8; g++) wv[g] = weight_vector(form, src, g, c);
+}
+
+/* half c of block b of tile t's scales: block_scales of the AVX-512 path */
+static inline __attribute__((always_inline)) void block_scales(const int form, const void *d, const void *mn,
+                                                               int64_t t, int64_t b, int64_t kb, const int half,
+                                                               int c, __m256 *sd0, __m256 *sd1, __m256 *sm) {
+    const int per16 = form == 8 || form == 6;
+    *sd0 = tile_scales(d, t, b, 0, kb, half, per16, c);
+    *sd1 = per16 ? tile_scales(d, t, b, 1, kb, half, 1, c) : *sd0;
+    *sm = !mn ? _mm256_setzero_ps() : tile_scales(mn, t, b, 0, kb, half, 0, c);
+    if (mn && half == 2)
+        *sm = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(*sm), _mm256_set1_epi32(INT32_MIN)));
+}
+
+/* sum over vectors g0 .. g1 - 1 of each lane's 4 products with x's bytes `x` (as int32 words),
+ * times `unit` (1 or 256), in int32: vpmaddubsw's int16 pairs summed over up to `run` vectors
+ * (what fits int16 for the form), then widened by vpmaddwd. wa: |w| of the signed forms. */
+static inline __attribute__((always_inline)) __m256i dot(const int form, const __m256i *wv, const __m256i *wa,
+                                                         const int32_t *x, int g0, int g1, __m256i unit) {
+    const int run = form == 4 ? 8 : form == 5 ? 4 : form == 6 ? 2 : 1;
+    __m256i p = _mm256_setzero_si256();
+    for (int g = g0; g < g1; g += run) {
+        __m256i s = _mm256_setzero_si256();
+        for (int u = g; u < g + run && u < g1; u++) {
+            const __m256i xv = _mm256_set1_epi32(x[u]);
+            const __m256i prod = signed_form(form) ? _mm256_maddubs_epi16(wa[u], _mm256_sign_epi8(xv, wv[u]))
+                                                   : _mm256_maddubs_epi16(wv[u], xv);
+            s = u == g ? prod : _mm256_add_epi16(s, prod);
+        }
+        p = _mm256_add_epi32(p, _mm256_madd_epi16(s, unit));
+    }
+    return p;
+}
+
+/* x's rounded row r against vectors g0 .. g1 - 1: (p1 << 8) + p2 (xbytes 2), p1 (xbytes 1) */
+static inline __attribute__((always_inline)) __m256i row_dot(const int form, const int xbytes, const __m256i *wv,
+                                                             const __m256i *wa, const int32_t *x1, const int32_t *x2,
+                                                             int g0, int g1) {
+    const __m256i one = _mm256_set1_epi16(1);
+    if (xbytes == 1) return dot(form, wv, wa, x1, g0, g1, one);
+    return _mm256_add_epi32(dot(form, wv, wa, x1, g0, g1, _mm256_set1_epi16(256)), dot(form, wv, wa, x2, g0, g1, one));
+}
+
+/* bytes of one expanded block: its 8 weight vectors, then sd0, sd1, sm (expand_tile) */
+#define XBLOCK (11 * 64)
+
+/* half c's 8 columns of rows [r0, r0 + mr) out (acc + bias, columns past n not written) */
+static inline __attribute__((always_inline)) void store_half(const __m256 *acc, int64_t r0, int mr, const float *bias,
+                                                             float *out, int64_t ldc, int64_t n, int64_t t, int c) {
+    const int64_t col = t * NT + 8 * c, left = n - col;
+    if (left <= 0) return;
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 bv = bias ? _mm256_maskload_ps(bias + col, keep) : _mm256_setzero_ps();
+    for (int i = 0; i < mr; i++) _mm256_maskstore_ps(out + (r0 + i) * ldc + col, keep, _mm256_add_ps(acc[i], bv));
+}
+
+/* A decode GEMV's tile (row r0 alone): each weight vector made, both halves, and used at once,
+ * x's broadcasts shared by the halves (what keeps it within the 16 registers and each line read
+ * once); the integer sums and the float steps are tile_rows' (the same bits) */
+static inline __attribute__((always_inline)) void tile_row(int form, const int8_t *q1s, const int8_t *q2s,
+                                                           const float *dx, const float *sx, const int32_t *corr,
+                                                           int64_t r0, int64_t kp, const uint8_t *w, const void *d,
+                                                           const void *mn, const float *bias, float *out, int64_t ldc,
+                                                           int64_t n, int64_t t, const int xbytes, const int half,
+                                                           const int prefetch) {
+    const int64_t kb = kp / 32;
+    const int per16 = form == 6 || form == 8 || form == FORM_Q8S, run = form == 4 ? 8 : form == 5 ? 4 : form == 6 ? 2 : 1;
+    const __m256i one = _mm256_set1_epi16(1), unit1 = xbytes == 1 ? one : _mm256_set1_epi16(256);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < kb; b++) {
+        if (prefetch) prefetch_ahead(form, half, w, d, mn, t, b, kb);
+        const uint8_t *src = w + ((t * kb + b) * block_vectors(form)) * 64;
+        const int32_t *x1 = (const int32_t *)(q1s + r0 * kp + b * 32);
+        const int32_t *x2 = (const int32_t *)(q2s + r0 * kp + b * 32);
+        const __m256 xs = _mm256_set1_ps(dx[r0 * kb + b]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 1 + per16; h++) {
+            __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int g = per16 ? 4 * h : 0; g < (per16 ? 4 * h + 4 : 8); g += run) {
+                __m256i s1[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, s2[2] = {s1[0], s1[1]};
+#pragma GCC unroll 8
+                for (int u = g; u < g + run; u++) {
+                    const __m256i xv1 = _mm256_set1_epi32(x1[u]), xv2 = _mm256_set1_epi32(xbytes == 2 ? x2[u] : 0);
+#pragma GCC unroll 2
+                    for (int c = 0; c < 2; c++) {
+                        const __m256i wv = weight_vector(form, src, u, c);
+                        if (signed_form(form)) {
+                            const __m256i wa = _mm256_sign_epi8(wv, wv);
+                            s1[c] = _mm256_add_epi16(s1[c], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv1, wv)));
+                            if (xbytes == 2)
+                                s2[c] = _mm256_add_epi16(s2[c], _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv2, wv)));
+                        } else {
+                            s1[c] = _mm256_add_epi16(s1[c], _mm256_maddubs_epi16(wv, xv1));
+                            if (xbytes == 2) s2[c] = _mm256_add_epi16(s2[c], _mm256_maddubs_epi16(wv, xv2));
+                        }
+                        /* the sums kept in order, in registers: reassociated, gcc holds every
+                         * product of the run on the stack first (a third slower) */
+                        __asm__("" : "+x"(s1[c]), "+x"(s2[c]));
+                    }
+                }
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++) {
+                    p[c] = _mm256_add_epi32(p[c], _mm256_madd_epi16(s1[c], unit1));
+                    if (xbytes == 2) p[c] = _mm256_add_epi32(p[c], _mm256_madd_epi16(s2[c], one));
+                }
+            }
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; c++) {
+                if (form == 6) /* q - 32: corr / 4 taken back, exact */
+                    p[c] = _mm256_sub_epi32(p[c], _mm256_set1_epi32(corr[(r0 * kb + b) * 2 + h] / 4));
+                const __m256 ds = _mm256_mul_ps(tile_scales(d, t, b, h, kb, half, form == 6 || form == 8, c), xs);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[c]), ds, acc[c]);
+            }
+        }
+        if (mn) {
+            const __m256 sxv = _mm256_set1_ps(sx[r0 * kb + b]);
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; c++) {
+                __m256 sm = tile_scales(mn, t, b, 0, kb, half, 0, c);
+                if (half == 2) /* super-block offsets are -(dmin * factor) */
+                    sm = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(sm), _mm256_set1_epi32(INT32_MIN)));
+                acc[c] = _mm256_fmadd_ps(sm, sxv, acc[c]);
+            }
+        }
+    }
+    store_half(acc, r0, 1, bias, out, ldc, n, t, 0);
+    store_half(acc + 1, r0, 1, bias, out, ldc, n, t, 1);
+}
+
+/* half c of the tile() below for rows [r0, r0 + mr): each block unpacked (or read expanded)
+ * once for the rows */
+static inline __attribute__((always_inline)) void tile_rows(int form, const int8_t *q1s, const int8_t *q2s,
+                                                            const float *dx, const float *sx, const int32_t *corr,
+                                                            int64_t r0, int mr, int64_t kp, const uint8_t *w,
+                                                            const void *d, const void *mn, const float *bias,
+                                                            float *out, int64_t ldc, int64_t n, int64_t t,
+                                                            const int xbytes, const int half, const uint8_t *xw,
+                                                            const int c) {
+    const int64_t kb = kp / 32;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        __m256i wv[8], wa[8];
+        __m256 sd0, sd1, sm; /* the block's scales (per 16: two) and offsets, once for its rows */
+        if (xw) { /* the tile expanded beforehand (expand_tile): a prompt's row groups share it */
+            const uint8_t *e = xw + b * XBLOCK + 32 * c;
+            for (int g = 0; g < 8; g++) wv[g] = _mm256_load_si256((const __m256i *)(e + g * 64));
+            sd0 = _mm256_load_ps((const float *)(e + 512));
+            sd1 = _mm256_load_ps((const float *)(e + 576));
+            sm = _mm256_load_ps((const float *)(e + 640));
+        } else {
+            unpack_half(form, w, t, kb, b, c, wv);
+            block_scales(form, d, mn, t, b, kb, half, c, &sd0, &sd1, &sm);
+        }
+        if (signed_form(form))
+            for (int g = 0; g < 8; g++) wa[g] = _mm256_sign_epi8(wv[g], wv[g]);
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            const int64_t r = r0 + i;
+            const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
+            const int32_t *x2 = (const int32_t *)(q2s + r * kp + b * 32);
+            const __m256 xs = _mm256_set1_ps(dx[r * kb + b]);
+            if (form == 4 || form == 5 || form == FORM_NL) {
+                const __m256i p = row_dot(form, xbytes, wv, wa, x1, x2, 0, 8);
+                const __m256 ds = _mm256_mul_ps(sd0, xs);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds, acc[i]);
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    __m256i p = row_dot(form, xbytes, wv, wa, x1, x2, 4 * h, 4 * h + 4);
+                    if (form == 6) /* q - 32: corr / 4 taken back, exact */
+                        p = _mm256_sub_epi32(p, _mm256_set1_epi32(corr[(r * kb + b) * 2 + h] / 4));
+                    const __m256 ds = _mm256_mul_ps(h ? sd1 : sd0, xs);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds, acc[i]);
+                }
+            }
+            if (mn) acc[i] = _mm256_fmadd_ps(sm, _mm256_set1_ps(sx[r * kb + b]), acc[i]);
+        }
+    }
+    store_half(acc, r0, mr, bias, out, ldc, n, t, c);
+}
+
+/* rows [r0, r0 + mr) x the 16 columns of tile t (columns past n not written): a decode GEMV's
+ * one row (tile_row), or more, half by half (tile_rows: the tile stays in cache between) */
+static inline __attribute__((always_inline)) void tile(int form, const int8_t *q1s, const int8_t *q2s,
+                                                       const float *dx, const float *sx, const int32_t *corr,
+                                                       int64_t r0, int mr, int64_t kp, const uint8_t *w,
+                                                       const void *d, const void *mn, const float *bias,
+                                                       float *out, int64_t ldc, int64_t n, int64_t t,
+                                                       const int xbytes, const int half, const uint8_t *xw,
+                                                       const int prefetch) {
+    if (mr == 1 && !xw) {
+        tile_row(form, q1s, q2s, dx, sx, corr, r0, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, prefetch);
+        return;
+    }
+    for (int c = 0; c < 2; c++)
+        tile_rows(form, q1s, q2s, dx, sx, corr, r0, mr, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw, c);
+}
+
+/* expand_tile of the AVX-512 path: forms 5 and 6 unpacked, the scales made, once a tile */
+static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
+    for (int64_t b = 0; b < kb; b++)
+        for (int c = 0; c < 2; c++) {
+            __m256i wv[8];
+            __m256 sc[3];
+            if (j->form == 5)
+                unpack_half(5, j->w, t, kb, b, c, wv);
+            else
+                unpack_half(6, j->w, t, kb, b, c, wv);
+            if (j->half == 2)
+                block_scales(j->form, j->d, j->mn, t, b, kb, 2, c, sc, sc + 1, sc + 2);
+            else if (j->half)
+                block_scales(j->form, j->d, j->mn, t, b, kb, 1, c, sc, sc + 1, sc + 2);
+            else
+                block_scales(j->form, j->d, j->mn, t, b, kb, 0, c, sc, sc + 1, sc + 2);
+            uint8_t *e = xw + b * XBLOCK + 32 * c;
+            for (int g = 0; g < 8; g++) _mm256_store_si256((__m256i *)(e + g * 64), wv[g]);
+            for (int i = 0; i < 3; i++) _mm256_store_ps((float *)(e + 512 + 64 * i), sc[i]);
+        }
+}
+#endif
+
+#if QGEMM_SIMD
 #define TILE_ROWS(form, xbytes, half)                                                                          \
     switch (mr) {                                                                                                  \
     case 4: tile(form, q1s, q2s, dx, sx, corr, r0, 4, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw, pf); break; \
@@ -457,49 +884,6 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
     } else {                                                                                                   \
         if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }                                     \
     }
-
-/* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
- * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
- * each output element is made by the same tile() call on the same rows (row groups of MR
- * start at multiples of MR either way), so the result does not depend on the split. */
-struct qjob {
-    int form, xbytes, half; /* form without its flags; half: scales float32 (0), float16 (1), super-block (2) */
-    const float *x;
-    int8_t *q1s, *q2s;
-    float *dx, *sx;
-    int32_t *corr;
-    int64_t m, k, lda, kp, n, ldc, tiles;
-    const uint8_t *w;
-    const void *d, *mn;
-    const float *bias;
-    float *out;
-    int64_t ct, rb, nrb, qrows;
-};
-
-/* Tile t's weights unpacked (unpack_block) and its scales made (block_scales) into xw
- * [kb][XBLOCK]: forms 5 and 6 put their high bits back with 8-16 masked adds a block, and the
- * k-quants' scales are multiplied out, which a prompt's row groups would each repeat (a
- * 512-row Q6_K GEMM took 1.4x its byte form's time); so they do it once a tile, into a
- * buffer that stays in L2 while the row groups read it. The same values: the same bits. */
-static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
-    for (int64_t b = 0; b < kb; b++) {
-        __m512i wv[8];
-        __m512 sc[3];
-        if (j->form == 5)
-            unpack_block(5, j->w, t, kb, b, wv);
-        else
-            unpack_block(6, j->w, t, kb, b, wv);
-        if (j->half == 2)
-            block_scales(j->form, j->d, j->mn, t, b, kb, 2, sc, sc + 1, sc + 2);
-        else if (j->half)
-            block_scales(j->form, j->d, j->mn, t, b, kb, 1, sc, sc + 1, sc + 2);
-        else
-            block_scales(j->form, j->d, j->mn, t, b, kb, 0, sc, sc + 1, sc + 2);
-        uint8_t *e = xw + b * XBLOCK;
-        for (int g = 0; g < 8; g++) _mm512_store_si512((void *)(e + g * 64), wv[g]);
-        for (int i = 0; i < 3; i++) _mm512_store_ps((float *)(e + 512 + 64 * i), sc[i]);
-    }
-}
 
 /* a thread's expansion buffer, grown as needed (64-byte aligned; kept for the thread's life) */
 static uint8_t *expansion_buffer(int64_t bytes) {
