@@ -500,7 +500,12 @@ static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw
  *   they go signed, with the sign trick: |w| x (x with w's sign), |w| <= 128, x in +-127; the
  *   sum is then q x itself, the AVX-512 path's after its - 128 sum(x) (corr), so no corr;
  * - x's two bytes join in the vpmaddwd: pairs of q1 products times 256, of q2 times 1, the
- *   AVX-512 path's (p1 << 8) + p2. */
+ *   AVX-512 path's (p1 << 8) + p2.
+ * Two Zen 4 cores built as x86-64-v3 (bench/qgemm_classes.py, 8 cycled 4096 x 4096 layers,
+ * against the AVX-512 path in the same run; the machine's streaming read ~26 GB/s): a decode
+ * GEMV reads Q4_1 at 26 GB/s (AVX-512: 28), Q4_K 28 (30), Q8_0 ~18 (~14, both noisy), Q6_K 17
+ * (28: its two bit planes take ~10 operations a vector to put back, where AVX-512 masks them
+ * in); a 512-row prompt GEMM runs at 0.3 (byte forms) to 0.6 (Q4) of the VNNI path's rate. */
 
 /* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl) as signed bytes, in each 16-byte lane for
  * vpshufb */
@@ -663,6 +668,7 @@ static inline __attribute__((always_inline)) __m256i dot(const int form, const _
             const __m256i prod = signed_form(form) ? _mm256_maddubs_epi16(wa[u], _mm256_sign_epi8(xv, wv[u]))
                                                    : _mm256_maddubs_epi16(wv[u], xv);
             s = u == g ? prod : _mm256_add_epi16(s, prod);
+            __asm__("" : "+x"(s)); /* in order, in a register (tile_row's note) */
         }
         p = _mm256_add_epi32(p, _mm256_madd_epi16(s, unit));
     }
