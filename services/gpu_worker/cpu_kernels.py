@@ -151,7 +151,8 @@ def build(name: str = "mstar_kernels") -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], check=True, capture_output=True, timeout=120)
+        with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+            _compile(cc, flags, sources, Path(objects), tmp)
         os.replace(tmp, out)  # atomic: a concurrent worker sees the whole file or none
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError)
@@ -160,6 +161,34 @@ def build(name: str = "mstar_kernels") -> Path | None:
         Path(tmp).unlink(missing_ok=True)
         return None
     return out
+
+
+#: seconds one source may take to compile (qgemm.c takes ~35 s on a quiet Zen core, and
+#: more than twice that on a loaded one: a build that gives up costs the torch path)
+COMPILE_TIMEOUT_S = 600
+
+
+def _compile(cc: str, flags: list[str], sources: list[Path], objects: Path, out: str) -> None:
+    """Every source to an object at once (the cores build them side by side: the build
+    takes the longest source's time, not the sum), then one link; CalledProcessError with
+    the compiler's output for the first that fails."""
+    compile_flags = [f for f in flags if f != "-shared"]
+    jobs = [(src, objects / f"{src.stem}.o") for src in sources]
+    procs = [(src, subprocess.Popen([cc, *compile_flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT)) for src, obj in jobs]
+    failed: subprocess.CalledProcessError | None = None
+    for src, proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        if proc.returncode and failed is None:
+            failed = subprocess.CalledProcessError(proc.returncode, f"{cc} -c {src.name}", output, output)
+    if failed is not None:
+        raise failed
+    subprocess.run([cc, *flags, "-o", out, *(str(obj) for _, obj in jobs), "-lm"], check=True,
+                   capture_output=True, timeout=COMPILE_TIMEOUT_S)
 
 
 @functools.cache
