@@ -30,6 +30,8 @@ void mstar_head_norm(float *x, int64_t x_stride, int64_t rows, int64_t heads, in
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
                   const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch);
+int mstar_qrows(int form, const uint8_t *w, const void *d, const void *mn, int64_t n, int64_t k, const int64_t *ids,
+                int64_t n_ids, float *out, int64_t ldo);
 int mstar_gemm(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                const float *bias, float *out, int64_t ldo);
 int mstar_gemm_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t inter,
