@@ -85,7 +85,9 @@ class Arm:
         objects, jobs = [], []
         for src in sorted(cpu_kernels.SOURCE_DIR.glob("*.c")):
             obj = self.where / f"{src.stem}.o"
-            args = [*(f for f in flags if f != "-shared"), "-c", "-o", str(obj), str(src)]
+            # what GCC 14 refuses anyway, refused here on GCC 12 too (a missing prototype)
+            args = [*(f for f in flags if f != "-shared"), "-Werror=implicit-function-declaration", "-c", "-o",
+                    str(obj), str(src)]
             jobs.append((args, subprocess.Popen([CC, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                 text=True)))
             objects.append(str(obj))
