@@ -188,7 +188,7 @@ def pages_in(start: int, end: int, page_size: int) -> int:
 
 
 def label_footprint(
-    layout: LabelLayout, caps: dict[str, int], page_size: int, window: int | None = None
+    layout: LabelLayout, caps: dict[str, int], page_size: int, window: int | None = None, hit: int = 0
 ) -> int:
     """The most pages a label can hold at once over a walk that runs every loop to its cap.
 
@@ -197,19 +197,33 @@ def label_footprint(
     then releases pages wholly behind the window. Without a window that peak is the formula
     `ceil((spans + scratch + sum(growth * cap)) / page_size)`; with one it is the largest
     count of pages from the first row kept before a commit to the end of its scratch.
+
+    `hit`: the first rows came from the prefix cache (page-aligned): the walk starts there,
+    a windowed label holding only the pages from `hit - window` on (`hit_pages`).
     """
     grown = sum(rows * caps.get(loop, 0) for loop, rows in layout.growth.items())
     total = layout.span_rows + grown
     if window is None:
         return pages_for(total + layout.scratch, page_size)
-    peak = pages_in(0, layout.scratch, page_size)  # a probe may run before any commit
+    # a probe may run before any commit
+    peak = pages_in(max(0, hit - window) if hit else 0, hit + layout.scratch, page_size)
     start = 0
     for length in commit_sizes(layout, caps):
         end = start + length
-        kept = max(0, start - window)
-        peak = max(peak, pages_in(kept, end + layout.scratch, page_size))
+        if end > hit:
+            kept = max(0, max(start, hit) - window)
+            peak = max(peak, pages_in(kept, end + layout.scratch, page_size))
         start = end
     return peak
+
+
+def hit_pages(page_size: int, window: int | None, hit: int) -> tuple[int, int]:
+    """The label pages [first, end) a prefix-cache hit of `hit` rows (page-aligned) takes:
+    every page before it, or for a windowed label only those covering its last `window`
+    rows (the first may lie partly behind the window; pages wholly behind it are never
+    needed: retention would release them)."""
+    end = hit // page_size
+    return (max(0, hit - window) // page_size if window is not None else 0), end
 
 
 def commit_sizes(layout: LabelLayout, caps: dict[str, int]):

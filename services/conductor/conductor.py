@@ -52,7 +52,15 @@ from shared.frames import (
     WorkerRefused,
     WorkerStats,
 )
-from shared.layout import PagedKVConfig, leading_keys, prefix_chain, prompt_pages, shareable_count
+from shared.layout import (
+    PagedKVConfig,
+    hit_pages,
+    label_footprint,
+    leading_keys,
+    prefix_chain,
+    prompt_pages,
+    shareable_count,
+)
 from shared.pages import pages_for
 from shared.specs.base import ModelSpec
 from shared.zmq_utils import Pushers, bind, bind_pull, cleanup_ipc, recv_frames
@@ -360,7 +368,7 @@ class Conductor:
                 # The pages it will share from this worker's prefix cache need no promise
                 # (an over-estimate only makes the worker queue it: it admits exactly).
                 hits = w.hit_pages(keys) if self.d.admission == "footprint" and self.d.prefix_cache else 0
-                need = {pool: n - (hits if pool in keys else 0) for pool, n in base.items()}
+                need = self._hit_need(req, base, hits) if hits else base
                 if w.fits(need):
                     options.append((w, need, hits))
             if not options:
@@ -418,6 +426,23 @@ class Conductor:
                 return {}
             keys[lab.pool] = (prefix_chain(prompt_pages(layout, cfg.page_size)), shareable_count(layout, cfg.page_size))
         return keys
+
+    def _hit_need(self, req: NewRequest, base: dict[str, int], hits: int) -> dict[str, int]:
+        """`base` less what a hit of `hits` leading pages spares, as the worker admits it:
+        the pages each label the prompt writes shares (a windowed label only those of its
+        window: `hit_pages`), and a windowed label's footprint from the hit on."""
+        need = dict(base)
+        for name, layout in req.kv_layout.items():
+            lab = self.spec.label(name)
+            cfg = req.kv_configs.get(lab.pool)
+            if not layout.span_rows or cfg is None or lab.pool not in need:
+                continue
+            rows = hits * cfg.page_size
+            first, end = hit_pages(cfg.page_size, lab.window, rows)
+            full = cfg.footprints.get(name, 0)
+            after = label_footprint(layout, req.loop_caps, cfg.page_size, lab.window, rows)
+            need[lab.pool] -= (end - first) + (full - after)
+        return need
 
     def _need(self, req: NewRequest) -> dict[str, int]:
         """Pages to promise per pool: the footprint, or under the max-seq-len baseline a

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from itertools import accumulate
 
 from services.gpu_worker.kv_checks import LayoutChecker, LayoutViolation
 from services.gpu_worker.kv_state import LabelState, RequestKV
@@ -23,6 +24,7 @@ from shared.layout import (
     PagedKVConfig,
     bidirectional_blocks,
     block_boundary,
+    hit_pages,
     label_footprint,
     leading_keys,
     prompt_pages,
@@ -193,7 +195,8 @@ class KVManager:
             fp = label_footprint(layout, req.loop_caps, page_size, lab.window)
             states[name] = LabelState(lab, layout, fp, page_size,
                                       row_keys=leading_keys(layout) if lab.keys else (),
-                                      key_pages=prompt_pages(layout, page_size) if lab.keys else [])
+                                      key_pages=prompt_pages(layout, page_size) if lab.keys else [],
+                                      key_parent=self.pools[lab.pool].index.root(name))
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states,
                        blocks=_merged_blocks(bidirectional_blocks(layout) for layout in req.kv_layout.values()))
         if self.reserve_max_seq_len:
@@ -228,21 +231,45 @@ class KVManager:
         feed every such label, so one that cannot share (not keyed, a rows span) means no
         hit; a label the prompt does not write (no spans: a depth decoder's scratch, rewritten
         every frame) holds no prompt rows to share and does not stand in the way.
+        A full-attention label needs every page before the hit point; a windowed label only
+        those covering the window's rows before it (`hit_pages`), the earlier ones may be
+        evicted: its footprint is then the walk's from the hit on (`label_footprint`).
         The last prompt row is always recomputed: its logits pick the first token."""
         kv.hits, kv.hit_rows = {}, 0
+        for st in kv.labels.values():
+            st.footprint = st.full_footprint
         written = {name: st for name, st in kv.labels.items() if st.layout.span_rows}
         if not self.prefix_cache or not written or not all(st.row_keys for st in written.values()):
             return
-        matches = {}
+        walks = {}
         for name, st in written.items():
-            matches[name] = self.pools[st.label.pool].index.match(
-                st.key_pages[: shareable_count(st.layout, st.page_size)])
-        rows = min(len(m) * kv.labels[n].page_size for n, m in matches.items())
-        rows = min((rows // kv.labels[n].page_size) * kv.labels[n].page_size for n in matches)
-        rows = _whole_blocks(rows, kv.blocks, [st.page_size for st in written.values()])
-        if rows:
-            kv.hits = {n: m[: rows // kv.labels[n].page_size] for n, m in matches.items()}
-            kv.hit_rows = rows
+            index = self.pools[st.label.pool].index
+            walks[name] = index.walk(st.key_pages[: shareable_count(st.layout, st.page_size)], index.root(name))
+
+        # evicted pages along each walk, as prefix counts: a hit needs none in its pages
+        gaps = {name: list(accumulate((page is None for _, page in walk), initial=0)) for name, walk in walks.items()}
+
+        def covered(name: str, rows: int) -> bool:
+            first, end = hit_pages(written[name].page_size, written[name].label.window, rows)
+            return end <= len(walks[name]) and gaps[name][end] == gaps[name][first]
+
+        rows = min(len(w) * written[n].page_size for n, w in walks.items())
+        while rows > 0:
+            aligned = _whole_blocks(min((rows // st.page_size) * st.page_size for st in written.values()),
+                                    kv.blocks, [st.page_size for st in written.values()])
+            if aligned != rows:
+                rows = aligned
+            elif all(covered(n, rows) for n in written):
+                break
+            else:
+                rows -= 1
+        if rows <= 0:
+            return
+        for name, st in written.items():
+            first, end = hit_pages(st.page_size, st.label.window, rows)
+            kv.hits[name] = [(entry, page) for entry, page in walks[name][first:end] if page is not None]
+            st.footprint = label_footprint(st.layout, kv.caps, st.page_size, st.label.window, rows)
+        kv.hit_rows = rows
 
     def admit(self, kv: RequestKV) -> int:
         """Reserve the footprint (what this request may take later is set aside now) and
@@ -260,7 +287,7 @@ class KVManager:
                 st.pages.append(page)
                 pool.reserved -= 1  # a held page within the footprint is no longer reserved
                 st.key_parent = entry
-            st.keyed_pages = len(hits)
+            st.first_page, st.keyed_pages = hit_pages(st.page_size, st.label.window, kv.hit_rows)
             st.rows = kv.hit_rows
             if self.checker is not None:
                 self.checker.shared(kv, st, kv.hit_rows)
@@ -328,9 +355,9 @@ class KVManager:
         the first row."""
         index = self.pools[st.label.pool].index
         while (st.keyed_pages < len(st.key_pages) and (st.keyed_pages + 1) * st.page_size <= st.rows
-               and st.first_page == 0):
+               and st.keyed_pages >= st.first_page):
             i = st.keyed_pages
-            st.key_parent = index.insert(st.key_parent, st.key_pages[i], st.pages[i])
+            st.key_parent = index.insert(st.key_parent, st.key_pages[i], st.pages[i - st.first_page])
             st.keyed_pages += 1
 
     def _retain(self, kv: RequestKV, st: LabelState, window: int) -> None:

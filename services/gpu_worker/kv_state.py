@@ -28,6 +28,12 @@ class LabelState:
     key_pages: list[tuple[int, ...]] = field(default_factory=list)  # their full pages (`prompt_pages`)
     keyed_pages: int = 0  # leading pages matched or indexed in the prefix cache
     key_parent: int = ROOT  # entry id the next keyed page chains from
+    #: the footprint without a prefix-cache hit (a hit lowers a windowed label's: `_plan_hits`)
+    full_footprint: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.full_footprint:
+            self.full_footprint = self.footprint
 
     def page_for_row(self, row: int) -> int:
         return self.pages[row // self.page_size - self.first_page]

@@ -30,7 +30,7 @@ class DecoderLMSpec(ModelSpec):
     pool = "kv"
     window_pool = "kv_window"
     decode_loop = "decode_loop"
-    #: how the window label's prompt rows are declared: its label is never keyed either way
+    #: how the window label's prompt rows are declared: keyed in the prefix cache only as ids
     window_span_kind = "ids"
 
     def __init__(self, config: Mapping[str, Any] | ModelConfig, *, page_size: int, max_seq_len: int = 0,
@@ -51,7 +51,7 @@ class DecoderLMSpec(ModelSpec):
         if FULL in types:
             labels.append(KVLabel("text", self.pool, keys=True, grows_on=self.decode_loop))
         if SLIDING in types:
-            labels.append(KVLabel("window", self.window_pool, keys=False, window=self.window,
+            labels.append(KVLabel("window", self.window_pool, keys=True, window=self.window,
                                   grows_on=self.decode_loop))
         self._labels = tuple(labels)
         #: the label (and so the pool) each layer's attention reads and writes
