@@ -503,8 +503,8 @@ static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw
  *   AVX-512 path's (p1 << 8) + p2.
  * Two Zen 4 cores built as x86-64-v3 (bench/qgemm_classes.py, 8 cycled 4096 x 4096 layers,
  * against the AVX-512 path in the same run; the machine's streaming read ~26 GB/s): a decode
- * GEMV reads Q4_1 at 26 GB/s (AVX-512: 28), Q4_K 28 (30), Q8_0 ~18 (~14, both noisy), Q6_K 17
- * (28: its two bit planes take ~10 operations a vector to put back, where AVX-512 masks them
+ * GEMV reads Q4_1 at 26 GB/s (AVX-512: 28), Q4_K 28 (30), Q8_0 ~18 (~14, both noisy), Q6_K
+ * ~19 (28: its two bit planes take ~8 operations a vector to put back, where AVX-512 masks them
  * in); a 512-row prompt GEMM runs at 0.3 (byte forms) to 0.6 (Q4) of the VNNI path's rate. */
 
 /* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl) as signed bytes, in each 16-byte lane for
@@ -608,15 +608,19 @@ static inline __attribute__((always_inline)) __m256 tile_scales(const void *p, i
 }
 
 /* one bit plane's 32 bits for half c of vector g as a byte each: bit 4 j + i -> byte 4 j + i,
- * `value` where set (each byte of the word repeated 8 times, one bit of each picked) */
-static inline __attribute__((always_inline)) __m256i plane_bytes(const uint8_t *word, __m256i value) {
+ * `value` (16 or 32) where set. Each byte of the word repeated 8 times, one bit of each kept
+ * (byte k of 8: bit k), and vpsignb makes it the value: +value where the kept bit is 1 to 64
+ * (a positive byte), 0 where it is clear; bit 7 makes the byte negative, so that byte's value
+ * is given negated (one operation less than a compare and a mask). */
+static inline __attribute__((always_inline)) __m256i plane_bytes(const uint8_t *word, const int value) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    const __m256i signed_value = _mm256_set1_epi64x((int64_t)(0x0101010101010101ull * (uint64_t)value
+                                                              - ((uint64_t)(2 * value) << 56)));
     int32_t bits;
     memcpy(&bits, word, sizeof bits);
-    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
+    return _mm256_sign_epi8(signed_value, _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit));
 }
 
 /* vector g of half c of a block's weights (src: the block's first byte) as one byte a weight
@@ -630,8 +634,8 @@ static inline __attribute__((always_inline)) __m256i weight_vector(const int for
     const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 64 * (g % 4) + 32 * c));
     __m256i q = g < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     if (form == FORM_NL) q = _mm256_shuffle_epi8(nl_table(), q);
-    if (form == 5 || form == 6) q = _mm256_or_si256(q, plane_bytes(src + 256 + 8 * g + 4 * c, _mm256_set1_epi8(16)));
-    if (form == 6) q = _mm256_or_si256(q, plane_bytes(src + 320 + 8 * g + 4 * c, _mm256_set1_epi8(32)));
+    if (form == 5 || form == 6) q = _mm256_or_si256(q, plane_bytes(src + 256 + 8 * g + 4 * c, 16));
+    if (form == 6) q = _mm256_or_si256(q, plane_bytes(src + 320 + 8 * g + 4 * c, 32));
     return q;
 }
 
