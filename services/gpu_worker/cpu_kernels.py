@@ -97,7 +97,10 @@ def describe() -> str:
 def class_flags(cls: str) -> list[str]:
     """The compiler flags a build for class `cls` uses (tests/unit/test_kernels_aarch64.py
     cross-compiles the `neon` build with them, `-march=armv8-a` for `-mcpu=native`)."""
-    return ["-O3", "-fopenmp", "-shared", "-fPIC", *CLASS_FLAGS[cls]]
+    # -fno-trapping-math: no kernel reads the FP exception flags, and without it GCC 12 will
+    # not if-convert exp_poly's two clamps at AVX2 (x86-64-v3), leaving SiLU, GELU and the
+    # softmax scalar there; the values are IEEE's either way (unlike -ffast-math)
+    return ["-O3", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC", *CLASS_FLAGS[cls]]
 
 
 def _flags() -> list[str]:
