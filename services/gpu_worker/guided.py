@@ -50,6 +50,18 @@ class Guide:
             allowed[[t for t in self.eos_ids if t < self.vocab_size]] = True
         return torch.from_numpy(allowed)
 
+    def greedy(self, x: np.ndarray) -> int:
+        """The allowed token of highest logit in `x` (one row): the row's own argmax where
+        the grammar takes it (one token checked by the matcher, ~20 us), else the argmax of
+        the masked row. The same token either way (a first maximum the grammar refuses
+        falls through to the mask, whose first allowed maximum wins), without the
+        vocabulary-wide mask (~250 us with the caches cold from a step) for most tokens of
+        a model that writes its JSON well."""
+        top = int(x.argmax())
+        if top < self.vocab_size and self.matcher.validate_tokens([top]) == 1:
+            return top
+        return int(np.where(self.allowed().numpy(), x, -np.inf).argmax())
+
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (one row of logits) with every token the grammar forbids at -inf (a new tensor)."""
         return x.masked_fill(~self.allowed(), float("-inf"))

@@ -68,11 +68,10 @@ def sample(logits: torch.Tensor | np.ndarray, rows: Sequence[Row]) -> tuple[list
             continue
         x = torch.from_numpy(host[i])  # (a view: the same values)
         x = process(x, row) if p.processed else x
-        choose = x if row.guide is None else row.guide.mask(x)  # the grammar chooses among them, as top-k does
-        if p.greedy:
-            out[i] = int(choose.numpy().argmax())
+        if p.greedy:  # the grammar chooses among the logits, as top-k does
+            out[i] = int(x.numpy().argmax()) if row.guide is None else row.guide.greedy(x.numpy())
         else:
-            out[i] = _draw(choose, p, row.generator)
+            out[i] = _draw(x if row.guide is None else row.guide.mask(x), p, row.generator)
         if p.logprobs is not None:
             lps[i] = token_logprobs(torch.log_softmax(x, dim=-1), out[i], p.logprobs)
         if row.guide is not None:

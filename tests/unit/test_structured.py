@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import numpy as np
 import pytest
 
 from services.api.errors import ApiError
@@ -103,3 +104,25 @@ def test_a_grammar_the_tokenizer_cannot_compile_is_a_value_error(guides):
     factory, _ = guides
     with pytest.raises(ValueError, match="does not compile"):
         factory.new('start: foo')
+
+
+def test_greedy_is_the_masked_argmax_whether_or_not_the_rows_own_argmax_is_allowed(guides):
+    """`Guide.greedy` checks the row's own argmax with the matcher and masks only when the
+    grammar refuses it: the token is the masked row's argmax every time, on rows whose top
+    is allowed (its logit raised) and on rows whose top is not."""
+    factory, _ = guides
+    g = factory.new(structured({"guided_json": SCHEMA}))
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for step in range(40):
+        x = rng.standard_normal(factory.vocab_size).astype(np.float32)
+        allowed = g.allowed().numpy()
+        if step % 2:  # make the row's own top an allowed token
+            x[rng.choice(np.flatnonzero(allowed))] = x.max() + 1.0
+        want = int(np.where(allowed, x, -np.inf).argmax())
+        kinds.add(bool(allowed[int(x.argmax())]))
+        assert g.greedy(x) == want, step
+        if want in factory.eos_ids:
+            break
+        g.accept(want)
+    assert kinds == {True, False}  # both ways were taken
