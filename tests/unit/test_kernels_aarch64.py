@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +37,7 @@ from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.quant import QuantLinear
 from services.gpu_worker.modeling.decoder_lm import Rotary, _apply_rope
 from shared.model_config import RopeConfig
+from tests.unit.test_quant import random_blocks
 
 CC = "aarch64-linux-gnu-gcc"
 NM = "aarch64-linux-gnu-nm"
@@ -405,20 +405,6 @@ def test_float_gemm_or_its_refusal(arm):
     assert res.rc == 0 and res.out[3] is not None
     ref = (x.double() @ w.double().T + b.double()).float()
     torch.testing.assert_close(res.out[3], ref, rtol=1e-5, atol=1e-5)
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """[n, bytes per row] of valid random GGUF blocks (test_quant.py's: random bits, small
-    finite float16 scales)."""
-    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
-    rng = np.random.default_rng(seed)
-    size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
-    for off in fields[qtype]:
-        scale = rng.uniform(1e-3, 1e-2, (n, k // size)) * rng.choice([-1, 1], (n, k // size))
-        raw[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, k // size, 2)
-    return raw.reshape(n, -1)
 
 
 def test_quantized_rows_and_the_gemm_refusal(arm):
