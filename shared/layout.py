@@ -135,7 +135,13 @@ class LabelLayout(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class PagedKVConfig(msgspec.Struct, frozen=True):
-    """A paged KV pool: pages `[num_pages, 2, page_size, kv_heads, head_dim]` per layer."""
+    """A paged KV pool: pages `[num_pages, 2, page_size, kv_heads, head_dim]` per layer.
+
+    A state pool (`state_floats` > 0: linear attention's recurrent state) holds instead one
+    request's fixed-size state per page ("slot"): `state_floats` float32 values per layer.
+    Its `page_size` is its `max_seq_len`, so a label living there takes exactly one slot
+    whatever its rows (the footprint formula gives 1), and admission, reservation,
+    release and the counters are the paged pools' own."""
 
     name: str
     num_layers: int
@@ -145,6 +151,7 @@ class PagedKVConfig(msgspec.Struct, frozen=True):
     page_size: int
     num_pages: int
     max_seq_len: int
+    state_floats: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "kv_heads", "head_dim", "page_size", "max_seq_len"):
@@ -152,9 +159,18 @@ class PagedKVConfig(msgspec.Struct, frozen=True):
                 raise ValueError(f"PagedKVConfig {self.name!r}: {field} must be >= 1")
         if self.num_pages < 0:
             raise ValueError(f"PagedKVConfig {self.name!r}: num_pages must be >= 0")
+        if self.state_floats < 0 or (self.state_floats and self.page_size != self.max_seq_len):
+            raise ValueError(f"PagedKVConfig {self.name!r}: a state pool's page is a whole sequence "
+                             f"(page_size {self.page_size} must equal max_seq_len {self.max_seq_len})")
+
+    @property
+    def is_state(self) -> bool:
+        return self.state_floats > 0
 
     @property
     def bytes_per_page(self) -> int:
+        if self.state_floats:
+            return self.num_layers * self.state_floats * 4
         return self.num_layers * 2 * self.page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
 
 

@@ -71,6 +71,11 @@ FAMILIES = {
                                                                                     "rope_theta": 1000000.0}})),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12,
                                                    original_max_position_embeddings=512)),
+    # Qwen3.5: three Gated DeltaNet layers and one gated full-attention layer, grouped
+    # value heads (4 v heads over 2 k heads) and unequal key / value head dims
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
 }
 
 
@@ -90,7 +95,8 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=0,
-                  initializer_range=0.2, **family_kw)
+                  initializer_range=0.2)
+    common.update(family_kw)
     common.update(overrides)
     cfg = getattr(transformers, cfg_name)(**common)
     torch.manual_seed(seed)
@@ -99,8 +105,8 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
-            elif family.startswith("gemma") and name.endswith("norm.weight"):
-                param.normal_(0.0, 0.3)  # Gemma's (1 + w) norms: HF inits w to 0, which hides the offset
+            elif family.startswith(("gemma", "qwen3_5")) and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)  # (1 + w) norms: HF inits w to 0, which hides the offset
     model.save_pretrained(path, safe_serialization=True)
     return path
 

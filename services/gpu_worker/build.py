@@ -21,8 +21,9 @@ from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecod
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.guided import Guides
+from services.gpu_worker.hybrid_runner import HybridRunner
 from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.kv_memory import kv_cache, size_pool
+from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.mrope_runner import MropeVisionRunner
 from services.gpu_worker.outputs import OutputProcessor
@@ -47,6 +48,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 #: the spec's `engine` kind -> its runner, and the most admissions one step may do
 RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "decoder": (ModelRunner, None),
+    "hybrid_decoder": (HybridRunner, None),
     "encoder_decoder": (EncoderDecoderRunner, MAX_ENCODES_PER_STEP),
     "pooling": (PoolingRunner, None),
     "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
@@ -58,7 +60,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
-TEXT_STEPS = ("decoder", "vision_decoder", "mrope_vision_decoder", "speech_decoder")
+TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "speech_decoder")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ def assemble(d: Deployment) -> Assembled:
         log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", spec.engine, device)
         device = torch.device("cpu")
     min_pages = pages_for(spec.max_seq_len, d.page_size)
+    spec.with_state_slots(d.max_num_seqs)  # a state pool: one slot per request that may run at once
     pools = spec.paged_pools(size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size),
                                        min_pages, device))
     dtype, quantized = weight_dtype(d.dtype, source, device)
@@ -149,7 +152,8 @@ def assemble(d: Deployment) -> Assembled:
     model = build_model(source, spec, dtype, device, quantized)
     prompt_path(model, d.prefill_dtype)
     cache_dtype = TORCH_DTYPES[kv_dtype(d)]
-    caches = {name: kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
+    caches = {name: state_cache(p.num_layers, p.num_pages, p.state_floats, device) if p.is_state
+              else kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
               for name, p in pools.items()}
     planner = None
     if device.type == "cuda" and spec.engine in TEXT_STEPS and flashinfer_available():

@@ -59,6 +59,13 @@ def kv_cache(num_layers: int, num_pages: int, page_size: int, kv_heads: int, hea
     return [zeroed_tensor((num_pages, 2, page_size, kv_heads, width), dtype, device) for _ in range(num_layers)]
 
 
+def state_cache(num_layers: int, num_slots: int, state_floats: int, device: torch.device) -> list[torch.Tensor]:
+    """One [num_slots, state_floats] float32 tensor per layer of a state pool (linear
+    attention: each slot one request's convolution window and recurrent matrix; lazily
+    faulted as the KV pages are, so an idle slot costs no resident memory)."""
+    return [zeroed_tensor((num_slots, state_floats), torch.float32, device) for _ in range(num_layers)]
+
+
 def available_memory_bytes(device: torch.device | None = None) -> int:
     """Free memory where the KV pools will live: the GPU's; on the CPU the host's
     MemAvailable, or what the container's cgroup still allows when that is less (a pool

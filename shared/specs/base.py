@@ -180,6 +180,11 @@ class ModelSpec(ABC):
     def kv_labels(self) -> tuple[KVLabel, ...]:
         """Every label the model's requests may open, declared once."""
 
+    def with_state_slots(self, slots: int) -> Self:
+        """Size the spec's state pool (a `PagedKVConfig` with `state_floats`: linear
+        attention's per-request state) to `slots` slots; nothing to size by default."""
+        return self
+
     @abstractmethod
     def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
         """The paged pools the model needs, each sized to `num_pages`."""

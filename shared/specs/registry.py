@@ -13,12 +13,14 @@ import importlib
 import os
 from collections.abc import Callable
 
+from shared.hybrid_config import ARCHITECTURES as HYBRID_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.hybrid_lm import HybridLMSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
@@ -40,6 +42,7 @@ SpecFactory = Callable[..., ModelSpec]
 #: architecture name -> the factory of its spec (a spec class is its own factory)
 MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
+    **dict.fromkeys(HYBRID_ARCHITECTURES, HybridLMSpec),
     NULL_ARCHITECTURE: NullLMSpec,
     WHISPER_ARCHITECTURE: WhisperSpec,
     **dict.fromkeys(EMBED_ARCHITECTURES + SCORE_ARCHITECTURES, EncoderSpec),

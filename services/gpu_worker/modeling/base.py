@@ -153,6 +153,7 @@ class SpeechCodesModel(ModelBase):
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
     "decoder": DecoderModel,
+    "hybrid_decoder": DecoderModel,
     "encoder_decoder": EncoderDecoderModel,
     "pooling": PoolingModel,
     "vision_decoder": VisionDecoderModel,

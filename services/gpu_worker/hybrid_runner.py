@@ -1,0 +1,49 @@
+"""The runner of hybrid linear-attention models (Qwen3.5): the decoder runner, with the
+state label's rows turned into the step's `StateBatch` rather than attention metadata.
+
+A request's state label holds one page of the state pool (its slot) from its first chunk
+to its end (the pool's page is a whole sequence). The batch says, per request of the step,
+its rows, its slot and whether the slot's state starts at zero (the first rows it
+computes: a freshly taken slot holds a finished request's state, never cleared by the pool).
+"""
+
+from __future__ import annotations
+
+from services.gpu_worker.attention import AttnMetadata, AttnRows, cpu_backend
+from services.gpu_worker.layers.delta_rule import StateBatch
+from services.gpu_worker.runner import ModelRunner
+
+
+class HybridRunner(ModelRunner):
+    def _state_labels(self) -> set[str]:
+        return {lab.name for lab in self.spec.kv_labels if self.kv.pools[lab.pool].config.is_state}
+
+    def _backend(self) -> str:
+        """As the decoder's, over the attention pools only (a state pool holds no KV pages)."""
+        if self.planner is not None:
+            return "flashinfer"
+        if self.device.type != "cpu":
+            return "torch"
+        import torch
+
+        heads, softcap = self.attention_shape()
+        compute = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        picks = {cpu_backend(layers[0].dtype, compute, softcap, heads, layers[0].shape[3])
+                 for name, layers in self.caches.items() if not self.kv.pools[name].config.is_state}
+        return "kernel" if picks == {"kernel"} else "torch"
+
+    def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
+        states = self._state_labels()
+        metas = super()._metadata({name: r for name, r in rows.items() if name not in states})
+        for name in states:
+            metas[name] = state_batch(rows[name], self.device)  # type: ignore[assignment]
+        return metas
+
+
+def state_batch(rows: list[AttnRows], device) -> StateBatch:
+    """Each request's rows of the step, its slot (the one page of its state label) and
+    whether its state starts at zero (no row computed before this step)."""
+    bounds = [0]
+    for r in rows:
+        bounds.append(bounds[-1] + r.new)
+    return StateBatch(bounds=bounds, slots=[r.pages[0] for r in rows], fresh=[r.cached == 0 for r in rows])

@@ -1,0 +1,211 @@
+"""Qwen3.5's text model in torch: Gated DeltaNet layers over per-request state slots, gated
+full-attention layers over paged KV, as transformers' `Qwen3_5ForCausalLM` computes them.
+
+Layer i's `kv_caches[i]` is its pool's tensor: the "kv" pool's pages for a full-attention
+layer, the "state" pool's slots [slots, state_floats] for a linear one (each slot the
+convolution's last K-1 inputs, time-major [K-1, conv_dim], then the recurrent matrix
+[value_heads, key_head_dim, value_head_dim]); `metas[i]` is the attention metadata of its
+label, or for a linear layer the step's `StateBatch` (which slot each request's rows use,
+and whether its state starts at zero). Parameter names are transformers', so its
+safetensors load as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
+from services.gpu_worker.layers import delta_rule
+from services.gpu_worker.layers.delta_rule import StateBatch
+from services.gpu_worker.layers.linear import KernelHead, PackedHead, make_head, pack_linears
+from services.gpu_worker.layers.norm import RMSNorm
+from services.gpu_worker.layers.rope import Rotary, apply_rope
+from services.gpu_worker.modeling.base import DecoderModel
+from services.gpu_worker.modeling.decoder_lm import MLP
+from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
+
+#: a layer's metadata: paged attention's, or the linear layers' state batch
+LayerMeta = AttnMetadata | StateBatch
+
+
+class GatedAttention(nn.Module):
+    """Qwen3.5's full attention: q_proj writes q and an output gate per head, q and k are
+    RMS-normed per head, RoPE rotates the first `rotary_dim` of each head, and the output
+    is multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        a = cfg.attention
+        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.q_proj = nn.Linear(a.hidden_size, self.heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(a.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.scale = a.attn_scale
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor,
+                meta: AttnMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        r = self.rotary_dim
+        q = torch.cat((apply_rope(q[..., :r], *rope), q[..., r:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :r], *rope), k[..., r:]), dim=-1)
+        write_kv(cache, k, v, meta)
+        o = paged_attention(q, cache, meta, self.scale, None).reshape(t, self.heads * self.head_dim)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer: projections, the causal convolution over q/k/v, the
+    gated delta rule over the request's recurrent state, the gated RMSNorm, out_proj."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        hidden = cfg.attention.hidden_size
+        self.cfg = cfg
+        c, k = cfg.conv_dim, cfg.conv_kernel
+        self.conv1d = nn.Conv1d(c, c, k, groups=c, bias=False, padding=k - 1)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.value_heads))
+        self.norm = GatedNorm(cfg.value_head_dim, cfg.attention.rms_norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, hidden, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden, c, bias=False)
+        self.in_proj_z = nn.Linear(hidden, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, cfg.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, cfg.value_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        window = (cfg.conv_kernel - 1) * cfg.conv_dim
+        conv_state = slots[:, :window].view(-1, cfg.conv_kernel - 1, cfg.conv_dim)
+        recurrent = slots[:, window:].view(-1, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)
+        mixed = delta_rule.causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight.view(cfg.conv_dim, -1),
+                                       batch)
+        q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        beta = self.in_proj_b(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o = delta_rule.gated_delta(q.reshape(t, cfg.key_heads, cfg.key_head_dim),
+                                   k.reshape(t, cfg.key_heads, cfg.key_head_dim),
+                                   v.reshape(t, cfg.value_heads, cfg.value_head_dim), g, beta, recurrent, batch)
+        z = self.in_proj_z(x).view(t, cfg.value_heads, cfg.value_head_dim)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(t, cfg.value_dim))
+
+
+class GatedNorm(nn.Module):
+    """`Qwen3_5RMSNormGated`: rmsnorm(x) * weight * silu(z) over each head."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return delta_rule.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, layer: int) -> None:
+        super().__init__()
+        a = cfg.attention
+        self.linear = cfg.layer_types[layer] == LINEAR
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor,
+                meta: LayerMeta) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear:
+            x = self.linear_attn(h, cache, cast("StateBatch", meta)).add_(x)
+        else:
+            x = self.self_attn(h, rope, cache, cast("AttnMetadata", meta)).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        a = cfg.attention
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+def _offset_norm(name: str) -> bool:
+    """Norms that scale by (1 + w) (every one but the linear layers' gated norm)."""
+    return name.endswith("norm.weight") and ".linear_attn.norm." not in name
+
+
+class Qwen35LM(DecoderModel):
+    """`forward(input_ids [T], positions [T], kv_caches, metas, sample_rows)` -> logits for
+    the sampled rows; see the module docstring for what layer i's cache and meta are."""
+
+    assigns_weights = True
+
+    def __init__(self, config: Mapping[str, Any] | HybridConfig) -> None:
+        super().__init__()
+        cfg = config if isinstance(config, HybridConfig) else read_hybrid_config(config)
+        self.config = cfg
+        a = cfg.attention
+        self.model = Backbone(cfg)
+        self.rotary = Rotary(a.rope, cfg.rotary_dim, a.max_position_embeddings)
+        self.tied = a.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        # multi-token prediction layers (`mtp.*`) are not run; the vision tower is another model's
+        state = {k.removeprefix("model.language_model.").removeprefix("language_model."): v
+                 for k, v in state.items() if not k.startswith("mtp.") and "visual." not in k}
+        state = {("model." + k if not k.startswith(("model.", "lm_head.")) else k): v for k, v in state.items()}
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        state = {k: v + 1.0 if _offset_norm(k) else v for k, v in state.items()}  # fold (1 + w) in once
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def reset_buffers(self) -> None:
+        self.rotary.reset_buffers()
+
+    head: KernelHead | PackedHead | None = None
+
+    def prepare(self) -> None:
+        """On the CPU, every float32 GEMM weight in the C kernel's (else oneDNN's) layout."""
+        for layer in cast("list[HybridLayer]", list(self.model.layers)):
+            layer.mlp.fuse()
+        head = self.model.embed_tokens if self.tied else self.lm_head
+        self.head = make_head(head.weight.detach())
+        if self.head is not None:
+            pack_linears(self.model.layers)
+            if not self.tied:
+                del self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[LayerMeta], sample_rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
+        for layer, cache, meta in zip(self.model.layers, kv_caches, metas):
+            x = layer(x, rope, cache, meta)
+        x = self.model.norm(x[sample_rows])
+        if self.head is not None:
+            return self.head(x)
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(x, w)

@@ -1,0 +1,180 @@
+"""The config of a hybrid linear-attention LM (Qwen3.5's text model), read once.
+
+Qwen3.5 interleaves Gated DeltaNet layers (`linear_attention`: a causal convolution and a
+recurrent state per request, no KV rows) with gated full-attention layers
+(`full_attention`: paged KV as every decoder's). Its full-attention layers differ from
+Qwen3's in three ways the `ModelConfig` below carries through `HybridConfig`: q_proj writes
+an output gate beside q (`sigmoid(gate) * attention`), RoPE covers only the first
+`partial_rotary_factor` of each head, and every RMSNorm scales by (1 + w).
+
+`read_hybrid_config` takes config.json's dict (a `Qwen3_5ForCausalLM`'s flat one, or a
+`Qwen3_5ForConditionalGeneration`'s `text_config`) and refuses by name what it cannot honour,
+before any worker loads weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from shared.model_config import FULL, ModelConfig, RopeConfig
+from shared.specs.base import DeploymentError
+
+log = logging.getLogger("mstar.hybrid_config")
+
+LINEAR = "linear_attention"
+
+#: architecture -> model_type of the hybrid families served
+ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5_text"}
+
+#: keys that change nothing this engine computes (multi-token prediction heads are not
+#: run: their `mtp.*` weights are skipped at load)
+HARMLESS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout",
+    "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "auto_map",
+    "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "full_attention_interval", "layer_types",
+    "id2label", "label2id", "problem_type",
+})
+READ = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "rope_parameters", "rope_theta", "partial_rotary_factor", "attention_bias",
+    "attn_output_gate", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads",
+})
+
+
+class HybridConfig(msgspec.Struct, frozen=True):
+    """What the hybrid model computes: `attention` describes the full-attention layers and
+    the shared parts (embedding, MLP, norms: `norm_offset` 1), the rest the DeltaNet layers."""
+
+    attention: ModelConfig
+    #: the rotary part of each full-attention head (the first `rotary_dim` of head_dim)
+    rotary_dim: int
+    #: Qwen3.5's interleaved multimodal RoPE sections (temporal, height, width pairs)
+    mrope_section: tuple[int, ...]
+    conv_kernel: int
+    key_heads: int
+    key_head_dim: int
+    value_heads: int
+    value_head_dim: int
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return self.attention.layer_types
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """float32 values of one request's state in one linear layer: the convolution's
+        last `conv_kernel - 1` inputs and the recurrent matrix [value_heads, key_head_dim,
+        value_head_dim]."""
+        return (self.conv_kernel - 1) * self.conv_dim + self.value_heads * self.key_head_dim * self.value_head_dim
+
+
+def _refuse(key: str, value: Any, why: str) -> DeploymentError:
+    return DeploymentError(f"config.json {key}={value!r} is not supported: {why}")
+
+
+def is_hybrid(raw: Mapping[str, Any]) -> bool:
+    archs = raw.get("architectures") or []
+    return bool(archs) and archs[0] in ARCHITECTURES
+
+
+def read_hybrid_config(raw: Mapping[str, Any]) -> HybridConfig:
+    """The `HybridConfig` of a config.json dict; DeploymentError names a field it cannot honour."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else "Qwen3_5ForCausalLM"
+    model_type = raw.get("model_type") or ARCHITECTURES.get(arch, "")
+    if model_type != "qwen3_5_text":
+        raise _refuse("model_type", model_type, "the hybrid family served is qwen3_5_text")
+    unknown = sorted(set(raw) - HARMLESS - READ)
+    if unknown:
+        log.warning("config.json keys not known to mstar (ignored): %s", unknown)
+    if raw.get("quantization_config") is not None:
+        raise _refuse("quantization_config", raw["quantization_config"],
+                      "quantized Hugging Face checkpoints are not supported (use a GGUF file)")
+    if raw.get("attn_output_gate", True) is not True:
+        raise _refuse("attn_output_gate", raw["attn_output_gate"], "Qwen3.5's attention always has its output gate")
+    if raw.get("attention_bias"):
+        raise _refuse("attention_bias", raw["attention_bias"], "Qwen3.5's projections have no biases")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "Qwen3.5's MLP and convolution use silu")
+    hidden = int(raw.get("hidden_size", 4096))
+    heads = int(raw.get("num_attention_heads", 16))
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    layers = int(raw.get("num_hidden_layers", 32))
+    types = raw.get("layer_types")
+    if not types:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+    types = tuple(types)
+    if len(types) != layers or set(types) - {FULL, LINEAR}:
+        raise _refuse("layer_types", list(types), f"need {layers} entries of {FULL!r} or {LINEAR!r}")
+    rope = dict(raw.get("rope_parameters") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise _refuse("rope_parameters.rope_type", kind, "Qwen3.5's RoPE is the default one")
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise _refuse("partial_rotary_factor", partial, f"gives a rotary dim of {rotary_dim} of head_dim {head_dim}")
+    section = tuple(int(x) for x in rope.get("mrope_section") or (11, 11, 10))
+    attention = ModelConfig(
+        architecture=arch,
+        model_type=model_type,
+        vocab_size=int(raw.get("vocab_size", 248320)),
+        hidden_size=hidden,
+        intermediate_size=int(raw.get("intermediate_size", 4 * hidden)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        hidden_act="silu",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        layer_types=types,
+        sliding_window=None,
+        rope=RopeConfig(theta=theta),
+        rope_local=RopeConfig(theta=theta),
+        qk_norm=True,
+        norm_offset=1.0,
+        attn_scale=head_dim ** -0.5,
+    )
+    cfg = HybridConfig(
+        attention=attention,
+        rotary_dim=rotary_dim,
+        mrope_section=section,
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        key_heads=int(raw.get("linear_num_key_heads", 16)),
+        key_head_dim=int(raw.get("linear_key_head_dim", 128)),
+        value_heads=int(raw.get("linear_num_value_heads", 32)),
+        value_head_dim=int(raw.get("linear_value_head_dim", 128)),
+    )
+    if cfg.conv_kernel < 2:
+        raise _refuse("linear_conv_kernel_dim", cfg.conv_kernel, "the convolution needs a kernel of at least 2")
+    if cfg.value_heads % cfg.key_heads:
+        raise _refuse("linear_num_value_heads", cfg.value_heads,
+                      f"must be a multiple of linear_num_key_heads ({cfg.key_heads})")
+    if FULL not in types and LINEAR not in types:
+        raise _refuse("layer_types", list(types), "no layer")
+    return cfg

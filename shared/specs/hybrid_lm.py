@@ -1,0 +1,95 @@
+"""Hybrid linear-attention LMs (Qwen3.5): full-attention layers over paged KV, and Gated
+DeltaNet layers whose per-request state is a fixed size.
+
+Labels: "text" (pool "kv", keyed, one row per token, as every decoder's) for the
+full-attention layers; "state" (pool "state") for the linear-attention layers. The state
+pool is a `PagedKVConfig` with `state_floats` set: each of its pages is one request's whole
+state (every linear layer's convolution window and recurrent matrix), and its page size is
+the sequence limit, so the footprint formula gives every request exactly one slot however
+long it runs: declared, admitted and released like any label (DESIGN.md, "Recurrent
+state"). The state label's rows are declared as a rows span, which the prefix cache never
+keys: a prefix hit would need the state at the hit's page boundary, which this engine does
+not snapshot yet, so hybrids run every prompt from its first row (exact, never a wrong hit).
+
+Speculative decoding stays off for hybrids (the engine's `speculation` check: the engine
+kind is not "decoder"): a rejected draft would have advanced the recurrent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
+from shared.model_config import FULL
+from shared.specs.base import PromptError, PromptRequest
+from shared.specs.decoder_lm import DecoderLMSpec
+
+#: state slots a spec declares before the deployment sizes them (`with_state_slots`)
+DEFAULT_STATE_SLOTS = 1
+
+
+class HybridLMSpec(DecoderLMSpec):
+    engine = "hybrid_decoder"
+    #: the C decode kernels' int8 pages are for the plain decoder's layers
+    int8_kv = False
+    state_pool = "state"
+
+    def __init__(self, config: Mapping[str, Any] | HybridConfig, *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        cfg = config if isinstance(config, HybridConfig) else read_hybrid_config(config)
+        self.hybrid = cfg
+        self.config = cfg.attention
+        self.vocab_size = cfg.attention.vocab_size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.num_layers = cfg.attention.num_hidden_layers
+        self.kv_heads = cfg.attention.num_key_value_heads
+        self.head_dim = cfg.attention.head_dim
+        ctx = cfg.attention.max_position_embeddings
+        self.max_seq_len = min(ctx, max_seq_len) if max_seq_len else ctx
+        self.window = None
+        self.state_slots = DEFAULT_STATE_SLOTS
+        labels = []
+        if FULL in cfg.layer_types:
+            labels.append(KVLabel("text", self.pool, keys=True, grows_on=self.decode_loop))
+        if LINEAR in cfg.layer_types:
+            labels.append(KVLabel("state", self.state_pool, grows_on=self.decode_loop))
+        self._labels = tuple(labels)
+        self.layer_labels = ["text" if t == FULL else "state" for t in cfg.layer_types]
+
+    def with_state_slots(self, slots: int) -> HybridLMSpec:
+        """The deployment's slot count (one per request that may run at once)."""
+        self.state_slots = max(1, slots)
+        return self
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        pools = {}
+        full = self.layer_labels.count("text")
+        if full:
+            pools[self.pool] = PagedKVConfig(self.pool, full, self.kv_heads, self.head_dim, self.dtype, self.page_size,
+                                             num_pages, self.max_seq_len)
+        linear = self.layer_labels.count("state")
+        if linear:
+            pools[self.state_pool] = PagedKVConfig(self.state_pool, linear, 1, 1, "float32", self.max_seq_len,
+                                                   self.state_slots, self.max_seq_len,
+                                                   state_floats=self.hybrid.state_floats)
+        return pools
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        token_ids = request.token_ids
+        layouts = {}
+        for lab in self._labels:
+            span = Span.ids(token_ids) if lab.keys else Span.rows(len(token_ids))
+            layouts[lab.name] = LabelLayout(spans=(span,), growth={self.decode_loop: 1})
+        return ProcessPromptOutput({"input_ids": np.asarray(token_ids, dtype=np.int32)}, layouts,
+                                   {"prompt_len": len(token_ids)})
+
+    def bytes_per_page(self, page_size: int) -> int:
+        """KV bytes of one page of the full-attention pool (the state pool is sized by slots)."""
+        return self.paged_pools(1)[self.pool].bytes_per_page if "text" in self.layer_labels else 1
