@@ -28,7 +28,7 @@ log = logging.getLogger("mstar.hybrid_config")
 LINEAR = "linear_attention"
 
 #: architecture -> model_type of the hybrid families served
-ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5_text"}
+ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 
 #: keys that change nothing this engine computes (multi-token prediction heads are not
 #: run: their `mtp.*` weights are skipped at load)
@@ -102,6 +102,12 @@ def read_hybrid_config(raw: Mapping[str, Any]) -> HybridConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else "Qwen3_5ForCausalLM"
     model_type = raw.get("model_type") or ARCHITECTURES.get(arch, "")
+    if model_type == "qwen3_5":  # the image-text model: its language model's config (images: not yet)
+        text = dict(raw.get("text_config") or {})
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        raw = {**text, "architectures": [arch], "model_type": "qwen3_5_text"}
+        model_type = "qwen3_5_text"
     if model_type != "qwen3_5_text":
         raise _refuse("model_type", model_type, "the hybrid family served is qwen3_5_text")
     unknown = sorted(set(raw) - HARMLESS - READ)

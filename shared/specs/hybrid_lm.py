@@ -79,6 +79,10 @@ class HybridLMSpec(DecoderLMSpec):
                                                    state_floats=self.hybrid.state_floats)
         return pools
 
+    def prepare_image(self, data: bytes):
+        raise PromptError("images", f"{self.config.architecture} is served as text only: its vision tower is not "
+                                    "implemented in mstar yet")
+
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")

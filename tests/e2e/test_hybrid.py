@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, make_tokenizer
 from tests.e2e.test_parity import PROMPTS
 from tests.reference import hf_greedy, hf_ids
 from tests.servers import MstarServer
@@ -31,10 +31,42 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+def make_image_text_checkpoint(path):
+    """A `Qwen3_5ForConditionalGeneration` folder (the form Qwen3.5 is released in: the
+    language model's config under `text_config`, its weights under
+    `model.language_model.`, a vision tower beside it), served here as text."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(path, family="qwen3_5")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                linear_value_head_dim=8, linear_num_key_heads=1, linear_num_value_heads=4,
+                max_position_embeddings=512, initializer_range=0.2, eos_token_id=tok.token_to_id("<|im_end|>"),
+                pad_token_id=0, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                             "full_attention"])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=[*sorted(SHAPES), "image-text folder"])
 def hybrid(request, tmp_path_factory):
     name = request.param
-    return make_checkpoint(tmp_path_factory.mktemp(name) / name, "qwen3_5", **SHAPES[name])
+    folder = tmp_path_factory.mktemp(name.replace(" ", "-")) / "ckpt"
+    if name == "image-text folder":
+        return make_image_text_checkpoint(folder)
+    return make_checkpoint(folder, "qwen3_5", **SHAPES[name])
 
 
 def _generate(url: str, ids: list[int]) -> list[int]:
