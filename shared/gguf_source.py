@@ -9,9 +9,10 @@ a classic transformers-4 style config dict, the tokenizer (built by
 (``services.gpu_worker.gguf_weights``), so the rest of the engine needs no GGUF
 special cases.
 
-Supported: the ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` and
-``phi3`` GGUF architectures. Anything else is refused by name
-(`UnsupportedGGUF`) rather than guessed at.
+Supported: the ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``,
+``phi3`` and ``qwen35`` (Qwen3.5's text model, hybrid linear attention: `_qwen35_config`)
+GGUF architectures. Anything else is refused by name (`UnsupportedGGUF`) rather than
+guessed at.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ _ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
 }
 #: llama.cpp's converter stores Gemma's RMSNorm weights as (1 + w), the factor its norm
 #: multiplies by; transformers' Gemma norms add the 1 themselves (as transformers' GGUF loader
@@ -185,6 +187,8 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 
 def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch = _arch(reader)
+    if arch == "qwen35":
+        return _qwen35_config(reader)
     architecture, model_type = _ARCHITECTURES[arch]
 
     def llm(key: str, default: Any = None) -> Any:
@@ -242,6 +246,87 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             raise UnsupportedGGUF("GGUF has rope_factors_long/short tensors (Phi-3 LongRoPE); "
                                       "LongRoPE is not supported")
     return config
+
+
+def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """A ``qwen35`` file's metadata as the config.json of the ``Qwen3_5ForCausalLM`` it was
+    converted from (`shared.hybrid_config.read_hybrid_config` reads it), as llama.cpp's
+    loader (src/models/qwen35.cpp) reads the keys its converter writes:
+
+    - ``ssm.state_size`` is the key head size, ``ssm.group_count`` the key heads,
+      ``ssm.time_step_rank`` the value heads and ``ssm.inner_size`` all value heads' width
+      (value head size = inner_size / value heads; llama.cpp itself assumes it equals the
+      key head size, transformers does not);
+    - ``attention.recurrent_layers`` marks the linear layers (else every
+      ``full_attention_interval``-th layer is full attention); the multi-token prediction
+      layers the converter appends (``nextn_predict_layers``, after ``block_count`` minus
+      them) are not run;
+    - ``rope.dimension_count`` is the rotary part of a head (the partial rotary factor),
+      ``rope.dimension_sections`` the multimodal RoPE sections (text positions rotate every
+      section alike, so they change nothing a text prompt computes).
+
+    Rope scaling, unequal key and value sizes of the full-attention heads and a missing
+    key are refused by name."""
+    arch = "qwen35"
+    architecture, model_type = _ARCHITECTURES[arch]
+
+    def llm(key: str, default: Any = None) -> Any:
+        return _field(reader, key.format(arch=arch), default)
+
+    def required(key: str) -> Any:
+        value = llm(key)
+        if value is None:
+            raise ValueError(f"GGUF has no {key.format(arch=arch)}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(required(gguf.Keys.LLM.EMBEDDING_LENGTH))
+    n_head = int(required(gguf.Keys.Attention.HEAD_COUNT))
+    head_dim = int(llm(gguf.Keys.Attention.KEY_LENGTH, hidden // n_head))
+    value_dim = int(llm(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedGGUF(f"GGUF attention head sizes key={head_dim} value={value_dim}: Qwen3.5's are equal")
+    kind = llm(gguf.Keys.Rope.SCALING_TYPE)
+    if kind not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise UnsupportedGGUF(f"{arch} rope scaling {kind or 'rope_freqs'!r} is not supported")
+    rope_dim = int(llm(gguf.Keys.Rope.DIMENSION_COUNT, head_dim // 4))
+    nextn = int(llm("{arch}.nextn_predict_layers", 0))
+    layers = int(required(gguf.Keys.LLM.BLOCK_COUNT)) - nextn
+    recurrent = llm("{arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    else:
+        interval = int(llm("{arch}.full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    value_heads = int(required(gguf.Keys.SSM.TIME_STEP_RANK))
+    sections = [int(x) for x in llm(gguf.Keys.Rope.DIMENSION_SECTIONS, [11, 11, 10])][:3]
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": _vocab_size(reader, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(required(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(llm(gguf.Keys.Attention.HEAD_COUNT_KV, n_head)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _shortest_float(required(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
+        "max_position_embeddings": int(required(gguf.Keys.LLM.CONTEXT_LENGTH)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "layer_types": types,
+        "rope_parameters": {"rope_type": "default",
+                            "rope_theta": _shortest_float(llm(gguf.Keys.Rope.FREQ_BASE, 10000000.0)),
+                            "partial_rotary_factor": rope_dim / head_dim, "mrope_section": sections},
+        "linear_conv_kernel_dim": int(required(gguf.Keys.SSM.CONV_KERNEL)),
+        "linear_key_head_dim": int(required(gguf.Keys.SSM.STATE_SIZE)),
+        "linear_num_key_heads": int(required(gguf.Keys.SSM.GROUP_COUNT)),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(required(gguf.Keys.SSM.INNER_SIZE)) // value_heads,
+        **_special_token_ids(reader),
+    }
 
 
 def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -342,7 +427,7 @@ def _cache_file(path: Path) -> Path:
 
 
 #: bumped whenever what a summary holds, or how it is made, changes
-_SUMMARY_VERSION = 1
+_SUMMARY_VERSION = 2  # 2: qwen35 files
 
 
 def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:

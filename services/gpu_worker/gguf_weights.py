@@ -1,8 +1,9 @@
 """Reading a GGUF file's weights into the tensors a Hugging Face checkpoint of the same model
 holds (the gpu worker's job; `shared.gguf_source` reads the config, the tokenizer and the
 tensor table every service needs): llama.cpp's names mapped back, the llama q/k row
-permutation undone, Gemma's stored (1 + w) norms taken back to w, and the matrices of the
-types the C kernel computes on kept as their raw blocks (`QuantTensor`).
+permutation undone, Gemma's stored (1 + w) norms taken back to w, Qwen3.5's tensors in
+transformers' form again (`services.gpu_worker.gguf_qwen35`), and the matrices of the types
+the C kernel computes on kept as their raw blocks (`QuantTensor`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from services.gpu_worker.gguf_qwen35 import Qwen35Tensors
 from shared.gguf_source import GEMMA_ARCHS, config_and_tensors, gguf_arch
 
 # GGUF per-layer tensor name -> HF parameter name (after "model.layers.N.").
@@ -99,6 +101,8 @@ def load_gguf_weights(
     absent when ``config["tie_word_embeddings"]`` is true.
     """
     config, tensors = config_and_tensors(path)
+    if gguf_arch(config) == "qwen35":
+        return config, _qwen35_weights(tensors, Qwen35Tensors(config), progress, keep_quantized)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
     permuted = config["model_type"] == "llama"
@@ -131,3 +135,26 @@ def load_gguf_weights(
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
         state[_hf_name(name, arch)] = w
     return config, state
+
+
+def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
+                    keep_quantized: frozenset[str]) -> dict[str, np.ndarray | QuantTensor]:
+    """`load_gguf_weights` for a ``qwen35`` file: each tensor through `Qwen35Tensors`, which
+    undoes what llama.cpp's converter did to it (names, (1 + w) norms, -exp(A_log), the
+    value heads' order); matrices of a kept type stay their raw blocks."""
+    state: dict[str, np.ndarray | QuantTensor] = {}
+    for name, qtype, shape, data in tqdm(tensors, desc="dequantizing GGUF", unit="tensor", file=sys.stderr,
+                                         disable=not progress):
+        def dequantize(data: Any = data, qtype: Any = qtype, shape: tuple = shape) -> np.ndarray:
+            return gguf.quants.dequantize(data, qtype).reshape(shape)
+
+        kept = qtype.name in keep_quantized and len(shape) == 2
+        got = qwen35.hf_tensor(name, data.reshape(shape[0], -1) if kept else dequantize(), qtype, dequantize)
+        if got is None:
+            continue
+        hf, w = got
+        if w.dtype == np.uint8:
+            state[hf] = QuantTensor(qtype.name, np.ascontiguousarray(w) if not w.flags.c_contiguous else w, shape)
+        else:
+            state[hf] = np.require(w, dtype=np.float32, requirements=["C", "W"])
+    return state

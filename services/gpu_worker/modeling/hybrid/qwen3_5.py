@@ -24,6 +24,7 @@ from services.gpu_worker.layers import delta_rule
 from services.gpu_worker.layers.delta_rule import StateBatch
 from services.gpu_worker.layers.linear import KernelHead, PackedHead, make_head, pack_linears
 from services.gpu_worker.layers.norm import RMSNorm
+from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
 from services.gpu_worker.modeling.decoder_lm import MLP
@@ -185,14 +186,17 @@ class Qwen35LM(DecoderModel):
     def reset_buffers(self) -> None:
         self.rotary.reset_buffers()
 
-    head: KernelHead | PackedHead | None = None
+    head: KernelHead | PackedHead | QuantLinear | None = None
 
     def prepare(self) -> None:
         """On the CPU, every float32 GEMM weight in the C kernel's (else oneDNN's) layout."""
         for layer in cast("list[HybridLayer]", list(self.model.layers)):
             layer.mlp.fuse()
         head = self.model.embed_tokens if self.tied else self.lm_head
-        self.head = make_head(head.weight.detach())
+        if isinstance(head, (QuantEmbedding, QuantLinear)):  # a GGUF head kept quantized (as DecoderLM's)
+            object.__setattr__(self, "head", head.table if isinstance(head, QuantEmbedding) else head)
+        else:
+            self.head = make_head(head.weight.detach())
         if self.head is not None:
             pack_linears(self.model.layers)
             if not self.tied:
