@@ -144,7 +144,8 @@ def assemble(d: Deployment) -> Assembled:
         log.warning("the %s engine runs on the CPU path only for now; ignoring device %s", spec.engine, device)
         device = torch.device("cpu")
     min_pages = pages_for(spec.max_seq_len, d.page_size)
-    spec.with_state_slots(d.max_num_seqs)  # a state pool: one slot per request that may run at once
+    # a state pool: a slot per request that may run at once, as many again for prefix snapshots
+    spec.with_state_slots(2 * d.max_num_seqs)
     pools = spec.paged_pools(size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size),
                                        min_pages, device))
     dtype, quantized = weight_dtype(d.dtype, source, device)

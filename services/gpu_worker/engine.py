@@ -176,6 +176,9 @@ class Engine:
         kept = self.outputs.kept(plan, sampled)
         # a layout violation fails its request alone
         gone = {id(f.request) for f in self._fail_each(self.scheduler.commit(plan, kept, labels), res)}
+        copies = self.scheduler.take_copies()
+        if copies:  # now, while every source page is still its request's
+            self.runner.copy_pages(copies)
         for entry, k in zip(plan.entries, kept):
             if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue

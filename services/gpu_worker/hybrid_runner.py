@@ -12,6 +12,7 @@ from __future__ import annotations
 from services.gpu_worker.attention import AttnMetadata, AttnRows, cpu_backend
 from services.gpu_worker.layers.delta_rule import StateBatch
 from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.step_types import StepPlan
 
 
 class HybridRunner(ModelRunner):
@@ -32,6 +33,17 @@ class HybridRunner(ModelRunner):
                  for name, layers in self.caches.items() if not self.kv.pools[name].config.is_state}
         return "kernel" if picks == {"kernel"} else "torch"
 
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """The step, after copying each prefix hit's state snapshot into its request's slot
+        (reserved by now: the step's rows took it)."""
+        for e in plan.entries:
+            kv = e.request.kv
+            if kv is not None and kv.restores:
+                self.copy_pages([(kv.labels[name].label.pool, page, kv.labels[name].pages[0])
+                                 for name, page in kv.restores.items()])
+                self.kv.end_restores(kv.request_id)
+        return super().execute(plan)
+
     def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
         states = self._state_labels()
         metas = super()._metadata({name: r for name, r in rows.items() if name not in states})
@@ -46,4 +58,4 @@ def state_batch(rows: list[AttnRows], device) -> StateBatch:
     bounds = [0]
     for r in rows:
         bounds.append(bounds[-1] + r.new)
-    return StateBatch(bounds=bounds, slots=[r.pages[0] for r in rows], fresh=[r.cached == 0 for r in rows])
+    return StateBatch.build(bounds, [r.pages[0] for r in rows], [r.cached == 0 for r in rows])

@@ -140,6 +140,9 @@ class LayoutChecker:
                     if st.label.pool == name:
                         for pg in st.pages:
                             held[pg] = held.get(pg, 0) + 1
+                for hold_pool, pg in kv.holds:
+                    if hold_pool == name:
+                        held[pg] = held.get(pg, 0) + 1
             free, cached = set(pool.free_pages()), set(pool.index.evictable)
             if len(free) != len(pool.free_pages()) or free & cached or (free | cached) & set(held):
                 raise AssertionError(f"pool {name!r}: a page is both free (or cached) and owned")

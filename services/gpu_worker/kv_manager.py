@@ -21,6 +21,7 @@ from services.gpu_worker.prefix_cache import PrefixIndex
 from shared.frames import NewRequest, PoolStats
 from shared.layout import (
     KVLabel,
+    LabelLayout,
     PagedKVConfig,
     bidirectional_blocks,
     block_boundary,
@@ -56,6 +57,30 @@ def debug_asserts_enabled() -> bool:
 
 #: resident pages the prefix cache may keep however few the running requests have held
 MIN_RESIDENT_PAGES = 64
+#: rows between a hybrid prompt's state snapshots (`state_snapshot_rows`)
+SNAPSHOT_INTERVAL = 256
+
+
+def state_snapshot_rows(keyed: LabelLayout, page_size: int, interval: int) -> tuple[int, ...]:
+    """The prompt rows after which a hybrid request keeps a copy of its recurrent state for
+    the prefix cache: each page boundary of its shareable keyed prefix (`shareable_count`
+    pages of its keyed attention label) that is a multiple of `interval` rows, and the last
+    one. A later prompt sharing a prefix resumes at the longest such boundary within it (a
+    repeated prompt at its last page, a shared system prompt at its last multiple of
+    `interval`); each snapshot costs one state slot, so they are few (a 2,048-row prompt
+    keeps at most nine at the default 256)."""
+    last = shareable_count(keyed, page_size) * page_size
+    step = max(page_size, interval // page_size * page_size)
+    return tuple(sorted({*range(step, last + 1, step), *([last] if last else [])}))
+
+
+def snapshot_cut(rows: tuple[int, ...], computed: int, n: int) -> int:
+    """A prompt chunk of `n` rows from row `computed`, cut to end at the first snapshot row
+    inside it (the state is whole only at a chunk's end)."""
+    for r in rows:
+        if computed < r < computed + n:
+            return r - computed
+    return n
 
 
 class Pool:
@@ -159,8 +184,11 @@ def _whole_blocks(rows: int, blocks: tuple[tuple[int, int], ...], page_sizes: li
 
 class KVManager:
     def __init__(self, pools: dict[str, PagedKVConfig], labels: tuple[KVLabel, ...], reserve_max_seq_len: bool = False,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, snapshot_interval: int = SNAPSHOT_INTERVAL) -> None:
         self.pools = {name: Pool(cfg) for name, cfg in pools.items()}
+        #: a hybrid's prompt keeps its state at every multiple of this many rows (and at its
+        #: last shareable page boundary): where a later prompt sharing its prefix may resume
+        self.snapshot_interval = snapshot_interval
         self.reserve_max_seq_len = reserve_max_seq_len
         self.prefix_cache = prefix_cache
         self.prefix_queries = 0
@@ -199,6 +227,9 @@ class KVManager:
                                       key_parent=self.pools[lab.pool].index.root(name))
         kv = RequestKV(req.request_id, dict(req.loop_caps), dict(req.kv_configs), states,
                        blocks=_merged_blocks(bidirectional_blocks(layout) for layout in req.kv_layout.values()))
+        keyed = self._keyed_attention(kv)
+        if keyed is not None and any(self._is_state(st) for st in states.values()):
+            kv.snapshot_rows = state_snapshot_rows(keyed.layout, keyed.page_size, self.snapshot_interval)
         if self.reserve_max_seq_len:
             kv.extra = {name: max(0, max_seq_len_pages(pool.config)
                                   * sum(1 for s in states.values() if s.label.pool == name)
@@ -211,6 +242,15 @@ class KVManager:
                                      f"!= worker footprint {states[name].footprint}")
         return kv
 
+    def _is_state(self, st: LabelState) -> bool:
+        return self.pools[st.label.pool].config.is_state
+
+    def _keyed_attention(self, kv: RequestKV) -> LabelState | None:
+        """The label whose prefix-cache chain names a hybrid's state snapshots: its keyed
+        full-attention label (a page boundary there is a row of the prompt)."""
+        return next((st for st in kv.labels.values() if st.row_keys and st.label.window is None
+                     and not self._is_state(st)), None)
+
     def can_admit(self, kv: RequestKV) -> bool:
         """Its reservation, less the pages it will share from the prefix cache, fits the
         pages neither held nor reserved (cached pages it shares are not free for it)."""
@@ -219,7 +259,10 @@ class KVManager:
             shared = [page for label, hits in kv.hits.items() if kv.labels[label].label.pool == name
                       for _, page in hits]
             revived = sum(1 for page in shared if p.refs.get(page, 0) == 0)
-            if p.available - revived - p.reserved < kv.reservation(name) - len(shared):
+            # a state snapshot is copied into the request's own slot (its footprint), so it
+            # spares nothing: it only must not be a page someone else counts on
+            spared = 0 if p.config.is_state else len(shared)
+            if p.available - revived - p.reserved < kv.reservation(name) - spared:
                 return False
         return True
 
@@ -239,7 +282,13 @@ class KVManager:
         for st in kv.labels.values():
             st.footprint = st.full_footprint
         written = {name: st for name, st in kv.labels.items() if st.layout.span_rows}
-        if not self.prefix_cache or not written or not all(st.row_keys for st in written.values()):
+        # A hybrid's state labels share no pages: a hit resumes from the state snapshot taken
+        # at the hit's row, which the keyed attention label's chain names (`take_snapshots`)
+        states = {name: st for name, st in written.items() if self._is_state(st)}
+        written = {name: st for name, st in written.items() if name not in states}
+        keyed = self._keyed_attention(kv) if states else None
+        if (not self.prefix_cache or not written or not all(st.row_keys for st in written.values())
+                or (states and keyed is None)):
             return
         walks = {}
         for name, st in written.items():
@@ -253,22 +302,39 @@ class KVManager:
             first, end = hit_pages(written[name].page_size, written[name].label.window, rows)
             return end <= len(walks[name]) and gaps[name][end] == gaps[name][first]
 
+        def snapshots(rows: int) -> dict[str, tuple[int, int]] | None:
+            """(entry, page) of each state label's snapshot at `rows`; None where one lacks it."""
+            if keyed is None:
+                return {}
+            entry = walks[keyed.label.name][rows // keyed.page_size - 1][0]
+            found = {}
+            for name, st in states.items():
+                index = self.pools[st.label.pool].index
+                match = index.match([(entry,)], index.root(name))
+                if not match:
+                    return None
+                found[name] = match[0]
+            return found
+
         rows = min(len(w) * written[n].page_size for n, w in walks.items())
+        snaps: dict[str, tuple[int, int]] | None = {}
         while rows > 0:
             aligned = _whole_blocks(min((rows // st.page_size) * st.page_size for st in written.values()),
                                     kv.blocks, [st.page_size for st in written.values()])
             if aligned != rows:
                 rows = aligned
-            elif all(covered(n, rows) for n in written):
+            elif all(covered(n, rows) for n in written) and (snaps := snapshots(rows)) is not None:
                 break
             else:
                 rows -= 1
-        if rows <= 0:
+        if rows <= 0 or snaps is None:
             return
         for name, st in written.items():
             first, end = hit_pages(st.page_size, st.label.window, rows)
             kv.hits[name] = [(entry, page) for entry, page in walks[name][first:end] if page is not None]
             st.footprint = label_footprint(st.layout, kv.caps, st.page_size, st.label.window, rows)
+        for name, hit in snaps.items():
+            kv.hits[name] = [hit]
         kv.hit_rows = rows
 
     def admit(self, kv: RequestKV) -> int:
@@ -282,6 +348,15 @@ class KVManager:
         for name, hits in kv.hits.items():
             st = kv.labels[name]
             pool = self.pools[st.label.pool]
+            if pool.config.is_state:  # a snapshot: held until the runner copies it into the request's slot
+                (_, page), = hits
+                pool.hold(page)
+                kv.holds.append((pool.config.name, page))
+                kv.restores[name] = page
+                st.rows = kv.hit_rows
+                if self.checker is not None:
+                    self.checker.shared(kv, st, kv.hit_rows)
+                continue
             for entry, page in hits:
                 pool.hold(page)
                 st.pages.append(page)
@@ -388,6 +463,47 @@ class KVManager:
         if len(st.pages) < st.footprint:
             pool.reserved += 1
 
+    # -- state snapshots (hybrid models' prefix cache) ------------------------------------
+
+    def end_restores(self, request_id: str) -> None:
+        """The runner copied the request's snapshots into its slots: let them go (they stay
+        cached for the next prompt that shares the prefix)."""
+        kv = self.requests[request_id]
+        for pool, page in kv.holds:
+            self.pools[pool].drop(page)
+        kv.holds.clear()
+        kv.restores.clear()
+        self._check_conservation()
+
+    def take_snapshots(self, request_id: str) -> list[tuple[str, int, int]]:
+        """After a commit: where the request's prompt rows reached one of its snapshot rows,
+        a copy of each state label's slot is due; returns (pool, its slot, the snapshot's
+        page) for the runner to copy now. A snapshot takes only a page nobody has reserved
+        (it never costs a request its footprint), is indexed under the keyed attention
+        label's chain at that row, and is at once evictable like any cached page. None where
+        the prefix is already snapshotted, the cache is off or no page is spare."""
+        kv = self.requests[request_id]
+        keyed = self._keyed_attention(kv)
+        if not self.prefix_cache or keyed is None or not kv.snapshot_rows:
+            return []
+        copies = []
+        for name, st in kv.labels.items():
+            if not self._is_state(st) or st.rows not in kv.snapshot_rows or not st.pages:
+                continue
+            if keyed.keyed_pages * keyed.page_size != st.rows or keyed.keyed_pages < 1:
+                continue  # its attention pages are not all indexed up to here (a shared page)
+            pool = self.pools[st.label.pool]
+            root = pool.index.root(name)
+            if pool.index.match([(keyed.key_parent,)], root) or pool.available - pool.reserved <= 0:
+                continue
+            page = pool.take()
+            pool.index.insert(root, (keyed.key_parent,), page)
+            pool.drop(page)  # indexed, held by nobody: evictable
+            pool.peak_used = max(pool.peak_used, pool.used)
+            copies.append((pool.config.name, st.pages[0], page))
+        self._check_conservation()
+        return copies
+
     # -- removal -------------------------------------------------------------------------
 
     def remove(self, request_id: str, ran_to_caps: bool = False) -> int:
@@ -406,6 +522,9 @@ class KVManager:
             self.pools[st.label.pool].reserved -= st.footprint
         for name, extra in kv.extra.items():
             self.pools[name].reserved -= extra
+        for pool, page in kv.holds:
+            self.pools[pool].drop(page)
+        kv.holds.clear()
         self._check_conservation()
         return released
 

@@ -54,6 +54,14 @@ class RequestKV:
     #: every label's layout: a step writes the same rows of each label), which no prefill
     #: chunk and no prefix-cache hit may end inside
     blocks: tuple[tuple[int, int], ...] = ()
+    #: pages held beyond its labels' own, as (pool, page): a state snapshot a prefix hit
+    #: restores from, until the restore is done (`KVManager.end_restores`)
+    holds: list[tuple[str, int]] = field(default_factory=list)
+    #: state labels whose slot starts as a snapshot's copy: label -> the snapshot's page
+    restores: dict[str, int] = field(default_factory=dict)
+    #: prompt rows after which a state snapshot is due (`state_snapshot_rows`), ascending;
+    #: empty where the request opens no state label or shares nothing
+    snapshot_rows: tuple[int, ...] = ()
 
     def footprint(self, pool: str) -> int:
         return sum(s.footprint for s in self.labels.values() if s.label.pool == pool)

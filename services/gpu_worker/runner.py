@@ -159,6 +159,13 @@ class ModelRunner:
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logits
 
+    def copy_pages(self, copies: list[tuple[str, int, int]]) -> None:
+        """Copy page `src` of `pool` onto page `dst`, in every layer of the pool (a hybrid's
+        state snapshot: `KVManager.take_snapshots`)."""
+        for pool, src, dst in copies:
+            for layer in self.caches[pool]:
+                layer[dst].copy_(layer[src])
+
     def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
         """What an output carries besides tokens (a speech model's sound), once the output
         processor made it; True when the runner holds the output to send it later itself

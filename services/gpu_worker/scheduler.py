@@ -49,7 +49,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.gpu_worker.kv_manager import DoesNotFit, FootprintOverrun, KVManager, LayoutViolation, RequestKV
+from services.gpu_worker.kv_manager import (
+    DoesNotFit,
+    FootprintOverrun,
+    KVManager,
+    LayoutViolation,
+    RequestKV,
+    snapshot_cut,
+)
 from services.gpu_worker.request import Request
 from services.gpu_worker.step_costs import StepCosts, StepShape, chunk_shape
 from services.gpu_worker.step_types import LAYOUT_VIOLATED, OVERRUN, Failure, Kept, PlanEntry, StepPlan
@@ -92,6 +99,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.ids: dict[str, Request] = {}
+        #: page copies the commits asked for (`take_copies`)
+        self.copies: list[tuple[str, int, int]] = []
         #: what a step costs, learned (the engine reports every step's time)
         self.costs = StepCosts()
 
@@ -170,7 +179,15 @@ class Scheduler:
             if entry.decode:
                 for loop in self.loops:
                     req.iters[loop] += k.rows
+            elif req.kv is not None and req.kv.snapshot_rows:
+                self.copies += self.kv.take_snapshots(req.request_id)
         return failed
+
+    def take_copies(self) -> list[tuple[str, int, int]]:
+        """(pool, source page, destination page) copies the last commits asked for (a
+        hybrid's state snapshots), for the runner to make before the next step."""
+        copies, self.copies = self.copies, []
+        return copies
 
     def commit_rows(self, req: Request, rows: dict[str, int]) -> Failure | None:
         """Commit rows `reserve_rows` gave (one span per label); a Failure if that breaks
@@ -254,6 +271,8 @@ class Scheduler:
                 n = max(self.costs.chunk_within(seconds, r.num_computed, n, scored), min(n, floor))
             if r.kv is not None:  # (a plan made outside an engine may have no KV state)
                 n = whole_blocks(r.kv.blocks, r.num_computed, n, first)
+                if r.kv.snapshot_rows and self.kv.prefix_cache:  # a hybrid's state is whole only at a chunk's end
+                    n = snapshot_cut(r.kv.snapshot_rows, r.num_computed, n)
             if n <= 0:
                 break  # (a block that does not fit waits, and nothing behind it jumps ahead)
             if seconds is not None:

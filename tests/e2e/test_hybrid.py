@@ -99,3 +99,36 @@ def test_greedy_tokens_equal_transformers(hybrid, tmp_path, budget):
         assert "footprint overrun" not in server.log().lower()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("prefix") / "ckpt", "qwen3_5", **SHAPES["grouped"])
+
+
+def test_prefix_cache_resumes_from_a_state_snapshot(grouped, tmp_path):
+    """A prompt sharing a 300-token prefix with an earlier one takes the prefix's KV pages and
+    the recurrent state snapshotted at row 256 (the last multiple of the snapshot interval
+    inside the shared part), computes only its tail and answers as transformers does cold; a
+    repeated 40-token prompt resumes at its last page boundary (row 32). Pages and state
+    slots back to zero after, under the layout debug checks."""
+    server = MstarServer(str(grouped), tmp_path / "log.txt", "--num-kv-pages", "128", "--page-size", "16",
+                         env=DEBUG).start()
+    try:
+        prefix = [5 + (i * 7) % 300 for i in range(300)]
+        first, second = prefix + list(range(10, 40)), prefix + list(range(50, 70))
+        short = list(range(60, 100))
+        want = {name: hf_greedy(grouped, ids, MAX_TOKENS) for name, ids in
+                (("first", first), ("second", second), ("short", short))}
+        assert _generate(server.url, first) == want["first"]
+        assert server.wait_metric("mstar_prefix_cache_queries_total", 1) == 1
+        assert server.metric("mstar_prefix_cache_hit_tokens_total") == 0
+        assert _generate(server.url, second) == want["second"]
+        assert server.wait_metric("mstar_prefix_cache_hit_tokens_total", 256) == 256
+        assert _generate(server.url, short) == want["short"]
+        assert _generate(server.url, short) == want["short"]
+        assert server.wait_metric("mstar_prefix_cache_hit_tokens_total", 256 + 32) == 256 + 32
+        assert server.wait_pages_free() == 0
+        assert "footprint overrun" not in server.log().lower()
+    finally:
+        server.stop()

@@ -316,10 +316,11 @@ def test_whole_blocks_cuts_a_chunk_before_a_block_it_would_split():
 
 
 class _Blocks:
-    """A request's KV state as the scheduler reads it: its blocks alone."""
+    """A request's KV state as the scheduler reads it: its blocks alone (no state snapshots)."""
 
     def __init__(self, blocks: tuple[tuple[int, int], ...]) -> None:
         self.blocks = blocks
+        self.snapshot_rows: tuple[int, ...] = ()
 
 
 def test_the_scheduler_never_ends_a_chunk_inside_a_block():
