@@ -132,3 +132,35 @@ def test_prefix_cache_resumes_from_a_state_snapshot(grouped, tmp_path):
         assert "footprint overrun" not in server.log().lower()
     finally:
         server.stop()
+
+
+@pytest.mark.kernels  # the C kernels' path (also run on the AVX2 build: scripts/test)
+def test_a_rows_logprobs_do_not_depend_on_its_batch(grouped, tmp_path):
+    """The same greedy request with logprobs gives bitwise the same tokens and logprobs alone
+    and among eight other streams (its prompt cut into other chunks, its decode rows beside
+    other requests' prefill and decode): the delta rule and the convolution run each request
+    on its own state, token by token, and the GEMMs give a row the same bits in any batch."""
+    # no prefix cache: the probe's prompt is computed every time, cut where the budget ends
+    server = MstarServer(str(grouped), tmp_path / "log.txt", "--num-kv-pages", "128",
+                         "--max-batch-tokens", "48", "--no-prefix-cache").start()
+    probe = {"input_ids": [7 + (i * 5) % 200 for i in range(90)], "max_tokens": 16, "temperature": 0,
+             "logprobs": 2, "ignore_eos": True}
+
+    async def run(others: int) -> tuple[list[int], list]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            streams = [asyncio.create_task(client.post("/generate", json={
+                "input_ids": [3 + (i * j) % 250 for j in range(20 + 9 * i)], "max_tokens": 12 + i,
+                "temperature": 0.8, "seed": i, "ignore_eos": True})) for i in range(others)]
+            await asyncio.sleep(0.05 * others)
+            r = await client.post("/generate", json=probe)
+            assert all(s.status_code == 200 for s in await asyncio.gather(*streams))
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"], r.json()["logprobs"]
+
+    try:
+        alone = asyncio.run(run(0))
+        assert asyncio.run(run(8)) == alone
+        assert asyncio.run(run(4)) == alone
+        assert server.wait_pages_free() == 0
+    finally:
+        server.stop()
