@@ -22,6 +22,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.guided import Guides
 from services.gpu_worker.hybrid_runner import HybridRunner
+from services.gpu_worker.hybrid_vision_runner import HybridVisionRunner
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
@@ -54,13 +55,15 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "vision_decoder": (VisionRunner, VISION_ENCODES_PER_STEP),
     "speech_decoder": (SpeechRunner, None),
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
+    "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
-TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "speech_decoder")
+TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "hybrid_mrope_vision_decoder",
+              "speech_decoder")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.hybrid_lm import HybridLMSpec
+from shared.specs.hybrid_vision_lm import ARCHITECTURES as HYBRID_VISION_ARCHITECTURES
+from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
@@ -43,6 +45,7 @@ SpecFactory = Callable[..., ModelSpec]
 MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
     **dict.fromkeys(HYBRID_ARCHITECTURES, HybridLMSpec),
+    **dict.fromkeys(HYBRID_VISION_ARCHITECTURES, Qwen35VLSpec),
     NULL_ARCHITECTURE: NullLMSpec,
     WHISPER_ARCHITECTURE: WhisperSpec,
     **dict.fromkeys(EMBED_ARCHITECTURES + SCORE_ARCHITECTURES, EncoderSpec),

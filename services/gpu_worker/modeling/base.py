@@ -159,5 +159,6 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "vision_decoder": VisionDecoderModel,
     "speech_decoder": DecoderModel,
     "mrope_vision_decoder": GridVisionDecoderModel,
+    "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
     "csm_decoder": SpeechCodesModel,
 }

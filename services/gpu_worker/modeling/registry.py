@@ -15,6 +15,7 @@ from services.gpu_worker.modeling.decoder_embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder_lm import DecoderLM
 from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
 from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
+from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
 from services.gpu_worker.modeling.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.null_lm import NullLM
 from services.gpu_worker.modeling.qwen2_5_vl import Qwen25VLModel
@@ -24,6 +25,7 @@ from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.hybrid_lm import HybridLMSpec
+from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.pooling import EncoderSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
@@ -33,6 +35,7 @@ from shared.specs.whisper import WhisperSpec
 TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     DecoderLMSpec: DecoderLM,
     HybridLMSpec: Qwen35LM,
+    Qwen35VLSpec: Qwen35VLModel,
     NullLMSpec: NullLM,
     WhisperSpec: WhisperModel,
     EncoderSpec: BertModel,

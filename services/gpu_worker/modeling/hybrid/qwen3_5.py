@@ -22,12 +22,13 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.layers import delta_rule
 from services.gpu_worker.layers.delta_rule import StateBatch
+from services.gpu_worker.layers.interleaved_mrope import InterleavedMRotary
 from services.gpu_worker.layers.linear import KernelHead, PackedHead, make_head, pack_linears
 from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
-from services.gpu_worker.layers.rope import Rotary, apply_rope
+from services.gpu_worker.layers.rope import apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
-from services.gpu_worker.modeling.decoder_lm import MLP
+from services.gpu_worker.modeling.decoder_lm import MLP, RowEmbeds
 from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
 
 #: a layer's metadata: paged attention's, or the linear layers' state batch
@@ -166,7 +167,9 @@ class Qwen35LM(DecoderModel):
         self.config = cfg
         a = cfg.attention
         self.model = Backbone(cfg)
-        self.rotary = Rotary(a.rope, cfg.rotary_dim, a.max_position_embeddings)
+        # positions [T] rotate as plain partial RoPE; [3, T] (images: temporal, height, width)
+        # as transformers' interleaved multimodal RoPE over the rotary dim
+        self.rotary = InterleavedMRotary(a.rope, cfg.rotary_dim, a.max_position_embeddings, cfg.mrope_section)
         self.tied = a.tie_word_embeddings
         if not self.tied:
             self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
@@ -202,9 +205,14 @@ class Qwen35LM(DecoderModel):
             if not self.tied:
                 del self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metas: list[LayerMeta], sample_rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                kv_caches: list[torch.Tensor], metas: list[LayerMeta], sample_rows: torch.Tensor,
+                embeds: RowEmbeds | None = None) -> torch.Tensor:
+        """`embeds`: rows of the step (indices, values) that take an image's rows in place of
+        their placeholder token's embedding (`qwen3_5_vision.Qwen35VLModel`)."""
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, cache, meta in zip(self.model.layers, kv_caches, metas):
             x = layer(x, rope, cache, meta)
