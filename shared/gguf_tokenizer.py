@@ -94,6 +94,11 @@ _LLAMA3_PATTERN = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_PATTERN = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+#: Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words (llama.cpp's
+#: LLAMA_VOCAB_PRE_TYPE_QWEN35)
+_QWEN35_PATTERN = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SEED_CODER_PATTERN = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -145,7 +150,7 @@ _LLAMA3 = _Pre((_LLAMA3_PATTERN,), ignore_merges=True, add_bos=True)
 _QWEN2 = _Pre((_QWEN2_PATTERN,))
 
 #: tokenizer.ggml.pre -> how llama.cpp splits text for it: every name llama.cpp's
-#: converter writes for the families mstar serves (llama, mistral, qwen2, qwen3; Gemma and
+#: converter writes for the families mstar serves (llama, mistral, qwen2, qwen3, qwen35; Gemma and
 #: Phi-3 are SentencePiece, which has no pre-tokenizer), grouped as llama.cpp's
 #: llama_vocab::impl::load groups them
 PRE_TOKENIZERS: dict[str, _Pre] = {
@@ -165,6 +170,8 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     # where llama-server's /tokenize is what a GGUF user gets)
     "qwen2": _Pre((_QWEN2_PATTERN,)), "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
     "kormo": _QWEN2, "f2llmv2": _QWEN2,
+    # LLAMA_VOCAB_PRE_TYPE_QWEN35: Qwen3.5 (its tokenizer.json NFC-normalizes too; as above)
+    "qwen35": _Pre((_QWEN35_PATTERN,)),
     # LLAMA_VOCAB_PRE_TYPE_TEKKEN: Mistral Nemo, Mistral Small 3.x, Ministral
     "tekken": _Pre((_TEKKEN_PATTERN,), ignore_merges=True, add_bos=True),
     # LLAMA_VOCAB_PRE_TYPE_GPT4O: Phi-4, Llama 4's text
