@@ -302,11 +302,12 @@ _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_L
 _GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+{_CC}?|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*{_CC}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SEED = _CC + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = _CC + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _CJK = "[一-龥ࠀ-一가-퟿]+"
 LLAMA_CPP_SPLITS = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
     "gpt-2": [_GPT2], "smollm": [r"\p{N}", _GPT2], "llama-bpe": [_LLAMA3], "smaug-bpe": [_LLAMA3],
-    "qwen2": [_QWEN2], "tekken": [_TEKKEN], "gpt-4o": [_GPT4O], "seed-coder": [_SEED],
+    "qwen2": [_QWEN2], "qwen35": [_QWEN35], "tekken": [_TEKKEN], "gpt-4o": [_GPT4O], "seed-coder": [_SEED],
     "deepseek-coder": ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
 }
 # every accepted name, with the type llama.cpp gives it
