@@ -86,7 +86,9 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     # A windowed label releases pages behind its window as rows commit; draft rows past
     # the commit could straddle one page more than its footprint, so no drafts there.
     if k and (spec.engine != "decoder" or any(lab.window is not None for lab in spec.kv_labels)):
-        log.warning("speculative decoding is off: the model has a sliding-window KV label or is not a decoder LM")
+        why = ("its recurrent state cannot take back a rejected draft" if spec.engine.startswith("hybrid")
+               else "the model has a sliding-window KV label or is not a decoder LM")
+        log.warning("speculative decoding is off: %s", why)
         k = 0
     if spec.whole_prompts and max_batch_tokens < max_seq_len:
         # a prompt runs in one step: the budget must hold the longest, or it would wait forever
