@@ -37,13 +37,17 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 #: resized to at least 256 x 256 pixels by the release's settings: 16 x 18 and 12 x 26 patches
 #: (72 and 78 rows), neither square, so height and width positions differ
-IMAGES = {"small": png(24, 20, 1), "wide": png(70, 30, 2)}
+IMAGES = {"small": png(24, 20, 1), "wide": png(70, 30, 2), "other": png(24, 20, 4)}
 #: case -> (images in order, the text, where the text goes)
 CASES = {
     "one image": (("small",), "What is in this image?", "after"),
     "two images": (("small", "wide"), "Compare the two pictures.", "between"),
     "text only": ((), "Hello world! The quick brown fox.", "after"),
+    # the prefix cache test's: the same size as "small" (the same ids), other pixels
+    "other image": (("other",), "What is in this image?", "after"),
 }
+#: the cases the parity tests send
+PARITY = ("one image", "two images", "text only")
 
 
 def content(images: tuple[str, ...], text: str, where: str, url: bool) -> list[dict] | str:
@@ -130,9 +134,9 @@ async def test_chat_route_equals_transformers(folder, server):
         return r.json()
 
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        alone = [await chat(client, case) for case in CASES]
-        together = await asyncio.gather(*(chat(client, case) for case in CASES))
-    for case, one, other in zip(CASES, alone, together):
+        alone = [await chat(client, case) for case in PARITY]
+        together = await asyncio.gather(*(chat(client, case) for case in PARITY))
+    for case, one, other in zip(PARITY, alone, together):
         want, prompt_len = reference(folder, case)
         for body in (one, other):
             assert body["usage"]["prompt_tokens"] == prompt_len, case
@@ -147,8 +151,33 @@ async def test_generate_token_ids_equal_transformers(folder, server):
         rs = await asyncio.gather(*(client.post("/generate", json={
             "prompt": rendered(folder, case), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             **({"images": ["data:image/png;base64," + base64.b64encode(IMAGES[n]).decode()
-                           for n in CASES[case][0]]} if CASES[case][0] else {})}) for case in CASES))
-    for case, r in zip(CASES, rs):
+                           for n in CASES[case][0]]} if CASES[case][0] else {})}) for case in PARITY))
+    for case, r in zip(PARITY, rs):
         assert r.status_code == 200, r.text
         assert (r.json()["token_ids"], r.json()["usage"]["prompt_tokens"]) == reference(folder, case), case
+    assert_clean(server)
+
+
+async def test_the_prefix_cache_keys_images_by_content(folder, server):
+    """The same text after another image of the same size (the same ids) answers as
+    transformers does for that image, not from the first image's rows; the same image again
+    resumes from the prefix cache (KV pages and the recurrent state snapshotted at its last
+    page boundary: the hit counter grows by those rows) with the same answer."""
+    want = {case: reference(folder, case)[0] for case in ("one image", "other image")}
+    assert want["one image"] != want["other image"]  # the image matters to this model
+
+    async def tokens(client: httpx.AsyncClient, case: str) -> list[int]:
+        r = await client.post("/generate", json={
+            "prompt": rendered(folder, case), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "images": ["data:image/png;base64," + base64.b64encode(IMAGES[n]).decode() for n in CASES[case][0]]})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"]
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        assert await tokens(client, "one image") == want["one image"]
+        assert await tokens(client, "other image") == want["other image"]
+        before = server.metric("mstar_prefix_cache_hit_tokens_total")
+        assert await tokens(client, "one image") == want["one image"]
+    hit = (reference(folder, "one image")[1] - 1) // 8 * 8  # every full page but the one with the last prompt row
+    assert server.wait_metric("mstar_prefix_cache_hit_tokens_total", before + hit) == before + hit
     assert_clean(server)
