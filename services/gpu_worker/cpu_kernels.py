@@ -239,6 +239,12 @@ def library() -> ctypes.CDLL | None:
         lib.mstar_qlinear.restype = ctypes.c_int
         lib.mstar_qlinear.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
                                       ctypes.c_int, ptr]
+        lib.mstar_causal_conv.restype = lib.mstar_gated_delta.restype = ctypes.c_int
+        lib.mstar_causal_conv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
+        lib.mstar_gated_delta.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ptr,
+                                          i64, ptr, i64, ptr]
+        lib.mstar_gated_rms_norm.restype = None
+        lib.mstar_gated_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
         lib.mstar_pool_threads.restype = ctypes.c_int
         lib.mstar_pool_threads.argtypes = []
         lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None
