@@ -25,10 +25,10 @@ from services.gpu_worker.layers.delta_rule import StateBatch
 from services.gpu_worker.layers.interleaved_mrope import InterleavedMRotary
 from services.gpu_worker.layers.linear import KernelHead, PackedHead, make_head, pack_linears
 from services.gpu_worker.layers.norm import RMSNorm
-from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear
+from services.gpu_worker.layers.quant import TILE, QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
-from services.gpu_worker.modeling.decoder_lm import MLP, RowEmbeds
+from services.gpu_worker.modeling.decoder_lm import MLP, RowEmbeds, _concat_linears
 from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
 
 #: a layer's metadata: paged attention's, or the linear layers' state batch
@@ -52,14 +52,30 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
         self.scale = a.attn_scale
+        #: q (with its gate), k and v as one GEMM (`fuse`), or None: the three apart
+        self.qkv_proj: nn.Module | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for q (with the gate), k and v: a decode step reads the input once and
+        makes one call where it made three (their outputs' columns are the same values)."""
+        joined = _join([self.q_proj, self.k_proj, self.v_proj])
+        if joined is not None:
+            self.qkv_proj = joined[0]
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        qs, ks = 2 * self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            qg, k, v = qkv[:, :qs], qkv[:, qs : qs + ks], qkv[:, qs + ks : qs + 2 * ks]
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q.contiguous())
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = self.k_norm(k.contiguous().view(t, self.kv_heads, self.head_dim))
+        v = v.view(t, self.kv_heads, self.head_dim)
         r = self.rotary_dim
         q = torch.cat((apply_rope(q[..., :r], *rope), q[..., r:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :r], *rope), k[..., r:]), dim=-1)
@@ -86,6 +102,32 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden, cfg.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden, cfg.value_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, cfg.value_heads, bias=False)
+        #: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one GEMM (`fuse`), or None
+        self.in_proj: nn.Module | None = None
+        #: where z, b and a start in in_proj's output columns
+        self._starts = (0, 0, 0)
+        #: -exp(A_log) in float32, made once by `fuse` (the same value the step made each time)
+        self._neg_a: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for the four input projections (a decode step made four calls, two of
+        them for 8-column outputs), and the decay's -exp(A_log) made once."""
+        self._neg_a = -self.A_log.detach().float().exp()
+        joined = _join([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        if joined is not None:
+            self.in_proj, starts = joined
+            self._starts = (starts[1], starts[2], starts[3])
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv, z, b, a) of the step's rows: column views of the fused GEMM's output, or the four GEMMs'."""
+        cfg = self.cfg
+        if self.in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        out = self.in_proj(x)
+        z0, b0, a0 = self._starts
+        return (out[:, : cfg.conv_dim], out[:, z0 : z0 + cfg.value_dim], out[:, b0 : b0 + cfg.value_heads],
+                out[:, a0 : a0 + cfg.value_heads])
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor, batch: StateBatch) -> torch.Tensor:
         cfg = self.cfg
@@ -93,17 +135,38 @@ class GatedDeltaNet(nn.Module):
         window = (cfg.conv_kernel - 1) * cfg.conv_dim
         conv_state = slots[:, :window].view(-1, cfg.conv_kernel - 1, cfg.conv_dim)
         recurrent = slots[:, window:].view(-1, cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)
-        mixed = delta_rule.causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight.view(cfg.conv_dim, -1),
-                                       batch)
+        qkv, z, b, a = self._projections(x)
+        mixed = delta_rule.causal_conv(qkv, conv_state, self.conv1d.weight.view(cfg.conv_dim, -1), batch)
         q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        beta = self.in_proj_b(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.float().sigmoid()
+        neg_a = self._neg_a if self._neg_a is not None else -self.A_log.float().exp()
+        g = neg_a * F.softplus(a.float() + self.dt_bias)
         o = delta_rule.gated_delta(q.reshape(t, cfg.key_heads, cfg.key_head_dim),
                                    k.reshape(t, cfg.key_heads, cfg.key_head_dim),
                                    v.reshape(t, cfg.value_heads, cfg.value_head_dim), g, beta, recurrent, batch)
-        z = self.in_proj_z(x).view(t, cfg.value_heads, cfg.value_head_dim)
+        z = z.reshape(t, cfg.value_heads, cfg.value_head_dim)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, cfg.value_dim))
+
+
+def _join(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
+    """The parts (Linears on one input, bias-free) as one GEMM whose output holds theirs side
+    by side, and where each part's columns start; None where some are quantized and some
+    not. Quantized parts stay on the C quantized GEMM (`_concat_linears`); one whose columns
+    do not fill its last tile of 16 (in_proj_b's 8) takes the whole tile: the repacked weight
+    already holds it, zero weights and zero scales, so the extra columns are zeros that the
+    caller skips, and every real column is the value the part alone computes."""
+    quants = [p for p in parts if isinstance(p, QuantLinear)]
+    if quants and len(quants) != len(parts):
+        return None
+    if quants:
+        widths = [-(-p.out_features // TILE) * TILE for p in quants[:-1]] + [quants[-1].out_features]
+        parts = [p if p.out_features == w else QuantLinear(p.form, p.w, p.d, p.m, p.in_features, w)
+                 for p, w in zip(quants, widths)]
+    else:
+        widths = [cast("nn.Linear", p).out_features for p in parts]
+    joined = _concat_linears(cast("list[nn.Linear | QuantLinear]", parts))  # QuantParts: the same columns
+    return None if joined is None else (joined, [sum(widths[:i]) for i in range(len(widths))])
 
 
 class GatedNorm(nn.Module):
@@ -195,6 +258,7 @@ class Qwen35LM(DecoderModel):
         """On the CPU, every float32 GEMM weight in the C kernel's (else oneDNN's) layout."""
         for layer in cast("list[HybridLayer]", list(self.model.layers)):
             layer.mlp.fuse()
+            (layer.linear_attn if layer.linear else layer.self_attn).fuse()
         head = self.model.embed_tokens if self.tied else self.lm_head
         if isinstance(head, (QuantEmbedding, QuantLinear)):  # a GGUF head kept quantized (as DecoderLM's)
             object.__setattr__(self, "head", head.table if isinstance(head, QuantEmbedding) else head)
