@@ -177,3 +177,41 @@ def test_a_folder_without_image_settings_is_served_as_text(folder: Path, tmp_pat
         spec.prepare_image(_png(IMAGES[0]))
     out = spec.process_prompt(PromptRequest(token_ids=[5, 6, 7]))
     assert out.new_input_tensors["mrope_positions"].tolist() == [[0, 1, 2]] * 3 and out.metadata["mrope_delta"] == 0
+
+
+def test_tower_and_rope_at_qwen35_08b_widths(processor: Any) -> None:
+    """The tower and the text RoPE at Qwen3.5-0.8B's widths (vision hidden 768 in 12 heads of
+    64, 2304 learned positions; text head_dim 256, a quarter rotary: 32 pairs over sections
+    [11, 11, 10]), one block and one layer, random weights: rows and tables bit for bit."""
+    import transformers
+
+    from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
+
+    text = dict(vocab_size=processor.tokenizer.vocab_size + 8, hidden_size=1024, intermediate_size=512,
+                num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                layer_types=["full_attention"], rope_parameters={
+                    "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                    "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=768, intermediate_size=3072, num_heads=12, patch_size=16,
+                  out_hidden_size=1024, num_position_embeddings=2304, initializer_range=0.05)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "visual" in name and (name.endswith(".bias") or "pos_embed" in name):
+                param.normal_(0.0, 0.05)
+    with torch.device("meta"):
+        ours = Qwen35VLModel(cfg.to_dict())
+    ours.load_weights({k: v.clone() for k, v in hf.state_dict().items()})
+    ours.reset_buffers()
+    _, inputs = _inputs(processor, IMAGES)
+    with torch.inference_mode():
+        rows = ours.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+        want = torch.cat(hf.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+        assert torch.equal(rows, want)
+        positions, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                               inputs["image_grid_thw"])
+        cos, _ = ours.lm.rotary.tables(positions[:, 0], torch.float32)
+        hcos, _ = hf.model.language_model.rotary_emb(torch.zeros(1, 1, 1024), positions)
+    assert cos.shape[-1] == 64 and torch.equal(cos[:, 0], hcos[0])
