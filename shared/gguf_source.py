@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,11 +186,9 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    arch = _arch(reader)
-    if arch == "qwen35":
-        return _qwen35_config(reader)
-    architecture, model_type = _ARCHITECTURES[arch]
+def _metadata(reader: gguf.GGUFReader, arch: str) -> tuple[Callable[..., Any], Callable[[str], Any]]:
+    """(`llm(key, default)`, `required(key)`): the file's value of an `{arch}` key; the
+    second raises ValueError naming a key the file lacks."""
 
     def llm(key: str, default: Any = None) -> Any:
         return _field(reader, key.format(arch=arch), default)
@@ -199,6 +198,16 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         if value is None:
             raise ValueError(f"GGUF has no {key.format(arch=arch)}")
         return value
+
+    return llm, required
+
+
+def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    arch = _arch(reader)
+    if arch == "qwen35":
+        return _qwen35_config(reader)
+    architecture, model_type = _ARCHITECTURES[arch]
+    llm, required = _metadata(reader, arch)
 
     tensor_names = {t.name for t in reader.tensors}
     hidden = int(required(gguf.Keys.LLM.EMBEDDING_LENGTH))
@@ -248,6 +257,30 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
+def _qwen35_layers(llm: Callable[..., Any], required: Callable[[str], Any]) -> tuple[int, list[str]]:
+    """(layers run, each one's kind): the multi-token prediction layers the converter
+    appends are left out; `recurrent_layers` marks the linear ones, else every
+    `full_attention_interval`-th layer is full attention."""
+    layers = int(required(gguf.Keys.LLM.BLOCK_COUNT)) - int(llm("{arch}.nextn_predict_layers", 0))
+    recurrent = llm("{arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        return layers, ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    interval = int(llm("{arch}.full_attention_interval", 4))
+    return layers, ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+
+
+def _qwen35_head_dim(llm: Callable[..., Any], default: int, tensor_names: set[str]) -> int:
+    """The full-attention heads' size; unequal key and value sizes and rope scaling refused."""
+    head_dim = int(llm(gguf.Keys.Attention.KEY_LENGTH, default))
+    value_dim = int(llm(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
+    if value_dim != head_dim:
+        raise UnsupportedGGUF(f"GGUF attention head sizes key={head_dim} value={value_dim}: Qwen3.5's are equal")
+    kind = llm(gguf.Keys.Rope.SCALING_TYPE)
+    if kind not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise UnsupportedGGUF(f"qwen35 rope scaling {kind or 'rope_freqs'!r} is not supported")
+    return head_dim
+
+
 def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """A ``qwen35`` file's metadata as the config.json of the ``Qwen3_5ForCausalLM`` it was
     converted from (`shared.hybrid_config.read_hybrid_config` reads it), as llama.cpp's
@@ -269,35 +302,14 @@ def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     key are refused by name."""
     arch = "qwen35"
     architecture, model_type = _ARCHITECTURES[arch]
-
-    def llm(key: str, default: Any = None) -> Any:
-        return _field(reader, key.format(arch=arch), default)
-
-    def required(key: str) -> Any:
-        value = llm(key)
-        if value is None:
-            raise ValueError(f"GGUF has no {key.format(arch=arch)}")
-        return value
+    llm, required = _metadata(reader, arch)
 
     tensor_names = {t.name for t in reader.tensors}
     hidden = int(required(gguf.Keys.LLM.EMBEDDING_LENGTH))
     n_head = int(required(gguf.Keys.Attention.HEAD_COUNT))
-    head_dim = int(llm(gguf.Keys.Attention.KEY_LENGTH, hidden // n_head))
-    value_dim = int(llm(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
-    if value_dim != head_dim:
-        raise UnsupportedGGUF(f"GGUF attention head sizes key={head_dim} value={value_dim}: Qwen3.5's are equal")
-    kind = llm(gguf.Keys.Rope.SCALING_TYPE)
-    if kind not in (None, "none") or "rope_freqs.weight" in tensor_names:
-        raise UnsupportedGGUF(f"{arch} rope scaling {kind or 'rope_freqs'!r} is not supported")
+    head_dim = _qwen35_head_dim(llm, hidden // n_head, tensor_names)
     rope_dim = int(llm(gguf.Keys.Rope.DIMENSION_COUNT, head_dim // 4))
-    nextn = int(llm("{arch}.nextn_predict_layers", 0))
-    layers = int(required(gguf.Keys.LLM.BLOCK_COUNT)) - nextn
-    recurrent = llm("{arch}.attention.recurrent_layers")
-    if recurrent is not None:
-        types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
-    else:
-        interval = int(llm("{arch}.full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    layers, types = _qwen35_layers(llm, required)
     value_heads = int(required(gguf.Keys.SSM.TIME_STEP_RANK))
     sections = [int(x) for x in llm(gguf.Keys.Rope.DIMENSION_SECTIONS, [11, 11, 10])][:3]
     return {

@@ -99,54 +99,17 @@ def is_hybrid(raw: Mapping[str, Any]) -> bool:
 
 def read_hybrid_config(raw: Mapping[str, Any]) -> HybridConfig:
     """The `HybridConfig` of a config.json dict; DeploymentError names a field it cannot honour."""
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else "Qwen3_5ForCausalLM"
-    model_type = raw.get("model_type") or ARCHITECTURES.get(arch, "")
-    if model_type == "qwen3_5":  # the image-text model: its language model's config (images: not yet)
-        text = dict(raw.get("text_config") or {})
-        if "tie_word_embeddings" in raw:
-            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
-        raw = {**text, "architectures": [arch], "model_type": "qwen3_5_text"}
-        model_type = "qwen3_5_text"
-    if model_type != "qwen3_5_text":
-        raise _refuse("model_type", model_type, "the hybrid family served is qwen3_5_text")
-    unknown = sorted(set(raw) - HARMLESS - READ)
-    if unknown:
-        log.warning("config.json keys not known to mstar (ignored): %s", unknown)
-    if raw.get("quantization_config") is not None:
-        raise _refuse("quantization_config", raw["quantization_config"],
-                      "quantized Hugging Face checkpoints are not supported (use a GGUF file)")
-    if raw.get("attn_output_gate", True) is not True:
-        raise _refuse("attn_output_gate", raw["attn_output_gate"], "Qwen3.5's attention always has its output gate")
-    if raw.get("attention_bias"):
-        raise _refuse("attention_bias", raw["attention_bias"], "Qwen3.5's projections have no biases")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise _refuse("hidden_act", act, "Qwen3.5's MLP and convolution use silu")
+    raw, arch = _text_config(raw)
+    _refuse_unsupported(raw)
     hidden = int(raw.get("hidden_size", 4096))
     heads = int(raw.get("num_attention_heads", 16))
     head_dim = int(raw.get("head_dim") or hidden // heads)
     layers = int(raw.get("num_hidden_layers", 32))
-    types = raw.get("layer_types")
-    if not types:
-        interval = int(raw.get("full_attention_interval", 4))
-        types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
-    types = tuple(types)
-    if len(types) != layers or set(types) - {FULL, LINEAR}:
-        raise _refuse("layer_types", list(types), f"need {layers} entries of {FULL!r} or {LINEAR!r}")
-    rope = dict(raw.get("rope_parameters") or {})
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind != "default":
-        raise _refuse("rope_parameters.rope_type", kind, "Qwen3.5's RoPE is the default one")
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
-    rotary_dim = int(head_dim * partial)
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise _refuse("partial_rotary_factor", partial, f"gives a rotary dim of {rotary_dim} of head_dim {head_dim}")
-    section = tuple(int(x) for x in rope.get("mrope_section") or (11, 11, 10))
+    types = _layer_types(raw, layers)
+    theta, rotary_dim, section = _rope(raw, head_dim)
     attention = ModelConfig(
         architecture=arch,
-        model_type=model_type,
+        model_type="qwen3_5_text",
         vocab_size=int(raw.get("vocab_size", 248320)),
         hidden_size=hidden,
         intermediate_size=int(raw.get("intermediate_size", 4 * hidden)),
@@ -181,6 +144,62 @@ def read_hybrid_config(raw: Mapping[str, Any]) -> HybridConfig:
     if cfg.value_heads % cfg.key_heads:
         raise _refuse("linear_num_value_heads", cfg.value_heads,
                       f"must be a multiple of linear_num_key_heads ({cfg.key_heads})")
-    if FULL not in types and LINEAR not in types:
-        raise _refuse("layer_types", list(types), "no layer")
     return cfg
+
+
+def _text_config(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """(the language model's config, the architecture): an image-text folder's is its
+    `text_config` (with the top-level `tie_word_embeddings`)."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else "Qwen3_5ForCausalLM"
+    model_type = raw.get("model_type") or ARCHITECTURES.get(arch, "")
+    if model_type == "qwen3_5":
+        text = dict(raw.get("text_config") or {})
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        return {**text, "architectures": [arch], "model_type": "qwen3_5_text"}, arch
+    if model_type != "qwen3_5_text":
+        raise _refuse("model_type", model_type, "the hybrid family served is qwen3_5_text")
+    return raw, arch
+
+
+def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
+    unknown = sorted(set(raw) - HARMLESS - READ)
+    if unknown:
+        log.warning("config.json keys not known to mstar (ignored): %s", unknown)
+    if raw.get("quantization_config") is not None:
+        raise _refuse("quantization_config", raw["quantization_config"],
+                      "quantized Hugging Face checkpoints are not supported (use a GGUF file)")
+    if raw.get("attn_output_gate", True) is not True:
+        raise _refuse("attn_output_gate", raw["attn_output_gate"], "Qwen3.5's attention always has its output gate")
+    if raw.get("attention_bias"):
+        raise _refuse("attention_bias", raw["attention_bias"], "Qwen3.5's projections have no biases")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "Qwen3.5's MLP and convolution use silu")
+
+
+def _layer_types(raw: Mapping[str, Any], layers: int) -> tuple[str, ...]:
+    """Each layer's kind: `layer_types`, else three linear layers to one full (or
+    `full_attention_interval`), as transformers derives them."""
+    types = raw.get("layer_types")
+    if not types:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+    if len(types) != layers or set(types) - {FULL, LINEAR}:
+        raise _refuse("layer_types", list(types), f"need {layers} entries of {FULL!r} or {LINEAR!r}")
+    return tuple(types)
+
+
+def _rope(raw: Mapping[str, Any], head_dim: int) -> tuple[float, int, tuple[int, ...]]:
+    """(theta, the rotary part of a head, the M-RoPE sections) of the full-attention layers."""
+    rope = dict(raw.get("rope_parameters") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise _refuse("rope_parameters.rope_type", kind, "Qwen3.5's RoPE is the default one")
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise _refuse("partial_rotary_factor", partial, f"gives a rotary dim of {rotary_dim} of head_dim {head_dim}")
+    return theta, rotary_dim, tuple(int(x) for x in rope.get("mrope_section") or (11, 11, 10))

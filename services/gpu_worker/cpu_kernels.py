@@ -209,53 +209,59 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.mstar_paged_decode.restype = ctypes.c_int
-        lib.mstar_paged_decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                           ctypes.c_float, ptr, ptr, i64]
-        lib.mstar_write_kv.restype = None
-        lib.mstar_write_kv.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
-        lib.mstar_rms_norm.restype = lib.mstar_rope.restype = lib.mstar_silu_mul.restype = None
-        lib.mstar_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
-        lib.mstar_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
-        lib.mstar_silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
-        lib.mstar_gelu_mul.restype = lib.mstar_head_norm.restype = None
-        lib.mstar_gelu_mul.argtypes = [ptr, i64, i64, ptr, i64]
-        lib.mstar_head_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
-        lib.mstar_gemm_nr.restype = i64
-        lib.mstar_gemm_nr.argtypes = []
-        lib.mstar_gemm_pack.restype = lib.mstar_gemm_unpack.restype = None
-        lib.mstar_gemm_pack.argtypes = lib.mstar_gemm_unpack.argtypes = [ptr, i64, i64, ptr]
-        lib.mstar_gemm.restype = ctypes.c_int
-        lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
-        lib.mstar_gemm_silu.restype = ctypes.c_int
-        lib.mstar_gemm_silu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
-        lib.mstar_qgemm_available.restype = i64
-        lib.mstar_qgemm_available.argtypes = []
-        lib.mstar_qlinear_scratch.restype = i64
-        lib.mstar_qlinear_scratch.argtypes = [i64, i64]
-        lib.mstar_qrows.restype = ctypes.c_int
-        lib.mstar_qrows.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
-        lib.mstar_qlinear.restype = ctypes.c_int
-        lib.mstar_qlinear.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                                      ctypes.c_int, ptr]
-        lib.mstar_causal_conv.restype = lib.mstar_gated_delta.restype = ctypes.c_int
-        lib.mstar_causal_conv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
-        lib.mstar_gated_delta.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ptr,
-                                          i64, ptr, i64, ptr]
-        lib.mstar_gated_rms_norm.restype = None
-        lib.mstar_gated_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
-        lib.mstar_pool_threads.restype = ctypes.c_int
-        lib.mstar_pool_threads.argtypes = []
-        lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None
-        lib.mstar_pool_set_threads.argtypes = [ctypes.c_int]
-        lib.mstar_pool_stats.argtypes = [ptr]
-        lib.mstar_pool_check.restype = i64
-        lib.mstar_pool_check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _declare(lib)
     except (OSError, AttributeError) as exc:
         log.warning("loading the CPU kernels failed (torch's ops are used): %s", exc)
         return None
     return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Every kernel's C signature, so ctypes passes 64-bit ints and pointers as the C code
+    takes them (AttributeError for a symbol the library lacks: a stale or partial build)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.mstar_paged_decode.restype = ctypes.c_int
+    lib.mstar_paged_decode.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                       ctypes.c_float, ptr, ptr, i64]
+    lib.mstar_write_kv.restype = None
+    lib.mstar_write_kv.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.mstar_rms_norm.restype = lib.mstar_rope.restype = lib.mstar_silu_mul.restype = None
+    lib.mstar_rms_norm.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
+    lib.mstar_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
+    lib.mstar_silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+    lib.mstar_gelu_mul.restype = lib.mstar_head_norm.restype = None
+    lib.mstar_gelu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+    lib.mstar_head_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float]
+    lib.mstar_gemm_nr.restype = i64
+    lib.mstar_gemm_nr.argtypes = []
+    lib.mstar_gemm_pack.restype = lib.mstar_gemm_unpack.restype = None
+    lib.mstar_gemm_pack.argtypes = lib.mstar_gemm_unpack.argtypes = [ptr, i64, i64, ptr]
+    lib.mstar_gemm.restype = ctypes.c_int
+    lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    lib.mstar_gemm_silu.restype = ctypes.c_int
+    lib.mstar_gemm_silu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.mstar_qgemm_available.restype = i64
+    lib.mstar_qgemm_available.argtypes = []
+    lib.mstar_qlinear_scratch.restype = i64
+    lib.mstar_qlinear_scratch.argtypes = [i64, i64]
+    lib.mstar_qrows.restype = ctypes.c_int
+    lib.mstar_qrows.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
+    lib.mstar_qlinear.restype = ctypes.c_int
+    lib.mstar_qlinear.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                  ctypes.c_int, ptr]
+    lib.mstar_causal_conv.restype = lib.mstar_gated_delta.restype = ctypes.c_int
+    lib.mstar_causal_conv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.mstar_gated_delta.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ptr,
+                                      i64, ptr, i64, ptr]
+    lib.mstar_gated_rms_norm.restype = None
+    lib.mstar_gated_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
+    lib.mstar_pool_threads.restype = ctypes.c_int
+    lib.mstar_pool_threads.argtypes = []
+    lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None
+    lib.mstar_pool_set_threads.argtypes = [ctypes.c_int]
+    lib.mstar_pool_stats.argtypes = [ptr]
+    lib.mstar_pool_check.restype = i64
+    lib.mstar_pool_check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 def gemm_panel() -> int:

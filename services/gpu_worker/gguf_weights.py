@@ -154,7 +154,7 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
             continue
         hf, w = got
         if w.dtype == np.uint8:
-            state[hf] = QuantTensor(qtype.name, np.ascontiguousarray(w) if not w.flags.c_contiguous else w, shape)
+            state[hf] = QuantTensor(qtype.name, np.ascontiguousarray(w), shape)  # moved rows: a copy
         else:
             state[hf] = np.require(w, dtype=np.float32, requirements=["C", "W"])
     return state

@@ -303,18 +303,9 @@ class KVManager:
             return end <= len(walks[name]) and gaps[name][end] == gaps[name][first]
 
         def snapshots(rows: int) -> dict[str, tuple[int, int]] | None:
-            """(entry, page) of each state label's snapshot at `rows`; None where one lacks it."""
             if keyed is None:
                 return {}
-            entry = walks[keyed.label.name][rows // keyed.page_size - 1][0]
-            found = {}
-            for name, st in states.items():
-                index = self.pools[st.label.pool].index
-                match = index.match([(entry,)], index.root(name))
-                if not match:
-                    return None
-                found[name] = match[0]
-            return found
+            return self._snapshots_at(states, walks[keyed.label.name][rows // keyed.page_size - 1][0])
 
         rows = min(len(w) * written[n].page_size for n, w in walks.items())
         snaps: dict[str, tuple[int, int]] | None = {}
@@ -336,6 +327,18 @@ class KVManager:
         for name, hit in snaps.items():
             kv.hits[name] = [hit]
         kv.hit_rows = rows
+
+    def _snapshots_at(self, states: dict[str, LabelState], entry: int) -> dict[str, tuple[int, int]] | None:
+        """(entry, page) of each state label's snapshot taken where the attention chain's
+        entry `entry` ends; None where one of them has none."""
+        found = {}
+        for name, st in states.items():
+            index = self.pools[st.label.pool].index
+            match = index.match([(entry,)], index.root(name))
+            if not match:
+                return None
+            found[name] = match[0]
+        return found
 
     def admit(self, kv: RequestKV) -> int:
         """Reserve the footprint (what this request may take later is set aside now) and
