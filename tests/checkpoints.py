@@ -71,6 +71,10 @@ FAMILIES = {
                                                                                     "rope_theta": 1000000.0}})),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=12,
                                                    original_max_position_embeddings=512)),
+    # a mixture of experts: 8 experts of width 32, 2 a token (tests override the shape)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
+                                                                moe_intermediate_size=32, num_experts=8,
+                                                                num_experts_per_tok=2)),
 }
 
 

@@ -194,21 +194,35 @@ class KernelGateUpSilu(nn.Module):
         if gate_up.bias is not None or gate_up.out_features % 2:
             raise ValueError("KernelGateUpSilu takes a bias-free [gate; up] weight")
         self.in_features, self.inter = gate_up.in_features, gate_up.out_features // 2
-        half = cpu_kernels.gemm_panel() // 2
-        panels = ceil_div(self.inter, half)
-        w = gate_up.weight.detach()
-        gate, up = (F.pad(part, (0, 0, 0, panels * half - self.inter)).view(panels, half, -1)
-                    for part in (w[: self.inter], w[self.inter :]))
-        # panel p: gate rows [p*half, (p+1)*half) then the same up rows
-        self.packed = kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
+        self.packed = kernel_pack_gate_up(gate_up.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _kernel_rows(x)
-        out = torch.empty(x2.shape[0], self.inter)
-        if x2.shape[0]:
-            _kernels().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
-                                       self.packed.data_ptr(), self.inter, out.data_ptr(), self.inter)
-        return out.view(*x.shape[:-1], self.inter)
+        return kernel_gate_up_silu(x, self.packed, self.inter)
+
+
+def kernel_pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A [gate; up] weight [2 x inter, K] in `mstar_gemm_silu`'s panels (each panel half
+    gate rows, half the same up rows), so silu(gate) * up is taken as the tile leaves the
+    registers. Also each expert's weight of a mixture of experts (layers/moe.py)."""
+    inter = weight.shape[0] // 2
+    half = cpu_kernels.gemm_panel() // 2
+    panels = ceil_div(inter, half)
+    w = weight.detach()
+    gate, up = (F.pad(part, (0, 0, 0, panels * half - inter)).view(panels, half, -1)
+                for part in (w[:inter], w[inter:]))
+    # panel p: gate rows [p*half, (p+1)*half) then the same up rows
+    return kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
+
+
+def kernel_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [.., inter] on a `kernel_pack_gate_up` weight; each
+    row's bits are the same whatever rows share the call."""
+    x2 = _kernel_rows(x)
+    out = torch.empty(x2.shape[0], inter)
+    if x2.shape[0]:
+        _kernels().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
+                                   packed.data_ptr(), inter, out.data_ptr(), inter)
+    return out.view(*x.shape[:-1], inter)
 
 
 class KernelHead:
