@@ -100,11 +100,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)
-        # the (row, expert) pairs grouped by expert, ascending: each expert's rows together
+        # the (row, expert) pairs grouped by expert, ascending; within an expert by top-k
+        # place, then row, as transformers' `torch.where` lists them (the same rows in the
+        # same order: torch's GEMM on the same matrix, the same bits)
+        flat = ids.t().reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = order // self.top_k
-        pair_weights = weights.reshape(-1)[order]
+        rows = order % x.shape[0]
+        pair_weights = weights.t().reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
