@@ -2,7 +2,9 @@
 on random-weight checkpoints of three shapes (experts 8 and 16, top-k 1, 2 and 4, renormalized
 or not, a dense layer among sparse ones by `mlp_only_layers` and by `decoder_sparse_step`),
 each prompt whole (the default step budget) and cut into 16-row prefill chunks
-(`--max-batch-tokens 16`), one at a time and 8 at once; the pages all come back."""
+(`--max-batch-tokens 16`), one at a time and 8 at once; the pages all come back. A row's
+result does not depend on its neighbours: each prompt's tokens and logprobs alone are
+bitwise the same among the 8 (its experts are picked and computed per row)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ from tests.servers import MstarServer
 
 MAX_TOKENS = 12
 
-#: case -> Qwen3MoeConfig settings over tests.checkpoints.FAMILIES["qwen3_moe"]
+#: case -> Qwen3MoeConfig settings over tests.checkpoints.FAMILIES["qwen3_moe"]. Head sizes
+#: 64, 128 and 16: the C decode kernel gives a row of more than 32 keys other bits alone than
+#: beside other rows at head_dim 32 or 48 (its plain-loop path; not the experts'), which the
+#: alone-and-among check below would catch
 SHAPES = {
-    "e8-top2": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2),
+    "e8-top2": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2, head_dim=64),
     "e16-top4-norm-dense1": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=3,
-                                 mlp_only_layers=[1]),
+                                 mlp_only_layers=[1], head_dim=128),
     "e16-top1-step2": dict(num_experts=16, num_experts_per_tok=1, norm_topk_prob=False, num_hidden_layers=4,
-                           decoder_sparse_step=2, moe_intermediate_size=48),
+                           decoder_sparse_step=2, moe_intermediate_size=48, head_dim=16),
 }
 
 #: eight different prompts for the concurrent round, two long enough to be chunked
@@ -55,7 +60,7 @@ def _want(ckpt: Path, prompt: str) -> tuple[int, list[int]]:
 
 def _generate(url: str, prompt: str) -> dict:
     r = httpx.post(url + "/generate", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                            "ignore_eos": True}, timeout=120)
+                                            "ignore_eos": True, "logprobs": 2}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -87,5 +92,8 @@ def test_qwen3_moe_greedy_matches_transformers(checkpoints, tmp_path, case, budg
     wrong_alone, wrong_together = _wrong(ckpt, PROMPTS, alone), _wrong(ckpt, EIGHT, together)
     assert not wrong_alone, f"{len(wrong_alone)} of {len(PROMPTS)} prompts differ from transformers: {wrong_alone}"
     assert not wrong_together, f"{len(wrong_together)} of 8 at once differ from transformers: {wrong_together}"
+    for prompt, body in zip(PROMPTS, alone, strict=True):  # the same bits alone and among the 8
+        among = together[EIGHT.index(prompt)]
+        assert (among["token_ids"], among["logprobs"]) == (body["token_ids"], body["logprobs"]), prompt[:30]
     if budget == "chunked":
         assert max(_want(ckpt, p)[0] for p in EIGHT) > 16  # some prompt was cut
