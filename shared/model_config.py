@@ -174,6 +174,37 @@ class ModelConfig(msgspec.Struct, frozen=True):
         return any(self.sparse_layers)
 
 
+class ParameterCounts(msgspec.Struct, frozen=True):
+    """A model's parameters (every expert's) and those one token computes with (its top-k
+    experts' and the router's, besides everything dense), as a mixture of experts'
+    "30B-A3B" names them; the two are equal for a dense model."""
+
+    total: int
+    active: int
+
+
+def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
+    """The parameters `cfg` describes (norms and biases counted; the LM head once when tied
+    to the embedding), from the config alone: what /v1/models and the worker's start-up log
+    state, before or without the weights."""
+    hidden, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = hidden * hd * (heads + 2 * kv) + heads * hd * hidden
+    attn += hd * (heads + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * hd * cfg.qk_norm
+    norms = hidden * (4 if cfg.sandwich_norm else 2)
+    dense = 3 * hidden * cfg.intermediate_size + (2 * cfg.intermediate_size + hidden) * cfg.mlp_bias
+    expert = 3 * hidden * cfg.moe_intermediate_size
+    total = active = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2) + hidden  # + the final norm
+    for layer in range(cfg.num_hidden_layers):
+        base = attn + norms
+        if cfg.is_sparse(layer):  # the router, then every expert / the token's k
+            total += base + cfg.num_experts * hidden + cfg.num_experts * expert
+            active += base + cfg.num_experts * hidden + cfg.num_experts_per_tok * expert
+        else:
+            total += base + dense
+            active += base + dense
+    return ParameterCounts(total, active)
+
+
 def _refuse(key: str, value: Any, why: str) -> DeploymentError:
     return DeploymentError(f"config.json {key}={value!r} is not supported: {why}")
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.checkpoints import make_checkpoint
 from tests.e2e.test_parity import PROMPTS
-from tests.reference import hf_greedy, hf_ids
+from tests.reference import hf_greedy, hf_ids, hf_model
 from tests.servers import MstarServer
 
 MAX_TOKENS = 12
@@ -87,6 +87,8 @@ def test_qwen3_moe_greedy_matches_transformers(checkpoints, tmp_path, case, budg
         with ThreadPoolExecutor(len(EIGHT)) as pool:
             together = list(pool.map(functools.partial(_generate, server.url), EIGHT))
         assert server.wait_pages_free() == 0
+        card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+        log = server.log()
     finally:
         server.stop()
     wrong_alone, wrong_together = _wrong(ckpt, PROMPTS, alone), _wrong(ckpt, EIGHT, together)
@@ -97,3 +99,12 @@ def test_qwen3_moe_greedy_matches_transformers(checkpoints, tmp_path, case, budg
         assert (among["token_ids"], among["logprobs"]) == (body["token_ids"], body["logprobs"]), prompt[:30]
     if budget == "chunked":
         assert max(_want(ckpt, p)[0] for p in EIGHT) > 16  # some prompt was cut
+    # every expert counted in the total, a token's k in the active count, in the card and the log
+    shape = SHAPES[case]
+    total = sum(p.numel() for p in hf_model(str(ckpt)).parameters())
+    sparse = sum(1 for i in range(shape["num_hidden_layers"]) if i not in shape.get("mlp_only_layers", ())
+                 and (i + 1) % shape.get("decoder_sparse_step", 1) == 0)
+    expert = 3 * 64 * shape.get("moe_intermediate_size", 32)  # gate, up and down of hidden 64
+    idle = sparse * (shape["num_experts"] - shape["num_experts_per_tok"]) * expert
+    assert (card["parameters"], card["active_parameters"]) == (total, total - idle)
+    assert f"{total / 1e3:.3g}K parameters, {(total - idle) / 1e3:.3g}K active" in log

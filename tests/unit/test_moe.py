@@ -16,7 +16,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
 from services.gpu_worker.layers import linear
 from services.gpu_worker.layers.moe import SparseMoE, stack_experts
-from shared.model_config import read_model_config
+from shared.model_config import parameter_counts, read_model_config
 
 HIDDEN = 64
 
@@ -182,3 +182,32 @@ def test_served_model_skips_the_dense_fast_paths_and_matches_transformers(tmp_pa
     with torch.inference_mode():
         want = math.exp(ref(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item())
     assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral"])
+def test_parameter_counts_are_transformers_numel(family):
+    """Every parameter transformers' model holds, counted from the config alone; a dense
+    model's active count is its total."""
+    from tests.checkpoints import FAMILIES
+
+    cfg_name, model_name, kw = FAMILIES[family]
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, **kw)
+    if family == "qwen3_moe":
+        shape.update(mlp_only_layers=[1], num_hidden_layers=3)
+    hf_cfg = getattr(transformers, cfg_name)(**shape)
+    model = getattr(transformers, model_name)(hf_cfg)
+    counts = parameter_counts(read_model_config({**hf_cfg.to_dict(), "architectures": [model_name]}))
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    if family == "qwen3_moe":  # layers 0 and 2 sparse: 6 of the 8 experts idle for a token in each
+        assert counts.total - counts.active == 2 * (8 - 2) * 3 * 64 * 32
+    else:
+        assert counts.active == counts.total
+
+
+def test_qwen3_30b_a3b_counts_as_its_name():
+    raw = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+               moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+               num_experts_per_tok=8, num_hidden_layers=48, vocab_size=151936, max_position_embeddings=40960)
+    counts = parameter_counts(read_model_config(raw))
+    assert (round(counts.total / 1e9, 1), round(counts.active / 1e9, 1)) == (30.5, 3.4)  # Qwen: 30.5B, 3.3B active
