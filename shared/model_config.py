@@ -138,7 +138,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    #: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    #: per-head RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE, Gemma 3)
     qk_norm: bool = False
     #: RMSNorm scales by (offset + weight): 1 for Gemma, whose weights are stored around 0
     norm_offset: float = 0.0
