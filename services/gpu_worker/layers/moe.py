@@ -130,22 +130,29 @@ class SparseMoE(nn.Module):
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+#: a GGUF file's form (services/gpu_worker/gguf_weights.py): each projection of every expert
+#: as one 3-D tensor [E, rows, columns]
+_PER_PROJECTION = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """`state` with per-expert tensors (`<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight`)
     stacked into `<layer>.mlp.experts.gate_up_proj` [E, 2 x inter, hidden] and
     `.down_proj` [E, hidden, inter], as transformers 5 keeps them; a checkpoint already
-    in the stacked form passes through. A layer missing some expert's tensor is an error
-    naming it."""
+    in the stacked form passes through, and a GGUF file's 3-D tensor per projection
+    (`<layer>.mlp.experts.{gate,up,down}_proj.weight` [E, rows, columns]) is joined the same
+    way. A layer missing some expert's tensor is an error naming it."""
     out: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in state.items():
         m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-        else:
+        whole = _PER_PROJECTION.match(name)
+        if m is not None:
             parts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        elif whole is not None and t.dim() == 3:
+            parts.setdefault(whole[1], {})[whole[2]] = dict(enumerate(t.unbind(0)))
+        else:
+            out[name] = t
     for prefix, kinds in parts.items():
         for kind in ("gate_proj", "up_proj", "down_proj"):
             have = kinds.get(kind, {})
