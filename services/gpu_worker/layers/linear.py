@@ -121,12 +121,22 @@ def kernel_available() -> bool:
     return torch.get_num_threads() == 1 and cpu_kernels.gemm_panel() > 0
 
 
-def kernel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in the kernel's panels: [ceil(N / panel) * panel * K] floats."""
+def kernel_packed_size(n: int, k: int) -> int:
+    """The floats `kernel_pack` makes of an [n, k] weight."""
+    nr = cpu_kernels.gemm_panel()
+    return ceil_div(n, nr) * nr * k
+
+
+def kernel_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` [N, K] in the kernel's panels: [ceil(N / panel) * panel * K] floats, into
+    `out` where given (a contiguous float32 tensor of that many elements: a row of a stack
+    of packed weights, with no copy of each on the way)."""
     w = weight.detach().contiguous()
     n, k = w.shape
-    nr = cpu_kernels.gemm_panel()
-    packed = torch.empty(ceil_div(n, nr) * nr * k)
+    size = kernel_packed_size(n, k)
+    packed = torch.empty(size) if out is None else out
+    if packed.numel() != size or packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError(f"kernel_pack needs {size} contiguous floats for a [{n}, {k}] weight")
     _kernels().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
@@ -200,10 +210,17 @@ class KernelGateUpSilu(nn.Module):
         return kernel_gate_up_silu(x, self.packed, self.inter)
 
 
-def kernel_pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+def kernel_gate_up_size(inter: int, k: int) -> int:
+    """The floats `kernel_pack_gate_up` makes of a [2 x inter, k] weight."""
+    half = cpu_kernels.gemm_panel() // 2
+    return kernel_packed_size(ceil_div(inter, half) * 2 * half, k)
+
+
+def kernel_pack_gate_up(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A [gate; up] weight [2 x inter, K] in `mstar_gemm_silu`'s panels (each panel half
     gate rows, half the same up rows), so silu(gate) * up is taken as the tile leaves the
-    registers. Also each expert's weight of a mixture of experts (layers/moe.py)."""
+    registers; into `out` where given (`kernel_pack`). Also each expert's weight of a
+    mixture of experts (layers/moe.py)."""
     inter = weight.shape[0] // 2
     half = cpu_kernels.gemm_panel() // 2
     panels = ceil_div(inter, half)
@@ -211,7 +228,7 @@ def kernel_pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
     gate, up = (F.pad(part, (0, 0, 0, panels * half - inter)).view(panels, half, -1)
                 for part in (w[:inter], w[inter:]))
     # panel p: gate rows [p*half, (p+1)*half) then the same up rows
-    return kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
+    return kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1), out)
 
 
 def kernel_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:

@@ -35,9 +35,11 @@ from torch import nn
 from services.gpu_worker.layers.linear import (
     kernel_available,
     kernel_gate_up_silu,
+    kernel_gate_up_size,
     kernel_linear,
     kernel_pack,
     kernel_pack_gate_up,
+    kernel_packed_size,
 )
 from shared.model_config import ModelConfig
 
@@ -79,12 +81,15 @@ class SparseMoE(nn.Module):
         (float32 on the CPU, one torch thread): the experts then give every row the same bits
         whatever rows share its step. The stacked weights are dropped (the packed copies are
         the only ones kept). Returns whether it packed."""
-        w = self.experts.gate_up_proj
+        w, down = self.experts.gate_up_proj, self.experts.down_proj
         if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
             return False
-        self.gate_up_packed = torch.stack([kernel_pack_gate_up(w[e]) for e in range(self.num_experts)])
-        down = self.experts.down_proj
-        self.down_packed = torch.stack([kernel_pack(down[e]) for e in range(self.num_experts)])
+        # each expert packed straight into its row (no second copy of every expert on the way)
+        self.gate_up_packed = torch.empty(self.num_experts, kernel_gate_up_size(self.inter, self.hidden))
+        self.down_packed = torch.empty(self.num_experts, kernel_packed_size(self.hidden, self.inter))
+        for e in range(self.num_experts):
+            kernel_pack_gate_up(w[e], self.gate_up_packed[e])
+            kernel_pack(down[e], self.down_packed[e])
         del self.experts
         return True
 
