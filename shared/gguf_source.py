@@ -60,6 +60,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
@@ -243,9 +244,11 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "mlp_bias": False,
         **_special_token_ids(reader),
     }
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
+    if arch == "qwen3moe":
+        config.update(_experts_config(reader, arch, config["num_hidden_layers"], tensor_names))
     if arch in GEMMA_ARCHS:
         config.update(_gemma_config(reader, arch, config))
     if arch == "phi3":
@@ -339,6 +342,34 @@ def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "linear_value_head_dim": int(required(gguf.Keys.SSM.INNER_SIZE)) // value_heads,
         **_special_token_ids(reader),
     }
+
+
+def _experts_config(reader: gguf.GGUFReader, arch: str, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """A Qwen3-MoE file's experts as llama.cpp computes them: softmax routing over
+    `expert_count` experts, `expert_used_count` a token, their weights renormalized to sum
+    to 1 (llama.cpp's qwen3moe always does: norm_topk_prob true, what Qwen3's MoE models
+    set), each expert `expert_feed_forward_length` wide. A layer without a router tensor
+    (`blk.N.ffn_gate_inp`) is a dense one (transformers' `mlp_only_layers`), which
+    llama.cpp itself would refuse."""
+
+    def llm(key: str) -> Any:
+        return _field(reader, key.format(arch=arch))
+
+    experts, used, width = (llm(k) for k in (gguf.Keys.LLM.EXPERT_COUNT, gguf.Keys.LLM.EXPERT_USED_COUNT,
+                                             gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH))
+    if experts is None or used is None or width is None:
+        raise ValueError(f"GGUF {arch} needs expert_count, expert_used_count and expert_feed_forward_length")
+    widths = {int(w) for w in width} if isinstance(width, list) else {int(width)}
+    if len(widths) != 1:
+        raise UnsupportedGGUF(f"GGUF {arch}.expert_feed_forward_length differs between layers ({sorted(widths)})")
+    for key, plain in ((gguf.Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0), (gguf.Keys.LLM.EXPERT_GATING_FUNC, 1),
+                       (gguf.Keys.LLM.EXPERT_SHARED_COUNT, 0)):
+        value = llm(key)
+        if value is not None and value != plain:  # gating 1: softmax (llama.cpp's enum)
+            raise UnsupportedGGUF(f"GGUF {key.format(arch=arch)}={value!r} is not supported for {arch}")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(used), "moe_intermediate_size": widths.pop(),
+            "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
 
 
 def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +470,7 @@ def _cache_file(path: Path) -> Path:
 
 
 #: bumped whenever what a summary holds, or how it is made, changes
-_SUMMARY_VERSION = 2  # 2: qwen35 files
+_SUMMARY_VERSION = 3  # 2: qwen35 files; 3: qwen3moe files (a cached refusal of one is stale)
 
 
 def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 MODEL_TYPES = frozenset(ARCHITECTURES.values())
@@ -61,6 +62,7 @@ HARMLESS = frozenset({
     "tokenizer_class", "auto_map", "use_return_dict", "max_length", "num_labels",
     "_sliding_window_pattern", "sliding_window_pattern",  # read through layer_types
     "sliding_window_size",  # old Gemma 2 duplicate of sliding_window
+    "output_router_logits", "router_aux_loss_coef",  # a mixture of experts' training loss
 })
 
 #: keys that are fields of ModelConfig (read, checked where they have a range)
@@ -72,6 +74,9 @@ READ = frozenset({
     "rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq", "partial_rotary_factor",
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "use_bidirectional_attention",
+    # mixture of experts (Qwen3-MoE; transformers 5 writes num_experts as num_local_experts)
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers",
 })
 
 #: keys that make a checkpoint one this engine cannot compute, whatever their value
@@ -79,6 +84,9 @@ REFUSED = frozenset({"quantization_config"})
 
 #: which families each switch applies to
 GEMMA = ("gemma2", "gemma3_text")
+QWEN3 = ("qwen3", "qwen3_moe")
+#: families whose layers may be a mixture of experts in place of the MLP
+MOE = ("qwen3_moe",)
 
 
 class RopeConfig(msgspec.Struct, frozen=True):
@@ -130,7 +138,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    #: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    #: per-head RMSNorm of q and k before RoPE (Qwen3, Qwen3-MoE, Gemma 3)
     qk_norm: bool = False
     #: RMSNorm scales by (offset + weight): 1 for Gemma, whose weights are stored around 0
     norm_offset: float = 0.0
@@ -145,9 +153,56 @@ class ModelConfig(msgspec.Struct, frozen=True):
     final_softcap: float | None = None
     #: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3)
     packed_projections: bool = False
+    #: mixture of experts (Qwen3-MoE): which layers replace the MLP by a routed block, its
+    #: experts, how many each token takes, each expert's width, and whether the k routing
+    #: weights are renormalized to sum to 1. No layer is sparse where `sparse_layers` is all False.
+    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def layer_rope(self, layer_type: str) -> RopeConfig:
         return self.rope_local if layer_type == SLIDING else self.rope
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a mixture of experts."""
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
+    @property
+    def has_experts(self) -> bool:
+        return any(self.sparse_layers)
+
+
+class ParameterCounts(msgspec.Struct, frozen=True):
+    """A model's parameters (every expert's) and those one token computes with (its top-k
+    experts' and the router's, besides everything dense), as a mixture of experts'
+    "30B-A3B" names them; the two are equal for a dense model."""
+
+    total: int
+    active: int
+
+
+def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
+    """The parameters `cfg` describes (norms and biases counted; the LM head once when tied
+    to the embedding), from the config alone: what /v1/models and the worker's start-up log
+    state, before or without the weights."""
+    hidden, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = hidden * hd * (heads + 2 * kv) + heads * hd * hidden
+    attn += hd * (heads + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * hd * cfg.qk_norm
+    norms = hidden * (4 if cfg.sandwich_norm else 2)
+    dense = 3 * hidden * cfg.intermediate_size + (2 * cfg.intermediate_size + hidden) * cfg.mlp_bias
+    expert = 3 * hidden * cfg.moe_intermediate_size
+    total = active = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2) + hidden  # + the final norm
+    for layer in range(cfg.num_hidden_layers):
+        base = attn + norms
+        if cfg.is_sparse(layer):  # the router, then every expert / the token's k
+            total += base + cfg.num_experts * hidden + cfg.num_experts * expert
+            active += base + cfg.num_experts * hidden + cfg.num_experts_per_tok * expert
+        else:
+            total += base + dense
+            active += base + dense
+    return ParameterCounts(total, active)
 
 
 def _refuse(key: str, value: Any, why: str) -> DeploymentError:
@@ -182,6 +237,7 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     gemma = model_type in GEMMA
     attn_bias = bool(raw.get("attention_bias", False))
     scalar = raw.get("query_pre_attn_scalar") if gemma else None
+    moe = _experts(raw, model_type, layers)
     return ModelConfig(
         architecture=arch,
         model_type=model_type,
@@ -203,7 +259,7 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
         qkv_bias=attn_bias or model_type == "qwen2",
         o_bias=attn_bias and model_type != "qwen2",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in (*QWEN3, "gemma3_text"),
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         sandwich_norm=gemma,
@@ -211,7 +267,28 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
         attn_softcap=_softcap(raw, "attn_logit_softcapping", model_type),
         final_softcap=_softcap(raw, "final_logit_softcapping", model_type),
         packed_projections=model_type == "phi3",
+        **moe,
     )
+
+
+def _experts(raw: Mapping[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields, as transformers' Qwen3MoeDecoderLayer picks its sparse
+    layers: not in `mlp_only_layers`, experts > 0, and (i + 1) a multiple of
+    `decoder_sparse_step`. Empty for a dense family."""
+    if model_type not in MOE:
+        return {}
+    experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)) or 0)
+    top_k = int(raw.get("num_experts_per_tok", 8))
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    if step < 1:
+        raise _refuse("decoder_sparse_step", step, "must be at least 1")
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    if any(sparse) and not 1 <= top_k <= experts:
+        raise _refuse("num_experts_per_tok", top_k, f"each token takes 1 to num_experts={experts} experts")
+    return dict(sparse_layers=sparse, num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
 def _check_factor_lengths(r: RopeConfig, head_dim: int) -> None:
@@ -249,7 +326,7 @@ def _softcap(raw: Mapping[str, Any], key: str, model_type: str) -> float | None:
 def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple[str, ...], int | None]:
     """Each layer's attention kind and the sliding window, as transformers derives them."""
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", *QWEN3) and not raw.get("use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window is set
     if raw.get("layer_types"):
         types = tuple(raw["layer_types"])
@@ -261,7 +338,7 @@ def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple
     elif window and model_type in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", 0))
         types = tuple(SLIDING if i >= first else FULL for i in range(n))
-    elif window and model_type in ("mistral", "phi3"):
+    elif window and model_type in ("mistral", "phi3", "qwen3_moe"):  # Qwen3-MoE: no max_window_layers
         types = (SLIDING,) * n
     else:
         types = (FULL,) * n

@@ -76,6 +76,10 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+    # a mixture of experts: 8 experts of width 32, 2 a token (tests override the shape)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
+                                                                moe_intermediate_size=32, num_experts=8,
+                                                                num_experts_per_tok=2)),
 }
 
 

@@ -26,7 +26,7 @@ def gguf_checkpoint_overrides(arch: str, n_layers: int = 6) -> dict[str, Any]:
     """`make_checkpoint` overrides that make an HF checkpoint what llama.cpp assumes of a
     GGUF file of `arch` (whose metadata carries no query scale, layer pattern or local
     RoPE base): Gemma's query scale 1 / sqrt(head_dim), Gemma 3's five-of-six sliding layers
-    with local base 10000 and no scaling."""
+    with local base 10000 and no scaling; Qwen3-MoE's renormalized top-k weights."""
     if arch == "gemma2":
         return {"query_pre_attn_scalar": 16, "num_hidden_layers": n_layers}
     if arch == "gemma3":
@@ -35,6 +35,8 @@ def gguf_checkpoint_overrides(arch: str, n_layers: int = 6) -> dict[str, Any]:
         return {"query_pre_attn_scalar": 16, "num_hidden_layers": n_layers, "layer_types": types,
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}
+    if arch in ("qwen3moe", "qwen3_moe"):  # llama.cpp's qwen3moe always renormalizes the top-k weights
+        return {"norm_topk_prob": True}
     return {}
 
 

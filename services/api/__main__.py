@@ -243,6 +243,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
     api_key = args.api_key if args.api_key is not None else os.environ.get("MSTAR_API_KEY") or None
     takes_audio = is_speech_model(source.config)  # the audio routes answer only for these
     spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)  # torch-free: what the model does
+    parameters, active_parameters = spec.parameter_counts() or (0, 0)
     settings = ApiSettings(
         model_name=args.served_model_name if args.served_model_name is not None else source.name,
         api_addr=addrs["api"],
@@ -262,6 +263,8 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         audio_frame_tokens=spec.audio_frame_tokens,
         audio_language=default_language(source) if takes_audio else None,
         max_model_len=max_model_len(source, d),
+        parameters=parameters,
+        active_parameters=active_parameters,
         log_stats_s=args.log_stats_s,
         tool_call_parser=args.tool_call_parser,
         generation_defaults=read_generation_defaults(args.generation_config,

@@ -44,7 +44,8 @@ def _model_card(state: ApiState) -> ModelCard:
     defaults = msgspec.structs.asdict(settings.generation_defaults)
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None,
-                     default_sampling={k: v for k, v in defaults.items() if v is not None} or None)
+                     default_sampling={k: v for k, v in defaults.items() if v is not None} or None,
+                     parameters=settings.parameters or None, active_parameters=settings.active_parameters or None)
 
 
 async def list_models(request: Request) -> Response:

@@ -472,6 +472,10 @@ class ModelCard(msgspec.Struct):
     #: the sampling defaults in force where a request leaves a field out (the checkpoint's
     #: generation_config.json, `--generation-config`), `max_tokens` among them; null: none
     default_sampling: dict[str, float | int] | None = None
+    #: the model's parameters (a mixture of experts: every expert's) and those one token
+    #: computes with (its top-k experts'); null where the family does not count them
+    parameters: int | None = None
+    active_parameters: int | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -40,7 +40,7 @@ from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
-from shared.specs.base import DeploymentError, ModelSpec, PromptRequest, refuse_runner_gaps
+from shared.specs.base import DeploymentError, ModelSpec, PromptRequest, describe_parameters, refuse_runner_gaps
 
 log = logging.getLogger("mstar.build")
 
@@ -172,7 +172,7 @@ def assemble(d: Deployment) -> Assembled:
                           itl_target_s=d.itl_target_ms / 1000,
                           guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), spec.vocab_size,
                                         source.eos_token_ids))
-    log.info("model loaded in %.1fs; pools %s", time.time() - t0,
+    log.info("model loaded in %.1fs%s; pools %s", time.time() - t0, describe_parameters(spec),
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
     parts = Assembled(source, spec, pools, model, kv, engine)
     warm_up(parts, d)

@@ -33,6 +33,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
     "attn_k_norm": "self_attn.k_norm",  # qwen3, gemma3
+    # a mixture of experts (qwen3moe): the router, and each projection of every expert as
+    # one 3-D tensor [experts, rows, columns] (layers/moe.py's `stack_experts` joins gate and up)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 #: where an architecture names a layer tensor otherwise: Gemma's four norms (its
 #: `ffn_norm` is the norm before the MLP), Phi-3's fused q/k/v and gate/up projections

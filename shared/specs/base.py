@@ -154,6 +154,12 @@ class ModelSpec(ABC):
         `image_placeholder`."""
         raise PromptError("images", "the served model does not take images")
 
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """(every parameter, those one token computes with): the two differ for a mixture of
+        experts. Stated by /v1/models and the worker's start-up log where a family counts
+        them from its config; None where it does not (the default)."""
+        return None
+
     def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
         """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
         text that precedes the request's own prompt text, each turn's audio placeholders
@@ -409,3 +415,21 @@ def added_tokens(folder: str | Path) -> dict[str, int]:
     if not path.is_file():
         return {}
     return {t["content"]: int(t["id"]) for t in json.loads(path.read_text()).get("added_tokens", [])}
+
+
+def describe_parameters(spec: ModelSpec) -> str:
+    """"; 30.5B parameters, 3.35B active" (a mixture of experts), "; 135M parameters"
+    (dense), or "" where the spec does not count them: for the start-up log line."""
+    counts = spec.parameter_counts()
+    if counts is None:
+        return ""
+    total, active = counts
+    text = f"; {_magnitude(total)} parameters"
+    return text + (f", {_magnitude(active)} active" if active != total else "")
+
+
+def _magnitude(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)

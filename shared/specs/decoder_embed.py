@@ -34,3 +34,7 @@ class DecoderEmbedSpec(PoolingSpec, DecoderLMSpec):
         self.heads = self.config.num_attention_heads
         self.dimensions = self.config.hidden_size
         self._labels = (KVLabel(self.label_name, self.pool, keys=False),)
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """None: the decoder's count would include an LM head an embedder does not use."""
+        return None

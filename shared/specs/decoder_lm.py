@@ -1,4 +1,4 @@
-"""The decoder-only LM family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3).
+"""The decoder-only LM family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3).
 
 Full-attention layers keep their KV in pool "kv" under the keyed label "text"; sliding-
 window layers (Qwen2's `max_window_layers`, Mistral's `sliding_window`, Gemma's
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.model_config import FULL, SLIDING, ModelConfig, read_model_config
+from shared.model_config import FULL, SLIDING, ModelConfig, parameter_counts, read_model_config
 from shared.specs.base import ModelSpec, PromptError, PromptRequest
 
 
@@ -88,6 +88,12 @@ class DecoderLMSpec(ModelSpec):
 
     def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
         return {self.decode_loop: max(1, max_tokens - 1)}
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """From the config (`shared.model_config.parameter_counts`): a mixture of experts'
+        total counts every expert, its active count the router and the top-k experts."""
+        counts = parameter_counts(self.config)
+        return counts.total, counts.active
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)

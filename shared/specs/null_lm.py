@@ -104,6 +104,11 @@ def null_weights_dir() -> Path:
 
 class NullLMSpec(DecoderLMSpec):
     int8_kv = False  # its rows are stand-ins written through torch: nothing to quantize
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """None: a stand-in model with no weights."""
+        return None
+
     def bytes_per_page(self, page_size: int) -> int:
         return max(super().bytes_per_page(page_size), NOMINAL_ROW_BYTES * page_size)
 

@@ -110,6 +110,10 @@ class VisionLMSpec(DecoderLMSpec, Generic[ImagesT]):
     #: splits such a run between prefill chunks or at a prefix-cache hit
     bidirectional_images: bool = False
 
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """Not counted: the text config says nothing of the vision tower's parameters."""
+        return None
+
     def prepare_image(self, data: bytes) -> PreparedImage:
         from PIL import Image, ImageOps, UnidentifiedImageError
 

@@ -53,6 +53,7 @@ CASES = {
     "qwen2-bpe": ("qwen2", "bpe"),
     "qwen2-spm": ("qwen2", "spm"),
     "qwen3-bpe": ("qwen3", "bpe"),
+    "qwen3moe-bpe": ("qwen3_moe", "bpe"),  # 8 experts, 2 a token, renormalized (llama.cpp's qwen3moe)
     "gemma2-spm": ("gemma2", "spm-gemma"),
     "gemma3-spm": ("gemma3", "spm-gemma"),
     "phi3-spm": ("phi3", "spm"),
@@ -216,3 +217,15 @@ def test_where_llama_cpp_cuts_otherwise_than_transformers(case):
         assert tokenizer.encode(text).ids == want, repr(text)
         if case.kind == "spm":  # a space prefix: transformers differs
             assert hf(text)["input_ids"] != want, repr(text)
+
+
+def test_qwen3moe_q8_0_file_gives_the_folders_tokens(vocabularies, tmp_path):
+    """The converter's Q8_0 file of a Qwen3-MoE checkpoint served as the worker does on the
+    CPU (`quantized=True`: the attention and dense matrices kept in Q8_0 for the C kernel,
+    the experts' Q8_0 dequantized to float32 for the MoE block, the router as stored, F32):
+    transformers' greedy tokens on the folder (a tiny model's Q8_0 rounding does not change
+    its argmax)."""
+    ckpt = _checkpoint(tmp_path / "tiny-qwen3moe", "qwen3_moe", vocabularies["bpe"])
+    path = convert(ckpt, tmp_path / "tiny-qwen3moe-q8_0.gguf", "q8_0")
+    ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
+    assert greedy_on(path, ids, MAX_TOKENS, quantized=True) == [hf_greedy(ckpt, i, MAX_TOKENS) for i in ids]

@@ -218,7 +218,8 @@ def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
-                                    "output_modalities", "image_placeholder", "default_sampling"}
+                                    "output_modalities", "image_placeholder", "default_sampling", "parameters",
+                                    "active_parameters"}
     card = body["data"][0]
     assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])
     assert card["image_placeholder"] is None and card["default_sampling"] is None  # no generation_config.json

@@ -189,7 +189,7 @@ def test_unknown_architecture_refused(files, tmp_path):
     ckpt, _ = files("llama-gpt2")
     path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="mamba")
     for load in (gguf_config, load_gguf_weights):
-        with pytest.raises(NotImplementedError, match=r"'mamba'.*llama, qwen2, qwen3, gemma2, gemma3, phi3"):
+        with pytest.raises(NotImplementedError, match=r"'mamba'.*llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3"):
             load(path)
 
 
@@ -224,7 +224,7 @@ def test_unsupported_architecture_is_one_line_before_start(files, tmp_path, serv
     line naming it and the served ones, exit 2, no traceback."""
     ckpt, _ = files("llama-gpt2")
     path = write_gguf(ckpt, tmp_path / "other.gguf", "llama", "gpt2", general_architecture="mamba")
-    want = "unsupported GGUF architecture 'mamba'; supported: llama, qwen2, qwen3, gemma2, gemma3, phi3"
+    want = "unsupported GGUF architecture 'mamba'; supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3"
     for argv in [[f"services.{service}"]] + ([["services.launcher", "check"]] if service == "conductor" else []):
         out = subprocess.run([sys.executable, "-m", *argv, "--model", str(path)], capture_output=True, text=True,
                              cwd=REPO, timeout=120, env={**os.environ, "MSTAR_GGUF_CACHE": str(tmp_path / "c")})

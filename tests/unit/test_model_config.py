@@ -27,6 +27,7 @@ CONFIG_CLASSES = {
     "gemma2": "Gemma2Config",
     "gemma3_text": "Gemma3TextConfig",
     "phi3": "Phi3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 
 #: every key a rope_parameters / rope_scaling dict may carry

@@ -121,12 +121,22 @@ def kernel_available() -> bool:
     return torch.get_num_threads() == 1 and cpu_kernels.gemm_panel() > 0
 
 
-def kernel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in the kernel's panels: [ceil(N / panel) * panel * K] floats."""
+def kernel_packed_size(n: int, k: int) -> int:
+    """The floats `kernel_pack` makes of an [n, k] weight."""
+    nr = cpu_kernels.gemm_panel()
+    return ceil_div(n, nr) * nr * k
+
+
+def kernel_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` [N, K] in the kernel's panels: [ceil(N / panel) * panel * K] floats, into
+    `out` where given (a contiguous float32 tensor of that many elements: a row of a stack
+    of packed weights, with no copy of each on the way)."""
     w = weight.detach().contiguous()
     n, k = w.shape
-    nr = cpu_kernels.gemm_panel()
-    packed = torch.empty(ceil_div(n, nr) * nr * k)
+    size = kernel_packed_size(n, k)
+    packed = torch.empty(size) if out is None else out
+    if packed.numel() != size or packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError(f"kernel_pack needs {size} contiguous floats for a [{n}, {k}] weight")
     _kernels().mstar_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
@@ -194,21 +204,42 @@ class KernelGateUpSilu(nn.Module):
         if gate_up.bias is not None or gate_up.out_features % 2:
             raise ValueError("KernelGateUpSilu takes a bias-free [gate; up] weight")
         self.in_features, self.inter = gate_up.in_features, gate_up.out_features // 2
-        half = cpu_kernels.gemm_panel() // 2
-        panels = ceil_div(self.inter, half)
-        w = gate_up.weight.detach()
-        gate, up = (F.pad(part, (0, 0, 0, panels * half - self.inter)).view(panels, half, -1)
-                    for part in (w[: self.inter], w[self.inter :]))
-        # panel p: gate rows [p*half, (p+1)*half) then the same up rows
-        self.packed = kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1))
+        self.packed = kernel_pack_gate_up(gate_up.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _kernel_rows(x)
-        out = torch.empty(x2.shape[0], self.inter)
-        if x2.shape[0]:
-            _kernels().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
-                                       self.packed.data_ptr(), self.inter, out.data_ptr(), self.inter)
-        return out.view(*x.shape[:-1], self.inter)
+        return kernel_gate_up_silu(x, self.packed, self.inter)
+
+
+def kernel_gate_up_size(inter: int, k: int) -> int:
+    """The floats `kernel_pack_gate_up` makes of a [2 x inter, k] weight."""
+    half = cpu_kernels.gemm_panel() // 2
+    return kernel_packed_size(ceil_div(inter, half) * 2 * half, k)
+
+
+def kernel_pack_gate_up(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A [gate; up] weight [2 x inter, K] in `mstar_gemm_silu`'s panels (each panel half
+    gate rows, half the same up rows), so silu(gate) * up is taken as the tile leaves the
+    registers; into `out` where given (`kernel_pack`). Also each expert's weight of a
+    mixture of experts (layers/moe.py)."""
+    inter = weight.shape[0] // 2
+    half = cpu_kernels.gemm_panel() // 2
+    panels = ceil_div(inter, half)
+    w = weight.detach()
+    gate, up = (F.pad(part, (0, 0, 0, panels * half - inter)).view(panels, half, -1)
+                for part in (w[:inter], w[inter:]))
+    # panel p: gate rows [p*half, (p+1)*half) then the same up rows
+    return kernel_pack(torch.cat((gate, up), dim=1).reshape(panels * 2 * half, -1), out)
+
+
+def kernel_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [.., inter] on a `kernel_pack_gate_up` weight; each
+    row's bits are the same whatever rows share the call."""
+    x2 = _kernel_rows(x)
+    out = torch.empty(x2.shape[0], inter)
+    if x2.shape[0]:
+        _kernels().mstar_gemm_silu(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
+                                   packed.data_ptr(), inter, out.data_ptr(), inter)
+    return out.view(*x.shape[:-1], inter)
 
 
 class KernelHead:

@@ -177,6 +177,8 @@ class CpuDecodeStack:
         if os.environ.get("MSTAR_CPU_STACK", "1").lower() in ("0", "false", "no"):
             return None
         cfg = model.config
+        if cfg.has_experts:  # the C stack's layer is attention + one MLP: a mixture of experts runs the modules
+            return None
         if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.attn_softcap is not None
                 or any(t not in KINDS for t in cfg.layer_types)
                 or cfg.head_dim % 2 or cfg.num_attention_heads > 128

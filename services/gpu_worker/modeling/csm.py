@@ -27,7 +27,7 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.layers.rope import Rotary
 from services.gpu_worker.modeling.base import SpeechCodesModel
-from services.gpu_worker.modeling.decoder_lm import DecoderLayer, RMSNorm
+from services.gpu_worker.modeling.decoder_lm import MLP, DecoderLayer, RMSNorm
 from shared.model_config import ModelConfig
 from shared.specs.csm import llama_config
 
@@ -107,6 +107,7 @@ class CsmModel(SpeechCodesModel):
         stacks = (self.backbone_model.layers, self.depth_decoder.model.layers)
         for layer in cast("Iterable[DecoderLayer]", (layer for stack in stacks for layer in stack)):
             layer.self_attn.fuse()
+            assert isinstance(layer.mlp, MLP)  # CSM's Llama stacks have no mixture of experts
             layer.mlp.fuse()
 
     @property

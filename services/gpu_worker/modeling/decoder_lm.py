@@ -1,12 +1,13 @@
-"""The decoder-only families in torch (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
-Phi-3), attending over paged KV.
+"""The decoder-only families in torch (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2,
+Gemma 3, Phi-3), attending over paged KV.
 
 Parameter names follow Hugging Face's checkpoints so `load_state_dict` takes a
 safetensors (or dequantized GGUF) state dict as-is. The family differences are fields of
 the typed `ModelConfig` (shared/model_config.py), read once: q/k/v and o biases, per-head
 q/k RMSNorm, tied embeddings, explicit head_dim, Gemma's (1 + w) norms, embedding scale,
 four norms per layer, GELU-tanh MLP and soft-capping, Phi-3's packed projections, and one
-RoPE per layer type.
+RoPE per layer type. Qwen3-MoE's sparse layers take a mixture-of-experts block
+(layers/moe.py) in place of the MLP; its dense layers keep the MLP.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.gpu_worker.layers.linear import (
     pack_linears,
     warm_packed,
 )
+from services.gpu_worker.layers.moe import SparseMoE, stack_experts
 from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
@@ -200,7 +202,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         #: Gemma: post_attention_layernorm normalises the attention output, and the MLP has
@@ -264,6 +266,8 @@ class DecoderLM(DecoderModel):
             state.pop("lm_head.weight", None)
         if self.config.packed_projections:
             state = _unpack_projections(state, self.config)
+        if self.config.has_experts:
+            state = stack_experts(state, self.config.num_experts)
         if self.config.norm_offset:  # Gemma's norms scale by (1 + w): fold the 1 in once
             state = {k: v + self.config.norm_offset if _is_norm(k) else v for k, v in state.items()}
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
@@ -285,11 +289,15 @@ class DecoderLM(DecoderModel):
     def prepare(self) -> None:
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
         one GEMM each, and on the CPU put every GEMM weight in the C kernel's (else
-        oneDNN's) layout."""
+        oneDNN's) layout. A mixture-of-experts layer packs its experts for the C kernel
+        itself (`SparseMoE.pack`); its router goes with the other linears."""
         layers = cast("Iterable[DecoderLayer]", self.model.layers)
         for layer in layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.pack()
+            else:
+                layer.mlp.fuse()
         head = self.model.embed_tokens if self.tied else self.lm_head
         if isinstance(head, (QuantEmbedding, QuantLinear)):  # a GGUF head kept quantized
             # a plain attribute, as the other heads (not a second registered submodule)
@@ -298,7 +306,8 @@ class DecoderLM(DecoderModel):
             self.head = make_head(self._head_rows(head.weight.detach()))
         if isinstance(self.head, KernelHead):
             for layer in layers:
-                layer.mlp.fuse_silu()
+                if isinstance(layer.mlp, MLP):
+                    layer.mlp.fuse_silu()
         if self.head is not None:
             pack_linears(self.model.layers)
             if not self.tied:

@@ -1,0 +1,171 @@
+"""A mixture-of-experts block in place of a decoder layer's MLP (Qwen3-MoE).
+
+What it computes is transformers' `Qwen3MoeSparseMoeBlock`: the router's linear, a softmax in
+float32, `torch.topk` (so ties go where transformers' go), the k weights renormalized to sum
+to 1 where `norm_topk_prob`, each token's k experts' silu(gate) * up -> down, weighted and
+summed in ascending expert order (as transformers' `index_add_` loop adds them).
+
+How it computes it: the step's (token, expert) pairs are sorted by expert, and each active
+expert runs one GEMM over all of its tokens, not one per token, so an expert's weights are
+read once a step and only by the rows routed to it (a decode row reads only its k experts'
+bytes). The results go back to their rows by `index_add_`, weighted by the routing weight.
+
+A row's result never depends on which rows share its step (shared/DESIGN.md): the router,
+softmax and top-k are per row, and on the CPU each expert's two GEMMs are the C kernels
+(kernels/gemm.c, one weight packed per expert), which give every row the same bits whatever
+rows share the call; torch's matmul does not (oneDNN/MKL block by the row count). Without
+those kernels (CUDA, or several torch threads on the CPU) the experts run through torch's
+`F.linear` on the stacked weights.
+
+Weights are stacked per layer, as transformers 5 keeps them: `experts.gate_up_proj`
+[E, 2 x inter, hidden] (gate rows, then up rows) and `experts.down_proj` [E, hidden, inter];
+a checkpoint's per-expert tensors (`experts.{e}.gate_proj.weight`, ...: what Hugging Face
+checkpoints and transformers' `save_pretrained` write) are stacked into them by
+`stack_experts` at load.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.layers.linear import (
+    kernel_available,
+    kernel_gate_up_silu,
+    kernel_gate_up_size,
+    kernel_linear,
+    kernel_pack,
+    kernel_pack_gate_up,
+    kernel_packed_size,
+)
+from shared.model_config import ModelConfig
+
+
+class Experts(nn.Module):
+    """The experts' weights stacked, under transformers 5's names."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """`forward(x [T, hidden])` -> [T, hidden]: each row through its top-k experts."""
+
+    #: what a decode step streams, once packed (huge_pages.place puts them on 2 MB pages)
+    hot_tensors = ("gate_up_packed", "down_packed")
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.hidden = cfg.hidden_size
+        self.inter = cfg.moe_intermediate_size
+        if cfg.hidden_act != "silu":  # transformers' Qwen3-MoE experts are silu; nothing else is checked
+            raise ValueError(f"mixture-of-experts layers compute silu experts, not {cfg.hidden_act}")
+        #: the router (HF `mlp.gate.weight` [E, hidden]); `pack_linears` may swap it for the C GEMM
+        self.gate = nn.Linear(self.hidden, self.num_experts, bias=False)
+        self.experts = Experts(self.num_experts, self.hidden, self.inter)
+        #: each expert's gate/up and down weights in the C GEMM's panels, [E, packed] (set by
+        #: `pack`, which then drops the stacked weights)
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Put each expert's weights in the C GEMM kernel's layout, where that kernel runs
+        (float32 on the CPU, one torch thread): the experts then give every row the same bits
+        whatever rows share its step. The stacked weights are dropped (the packed copies are
+        the only ones kept). Returns whether it packed."""
+        w, down = self.experts.gate_up_proj, self.experts.down_proj
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
+            return False
+        # each expert packed straight into its row (no second copy of every expert on the way)
+        self.gate_up_packed = torch.empty(self.num_experts, kernel_gate_up_size(self.inter, self.hidden))
+        self.down_packed = torch.empty(self.num_experts, kernel_packed_size(self.hidden, self.inter))
+        for e in range(self.num_experts):
+            kernel_pack_gate_up(w[e], self.gate_up_packed[e])
+            kernel_pack(down[e], self.down_packed[e])
+        del self.experts
+        return True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter
+        picks them: softmax in float32, `torch.topk` (its order among ties), renormalized
+        to sum to 1 where `norm_topk_prob`."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        # the (row, expert) pairs grouped by expert, ascending; within an expert by top-k
+        # place, then row, as transformers' `torch.where` lists them (the same rows in the
+        # same order: torch's GEMM on the same matrix, the same bits)
+        flat = ids.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order % x.shape[0]
+        pair_weights = weights.t().reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            idx = rows[start : start + n]
+            y = self._expert(expert, x[idx])
+            # weighted, then added in ascending expert order: transformers' sum, bit for bit
+            out.index_add_(0, idx, y * pair_weights[start : start + n, None])
+            start += n
+        return out
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on its rows `h` [n, hidden]: one GEMM for gate and up, one for down."""
+        if self.gate_up_packed is not None and self.down_packed is not None:
+            act = kernel_gate_up_silu(h, self.gate_up_packed[e], self.inter)
+            return kernel_linear(act, self.down_packed[e], self.hidden, None)
+        gate, up = F.linear(h, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+#: a GGUF file's form (services/gpu_worker/gguf_weights.py): each projection of every expert
+#: as one 3-D tensor [E, rows, columns]
+_PER_PROJECTION = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """`state` with per-expert tensors (`<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight`)
+    stacked into `<layer>.mlp.experts.gate_up_proj` [E, 2 x inter, hidden] and
+    `.down_proj` [E, hidden, inter], as transformers 5 keeps them; a checkpoint already
+    in the stacked form passes through, and a GGUF file's 3-D tensor per projection
+    (`<layer>.mlp.experts.{gate,up,down}_proj.weight` [E, rows, columns]) is joined the same
+    way. A layer missing some expert's tensor is an error naming it."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        whole = _PER_PROJECTION.match(name)
+        if m is not None:
+            parts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        elif whole is not None and t.dim() == 3:
+            parts.setdefault(whole[1], {})[whole[2]] = dict(enumerate(t.unbind(0)))
+        else:
+            out[name] = t
+    for prefix, kinds in parts.items():
+        for kind in ("gate_proj", "up_proj", "down_proj"):
+            have = kinds.get(kind, {})
+            if sorted(have) != list(range(num_experts)):
+                missing = sorted(set(range(num_experts)) - set(have))[:5]
+                raise ValueError(f"checkpoint lacks {prefix}.<e>.{kind}.weight for experts {missing} "
+                                 f"(or has ids past num_experts={num_experts})")
+        gate, up, down = ([kinds[k][e] for e in range(num_experts)] for k in ("gate_proj", "up_proj", "down_proj"))
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((g, u)) for g, u in zip(gate, up)])
+        out[f"{prefix}.down_proj"] = torch.stack(down)
+    return out
