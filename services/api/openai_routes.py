@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.chat import plan_chat
+from services.api.chat_request import check_model, parse_chat, parse_completion, parse_transcription
 from services.api.dialects import shapes
 from services.api.fanout import Choice, expand
 from services.api.forms import Form, parse_form
 from services.api.openai_format import ChatReply, CompletionReply, ManyReply
-from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription
 from services.api.openapi import openapi
 from services.api.schemas import ModelCard, ModelList
 from services.api.serving import Prepared, api_state, json_response, serve

@@ -38,6 +38,7 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
+from services.api.chat_request import OpenAIRequest, check_model
 from services.api.dialects.messages.schemas import (
     MessagesBase64Source,
     MessagesImageParam,
@@ -55,7 +56,6 @@ from services.api.dialects.messages.schemas import (
     MessagesToolUseParam,
 )
 from services.api.errors import invalid
-from services.api.openai_params import OpenAIRequest, check_model
 from services.api.reasoning import thinks
 from services.api.structured import JSON_OPTIONS, validated
 from services.api.tools import Tools
