@@ -28,7 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import dialects, embeddings, openai_routes, scoring, speech, tokenization
+from services.api import dialects, embeddings, openai_routes, scoring, speech, tokenization, transcription
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -39,7 +39,6 @@ from services.api.settings import ApiSettings
 from services.api.state import ApiState
 from services.api.stats_log import StatsLogger
 from services.api.streaming import EventStream, GenerateReply
-from services.api.transcription import require_speech_model
 from services.api.validation import parse_audio_generate, parse_generate
 from services.api.ws import WsSession
 from shared.model_source import TokenizerBundle
@@ -55,7 +54,7 @@ def _accept_generate(obj: dict[str, Any], state: ApiState) -> Prepared:
 
 
 def _accept_generate_form(form: Form, state: ApiState) -> Prepared:
-    require_speech_model(state.settings.takes_audio)
+    transcription.require_speech_model(state.settings.takes_audio)
     params = parse_audio_generate(form.fields, form.file)
     return Prepared(params, bool(params.stream), GenerateReply(params.request_id))
 
@@ -173,7 +172,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         *dialects.http_routes(),
-        Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
+        Route("/v1/audio/transcriptions", transcription.transcriptions, methods=["POST"]),
         Route("/v1/audio/speech", speech.speech, methods=["POST"]),
         Route("/tokenize", _guard(tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(tokenization.detokenize), methods=["POST"]),

@@ -1,8 +1,7 @@
-"""Request bodies of `/v1/completions`, `/v1/chat/completions` and the form fields of
-`/v1/audio/transcriptions` -> `GenerateParams`.
+"""Request bodies of `/v1/completions` and `/v1/chat/completions` -> `GenerateParams`.
 
 The bodies' shapes are declared in `schemas.py` (`CompletionRequest`,
-`ChatCompletionRequest`, `TranscriptionForm`, which share their sampling, `max_tokens` and
+`ChatCompletionRequest`, which share their sampling, `max_tokens` and
 `stop` fields with `/generate`'s) and decoded by `validation.load`, so a field is checked
 one way whichever route carries it. What is left here is what a declaration cannot say:
 the served model's name, the rules across fields (`n` x prompts, `best_of`,
@@ -21,9 +20,6 @@ Choices (OpenAI's and vLLM's behaviour, see the README):
   seed `seed + j` when a seed is given; `best_of` may only equal `n` (vLLM's V1 engine
   ranks no samples either).
 - `user` is accepted and not used (it only labels the end user for the provider).
-- transcriptions: `temperature` defaults to 0 (greedy; OpenAI's default too), `prompt`
-  (previous-text conditioning) is refused unless empty, `response_format` is `json`,
-  `text` or `verbose_json`, and `stream` works with `json` / `text` only.
 """
 
 from __future__ import annotations
@@ -42,14 +38,12 @@ from services.api.schemas import (
     CompletionRequest,
     ImageUrlPart,
     OpenAIFields,
-    TranscriptionForm,
 )
 from services.api.structured import parse_structured, validated
 from services.api.tools import Tools, parse_history_calls, parse_tools
 from services.api.validation import (
     GenerateParams,
     ImageRef,
-    check_audio,
     json_repr,
     left_out,
     load,
@@ -82,18 +76,6 @@ class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: Tools | None = None
     #: chat: extra variables for the chat template (vLLM's `chat_template_kwargs`)
     template_kwargs: dict[str, Any] = {}
-
-
-class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated `/v1/audio/transcriptions` form."""
-
-    params: GenerateParams
-    response_format: str = "json"
-    stream: bool = False
-
-
-def transcription_id() -> str:
-    return f"trsc-{uuid.uuid4().hex}"
 
 
 def completion_id() -> str:
@@ -275,27 +257,3 @@ def with_grammar(req: OpenAIRequest, grammar: str, check: str | None = "tools") 
         grammar = validated(grammar, check)
     sampling = msgspec.structs.replace(req.params.sampling, grammar=grammar)
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, sampling=sampling))
-
-
-def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str) -> TranscriptionRequest:
-    """Validate the fields of a `/v1/audio/transcriptions` form (typed by `forms.py`;
-    `schemas.TranscriptionForm`)."""
-    req = load(obj, TranscriptionForm)
-    check_model(req.model, served)
-    audio = check_audio(audio)
-    response_format = req.response_format or "json"
-    stream = bool(req.stream)
-    if stream and response_format == "verbose_json":
-        raise invalid("stream", "stream is not supported with response_format verbose_json; use json or text")
-    if req.temperature is None:  # greedy unless asked otherwise (OpenAI's default is 0 too)
-        req = msgspec.structs.replace(req, temperature=0.0)
-    params = GenerateParams(
-        request_id=transcription_id(),
-        sampling=sampling_params(req),
-        max_tokens=req.max_tokens,
-        stream=stream,
-        audio=audio,
-        language=req.language,
-        task="transcribe",
-    )
-    return TranscriptionRequest(params=params, response_format=response_format, stream=stream)

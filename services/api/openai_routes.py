@@ -1,6 +1,6 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/v1/audio/transcriptions` (multipart/form-data, speech models only), and `/openapi.json`
-(generated from the bodies declared in `schemas.py`, as vLLM and SGLang publish theirs).
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, and
+`/openapi.json` (generated from the bodies declared in `schemas.py`, as vLLM and SGLang
+publish theirs).
 
 They run on the same machinery as `/generate` (`serving.serve`: body limit, submission,
 disconnect aborts, SSE) and differ only in how a body is read (`openai_params.py`) and
@@ -19,17 +19,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.chat import plan_chat
-from services.api.chat_request import check_model, parse_chat, parse_completion, parse_transcription
+from services.api.chat_request import check_model, parse_chat, parse_completion
 from services.api.dialects import shapes
 from services.api.fanout import Choice, expand
-from services.api.forms import Form, parse_form
 from services.api.openai_format import ChatReply, CompletionReply, ManyReply
 from services.api.openapi import openapi
 from services.api.schemas import ModelCard, ModelList
 from services.api.serving import Prepared, api_state, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
-from services.api.transcription import TranscriptionReply, language_code, require_speech_model
 from services.api.validation import GenerateParams
 from shared.version import mstar_version
 
@@ -112,16 +110,6 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
                                                       _firsts(choices)), choices)
 
 
-def _accept_transcription(form: Form, state: ApiState) -> Prepared:
-    settings = state.settings
-    require_speech_model(settings.takes_audio)
-    req = parse_transcription(form.fields, form.file, settings.model_name)
-    params = req.params
-    language = language_code(params.language) if params.language else settings.audio_language
-    reply = TranscriptionReply(req.response_format, params.audio or b"", language, params.sampling.temperature)
-    return Prepared(params, req.stream, reply)
-
-
 async def completions(request: Request) -> Response | EventStream:
     """POST /v1/completions."""
     return await serve(request, _accept_completion, "/v1/completions")
@@ -130,8 +118,3 @@ async def completions(request: Request) -> Response | EventStream:
 async def chat_completions(request: Request) -> Response | EventStream:
     """POST /v1/chat/completions."""
     return await serve(request, _accept_chat, "/v1/chat/completions")
-
-
-async def transcriptions(request: Request) -> Response | EventStream:
-    """POST /v1/audio/transcriptions (multipart/form-data)."""
-    return await serve(request, _accept_transcription, "/v1/audio/transcriptions", decode=parse_form)
