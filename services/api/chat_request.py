@@ -57,25 +57,38 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_CHOICES = 256  # prompts x n
 
 
-class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated `/v1/*` request: what to generate and how to answer."""
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated chat request, whichever dialect's body it came from: what to generate
+    and how to answer. `chat.plan_chat` renders its prompt; the dialect's reply reads the
+    rest."""
 
     params: GenerateParams
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with usage and no choices
-    echo: bool = False  # completions: the prompt text comes first in the choice's text
-    #: completions: alternatives per token in the logprobs object (None: no logprobs);
-    #: chat: `top_logprobs` when `logprobs` is true
+    #: `top_logprobs` when `logprobs` is true (None: no logprobs)
     logprobs: int | None = None
     #: samples per prompt
     n: int = 1
-    #: completions: every prompt, as (text, token ids) with one of them None; the first is
-    #: also `params`'s
-    prompts: list[tuple[str | None, list[int] | None]] = []
-    #: chat: the request's tools (None: none, or tool_choice "none")
+    #: the request's tools (None: none, or tool_choice "none")
     tools: Tools | None = None
-    #: chat: extra variables for the chat template (vLLM's `chat_template_kwargs`)
+    #: extra variables for the chat template (vLLM's `chat_template_kwargs`)
     template_kwargs: dict[str, Any] = {}
+
+
+class TextCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated `/v1/completions` request: what to generate and how to answer. Its own
+    struct, not a `ChatRequest`: it has prompts and an echo, and never meets a template."""
+
+    params: GenerateParams
+    stream: bool = False
+    include_usage: bool = False  # streaming: a last chunk with usage and no choices
+    echo: bool = False  # the prompt text comes first in the choice's text
+    #: alternatives per token in the logprobs object (None: no logprobs)
+    logprobs: int | None = None
+    #: samples per prompt
+    n: int = 1
+    #: every prompt, as (text, token ids) with one of them None; the first is also `params`'s
+    prompts: list[tuple[str | None, list[int] | None]] = []
 
 
 def completion_id() -> str:
@@ -127,7 +140,7 @@ def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     return n
 
 
-def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
+def parse_completion(obj: Mapping[str, Any], served: str) -> TextCompletionRequest:
     """Validate a `/v1/completions` body (`schemas.CompletionRequest`)."""
     req = load(obj, CompletionRequest)
     check_model(req.model, served)
@@ -150,8 +163,8 @@ def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
         stop=stop_strings(req.stop),
         defaulted=left_out(req),
     )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(req.echo),
-                         logprobs=logprobs, n=n, prompts=prompts)
+    return TextCompletionRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(req.echo),
+                                 logprobs=logprobs, n=n, prompts=prompts)
 
 
 def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tuple[list[dict[str, Any]],
@@ -199,8 +212,8 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
     return "\n".join(p["text"] for p in listed if p["type"] == "text")
 
 
-def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[OpenAIRequest,
-                                                                                 list[dict[str, Any]]]:
+def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[ChatRequest,
+                                                                               list[dict[str, Any]]]:
     """Validate a `/v1/chat/completions` body (`schemas.ChatCompletionRequest`); the prompt
     is filled in by the caller from the rendered template (see `with_prompt`). `vision`:
     the served model takes images (content goes to its template as a list of parts)."""
@@ -237,18 +250,18 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tup
         if key in RESERVED:
             raise invalid(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is set by the server, "
                           "not the request")
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
-                         tools=tools, template_kwargs=kwargs), messages
+    return ChatRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
+                       tools=tools, template_kwargs=kwargs), messages
 
 
-def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
+def with_prompt(req: ChatRequest, prompt: str) -> ChatRequest:
     """The request with its rendered chat prompt (refused if the template rendered nothing)."""
     if not prompt:
         raise ApiError(ErrorKind.INVALID, "the chat template rendered an empty prompt for these messages", "messages")
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
 
 
-def with_grammar(req: OpenAIRequest, grammar: str, check: str | None = "tools") -> OpenAIRequest:
+def with_grammar(req: ChatRequest, grammar: str, check: str | None = "tools") -> ChatRequest:
     """The request constrained by `grammar`: the calls of `tool_choice` "required" or a
     named function, checked (a function's `parameters` that do not compile are a 400 naming
     `check`), or (`check` None) a constraint already checked, moved after a reasoning
