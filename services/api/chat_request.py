@@ -1,21 +1,30 @@
-"""Request bodies of `/v1/completions` and `/v1/chat/completions` -> `GenerateParams`.
+"""The chat request: the one request every dialect's chat body becomes (`ChatRequest`), and
+the steps each takes to get there. The core of the api's dialects, beside `chat.py`: it
+imports no route and no dialect.
 
-The bodies' shapes are declared in `schemas.py` (`CompletionRequest`,
-`ChatCompletionRequest`, which share their sampling, `max_tokens` and
-`stop` fields with `/generate`'s) and decoded by `validation.load`, so a field is checked
-one way whichever route carries it. What is left here is what a declaration cannot say:
-the served model's name, the rules across fields (`n` x prompts, `best_of`,
+- `ChatRequest`: what to generate (`GenerateParams`) and how to answer (stream, usage,
+  logprobs, `n`, tools, template variables); `chat.plan_chat` fills in its prompt
+  (`with_prompt`) and, for forced tool calls or a reasoning template, its grammar
+  (`with_grammar`).
+- `parse_chat`: OpenAI's chat body (`schemas.ChatCompletionRequest`) -> a `ChatRequest` and
+  its messages as plain dicts (`parse_messages`). `/v1/chat/completions` reads its bodies
+  with it, and so does `/v1/responses`, which writes its items as such a body first so a
+  field is checked one way; `/v1/messages` builds its `ChatRequest` itself.
+- `check_model`: the served model's name, every route's `model` check (the task routes'
+  too); `stream_flags`, `check_n`: the rules across fields that chat and completions share.
+
+The body's shape is declared in `schemas.py` (`ChatCompletionRequest`, whose sampling,
+`max_tokens` and `stop` fields are `/generate`'s) and decoded by `validation.load`, so a
+field is checked one way whichever route carries it. What is left here is what a
+declaration cannot say: the served model's name, the rules across fields (`n`, `best_of`,
 `stream_options` without `stream`, `max_tokens` vs `max_completion_tokens`, the messages'
 roles), and the translation into `GenerateParams`. The rendering of `messages` is the chat
 template's job (`chat_template.py`); this module makes them plain dicts.
 
 Choices (OpenAI's and vLLM's behaviour, see the README):
 - `model` may be omitted; given, it must be the served name, else 404 `model_not_found`.
-- `/v1/completions` without `max_tokens` gets 16 (OpenAI's documented default, also
-  vLLM's); chat without `max_tokens` / `max_completion_tokens` gets the most the engine
-  allows for the prompt, as `/generate` does.
-- `prompt` may be a string, a list of token ids, or a list of those (up to
-  `MAX_PROMPTS`): one choice per prompt (times `n`), in order, as vLLM answers a batch.
+- chat without `max_tokens` / `max_completion_tokens` gets the most the engine allows for
+  the prompt, as `/generate` does.
 - `n` (1-`MAX_N`) samples per prompt: choice `i * n + j` is sample j of prompt i, with
   seed `seed + j` when a seed is given; `best_of` may only equal `n` (vLLM's V1 engine
   ranks no samples either).
@@ -35,7 +44,6 @@ from services.api.reasoning import RESERVED
 from services.api.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
-    CompletionRequest,
     ImageUrlPart,
     OpenAIFields,
 )
@@ -44,7 +52,6 @@ from services.api.tools import Tools, parse_history_calls, parse_tools
 from services.api.validation import (
     GenerateParams,
     ImageRef,
-    json_repr,
     left_out,
     load,
     sampling_params,
@@ -52,8 +59,6 @@ from services.api.validation import (
 )
 from shared.errors import ErrorKind
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_CHOICES = 256  # prompts x n
 
 
@@ -75,26 +80,6 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     template_kwargs: dict[str, Any] = {}
 
 
-class TextCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated `/v1/completions` request: what to generate and how to answer. Its own
-    struct, not a `ChatRequest`: it has prompts and an echo, and never meets a template."""
-
-    params: GenerateParams
-    stream: bool = False
-    include_usage: bool = False  # streaming: a last chunk with usage and no choices
-    echo: bool = False  # the prompt text comes first in the choice's text
-    #: alternatives per token in the logprobs object (None: no logprobs)
-    logprobs: int | None = None
-    #: samples per prompt
-    n: int = 1
-    #: every prompt, as (text, token ids) with one of them None; the first is also `params`'s
-    prompts: list[tuple[str | None, list[int] | None]] = []
-
-
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
-
-
 def chat_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -113,23 +98,6 @@ def stream_flags(req: OpenAIFields) -> tuple[bool, bool]:
     return bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
 
-def completion_prompts(prompt: str | list[Any]) -> list[tuple[str | None, list[int] | None]]:
-    """The prompts of `/v1/completions` (a string, token ids, or a list of up to MAX_PROMPTS
-    of either) as (text, token ids) pairs: a list is token ids or prompts, not a mix."""
-    if isinstance(prompt, str):
-        return [(prompt, None)]
-    ids = type(prompt[0]) is int
-    for i, item in enumerate(prompt):
-        if (type(item) is int) != ids:
-            kind = "an integer (prompt[0] is a token id)" if ids else "a string or a list of token ids (prompt[0] is)"
-            raise invalid(f"prompt[{i}]", f"prompt[{i}] must be {kind}, got {json_repr(item)}")
-    if ids:
-        return [(None, list(prompt))]
-    if len(prompt) > MAX_PROMPTS:
-        raise invalid("prompt", f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed")
-    return [(p, None) if isinstance(p, str) else (None, p) for p in prompt]
-
-
 def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     """`n` samples per prompt (prompts x n at most MAX_CHOICES); `best_of`, when given, must
     equal n (vLLM's V1 engine ranks no samples either)."""
@@ -138,33 +106,6 @@ def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     if best_of is not None and best_of != n:
         raise invalid("best_of", f"best_of must equal n ({n}): samples are not ranked, got {best_of}")
     return n
-
-
-def parse_completion(obj: Mapping[str, Any], served: str) -> TextCompletionRequest:
-    """Validate a `/v1/completions` body (`schemas.CompletionRequest`)."""
-    req = load(obj, CompletionRequest)
-    check_model(req.model, served)
-    prompts = completion_prompts(req.prompt)
-    n = check_n(req.n or 1, len(prompts), req.best_of)
-    stream, include_usage = stream_flags(req)
-    logprobs, prompt_logprobs = req.logprobs, req.prompt_logprobs
-    if req.echo and logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = logprobs  # the echoed prompt's tokens come with their logprobs (vLLM)
-    sampling = sampling_params(req, req.max_tokens, grammar=parse_structured(req), logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs)
-    prompt, input_ids = prompts[0]
-    params = GenerateParams(
-        request_id=completion_id(),
-        sampling=sampling,
-        max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-        prompt=prompt,
-        input_ids=input_ids,
-        stream=stream,
-        stop=stop_strings(req.stop),
-        defaulted=left_out(req),
-    )
-    return TextCompletionRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(req.echo),
-                                 logprobs=logprobs, n=n, prompts=prompts)
 
 
 def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tuple[list[dict[str, Any]],
