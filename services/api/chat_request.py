@@ -7,9 +7,10 @@ imports no route and no dialect.
   (`with_prompt`) and, for forced tool calls or a reasoning template, its grammar
   (`with_grammar`).
 - `parse_chat`: OpenAI's chat body (`schemas.ChatCompletionRequest`) -> a `ChatRequest` and
-  its messages as plain dicts (`parse_messages`). `/v1/chat/completions` reads its bodies
-  with it, and so does `/v1/responses`, which writes its items as such a body first so a
-  field is checked one way; `/v1/messages` builds its `ChatRequest` itself.
+  its messages as plain dicts (`parse_messages`, which `/tokenize` uses too).
+  `/v1/chat/completions` reads its bodies with it, and so does `/v1/responses`, which
+  writes its items as such a body first so a field is checked one way; `/v1/messages`
+  builds its `ChatRequest` itself.
 - `check_model`: the served model's name, every route's `model` check (the task routes'
   too); `stream_flags`, `check_n`: the rules across fields that chat and completions share.
 
