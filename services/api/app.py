@@ -1,10 +1,12 @@
 """The Starlette app: routes only; validation, streaming and ZMQ live in their modules.
 
 Routes: `POST /generate` (JSON or SSE; a multipart/form-data body carries an audio file
-for a speech model), `/generate/ws` (WebSocket), the OpenAI routes
-`GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`,
-`POST /v1/audio/transcriptions`, vLLM's `POST /tokenize`, `POST /detokenize`, `GET /version`,
-and `GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings, tokenizer)`;
+for a speech model), `/generate/ws` (WebSocket), each dialect's (`dialects.http_routes()`:
+OpenAI's `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/completions`;
+`/v1/responses`; Anthropic's `/v1/messages`), the task routes (`POST /v1/embeddings`,
+`/v1/score`, `/v1/rerank`, `/v1/audio/transcriptions`, `/v1/audio/speech`), vLLM's
+`POST /tokenize`, `POST /detokenize`, `GET /version`, and `GET /openapi.json`,
+`GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings, tokenizer)`;
 the backend binds its socket in the lifespan (or at the first request if the lifespan did
 not run), and nothing else needs to be up for the app to start and answer 400s. The
 lifespan also runs the periodic stats line (`stats_log.py`). With `settings.api_key` set,
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -28,21 +32,22 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import dialects, embeddings, openai_routes, scoring, speech, tokenization
+from services.api import dialects, embeddings, scoring, speech, tokenization, transcription
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
 from services.api.forms import Form, is_form, parse_form
 from services.api.metrics import CONTENT_TYPE
-from services.api.serving import Prepared, api_state, error_response, json_response, serve
+from services.api.openapi import openapi
+from services.api.serving import Prepared, api_state, error_response, guard, json_response, serve
 from services.api.settings import ApiSettings
 from services.api.state import ApiState
 from services.api.stats_log import StatsLogger
 from services.api.streaming import EventStream, GenerateReply
-from services.api.transcription import require_speech_model
 from services.api.validation import parse_audio_generate, parse_generate
 from services.api.ws import WsSession
 from shared.model_source import TokenizerBundle
+from shared.version import mstar_version
 
 log = logging.getLogger("mstar.api")
 
@@ -55,7 +60,7 @@ def _accept_generate(obj: dict[str, Any], state: ApiState) -> Prepared:
 
 
 def _accept_generate_form(form: Form, state: ApiState) -> Prepared:
-    require_speech_model(state.settings.takes_audio)
+    transcription.require_speech_model(state.settings.takes_audio)
     params = parse_audio_generate(form.fields, form.file)
     return Prepared(params, bool(params.stream), GenerateReply(params.request_id))
 
@@ -96,20 +101,16 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """A bug in a small route is a 500 with an error id, never a traceback to the client."""
+@functools.cache
+def _openapi_document() -> bytes:
+    return msgspec.json.encode(openapi(mstar_version(), dialects.shapes()))
 
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as err:
-            return error_response(err)
-        except Exception as exc:
-            return error_response(internal_error(f"serving {request.url.path}", exc))
 
-    guarded.__name__ = handler.__name__
-    guarded.__doc__ = handler.__doc__
-    return guarded
+async def openapi_json(request: Request) -> Response:
+    """GET /openapi.json: the OpenAPI 3.1 document of the routes' declared shapes
+    (`openapi.ROUTES` and every dialect's `SHAPES`); served here, where the dialects are
+    assembled, so no dialect imports the others' shapes."""
+    return Response(_openapi_document(), media_type="application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -164,23 +165,19 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
     routes = [
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
-        Route("/v1/models", _guard(openai_routes.list_models), methods=["GET"]),
-        Route("/v1/models/{model:path}", _guard(openai_routes.get_model), methods=["GET"]),
-        Route("/openapi.json", _guard(openai_routes.openapi_json), methods=["GET"]),
+        Route("/openapi.json", guard(openapi_json), methods=["GET"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         *(Route(path, scoring.score, methods=["POST"]) for path in ("/v1/score", "/score")),
         *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
-        Route("/v1/completions", openai_routes.completions, methods=["POST"]),
-        Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         *dialects.http_routes(),
-        Route("/v1/audio/transcriptions", openai_routes.transcriptions, methods=["POST"]),
+        Route("/v1/audio/transcriptions", transcription.transcriptions, methods=["POST"]),
         Route("/v1/audio/speech", speech.speech, methods=["POST"]),
-        Route("/tokenize", _guard(tokenization.tokenize), methods=["POST"]),
-        Route("/detokenize", _guard(tokenization.detokenize), methods=["POST"]),
-        Route("/version", _guard(tokenization.version), methods=["GET"]),
-        Route("/health", _guard(health), methods=["GET"]),
-        Route("/ready", _guard(ready), methods=["GET"]),
-        Route("/metrics", _guard(metrics), methods=["GET"]),
+        Route("/tokenize", guard(tokenization.tokenize), methods=["POST"]),
+        Route("/detokenize", guard(tokenization.detokenize), methods=["POST"]),
+        Route("/version", guard(tokenization.version), methods=["GET"]),
+        Route("/health", guard(health), methods=["GET"]),
+        Route("/ready", guard(ready), methods=["GET"]),
+        Route("/metrics", guard(metrics), methods=["GET"]),
     ]
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,

@@ -4,7 +4,7 @@ reasoning template leaves the thinking.
 
 `/v1/chat/completions` (OpenAI), `/v1/responses` (OpenAI Responses) and `/v1/messages`
 (Anthropic Messages) differ in how a body is read and how the answer is written; each
-translates its body into a chat request (`openai_params.parse_chat`'s `OpenAIRequest` and
+translates its body into a chat request (`chat_request.parse_chat`'s `ChatRequest` and
 plain-dict messages) and calls `plan_chat`, so the template, the tool formats, the
 reasoning split and the structured-output grammar are one code in all three.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from services.api.chat_request import ChatRequest, with_grammar, with_prompt
 from services.api.errors import ApiError, invalid
-from services.api.openai_params import OpenAIRequest, with_grammar, with_prompt
 from services.api.reasoning import after_thinking, prompt_state, thinks
 from services.api.state import ApiState, task_refusal
 from services.api.tools import pick_format, prepare_messages, tool_grammar
@@ -25,7 +25,7 @@ class ChatPlan(NamedTuple):
     """A chat request ready to generate, and what its reply needs to read the answer."""
 
     #: the request with its rendered prompt (and its grammar, for forced tool calls)
-    req: OpenAIRequest
+    req: ChatRequest
     #: how tool calls are written in the answer (None: the request has no tools)
     tool_format: str | None
     #: tool_choice required or a named function: the answer is calls only
@@ -34,7 +34,7 @@ class ChatPlan(NamedTuple):
     reasoning: str | None
 
 
-def plan_chat(req: OpenAIRequest, messages: list[dict[str, Any]], state: ApiState,
+def plan_chat(req: ChatRequest, messages: list[dict[str, Any]], state: ApiState,
               messages_param: str = "messages") -> ChatPlan:
     """Render `messages` with the served model's chat template; `messages_param` names the
     dialect's field in a refusal (a model without a chat template)."""

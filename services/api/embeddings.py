@@ -24,10 +24,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.api.chat_request import check_model
 from services.api.errors import ApiError, invalid
 from services.api.events import DoneEvent
 from services.api.fanout import Choice
-from services.api.openai_params import check_model
 from services.api.schemas import MAX_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal

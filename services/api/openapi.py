@@ -10,22 +10,17 @@ from typing import Any
 import msgspec
 
 from services.api.events import GenerateResponse
-from services.api.openai_format import ChatCompletion, Completion
 from services.api.schemas import (
     UNSUPPORTED,
     AudioGenerateForm,
     Body,
-    ChatCompletionRequest,
     ClientFrame,
-    CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
     GenerateRequest,
-    ModelCard,
-    ModelList,
     RerankRequest,
     RerankResponse,
     Route,
@@ -39,17 +34,14 @@ from services.api.schemas import (
     VersionResponse,
 )
 
-#: (path, method) -> its shapes; `/openapi.json` is generated from this table
+#: (path, method) -> its shapes, for the routes outside the dialects (each dialect's are its
+#: package's `SHAPES`); `/openapi.json` is generated from this table and theirs
 ROUTES: dict[tuple[str, str], Route] = {
     ("/generate", "post"): Route(GenerateRequest, GenerateResponse, form=AudioGenerateForm),
-    ("/v1/completions", "post"): Route(CompletionRequest, Completion),
-    ("/v1/chat/completions", "post"): Route(ChatCompletionRequest, ChatCompletion),
     ("/v1/audio/transcriptions", "post"): Route(form=TranscriptionForm),
     ("/v1/audio/speech", "post"): Route(SpeechRequest),
     ("/tokenize", "post"): Route((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
     ("/detokenize", "post"): Route(DetokenizeRequest, DetokenizeResponse),
-    ("/v1/models", "get"): Route(response=ModelList),
-    ("/v1/models/{model}", "get"): Route(response=ModelCard),
     ("/version", "get"): Route(response=VersionResponse),
     ("/v1/embeddings", "post"): Route(EmbeddingRequest, EmbeddingResponse),
     **{(path, "post"): Route(ScoreRequest, ScoreResponse) for path in ("/v1/score", "/score")},

@@ -18,7 +18,7 @@ Conventions the checks rely on:
   history) do not set `forbid_unknown_fields`; every route body does;
 - rules across fields, and limits only known at run time (the deployment's max_model_len,
   the vocabulary, the served model's name), are not declared here: `validation.py`,
-  `openai_params.py`, `tokenization.py` and the conductor check them after decoding;
+  `chat_request.py`, `tokenization.py` and the conductor check them after decoding;
 - fields of the OpenAI / vLLM APIs the engine does not honour are in `UNSUPPORTED`, not in
   a route's Struct: a request may send them only with a neutral value (`n: 1`,
   `tools: []`), and the document lists them with those values.

@@ -17,10 +17,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.api.chat_request import check_model
 from services.api.embeddings import pooled, pooled_choices, prepared, truncation
 from services.api.errors import invalid
 from services.api.events import DoneEvent
-from services.api.openai_params import check_model
 from services.api.schemas import (
     MAX_INPUTS,
     RerankDocument,

@@ -11,7 +11,7 @@ request everywhere whether it was waiting for JSON or reading a stream.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -62,6 +62,24 @@ def json_response(obj: msgspec.Struct | dict[str, Any], status: int = 200,
 
 def error_response(err: ApiError) -> Response:
     return json_response(err.body(), err.status)
+
+
+def guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """A small route (no generation, so not through `serve`) whose bug is a 500 with an
+    error id, never a traceback to the client; here so a dialect's small routes
+    (`/v1/models`) get it as `app.py`'s do."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return error_response(err)
+        except Exception as exc:
+            return error_response(internal_error(f"serving {request.url.path}", exc))
+
+    guarded.__name__ = handler.__name__
+    guarded.__doc__ = handler.__doc__
+    return guarded
 
 
 async def read_body(request: Request, limit: int) -> bytes:

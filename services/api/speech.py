@@ -40,9 +40,9 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.api.chat_request import check_model
 from services.api.errors import ApiError, invalid
 from services.api.events import DeltaEvent, DoneEvent, error_event, sse_chunk
-from services.api.openai_params import check_model
 from services.api.schemas import SpeechRequest
 from services.api.serving import Prepared, serve
 from services.api.settings import ApiSettings

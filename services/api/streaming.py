@@ -1,8 +1,8 @@
-"""Server-Sent Events (`/generate` and the OpenAI routes with `stream: true`), and
-disconnect detection.
+"""Server-Sent Events (`/generate`, the dialects' and the task routes with `stream: true`),
+and disconnect detection.
 
-What each event looks like on the wire is the route's `Reply` (`GenerateReply` here, the
-OpenAI ones in `openai_format.py`); this module only runs the stream.
+What each event looks like on the wire is the route's `Reply` (`GenerateReply` here, each
+dialect's in its `reply.py`); this module only runs the stream.
 
 A client that goes away must abort its request everywhere (DESIGN.md section 4), also
 while we are only waiting for its first token. So a small task watches the ASGI receive

@@ -26,8 +26,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.api.chat_request import check_model, parse_messages
 from services.api.errors import invalid
-from services.api.openai_params import check_model, parse_messages
 from services.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,

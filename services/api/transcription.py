@@ -1,9 +1,17 @@
-"""Speech models at the api: is the served model one, and the replies of
-`/v1/audio/transcriptions` (`json`, `text`, `verbose_json`, and the SSE stream).
+"""Speech models at the api: is the served model one, and `POST /v1/audio/transcriptions`
+(OpenAI's speech-to-text route, multipart/form-data): its form's checks, the route, and its
+replies (`json`, `text`, `verbose_json`, and the SSE stream). One module per task route, as
+`speech.py`, `embeddings.py` and `scoring.py`: it reads its form with the core
+(`schemas.TranscriptionForm`, `validation.py`, `chat_request.check_model`) and imports no
+dialect.
 
 The api never decodes audio: the data worker does (its refusals come back as 400s with
 param "file"). The one thing read here is the file's header, for `verbose_json`'s
 `duration`, and only once the request has succeeded.
+
+Form (OpenAI's): `temperature` defaults to 0 (greedy; OpenAI's default too), `prompt`
+(previous-text conditioning) is refused unless empty, `response_format` is `json`, `text`
+or `verbose_json`, and `stream` works with `json` / `text` only.
 
 Shapes (OpenAI's, kept simple):
 - `json`: `{"text"}`;
@@ -26,13 +34,23 @@ from __future__ import annotations
 
 import io
 import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
+from starlette.requests import Request
 from starlette.responses import Response
 
-from services.api.errors import ApiError
+from services.api.chat_request import check_model
+from services.api.errors import ApiError, invalid
 from services.api.events import DeltaEvent, DoneEvent, encode
-from services.api.openai_format import error_chunk
+from services.api.forms import Form, parse_form
+from services.api.schemas import TranscriptionForm
+from services.api.serving import Prepared, serve
+from services.api.state import ApiState
+from services.api.streaming import EventStream
+from services.api.validation import GenerateParams, check_audio, load, sampling_params
 from shared.errors import ErrorKind
 
 log = logging.getLogger("mstar.api")
@@ -126,7 +144,58 @@ class TranscriptionReply:
         return b"data: " + encode(TextDone(event.text)) + b"\n\n"
 
     def error(self, err: ApiError) -> bytes:
-        return error_chunk(err)
+        return b"data: " + encode(err.body()) + b"\n\n"  # OpenAI's SSE error, as on chat
 
     def end(self) -> bytes:
         return b""
+
+
+class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated `/v1/audio/transcriptions` form."""
+
+    params: GenerateParams
+    response_format: str = "json"
+    stream: bool = False
+
+
+def transcription_id() -> str:
+    return f"trsc-{uuid.uuid4().hex}"
+
+
+def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str) -> TranscriptionRequest:
+    """Validate the fields of a `/v1/audio/transcriptions` form (typed by `forms.py`;
+    `schemas.TranscriptionForm`)."""
+    req = load(obj, TranscriptionForm)
+    check_model(req.model, served)
+    audio = check_audio(audio)
+    response_format = req.response_format or "json"
+    stream = bool(req.stream)
+    if stream and response_format == "verbose_json":
+        raise invalid("stream", "stream is not supported with response_format verbose_json; use json or text")
+    if req.temperature is None:  # greedy unless asked otherwise (OpenAI's default is 0 too)
+        req = msgspec.structs.replace(req, temperature=0.0)
+    params = GenerateParams(
+        request_id=transcription_id(),
+        sampling=sampling_params(req),
+        max_tokens=req.max_tokens,
+        stream=stream,
+        audio=audio,
+        language=req.language,
+        task="transcribe",
+    )
+    return TranscriptionRequest(params=params, response_format=response_format, stream=stream)
+
+
+def _accept_transcription(form: Form, state: ApiState) -> Prepared:
+    settings = state.settings
+    require_speech_model(settings.takes_audio)
+    req = parse_transcription(form.fields, form.file, settings.model_name)
+    params = req.params
+    language = language_code(params.language) if params.language else settings.audio_language
+    reply = TranscriptionReply(req.response_format, params.audio or b"", language, params.sampling.temperature)
+    return Prepared(params, req.stream, reply)
+
+
+async def transcriptions(request: Request) -> Response | EventStream:
+    """POST /v1/audio/transcriptions (multipart/form-data)."""
+    return await serve(request, _accept_transcription, "/v1/audio/transcriptions", decode=parse_form)

@@ -23,10 +23,9 @@ from services.api.app import create_app
 from services.api.backend import Backend, RequestHandle
 from services.api.errors import ApiError
 from services.api.forms import MAX_FORM_PARTS, parse_form, typed_value
-from services.api.openai_params import parse_transcription
 from services.api.settings import ApiSettings
 from services.api.state import ApiState
-from services.api.transcription import audio_duration, is_speech_model, language_code
+from services.api.transcription import audio_duration, is_speech_model, language_code, parse_transcription
 from services.api.validation import parse_audio_generate, parse_generate
 from shared.errors import ErrorKind
 from shared.frames import GenerateRequest, Output, RequestError

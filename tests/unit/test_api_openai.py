@@ -11,13 +11,14 @@ from starlette.testclient import TestClient
 
 from services.api.app import create_app
 from services.api.backend import RequestHandle
+from services.api.chat_request import parse_chat
 from services.api.detokenize import IncrementalDetokenizer
+from services.api.dialects.openai.params import parse_completion
+from services.api.dialects.openai.reply import ChatReply, CompletionReply
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
-from services.api.openai_format import ChatReply, CompletionReply
-from services.api.openai_params import parse_chat, parse_completion
 from services.api.settings import ApiSettings
 from services.api.state import task_refusal
 from shared.errors import ErrorKind

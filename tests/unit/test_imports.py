@@ -8,6 +8,8 @@
   theirs imports it (at module level or inside a function), and nothing they import at
   module level does, however far down services/ and shared/ the chain goes.
 - shared/ imports no service.
+- The api's dialects (`services/api/dialects/*/`) import the core only: no dialect imports
+  another, and no core module imports a dialect (`app.py` mounts them).
 
 Imports under `if TYPE_CHECKING:` never run: they count for cycles, not for torch.
 """
@@ -253,3 +255,33 @@ def test_shared_imports_no_service():
     bad = [f"{m}:{i.line} imports {i.target}" for m in modules() if m.startswith("shared")
            for i in imports_of(m) if i.target == "services" or i.target.startswith("services.")]
     assert not bad, bad
+
+
+#: the api's dialects, each a package under services/api/dialects/
+DIALECTS = "services.api.dialects"
+#: the api modules above the dialects: they assemble them (routes, `/openapi.json`)
+ASSEMBLERS = ("services.api.app", DIALECTS)
+
+
+def _dialect_of(module: str) -> str | None:
+    """The dialect package `module` belongs to (`services.api.dialects.openai`), else None."""
+    if not module.startswith(DIALECTS + "."):
+        return None
+    return ".".join(module.split(".")[:4])
+
+
+def test_a_dialect_imports_the_core_only():
+    """A dialect translates into the core's chat request and answers in its own shapes: it
+    never imports another dialect, and the core never imports a dialect (only `app.py`,
+    which mounts them, and the dialects' package, which lists them)."""
+    bad = []
+    for module in modules():
+        for imp in imports_of(module):
+            target = _dialect_of(imp.target) or (imp.target if imp.target == DIALECTS else None)
+            if target is None or target == _dialect_of(module):
+                continue
+            if module not in ASSEMBLERS:
+                bad.append(f"{module}:{imp.line} imports {imp.target}")
+    assert not bad, bad
+    assert {"services.api.dialects.openai", "services.api.dialects.messages",
+            "services.api.dialects.responses"} <= set(modules())

@@ -11,8 +11,8 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer
 
+from services.api.dialects.openai.reply import ChatReply
 from services.api.events import DeltaEvent, DoneEvent, Usage
-from services.api.openai_format import ChatReply
 from services.api.reasoning import after_thinking, prompt_state, split, thinks
 from services.api.schemas import ConstrainedFields
 from services.api.structured import parse_structured

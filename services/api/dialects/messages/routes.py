@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.api.chat import ChatPlan, plan_chat
+from services.api.chat_request import with_prompt
 from services.api.dialects.messages.errors import error_response
 from services.api.dialects.messages.reply import MessagesReply
 from services.api.dialects.messages.schemas import (
@@ -28,7 +29,6 @@ from services.api.dialects.messages.schemas import (
 )
 from services.api.dialects.messages.translate import translate
 from services.api.errors import ApiError, internal_error, invalid
-from services.api.openai_params import with_prompt
 from services.api.serving import Prepared, api_state, json_response, read_body, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream

@@ -1,4 +1,4 @@
-"""A Messages body -> the chat request (`OpenAIRequest`) and plain-dict messages that the
+"""A Messages body -> the chat request (`ChatRequest`) and plain-dict messages that the
 one chat path (`services/api/chat.py`) renders and generates from.
 
 Everything is checked here with Messages names before the chat path sees it, so a refusal
@@ -38,6 +38,7 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
+from services.api.chat_request import ChatRequest, check_model
 from services.api.dialects.messages.schemas import (
     MessagesBase64Source,
     MessagesImageParam,
@@ -55,7 +56,6 @@ from services.api.dialects.messages.schemas import (
     MessagesToolUseParam,
 )
 from services.api.errors import invalid
-from services.api.openai_params import OpenAIRequest, check_model
 from services.api.reasoning import thinks
 from services.api.structured import JSON_OPTIONS, validated
 from services.api.tools import Tools
@@ -67,7 +67,7 @@ from shared.generation_config import SAMPLING
 class Translated(NamedTuple):
     """A Messages body as the chat path takes it."""
 
-    req: OpenAIRequest
+    req: ChatRequest
     messages: list[dict[str, Any]]
     #: the final assistant turn's text, which the reply continues ("" for none)
     prefill: str = ""
@@ -281,5 +281,5 @@ def translate(req: MessagesInput, served: str, template: str | None, vision: boo
     params = GenerateParams(request_id=message_id(), sampling=sampling, max_tokens=max_tokens, prompt=None,
                             stream=stream, stop=stops, add_special_tokens=False, image_refs=tuple(images),
                             defaulted=defaulted)
-    return Translated(OpenAIRequest(params=params, stream=stream, tools=tools, template_kwargs=kwargs), messages,
+    return Translated(ChatRequest(params=params, stream=stream, tools=tools, template_kwargs=kwargs), messages,
                       prefill)

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute
 from starlette.routing import Route as HttpRoute
 
 from services.api.chat import plan_chat
+from services.api.chat_request import parse_chat
 from services.api.dialects.responses.reply import ReplyContext, ResponsesReply, echo_fields, new_id
 from services.api.dialects.responses.schemas import ResponseDeleted, ResponseObject, ResponsesRequest
 from services.api.dialects.responses.store import ResponseStore
@@ -31,7 +32,6 @@ from services.api.dialects.responses.translate import (
     to_messages,
 )
 from services.api.errors import ApiError, HttpKind, invalid
-from services.api.openai_params import parse_chat
 from services.api.schemas import Route
 from services.api.serving import Prepared, api_state, error_response, json_response, serve
 from services.api.state import ApiState

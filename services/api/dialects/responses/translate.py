@@ -1,7 +1,7 @@
 """A Responses body -> the chat request the one chat path takes (`services/api/chat.py`).
 
 The body is decoded against `ResponsesRequest` (an unknown field or item type is a 400
-naming it), its items become chat messages (plain dicts, as `openai_params.parse_chat`
+naming it), its items become chat messages (plain dicts, as `chat_request.parse_chat`
 reads them), and its settings the chat body's fields (`text.format` -> `response_format`,
 `max_output_tokens` -> `max_completion_tokens`, `tools` -> chat's function tools,
 `reasoning.effort` -> the template variable `reasoning_effort`). `parse_chat` then checks

@@ -1,29 +1,35 @@
-"""Request bodies of `/v1/completions`, `/v1/chat/completions` and the form fields of
-`/v1/audio/transcriptions` -> `GenerateParams`.
+"""The chat request: the one request every dialect's chat body becomes (`ChatRequest`), and
+the steps each takes to get there. The core of the api's dialects, beside `chat.py`: it
+imports no route and no dialect.
 
-The bodies' shapes are declared in `schemas.py` (`CompletionRequest`,
-`ChatCompletionRequest`, `TranscriptionForm`, which share their sampling, `max_tokens` and
-`stop` fields with `/generate`'s) and decoded by `validation.load`, so a field is checked
-one way whichever route carries it. What is left here is what a declaration cannot say:
-the served model's name, the rules across fields (`n` x prompts, `best_of`,
+- `ChatRequest`: what to generate (`GenerateParams`) and how to answer (stream, usage,
+  logprobs, `n`, tools, template variables); `chat.plan_chat` fills in its prompt
+  (`with_prompt`) and, for forced tool calls or a reasoning template, its grammar
+  (`with_grammar`).
+- `parse_chat`: OpenAI's chat body (`schemas.ChatCompletionRequest`) -> a `ChatRequest` and
+  its messages as plain dicts (`parse_messages`, which `/tokenize` uses too).
+  `/v1/chat/completions` reads its bodies with it, and so does `/v1/responses`, which
+  writes its items as such a body first so a field is checked one way; `/v1/messages`
+  builds its `ChatRequest` itself.
+- `check_model`: the served model's name, every route's `model` check (the task routes'
+  too); `stream_flags`, `check_n`: the rules across fields that chat and completions share.
+
+The body's shape is declared in `schemas.py` (`ChatCompletionRequest`, whose sampling,
+`max_tokens` and `stop` fields are `/generate`'s) and decoded by `validation.load`, so a
+field is checked one way whichever route carries it. What is left here is what a
+declaration cannot say: the served model's name, the rules across fields (`n`, `best_of`,
 `stream_options` without `stream`, `max_tokens` vs `max_completion_tokens`, the messages'
 roles), and the translation into `GenerateParams`. The rendering of `messages` is the chat
 template's job (`chat_template.py`); this module makes them plain dicts.
 
 Choices (OpenAI's and vLLM's behaviour, see the README):
 - `model` may be omitted; given, it must be the served name, else 404 `model_not_found`.
-- `/v1/completions` without `max_tokens` gets 16 (OpenAI's documented default, also
-  vLLM's); chat without `max_tokens` / `max_completion_tokens` gets the most the engine
-  allows for the prompt, as `/generate` does.
-- `prompt` may be a string, a list of token ids, or a list of those (up to
-  `MAX_PROMPTS`): one choice per prompt (times `n`), in order, as vLLM answers a batch.
+- chat without `max_tokens` / `max_completion_tokens` gets the most the engine allows for
+  the prompt, as `/generate` does.
 - `n` (1-`MAX_N`) samples per prompt: choice `i * n + j` is sample j of prompt i, with
   seed `seed + j` when a seed is given; `best_of` may only equal `n` (vLLM's V1 engine
   ranks no samples either).
 - `user` is accepted and not used (it only labels the end user for the provider).
-- transcriptions: `temperature` defaults to 0 (greedy; OpenAI's default too), `prompt`
-  (previous-text conditioning) is refused unless empty, `response_format` is `json`,
-  `text` or `verbose_json`, and `stream` works with `json` / `text` only.
 """
 
 from __future__ import annotations
@@ -39,18 +45,14 @@ from services.api.reasoning import RESERVED
 from services.api.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
-    CompletionRequest,
     ImageUrlPart,
     OpenAIFields,
-    TranscriptionForm,
 )
 from services.api.structured import parse_structured, validated
 from services.api.tools import Tools, parse_history_calls, parse_tools
 from services.api.validation import (
     GenerateParams,
     ImageRef,
-    check_audio,
-    json_repr,
     left_out,
     load,
     sampling_params,
@@ -58,46 +60,25 @@ from services.api.validation import (
 )
 from shared.errors import ErrorKind
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_CHOICES = 256  # prompts x n
 
 
-class OpenAIRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated `/v1/*` request: what to generate and how to answer."""
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated chat request, whichever dialect's body it came from: what to generate
+    and how to answer. `chat.plan_chat` renders its prompt; the dialect's reply reads the
+    rest."""
 
     params: GenerateParams
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with usage and no choices
-    echo: bool = False  # completions: the prompt text comes first in the choice's text
-    #: completions: alternatives per token in the logprobs object (None: no logprobs);
-    #: chat: `top_logprobs` when `logprobs` is true
+    #: `top_logprobs` when `logprobs` is true (None: no logprobs)
     logprobs: int | None = None
     #: samples per prompt
     n: int = 1
-    #: completions: every prompt, as (text, token ids) with one of them None; the first is
-    #: also `params`'s
-    prompts: list[tuple[str | None, list[int] | None]] = []
-    #: chat: the request's tools (None: none, or tool_choice "none")
+    #: the request's tools (None: none, or tool_choice "none")
     tools: Tools | None = None
-    #: chat: extra variables for the chat template (vLLM's `chat_template_kwargs`)
+    #: extra variables for the chat template (vLLM's `chat_template_kwargs`)
     template_kwargs: dict[str, Any] = {}
-
-
-class TranscriptionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated `/v1/audio/transcriptions` form."""
-
-    params: GenerateParams
-    response_format: str = "json"
-    stream: bool = False
-
-
-def transcription_id() -> str:
-    return f"trsc-{uuid.uuid4().hex}"
-
-
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
 
 
 def chat_completion_id() -> str:
@@ -118,23 +99,6 @@ def stream_flags(req: OpenAIFields) -> tuple[bool, bool]:
     return bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
 
-def completion_prompts(prompt: str | list[Any]) -> list[tuple[str | None, list[int] | None]]:
-    """The prompts of `/v1/completions` (a string, token ids, or a list of up to MAX_PROMPTS
-    of either) as (text, token ids) pairs: a list is token ids or prompts, not a mix."""
-    if isinstance(prompt, str):
-        return [(prompt, None)]
-    ids = type(prompt[0]) is int
-    for i, item in enumerate(prompt):
-        if (type(item) is int) != ids:
-            kind = "an integer (prompt[0] is a token id)" if ids else "a string or a list of token ids (prompt[0] is)"
-            raise invalid(f"prompt[{i}]", f"prompt[{i}] must be {kind}, got {json_repr(item)}")
-    if ids:
-        return [(None, list(prompt))]
-    if len(prompt) > MAX_PROMPTS:
-        raise invalid("prompt", f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed")
-    return [(p, None) if isinstance(p, str) else (None, p) for p in prompt]
-
-
 def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     """`n` samples per prompt (prompts x n at most MAX_CHOICES); `best_of`, when given, must
     equal n (vLLM's V1 engine ranks no samples either)."""
@@ -143,33 +107,6 @@ def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     if best_of is not None and best_of != n:
         raise invalid("best_of", f"best_of must equal n ({n}): samples are not ranked, got {best_of}")
     return n
-
-
-def parse_completion(obj: Mapping[str, Any], served: str) -> OpenAIRequest:
-    """Validate a `/v1/completions` body (`schemas.CompletionRequest`)."""
-    req = load(obj, CompletionRequest)
-    check_model(req.model, served)
-    prompts = completion_prompts(req.prompt)
-    n = check_n(req.n or 1, len(prompts), req.best_of)
-    stream, include_usage = stream_flags(req)
-    logprobs, prompt_logprobs = req.logprobs, req.prompt_logprobs
-    if req.echo and logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = logprobs  # the echoed prompt's tokens come with their logprobs (vLLM)
-    sampling = sampling_params(req, req.max_tokens, grammar=parse_structured(req), logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs)
-    prompt, input_ids = prompts[0]
-    params = GenerateParams(
-        request_id=completion_id(),
-        sampling=sampling,
-        max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-        prompt=prompt,
-        input_ids=input_ids,
-        stream=stream,
-        stop=stop_strings(req.stop),
-        defaulted=left_out(req),
-    )
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, echo=bool(req.echo),
-                         logprobs=logprobs, n=n, prompts=prompts)
 
 
 def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tuple[list[dict[str, Any]],
@@ -217,8 +154,8 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
     return "\n".join(p["text"] for p in listed if p["type"] == "text")
 
 
-def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[OpenAIRequest,
-                                                                                 list[dict[str, Any]]]:
+def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[ChatRequest,
+                                                                               list[dict[str, Any]]]:
     """Validate a `/v1/chat/completions` body (`schemas.ChatCompletionRequest`); the prompt
     is filled in by the caller from the rendered template (see `with_prompt`). `vision`:
     the served model takes images (content goes to its template as a list of parts)."""
@@ -255,18 +192,18 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tup
         if key in RESERVED:
             raise invalid(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is set by the server, "
                           "not the request")
-    return OpenAIRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
-                         tools=tools, template_kwargs=kwargs), messages
+    return ChatRequest(params=params, stream=stream, include_usage=include_usage, logprobs=logprobs, n=n,
+                       tools=tools, template_kwargs=kwargs), messages
 
 
-def with_prompt(req: OpenAIRequest, prompt: str) -> OpenAIRequest:
+def with_prompt(req: ChatRequest, prompt: str) -> ChatRequest:
     """The request with its rendered chat prompt (refused if the template rendered nothing)."""
     if not prompt:
         raise ApiError(ErrorKind.INVALID, "the chat template rendered an empty prompt for these messages", "messages")
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
 
 
-def with_grammar(req: OpenAIRequest, grammar: str, check: str | None = "tools") -> OpenAIRequest:
+def with_grammar(req: ChatRequest, grammar: str, check: str | None = "tools") -> ChatRequest:
     """The request constrained by `grammar`: the calls of `tool_choice` "required" or a
     named function, checked (a function's `parameters` that do not compile are a 400 naming
     `check`), or (`check` None) a constraint already checked, moved after a reasoning
@@ -275,27 +212,3 @@ def with_grammar(req: OpenAIRequest, grammar: str, check: str | None = "tools") 
         grammar = validated(grammar, check)
     sampling = msgspec.structs.replace(req.params.sampling, grammar=grammar)
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, sampling=sampling))
-
-
-def parse_transcription(obj: Mapping[str, Any], audio: bytes | None, served: str) -> TranscriptionRequest:
-    """Validate the fields of a `/v1/audio/transcriptions` form (typed by `forms.py`;
-    `schemas.TranscriptionForm`)."""
-    req = load(obj, TranscriptionForm)
-    check_model(req.model, served)
-    audio = check_audio(audio)
-    response_format = req.response_format or "json"
-    stream = bool(req.stream)
-    if stream and response_format == "verbose_json":
-        raise invalid("stream", "stream is not supported with response_format verbose_json; use json or text")
-    if req.temperature is None:  # greedy unless asked otherwise (OpenAI's default is 0 too)
-        req = msgspec.structs.replace(req, temperature=0.0)
-    params = GenerateParams(
-        request_id=transcription_id(),
-        sampling=sampling_params(req),
-        max_tokens=req.max_tokens,
-        stream=stream,
-        audio=audio,
-        language=req.language,
-        task="transcribe",
-    )
-    return TranscriptionRequest(params=params, response_format=response_format, stream=stream)

@@ -1,37 +1,34 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/v1/audio/transcriptions` (multipart/form-data, speech models only), and `/openapi.json`
-(generated from the bodies declared in `schemas.py`, as vLLM and SGLang publish theirs).
+"""OpenAI's routes: `GET /v1/models[/{model}]`, `POST /v1/completions`,
+`POST /v1/chat/completions`, and their declared shapes (`ROUTES`, `SHAPES`).
 
 They run on the same machinery as `/generate` (`serving.serve`: body limit, submission,
-disconnect aborts, SSE) and differ only in how a body is read (`openai_params.py`) and
-how the answer is shaped (`openai_format.py`). Chat prompts are the checkpoint's chat
-template rendered here (`chat_template.py`) and sent with `add_special_tokens=False`.
+disconnect aborts, SSE) and differ only in how a body is read (`params.py` for
+completions, the core's `chat_request.parse_chat` for chat) and how the answer is shaped
+(`reply.py`). Chat prompts are the checkpoint's chat template rendered by the one chat
+path (`chat.plan_chat`) and sent with `add_special_tokens=False`.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 
 from services.api.chat import plan_chat
-from services.api.dialects import shapes
+from services.api.chat_request import check_model, parse_chat
+from services.api.dialects.openai.params import parse_completion
+from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
 from services.api.fanout import Choice, expand
-from services.api.forms import Form, parse_form
-from services.api.openai_format import ChatReply, CompletionReply, ManyReply
-from services.api.openai_params import check_model, parse_chat, parse_completion, parse_transcription
-from services.api.openapi import openapi
-from services.api.schemas import ModelCard, ModelList
-from services.api.serving import Prepared, api_state, json_response, serve
+from services.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.api.schemas import Route as Shape
+from services.api.serving import Prepared, api_state, guard, json_response, serve
 from services.api.state import ApiState
 from services.api.streaming import EventStream
-from services.api.transcription import TranscriptionReply, language_code, require_speech_model
 from services.api.validation import GenerateParams
-from shared.version import mstar_version
 
 
 def _model_card(state: ApiState) -> ModelCard:
@@ -58,16 +55,6 @@ async def get_model(request: Request) -> Response:
     state = api_state(request)
     check_model(request.path_params["model"], state.settings.model_name)
     return json_response(_model_card(state))
-
-
-@functools.cache
-def _openapi_document() -> bytes:
-    return msgspec.json.encode(openapi(mstar_version(), shapes()))
-
-
-async def openapi_json(request: Request) -> Response:
-    """GET /openapi.json: the OpenAPI 3.1 document of the routes' declared shapes (`schemas.py`)."""
-    return Response(_openapi_document(), media_type="application/json")
 
 
 def _accept_completion(obj: dict[str, Any], state: ApiState) -> Prepared:
@@ -113,16 +100,6 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
                                                       _firsts(choices)), choices)
 
 
-def _accept_transcription(form: Form, state: ApiState) -> Prepared:
-    settings = state.settings
-    require_speech_model(settings.takes_audio)
-    req = parse_transcription(form.fields, form.file, settings.model_name)
-    params = req.params
-    language = language_code(params.language) if params.language else settings.audio_language
-    reply = TranscriptionReply(req.response_format, params.audio or b"", language, params.sampling.temperature)
-    return Prepared(params, req.stream, reply)
-
-
 async def completions(request: Request) -> Response | EventStream:
     """POST /v1/completions."""
     return await serve(request, _accept_completion, "/v1/completions")
@@ -133,6 +110,18 @@ async def chat_completions(request: Request) -> Response | EventStream:
     return await serve(request, _accept_chat, "/v1/chat/completions")
 
 
-async def transcriptions(request: Request) -> Response | EventStream:
-    """POST /v1/audio/transcriptions (multipart/form-data)."""
-    return await serve(request, _accept_transcription, "/v1/audio/transcriptions", decode=parse_form)
+#: the dialect's Starlette routes, mounted by `app.py` (`/v1/models` answers no generation,
+#: so it is guarded rather than served)
+ROUTES: list[BaseRoute] = [
+    Route("/v1/models", guard(list_models), methods=["GET"]),
+    Route("/v1/models/{model:path}", guard(get_model), methods=["GET"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]
+#: its routes' declared shapes, published in `/openapi.json`
+SHAPES: dict[tuple[str, str], Shape] = {
+    ("/v1/completions", "post"): Shape(CompletionRequest, Completion),
+    ("/v1/chat/completions", "post"): Shape(ChatCompletionRequest, ChatCompletion),
+    ("/v1/models", "get"): Shape(response=ModelList),
+    ("/v1/models/{model}", "get"): Shape(response=ModelCard),
+}
