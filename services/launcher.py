@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--start-timeout", type=float, default=float(os.environ.get("MSTAR_START_TIMEOUT") or 900),
                        help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")
     add_logging_flags(serve)
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage reports the prompt tokens the prefix cache served (OpenAI's "
+                            "prompt_tokens_details.cached_tokens, as vLLM's flag)")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                        help="the api logs one line per HTTP request (default: off; env MSTAR_ACCESS_LOG=1)")
     serve.add_argument("--version", action="version", version=version)
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         api_flags += ["--generation-config", os.path.abspath(os.path.expanduser(args.generation_config))]
     elif args.generation_config != "auto":
         api_flags += ["--generation-config", args.generation_config]
+    if args.enable_prompt_tokens_details:
+        api_flags.append("--enable-prompt-tokens-details")
     api_flags += media_flags(args)
     children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
     if args.api_key:

@@ -169,6 +169,8 @@ class Output(msgspec.Struct, **HOT):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: prompt tokens the prefix cache served (not computed), on the request's first output
+    cached_tokens: int = 0
     #: one per token id, when the request asked for logprobs
     logprobs: list[TokenLogprobs] = []
     #: one per prompt token after the first (on the request's first output), when asked

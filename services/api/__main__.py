@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=float(os.environ.get("MSTAR_RESPONSES_STORE_TTL_S", 3600.0)), metavar="SECONDS",
                    help="seconds a stored response is kept (env MSTAR_RESPONSES_STORE_TTL_S; default 3600)")
     add_logging_flags(p)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   default=os.environ.get("MSTAR_ENABLE_PROMPT_TOKENS_DETAILS", "").lower() in ("1", "true", "on"),
+                   help="usage reports the prompt tokens the prefix cache served (OpenAI's "
+                        "prompt_tokens_details.cached_tokens; vLLM's flag; env MSTAR_ENABLE_PROMPT_TOKENS_DETAILS=1)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("MSTAR_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
                    help="log one line per HTTP request (uvicorn's access log: client, method, path, status), "
@@ -273,6 +277,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         responses_store_max=args.responses_store_max,
         responses_store_ttl_s=args.responses_store_ttl,
         **media_settings(args),  # type: ignore[arg-type]

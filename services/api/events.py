@@ -19,9 +19,12 @@ from shared.frames import TokenLogprobs
 LOGPROB_FLOOR = -9999.0
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
+    #: prompt tokens the prefix cache served (OpenAI's `prompt_tokens_details.cached_tokens`);
+    #: None (not shown) unless the deployment reports them (--enable-prompt-tokens-details)
+    cached_tokens: int | None = None
 
 
 class TopLogprob(msgspec.Struct, omit_defaults=True):

@@ -44,6 +44,7 @@ class Generation:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         count_prompt: bool = True,
+        report_cached: bool = False,
     ) -> None:
         self.handle = handle
         self.client_id = client_id
@@ -54,6 +55,8 @@ class Generation:
         self._last_token_at: float | None = None
         self._first_token_at: float | None = None
         self._prompt_tokens = prompt_tokens
+        self._cached_tokens = 0
+        self._report_cached = report_cached  # usage shows cached_tokens (--enable-prompt-tokens-details)
         # its prompt tokens went to the stats window (a prompt's later samples never send
         # theirs: usage and the metrics count a prompt once however many samples it has)
         self._prompt_seen = not count_prompt
@@ -126,7 +129,7 @@ class Generation:
         self._count(status_label(None, finish_reason))
         self._record(finish_reason)
         ids = list(self._token_ids)
-        usage = Usage(self._prompt_tokens, len(ids))
+        usage = Usage(self._prompt_tokens, len(ids), self._cached_tokens if self._report_cached else None)
         done = DoneEvent(self.client_id, self._stop.text, ids, finish_reason, usage)
         if self._metadata:
             done.metadata = dict(self._metadata)
@@ -182,6 +185,8 @@ class Generation:
         if item.prompt_token_ids:
             self._prompt_logprobs, self._prompt_ids = item.prompt_logprobs, item.prompt_token_ids
         prompt = 0
+        if item.cached_tokens:
+            self._cached_tokens = item.cached_tokens
         if item.prompt_tokens:
             self._prompt_tokens = item.prompt_tokens
             if not self._prompt_seen:

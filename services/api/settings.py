@@ -64,6 +64,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: the checkpoint's sampling defaults (generation_config.json; `--generation-config`),
     #: under every request's own fields
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    #: usage reports the prompt tokens the prefix cache served (vLLM's
+    #: --enable-prompt-tokens-details: OpenAI's `prompt_tokens_details.cached_tokens`,
+    #: `/generate`'s `usage.cached_tokens`, the Responses API's `input_tokens_details`)
+    prompt_tokens_details: bool = False
     log_stats_s: float = DEFAULT_LOG_STATS_S  # the stats line's period while there is traffic; 0: off
     #: the format tool calls are parsed from ("auto": chosen from the chat template)
     tool_call_parser: str = "auto"

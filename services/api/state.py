@@ -84,6 +84,7 @@ class ApiState:
             stop=params.stop,
             sampling=sampling,
             count_prompt=count_prompt,
+            report_cached=self.settings.prompt_tokens_details,
         )
 
 

@@ -51,7 +51,7 @@ class OutputProcessor:
         stop condition met ends the request and drops what follows. A pooling request's
         result is its one output, which ends it."""
         if req.pooled is not None:
-            out = Output(req.request_id, [], "stop", len(req.prompt), 0, pooled=req.pooled)
+            out = Output(req.request_id, [], "stop", len(req.prompt), 0, req.cached_tokens, pooled=req.pooled)
             return Emitted(out, req.reply_to, True, True)
         finish = None
         sp = req.sampling
@@ -71,6 +71,8 @@ class OutputProcessor:
         out = Output(req.request_id, toks, finish, len(req.prompt), len(req.output))
         if sp.logprobs is not None:
             out.logprobs = req.step_logprobs[: len(toks)]
+        if len(req.output) == len(toks):  # the first output
+            out.cached_tokens = req.cached_tokens
         if sp.prompt_logprobs is not None and len(req.output) == len(toks):  # the first output
             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []  # computed by the prefill
             out.prompt_token_ids = list(req.prompt)

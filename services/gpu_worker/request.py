@@ -33,6 +33,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     #: rows of prompt + output already in KV
     num_computed: int = 0
+    #: prompt rows the prefix cache served at its first admission (its usage's cached tokens)
+    cached_tokens: int = 0
     #: iterations each loop has run
     iters: dict[str, int] = field(default_factory=dict)
     #: False until the runner's admission work (an encoder pass) is done: not scheduled before

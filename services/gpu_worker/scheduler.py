@@ -238,6 +238,8 @@ class Scheduler:
         while self.waiting and (cap is None or len(admitted) < cap) and self._admissible():
             req = self.waiting.popleft()
             req.num_computed = self.kv.admit(req.kv)  # rows shared from the prefix cache
+            if not req.output:  # a preempted request's re-admission is not its prompt's hit
+                req.cached_tokens = min(req.num_computed, len(req.prompt))
             self.running.append(req)
             admitted.append(req)
         return admitted

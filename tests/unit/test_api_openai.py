@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from starlette.testclient import TestClient
 
@@ -14,7 +15,7 @@ from services.api.backend import RequestHandle
 from services.api.chat_request import parse_chat
 from services.api.detokenize import IncrementalDetokenizer
 from services.api.dialects.openai.params import parse_completion
-from services.api.dialects.openai.reply import ChatReply, CompletionReply
+from services.api.dialects.openai.reply import ChatReply, CompletionReply, usage_of
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.generation import Generation
@@ -375,6 +376,27 @@ async def test_stop_inside_a_speculative_burst_ends_at_the_same_token(finish) ->
     assert burst.usage == one_by_one.usage == Usage(3, 3) and burst.finish_reason == "stop"
     assert aborts_one == [("r1", "stop")]
     assert aborts_burst == ([("r1", "stop")] if finish is None else [])  # a finished request needs no abort
+
+
+@pytest.mark.parametrize("report", [False, True])
+async def test_usage_shows_the_cached_prompt_tokens_when_asked(report) -> None:
+    """The prefix cache's served rows (the first Output's cached_tokens) reach usage only with
+    --enable-prompt-tokens-details (vLLM's flag): /generate's `cached_tokens`, OpenAI's
+    `prompt_tokens_details`; without it both shapes stay as they were."""
+    tok = tiny_tokenizer()
+    handle = RequestHandle("r1", FakeBackend())  # type: ignore[arg-type]
+    gen = Generation(handle, IncrementalDetokenizer(tok), ApiMetrics(), client_id="c1", started=0.0,
+                     report_cached=report)
+    handle.put(Output("r1", [5], None, prompt_tokens=40, cached_tokens=32))
+    handle.put(Output("r1", [6], "length", prompt_tokens=40))
+    done = [e async for e in gen.events()][-1]
+    assert done.usage == Usage(40, 2, 32 if report else None)
+    usage = json.loads(msgspec.json.encode(usage_of(done)))
+    want = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    assert usage == ({**want, "prompt_tokens_details": {"cached_tokens": 32}} if report else want)
+    assert json.loads(msgspec.json.encode(done.usage)) == (
+        {"prompt_tokens": 40, "completion_tokens": 2, **({"cached_tokens": 32} if report else {})})
+    gen.close()
 
 
 def test_chat_on_an_embedding_model_names_its_task_and_routes(tmp_path) -> None:

@@ -31,15 +31,27 @@ from shared.frames import TokenLogprobs
 DONE_LINE = b"data: [DONE]\n\n"
 
 
-class OpenAIUsage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class OpenAIUsage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    #: OpenAI's: the prompt tokens the prefix cache served (the openai SDK reads it); shown
+    #: with --enable-prompt-tokens-details, as vLLM does
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def cached_details(cached: int | None) -> PromptTokensDetails | None:
+    return None if cached is None else PromptTokensDetails(cached)
 
 
 def usage_of(done: DoneEvent) -> OpenAIUsage:
     u = done.usage
-    return OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens)
+    return OpenAIUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
+                       cached_details(u.cached_tokens))
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -410,7 +422,9 @@ class ManyReply:
     def _usage(self, dones: dict[int, DoneEvent]) -> OpenAIUsage:
         prompt = sum(d.usage.prompt_tokens for i, d in dones.items() if i in self.firsts)
         completion = sum(d.usage.completion_tokens for d in dones.values())
-        return OpenAIUsage(prompt, completion, prompt + completion)
+        cached = [d.usage.cached_tokens for i, d in dones.items() if i in self.firsts]
+        shown = None if None in cached else sum(c or 0 for c in cached)
+        return OpenAIUsage(prompt, completion, prompt + completion, cached_details(shown))
 
     def json(self, dones: list[DoneEvent]) -> msgspec.Struct:
         choices = [r.choice(d) for r, d in zip(self.replies, dones)]

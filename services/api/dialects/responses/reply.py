@@ -147,7 +147,8 @@ class ResponsesReply:
         u = done.usage
         reasoning = self.ctx.count_tokens(thinking) if thinking else 0
         return RespUsage(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
-                         RespInputTokensDetails(), RespOutputTokensDetails(min(reasoning, u.completion_tokens)))
+                         RespInputTokensDetails(u.cached_tokens or 0),
+                         RespOutputTokensDetails(min(reasoning, u.completion_tokens)))
 
     def _finished(self, done: DoneEvent, output: list[RespOutputItem], thinking: str) -> ResponseObject:
         status, incomplete = _status(done.finish_reason)
