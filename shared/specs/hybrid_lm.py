@@ -8,8 +8,9 @@ state (every linear layer's convolution window and recurrent matrix), and its pa
 the sequence limit, so the footprint formula gives every request exactly one slot however
 long it runs: declared, admitted and released like any label (DESIGN.md, "Recurrent
 state"). The state label's rows are declared as a rows span, which the prefix cache never
-keys: a prefix hit would need the state at the hit's page boundary, which this engine does
-not snapshot yet, so hybrids run every prompt from its first row (exact, never a wrong hit).
+keys by itself: a hit on the "text" label's pages resumes from a snapshot of the state taken
+at that page boundary (`with_state_slots` sizes the pool for the snapshots too; the KV
+manager's `state_snapshot_rows`, docs/architecture.md "Recurrent state").
 
 Speculative decoding stays off for hybrids (the engine's `speculation` check: the engine
 kind is not "decoder"): a rejected draft would have advanced the recurrent state.
@@ -78,10 +79,6 @@ class HybridLMSpec(DecoderLMSpec):
                                                    self.state_slots, self.max_seq_len,
                                                    state_floats=self.hybrid.state_floats)
         return pools
-
-    def prepare_image(self, data: bytes):
-        raise PromptError("images", f"{self.config.architecture} is served as text only: its vision tower is not "
-                                    "implemented in mstar yet")
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         if request.audio is not None:
