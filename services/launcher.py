@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")
     add_logging_flags(serve)
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       default=os.environ.get("MSTAR_ENABLE_PROMPT_TOKENS_DETAILS", "").lower() in ("1", "true", "on"),
                        help="usage reports the prompt tokens the prefix cache served (OpenAI's "
-                            "prompt_tokens_details.cached_tokens, as vLLM's flag)")
+                            "prompt_tokens_details.cached_tokens, as vLLM's flag) (default: off; "
+                            "env MSTAR_ENABLE_PROMPT_TOKENS_DETAILS=1)")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                        help="the api logs one line per HTTP request (default: off; env MSTAR_ACCESS_LOG=1)")
     serve.add_argument("--version", action="version", version=version)

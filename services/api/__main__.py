@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    default=os.environ.get("MSTAR_ENABLE_PROMPT_TOKENS_DETAILS", "").lower() in ("1", "true", "on"),
                    help="usage reports the prompt tokens the prefix cache served (OpenAI's "
-                        "prompt_tokens_details.cached_tokens; vLLM's flag; env MSTAR_ENABLE_PROMPT_TOKENS_DETAILS=1)")
+                        "prompt_tokens_details.cached_tokens; vLLM's flag) "
+                        "(default: off; env MSTAR_ENABLE_PROMPT_TOKENS_DETAILS=1)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("MSTAR_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
                    help="log one line per HTTP request (uvicorn's access log: client, method, path, status), "

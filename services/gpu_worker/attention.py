@@ -446,7 +446,7 @@ class KernelBuilder(MetadataBuilder):
 
     def host(self, rows: list[AttnRows], page_size: int, window: int | None = None) -> HostStep | None:
         """A step's metadata as `_finish` lays it out, as plain ints: what the C stack reads
-        (modeling/cpu_stack.py), without the tensors, whose every op costs tens of
+        (modeling/decoder/cpu_stack.py), without the tensors, whose every op costs tens of
         microseconds with the caches cold from a step's weights. None where a prefill chunk
         is not one the C prefill kernel takes whole (`PrefillChunk.plain`)."""
         step = self._pass(rows, page_size, window, True)

@@ -16,25 +16,25 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from services.gpu_worker.csm_runner import CsmRunner
-from services.gpu_worker.encdec_runner import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.guided import Guides
-from services.gpu_worker.hybrid_runner import HybridRunner
-from services.gpu_worker.hybrid_vision_runner import HybridVisionRunner
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
-from services.gpu_worker.mrope_runner import MropeVisionRunner
 from services.gpu_worker.outputs import OutputProcessor
-from services.gpu_worker.pooling_runner import PoolingRunner
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.csm import CsmRunner
+from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
+from services.gpu_worker.runners.hybrid import HybridRunner
+from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
+from services.gpu_worker.runners.mrope import MropeVisionRunner
+from services.gpu_worker.runners.pooling import PoolingRunner
+from services.gpu_worker.runners.speech import SpeechRunner
+from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
+from services.gpu_worker.runners.vision import VisionRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
-from services.gpu_worker.speech_runner import SpeechRunner
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
-from services.gpu_worker.vision_runner import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
-from services.gpu_worker.vision_runner import VisionRunner
 from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
 from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors

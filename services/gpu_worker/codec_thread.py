@@ -58,7 +58,7 @@ class CodecThread:
 
 
 class HeldSound:
-    """The runner hooks (runner.py's `holding`, `ready_outputs`) of a speech runner whose
+    """The runner hooks (runners/base.py's `holding`, `ready_outputs`) of a speech runner whose
     outputs wait in its `thread` for their sound (Orpheus', CSM's)."""
 
     thread: CodecThread

@@ -2,7 +2,7 @@
 
     plan = scheduler.schedule()                 # scheduler.py: admit + which rows run -> StepPlan
     scheduler.reserve(plan)                     #   ... and the pages they write
-    sampled = runner.execute(plan)              # runner.py: plan -> inputs -> model -> sampled tokens
+    sampled = runner.execute(plan)              # runners/base.py: plan -> inputs -> model -> sampled tokens
     kept = outputs.kept(plan, sampled)          # outputs.py: what a verify step keeps
     scheduler.commit(plan, kept)                # scheduler.py: the kept rows committed
     outputs.emit(request, tokens)               # outputs.py: stop checks, caps -> Output, ended?
@@ -14,7 +14,7 @@ the output processor read it.
 
 Requests join the running batch between steps, and prefill chunks share a step with
 decode rows under a token budget. Every model runs through this one loop; what is special
-about a kind of model is its runner (encdec_runner.py for Whisper, pooling_runner.py for
+about a kind of model is its runner (runners/encdec.py for Whisper, runners/pooling.py for
 embedding and scoring models, whose one step ends the request with its pooled result). A failed forward fails
 the requests in it; a layout violation fails only its request; every page a request held
 returns to its pool however it ends.
@@ -31,7 +31,7 @@ from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import FootprintOverrun, KVManager
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.sampler import make_generator
 from services.gpu_worker.scheduler import Scheduler
 from services.gpu_worker.speculative import NgramProposer

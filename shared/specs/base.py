@@ -93,7 +93,7 @@ class PromptRequest:
 
 
 class ModelSpec(ABC):
-    #: which runner its steps need: "decoder" (services/gpu_worker/runner.py),
+    #: which runner its steps need: "decoder" (services/gpu_worker/runners/base.py),
     #: "encoder_decoder" (encdec_runner.py: an encoder pass at admission, then decoding) or
     #: "pooling" (pooling_runner.py: a prompt's forward, pooled; no decode loop)
     engine: str = "decoder"
@@ -283,7 +283,7 @@ def _refuse_undeclared_pools(pools: dict[str, PagedKVConfig], labels: tuple[KVLa
 
 @runtime_checkable
 class RunnerSpec(Protocol):
-    """What every runner (services/gpu_worker/runner.py and its subclasses) reads of a
+    """What every runner (services/gpu_worker/runners/base.py and its subclasses) reads of a
     spec, beyond the `ModelSpec` methods the engine calls."""
 
     @property

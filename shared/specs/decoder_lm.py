@@ -10,7 +10,7 @@ kinds get separate pools rather than wasting half of every page.
 The config is read once, by `shared.model_config.read_model_config`: a field it cannot
 honour is refused there, before any worker loads weights. The architectures it serves
 (`shared.model_config.ARCHITECTURES`) map to `DecoderLMSpec` in shared/specs/registry.py;
-the gpu worker runs it with `services.gpu_worker.modeling.decoder_lm.DecoderLM`.
+the gpu worker runs it with `services.gpu_worker.modeling.decoder.lm.DecoderLM`.
 """
 
 from __future__ import annotations

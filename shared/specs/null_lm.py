@@ -3,7 +3,7 @@
 It measures what serving costs around the model: every service, frame, layout, page and
 step runs as for a real decoder LM (it *is* a `DecoderLMSpec`: one pool "kv", one keyed
 label "text", the same `process_prompt` and `get_loop_caps`), but the torch module
-(`services.gpu_worker.modeling.null_lm.NullLM`) only writes zero K/V rows into a tiny pool
+(`services.gpu_worker.modeling.decoder.null_lm.NullLM`) only writes zero K/V rows into a tiny pool
 (1 layer, 1 KV head, head_dim 8) and returns logits whose argmax is the next printable
 ASCII byte after the last input id, so greedy output is known in advance and never EOS.
 

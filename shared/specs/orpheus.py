@@ -8,7 +8,7 @@ Orpheus' own is what goes in and what comes out:
 - out: audio tokens, 7 per frame (`shared.specs.orpheus_codes`), until `<end_of_speech>`;
   the gpu worker constrains each to its codebook's range (so every frame is a valid one:
   Orpheus' reference drops invalid codes after the fact) and turns frames into sound with
-  the SNAC codec beside the steps (`services/gpu_worker/speech_runner.py`).
+  the SNAC codec beside the steps (`services/gpu_worker/runners/speech.py`).
 
 The codec is a SNAC folder (config.json + pytorch_model.bin, as hubertsiuzdak/snac_24khz
 is on the Hub) at `<model folder>/snac`; its `codebook_size` sets the code ranges (4096 in

@@ -12,7 +12,7 @@ keyed by its ids and that image together (DESIGN.md section 3). The ids between 
 (the tags around tiles, the text) are `ids` spans as a text prompt's.
 
 The gpu worker runs the vision tower once per image at admission
-(`services/gpu_worker/vision_runner.py`) and puts its rows in place of the image tokens'
+(`services/gpu_worker/runners/vision.py`) and puts its rows in place of the image tokens'
 embeddings when the prompt is prefilled; positions are the row count (these families'
 RoPE is the text model's own), and the footprint counts every image row as a text row.
 

@@ -39,7 +39,7 @@ suppress lists), preprocessor_config.json (feature settings) and, as a fallback 
 language tokens, tokenizer.json. The registry's factory only receives config.json, so
 `ModelSource.spec` calls `spec.load_folder(path)` (a no-op for other families) on the spec
 it builds, and code with a folder in hand may use `WhisperSpec.from_folder(path, ...)`.
-The gpu worker runs it with `services.gpu_worker.modeling.whisper.WhisperModel`.
+The gpu worker runs it with `services.gpu_worker.modeling.speech.whisper.WhisperModel`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from services.gpu_worker.modeling.decoder_lm import DecoderLM
+from services.gpu_worker.modeling.decoder.lm import DecoderLM
 from services.gpu_worker.modeling.registry import TORCH_MODELS
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.registry import register_model

@@ -1,4 +1,4 @@
-"""The decode step's layer stack in one C call (modeling/cpu_stack.py, kernels/decode_stack.c)
+"""The decode step's layer stack in one C call (modeling/decoder/cpu_stack.py, kernels/decode_stack.c)
 gives bitwise the torch modules' result: the same logits and the same KV pages, on
 quantized Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms) and Gemma 3 (q/k norms, sandwich
 norms, GELU, sliding-window layers with their own RoPE) GGUF models, one whose q/k/v and
@@ -230,7 +230,7 @@ def test_bfloat16_and_int8_pages_are_bitwise_the_modules_and_float16_goes_throug
 def test_a_long_prefill_runs_the_mlp_in_slices_with_the_same_bits(model, monkeypatch):
     """Past MLP_ROWS rows the MLP runs slice by slice (its intermediate is most of a long
     step's memory); on the C kernels rows are independent, so the logits are the same."""
-    from services.gpu_worker.modeling import decoder_lm
+    from services.gpu_worker.modeling.decoder import lm as decoder_lm
 
     m, spec = model
     ids = [(5 * j) % 90 + 3 for j in range(300)]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers import fused
-from services.gpu_worker.modeling.decoder_lm import Rotary, _apply_rope
+from services.gpu_worker.modeling.decoder.lm import Rotary, _apply_rope
 from shared.model_config import RopeConfig
 
 pytestmark = [pytest.mark.kernels,

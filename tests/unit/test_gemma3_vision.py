@@ -20,8 +20,8 @@ from PIL import Image
 from services.data_worker.data_worker import DataWorker
 from services.gpu_worker.build import build_engine
 from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
 from services.gpu_worker.modeling.registry import torch_model_for
+from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.weights import build_model
 from shared.frames import GenerateRequest, NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource

@@ -285,3 +285,33 @@ def test_a_dialect_imports_the_core_only():
     assert not bad, bad
     assert {"services.api.dialects.openai", "services.api.dialects.messages",
             "services.api.dialects.responses"} <= set(modules())
+
+
+#: the gpu worker's floors, top to bottom: a module imports its own floor's and those below
+WORKER = "services.gpu_worker"
+WORKER_FLOORS = {f"{WORKER}.runners": 2, f"{WORKER}.modeling": 1, f"{WORKER}.layers": 0}
+
+
+def _floor(module: str) -> int | None:
+    return next((floor for prefix, floor in WORKER_FLOORS.items()
+                 if module == prefix or module.startswith(prefix + ".")), None)
+
+
+def test_the_worker_floors_import_downwards():
+    """Runners (a module per model kind) drive the model families (a folder per kind under
+    modeling/), which are built of layers: a family never imports a runner, a layer never
+    imports a family or a runner. The engine, scheduler and worker sit above them all: none
+    of the three floors imports those."""
+    above = {f"{WORKER}.{m}" for m in ("engine", "scheduler", "worker", "build", "outputs")}
+    bad = []
+    for module in modules():
+        mine = _floor(module)
+        if mine is None:
+            continue
+        for imp in imports_of(module):
+            theirs = _floor(imp.target)
+            if (theirs is not None and theirs > mine) or imp.target in above:
+                bad.append(f"{module}:{imp.line} imports {imp.target}")
+    assert not bad, bad
+    kinds = {m.split(".")[3] for m in modules() if m.startswith(f"{WORKER}.modeling.") and m.count(".") >= 4}
+    assert {"decoder", "hybrid", "vision", "speech", "encoder"} <= kinds, kinds

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from services.gpu_worker import attention, cpu_kernels
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.quant import QuantLinear
-from services.gpu_worker.modeling.decoder_lm import Rotary, _apply_rope
+from services.gpu_worker.modeling.decoder.lm import Rotary, _apply_rope
 from shared.model_config import RopeConfig
 from tests.unit.test_quant import random_blocks
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from services.gpu_worker.modeling.base import ENGINE_MODELS, DecoderModel, ModelBase
-from services.gpu_worker.modeling.decoder_lm import DecoderLM
-from services.gpu_worker.modeling.null_lm import NullLM
+from services.gpu_worker.modeling.decoder.lm import DecoderLM
+from services.gpu_worker.modeling.decoder.null_lm import NullLM
 from services.gpu_worker.modeling.registry import TORCH_MODELS, torch_model_for
-from services.gpu_worker.modeling.whisper import WhisperModel
+from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.null_lm import NullLMSpec

@@ -167,7 +167,7 @@ def test_served_model_skips_the_dense_fast_paths_and_matches_transformers(tmp_pa
     builds it: the C decode stack declines it, the MLP fusions touch only the dense layer,
     and its prompt log-likelihood (paged KV, prompt chunks of 7 rows) is transformers'."""
     from bench.perplexity import load, perplexity
-    from services.gpu_worker.modeling.decoder_lm import MLP
+    from services.gpu_worker.modeling.decoder.lm import MLP
     from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1],

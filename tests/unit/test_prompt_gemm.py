@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker import runner
 from services.gpu_worker.layers import quant, wide_gemm
 from services.gpu_worker.layers.prompt_rows import prompt_rows_from, shifted, start
 from services.gpu_worker.layers.quant import QuantLinear
+from services.gpu_worker.runners import base as runner
 from services.gpu_worker.step_types import PlanEntry, StepPlan
 from shared.config import Deployment
 from tests.unit.test_quant import dequantized, random_blocks, rounded

@@ -152,10 +152,10 @@ def test_the_images_change_transformers_answer(processor: Any, hf_model: Any) ->
 
 def test_the_runner_combines_hybrid_and_mrope_hooks() -> None:
     from services.gpu_worker.build import RUNNERS
-    from services.gpu_worker.hybrid_runner import HybridRunner
-    from services.gpu_worker.hybrid_vision_runner import HybridVisionRunner
-    from services.gpu_worker.mrope_runner import MropeVisionRunner
-    from services.gpu_worker.vision_runner import VisionRunner
+    from services.gpu_worker.runners.hybrid import HybridRunner
+    from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
+    from services.gpu_worker.runners.mrope import MropeVisionRunner
+    from services.gpu_worker.runners.vision import VisionRunner
 
     assert RUNNERS[Qwen35VLSpec.engine][0] is HybridVisionRunner
     resolved = {name: next(c for c in HybridVisionRunner.__mro__ if name in c.__dict__)

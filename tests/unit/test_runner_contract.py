@@ -1,5 +1,5 @@
 """What the runners read of a spec is declared (issue 28): every `self.spec.<name>` in
-runner.py and encdec_runner.py is a member of its runner's protocol in shared/specs/base.py,
+runners/base.py and runners/encdec.py is a member of its runner's protocol in shared/specs/base.py,
 every built-in family has those members, and a spec that lacks one is refused by name."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.gpu_worker.encdec_runner import EncoderDecoderRunner
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.encdec import EncoderDecoderRunner
 from shared.specs.base import (
     DecoderRunnerSpec,
     DeploymentError,
@@ -33,8 +33,8 @@ def _spec_reads(path: Path) -> set[str]:
             and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
 
 
-@pytest.mark.parametrize("module, proto", [("runner.py", DecoderRunnerSpec),
-                                           ("encdec_runner.py", EncoderDecoderRunnerSpec)])
+@pytest.mark.parametrize("module, proto", [("runners/base.py", DecoderRunnerSpec),
+                                           ("runners/encdec.py", EncoderDecoderRunnerSpec)])
 def test_every_attribute_a_runner_reads_is_declared(module, proto):
     reads = _spec_reads(WORKER / module)
     assert reads, module

@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from services.gpu_worker.modeling.siglip import (
+from services.gpu_worker.modeling.vision.siglip import (
     Idefics3Connector,
     SiglipVisionTower,
     bucketed_position_ids,

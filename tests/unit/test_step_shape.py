@@ -10,7 +10,8 @@ from pathlib import Path
 WORKER = Path(__file__).resolve().parents[2] / "services" / "gpu_worker"
 #: the KV manager's methods that change state, and what they are called on
 CHANGES = {"ingest_request", "reserve_rows", "commit", "drop_scratch", "admit", "remove", "hold", "drop"}
-PEERS = {"scheduler", "runner", "outputs", "encdec_runner"}
+#: the peers, by module path under services.gpu_worker
+PEERS = {"scheduler", "runners.base", "outputs", "runners.encdec"}
 
 
 def _kv_changes(path: Path) -> list[str]:
@@ -26,15 +27,15 @@ def _kv_changes(path: Path) -> list[str]:
 
 
 def test_only_the_scheduler_changes_kv_state():
-    calls = [c for p in sorted(WORKER.glob("*.py")) if p.name != "kv_manager.py" for c in _kv_changes(p)]
+    calls = [c for p in sorted(WORKER.rglob("*.py")) if p.name != "kv_manager.py" for c in _kv_changes(p)]
     assert calls and all(c.startswith("scheduler.py:") for c in calls), calls
 
 
 def test_scheduler_runner_and_outputs_are_peers():
     for name in PEERS:
-        tree = ast.parse((WORKER / f"{name}.py").read_text())
-        imported = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree)
+        tree = ast.parse((WORKER / f"{name.replace('.', '/')}.py").read_text())
+        imported = {n.module.removeprefix("services.gpu_worker.") for n in ast.walk(tree)
                     if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("services.gpu_worker.")}
-        others = (PEERS - {name, "runner"}) if name == "encdec_runner" else PEERS - {name}
+        others = (PEERS - {name, "runners.base"}) if name == "runners.encdec" else PEERS - {name}
         assert not imported & others, (name, imported & others)  # the Whisper runner extends the runner
         assert name == "scheduler" or "step_types" in imported

@@ -523,7 +523,7 @@ class QuantParts(nn.Module):
     `QuantLinear` (`concat` refuses their forms: Q4_K q and k beside a Q6_K v, as llama.cpp's
     Q4_K_M recipe writes every few layers): each runs apart and their outputs are
     concatenated, so the layer computes as with one fused GEMM, and the C decode stack
-    (modeling/cpu_stack.py) runs the parts into one buffer's column ranges: the same values."""
+    (modeling/decoder/cpu_stack.py) runs the parts into one buffer's column ranges: the same values."""
 
     def __init__(self, parts: list[QuantLinear]) -> None:
         super().__init__()

@@ -137,7 +137,7 @@ class SpeechCodesModel(ModelBase):
     """A speech model that writes several codes a frame (CSM): a backbone over the
     prompt's and the frames' rows that samples each frame's first code, and a depth decoder
     that writes the frame's other codes one step at a time on its own paged label; the
-    runner (csm_runner.py) drives both, so there is no single forward."""
+    runner (runners/csm.py) drives both, so there is no single forward."""
 
     @abstractmethod
     def backbone(self, text_ids: torch.Tensor, text_rows: torch.Tensor, frames: torch.Tensor,

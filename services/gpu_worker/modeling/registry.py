@@ -9,17 +9,17 @@ step loop its spec names (`ModelSpec.engine`) is refused too, before any weight 
 from __future__ import annotations
 
 from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
-from services.gpu_worker.modeling.bert import BertModel
-from services.gpu_worker.modeling.csm import CsmModel
-from services.gpu_worker.modeling.decoder_embed import DecoderEmbedder
-from services.gpu_worker.modeling.decoder_lm import DecoderLM
-from services.gpu_worker.modeling.gemma3_vlm import Gemma3VisionLM
+from services.gpu_worker.modeling.decoder.embed import DecoderEmbedder
+from services.gpu_worker.modeling.decoder.lm import DecoderLM
+from services.gpu_worker.modeling.decoder.null_lm import NullLM
+from services.gpu_worker.modeling.encoder.bert import BertModel
 from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
-from services.gpu_worker.modeling.idefics3 import Idefics3LM
-from services.gpu_worker.modeling.null_lm import NullLM
-from services.gpu_worker.modeling.qwen2_5_vl import Qwen25VLModel
-from services.gpu_worker.modeling.whisper import WhisperModel
+from services.gpu_worker.modeling.speech.csm import CsmModel
+from services.gpu_worker.modeling.speech.whisper import WhisperModel
+from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
+from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
+from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec

@@ -28,7 +28,7 @@ from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import TILE, QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
-from services.gpu_worker.modeling.decoder_lm import MLP, RowEmbeds, _concat_linears
+from services.gpu_worker.modeling.decoder.lm import MLP, RowEmbeds, _concat_linears
 from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
 
 #: a layer's metadata: paged attention's, or the linear layers' state batch

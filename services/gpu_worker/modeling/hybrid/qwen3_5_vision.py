@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.modeling.base import GridVisionDecoderModel
-from services.gpu_worker.modeling.decoder_lm import RowEmbeds
+from services.gpu_worker.modeling.decoder.lm import RowEmbeds
 from services.gpu_worker.modeling.hybrid.qwen3_5 import LayerMeta, Qwen35LM
-from services.gpu_worker.modeling.qwen2_5_vl import VisionAttention
+from services.gpu_worker.modeling.vision.qwen2_5_vl import VisionAttention
 
 #: prefixes of the tower's tensors: transformers 5's files, then a bare `visual.` as the
 #: Qwen2.5-VL Hub files have it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, cpu_backend
 from services.gpu_worker.layers.delta_rule import StateBatch
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 
 

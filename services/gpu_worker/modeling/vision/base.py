@@ -22,8 +22,8 @@ from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.modeling.base import VisionDecoderModel
-from services.gpu_worker.modeling.decoder_lm import DecoderLM, RowEmbeds
-from services.gpu_worker.modeling.siglip import SiglipVisionTower, load_prefixed
+from services.gpu_worker.modeling.decoder.lm import DecoderLM, RowEmbeds
+from services.gpu_worker.modeling.vision.siglip import SiglipVisionTower, load_prefixed
 
 
 def load_vlm_weights(state: Mapping[str, torch.Tensor], lm: DecoderLM, *, text: tuple[str, ...],

@@ -19,8 +19,8 @@ never runs these steps: the modules do, text-only requests included.
 
 from __future__ import annotations
 
-from services.gpu_worker.hybrid_runner import HybridRunner
-from services.gpu_worker.mrope_runner import MropeVisionRunner
+from services.gpu_worker.runners.hybrid import HybridRunner
+from services.gpu_worker.runners.mrope import MropeVisionRunner
 
 
 class HybridVisionRunner(HybridRunner, MropeVisionRunner):

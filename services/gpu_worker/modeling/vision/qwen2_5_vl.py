@@ -39,8 +39,8 @@ from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.modeling.base import GridVisionDecoderModel
-from services.gpu_worker.modeling.decoder_lm import DecoderLM, RowEmbeds
-from services.gpu_worker.modeling.vlm_base import load_vlm_weights
+from services.gpu_worker.modeling.decoder.lm import DecoderLM, RowEmbeds
+from services.gpu_worker.modeling.vision.base import load_vlm_weights
 from shared.specs.vision_lm import qwen25_vl_text_config
 
 #: (vision tower, language model) prefixes of transformers 5's files, then of the Hub's

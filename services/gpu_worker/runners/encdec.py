@@ -33,7 +33,7 @@ import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, CrossRows
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
 from shared.layout import KVLabel
 from shared.specs.base import EncoderDecoderRunnerSpec

@@ -30,7 +30,7 @@ import torch
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.snac_codec import SnacCodec, SnacStream
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from shared.frames import Output
 from shared.specs.base import SpeechRunnerSpec
 from shared.specs.orpheus_codes import CODES_PER_FRAME

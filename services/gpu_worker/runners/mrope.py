@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.vision import VisionRunner
 from services.gpu_worker.step_types import Failure
-from services.gpu_worker.vision_runner import VisionRunner
 from shared.specs.base import MropeVisionRunnerSpec
 
 

@@ -34,7 +34,7 @@ import torch
 
 from services.gpu_worker.attention import BUILDERS, AttnMetadata, AttnRows
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import Failure, StepPlan
 from services.gpu_worker.threads import torch_threads
 from shared.cgroup import available_cpus

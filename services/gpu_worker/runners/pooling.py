@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnRows
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 from shared.specs.base import PoolingRunnerSpec
 

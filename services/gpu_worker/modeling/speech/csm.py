@@ -27,7 +27,7 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.layers.rope import Rotary
 from services.gpu_worker.modeling.base import SpeechCodesModel
-from services.gpu_worker.modeling.decoder_lm import MLP, DecoderLayer, RMSNorm
+from services.gpu_worker.modeling.decoder.lm import MLP, DecoderLayer, RMSNorm
 from shared.model_config import ModelConfig
 from shared.specs.csm import llama_config
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
-from services.gpu_worker.modeling.decoder_lm import DecoderLM, RowEmbeds
-from services.gpu_worker.modeling.siglip import SiglipVisionTower
-from services.gpu_worker.modeling.vlm_base import SiglipDecoderModel, load_vlm_weights
+from services.gpu_worker.modeling.decoder.lm import DecoderLM, RowEmbeds
+from services.gpu_worker.modeling.vision.base import SiglipDecoderModel, load_vlm_weights
+from services.gpu_worker.modeling.vision.siglip import SiglipVisionTower
 from shared.specs.vision_lm import gemma3_image_token_id, gemma3_text_config
 
 #: (prefix as saved, the part's own prefix), longest first where one starts another

@@ -36,7 +36,7 @@ from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
-from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
+from services.gpu_worker.modeling.decoder.cpu_stack import CpuDecodeStack
 from shared.model_config import FULL, ModelConfig, read_model_config
 
 _apply_rope = apply_rope  # the name the kernel tests compare against

@@ -32,7 +32,7 @@ from services.gpu_worker.attention import (
 )
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.layers.prompt_rows import prompt_rows_from
-from services.gpu_worker.modeling.cpu_stack import CpuDecodeStack
+from services.gpu_worker.modeling.decoder.cpu_stack import CpuDecodeStack
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan

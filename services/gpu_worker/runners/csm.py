@@ -40,7 +40,7 @@ from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.mimi_codec import MimiCodec, MimiStream
 from services.gpu_worker.codecs.mimi_encoder import MimiEncoder
 from services.gpu_worker.request import Request
-from services.gpu_worker.runner import ModelRunner
+from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.sampler import Row, sample
 from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
 from shared.frames import Output, SamplingParams

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from services.gpu_worker.modeling.decoder_lm import DecoderLM
-from services.gpu_worker.modeling.siglip import Idefics3Connector, SiglipVisionTower
-from services.gpu_worker.modeling.vlm_base import SiglipDecoderModel, load_vlm_weights
+from services.gpu_worker.modeling.decoder.lm import DecoderLM
+from services.gpu_worker.modeling.vision.base import SiglipDecoderModel, load_vlm_weights
+from services.gpu_worker.modeling.vision.siglip import Idefics3Connector, SiglipVisionTower
 from shared.specs.vision_lm import text_config
 
 TEXT_PREFIX, VISION_PREFIX, CONNECTOR_PREFIX = "model.text_model.", "model.vision_model.", "model.connector."

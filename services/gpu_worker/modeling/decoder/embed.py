@@ -17,7 +17,7 @@ import torch
 
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.modeling.base import PoolingModel
-from services.gpu_worker.modeling.decoder_lm import DecoderLM
+from services.gpu_worker.modeling.decoder.lm import DecoderLM
 from shared.model_config import ModelConfig
 
 

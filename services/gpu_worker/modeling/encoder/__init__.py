@@ -1,0 +1,1 @@
+"""Encoder models (BERT-style embedding and scoring models)."""

@@ -1,0 +1,1 @@
+"""Speech models: Whisper (speech in) and CSM (speech out)."""
