@@ -26,9 +26,11 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> None:
+def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama",
+                   extra_specials: tuple[str, ...] = ()) -> None:
     """Byte-level BPE trained on CORPUS. Qwen2's pipeline (NFC + its split regex) for qwen
-    families, because transformers' Qwen2Tokenizer imposes it whatever tokenizer.json says."""
+    families, because transformers' Qwen2Tokenizer imposes it whatever tokenizer.json says.
+    `extra_specials` take the ids right after SPECIALS' (small ids, as some checkpoints have)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,7 +43,7 @@ def make_tokenizer(path: Path, vocab_size: int = 512, family: str = "llama") -> 
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + list(extra_specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(path / "tokenizer.json"))

@@ -61,13 +61,14 @@ def orpheus_tokens(codebook_size: int = 64) -> list[str]:
     return ["<|begin_of_text|>", "<|eot_id|>"] + [f"<custom_token_{n}>" for n in range(count)]
 
 
-def llama3_tokenizer(path: Path, specials: list[str], config: dict) -> None:
+def llama3_tokenizer(path: Path, specials: list[str], config: dict, small_ids: bool = False) -> None:
     """tests.checkpoints' byte-level BPE plus `specials`; like Llama 3's tokenizer it writes
     <|begin_of_text|> before the text; tokenizer_config.json is `config` over the fast
-    tokenizer's class and that bos."""
+    tokenizer's class and that bos. `small_ids`: the specials take ids 3, 4, ... (trained
+    in), not ids past the vocabulary's."""
     from tokenizers import Tokenizer, processors
 
-    make_tokenizer(path)
+    make_tokenizer(path, extra_specials=tuple(specials) if small_ids else ())
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.add_special_tokens(specials)
     bos = tok.token_to_id("<|begin_of_text|>")
@@ -130,15 +131,16 @@ CSM_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high
             "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
 
 
-def make_csm_tokenizer(path: Path) -> None:
+def make_csm_tokenizer(path: Path, small_ids: bool = False) -> None:
     """CSM's specials on a Llama 3-like tokenizer (the CSM processor tokenizes without the
     bos: the template writes its own), eos <|end_of_text|>, and CSM's chat template."""
     llama3_tokenizer(path, CSM_TOKENS, {"eos_token": "<|end_of_text|>", "pad_token": "<|AUDIO|>",
-                                        "chat_template": CSM_CHAT_TEMPLATE})
+                                        "chat_template": CSM_CHAT_TEMPLATE}, small_ids)
 
 
 def make_csm_checkpoint(path: Path, seed: int = 0, num_codebooks: int = 32, codebook_size: int = 64,
-                        depth: dict | None = None, mimi: dict | None = None, **shape) -> Path:
+                        depth: dict | None = None, mimi: dict | None = None, small_ids: bool = False,
+                        **shape) -> Path:
     """A tiny random CsmForConditionalGeneration (backbone hidden 64 x 2 layers, depth
     decoder 32 x 2 layers, `num_codebooks` codebooks of `codebook_size` codes, a tiny Mimi
     with the real rates), saved as transformers saves it (config.json with the depth
@@ -146,13 +148,13 @@ def make_csm_checkpoint(path: Path, seed: int = 0, num_codebooks: int = 32, code
     with a CSM tokenizer. The codebook vocabulary equals Mimi's codebook size (the real
     model's 2051 has 3 ids past Mimi's 2048 that its codec cannot decode). `shape`, `depth`
     and `mimi` change the backbone's, the depth decoder's and the codec's sizes (the bench's
-    larger one)."""
+    larger one). `small_ids`: CSM's specials take ids 3-6 (the audio placeholder 5)."""
     import torch
     import transformers
     from tokenizers import Tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    make_csm_tokenizer(path)
+    make_csm_tokenizer(path, small_ids)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     backbone = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2), **shape}

@@ -188,7 +188,7 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     n = min(16, spec.max_seq_len - 2)
     # A speech model's warm-up takes a real request's path: no prompt ids, silent audio,
     # the default decoder prompt (Whisper's language probe, where it detects the language).
-    ppo = spec.process_prompt(PromptRequest([] if spec.takes_audio else list(range(1, n + 1))))
+    ppo = spec.process_prompt(PromptRequest([] if spec.takes_audio else spec.warmup_ids(n)))
     n = int(ppo.metadata.get("prompt_len", n))
     caps = spec.clamp_caps(spec.get_loop_caps(2, prompt_len=n))
     refs, _ = pack_tensors(ppo.new_input_tensors)

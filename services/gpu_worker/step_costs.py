@@ -212,12 +212,13 @@ def calibrate(engine, spec, pools: dict, max_batch_tokens: int, max_num_seqs: in
     from shared.specs.base import PromptRequest
 
     groups = calibration_groups(spec, max_batch_tokens, max_num_seqs)
+    ids = spec.warmup_ids(199)  # ordinary ids: no media placeholder, which a bare prompt may not hold
     count = 0
     for _ in range(2):
         engine.scheduler.costs = StepCosts()
         for group in groups:
             for n, max_tokens in group:
-                ppo = spec.process_prompt(PromptRequest([j % 199 + 1 for j in range(count, count + n)]))
+                ppo = spec.process_prompt(PromptRequest([ids[j % len(ids)] for j in range(count, count + n)]))
                 caps = spec.clamp_caps(spec.get_loop_caps(max_tokens, prompt_len=n))
                 refs, _ = pack_tensors(ppo.new_input_tensors)
                 greedy = SamplingParams(temperature=0.0, ignore_eos=True)

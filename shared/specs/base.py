@@ -154,6 +154,20 @@ class ModelSpec(ABC):
         `image_placeholder`."""
         raise PromptError("images", "the served model does not take images")
 
+    def warmup_ids(self, n: int) -> list[int]:
+        """A text prompt of `n` ordinary ids for the worker's warm-up request: 1, 2, ...
+        skipping every placeholder id a prompt may hold only beside its media (an image's,
+        an audio frame's), which made-up ids would otherwise hit: a CSM checkpoint whose
+        audio placeholder is id 2 refused its own warm-up and never started."""
+        reserved = {getattr(self, name, None) for name in ("image_token_id", "audio_token_id", "audio_eos_token_id")}
+        ids: list[int] = []
+        token = 1
+        while len(ids) < n:
+            if token not in reserved:
+                ids.append(token)
+            token += 1
+        return ids
+
     def parameter_counts(self) -> tuple[int, int] | None:
         """(every parameter, those one token computes with): the two differ for a mixture of
         experts. Stated by /v1/models and the worker's start-up log where a family counts

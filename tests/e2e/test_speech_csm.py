@@ -296,3 +296,27 @@ async def test_context_refusals_name_the_field(server, context, param, message):
         assert message in r.json()["error"]["message"]
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "input_ids"
     _clean(server)
+
+
+async def test_small_special_ids_and_a_greedy_generation_config(tmp_path):
+    """A checkpoint whose audio placeholder is id 5 (CSM's specials trained in at ids 3-6)
+    starts (the warm-up's made-up ids skip the placeholders: they were 1..16 and the spec
+    refused its own warm-up), and its generation_config.json (greedy, FRAMES new tokens) is
+    the speech route's default: a body with no sampling field and no max_tokens speaks
+    transformers' greedy frames."""
+    folder = make_csm_checkpoint(tmp_path / "csm", num_codebooks=CODEBOOKS, small_ids=True)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "max_new_tokens": FRAMES}))
+    frames, wave = csm_reference(folder, [("0", TEXTS[0])], FRAMES)[0]
+    srv = MstarServer(str(folder), tmp_path / "csm.log", "--num-kv-pages", "64", "--page-size", str(PAGE_SIZE),
+                      "--max-seq-len", str(MAX_SEQ_LEN), env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    try:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+            r = await client.post("/v1/audio/speech", json={"input": TEXTS[0], "response_format": "pcm"})
+            gen = await client.post("/generate", json={"prompt": TEXTS[0], "max_tokens": FRAMES, **GREEDY})
+        assert r.status_code == 200 and gen.status_code == 200, (r.text, gen.text)
+        assert gen.json()["token_ids"] == tokens_of(frames, 64)
+        got, want = np.frombuffer(r.content, "<i2"), pcm(wave)
+        assert len(got) == len(want) and np.abs(got.astype(int) - want).max() <= 1
+        _clean(srv)
+    finally:
+        srv.stop()

@@ -166,3 +166,28 @@ def test_the_openai_client_speaks(folder, server):
     assert clip == streamed and len(clip) > 0
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["output_modalities"] == ["audio"]
+
+
+async def test_a_greedy_generation_config_is_the_speech_default(folder, tmp_path):
+    """A checkpoint whose generation_config.json says greedy, no penalty and 42 new tokens
+    speaks exactly that when the body sets no sampling field and no length: the file's
+    fields over Orpheus' package defaults (temperature 0.6, top_p 0.8, repetition_penalty
+    1.3), which apply only where the file says nothing. It spoke 16x longer, sampled."""
+    import shutil
+
+    greedy = tmp_path / "orpheus"
+    shutil.copytree(folder, greedy)
+    (greedy / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "repetition_penalty": 1.0, "max_new_tokens": MAX_TOKENS}))
+    srv = MstarServer(str(greedy), tmp_path / "tts.log", "--num-kv-pages", "64", "--page-size", "8",
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    try:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
+            r = await client.post("/v1/audio/speech", json={"input": TEXTS[1], "response_format": "pcm"})
+        assert r.status_code == 200, r.text
+        want = pcm(reference(folder, TEXTS[1])[1])
+        got = np.frombuffer(r.content, "<i2")
+        assert len(got) == len(want) and np.abs(got.astype(int) - want).max() <= 1
+        assert srv.wait_pages_free() == 0
+    finally:
+        srv.stop()
