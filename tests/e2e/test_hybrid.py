@@ -164,3 +164,39 @@ def test_a_rows_logprobs_do_not_depend_on_its_batch(grouped, tmp_path):
         assert server.wait_pages_free() == 0
     finally:
         server.stop()
+
+
+def test_requests_past_the_state_slots_wait_and_n_shares_the_prompt(grouped, tmp_path):
+    """Two running requests at most (`--max-num-seqs 2`: four state slots, two of them for
+    snapshots): eight sent at once all answer as transformers does, the six without a slot
+    waiting for one, none failed; then `n: 3` greedy samples of one prompt (the later ones
+    resume from the first's prefix and state snapshot, or run cold: exact either way) are
+    three copies of transformers' answer. Every page and slot back to zero."""
+    import transformers
+
+    server = MstarServer(str(grouped), tmp_path / "log.txt", "--num-kv-pages", "128", "--page-size", "16",
+                         "--max-num-seqs", "2", env=DEBUG).start()
+    try:
+        prompts = [hf_ids(grouped, p) for p in PROMPTS + MORE]
+        want = [hf_greedy(grouped, ids, MAX_TOKENS) for ids in prompts]
+
+        async def together():
+            async with httpx.AsyncClient(timeout=300) as client:
+                rs = await asyncio.gather(*(client.post(server.url + "/generate", json={
+                    "input_ids": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+                    for ids in prompts))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            return [r.json()["token_ids"] for r in rs]
+
+        assert asyncio.run(together()) == want
+        ids = prompts[-2] * 3  # long enough for a page boundary and its snapshot
+        r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+            "prompt": ids, "n": 3, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        text = transformers.AutoTokenizer.from_pretrained(grouped).decode(hf_greedy(grouped, ids, MAX_TOKENS))
+        assert [c["text"] for c in r.json()["choices"]] == [text] * 3
+        assert server.wait_pages_free() == 0
+        log = server.log()
+        assert "footprint overrun" not in log.lower() and "failed (error_id=" not in log
+    finally:
+        server.stop()
