@@ -584,11 +584,17 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None
+    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv),
     on the backend whose builder made `meta`. `softcap`: scores become
-    tanh(s / softcap) * softcap before the softmax (Gemma 2; not the C kernel's)."""
+    tanh(s / softcap) * softcap before the softmax (Gemma 2; not the C kernel's). `sinks`
+    [Hq]: gpt-oss's attention sinks, one logit per query head that joins every row's softmax
+    denominator and adds no value (torch's path only: the runner builds such a model's
+    metadata for torch)."""
+    if sinks is not None and (meta.flashinfer is not None or isinstance(meta.decode, KernelDecode)):
+        raise ValueError("attention sinks run on torch's path: build this model's metadata for torch")
     if meta.flashinfer is not None:
         return meta.flashinfer.wrapper.run(q, cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -612,7 +618,7 @@ def paged_attention(
         k = _read_pages(keys.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
         v = _read_pages(values.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
         if dec.rows.dim() == 2:
-            out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap)
+            out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap, sinks)
         else:
             hq = q.shape[1]
             every_row = dec.rows.shape[0] == q.shape[0]  # a step of decodes only
@@ -620,24 +626,25 @@ def paged_attention(
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
             # against [B, Hkv, L, D]): one GEMM per KV head, with fewer GQA copies than SDPA's
             # expansion of K and V to every query head.
-            o = _sdpa(qd.reshape(b, h, hq // h, q.shape[2]), k, v, scale, softcap, attn_mask=dec.mask)
+            o = _sdpa(qd.reshape(b, h, hq // h, q.shape[2]), k, v, scale, softcap, attn_mask=dec.mask,
+                      sinks=None if sinks is None else sinks.view(1, h, hq // h, 1))
             o = o.reshape(b, hq, q.shape[2])
             if every_row:
                 return o
             out[dec.rows] = o
-    _prefill_chunks(q, cache, meta, scale, softcap, out)
+    _prefill_chunks(q, cache, meta, scale, softcap, out, sinks)
     return out
 
 
 def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """Each prefill chunk's rows into `out`: through the C prefill kernel where it takes the
     chunk (`_prefill_kernel`: a 2,048-row prompt's attention there is several times torch's
     speed), else torch's SDPA over a gathered copy of the chunk's pages."""
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     for chunk in meta.prefills:
-        if softcap is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
+        if softcap is None and sinks is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
                                                                                   out):
             continue
         k = _read_pages(keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
@@ -645,10 +652,11 @@ def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sc
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         mask = chunk.attn_mask()
+        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
         if mask is None:
-            o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True, sinks=sink)
         else:
-            o = _sdpa(qp, k, v, scale, softcap, attn_mask=mask, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, attn_mask=mask, enable_gqa=True, sinks=sink)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
 
 
@@ -736,7 +744,7 @@ def _decode_scratch(lib: ctypes.CDLL) -> Any:
 
 
 def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: TorchDecode, scale: float,
-                                softcap: float | None = None) -> torch.Tensor:
+                                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode entries of Q rows each in one SDPA call: per KV head, its G query heads' Q
     rows form one [G * Q] query block against the entry's keys (the mask tiled G times);
     returns the real rows, in `dec.out` order."""
@@ -745,15 +753,23 @@ def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     hq = q.shape[1]
     g = hq // h
     qd = q[dec.rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
-    o = _sdpa(qd, k, v, scale, softcap, attn_mask=dec.mask.repeat(1, 1, g, 1))
+    # query block row g * Q + i is head h * G + g's row i: its sink is that head's
+    sink = None if sinks is None else sinks.view(1, h, g, 1, 1).expand(1, h, g, qn, 1).reshape(1, h, g * qn, 1)
+    o = _sdpa(qd, k, v, scale, softcap, attn_mask=dec.mask.repeat(1, 1, g, 1), sinks=sink)
     o = o.view(b, h, g, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, hq, d)
     return o[dec.keep]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None, *,
-          attn_mask: torch.Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
-    """torch's SDPA, or with soft-capped scores transformers' eager attention op for op
-    (SDPA has no soft-capping): scores * scale, tanh-capped, masked, float32 softmax, @ v."""
+          attn_mask: torch.Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's SDPA, or with soft-capped scores or attention sinks transformers' eager
+    attention op for op (SDPA has neither): scores * scale, tanh-capped, masked, float32
+    softmax, @ v. `sinks` (broadcast to the scores' [..., rows, 1]): gpt-oss's eager op, a
+    column of sink logits joined to the scores, the row max subtracted, softmax, the column
+    dropped."""
+    if sinks is not None:
+        return _eager_with_sinks(q, k, v, scale, sinks, attn_mask, is_causal, enable_gqa)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -767,3 +783,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softc
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _eager_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
+                      attn_mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+    """transformers' gpt-oss `eager_attention_forward` (the implementation it runs with sinks:
+    GptOssPreTrainedModel has no SDPA) on this path's shapes."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if is_causal:
+        attn_mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    logits = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
