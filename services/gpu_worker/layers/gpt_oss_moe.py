@@ -15,17 +15,21 @@ it:
 On torch's path the expert is `x @ W + b` on the checkpoint's layout, bit for bit
 transformers' eager experts. On the CPU's C GEMM (`pack`) each expert's weights are packed
 once with gate columns first and up columns after (the same values, so the same activation,
-read as two contiguous halves) and the biases go in the GEMM's epilogue: every row's bits
-are then the same whatever rows share its step (shared/DESIGN.md's batch invariance).
+read as two contiguous halves), the biases go in the GEMM's epilogue and the activation is a C
+kernel's, row by row (kernels/elementwise.c `mstar_clamped_swiglu`): every row's bits are then
+the same whatever rows share its step (shared/DESIGN.md's batch invariance).
 """
 
 from __future__ import annotations
 
-from typing import cast
+import ctypes
+import functools
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.linear import kernel_available, kernel_linear, kernel_pack, kernel_packed_size
 from services.gpu_worker.layers.moe import SparseMoE
 from shared.model_config import ModelConfig
@@ -47,6 +51,33 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@functools.cache
+def _swiglu_function(lib: ctypes.CDLL) -> Any | None:
+    """`mstar_clamped_swiglu` (kernels/elementwise.c) with its argument types declared; None
+    where an older build lacks it."""
+    try:
+        fn = lib.mstar_clamped_swiglu
+    except AttributeError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = None
+    fn.argtypes = [ptr, i64, i64, ctypes.c_float, ctypes.c_float, ptr, i64]
+    return fn
+
+
+def kernel_clamped_swiglu(gate_up: torch.Tensor, inter: int, alpha: float, limit: float) -> torch.Tensor | None:
+    """`clamped_swiglu` of a [rows, gate | up] float32 CPU tensor by the C kernel, each row's
+    bits its own (torch's sigmoid gives an element other bits in a tensor's vectorized body
+    than in its tail, so a row's result would depend on the row count); None without it."""
+    lib = cpu_kernels.library()
+    fn = None if lib is None else _swiglu_function(lib)
+    if fn is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.stride(1) != 1:
+        return None
+    out = torch.empty(gate_up.shape[0], inter)
+    fn(gate_up.data_ptr(), gate_up.stride(0), inter, alpha, limit, out.data_ptr(), gate_up.shape[0])
+    return out
 
 
 class GptOssMoE(SparseMoE):
@@ -104,7 +135,9 @@ class GptOssMoE(SparseMoE):
         if self.gate_up_packed is not None and self.down_packed is not None:
             assert self.gate_up_bias is not None and self.down_bias is not None
             gate_up = kernel_linear(h, self.gate_up_packed[e], 2 * self.inter, self.gate_up_bias[e])
-            act = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.alpha, self.limit)
+            act = kernel_clamped_swiglu(gate_up, self.inter, self.alpha, self.limit)
+            if act is None:
+                act = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.alpha, self.limit)
             return kernel_linear(act, self.down_packed[e], self.hidden, self.down_bias[e])
         ex = cast("GptOssExperts", self.experts)
         gate_up = h @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]

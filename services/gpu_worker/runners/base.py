@@ -84,8 +84,8 @@ class ModelRunner:
     def _backend(self) -> str:
         """FlashInfer where a planner is given (CUDA); on the CPU the C kernels where they
         take this model's attention in every pool (`cpu_backend`), else torch. Attention sinks
-        (gpt-oss) are torch's path alone on every device."""
-        if getattr(self.spec.config, "attn_sinks", False):
+        (gpt-oss) are not FlashInfer's here: torch's on CUDA."""
+        if self.planner is not None and getattr(self.spec.config, "attn_sinks", False):
             return "torch"
         if self.planner is not None:
             return "flashinfer"
