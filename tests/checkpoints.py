@@ -114,7 +114,7 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
         for name, param in model.named_parameters():
-            if name.endswith((".bias", "_bias")):  # (gpt-oss's experts: gate_up_proj_bias, down_proj_bias)
+            if name.endswith(".bias") or (family == "gpt_oss" and name.endswith("_bias")):  # its experts' biases
                 param.normal_(0.0, 0.2)
             elif family.startswith(("gemma", "qwen3_5")) and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.3)  # (1 + w) norms: HF inits w to 0, which hides the offset
