@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 MODEL_TYPES = frozenset(ARCHITECTURES.values())
@@ -77,6 +78,7 @@ READ = frozenset({
     # mixture of experts (Qwen3-MoE; transformers 5 writes num_experts as num_local_experts)
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers",
+    "swiglu_alpha", "swiglu_limit",  # gpt-oss's clamped SwiGLU experts
 })
 
 #: keys that make a checkpoint one this engine cannot compute, whatever their value
@@ -86,7 +88,7 @@ REFUSED = frozenset({"quantization_config"})
 GEMMA = ("gemma2", "gemma3_text")
 QWEN3 = ("qwen3", "qwen3_moe")
 #: families whose layers may be a mixture of experts in place of the MLP
-MOE = ("qwen3_moe",)
+MOE = ("qwen3_moe", "gpt_oss")
 
 
 class RopeConfig(msgspec.Struct, frozen=True):
@@ -161,6 +163,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    #: gpt-oss: a learned logit per query head in every softmax's denominator (attention
+    #: sinks), biases on the router and on every expert's two projections, and experts whose
+    #: SwiGLU clamps gate and up to `swiglu_limit` (0: plain silu(gate) * up) with sigmoid
+    #: gain `swiglu_alpha`
+    attn_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     def layer_rope(self, layer_type: str) -> RopeConfig:
         return self.rope_local if layer_type == SLIDING else self.rope
@@ -192,13 +202,15 @@ def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
     attn += hd * (heads + 2 * kv) * cfg.qkv_bias + hidden * cfg.o_bias + 2 * hd * cfg.qk_norm
     norms = hidden * (4 if cfg.sandwich_norm else 2)
     dense = 3 * hidden * cfg.intermediate_size + (2 * cfg.intermediate_size + hidden) * cfg.mlp_bias
-    expert = 3 * hidden * cfg.moe_intermediate_size
+    attn += heads * cfg.attn_sinks
+    expert = 3 * hidden * cfg.moe_intermediate_size + (2 * cfg.moe_intermediate_size + hidden) * cfg.expert_bias
+    router = cfg.num_experts * (hidden + cfg.expert_bias)
     total = active = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2) + hidden  # + the final norm
     for layer in range(cfg.num_hidden_layers):
         base = attn + norms
         if cfg.is_sparse(layer):  # the router, then every expert / the token's k
-            total += base + cfg.num_experts * hidden + cfg.num_experts * expert
-            active += base + cfg.num_experts * hidden + cfg.num_experts_per_tok * expert
+            total += base + router + cfg.num_experts * expert
+            active += base + router + cfg.num_experts_per_tok * expert
         else:
             total += base + dense
             active += base + dense
@@ -277,6 +289,8 @@ def _experts(raw: Mapping[str, Any], model_type: str, layers: int) -> dict[str, 
     `decoder_sparse_step`. Empty for a dense family."""
     if model_type not in MOE:
         return {}
+    if model_type == "gpt_oss":
+        return _gpt_oss_experts(raw, layers)
     experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)) or 0)
     top_k = int(raw.get("num_experts_per_tok", 8))
     step = int(raw.get("decoder_sparse_step", 1))
@@ -289,6 +303,23 @@ def _experts(raw: Mapping[str, Any], model_type: str, layers: int) -> dict[str, 
     return dict(sparse_layers=sparse, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+
+
+def _gpt_oss_experts(raw: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """gpt-oss: every layer a mixture of experts of width `intermediate_size` (its config has
+    no moe_intermediate_size), with biases and the clamped SwiGLU, and attention sinks. Its
+    router's softmax is over the top-k logits (the block's own routing), so there is no
+    renormalization to read."""
+    experts = int(raw.get("num_local_experts", raw.get("num_experts", 128)) or 0)
+    top_k = int(raw.get("num_experts_per_tok", 4))
+    if not 1 <= top_k <= experts:
+        raise _refuse("num_experts_per_tok", top_k, f"each token takes 1 to num_local_experts={experts} experts")
+    limit = float(raw.get("swiglu_limit", 7.0))
+    if not limit > 0:
+        raise _refuse("swiglu_limit", limit, "the clamped SwiGLU needs a positive limit")
+    return dict(sparse_layers=(True,) * layers, num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw.get("intermediate_size", 2880)), attn_sinks=True, expert_bias=True,
+                swiglu_limit=limit, swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
 
 
 def _check_factor_lengths(r: RopeConfig, head_dim: int) -> None:
@@ -330,7 +361,7 @@ def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple
         window = None  # transformers drops the window unless use_sliding_window is set
     if raw.get("layer_types"):
         types = tuple(raw["layer_types"])
-    elif model_type == "gemma2":
+    elif model_type in ("gemma2", "gpt_oss"):  # gpt-oss: sliding first, as GptOssConfig derives them
         types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(n))
     elif model_type == "gemma3_text":
         pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)

@@ -82,6 +82,13 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
                                                                 moe_intermediate_size=32, num_experts=8,
                                                                 num_experts_per_tok=2)),
+    # gpt-oss: sliding (window 8) and full layers alternating, attention sinks, biases,
+    # 8 experts of width 32, 2 a token, YaRN over a 64-position pretraining context
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=16, sliding_window=8, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 64})),
 }
 
 
@@ -109,7 +116,7 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random biases (HF inits them to zero), so the bias path is exercised
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or (family == "gpt_oss" and name.endswith("_bias")):  # its experts' biases
                 param.normal_(0.0, 0.2)
             elif family.startswith(("gemma", "qwen3_5")) and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.3)  # (1 + w) norms: HF inits w to 0, which hides the offset

@@ -146,6 +146,8 @@ class PrefillChunk:
     #: torch path runs it (`attn_mask`): the kernel needs none, and a 2,048 x 4,096 mask
     #: costs ~10 ms a step
     lazy_mask: tuple | None = None
+    #: the absolute row of the chunk's first live key (rows before it released behind a window)
+    first_row: int = 0
 
     def attn_mask(self) -> torch.Tensor | None:
         """`mask`, made from `lazy_mask` at the first call that needs it."""
@@ -333,7 +335,7 @@ class MetadataBuilder:
             else:  # cached rows, a window or blocks: an explicit mask (else torch's plain causal fast path)
                 chunk = PrefillChunk(t, t + new, torch.tensor(used, dtype=torch.long), kv_len, None,
                                      plain=self.plain_chunks and not blocks,
-                                     lazy_mask=(cached, first_row, window, blocks))
+                                     lazy_mask=(cached, first_row, window, blocks), first_row=first_row)
                 if not chunk.plain:
                     chunk.attn_mask()  # the torch path runs it: built with the metadata, once for every layer
                 step.chunk_pages.append(used)
@@ -584,11 +586,17 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None
+    q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending over each request's pages (after write_kv),
     on the backend whose builder made `meta`. `softcap`: scores become
-    tanh(s / softcap) * softcap before the softmax (Gemma 2; not the C kernel's)."""
+    tanh(s / softcap) * softcap before the softmax (Gemma 2; not the C kernel's). `sinks`
+    [Hq]: gpt-oss's attention sinks, one logit per query head that joins every row's softmax
+    denominator and adds no value (torch's path and the C kernels; on CUDA the runner builds
+    such a model's metadata for torch)."""
+    if sinks is not None and meta.flashinfer is not None:
+        raise ValueError("attention sinks are not FlashInfer's here: build this model's metadata for torch")
     if meta.flashinfer is not None:
         return meta.flashinfer.wrapper.run(q, cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -599,7 +607,7 @@ def paged_attention(
     if isinstance(dec, KernelDecode):
         if softcap is not None:
             raise ValueError("the C decode kernel has no soft-capping: build this model's metadata for torch")
-        _decode_kernel(q, cache, dec, scale, out)
+        _decode_kernel(q, cache, dec, scale, out, sinks)
         if not meta.prefills:
             return out
     elif dec is not None:
@@ -612,7 +620,7 @@ def paged_attention(
         k = _read_pages(keys.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
         v = _read_pages(values.index_select(0, flat).view(b, width * page_size, h, d), q.dtype).transpose(1, 2)
         if dec.rows.dim() == 2:
-            out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap)
+            out[dec.out] = _multi_row_decode_attention(q, k, v, dec, scale, softcap, sinks)
         else:
             hq = q.shape[1]
             every_row = dec.rows.shape[0] == q.shape[0]  # a step of decodes only
@@ -620,17 +628,21 @@ def paged_attention(
             # The query heads sharing a KV head go in as that head's query block ([B, Hkv, G, D]
             # against [B, Hkv, L, D]): one GEMM per KV head, with fewer GQA copies than SDPA's
             # expansion of K and V to every query head.
-            o = _sdpa(qd.reshape(b, h, hq // h, q.shape[2]), k, v, scale, softcap, attn_mask=dec.mask)
+            qg = qd.reshape(b, h, hq // h, q.shape[2])
+            if sinks is None:
+                o = _sdpa(qg, k, v, scale, softcap, attn_mask=dec.mask)
+            else:
+                o = _decode_with_sinks(qg, k, v, dec.mask, scale, sinks.view(1, h, hq // h, 1))
             o = o.reshape(b, hq, q.shape[2])
             if every_row:
                 return o
             out[dec.rows] = o
-    _prefill_chunks(q, cache, meta, scale, softcap, out)
+    _prefill_chunks(q, cache, meta, scale, softcap, out, sinks)
     return out
 
 
 def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, scale: float, softcap: float | None,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """Each prefill chunk's rows into `out`: through the C prefill kernel where it takes the
     chunk (`_prefill_kernel`: a 2,048-row prompt's attention there is several times torch's
     speed), else torch's SDPA over a gathered copy of the chunk's pages."""
@@ -638,36 +650,39 @@ def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sc
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     for chunk in meta.prefills:
         if softcap is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
-                                                                                  out):
+                                                                                  out, sinks):
             continue
         k = _read_pages(keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
         v = _read_pages(values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         qp = q[chunk.q_start : chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         mask = chunk.attn_mask()
+        sink = None if sinks is None else sinks.view(1, -1, 1, 1)
         if mask is None:
-            o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, is_causal=chunk.causal, enable_gqa=True, sinks=sink)
         else:
-            o = _sdpa(qp, k, v, scale, softcap, attn_mask=mask, enable_gqa=True)
+            o = _sdpa(qp, k, v, scale, softcap, attn_mask=mask, enable_gqa=True, sinks=sink)
         out[chunk.q_start : chunk.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 @functools.cache
-def _prefill_function(lib: ctypes.CDLL) -> Any | None:
-    """`lib`'s `mstar_prefill_attention` (kernels/prefill_attention.c) with its argument
-    types declared (once per library); None where an older build lacks it."""
+def _prefill_function(lib: ctypes.CDLL, sinks: bool = False) -> Any | None:
+    """`lib`'s `mstar_prefill_attention` (kernels/prefill_attention.c; `sinks`: its
+    `_sinks` variant, one more pointer) with its argument types declared (once per library);
+    None where an older build lacks it."""
     try:
-        fn = lib.mstar_prefill_attention
+        fn = lib.mstar_prefill_attention_sinks if sinks else lib.mstar_prefill_attention
     except AttributeError:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
+    args: list[Any] = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
+    fn.argtypes = [*args, ptr, i64] if sinks else args
     return fn
 
 
 def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, window: int | None, scale: float,
-                    out: torch.Tensor) -> bool:
+                    out: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
     """One plain causal chunk (`chunk.plain`: bottom-right causal under `window`, no blocks)
     through the C prefill kernel, which reads its pages in place and splits the rows over the
     kernels' thread pool (flash attention, float32 arithmetic: within float32 rounding of
@@ -677,27 +692,38 @@ def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, w
     a multiple of 8 or over 256, more than 48 query heads per KV head). int8 pages are
     dequantized as the kernel packs each KV head's keys (`dequantize_kv`'s bits)."""
     lib = cpu_kernels.library()
-    fn = None if lib is None else _prefill_function(lib)
+    fn = None if lib is None else _prefill_function(lib, sinks is not None)
     kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}.get(cache.dtype)
     hq, d = q.shape[1], q.shape[2]
     if (fn is None or kind is None or cache.device.type != "cpu" or not cache.is_contiguous()
             or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous()
-            or chunk.pages.dtype != torch.long or not chunk.pages.is_contiguous()):
+            or chunk.pages.dtype != torch.long or not chunk.pages.is_contiguous()
+            or (sinks is not None and not _c_floats(sinks, hq))):
         return False
     at = chunk.q_start * q.element_size()
     rc = fn(q.data_ptr() + at * q.stride(0), q.stride(0), cache.data_ptr(), kind, chunk.pages.data_ptr(),
             chunk.q_end - chunk.q_start, chunk.kv_len, hq, cache.shape[3], d, cache.shape[2], window or 0, scale,
-            out.data_ptr() + at * hq * d, hq * d)
+            out.data_ptr() + at * hq * d, hq * d, *([] if sinks is None else [sinks.data_ptr(), chunk.first_row]))
     return rc == 0
 
 
+def _c_floats(x: torch.Tensor, n: int) -> bool:
+    """`x` is n contiguous float32 values on the CPU (what a kernel's sinks pointer reads)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.numel() == n
+
+
 def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scale: float,
-                   out: torch.Tensor) -> torch.Tensor:
+                   out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every decode query row through the C kernel, into `out` (returned). The runner picked
     this backend for float32 queries on float32, bfloat16 or int8 pages (`cpu_backend`), so a
-    call it cannot take is a bug, raised as such."""
-    kernel = _decode_function(_kernel_pages(cache))
+    call it cannot take is a bug, raised as such. `sinks`: `mstar_paged_decode_sinks`."""
+    kind = _kernel_pages(cache)
+    kernel = _decode_function(kind)
     hq, d = q.shape[1], q.shape[2]
+    if sinks is not None:
+        lib = cpu_kernels.library()
+        with_sinks = None if lib is None or kind is None else _decode_sinks_function(lib)
+        kernel = None if with_sinks is None or not _c_floats(sinks, hq) else functools.partial(with_sinks, kind)
     if kernel is None or q.dtype != torch.float32 or hq > 128 or hq % cache.shape[3]:
         raise RuntimeError(f"metadata built for the C decode kernel, which cannot take {q.dtype} queries of "
                            f"{hq} heads on {cache.dtype} pages of {cache.shape[3]} heads on {cache.device}")
@@ -710,7 +736,7 @@ def _decode_kernel(q: torch.Tensor, cache: torch.Tensor, dec: KernelDecode, scal
     base, step = dec.query.data_ptr(), dec.query.stride(0) * dec.query.element_size()
     rc = kernel(q.data_ptr(), q.stride(0), cache.data_ptr(), pages.data_ptr(), pages.shape[1],
                 base, base + step, base + 2 * step, base + 3 * step, n, hq, cache.shape[3], d, cache.shape[2],
-                scale, out.data_ptr(), scratch.data_ptr(), keys)
+                scale, out.data_ptr(), scratch.data_ptr(), keys, *([] if sinks is None else [sinks.data_ptr()]))
     if rc != 0:
         raise RuntimeError(f"paged_decode kernel refused the batch (code {rc})")
     return out
@@ -725,6 +751,21 @@ def _decode_function(kind: int | None) -> Any:
 
 
 @functools.cache
+def _decode_sinks_function(lib: ctypes.CDLL) -> Any | None:
+    """`mstar_paged_decode_sinks(kind, <mstar_paged_decode's arguments>, sinks)` with its
+    argument types declared; None where an older build lacks it."""
+    try:
+        fn = lib.mstar_paged_decode_sinks
+    except AttributeError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
+                   i64, ptr]
+    return fn
+
+
+@functools.cache
 def _decode_scratch(lib: ctypes.CDLL) -> Any:
     """`mstar_paged_decode_scratch(rows, hq, d, max_keys)`: the floats of scratch a decode call
     needs (a count per row, and a record per partition of its keys: the partition size is the
@@ -736,7 +777,7 @@ def _decode_scratch(lib: ctypes.CDLL) -> Any:
 
 
 def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: TorchDecode, scale: float,
-                                softcap: float | None = None) -> torch.Tensor:
+                                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode entries of Q rows each in one SDPA call: per KV head, its G query heads' Q
     rows form one [G * Q] query block against the entry's keys (the mask tiled G times);
     returns the real rows, in `dec.out` order."""
@@ -745,15 +786,23 @@ def _multi_row_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     hq = q.shape[1]
     g = hq // h
     qd = q[dec.rows.reshape(-1)].view(b, qn, h, g, d).permute(0, 2, 3, 1, 4).reshape(b, h, g * qn, d)
-    o = _sdpa(qd, k, v, scale, softcap, attn_mask=dec.mask.repeat(1, 1, g, 1))
+    # query block row g * Q + i is head h * G + g's row i: its sink is that head's
+    sink = None if sinks is None else sinks.view(1, h, g, 1, 1).expand(1, h, g, qn, 1).reshape(1, h, g * qn, 1)
+    o = _sdpa(qd, k, v, scale, softcap, attn_mask=dec.mask.repeat(1, 1, g, 1), sinks=sink)
     o = o.view(b, h, g, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, hq, d)
     return o[dec.keep]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None, *,
-          attn_mask: torch.Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
-    """torch's SDPA, or with soft-capped scores transformers' eager attention op for op
-    (SDPA has no soft-capping): scores * scale, tanh-capped, masked, float32 softmax, @ v."""
+          attn_mask: torch.Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's SDPA, or with soft-capped scores or attention sinks transformers' eager
+    attention op for op (SDPA has neither): scores * scale, tanh-capped, masked, float32
+    softmax, @ v. `sinks` (broadcast to the scores' [..., rows, 1]): gpt-oss's eager op, a
+    column of sink logits joined to the scores, the row max subtracted, softmax, the column
+    dropped."""
+    if sinks is not None:
+        return _eager_with_sinks(q, k, v, scale, sinks, attn_mask, is_causal, enable_gqa)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
@@ -767,3 +816,33 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softc
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _decode_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """Single-row decode entries with sinks ([B, Hkv, G, D] against [B, Hkv, L, D] under mask
+    [B, 1, 1, L]), each entry alone over its keys up to its last visible one: one batched call
+    would run every entry at the longest entry's padded width, whose GEMM and softmax give
+    other bits than the entry's own width, so a row would depend on its neighbours."""
+    width = mask.shape[-1]
+    ends = (width - mask.view(mask.shape[0], width).flip(-1).int().argmax(dim=1)).tolist()
+    return torch.cat([_eager_with_sinks(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale, sinks,
+                                        mask[i : i + 1, ..., :n], False, False) for i, n in enumerate(ends)])
+
+
+def _eager_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor,
+                      attn_mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+    """transformers' gpt-oss `eager_attention_forward` (the implementation it runs with sinks:
+    GptOssPreTrainedModel has no SDPA) on this path's shapes."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if is_causal:
+        attn_mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    logits = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -36,6 +36,8 @@ ARCHITECTURES = {
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "phi3": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 250000.0})),
+    # YaRN as gpt-oss configs carry it (truncate false; classic: the release's rope_scaling form)
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 #: RoPE types not covered above; dynamic decodes past the original context (from prompts

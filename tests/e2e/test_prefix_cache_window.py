@@ -25,8 +25,8 @@ def _gen(server, ids, n=12):
 
 # gemma2: sliding and global layers, a window wider than a page (the hit takes two of its
 # pages, the first partly behind it); gemma3: a window inside one page; mistral: every
-# layer windowed (the window label alone)
-CASES = {"gemma2": ("gemma2", 24), "gemma3": ("gemma3", 8), "mistral": ("mistral", 8)}
+# layer windowed (the window label alone); gpt-oss: sliding and full layers, with attention sinks
+CASES = {"gemma2": ("gemma2", 24), "gemma3": ("gemma3", 8), "mistral": ("mistral", 8), "gpt_oss": ("gpt_oss", 24)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -63,3 +63,25 @@ void mstar_silu_mul(const float *restrict gu, int64_t gu_stride, int64_t inter, 
 void mstar_gelu_mul(const float *restrict gu, int64_t gu_stride, int64_t inter, float *restrict out, int64_t rows) {
     gelu_mul_rows(gu, gu_stride, inter, inter, out, inter, rows);
 }
+
+/* gpt-oss's clamped SwiGLU over rows of gu = [gate | up] (gate columns first, as
+ * layers/gpt_oss_moe.py packs its experts): out[r] = (clamp(up, -limit, limit) + 1) * g *
+ * sigmoid(alpha * g) with g = min(gate, limit), sigmoid(z) as 1 / (1 + exp(-z)). Row by row
+ * over the same trip count, so a row's bits never depend on the rows beside it (torch's
+ * vectorized sigmoid takes other code for a tensor's tail than for its body). */
+void mstar_clamped_swiglu(const float *restrict gu, int64_t gu_stride, int64_t inter, float alpha, float limit,
+                          float *restrict out, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict g = gu + r * gu_stride;
+        const float *restrict u = g + inter;
+        float *restrict o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = exp_poly(-alpha * (g[i] < limit ? g[i] : limit));
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = g[i] < limit ? g[i] : limit;
+            const float y = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+            o[i] = (y + 1.0f) * (x / (1.0f + o[i]));
+        }
+    }
+}

@@ -152,6 +152,7 @@ struct decode_job {
     float *out;
     float *rec;         /* partition records, [n_rows][parts][hq * (d + 2)]: maxes, sums, outputs */
     _Atomic int *done;  /* per row: its partitions finished */
+    const float *sinks; /* per query head, or NULL: exp(sink - max) joins each row's denominator */
 };
 
 /* One task's keys: its row's pages, keys [a, b), the row's last page (prefetches stop there),
@@ -243,7 +244,7 @@ static inline void finish_heads(const struct decode_job *J, const float *restric
     const int64_t d = J->d;
     if (!rec) {
         for (int64_t g = 0; g < nh; g++) {
-            const float inv = 1.f / sum[g];
+            const float inv = 1.f / (J->sinks ? sum[g] + expf(J->sinks[h0 + g] - mx[g]) : sum[g]);
 #pragma omp simd
             for (int64_t e = 0; e < d; e++) dst[(h0 + g) * d + e] = o[g * d + e] * inv;
         }
@@ -518,6 +519,7 @@ static void merge(const struct decode_job *J, int64_t i, int64_t nparts) {
 #pragma omp simd
             for (int64_t e = 0; e < d; e++) o[e] += w * op[e];
         }
+        if (J->sinks) l += expf(J->sinks[h] - m);
         const float inv = 1.f / l;
 #pragma omp simd
         for (int64_t e = 0; e < d; e++) dst[h * d + e] = o[e] * inv;
@@ -563,7 +565,7 @@ int64_t mstar_paged_decode_scratch(int64_t n_rows, int64_t hq, int64_t d, int64_
 static int paged_decode(const float *q, int64_t q_stride, const void *cache, const int kind, const int64_t *pages,
                         int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo, const int64_t *hi,
                         int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out,
-                        float *scratch, int64_t max_keys) {
+                        float *scratch, int64_t max_keys, const float *sinks) {
     if (hq > MAX_HEADS || hkv < 1 || (hq / hkv) * hkv != hq) return -1;
     int64_t work = 0; /* the partitions of every row */
     for (int64_t i = 0; i < n_rows; i++) {
@@ -585,7 +587,8 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
     if (n_rows * parts * groups > INT32_MAX) return -2;
     const int64_t hs = kind == 2 ? d + 4 : d;
     struct decode_job J = {q, q_stride, cache, pages, qrow, entry, lo, hi, width, hq, hkv, hq / hkv, d, hs, hkv * hs,
-                           page_size * hkv * hs, page_size, parts, groups, scale, out, NULL, (_Atomic int *)scratch};
+                           page_size * hkv * hs, page_size, parts, groups, scale, out, NULL, (_Atomic int *)scratch,
+                           sinks};
     J.rec = (float *)(((uintptr_t)(scratch + count_floats(n_rows)) + 63) & ~(uintptr_t)63);
     for (int64_t c = 0; c < n_rows; c++) atomic_init(&J.done[c], 0);
     mstar_parallel_for((int)(n_rows * parts * groups), kind == 2 ? task_i8 : kind ? task_bf16 : task_f32, &J);
@@ -600,7 +603,7 @@ int mstar_paged_decode(const float *q, int64_t q_stride, const float *cache, con
                        int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale, float *out, float *scratch,
                        int64_t max_keys) {
     return paged_decode(q, q_stride, cache, 0, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d, page_size, scale,
-                        out, scratch, max_keys);
+                        out, scratch, max_keys, NULL);
 }
 
 /* mstar_paged_decode over bfloat16 pages (same arguments and codes; the pool's elements are
@@ -610,7 +613,7 @@ int mstar_paged_decode_bf16(const float *q, int64_t q_stride, const uint16_t *ca
                             const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                             float scale, float *out, float *scratch, int64_t max_keys) {
     return paged_decode(q, q_stride, cache, 1, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d, page_size, scale,
-                        out, scratch, max_keys);
+                        out, scratch, max_keys, NULL);
 }
 
 /* mstar_paged_decode over int8 pages: each (row, KV head) vector is d int8 values then its
@@ -622,7 +625,19 @@ int mstar_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *cache,
                           int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size, float scale,
                           float *out, float *scratch, int64_t max_keys) {
     return paged_decode(q, q_stride, cache, 2, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d, page_size, scale,
-                        out, scratch, max_keys);
+                        out, scratch, max_keys, NULL);
+}
+
+/* mstar_paged_decode over pages of `kind` (0 float32, 1 bfloat16, 2 int8) with attention sinks
+ * (gpt-oss): sinks[h], one logit per query head, joins each row's softmax denominator as
+ * exp(sinks[h] - max) and adds no value. Same codes; -1 for another kind. */
+int mstar_paged_decode_sinks(int64_t kind, const float *q, int64_t q_stride, const void *cache, const int64_t *pages,
+                             int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo,
+                             const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
+                             float scale, float *out, float *scratch, int64_t max_keys, const float *sinks) {
+    if (kind < 0 || kind > 2) return -1;
+    return paged_decode(q, q_stride, cache, (int)kind, pages, width, qrow, entry, lo, hi, n_rows, hq, hkv, d,
+                        page_size, scale, out, scratch, max_keys, sinks);
 }
 
 /* Row i of k and v (row strides k_stride, v_stride floats; each row kv_heads * head_dim

@@ -73,6 +73,8 @@ typedef struct {
     int64_t q_stride, out_stride, q_len, kv_len, hkv, g, d, page_size, window, bq, nqb, kvp, npack;
     float scale;
     int kind; /* pages: 0 float32, 1 bfloat16, 2 int8 (each head's d values, then its float32 scale) */
+    const float *sinks; /* per query head, or NULL: exp(sink - max) joins each row's denominator */
+    int64_t base;       /* key blocks start at multiples of BK in rows counted from key 0's row - base */
 } Job;
 
 /* Packing task t: keys [k0, k0 + PACK_KEYS) of KV head t / npack out of the pages into the
@@ -249,6 +251,16 @@ static void pack_queries(const Job *j, int64_t h, int64_t i0, int64_t lanes, int
     }
 }
 
+/* With attention sinks: each lane's 1 / (sum + exp(sink of its head - its max)) into s. */
+static void sink_denominators(const Job *j, int64_t h, int64_t lanes, int nv, const vf *mx, const vf *sum, float *s) {
+    float sm[LANES + 16] __attribute__((aligned(64))), mm[LANES + 16] __attribute__((aligned(64)));
+    for (int v = 0; v < nv; v++) {
+        vstore(sm + v * VL, sum[v]);
+        vstore(mm + v * VL, mx[v]);
+    }
+    for (int64_t m = 0; m < lanes; m++) s[m] = 1.f / (sm[m] + expf(j->sinks[h * j->g + m % j->g] - mm[m]));
+}
+
 /* One task's rows: query rows [i0, i0 + rows) x the G heads of KV head h, as lanes
  * m = r * G + g (nv vectors); d a constant where it is the common 64. */
 __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t h, int64_t i0, int64_t rows,
@@ -271,7 +283,7 @@ __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t
     const int64_t first = lo_a[0], last = off + i0 + rows - 1;    /* keys any lane sees */
     const int64_t all_from = lo_a[lanes - 1], all_to = off + i0;  /* keys every lane sees: no mask */
     const float *kh = j->kp + h * j->kvp * d, *vh = j->vp + h * j->kvp * d;
-    for (int64_t b0 = first / BK * BK; b0 <= last; b0 += BK) {
+    for (int64_t b0 = (first + j->base) / BK * BK - j->base; b0 <= last; b0 += BK) {
         const int64_t k0 = b0 > first ? b0 : first, k1 = b0 + BK <= last ? b0 + BK : last + 1, n = k1 - k0;
         const int masked = !(k0 >= all_from && k1 - 1 <= all_to);
         /* whole S tiles: up to RK - 1 keys past the last (kvp has them) */
@@ -280,6 +292,7 @@ __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t
         accumulate(vh + k0 * d, s, n, d, nv, alpha, ot);
     }
     for (int v = 0; v < nv; v++) vstore(s + v * VL, vdiv(vset1(1.0f), sum[v]));
+    if (j->sinks) sink_denominators(j, h, lanes, nv, mx, sum, s);
     for (int64_t m = 0; m < lanes; m++) {
         float *o = j->out + (i0 + m / g) * j->out_stride + (h * g + m % g) * d;
         const float inv = s[m];
@@ -340,13 +353,21 @@ static void give_buffer(void *buf, int own) {
 }
 #endif
 
-/* Returns 0, or -1 for what it does not take (no AVX-512 or AVX2; head_dim not a multiple of 8 or
+/* mstar_prefill_attention_sinks: with `sinks` (one logit per query head; NULL: none) each
+ * row's softmax denominator also takes exp(sink - the row's max), which adds no value
+ * (gpt-oss's attention sinks). `key_base`: the absolute row of key 0 (the chunk's first live
+ * page's), so the key blocks, whose boundaries are where a row's online softmax rescales,
+ * fall at multiples of BK absolute rows: a row's bits then do not depend on how many pages
+ * behind a sliding window were released before its chunk (with 0, as mstar_prefill_attention
+ * below passes, they do). mstar_prefill_attention is it without sinks, key_base 0.
+ * Returns 0, or -1 for what it does not take (no AVX-512 or AVX2; head_dim not a multiple of 8 or
  * over 256; more than 48 query heads per KV head; query heads not a multiple of KV heads),
  * -2 for a chunk with more rows than keys or none, -3 when the packed K/V's memory could not
  * be had. */
-int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
-                            int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
-                            int64_t window, float scale, float *out, int64_t out_stride) {
+int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
+                                  const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
+                                  int64_t d, int64_t page_size, int64_t window, float scale, float *out,
+                                  int64_t out_stride, const float *sinks, int64_t key_base) {
 #if MSTAR_VL
     /* head_dim a multiple of 8 on either class (AVX2's O tile would take 4): the same shapes
      * run here whichever class was built */
@@ -357,7 +378,7 @@ int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache,
     Job j = {.q = q, .cache = (const char *)cache, .pages = pages, .out = out, .q_stride = q_stride,
              .out_stride = out_stride, .q_len = q_len, .kv_len = kv_len, .hkv = hkv, .g = g, .d = d,
              .page_size = page_size, .window = window, .bq = bq, .nqb = (q_len + bq - 1) / bq, .scale = scale,
-             .kind = (int)kind};
+             .kind = (int)kind, .sinks = sinks, .base = key_base};
     j.kvp = (kv_len + RK - 1) / RK * RK + RK; /* the S tiles' reads past the last key */
     j.npack = (j.kvp + PACK_KEYS - 1) / PACK_KEYS;
     const size_t half = (size_t)(hkv * j.kvp * d) * sizeof(float);
@@ -372,7 +393,16 @@ int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache,
     return 0;
 #else
     (void)q; (void)q_stride; (void)cache; (void)kind; (void)pages; (void)q_len; (void)kv_len; (void)hq; (void)hkv;
-    (void)d; (void)page_size; (void)window; (void)scale; (void)out; (void)out_stride;
+    (void)d; (void)page_size; (void)window; (void)scale; (void)out; (void)out_stride; (void)sinks;
+    (void)key_base;
     return -1;
 #endif
+}
+
+/* mstar_prefill_attention_sinks without sinks (what every model but gpt-oss runs). */
+int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
+                            int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
+                            int64_t window, float scale, float *out, int64_t out_stride) {
+    return mstar_prefill_attention_sinks(q, q_stride, cache, kind, pages, q_len, kv_len, hq, hkv, d, page_size, window,
+                                         scale, out, out_stride, NULL, 0);
 }

@@ -83,7 +83,10 @@ class ModelRunner:
 
     def _backend(self) -> str:
         """FlashInfer where a planner is given (CUDA); on the CPU the C kernels where they
-        take this model's attention in every pool (`cpu_backend`), else torch."""
+        take this model's attention in every pool (`cpu_backend`), else torch. Attention sinks
+        (gpt-oss) are not FlashInfer's here: torch's on CUDA."""
+        if self.planner is not None and getattr(self.spec.config, "attn_sinks", False):
+            return "torch"
         if self.planner is not None:
             return "flashinfer"
         if self.device.type != "cpu":
@@ -263,7 +266,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return metas
         metas = {name: m.to(self.device) for name, m in metas.items()}
-        if self.planner is not None:
+        if self.planner is not None and self.builder.name == "flashinfer":
             cache = next(iter(self.caches.values()))[0]
             cfg = self.spec.config
             for name, m in metas.items():

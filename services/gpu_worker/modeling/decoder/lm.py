@@ -7,7 +7,8 @@ the typed `ModelConfig` (shared/model_config.py), read once: q/k/v and o biases,
 q/k RMSNorm, tied embeddings, explicit head_dim, Gemma's (1 + w) norms, embedding scale,
 four norms per layer, GELU-tanh MLP and soft-capping, Phi-3's packed projections, and one
 RoPE per layer type. Qwen3-MoE's sparse layers take a mixture-of-experts block
-(layers/moe.py) in place of the MLP; its dense layers keep the MLP.
+(layers/moe.py) in place of the MLP; its dense layers keep the MLP. gpt-oss: every layer's
+block is layers/gpt_oss_moe.py's, and its attention has sinks (one learned logit per head).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from services.gpu_worker import huge_pages
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.layers import fused, prompt_rows, repack_cache
+from services.gpu_worker.layers.gpt_oss_moe import GptOssMoE
 from services.gpu_worker.layers.linear import (
     KernelGateUpSilu,
     KernelHead,
@@ -64,6 +66,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
+        #: gpt-oss's attention sinks [heads] (HF `self_attn.sinks`), None elsewhere
+        self.sinks = nn.Parameter(torch.empty(self.heads), requires_grad=False) if cfg.attn_sinks else None
         self.qkv_proj: nn.Linear | QuantLinear | QuantParts | None = None
 
     def fuse(self) -> None:
@@ -103,7 +107,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         write_kv(cache, k, v, meta)
-        o = paged_attention(q, cache, meta, self.scale, self.softcap)
+        o = paged_attention(q, cache, meta, self.scale, self.softcap, self.sinks)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
 
     def _norms_in_place(self, x: torch.Tensor) -> bool:
@@ -202,7 +206,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp: MLP | SparseMoE = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
+        self.mlp: MLP | SparseMoE = _moe(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         #: Gemma: post_attention_layernorm normalises the attention output, and the MLP has
@@ -220,6 +224,12 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))).add_(x)
         x = self.self_attn(self.input_layernorm(x), rope, cache, meta).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
+
+
+def _moe(cfg: ModelConfig) -> SparseMoE:
+    """The family's mixture-of-experts block: gpt-oss's (biases, its router, clamped SwiGLU)
+    or Qwen3-MoE's."""
+    return GptOssMoE(cfg) if cfg.model_type == "gpt_oss" else SparseMoE(cfg)
 
 
 #: (row indices [k] of a step's flat rows, their input embeddings [k, hidden]): rows whose
