@@ -462,8 +462,9 @@ class HostStep(NamedTuple):
     offsets [T], then per decode query row its row of T, its entry, and the held rows
     [lo, hi) it sees ([4, n_query]), then the entries' pages [B, width] from `pages_at`
     (padded with page 0, never read: hi bounds the keys), then per prompt chunk its first
-    and end rows of T, its keys held and where its pages start after `chunk_pages_at`
-    ([n_chunks, 4] from `chunks_at`), then the chunks' pages from `chunk_pages_at`."""
+    and end rows of T, its keys held, where its pages start after `chunk_pages_at` and the
+    absolute row of its first key (the prefill kernel's `key_base`) ([n_chunks, 5] from
+    `chunks_at`), then the chunks' pages from `chunk_pages_at`."""
 
     ints: list[int]
     n_slots: int
@@ -498,7 +499,7 @@ def _host_step(step: _Step, window: int | None) -> HostStep:
         return HostStep(flat, n_slots, n_query, width, pages_at, window=window or 0)
     chunks_at, at = len(flat), 0
     for chunk, pages in zip(step.prefills, step.chunk_pages):
-        flat += (chunk.q_start, chunk.q_end, chunk.kv_len, at)
+        flat += (chunk.q_start, chunk.q_end, chunk.kv_len, at, chunk.first_row)
         at += len(pages)
     chunk_pages_at = len(flat)
     for pages in step.chunk_pages:
@@ -692,7 +693,10 @@ def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, w
     a multiple of 8 or over 256, more than 48 query heads per KV head). int8 pages are
     dequantized as the kernel packs each KV head's keys (`dequantize_kv`'s bits)."""
     lib = cpu_kernels.library()
-    fn = None if lib is None else _prefill_function(lib, sinks is not None)
+    # always the `_sinks` entry (NULL sinks but gpt-oss's): it takes the chunk's first key row,
+    # so a row's key blocks sit at absolute rows and its bits do not depend on how many pages
+    # behind a sliding window were released before its chunk (or how its prompt was cut)
+    fn = None if lib is None else _prefill_function(lib, True)
     kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}.get(cache.dtype)
     hq, d = q.shape[1], q.shape[2]
     if (fn is None or kind is None or cache.device.type != "cpu" or not cache.is_contiguous()
@@ -703,7 +707,7 @@ def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, w
     at = chunk.q_start * q.element_size()
     rc = fn(q.data_ptr() + at * q.stride(0), q.stride(0), cache.data_ptr(), kind, chunk.pages.data_ptr(),
             chunk.q_end - chunk.q_start, chunk.kv_len, hq, cache.shape[3], d, cache.shape[2], window or 0, scale,
-            out.data_ptr() + at * hq * d, hq * d, *([] if sinks is None else [sinks.data_ptr(), chunk.first_row]))
+            out.data_ptr() + at * hq * d, hq * d, None if sinks is None else sinks.data_ptr(), chunk.first_row)
     return rc == 0
 
 

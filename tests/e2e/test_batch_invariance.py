@@ -60,3 +60,31 @@ async def test_greedy_logprobs_alone_and_among_15_streams_under_load(smollm_serv
     finally:
         burner.terminate()
         burner.join()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_windowed_prompt_is_the_same_whole_and_cut(family, tmp_path):
+    """Under a sliding window (8 rows, pages of 8) a 90-token prompt's prompt logprobs, tokens
+    and logprobs are bitwise the same prefilled whole and in 16-row chunks: the C prefill
+    kernel's key blocks sit at absolute rows (`key_base`), so a row does not depend on how
+    many pages behind the window its chunk's start had released (they differed in the last
+    bits before)."""
+    from tests.checkpoints import make_checkpoint
+    from tests.servers import MstarServer
+
+    folder = make_checkpoint(tmp_path / "ckpt", family)
+    ids = [5 + (i * 7) % 200 for i in range(90)]
+    got = {}
+    for name, cut in (("whole", ()), ("chunked", ("--max-batch-tokens", "16"))):
+        srv = MstarServer(str(folder), tmp_path / f"{name}.log", "--num-kv-pages", "64", "--page-size", "8",
+                          "--no-prefix-cache", *cut).start()
+        try:
+            r = httpx.post(srv.url + "/generate", timeout=120, json={
+                "input_ids": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                "prompt_logprobs": 0})
+            assert r.status_code == 200, r.text
+            got[name] = r.json()
+        finally:
+            srv.stop()
+    for field in ("token_ids", "logprobs", "prompt_logprobs"):
+        assert got["whole"][field] == got["chunked"][field], field

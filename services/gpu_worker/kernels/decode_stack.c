@@ -15,6 +15,7 @@
  *
  * Built at first use by services/gpu_worker/cpu_kernels.py with the other kernels.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "pool.h"
@@ -56,9 +57,10 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
                        int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
-int mstar_prefill_attention(const float *q, int64_t q_stride, const void *cache, int64_t kind, const int64_t *pages,
-                            int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
-                            int64_t window, float scale, float *out, int64_t out_stride);
+int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
+                                  const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
+                                  int64_t d, int64_t page_size, int64_t window, float scale, float *out,
+                                  int64_t out_stride, const float *sinks, int64_t key_base);
 
 /* One GEMM's weight. form 4, 5, 6, 8, 9 or 16, with qgemm.c's HALF_SCALES or SUPER_SCALES flag
  * or neither: a quantized one (layers/quant.py QuantLinear: tiled w, d, m (float16, float32
@@ -154,10 +156,10 @@ static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const 
                      float *out, float *scratch) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d, hd = s->hq * s->d;
     for (int64_t c = 0; c < st->n_chunks; c++) {
-        const int64_t *ch = st->chunks + 4 * c;
-        if (mstar_prefill_attention(qkv + ch[0] * nqkv, nqkv, cache, s->kv_kind, st->chunk_pages + ch[3],
-                                    ch[1] - ch[0], ch[2], s->hq, s->hkv, s->d, s->page_size, st->window, s->scale,
-                                    out + ch[0] * hd, hd))
+        const int64_t *ch = st->chunks + 5 * c;
+        if (mstar_prefill_attention_sinks(qkv + ch[0] * nqkv, nqkv, cache, s->kv_kind, st->chunk_pages + ch[3],
+                                          ch[1] - ch[0], ch[2], s->hq, s->hkv, s->d, s->page_size, st->window,
+                                          s->scale, out + ch[0] * hd, hd, NULL, ch[4]))
             return -2;
     }
     if (!st->n_query) return 0;
