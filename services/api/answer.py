@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from services.api.reasoning import ReasoningStream, split
+from services.api.harmony import HarmonyStream, read_harmony
+from services.api.reasoning import HARMONY, ReasoningStream, split
 from services.api.tools import ToolCall, ToolStream, extract
 
 
@@ -26,6 +27,8 @@ def read_answer(text: str, reasoning: str | None, tool_format: str | None) -> An
     """A whole reply's thinking, text and calls; `reasoning`: where the prompt left the
     thinking (None: no reasoning template); `tool_format`: how calls are written (None: the
     request has no tools)."""
+    if reasoning == HARMONY:  # gpt-oss: channels carry the thinking, the answer and the calls
+        return Answer(*read_harmony(text))
     thinking, answer = (None, text) if reasoning is None else split(text, reasoning)
     if tool_format is not None:
         content, calls = extract(answer, tool_format)
@@ -39,16 +42,20 @@ class AnswerStream:
     may start a call is held back until `finish` says whether it was one."""
 
     def __init__(self, reasoning: str | None, tool_format: str | None, tools_forced: bool = False) -> None:
-        self._thinking = ReasoningStream(reasoning) if reasoning is not None else None
-        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None else None
+        self._harmony = HarmonyStream() if reasoning == HARMONY else None
+        harmony = self._harmony is not None
+        self._thinking = ReasoningStream(reasoning) if reasoning is not None and not harmony else None
+        self._tools = ToolStream(tool_format, tools_forced) if tool_format is not None and not harmony else None
 
     @property
     def plain(self) -> bool:
         """Neither thinking nor tools: every delta's text is answer text as it comes."""
-        return self._thinking is None and self._tools is None
+        return self._thinking is None and self._tools is None and self._harmony is None
 
     def feed(self, text: str) -> tuple[str, str]:
         """(thinking, answer text) of the next delta."""
+        if self._harmony is not None:
+            return self._harmony.feed(text)
         thinking, answer = ("", text) if self._thinking is None else self._thinking.feed(text)
         if self._tools is not None:
             answer = self._tools.feed(answer)
@@ -56,6 +63,8 @@ class AnswerStream:
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """At the reply's end: the thinking and text held back, and the calls."""
+        if self._harmony is not None:
+            return self._harmony.finish()
         thinking, answer = ("", "") if self._thinking is None else self._thinking.finish()
         if self._tools is None:
             return thinking, answer, []

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from services.api.chat_request import ChatRequest, with_grammar, with_prompt
+from services.api.chat_request import ChatRequest, with_grammar, with_prompt, with_specials_kept
 from services.api.errors import ApiError, invalid
-from services.api.reasoning import after_thinking, prompt_state, thinks
+from services.api.harmony import answer_grammar, call_grammar, is_harmony
+from services.api.reasoning import HARMONY, after_thinking, prompt_state, thinks
 from services.api.state import ApiState, task_refusal
 from services.api.tools import pick_format, prepare_messages, tool_grammar
 from shared.errors import ErrorKind
@@ -44,6 +45,8 @@ def plan_chat(req: ChatRequest, messages: list[dict[str, Any]], state: ApiState,
     if state.chat_template is None:
         raise ApiError(ErrorKind.INVALID, f"the model `{state.settings.model_name}` has no chat template; "
                        "use /v1/completions with a formatted prompt", messages_param)
+    if is_harmony(state.chat_template.source):
+        return _plan_harmony(req, messages, state)
     fmt, native = pick_format(state.chat_template.source, state.settings.tool_call_parser)
     tools = req.tools
     if tools is not None and tools.forced:
@@ -55,3 +58,22 @@ def plan_chat(req: ChatRequest, messages: list[dict[str, Any]], state: ApiState,
     if reasoning is not None and req.params.sampling.grammar is not None:  # the constraint binds the answer
         req = with_grammar(req, after_thinking(req.params.sampling.grammar, reasoning), check=None)
     return ChatPlan(req, fmt if tools is not None else None, tools is not None and tools.forced, reasoning)
+
+
+def _plan_harmony(req: ChatRequest, messages: list[dict[str, Any]], state: ApiState) -> ChatPlan:
+    """A harmony template's chat (gpt-oss): the template renders the tools, past calls and
+    results itself (an assistant turn's `reasoning_content` is its `thinking`, as llama.cpp
+    passes it); the reply keeps its special tokens, whose channels `harmony.py` reads.
+    A structured output binds the `final` channel's body and a forced call the call message,
+    each after an analysis message the model may write first (`harmony.answer_grammar`,
+    `call_grammar`)."""
+    if req.params.sampling.grammar is not None:
+        req = with_grammar(req, answer_grammar(req.params.sampling.grammar), check=None)
+    if req.tools is not None and req.tools.forced:
+        req = with_grammar(req, call_grammar(req.tools))
+    turns = [{**m, "thinking": m["reasoning_content"]} if m.get("role") == "assistant"
+             and isinstance(m.get("reasoning_content"), str) else m for m in messages]
+    listed = req.tools.tools if req.tools is not None else None
+    assert state.chat_template is not None
+    req = with_prompt(req, state.chat_template.render(turns, tools=listed, extra=req.template_kwargs))
+    return ChatPlan(with_specials_kept(req), HARMONY if req.tools is not None else None, False, HARMONY)

@@ -188,6 +188,8 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tup
         raise invalid("tool_choice", "tool_choice required or a named function cannot be combined with a "
                       "structured-output constraint (response_format, structured_outputs, guided_*)")
     kwargs = req.chat_template_kwargs or {}
+    if req.reasoning_effort is not None and "reasoning_effort" not in kwargs:
+        kwargs = {**kwargs, "reasoning_effort": req.reasoning_effort}
     for key in kwargs:
         if key in RESERVED:
             raise invalid(f"chat_template_kwargs.{key}", f"chat_template_kwargs.{key} is set by the server, "
@@ -201,6 +203,12 @@ def with_prompt(req: ChatRequest, prompt: str) -> ChatRequest:
     if not prompt:
         raise ApiError(ErrorKind.INVALID, "the chat template rendered an empty prompt for these messages", "messages")
     return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, prompt=prompt))
+
+
+def with_specials_kept(req: ChatRequest) -> ChatRequest:
+    """The request's reply detokenized with its special tokens (a harmony reply's channel
+    markers, which say what is thinking, answer and call)."""
+    return msgspec.structs.replace(req, params=msgspec.structs.replace(req.params, skip_special_tokens=False))
 
 
 def with_grammar(req: ChatRequest, grammar: str, check: str | None = "tools") -> ChatRequest:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: a harmony template's reply (gpt-oss): its channels, not tags, say what is thinking
+#: (`harmony.py`); `ChatPlan.reasoning` for it
+HARMONY = "harmony"
 #: template variables a client may not set through `chat_template_kwargs`
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
 

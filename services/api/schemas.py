@@ -396,6 +396,9 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
         Meta(max_length=MAX_TOOLS, extra={"noun": "tools"})] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: reaches the chat template as `reasoning_effort` (gpt-oss's reads it; others ignore it)
+    reasoning_effort: Annotated[Literal["low", "medium", "high"], Meta(description='"low", "medium" or "high"')] \
+        | None = None
 
 
 class TranscriptionForm(Body):

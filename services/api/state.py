@@ -76,7 +76,7 @@ class ApiState:
         handle = await self.backend.submit(req)
         return Generation(
             handle,
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             self.metrics,
             client_id=client_id,
             started=started,

@@ -196,6 +196,12 @@ def prepare_messages(messages: list[dict[str, Any]], tools: Tools | None, fmt: s
     return out
 
 
+def fn_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function's `parameters` as its calls' arguments are held to (the JSON schema tightened
+    as every format's call grammar takes it)."""
+    return {**tightened(tool["function"]["parameters"]), "x-guidance": JSON_OPTIONS}
+
+
 def _fn_schema(tool: dict[str, Any], key: str) -> dict[str, Any]:
     fn = tool["function"]
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: tightened(fn["parameters"])},

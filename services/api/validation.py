@@ -82,6 +82,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool | None = None  # None: the route's default (false for HTTP, true for WS)
     stop: list[str] = []  # stop strings, matched by the api on the detokenized text
     add_special_tokens: bool = True  # False for a chat-templated prompt (it holds its specials)
+    #: the reply's text without special tokens (vLLM's default); a harmony chat keeps them
+    skip_special_tokens: bool = True
     audio: bytes | None = None  # speech models: the uploaded WAV/FLAC file (then no prompt)
     language: str | None = None  # speech models: the language to force (None: the model's)
     task: str | None = None  # speech models: "transcribe" / "translate" (None: the model's)
