@@ -92,14 +92,16 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, specials: tuple[str, ...] = (),
+                    **overrides) -> Path:
     """Save a tiny random checkpoint of `family` (a key of FAMILIES) with its tokenizer,
-    in the form this transformers version writes (rope_parameters on transformers 5)."""
+    in the form this transformers version writes (rope_parameters on transformers 5).
+    `specials`: more special tokens in the tokenizer (ids after SPECIALS')."""
     import torch
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(path, family=family)
+    make_tokenizer(path, family=family, extra_specials=specials)
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()

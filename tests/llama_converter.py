@@ -35,6 +35,17 @@ def converter() -> Path | None:
     return None
 
 
+def chat_template(name: str) -> str | None:
+    """A chat template llama.cpp keeps of a model it serves (`models/templates/<name>`, e.g.
+    gpt-oss's `openai-gpt-oss-120b.jinja`) from the same sources, or None when not there."""
+    peer = Path(os.environ.get("LLAMA_PEER_DIR") or Path.home() / ".cache" / "mstar-peers" / "llama.cpp")
+    for root in (peer / "src" / "vendor" / "llama.cpp", CACHE_DIR / "llama.cpp"):
+        path = root / "models" / "templates" / name
+        if path.is_file():
+            return path.read_text()
+    return None
+
+
 def convert(ckpt: Path, out: Path, outtype: str = "f32", timeout: float = 300) -> Path:
     """Run the converter on the HF checkpoint folder `ckpt` in a subprocess of this Python
     (its own gguf-py first on the path), writing `out`; a RuntimeError with the end of its

@@ -141,7 +141,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         template = None
         if tokenizer.chat_template:
             template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-        api = state or ApiState(settings, tokenizer.tokenizer, chat_template=template)
+        api = state or ApiState(settings, tokenizer.tokenizer, chat_template=template,
+                                eos_token_ids=tokenizer.eos_token_ids)
     else:
         api = state or ApiState(settings, tokenizer)
 

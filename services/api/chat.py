@@ -71,9 +71,18 @@ def _plan_harmony(req: ChatRequest, messages: list[dict[str, Any]], state: ApiSt
         req = with_grammar(req, answer_grammar(req.params.sampling.grammar), check=None)
     if req.tools is not None and req.tools.forced:
         req = with_grammar(req, call_grammar(req.tools))
-    turns = [{**m, "thinking": m["reasoning_content"]} if m.get("role") == "assistant"
-             and isinstance(m.get("reasoning_content"), str) else m for m in messages]
+    turns = [_harmony_turn(m) for m in messages]
     listed = req.tools.tools if req.tools is not None else None
     assert state.chat_template is not None
     req = with_prompt(req, state.chat_template.render(turns, tools=listed, extra=req.template_kwargs))
     return ChatPlan(with_specials_kept(req), HARMONY if req.tools is not None else None, False, HARMONY)
+
+
+def _harmony_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as gpt-oss's template reads it: an assistant turn's reasoning as `thinking`,
+    and no `content` key where there is none (the template tests `"content" in message`,
+    then reads it as text)."""
+    turn = {k: v for k, v in message.items() if not (k == "content" and v is None)}
+    if turn.get("role") == "assistant" and isinstance(turn.get("reasoning_content"), str):
+        turn["thinking"] = turn["reasoning_content"]
+    return turn

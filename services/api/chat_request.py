@@ -134,6 +134,12 @@ def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tup
             entry["tool_calls"] = parse_history_calls(msg.tool_calls, f"{where}.tool_calls")
         if msg.role == "tool":
             entry["tool_call_id"] = msg.tool_call_id
+        thinking = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
+        if thinking is not None:
+            if msg.role != "assistant":
+                field = "reasoning_content" if msg.reasoning_content is not None else "reasoning"
+                raise invalid(f"{where}.{field}", f"{where}.{field} is only for an assistant message")
+            entry["reasoning_content"] = thinking
         out.append(entry)
     return out, images
 

@@ -45,6 +45,7 @@ class Generation:
         sampling: SamplingParams | None = None,
         count_prompt: bool = True,
         report_cached: bool = False,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.handle = handle
         self.client_id = client_id
@@ -67,7 +68,9 @@ class Generation:
         self._metadata: dict[str, str] = {}  # what the engine reported of the run (Output.metadata)
         sampling = sampling or SamplingParams()
         self._stop_ids = frozenset(sampling.stop_token_ids)
+        self._eos_ids = eos_ids
         self._hidden: list[int] = []  # a stop token that ended it: counted, its text not shown (vLLM)
+        self._eos: list[int] = []  # ... and an end-of-sequence token that did (no stop_reason)
         self._want_logprobs = sampling.logprobs is not None
         self._want_prompt = sampling.prompt_logprobs is not None
         self._logprobs: list[TokenLogprobs] = []
@@ -81,7 +84,8 @@ class Generation:
 
     @property
     def _token_ids(self) -> list[int]:
-        return self._detok.token_ids + self._hidden if self._hidden else self._detok.token_ids
+        tail = self._hidden + self._eos
+        return self._detok.token_ids + tail if tail else self._detok.token_ids
 
     @property
     def request_id(self) -> str:
@@ -146,12 +150,16 @@ class Generation:
         return done
 
     def _push(self, ids: list[int], finish: str | None) -> str:
-        """The text `ids` complete. A stop token (one of `stop_token_ids`) that ended the
-        request counts as generated but shows no text, as in vLLM."""
+        """The text `ids` complete. A stop token (one of `stop_token_ids`) or an
+        end-of-sequence token that ended the request counts as generated but shows no text,
+        as in vLLM (special tokens kept or not)."""
         detok = self._detok
         if finish == "stop" and ids and ids[-1] in self._stop_ids:
             raw = detok.push(ids[:-1])
             self._hidden.append(ids[-1])
+        elif finish == "stop" and ids and ids[-1] in self._eos_ids:
+            raw = detok.push(ids[:-1])
+            self._eos.append(ids[-1])
         else:
             raw = detok.push(ids) if ids else ""
         if finish is not None:

@@ -112,8 +112,9 @@ class HarmonyStream:
     def _close(self, end: int) -> None:
         """The open message ends at `end`: a call's arguments are its whole body."""
         assert self.header is not None
-        if self.header.kind == "call":
-            self.calls.append(_call(self.header.name, self.text[self._body_start : end]))
+        call = _call(self.header.name, self.text[self._body_start : end]) if self.header.kind == "call" else None
+        if call is not None:
+            self.calls.append(call)
         self.header = None
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
@@ -181,11 +182,14 @@ def _partial_tail(text: str, at: int) -> int:
     return 0
 
 
-def _call(name: str, body: str) -> ToolCall:
-    """A call of `name` with `body` as its arguments: JSON re-encoded as every format's
-    calls are, or (what the model wrote not being JSON) the text as it is."""
+def _call(name: str, body: str) -> ToolCall | None:
+    """A call of `name` with `body` as its arguments, JSON re-encoded as every format's calls
+    are; None where the body is not a JSON object (a call cut short by max_tokens is no call,
+    as with every other format)."""
     try:
-        args = json.dumps(json.loads(body), ensure_ascii=False)
+        args = json.loads(body)
     except ValueError:
-        args = body.strip()
-    return ToolCall(new_call_id(), FunctionCall(name, args))
+        return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), FunctionCall(name, json.dumps(args, ensure_ascii=False)))

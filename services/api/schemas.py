@@ -351,6 +351,10 @@ class ChatMessageParam(Body):
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    #: an assistant turn's thinking, as a reply gave it (vLLM takes both names); the template
+    #: reads it (`reasoning_content`: Qwen3's; gpt-oss's as `thinking`)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 Messages = Annotated[list[ChatMessageParam], Meta(min_length=1, description="a non-empty list of message objects")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import msgspec
 from tokenizers import Tokenizer
@@ -29,9 +30,13 @@ class ApiState:
         backend: Backend | None = None,
         metrics: ApiMetrics | None = None,
         chat_template: ChatTemplate | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        #: the checkpoint's end-of-sequence ids: one that ends a reply shows no text, even
+        #: where the reply keeps its special tokens (a harmony chat's `<|return|>`, as vLLM)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.chat_template = chat_template  # None: the model has none, chat is a 400
         self.created = int(time.time())  # the model card's `created` in /v1/models
         self.metrics = metrics or ApiMetrics(settings.model_name, settings.sample_rate)
@@ -85,6 +90,7 @@ class ApiState:
             sampling=sampling,
             count_prompt=count_prompt,
             report_cached=self.settings.prompt_tokens_details,
+            eos_ids=self.eos_token_ids,
         )
 
 

@@ -30,6 +30,8 @@ CASES = {
                                      "<|message|>done", "a", "done", []),
     "cut short while thinking": ("<|channel|>analysis<|message|>Still thinking ab", "Still thinking ab", "", []),
     "plain text": ("Just text, no channels.", None, "Just text, no channels.", []),
+    "a call cut short is no call": ("<|channel|>analysis<|message|>t<|end|><|start|>assistant" + CALL[:-3],
+                                    "t", "", []),
     "a body holding a partial marker": ("<|channel|>final<|message|>a <| b <|en d", None, "a <| b <|en d", []),
 }
 
