@@ -52,6 +52,7 @@ HARMLESS = frozenset({
     "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "full_attention_interval", "layer_types",
     "id2label", "label2id", "problem_type",
     "output_router_logits", "router_aux_loss_coef",  # a mixture of experts' training loss
+    "use_sliding_window",  # Qwen3-Next's config.json (false; its model has no sliding window)
 })
 READ = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -61,6 +62,7 @@ READ = frozenset({
     "linear_num_key_heads", "linear_num_value_heads",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
     "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+    "rope_scaling",  # the classic form's (Qwen3-Next's config.json: null)
 })
 
 
@@ -212,7 +214,7 @@ def _layer_types(raw: Mapping[str, Any], layers: int) -> tuple[str, ...]:
 
 def _rope(raw: Mapping[str, Any], head_dim: int) -> tuple[float, int, tuple[int, ...]]:
     """(theta, the rotary part of a head, the M-RoPE sections) of the full-attention layers."""
-    rope = dict(raw.get("rope_parameters") or {})
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind != "default":
         raise _refuse("rope_parameters.rope_type", kind, "Qwen3.5's RoPE is the default one")

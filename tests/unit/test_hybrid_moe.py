@@ -191,3 +191,38 @@ def test_parameter_counts_are_transformers_numel(model, make_cfg, kw):
     a = cfg.attention
     idle = sum(a.is_sparse(i) for i in range(a.num_hidden_layers)) * (a.num_experts - a.num_experts_per_tok)
     assert counts.total - counts.active == idle * 3 * HIDDEN * 32
+
+
+#: Qwen3-Next-80B-A3B-Instruct's config.json (transformers 4.x's classic form: rope_theta,
+#: partial_rotary_factor and rope_scaling at the top level)
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_next_80b_a3b_reads_and_counts_as_its_name(caplog):
+    """The release's config.json is read without an unknown key (its classic RoPE keys
+    included), three linear layers to one full, every layer sparse, RoPE on a quarter of
+    each 256-wide head; it counts as "80B-A3B" (79.7B, 3.9B active with the embeddings);
+    a rope_scaling this engine does not compute is refused by name."""
+    from shared.specs.base import DeploymentError
+    from shared.specs.hybrid_lm import Qwen3NextSpec
+
+    cfg = read_hybrid_config(QWEN3_NEXT_80B)
+    assert "not known" not in caplog.text
+    assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    assert all(cfg.attention.sparse_layers) and cfg.rotary_dim == 64 and cfg.attention.rope.theta == 1e7
+    total, active = Qwen3NextSpec(QWEN3_NEXT_80B, page_size=16).parameter_counts() or (0, 0)
+    assert (round(total / 1e9, 1), round(active / 1e9, 1)) == (79.7, 3.9)
+    with pytest.raises(DeploymentError, match="rope_type"):
+        read_hybrid_config({**QWEN3_NEXT_80B, "rope_scaling": {"type": "yarn", "factor": 4.0}})
