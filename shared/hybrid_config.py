@@ -7,10 +7,10 @@ Qwen3's in three ways the `ModelConfig` below carries through `HybridConfig`: q_
 an output gate beside q (`sigmoid(gate) * attention`), RoPE covers only the first
 `partial_rotary_factor` of each head, and every RMSNorm scales by (1 + w).
 
-Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, and a `Qwen3_5MoeForConditionalGeneration` folder
-served as text) and Qwen3-Next (`Qwen3NextForCausalLM`) are the same hybrid with a mixture
-of experts in place of the MLP, plus a shared expert every token takes (scaled by a sigmoid
-gate): the `ModelConfig`'s expert fields (`sparse_layers`, ..., `shared_expert_intermediate_size`)
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, and the language model of a
+`Qwen3_5MoeForConditionalGeneration`) and Qwen3-Next (`Qwen3NextForCausalLM`) are the same
+hybrid with a mixture of experts in place of the MLP, plus a shared expert every token takes
+(scaled by a sigmoid gate): the `ModelConfig`'s expert fields (`sparse_layers`, ..., `shared_expert_intermediate_size`)
 say which layers and how. Qwen3.5-MoE routes every layer and always renormalizes its top-k
 weights (its router has no `norm_topk_prob`); Qwen3-Next picks its sparse layers as Qwen3-MoE
 does (`decoder_sparse_step`, `mlp_only_layers`) and renormalizes where `norm_topk_prob`.

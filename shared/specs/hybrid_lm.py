@@ -103,8 +103,8 @@ class HybridLMSpec(DecoderLMSpec):
 
 
 class HybridMoESpec(HybridLMSpec):
-    """Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, a `Qwen3_5MoeForConditionalGeneration` folder
-    as text): the hybrid's labels and state slots as they are; its own class so that the
+    """Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`; its image-text folders are `Qwen35VLSpec`'s):
+    the hybrid's labels and state slots as they are; its own class so that the
     gpu worker's registry gives it the model with experts (`modeling/hybrid/qwen3_5_moe.py`)."""
 
 

@@ -47,7 +47,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
     **dict.fromkeys(HYBRID_ARCHITECTURES, HybridLMSpec),
     **{arch: Qwen3NextSpec if kind == "qwen3_next" else HybridMoESpec
-       for arch, kind in HYBRID_MOE_ARCHITECTURES.items()},
+       for arch, kind in HYBRID_MOE_ARCHITECTURES.items() if arch not in HYBRID_VISION_ARCHITECTURES},
     **dict.fromkeys(HYBRID_VISION_ARCHITECTURES, Qwen35VLSpec),
     NULL_ARCHITECTURE: NullLMSpec,
     WHISPER_ARCHITECTURE: WhisperSpec,

@@ -1,5 +1,5 @@
 """Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`, and the language model of a
-`Qwen3_5MoeForConditionalGeneration` folder served as text): Qwen3.5's hybrid layers
+`Qwen3_5MoeForConditionalGeneration`, beside the tower: `qwen3_5_vision.Qwen35VLModel`): Qwen3.5's hybrid layers
 (`qwen3_5.Qwen35LM`, unchanged) with a mixture of experts in place of each MLP.
 
 The sparse block is `layers/moe.SparseMoE` with its shared expert: the router's softmax and
