@@ -63,6 +63,11 @@ class Qwen35VLSpec(HybridLMSpec, Qwen25VLSpec):
         self.mrope_section = self.hybrid.mrope_section
         self.images = None
 
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """Not counted, as every vision model's (`VisionLMSpec`): the hybrid's count is the
+        text model's alone."""
+        return VisionLMSpec.parameter_counts(self)
+
     def load_folder(self, path: str | Path) -> Self:
         """The image processor's settings where the folder has them (else text only)."""
         folder = Path(path)
