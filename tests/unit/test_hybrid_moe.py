@@ -76,7 +76,7 @@ def _blocks(kind: str, experts: int = 8, top_k: int = 2, seed: int = 0) -> tuple
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
-@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (16, 4), (8, 1)])
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (16, 4), (8, 1), (64, 8)])
 @torch.inference_mode()
 def test_shared_expert_block_is_transformers_bit_for_bit(kind, experts, top_k):
     ref, mine = _blocks(kind, experts, top_k)
@@ -91,13 +91,14 @@ def test_shared_expert_block_is_transformers_bit_for_bit(kind, experts, top_k):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize(("experts", "top_k"), [(16, 4), (64, 8)])
 @torch.inference_mode()
-def test_packed_block_matches_transformers_and_each_row_is_batch_invariant(kind):
+def test_packed_block_matches_transformers_and_each_row_is_batch_invariant(kind, experts, top_k):
     """As a CPU worker runs it: experts packed for the C GEMM, the shared expert's gate and up
     fused, every linear on the C GEMM; each row's bits whatever rows share its step."""
     if not linear.kernel_available():
         pytest.skip("no C GEMM kernel here")
-    ref, mine = _blocks(kind, 16, 4)
+    ref, mine = _blocks(kind, experts, top_k)
     model = Qwen35MoeLM.__new__(Qwen35MoeLM)
     torch.nn.Module.__init__(model)
     model.prepare_mlp(mine)
