@@ -34,6 +34,8 @@ SHAPES = {
     # every second layer sparse (decoder_sparse_step), 16 experts, 1 a token, renormalized
     "qwen3_next_step": ("qwen3_next", dict(decoder_sparse_step=2, mlp_only_layers=[], num_experts=16,
                                            num_experts_per_tok=1, norm_topk_prob=True)),
+    # 64 experts, 8 a token, every layer sparse
+    "qwen3_next_64": ("qwen3_next", dict(mlp_only_layers=[], num_experts=64, num_experts_per_tok=8)),
 }
 
 
