@@ -97,8 +97,26 @@ def test_greedy_tokens_equal_transformers(hybrid_moe, tmp_path, budget):
         assert asyncio.run(together()) == want
         assert server.wait_pages_free() == 0
         assert "footprint overrun" not in server.log().lower()
+        card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
     finally:
         server.stop()
+    if "image_text" not in hybrid_moe.parent.name:  # (a vision model's count is not stated)
+        _assert_counts(hybrid_moe, card)
+
+
+def _assert_counts(folder, card: dict) -> None:
+    """/v1/models: every parameter transformers' model holds, and a token's: all but each
+    sparse layer's idle experts."""
+    import json
+
+    from shared.hybrid_config import read_hybrid_config
+    from tests.reference import hf_model
+
+    a = read_hybrid_config(json.loads((folder / "config.json").read_text())).attention
+    total = sum(p.numel() for p in hf_model(str(folder)).parameters())
+    sparse = sum(a.is_sparse(i) for i in range(a.num_hidden_layers))
+    idle = sparse * (a.num_experts - a.num_experts_per_tok) * 3 * a.hidden_size * a.moe_intermediate_size
+    assert (card["parameters"], card["active_parameters"]) == (total, total - idle)
 
 
 @pytest.fixture(scope="module")
