@@ -133,9 +133,11 @@ class SparseMoE(nn.Module):
             # weighted, then added in ascending expert order: transformers' sum, bit for bit
             out.index_add_(0, idx, y * pair_weights[start : start + n, None])
             start += n
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        # (getattr: a subclass that sets its own attributes, gpt-oss's, has no shared expert)
+        shared, gate = getattr(self, "shared_expert", None), getattr(self, "shared_expert_gate", None)
+        if shared is not None and gate is not None:
             # transformers: routed + sigmoid(gate(x)) * shared(x), in that order
-            out = out + self._shared_scale(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self._shared_scale(gate(x)) * shared(x)
         return out
 
     def _shared_scale(self, g: torch.Tensor) -> torch.Tensor:
