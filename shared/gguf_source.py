@@ -10,8 +10,9 @@ a classic transformers-4 style config dict, the tokenizer (built by
 special cases.
 
 Supported: the ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``,
-``phi3`` and ``qwen35`` (Qwen3.5's text model, hybrid linear attention: `_qwen35_config`)
-GGUF architectures. Anything else is refused by name (`UnsupportedGGUF`) rather than
+``phi3``, ``qwen35`` (Qwen3.5's text model, hybrid linear attention: `_qwen35_config`),
+``qwen35moe`` and ``qwen3next`` (the same hybrid with experts and a shared expert) GGUF
+architectures. Anything else is refused by name (`UnsupportedGGUF`) rather than
 guessed at.
 """
 
@@ -65,7 +66,11 @@ _ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
 }
+#: the hybrid linear-attention architectures (`_qwen35_config`), and those with experts
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 #: llama.cpp's converter stores Gemma's RMSNorm weights as (1 + w), the factor its norm
 #: multiplies by; transformers' Gemma norms add the 1 themselves (as transformers' GGUF loader
 #: does, the 1 is taken off at load)
@@ -205,8 +210,8 @@ def _metadata(reader: gguf.GGUFReader, arch: str) -> tuple[Callable[..., Any], C
 
 def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch = _arch(reader)
-    if arch == "qwen35":
-        return _qwen35_config(reader)
+    if arch in HYBRID_ARCHS:
+        return _qwen35_config(reader, arch)
     architecture, model_type = _ARCHITECTURES[arch]
     llm, required = _metadata(reader, arch)
 
@@ -284,7 +289,7 @@ def _qwen35_head_dim(llm: Callable[..., Any], default: int, tensor_names: set[st
     return head_dim
 
 
-def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _qwen35_config(reader: gguf.GGUFReader, arch: str = "qwen35") -> dict[str, Any]:
     """A ``qwen35`` file's metadata as the config.json of the ``Qwen3_5ForCausalLM`` it was
     converted from (`shared.hybrid_config.read_hybrid_config` reads it), as llama.cpp's
     loader (src/models/qwen35.cpp) reads the keys its converter writes:
@@ -302,8 +307,9 @@ def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
       section alike, so they change nothing a text prompt computes).
 
     Rope scaling, unequal key and value sizes of the full-attention heads and a missing
-    key are refused by name."""
-    arch = "qwen35"
+    key are refused by name. ``qwen35moe`` and ``qwen3next`` (the converter's same keys under
+    their names) add the experts (`_experts_config`, and the shared expert's width,
+    ``expert_shared_feed_forward_length``); their dense width is absent or unused."""
     architecture, model_type = _ARCHITECTURES[arch]
     llm, required = _metadata(reader, arch)
 
@@ -320,7 +326,6 @@ def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": _vocab_size(reader, arch),
         "hidden_size": hidden,
-        "intermediate_size": int(required(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
         "num_hidden_layers": layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": int(llm(gguf.Keys.Attention.HEAD_COUNT_KV, n_head)),
@@ -341,7 +346,20 @@ def _qwen35_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "linear_num_value_heads": value_heads,
         "linear_value_head_dim": int(required(gguf.Keys.SSM.INNER_SIZE)) // value_heads,
         **_special_token_ids(reader),
+        **_hybrid_mlp(reader, arch, layers, tensor_names),
     }
+
+
+def _hybrid_mlp(reader: gguf.GGUFReader, arch: str, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """A hybrid file's MLP fields: ``qwen35``'s dense width; ``qwen35moe`` / ``qwen3next``'s
+    experts (`_experts_config`) and their shared expert's width (their dense width is
+    absent, or unused where every layer is sparse)."""
+    llm, required = _metadata(reader, arch)
+    if arch == "qwen35":
+        return {"intermediate_size": int(required(gguf.Keys.LLM.FEED_FORWARD_LENGTH))}
+    return {"intermediate_size": int(llm(gguf.Keys.LLM.FEED_FORWARD_LENGTH, 0)),
+            "shared_expert_intermediate_size": int(required(gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)),
+            **_experts_config(reader, arch, layers, tensor_names)}
 
 
 def _experts_config(reader: gguf.GGUFReader, arch: str, layers: int, tensor_names: set[str]) -> dict[str, Any]:
@@ -470,7 +488,7 @@ def _cache_file(path: Path) -> Path:
 
 
 #: bumped whenever what a summary holds, or how it is made, changes
-_SUMMARY_VERSION = 3  # 2: qwen35 files; 3: qwen3moe files (a cached refusal of one is stale)
+_SUMMARY_VERSION = 4  # 2: qwen35 files; 3: qwen3moe files; 4: qwen35moe, qwen3next (a cached refusal is stale)
 
 
 def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:

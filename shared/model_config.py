@@ -171,6 +171,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    #: a dense expert every token of a sparse layer takes beside its k routed ones, scaled by
+    #: sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE: shared/hybrid_config.py); 0: none
+    shared_expert_intermediate_size: int = 0
 
     def layer_rope(self, layer_type: str) -> RopeConfig:
         return self.rope_local if layer_type == SLIDING else self.rope

@@ -78,6 +78,19 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+    # Qwen3.5's hybrid with a mixture of experts in every layer (8 of width 32, 2 a token)
+    # and a shared expert of width 48 behind its sigmoid gate
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)),
+    # Qwen3-Next: the same, its linear projections fused per key head; layer 1 dense
+    # (mlp_only_layers), top-k weights not renormalized
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+        norm_topk_prob=False)),
     # a mixture of experts: 8 experts of width 32, 2 a token (tests override the shape)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
                                                                 moe_intermediate_size=32, num_experts=8,
@@ -120,7 +133,7 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, specials: 
         for name, param in model.named_parameters():
             if name.endswith(".bias") or (family == "gpt_oss" and name.endswith("_bias")):  # its experts' biases
                 param.normal_(0.0, 0.2)
-            elif family.startswith(("gemma", "qwen3_5")) and name.endswith("norm.weight"):
+            elif family.startswith(("gemma", "qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.3)  # (1 + w) norms: HF inits w to 0, which hides the offset
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -76,14 +76,16 @@ def qwen35_vl_processor(path: Path) -> Any:
     return ImagesOnly(image_processor, tokenizer, None, chat_template=QWEN35_CHAT_TEMPLATE)
 
 
-def make_qwen35_vl_checkpoint(path: Path, seed: int = 0) -> Path:
+def make_qwen35_vl_checkpoint(path: Path, seed: int = 0, moe: bool = False) -> Path:
     """Save a tiny random Qwen3.5 image-text checkpoint in `path`: a hybrid text model of
     four layers (linear, full, linear, full), head_dim 32 with half of it rotary (8 pairs,
     interleaved M-RoPE sections [3, 3, 2], so all three streams rotate some pairs); the
     tower of QWEN35_VISION; random biases and norm weights (HF inits them to 0 or 1, which
     would hide those paths), q and k norms of about 3 so attention is sharp enough that
     wrong image positions change the greedy tokens (with 1 they do not); and the release's
-    preprocessor_config.json."""
+    preprocessor_config.json. `moe`: Qwen3.5-MoE's (`Qwen3_5MoeForConditionalGeneration`), the
+    same tower over a text model whose every MLP is 8 experts of width 32, 2 a token, and a
+    shared expert of width 48."""
     import torch
     import transformers
 
@@ -97,14 +99,17 @@ def make_qwen35_vl_checkpoint(path: Path, seed: int = 0) -> Path:
                 layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                  "mrope_section": [3, 3, 2], "mrope_interleaved": True})
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(QWEN35_VISION),
+    if moe:
+        text.update(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    cfg = getattr(transformers, family + "Config")(text_config=text, vision_config=dict(QWEN35_VISION),
                                      image_token_id=tok.token_to_id("<|image_pad|>"),
                                      video_token_id=tok.token_to_id("<|video_pad|>"),
                                      vision_start_token_id=tok.token_to_id("<|vision_start|>"),
                                      vision_end_token_id=tok.token_to_id("<|vision_end|>"),
                                      tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    model = getattr(transformers, family + "ForConditionalGeneration")(cfg).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
@@ -117,7 +122,7 @@ def make_qwen35_vl_checkpoint(path: Path, seed: int = 0) -> Path:
                 param.normal_(0.0, 0.3)  # the text model's (1 + w) norms
             elif name.endswith("pos_embed.weight"):
                 param.normal_(0.0, 0.5)
-    model.config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    model.config.architectures = [family + "ForConditionalGeneration"]
     model.save_pretrained(path, safe_serialization=True)
     (path / "preprocessor_config.json").write_text(json.dumps(QWEN35_PREPROCESSOR, indent=2))
     return path

@@ -25,6 +25,17 @@ llama.cpp's converter (`conversion/qwen.py`: `Qwen3_5TextModel` over
   value head is a whole number of blocks (Qwen3.5's 128-wide heads in 32-wide blocks),
   else the matrix is dequantized first.
 
+``qwen35moe`` files (`Qwen3_5MoeTextModel`, the same base) add the experts as ``qwen3moe``
+files hold them (the router ``ffn_gate_inp``, each projection of every expert as one 3-D
+tensor ``ffn_{gate,up,down}_exps``, which `moe.stack_experts` joins) and the shared expert
+(``ffn_{gate,up,down}_shexp``, its gate ``ffn_gate_inp_shexp``). ``qwen3next`` files
+(`Qwen3NextModel`, without the value-head reordering) hold the same but for the linear
+layers' input projections: the converter splits Qwen3-Next's ``in_proj_qkvz`` into
+Qwen3.5's q/k/v and z (``attn_qkv``, ``attn_gate``) and keeps ``in_proj_ba`` as it is
+(``ssm_ba``, per key head: its value heads' b rows, then their a rows), which `parts` splits
+into Qwen3.5's ``in_proj_b`` and ``in_proj_a`` by whole rows (raw blocks too), so a kept
+quantized file needs no module of its own for it.
+
 The multi-token prediction layers the converter appends after the model's own (``blk.N``
 for N >= num_hidden_layers, with ``nextn`` tensors) are not run, so not read.
 """
@@ -58,6 +69,16 @@ LAYER_NAMES = {
     "ssm_out": "linear_attn.out_proj",
     "ssm_norm": "linear_attn.norm",
     "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_ba": "linear_attn.in_proj_ba",  # qwen3next
+    # qwen35moe, qwen3next: the router, the experts [E, rows, columns], the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 #: per-layer tensors whose HF name is not the mapped name plus the GGUF suffix
 _WHOLE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
@@ -124,11 +145,25 @@ class Qwen35Tensors:
         self.key_dim = key_heads * int(config["linear_key_head_dim"])
         self.value_head_dim = int(config["linear_value_head_dim"])
         per_key = value_heads // key_heads
+        self.key_heads = key_heads
         #: whether the file's value heads need taking back to HF's grouped order (not with
-        #: one value head per key head, which the converter leaves alone)
-        self.reordered = value_heads != key_heads
+        #: one value head per key head, which the converter leaves alone, nor in a qwen3next
+        #: file, which it never reorders)
+        self.reordered = value_heads != key_heads and config.get("model_type") != "qwen3_next"
         self.rows = _grouped(_tiled_order(key_heads, per_key, self.value_head_dim))
         self.heads = _grouped(_tiled_order(key_heads, per_key, 1))
+
+    def parts(self, hf: str, w: Array) -> list[tuple[str, Array]]:
+        """`hf_tensor`'s result as the model's tensors: a qwen3next ``in_proj_ba`` [per key head:
+        r b rows, r a rows] as ``in_proj_b`` and ``in_proj_a`` (rows picked, values or raw
+        blocks alike, as transformers' `fix_query_key_value_ordering` orders them); any
+        other tensor as it is."""
+        if not hf.endswith(".linear_attn.in_proj_ba.weight"):
+            return [(hf, w)]
+        prefix = hf.removesuffix("in_proj_ba.weight")
+        rows = np.arange(w.shape[0]).reshape(self.key_heads, 2, -1)
+        return [(prefix + "in_proj_b.weight", w[rows[:, 0].reshape(-1)]),
+                (prefix + "in_proj_a.weight", w[rows[:, 1].reshape(-1)])]
 
     def hf_tensor(self, name: str, w: Array, qtype: gguf.GGMLQuantizationType,
                   dequantize: Callable[[], np.ndarray]) -> tuple[str, Array] | None:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from services.gpu_worker.gguf_qwen35 import Qwen35Tensors
-from shared.gguf_source import GEMMA_ARCHS, config_and_tensors, gguf_arch
+from shared.gguf_source import GEMMA_ARCHS, HYBRID_ARCHS, config_and_tensors, gguf_arch
 
 # GGUF per-layer tensor name -> HF parameter name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -107,7 +107,7 @@ def load_gguf_weights(
     absent when ``config["tie_word_embeddings"]`` is true.
     """
     config, tensors = config_and_tensors(path)
-    if gguf_arch(config) == "qwen35":
+    if gguf_arch(config) in HYBRID_ARCHS:
         return config, _qwen35_weights(tensors, Qwen35Tensors(config), progress, keep_quantized)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
@@ -147,7 +147,8 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
                     keep_quantized: frozenset[str]) -> dict[str, np.ndarray | QuantTensor]:
     """`load_gguf_weights` for a ``qwen35`` file: each tensor through `Qwen35Tensors`, which
     undoes what llama.cpp's converter did to it (names, (1 + w) norms, -exp(A_log), the
-    value heads' order); matrices of a kept type stay their raw blocks."""
+    value heads' order; a qwen3next file's ``ssm_ba`` split into b and a); matrices of a
+    kept type stay their raw blocks."""
     state: dict[str, np.ndarray | QuantTensor] = {}
     for name, qtype, shape, data in tqdm(tensors, desc="dequantizing GGUF", unit="tensor", file=sys.stderr,
                                          disable=not progress):
@@ -158,9 +159,9 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
         got = qwen35.hf_tensor(name, data.reshape(shape[0], -1) if kept else dequantize(), qtype, dequantize)
         if got is None:
             continue
-        hf, w = got
-        if w.dtype == np.uint8:
-            state[hf] = QuantTensor(qtype.name, np.ascontiguousarray(w), shape)  # moved rows: a copy
-        else:
-            state[hf] = np.require(w, dtype=np.float32, requirements=["C", "W"])
+        for hf, w in qwen35.parts(*got):
+            if w.dtype == np.uint8:  # moved rows: a copy
+                state[hf] = QuantTensor(qtype.name, np.ascontiguousarray(w), (w.shape[0], *shape[1:]))
+            else:
+                state[hf] = np.require(w, dtype=np.float32, requirements=["C", "W"])
     return state

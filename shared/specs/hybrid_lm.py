@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
+from shared.hybrid_config import LINEAR, HybridConfig, hybrid_parameter_counts, read_hybrid_config
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model_config import FULL
 from shared.specs.base import PromptError, PromptRequest
@@ -91,6 +91,23 @@ class HybridLMSpec(DecoderLMSpec):
         return ProcessPromptOutput({"input_ids": np.asarray(token_ids, dtype=np.int32)}, layouts,
                                    {"prompt_len": len(token_ids)})
 
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """From the config (`hybrid_parameter_counts`): the linear layers' projections,
+        convolution and decay counted as they are (not as attention layers)."""
+        counts = hybrid_parameter_counts(self.hybrid)
+        return counts.total, counts.active
+
     def bytes_per_page(self, page_size: int) -> int:
         """KV bytes of one page of the full-attention pool (the state pool is sized by slots)."""
         return self.paged_pools(1)[self.pool].bytes_per_page if "text" in self.layer_labels else 1
+
+
+class HybridMoESpec(HybridLMSpec):
+    """Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`; its image-text folders are `Qwen35VLSpec`'s):
+    the hybrid's labels and state slots as they are; its own class so that the
+    gpu worker's registry gives it the model with experts (`modeling/hybrid/qwen3_5_moe.py`)."""
+
+
+class Qwen3NextSpec(HybridMoESpec):
+    """Qwen3-Next (`Qwen3NextForCausalLM`): Qwen3.5-MoE's spec; its model reads the
+    checkpoint's fused per-key-head projections (`modeling/hybrid/qwen3_next.py`)."""

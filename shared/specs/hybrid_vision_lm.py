@@ -1,5 +1,7 @@
-"""Qwen3.5 with images (`Qwen3_5ForConditionalGeneration`, the form Qwen3.5 is released in):
-the hybrid text model of `HybridLMSpec` and Qwen2.5-VL's image handling.
+"""Qwen3.5 with images (`Qwen3_5ForConditionalGeneration`, the form Qwen3.5 is released in;
+Qwen3.5-MoE's `Qwen3_5MoeForConditionalGeneration` alike: the same tower and processing, its
+text model with experts): the hybrid text model of `HybridLMSpec` and Qwen2.5-VL's image
+handling.
 
 What it takes from each:
 - `HybridLMSpec`: the config (`text_config`, read by `read_hybrid_config`), the "text" label
@@ -34,7 +36,9 @@ from shared.specs.hybrid_lm import HybridLMSpec
 from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec
 from shared.vision import common
 
-ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
+#: Qwen3.5-MoE's image-text form is the same tower and processing over the text model with
+#: experts (the gpu worker's model picks it by the config's model_type)
+ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 #: Qwen3_5Config's default image token id (config.json normally says it)
 IMAGE_TOKEN_ID = 248_056
 
@@ -58,6 +62,11 @@ class Qwen35VLSpec(HybridLMSpec, Qwen25VLSpec):
         self.image_token_id = int(raw.get("image_token_id", IMAGE_TOKEN_ID))
         self.mrope_section = self.hybrid.mrope_section
         self.images = None
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """Not counted, as every vision model's (`VisionLMSpec`): the hybrid's count is the
+        text model's alone."""
+        return VisionLMSpec.parameter_counts(self)
 
     def load_folder(self, path: str | Path) -> Self:
         """The image processor's settings where the folder has them (else text only)."""

@@ -14,13 +14,14 @@ import os
 from collections.abc import Callable
 
 from shared.hybrid_config import ARCHITECTURES as HYBRID_ARCHITECTURES
+from shared.hybrid_config import MOE_ARCHITECTURES as HYBRID_MOE_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.hybrid_lm import HybridLMSpec
+from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import ARCHITECTURES as HYBRID_VISION_ARCHITECTURES
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
@@ -45,6 +46,8 @@ SpecFactory = Callable[..., ModelSpec]
 MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(DECODER_LM_ARCHITECTURES, DecoderLMSpec),
     **dict.fromkeys(HYBRID_ARCHITECTURES, HybridLMSpec),
+    **{arch: Qwen3NextSpec if kind == "qwen3_next" else HybridMoESpec
+       for arch, kind in HYBRID_MOE_ARCHITECTURES.items() if arch not in HYBRID_VISION_ARCHITECTURES},
     **dict.fromkeys(HYBRID_VISION_ARCHITECTURES, Qwen35VLSpec),
     NULL_ARCHITECTURE: NullLMSpec,
     WHISPER_ARCHITECTURE: WhisperSpec,

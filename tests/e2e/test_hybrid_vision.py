@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 from functools import cache
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def folder(tmp_path_factory) -> Path:
 def _hf(folder: Path):
     import transformers
 
-    return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(folder).eval(), qwen35_vl_processor(folder)
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]  # Qwen3.5's, or Qwen3.5-MoE's
+    return getattr(transformers, arch).from_pretrained(folder).eval(), qwen35_vl_processor(folder)
 
 
 def rendered(folder: Path, case: str) -> str:

@@ -115,4 +115,5 @@ def test_names():
     assert hf_name("blk.4.nextn.eh_proj.weight", 4) is None  # a multi-token prediction layer
     assert hf_name("blk.4.attn_q.weight", 4) is None
     with pytest.raises(KeyError):
-        hf_name("blk.0.ssm_ba.weight", 4)  # Qwen3-Next's, not Qwen3.5's
+        hf_name("blk.0.ssm_in.weight", 4)  # Qwen3-Next's unsplit in_proj_qkvz (the converter splits it)
+    assert hf_name("blk.0.ssm_ba.weight", 4) == "model.layers.0.linear_attn.in_proj_ba.weight"  # a qwen3next file's

@@ -22,6 +22,12 @@ Weights are stacked per layer, as transformers 5 keeps them: `experts.gate_up_pr
 a checkpoint's per-expert tensors (`experts.{e}.gate_proj.weight`, ...: what Hugging Face
 checkpoints and transformers' `save_pretrained` write) are stacked into them by
 `stack_experts` at load.
+
+A shared expert (Qwen3-Next, Qwen3.5-MoE: `shared_expert`, `shared_expert_gate`) is a dense
+MLP every row takes beside its routed experts: transformers' `Qwen3NextSparseMoeBlock` adds
+sigmoid(shared_expert_gate(x)) * shared_expert(x) to the routed sum, and so does `forward`.
+The caller builds the MLP (a decoder MLP of `shared_expert_intermediate_size`, fused and
+packed as the model's other MLPs), so this module imports no model.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class SparseMoE(nn.Module):
     #: what a decode step streams, once packed (huge_pages.place puts them on 2 MB pages)
     hot_tensors = ("gate_up_packed", "down_packed")
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
         self.top_k = cfg.num_experts_per_tok
@@ -75,6 +81,10 @@ class SparseMoE(nn.Module):
         #: `pack`, which then drops the stacked weights)
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
+        #: the dense expert every row takes, and its gate's linear (HF `shared_expert_gate.weight`
+        #: [1, hidden]), or None (Qwen3-MoE)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(self.hidden, 1, bias=False) if shared_expert is not None else None
 
     def pack(self) -> bool:
         """Put each expert's weights in the C GEMM kernel's layout, where that kernel runs
@@ -123,7 +133,22 @@ class SparseMoE(nn.Module):
             # weighted, then added in ascending expert order: transformers' sum, bit for bit
             out.index_add_(0, idx, y * pair_weights[start : start + n, None])
             start += n
+        # (getattr: a subclass that sets its own attributes, gpt-oss's, has no shared expert)
+        shared, gate = getattr(self, "shared_expert", None), getattr(self, "shared_expert_gate", None)
+        if shared is not None and gate is not None:
+            # transformers: routed + sigmoid(gate(x)) * shared(x), in that order
+            out = out + self._shared_scale(gate(x)) * shared(x)
         return out
+
+    def _shared_scale(self, g: torch.Tensor) -> torch.Tensor:
+        """sigmoid(g) [T, 1]. torch's CPU sigmoid runs its vector op over whole pairs of
+        vectors of a tensor and a scalar op over the tail, whose bits differ, so a row's value
+        would depend on how many rows share the step: packed (the batch-invariant path), each
+        value is spread over a row of 64 (whole pairs of vectors up to AVX-512) and taken back
+        from column 0. Unpacked, transformers' own call on [T, 1], bit for bit."""
+        if self.gate_up_packed is None:
+            return torch.sigmoid(g)
+        return torch.sigmoid(g.expand(-1, 64).contiguous())[:, :1]
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows `h` [n, hidden]: one GEMM for gate and up, one for down."""

@@ -14,7 +14,9 @@ from services.gpu_worker.modeling.decoder.lm import DecoderLM
 from services.gpu_worker.modeling.decoder.null_lm import NullLM
 from services.gpu_worker.modeling.encoder.bert import BertModel
 from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
+from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
+from services.gpu_worker.modeling.hybrid.qwen3_next import Qwen3NextLM
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
@@ -24,7 +26,7 @@ from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.hybrid_lm import HybridLMSpec
+from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.pooling import EncoderSpec
@@ -35,6 +37,8 @@ from shared.specs.whisper import WhisperSpec
 TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     DecoderLMSpec: DecoderLM,
     HybridLMSpec: Qwen35LM,
+    HybridMoESpec: Qwen35MoeLM,
+    Qwen3NextSpec: Qwen3NextLM,
     Qwen35VLSpec: Qwen35VLModel,
     NullLMSpec: NullLM,
     WhisperSpec: WhisperModel,

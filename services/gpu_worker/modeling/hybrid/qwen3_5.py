@@ -12,7 +12,7 @@ safetensors load as they are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -182,7 +182,8 @@ class GatedNorm(nn.Module):
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, layer: int) -> None:
+    def __init__(self, cfg: HybridConfig, layer: int, mlp: nn.Module | None = None) -> None:
+        """`mlp`: what follows the attention (a mixture of experts: `qwen3_5_moe`), else the dense MLP."""
         super().__init__()
         a = cfg.attention
         self.linear = cfg.layer_types[layer] == LINEAR
@@ -190,7 +191,7 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(a)
+        self.mlp = mlp if mlp is not None else MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -205,11 +206,11 @@ class HybridLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, make_mlp: Callable[[HybridConfig, int], nn.Module | None]) -> None:
         super().__init__()
         a = cfg.attention
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, make_mlp(cfg, i)) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -229,7 +230,7 @@ class Qwen35LM(DecoderModel):
         cfg = config if isinstance(config, HybridConfig) else read_hybrid_config(config)
         self.config = cfg
         a = cfg.attention
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.make_mlp)
         # positions [T] rotate as plain partial RoPE; [3, T] (images: temporal, height, width)
         # as transformers' interleaved multimodal RoPE over the rotary dim
         self.rotary = InterleavedMRotary(a.rope, cfg.rotary_dim, a.max_position_embeddings, cfg.mrope_section)
@@ -237,14 +238,23 @@ class Qwen35LM(DecoderModel):
         if not self.tied:
             self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    @staticmethod
+    def make_mlp(cfg: HybridConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP, or None for the dense one (a family with experts overrides it)."""
+        return None
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under this module's names, norms' (1 + w) folded in."""
         # multi-token prediction layers (`mtp.*`) are not run; the vision tower is another model's
         state = {k.removeprefix("model.language_model.").removeprefix("language_model."): v
                  for k, v in state.items() if not k.startswith("mtp.") and "visual." not in k}
         state = {("model." + k if not k.startswith(("model.", "lm_head.")) else k): v for k, v in state.items()}
         if self.tied:
             state.pop("lm_head.weight", None)
-        state = {k: v + 1.0 if _offset_norm(k) else v for k, v in state.items()}  # fold (1 + w) in once
+        return {k: v + 1.0 if _offset_norm(k) else v for k, v in state.items()}  # fold (1 + w) in once
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = self.checkpoint_state(state)
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -257,7 +267,7 @@ class Qwen35LM(DecoderModel):
     def prepare(self) -> None:
         """On the CPU, every float32 GEMM weight in the C kernel's (else oneDNN's) layout."""
         for layer in cast("list[HybridLayer]", list(self.model.layers)):
-            layer.mlp.fuse()
+            self.prepare_mlp(layer.mlp)
             (layer.linear_attn if layer.linear else layer.self_attn).fuse()
         head = self.model.embed_tokens if self.tied else self.lm_head
         if isinstance(head, (QuantEmbedding, QuantLinear)):  # a GGUF head kept quantized (as DecoderLM's)
@@ -268,6 +278,10 @@ class Qwen35LM(DecoderModel):
             pack_linears(self.model.layers)
             if not self.tied:
                 del self.lm_head
+
+    def prepare_mlp(self, mlp: nn.Module) -> None:
+        """One GEMM for the MLP's gate and up (a family with experts packs those too)."""
+        cast("MLP", mlp).fuse()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[torch.Tensor], metas: list[LayerMeta], sample_rows: torch.Tensor,

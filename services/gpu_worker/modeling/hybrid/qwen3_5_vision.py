@@ -34,6 +34,7 @@ from torch import nn
 from services.gpu_worker.modeling.base import GridVisionDecoderModel
 from services.gpu_worker.modeling.decoder.lm import RowEmbeds
 from services.gpu_worker.modeling.hybrid.qwen3_5 import LayerMeta, Qwen35LM
+from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import VisionAttention
 
 #: prefixes of the tower's tensors: transformers 5's files, then a bare `visual.` as the
@@ -200,7 +201,9 @@ class Qwen35VLModel(GridVisionDecoderModel):
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
-        self.lm = Qwen35LM(config)
+        # Qwen3.5-MoE's (`Qwen3_5MoeForConditionalGeneration`): the same tower, the text model with experts
+        lm = Qwen35MoeLM if config.get("model_type") == "qwen3_5_moe" else Qwen35LM
+        self.lm = lm(config)
         self.vision = Qwen35VisionTower(config.get("vision_config") or {})
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
