@@ -51,14 +51,16 @@
  * dequantized (bitwise, as for bfloat16); the stored values are torch's quantization of the
  * row (attention.py's quantize_kv, tests/unit/test_paged_attention_int8.py).
  *
- * Head sizes 64, 128 and 256 (Gemma 3) with AVX-512 or AVX2 + FMA have a path of intrinsics
+ * Head sizes 16, 32, 48, 64, 128 and 256 (Gemma 3) with AVX-512 or AVX2 + FMA have a path of intrinsics
  * (simd.h's vector of VL = 16 or 8 lanes): q and the outputs of a block of up to GB query heads
  * of one KV head (AVX-512, d = 128: 2, d = 256: 1) in registers while it takes a page's keys
  * (AVX2, with half the registers: q from L1 and the outputs in chunks of head dims), and a
  * score is its FMA chain over the head's VL-lane slices, then a fixed tree over the VL lanes,
- * done for VL keys at once (vfold). Other head sizes, or neither: the same arithmetic in plain
- * loops. Each class's scores are its own bits (16- or 8-lane partial sums), fixed by the
- * shapes alone. Heads go in passes of up to HC (their scores on the stack); only the first
+ * done for VL keys at once (vfold). Other head sizes, or neither: plain loops, a score's
+ * sum in 8 partial sums written out (dot_plain). Each path's scores are its own bits (16-, 8-
+ * or the plain loops' 8-lane partial sums), fixed by the head size and the class alone: a
+ * row's output never depends on the rows beside it in the call (test_decode_attention_split's
+ * batch invariance test). Heads go in passes of up to HC (their scores on the stack); only the first
  * prefetches, the others find the partition in L2.
  *
  * Memory: on a 2-core EPYC VM (~28 GB/s from DRAM with two threads reading in sequence), a decode
@@ -256,6 +258,24 @@ static inline void finish_heads(const struct decode_job *J, const float *restric
     }
 }
 
+/* q . k over d floats in a fixed order: DOT_LANES partial sums (lane l takes the elements
+ * e = l mod DOT_LANES, in order), then a fixed tree. Not an `omp simd` reduction: that lets
+ * GCC order the sum as each loop version it makes likes, and GCC 12 versions the loop over
+ * the heads on a run-time alias check (the scores' stack buffer against q and the pages), one
+ * version vectorized, one scalar, so a row's scores took one order or the other with the
+ * heads its task had: a batch's rows changed bits with the rows beside them (the KV-head
+ * split, `groups`, is chosen by the batch's size). Written out, every version the compiler
+ * makes is IEEE's same sum (it still vectorizes the lanes). */
+#define DOT_LANES 8
+static inline float dot_plain(const float *restrict a, const float *restrict b, int64_t d) {
+    float p[DOT_LANES] = {0.f};
+    int64_t e = 0;
+    for (; e + DOT_LANES <= d; e += DOT_LANES)
+        for (int l = 0; l < DOT_LANES; l++) p[l] += a[e + l] * b[e + l];
+    for (int l = 0; e < d; e++, l++) p[l] += a[e] * b[e];
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
 /* The plain-loop pass over heads [h0, h1), any head size d (q: the row's heads). */
 __attribute__((always_inline)) static inline void pass_plain(const struct decode_job *J, const struct span *S,
                                                              const int kind, const float *restrict q, int64_t h0,
@@ -275,10 +295,7 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
                     hk = h / J->g_n;
                     widen(J->cache, kind, at + hk * J->hs, d, buf);
                 }
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t e = 0; e < d; e++) acc += q[h * d + e] * k[e];
-                acc *= J->scale;
+                const float acc = dot_plain(q + h * d, k, d) * J->scale;
                 s[(h - h0) * PART + (j - S->a)] = acc;
                 mx[h - h0] = acc > mx[h - h0] ? acc : mx[h - h0];
             }
@@ -321,7 +338,10 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
 #define QREGS 8
 #define VC_MAX 8
 #define BLOCK_CAP(nv) GB
-#define V_CHUNK(gb, nv) ((gb) == 1 ? 8 : (gb) <= 3 ? 4 : 2)
+/* of 1, 2-3 or 4 heads: 8, 4 or 2 vectors, fewer where nv is smaller or not a multiple (a
+ * divisor of nv for each head size with a vector path: d = 16, 32, 48 are nv = 2, 4, 6) */
+#define V_CHUNK(gb, nv) \
+    ((gb) == 1 ? ((nv) < 8 ? (nv) : 8) : (gb) <= 3 ? ((nv) % 4 == 0 ? 4 : (nv) % 3 == 0 ? 3 : 2) : 2)
 #endif
 
 /* Vector v (VL floats) of the head slice at element `at` of the pool (bfloat16: zero-extended
@@ -485,14 +505,14 @@ __attribute__((always_inline)) static inline void run_part(const struct decode_j
         const int64_t h1 = h0 + HC < hb ? h0 + HC : hb;
         S->pf = h0 == ha;
 #if MSTAR_VL
-        if (J->d == 64 || J->d == 128 || J->d == 256) {
-            if (J->d == 64)
-                pass_vec(J, S, kind, q, h0, h1, 64 / VL, dst, rec);
-            else if (J->d == 128)
-                pass_vec(J, S, kind, q, h0, h1, 128 / VL, dst, rec);
-            else
-                pass_vec(J, S, kind, q, h0, h1, 256 / VL, dst, rec);
-            continue;
+        switch (J->d) { /* head sizes with a vector path (multiples of either class's VL) */
+        case 16: pass_vec(J, S, kind, q, h0, h1, 16 / VL, dst, rec); continue;
+        case 32: pass_vec(J, S, kind, q, h0, h1, 32 / VL, dst, rec); continue;
+        case 48: pass_vec(J, S, kind, q, h0, h1, 48 / VL, dst, rec); continue;
+        case 64: pass_vec(J, S, kind, q, h0, h1, 64 / VL, dst, rec); continue;
+        case 128: pass_vec(J, S, kind, q, h0, h1, 128 / VL, dst, rec); continue;
+        case 256: pass_vec(J, S, kind, q, h0, h1, 256 / VL, dst, rec); continue;
+        default: break;
         }
 #endif
         if (J->d == 64)  /* a constant trip count for the plain loops */
