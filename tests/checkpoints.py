@@ -80,6 +80,11 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
                                                                 moe_intermediate_size=32, num_experts=8,
                                                                 num_experts_per_tok=2)),
+    # Mixtral: every layer sparse, 8 experts of intermediate_size 32, 2 a token, renormalized;
+    # no sliding window (as Mixtral-8x7B's config: null)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
+                                                            intermediate_size=32, num_local_experts=8,
+                                                            num_experts_per_tok=2, sliding_window=None)),
 }
 
 

@@ -28,6 +28,7 @@ CONFIG_CLASSES = {
     "gemma3_text": "Gemma3TextConfig",
     "phi3": "Phi3Config",
     "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
 }
 
 #: every key a rope_parameters / rope_scaling dict may carry
