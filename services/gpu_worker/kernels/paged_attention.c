@@ -515,7 +515,8 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
  * prefetches; the others find the partition in L2). `small` (a constant): the task functions
  * of head sizes 16, 32 and 48 (SMALL_HEADS), a copy of their own, so that adding their vector
  * passes left the code of the 64 / 128 / 256 ones as it was (in one function with them, those
- * ran ~5% slower on a Zen 5 core). */
+ * ran a few percent slower on a shared 2-core Zen 5 VM: bench.kernel_classes' shapes, the
+ * least of 21-41 reps alternated with the old build, in either order). */
 #define SMALL_HEADS(d) (MSTAR_VL && ((d) == 16 || (d) == 32 || (d) == 48))
 __attribute__((always_inline)) static inline void run_part(const struct decode_job *J, struct span *S,
                                                            const int kind, const int small, const float *q,
