@@ -1,6 +1,6 @@
 """Mixtral through the real services: greedy tokens equal transformers' float32 `generate` on
-random-weight `MixtralForCausalLM` checkpoints of three shapes (experts 8, 4 and 16, top-k 2,
-1 and 4, always renormalized; no sliding window and a window of 8; head sizes 32, 48 and 16,
+random-weight `MixtralForCausalLM` checkpoints of three shapes (experts 8, 8 and 64, top-k 2,
+1 and 8, always renormalized; no sliding window and a window of 8; head sizes 32, 48 and 16,
 which the C decode kernel now computes batch invariantly), each prompt whole and cut into
 16-row prefill chunks, one at a time and 8 at once; the pages all come back, each prompt's
 tokens and logprobs alone are bitwise the same among the 8 (without a window: see the test),
@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.specs.base import _magnitude
 from tests.checkpoints import make_checkpoint
 from tests.e2e.test_moe_parity import EIGHT, _generate, _want, _wrong
 from tests.e2e.test_parity import PROMPTS
@@ -25,9 +26,9 @@ from tests.servers import MstarServer
 #: case -> MixtralConfig settings over tests.checkpoints.FAMILIES["mixtral"]
 SHAPES = {
     "e8-top2-d32": dict(num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, head_dim=32),
-    "e4-top1-d48-window8": dict(num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=2, head_dim=48,
+    "e8-top1-d48-window8": dict(num_local_experts=8, num_experts_per_tok=1, num_hidden_layers=2, head_dim=48,
                                 sliding_window=8),
-    "e16-top4-d16": dict(num_local_experts=16, num_experts_per_tok=4, num_hidden_layers=3, head_dim=16,
+    "e64-top8-d16": dict(num_local_experts=64, num_experts_per_tok=8, num_hidden_layers=3, head_dim=16,
                          intermediate_size=48),
 }
 
@@ -81,4 +82,4 @@ def test_mixtral_greedy_matches_transformers(checkpoints, tmp_path, case, budget
     expert = 3 * 64 * shape.get("intermediate_size", 32)  # gate (w1), up (w3) and down (w2) of hidden 64
     idle = shape["num_hidden_layers"] * (shape["num_local_experts"] - shape["num_experts_per_tok"]) * expert
     assert (card["parameters"], card["active_parameters"]) == (total, total - idle)
-    assert f"{total / 1e3:.3g}K parameters, {(total - idle) / 1e3:.3g}K active" in log
+    assert f"{_magnitude(total)} parameters, {_magnitude(total - idle)} active" in log
