@@ -260,12 +260,12 @@ static inline void finish_heads(const struct decode_job *J, const float *restric
 
 /* q . k over d floats in a fixed order: DOT_LANES partial sums (lane l takes the elements
  * e = l mod DOT_LANES, in order), then a fixed tree. Not an `omp simd` reduction: that lets
- * GCC order the sum as each loop version it makes likes, and GCC 12 versions the loop over
- * the heads on a run-time alias check (the scores' stack buffer against q and the pages), one
- * version vectorized, one scalar, so a row's scores took one order or the other with the
- * heads its task had: a batch's rows changed bits with the rows beside them (the KV-head
- * split, `groups`, is chosen by the batch's size). Written out, every version the compiler
- * makes is IEEE's same sum (it still vectorizes the lanes). */
+ * GCC order the sum as each copy of the loop it makes likes, and GCC 12 made two here (one
+ * vectorized, one scalar: -fopt-info-vec), picked at run time, so a row's scores took one
+ * order or the other with the heads its task had (the KV-head split, `groups`, is chosen by
+ * the batch's size): a row of more than a page changed bits with the rows beside it, and
+ * dropping that pragma alone made it invariant. Written out, every copy the compiler makes
+ * is IEEE's same sum (it still vectorizes the lanes). */
 #define DOT_LANES 8
 static inline float dot_plain(const float *restrict a, const float *restrict b, int64_t d) {
     float p[DOT_LANES] = {0.f};
