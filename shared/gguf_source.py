@@ -254,6 +254,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config["sliding_window"] = None
     if arch == "qwen3moe":
         config.update(_experts_config(reader, arch, config["num_hidden_layers"], tensor_names))
+    if arch == "llama" and llm(gguf.Keys.LLM.EXPERT_COUNT):
+        config.update(_mixtral_config(reader, config["num_hidden_layers"], tensor_names))
     if arch in GEMMA_ARCHS:
         config.update(_gemma_config(reader, arch, config))
     if arch == "phi3":
@@ -380,14 +382,41 @@ def _experts_config(reader: gguf.GGUFReader, arch: str, layers: int, tensor_name
     widths = {int(w) for w in width} if isinstance(width, list) else {int(width)}
     if len(widths) != 1:
         raise UnsupportedGGUF(f"GGUF {arch}.expert_feed_forward_length differs between layers ({sorted(widths)})")
-    for key, plain in ((gguf.Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0), (gguf.Keys.LLM.EXPERT_GATING_FUNC, 1),
-                       (gguf.Keys.LLM.EXPERT_SHARED_COUNT, 0)):
-        value = llm(key)
-        if value is not None and value != plain:  # gating 1: softmax (llama.cpp's enum)
-            raise UnsupportedGGUF(f"GGUF {key.format(arch=arch)}={value!r} is not supported for {arch}")
+    _refuse_other_routing(reader, arch)
     return {"num_experts": int(experts), "num_experts_per_tok": int(used), "moe_intermediate_size": widths.pop(),
             "norm_topk_prob": True, "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+
+
+def _refuse_other_routing(reader: gguf.GGUFReader, arch: str) -> None:
+    """UnsupportedGGUF for routing keys other than softmax over plain experts (llama.cpp's
+    defaults, which its qwen3moe and llama graphs assume): a weights scale, another gating
+    function, shared experts."""
+    for key, plain in ((gguf.Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0), (gguf.Keys.LLM.EXPERT_GATING_FUNC, 1),
+                       (gguf.Keys.LLM.EXPERT_SHARED_COUNT, 0)):
+        value = _field(reader, key.format(arch=arch))
+        if value is not None and value != plain:  # gating 1: softmax (llama.cpp's enum)
+            raise UnsupportedGGUF(f"GGUF {key.format(arch=arch)}={value!r} is not supported for {arch}")
+
+
+def _mixtral_config(reader: gguf.GGUFReader, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """A `llama` file with `expert_count` is a Mixtral (llama.cpp's converter writes
+    MixtralForCausalLM as arch llama, its experts as blk.N.ffn_gate_inp and
+    ffn_{gate,up,down}_exps): llama.cpp's llama graph routes softmax over `expert_count`
+    experts, `expert_used_count` a token, the weights renormalized (as MixtralTopKRouter),
+    each expert `feed_forward_length` wide, in every layer; a layer without a router is
+    refused (llama.cpp would not load it either). Mixtral's config then reads it
+    (shared/model_config.py), with no sliding window (none is stored)."""
+    used = _field(reader, gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch="llama"))
+    if used is None:
+        raise ValueError("GGUF llama with experts needs llama.expert_used_count")
+    _refuse_other_routing(reader, "llama")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    if dense:
+        raise UnsupportedGGUF(f"GGUF llama with experts: layers {dense[:5]} have no ffn_gate_inp (router)")
+    experts = int(_field(reader, gguf.Keys.LLM.EXPERT_COUNT.format(arch="llama")))
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+            "num_experts_per_tok": int(used), "sliding_window": None}
 
 
 def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -488,7 +517,7 @@ def _cache_file(path: Path) -> Path:
 
 
 #: bumped whenever what a summary holds, or how it is made, changes
-_SUMMARY_VERSION = 4  # 2: qwen35 files; 3: qwen3moe files; 4: qwen35moe, qwen3next (a cached refusal is stale)
+_SUMMARY_VERSION = 5  # 2: qwen35; 3: qwen3moe; 4: qwen35moe, qwen3next; 5: llama with experts (Mixtral)
 
 
 def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:
@@ -555,7 +584,10 @@ def _summarize(path: str) -> dict[str, Any] | None:
 
 
 def gguf_arch(config: dict[str, Any]) -> str:
-    """The GGUF architecture name of a config this module made (its model_type's)."""
+    """The GGUF architecture name of a config this module made (its model_type's; a Mixtral's
+    is `llama`, whose files it came from)."""
+    if config["model_type"] == "mixtral":
+        return "llama"
     return next(a for a, (_, model_type) in _ARCHITECTURES.items() if model_type == config["model_type"])
 
 

@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "MixtralForCausalLM": "mixtral",
 }
 
 MODEL_TYPES = frozenset(ARCHITECTURES.values())
@@ -64,6 +65,7 @@ HARMLESS = frozenset({
     "_sliding_window_pattern", "sliding_window_pattern",  # read through layer_types
     "sliding_window_size",  # old Gemma 2 duplicate of sliding_window
     "output_router_logits", "router_aux_loss_coef",  # a mixture of experts' training loss
+    "router_jitter_noise",  # Mixtral's router noise, applied in training only
 })
 
 #: keys that are fields of ModelConfig (read, checked where they have a range)
@@ -75,7 +77,8 @@ READ = frozenset({
     "rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq", "partial_rotary_factor",
     "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "use_bidirectional_attention",
-    # mixture of experts (Qwen3-MoE; transformers 5 writes num_experts as num_local_experts)
+    # mixture of experts (Qwen3-MoE, Mixtral; transformers 5 writes Qwen3-MoE's num_experts as
+    # num_local_experts, Mixtral's own name)
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers",
     "swiglu_alpha", "swiglu_limit",  # gpt-oss's clamped SwiGLU experts
@@ -88,7 +91,7 @@ REFUSED = frozenset({"quantization_config"})
 GEMMA = ("gemma2", "gemma3_text")
 QWEN3 = ("qwen3", "qwen3_moe")
 #: families whose layers may be a mixture of experts in place of the MLP
-MOE = ("qwen3_moe", "gpt_oss")
+MOE = ("qwen3_moe", "gpt_oss", "mixtral")
 
 
 class RopeConfig(msgspec.Struct, frozen=True):
@@ -155,7 +158,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     final_softcap: float | None = None
     #: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3)
     packed_projections: bool = False
-    #: mixture of experts (Qwen3-MoE): which layers replace the MLP by a routed block, its
+    #: mixture of experts (Qwen3-MoE, Mixtral): which layers replace the MLP by a routed block, its
     #: experts, how many each token takes, each expert's width, and whether the k routing
     #: weights are renormalized to sum to 1. No layer is sparse where `sparse_layers` is all False.
     sparse_layers: tuple[bool, ...] = ()
@@ -289,11 +292,13 @@ def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
 def _experts(raw: Mapping[str, Any], model_type: str, layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields, as transformers' Qwen3MoeDecoderLayer picks its sparse
     layers: not in `mlp_only_layers`, experts > 0, and (i + 1) a multiple of
-    `decoder_sparse_step`. Empty for a dense family."""
+    `decoder_sparse_step`; Mixtral's every layer (`_mixtral_experts`). Empty for a dense family."""
     if model_type not in MOE:
         return {}
     if model_type == "gpt_oss":
         return _gpt_oss_experts(raw, layers)
+    if model_type == "mixtral":
+        return _mixtral_experts(raw, layers)
     experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)) or 0)
     top_k = int(raw.get("num_experts_per_tok", 8))
     step = int(raw.get("decoder_sparse_step", 1))
@@ -323,6 +328,20 @@ def _gpt_oss_experts(raw: Mapping[str, Any], layers: int) -> dict[str, Any]:
     return dict(sparse_layers=(True,) * layers, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(raw.get("intermediate_size", 2880)), attn_sinks=True, expert_bias=True,
                 swiglu_limit=limit, swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
+
+
+def _mixtral_experts(raw: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """Mixtral's mixture: every layer sparse (MixtralDecoderLayer has no dense MLP), each expert
+    `intermediate_size` wide, the top-k weights always renormalized (MixtralTopKRouter divides
+    by their sum; the config has no norm_topk_prob)."""
+    experts = int(raw.get("num_local_experts", raw.get("num_experts", 8)) or 0)
+    top_k = int(raw.get("num_experts_per_tok", 2))
+    if experts < 1:
+        raise _refuse("num_local_experts", experts, "Mixtral's layers are all mixtures of experts")
+    if not 1 <= top_k <= experts:
+        raise _refuse("num_experts_per_tok", top_k, f"each token takes 1 to num_local_experts={experts} experts")
+    return dict(sparse_layers=(True,) * layers, num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw.get("intermediate_size", 14336)), norm_topk_prob=True)
 
 
 def _check_factor_lengths(r: RopeConfig, head_dim: int) -> None:
@@ -372,7 +391,7 @@ def _layer_types(raw: Mapping[str, Any], model_type: str, n: int) -> tuple[tuple
     elif window and model_type in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", 0))
         types = tuple(SLIDING if i >= first else FULL for i in range(n))
-    elif window and model_type in ("mistral", "phi3", "qwen3_moe"):  # Qwen3-MoE: no max_window_layers
+    elif window and model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):  # Qwen3-MoE: no max_window_layers
         types = (SLIDING,) * n
     else:
         types = (FULL,) * n

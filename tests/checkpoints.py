@@ -102,6 +102,11 @@ FAMILIES = {
         num_experts_per_tok=2, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                 "original_max_position_embeddings": 64})),
+    # Mixtral: every layer sparse, 8 experts of intermediate_size 32, 2 a token, renormalized;
+    # no sliding window (as Mixtral-8x7B's config: null)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(tie_word_embeddings=False, head_dim=32,
+                                                            intermediate_size=32, num_local_experts=8,
+                                                            num_experts_per_tok=2, sliding_window=None)),
 }
 
 

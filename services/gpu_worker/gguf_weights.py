@@ -33,8 +33,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
     "attn_k_norm": "self_attn.k_norm",  # qwen3, gemma3
-    # a mixture of experts (qwen3moe): the router, and each projection of every expert as
-    # one 3-D tensor [experts, rows, columns] (layers/moe.py's `stack_experts` joins gate and up)
+    # a mixture of experts (qwen3moe; Mixtral's llama files): the router, and each projection
+    # of every expert as one 3-D tensor [experts, rows, columns] (layers/moe.py's
+    # `stack_experts` joins gate and up)
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
@@ -111,8 +112,8 @@ def load_gguf_weights(
         return config, _qwen35_weights(tensors, Qwen35Tensors(config), progress, keep_quantized)
     n_head = config["num_attention_heads"]
     n_kv_head = config["num_key_value_heads"]
-    permuted = config["model_type"] == "llama"
     arch = gguf_arch(config)
+    permuted = arch == "llama"  # (a Mixtral's file too: arch llama)
 
     state: dict[str, np.ndarray | QuantTensor] = {}
     for name, qtype, shape, data in tqdm(

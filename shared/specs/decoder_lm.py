@@ -1,4 +1,5 @@
-"""The decoder-only LM family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3).
+"""The decoder-only LM family (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3,
+Phi-3).
 
 Full-attention layers keep their KV in pool "kv" under the keyed label "text"; sliding-
 window layers (Qwen2's `max_window_layers`, Mistral's `sliding_window`, Gemma's

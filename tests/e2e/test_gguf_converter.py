@@ -54,6 +54,7 @@ CASES = {
     "qwen2-spm": ("qwen2", "spm"),
     "qwen3-bpe": ("qwen3", "bpe"),
     "qwen3moe-bpe": ("qwen3_moe", "bpe"),  # 8 experts, 2 a token, renormalized (llama.cpp's qwen3moe)
+    "mixtral-bpe": ("mixtral", "bpe"),  # arch llama with 8 experts, 2 a token (llama.cpp writes Mixtral so)
     "gemma2-spm": ("gemma2", "spm-gemma"),
     "gemma3-spm": ("gemma3", "spm-gemma"),
     "phi3-spm": ("phi3", "spm"),
@@ -229,3 +230,46 @@ def test_qwen3moe_q8_0_file_gives_the_folders_tokens(vocabularies, tmp_path):
     path = convert(ckpt, tmp_path / "tiny-qwen3moe-q8_0.gguf", "q8_0")
     ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
     assert greedy_on(path, ids, MAX_TOKENS, quantized=True) == [hf_greedy(ckpt, i, MAX_TOKENS) for i in ids]
+
+
+def test_mixtral_q8_0_file_reads_as_its_folder_and_serves_its_weights(vocabularies, tmp_path):
+    """llama.cpp's converter writes a Mixtral checkpoint as arch `llama` with expert_count /
+    expert_used_count and blk.N.ffn_gate_inp / ffn_{gate,up,down}_exps: mstar reads it back as
+    the folder's Mixtral (the same ModelConfig's experts, top-k, widths and parameter counts),
+    and its Q8_0 file served as the worker does on the CPU (the attention matrices on the
+    quantized kernels, the experts dequantized to float32) gives transformers' greedy tokens
+    on a folder of the file's dequantized weights (the folder's own tokens are the f32 case's:
+    at this random model's small logit gaps, Q8_0's rounding moves an argmax)."""
+    from shared.gguf_source import gguf_config
+    from shared.model_config import parameter_counts, read_model_config
+
+    ckpt = _checkpoint(tmp_path / "tiny-mixtral", "mixtral", vocabularies["bpe"])
+    path = convert(ckpt, tmp_path / "tiny-mixtral-q8_0.gguf", "q8_0")
+    raw = gguf_config(path)
+    assert raw["architectures"] == ["MixtralForCausalLM"] and raw["model_type"] == "mixtral"
+    mine, folder = read_model_config(raw), read_model_config(json.loads((ckpt / "config.json").read_text()))
+    for field in ("sparse_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "sliding_window", "head_dim", "num_key_value_heads"):
+        assert getattr(mine, field) == getattr(folder, field), field
+    assert parameter_counts(mine) == parameter_counts(folder)
+    dequantized = _dequantized_folder(ckpt, path, tmp_path / "tiny-mixtral-q8_0-dequantized", 8)
+    ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
+    assert greedy_on(path, ids, MAX_TOKENS, quantized=True) == [hf_greedy(dequantized, i, MAX_TOKENS) for i in ids]
+
+
+def _dequantized_folder(ckpt: Path, gguf_path: Path, out: Path, experts: int) -> Path:
+    """The checkpoint's folder with the GGUF file's weights dequantized, under the names
+    transformers' model holds (q/k unpermuted, experts stacked as gate_up_proj / down_proj)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from services.gpu_worker.gguf_weights import load_gguf_weights
+    from services.gpu_worker.layers.moe import stack_experts
+
+    shutil.copytree(ckpt, out)
+    _, state = load_gguf_weights(gguf_path, progress=False)
+    tensors = stack_experts({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, experts)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

@@ -22,10 +22,9 @@ from tests.servers import MstarServer
 
 MAX_TOKENS = 12
 
-#: case -> Qwen3MoeConfig settings over tests.checkpoints.FAMILIES["qwen3_moe"]. Head sizes
-#: 64, 128 and 16: the C decode kernel gives a row of more than 32 keys other bits alone than
-#: beside other rows at head_dim 32 or 48 (its plain-loop path; not the experts'), which the
-#: alone-and-among check below would catch
+#: case -> Qwen3MoeConfig settings over tests.checkpoints.FAMILIES["qwen3_moe"] (head sizes
+#: 32 and 48, whose decode rows the C kernel once computed with other bits beside other rows,
+#: are test_mixtral_parity's)
 SHAPES = {
     "e8-top2": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2, head_dim=64),
     "e16-top4-norm-dense1": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=3,

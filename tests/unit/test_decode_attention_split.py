@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker import attention, cpu_kernels
-from services.gpu_worker.attention import build_metadata, head_dim_of
+from services.gpu_worker.attention import AttnRows, build_metadata, head_dim_of
 from services.gpu_worker.layers import quant
 
 pytestmark = pytest.mark.kernels
@@ -84,8 +84,8 @@ def test_long_rows_match_sdpa_on_any_thread_count(lengths, heads, dtype, restore
                                    (40, 8, 64), (20, 4, 40)])
 def test_other_head_shapes(heads, restore_threads):
     """Head size 128 (its own AVX-512 copy: blocks of 2 heads), 256 (Gemma 3's: blocks of
-    one), 48 and 40 (the plain loops), G = 16 (blocks of 4), 40 query heads (passes of 16:
-    one splits a KV head's five)."""
+    one), 48 (the vector path: 3 or 6 vectors a head) and 40 (the plain loops), G = 16
+    (blocks of 4), 40 query heads (passes of 16: one splits a KV head's five)."""
     cache, q, meta = batch([(1299, 1), (600, 1)], heads, torch.bfloat16, seed=3)
     check(cache, q, meta)
 
@@ -125,3 +125,42 @@ def test_short_rows_split_over_kv_heads_keep_their_bits(restore_threads):
     outs = [kernel(cache, q, meta, threads) for threads in (1, 2, 3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "the KV-head groups changed the result"
     torch.testing.assert_close(outs[0], reference(cache, q, meta), rtol=1e-5, atol=1e-5)
+
+
+INVARIANT_KEYS = [1, 5, 16, 17, 45, 74, 130, 600]  # one page, page edges, several pages, two partitions
+
+
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 128, 256])
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (8, 2), (4, 4), (4, 1), (8, 1)])
+def test_rows_are_batch_invariant(d, hq, hkv, restore_threads):
+    """A row's output is the same bits whoever shares its call: alone, in the whole batch, in
+    the batch reversed, on one thread or two (the KV-head split and the partitions the call
+    picks from the batch's size never change a row's arithmetic). Before the fix the plain
+    loops (head sizes 16-48 here, every size on the generic class) summed a score in an order
+    GCC picked per loop version, and the version hung on the heads a task had, so rows of
+    more than one page changed bits with their batch. Each row alone is SDPA's within float
+    rounding."""
+    g = torch.Generator().manual_seed(d * 100 + hq * 10 + hkv)
+    page_size = 16
+    n_pages = sum(-(-n // page_size) for n in INVARIANT_KEYS) + 1
+    cache = torch.randn(n_pages, 2, page_size, hkv, d, generator=g)
+    free = torch.randperm(n_pages, generator=g).tolist()
+    rows = [AttnRows([free.pop() for _ in range(-(-n // page_size))], 0, n - 1, 1, True) for n in INVARIANT_KEYS]
+    q = torch.randn(len(rows), hq, d, generator=g)
+
+    def call(order, threads):
+        meta = build_metadata([rows[i] for i in order], page_size)
+        return kernel(cache, q[order].contiguous(), meta, threads)
+
+    every = list(range(len(rows)))
+    for threads in (1, 2):
+        whole, backwards = call(every, threads), call(every[::-1], threads).flip(0)
+        for i in every:
+            alone = call([i], threads)
+            assert torch.equal(alone[0], whole[i]), f"row {i} ({INVARIANT_KEYS[i]} keys) changed in the batch"
+            assert torch.equal(alone[0], backwards[i]), f"row {i} changed with the batch's order"
+            if threads == 1:
+                meta = build_metadata([rows[i]], page_size)
+                ref = reference(cache, q[i : i + 1], meta)
+                torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert torch.equal(whole, call(every, 3 - threads)), "the thread count changed the result"

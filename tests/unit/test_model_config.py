@@ -29,6 +29,7 @@ CONFIG_CLASSES = {
     "phi3": "Phi3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "gpt_oss": "GptOssConfig",
+    "mixtral": "MixtralConfig",
 }
 
 #: every key a rope_parameters / rope_scaling dict may carry

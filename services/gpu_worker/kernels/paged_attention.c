@@ -51,14 +51,16 @@
  * dequantized (bitwise, as for bfloat16); the stored values are torch's quantization of the
  * row (attention.py's quantize_kv, tests/unit/test_paged_attention_int8.py).
  *
- * Head sizes 64, 128 and 256 (Gemma 3) with AVX-512 or AVX2 + FMA have a path of intrinsics
+ * Head sizes 16, 32, 48, 64, 128 and 256 (Gemma 3) with AVX-512 or AVX2 + FMA have a path of intrinsics
  * (simd.h's vector of VL = 16 or 8 lanes): q and the outputs of a block of up to GB query heads
  * of one KV head (AVX-512, d = 128: 2, d = 256: 1) in registers while it takes a page's keys
  * (AVX2, with half the registers: q from L1 and the outputs in chunks of head dims), and a
  * score is its FMA chain over the head's VL-lane slices, then a fixed tree over the VL lanes,
- * done for VL keys at once (vfold). Other head sizes, or neither: the same arithmetic in plain
- * loops. Each class's scores are its own bits (16- or 8-lane partial sums), fixed by the
- * shapes alone. Heads go in passes of up to HC (their scores on the stack); only the first
+ * done for VL keys at once (vfold). Other head sizes, or neither: plain loops, a score's
+ * sum in 8 partial sums written out (dot_plain). Each path's scores are its own bits (16-, 8-
+ * or the plain loops' 8-lane partial sums), fixed by the head size and the class alone: a
+ * row's output never depends on the rows beside it in the call (test_decode_attention_split's
+ * batch invariance test). Heads go in passes of up to HC (their scores on the stack); only the first
  * prefetches, the others find the partition in L2.
  *
  * Memory: on a 2-core EPYC VM (~28 GB/s from DRAM with two threads reading in sequence), a decode
@@ -257,6 +259,24 @@ static inline void finish_heads(const struct decode_job *J, const float *restric
     }
 }
 
+/* q . k over d floats in a fixed order: DOT_LANES partial sums (lane l takes the elements
+ * e = l mod DOT_LANES, in order), then a fixed tree. Not an `omp simd` reduction: that lets
+ * GCC order the sum as each copy of the loop it makes likes, and GCC 12 made two here (one
+ * vectorized, one scalar: -fopt-info-vec), picked at run time, so a row's scores took one
+ * order or the other with the heads its task had (the KV-head split, `groups`, is chosen by
+ * the batch's size): a row of more than a page changed bits with the rows beside it, and
+ * dropping that pragma alone made it invariant. Written out, every copy the compiler makes
+ * is IEEE's same sum (it still vectorizes the lanes). */
+#define DOT_LANES 8
+static inline float dot_plain(const float *restrict a, const float *restrict b, int64_t d) {
+    float p[DOT_LANES] = {0.f};
+    int64_t e = 0;
+    for (; e + DOT_LANES <= d; e += DOT_LANES)
+        for (int l = 0; l < DOT_LANES; l++) p[l] += a[e + l] * b[e + l];
+    for (int l = 0; e < d; e++, l++) p[l] += a[e] * b[e];
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
 /* The plain-loop pass over heads [h0, h1), any head size d (q: the row's heads). */
 __attribute__((always_inline)) static inline void pass_plain(const struct decode_job *J, const struct span *S,
                                                              const int kind, const float *restrict q, int64_t h0,
@@ -276,10 +296,7 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
                     hk = h / J->g_n;
                     widen(J->cache, kind, at + hk * J->hs, d, buf);
                 }
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t e = 0; e < d; e++) acc += q[h * d + e] * k[e];
-                acc *= J->scale;
+                const float acc = dot_plain(q + h * d, k, d) * J->scale;
                 s[(h - h0) * PART + (j - S->a)] = acc;
                 mx[h - h0] = acc > mx[h - h0] ? acc : mx[h - h0];
             }
@@ -305,6 +322,21 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
     finish_heads(J, o, mx, sum, h0, nh, dst, rec);
 }
 
+/* The plain pass out of line, a copy per page kind (d = 64 with a constant trip count): the
+ * task functions then hold the vector passes alone, whose code the plain loops' changes
+ * (dot_plain) do not move. */
+#define PLAIN_PASS(name, KIND)                                                                                  \
+    static __attribute__((noinline)) void name(const struct decode_job *J, const struct span *S, const float *q, \
+                                               int64_t h0, int64_t h1, float *dst, float *rec) {                \
+        if (J->d == 64)                                                                                         \
+            pass_plain(J, S, KIND, q, h0, h1, 64, dst, rec);                                                    \
+        else                                                                                                    \
+            pass_plain(J, S, KIND, q, h0, h1, J->d, dst, rec);                                                  \
+    }
+PLAIN_PASS(plain_f32, 0)
+PLAIN_PASS(plain_bf16, 1)
+PLAIN_PASS(plain_i8, 2)
+
 #if MSTAR_VL
 #define VL MSTAR_VL
 #if VL == 16
@@ -322,7 +354,10 @@ __attribute__((always_inline)) static inline void pass_plain(const struct decode
 #define QREGS 8
 #define VC_MAX 8
 #define BLOCK_CAP(nv) GB
-#define V_CHUNK(gb, nv) ((gb) == 1 ? 8 : (gb) <= 3 ? 4 : 2)
+/* of 1, 2-3 or 4 heads: 8, 4 or 2 vectors, fewer where nv is smaller or not a multiple (a
+ * divisor of nv for each head size with a vector path: d = 16, 32, 48 are nv = 2, 4, 6) */
+#define V_CHUNK(gb, nv) \
+    ((gb) == 1 ? ((nv) < 8 ? (nv) : 8) : (gb) <= 3 ? ((nv) % 4 == 0 ? 4 : (nv) % 3 == 0 ? 3 : 2) : 2)
 #endif
 
 /* Vector v (VL floats) of the head slice at element `at` of the pool (bfloat16: zero-extended
@@ -478,14 +513,29 @@ __attribute__((always_inline)) static inline void pass_vec(const struct decode_j
 #endif
 
 /* One task's partition: the row's query heads in passes of up to HC (the first pass
- * prefetches; the others find the partition in L2). */
+ * prefetches; the others find the partition in L2). `small` (a constant): the task functions
+ * of head sizes 16, 32 and 48 (SMALL_HEADS), a copy of their own, so that adding their vector
+ * passes left the code of the 64 / 128 / 256 ones as it was (in one function with them, those
+ * ran a few percent slower on a shared 2-core Zen 5 VM: bench.kernel_classes' shapes, the
+ * least of 21-41 reps alternated with the old build, in either order). */
+#define SMALL_HEADS(d) (MSTAR_VL && ((d) == 16 || (d) == 32 || (d) == 48))
 __attribute__((always_inline)) static inline void run_part(const struct decode_job *J, struct span *S,
-                                                           const int kind, const float *q, float *dst, float *rec) {
+                                                           const int kind, const int small, const float *q,
+                                                           float *dst, float *rec) {
     const int64_t ha = S->ka * J->g_n, hb = S->kb * J->g_n;
     for (int64_t h0 = ha; h0 < hb; h0 += HC) {
         const int64_t h1 = h0 + HC < hb ? h0 + HC : hb;
         S->pf = h0 == ha;
 #if MSTAR_VL
+        if (small) {
+            if (J->d == 16)
+                pass_vec(J, S, kind, q, h0, h1, 16 / VL, dst, rec);
+            else if (J->d == 32)
+                pass_vec(J, S, kind, q, h0, h1, 32 / VL, dst, rec);
+            else
+                pass_vec(J, S, kind, q, h0, h1, 48 / VL, dst, rec);
+            continue;
+        }
         if (J->d == 64 || J->d == 128 || J->d == 256) {
             if (J->d == 64)
                 pass_vec(J, S, kind, q, h0, h1, 64 / VL, dst, rec);
@@ -496,10 +546,7 @@ __attribute__((always_inline)) static inline void run_part(const struct decode_j
             continue;
         }
 #endif
-        if (J->d == 64)  /* a constant trip count for the plain loops */
-            pass_plain(J, S, kind, q, h0, h1, 64, dst, rec);
-        else
-            pass_plain(J, S, kind, q, h0, h1, J->d, dst, rec);
+        (kind == 2 ? plain_i8 : kind ? plain_bf16 : plain_f32)(J, S, q, h0, h1, dst, rec);
     }
 }
 
@@ -529,7 +576,8 @@ static void merge(const struct decode_job *J, int64_t i, int64_t nparts) {
 /* Task t = row * parts + partition (a row's partitions in a row: one thread mostly takes them
  * one after another, and prefetches the next one's first pages); a slot past the row's
  * partitions is empty. */
-__attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int kind) {
+__attribute__((always_inline)) static inline void decode_task(const struct decode_job *J, int t, const int kind,
+                                                              const int small) {
     const int64_t grp = t % J->groups, p = t / J->groups % J->parts, i = t / J->groups / J->parts;
     const int64_t n = J->hi[i] - J->lo[i], nparts = (n + PART - 1) / PART;
     if (p >= nparts) return;
@@ -539,16 +587,21 @@ __attribute__((always_inline)) static inline void decode_task(const struct decod
                      ka, kb, &pc};
     S.b = S.a + PART < J->hi[i] ? S.a + PART : J->hi[i];
     float *rec = nparts == 1 ? NULL : J->rec + (i * J->parts + p) * J->hq * (J->d + 2);
-    run_part(J, &S, kind, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
+    run_part(J, &S, kind, small, J->q + J->qrow[i] * J->q_stride, J->out + J->qrow[i] * J->hq * J->d, rec);
     pf_rest(&pc); /* the next partition's start */
     if (nparts > 1 &&
         atomic_fetch_add_explicit(&J->done[i], 1, memory_order_acq_rel) == nparts * J->groups - 1)
         merge(J, i, nparts);
 }
 
-static void task_f32(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0); }
-static void task_bf16(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1); }
-static void task_i8(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 2); }
+static void task_f32(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0, 0); }
+static void task_bf16(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1, 0); }
+static void task_i8(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 2, 0); }
+#if MSTAR_VL
+static void task_f32_small(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 0, 1); }
+static void task_bf16_small(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 1, 1); }
+static void task_i8_small(void *ctx, int t) { decode_task((const struct decode_job *)ctx, t, 2, 1); }
+#endif
 
 /* Count slots (one int per row) at the scratch's start, rounded to 64 bytes. */
 static inline int64_t count_floats(int64_t n_rows) { return (n_rows + 15) / 16 * 16; }
@@ -591,7 +644,11 @@ static int paged_decode(const float *q, int64_t q_stride, const void *cache, con
                            sinks};
     J.rec = (float *)(((uintptr_t)(scratch + count_floats(n_rows)) + 63) & ~(uintptr_t)63);
     for (int64_t c = 0; c < n_rows; c++) atomic_init(&J.done[c], 0);
-    mstar_parallel_for((int)(n_rows * parts * groups), kind == 2 ? task_i8 : kind ? task_bf16 : task_f32, &J);
+    mstar_task_fn fn = kind == 2 ? task_i8 : kind ? task_bf16 : task_f32;
+#if MSTAR_VL
+    if (SMALL_HEADS(d)) fn = kind == 2 ? task_i8_small : kind ? task_bf16_small : task_f32_small;
+#endif
+    mstar_parallel_for((int)(n_rows * parts * groups), fn, &J);
     return 0;
 }
 

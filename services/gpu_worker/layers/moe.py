@@ -1,9 +1,11 @@
-"""A mixture-of-experts block in place of a decoder layer's MLP (Qwen3-MoE).
+"""A mixture-of-experts block in place of a decoder layer's MLP (Qwen3-MoE, Mixtral).
 
-What it computes is transformers' `Qwen3MoeSparseMoeBlock`: the router's linear, a softmax in
-float32, `torch.topk` (so ties go where transformers' go), the k weights renormalized to sum
-to 1 where `norm_topk_prob`, each token's k experts' silu(gate) * up -> down, weighted and
-summed in ascending expert order (as transformers' `index_add_` loop adds them).
+What it computes is transformers' `Qwen3MoeSparseMoeBlock` and `MixtralSparseMoeBlock` (the
+same arithmetic: Mixtral's router always renormalizes, so its config reads as
+`norm_topk_prob`): the router's linear, a softmax in float32, `torch.topk` (so ties go where
+transformers' go), the k weights renormalized to sum to 1 where `norm_topk_prob`, each token's
+k experts' silu(gate) * up -> down, weighted and summed in ascending expert order (as
+transformers' `index_add_` loop adds them).
 
 How it computes it: the step's (token, expert) pairs are sorted by expert, and each active
 expert runs one GEMM over all of its tokens, not one per token, so an expert's weights are
@@ -20,8 +22,9 @@ those kernels (CUDA, or several torch threads on the CPU) the experts run throug
 Weights are stacked per layer, as transformers 5 keeps them: `experts.gate_up_proj`
 [E, 2 x inter, hidden] (gate rows, then up rows) and `experts.down_proj` [E, hidden, inter];
 a checkpoint's per-expert tensors (`experts.{e}.gate_proj.weight`, ...: what Hugging Face
-checkpoints and transformers' `save_pretrained` write) are stacked into them by
-`stack_experts` at load.
+checkpoints and transformers' `save_pretrained` write; Mixtral's are
+`block_sparse_moe.experts.{e}.w1` / `w3` / `w2`, gate / up / down, renamed as transformers'
+conversion mapping does) are stacked into them by `stack_experts` at load.
 
 A shared expert (Qwen3-Next, Qwen3.5-MoE: `shared_expert`, `shared_expert_gate`) is a dense
 MLP every row takes beside its routed experts: transformers' `Qwen3NextSparseMoeBlock` adds
@@ -72,7 +75,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.hidden = cfg.hidden_size
         self.inter = cfg.moe_intermediate_size
-        if cfg.hidden_act != "silu":  # transformers' Qwen3-MoE experts are silu; nothing else is checked
+        if cfg.hidden_act != "silu":  # Qwen3-MoE's and Mixtral's experts are silu; nothing else is checked
             raise ValueError(f"mixture-of-experts layers compute silu experts, not {cfg.hidden_act}")
         #: the router (HF `mlp.gate.weight` [E, hidden]); `pack_linears` may swap it for the C GEMM
         self.gate = nn.Linear(self.hidden, self.num_experts, bias=False)
@@ -105,7 +108,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter
-        picks them: softmax in float32, `torch.topk` (its order among ties), renormalized
+        and MixtralTopKRouter pick them: softmax in float32, `torch.topk` (its order among ties), renormalized
         to sum to 1 where `norm_topk_prob`."""
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -159,7 +162,9 @@ class SparseMoE(nn.Module):
         return F.linear(F.silu(gate) * up, self.experts.down_proj[e])
 
 
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+#: Mixtral's expert names (transformers' "mixtral" conversion: w1 and w3 into gate_up_proj, w2 down)
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 #: a GGUF file's form (services/gpu_worker/gguf_weights.py): each projection of every expert
 #: as one 3-D tensor [E, rows, columns]
 _PER_PROJECTION = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -171,14 +176,16 @@ def stack_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str,
     `.down_proj` [E, hidden, inter], as transformers 5 keeps them; a checkpoint already
     in the stacked form passes through, and a GGUF file's 3-D tensor per projection
     (`<layer>.mlp.experts.{gate,up,down}_proj.weight` [E, rows, columns]) is joined the same
-    way. A layer missing some expert's tensor is an error naming it."""
+    way. Mixtral's `block_sparse_moe` is `mlp` and its experts' w1 / w3 / w2 are gate / up /
+    down. A layer missing some expert's tensor is an error naming it."""
     out: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in state.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
         m = _PER_EXPERT.match(name)
         whole = _PER_PROJECTION.match(name)
         if m is not None:
-            parts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+            parts.setdefault(m[1], {}).setdefault(_MIXTRAL_NAMES.get(m[3], m[3]), {})[int(m[2])] = t
         elif whole is not None and t.dim() == 3:
             parts.setdefault(whole[1], {})[whole[2]] = dict(enumerate(t.unbind(0)))
         else:

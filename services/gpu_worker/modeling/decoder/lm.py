@@ -1,13 +1,13 @@
-"""The decoder-only families in torch (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2,
-Gemma 3, Phi-3), attending over paged KV.
+"""The decoder-only families in torch (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+Gemma 2, Gemma 3, Phi-3), attending over paged KV.
 
 Parameter names follow Hugging Face's checkpoints so `load_state_dict` takes a
 safetensors (or dequantized GGUF) state dict as-is. The family differences are fields of
 the typed `ModelConfig` (shared/model_config.py), read once: q/k/v and o biases, per-head
 q/k RMSNorm, tied embeddings, explicit head_dim, Gemma's (1 + w) norms, embedding scale,
 four norms per layer, GELU-tanh MLP and soft-capping, Phi-3's packed projections, and one
-RoPE per layer type. Qwen3-MoE's sparse layers take a mixture-of-experts block
-(layers/moe.py) in place of the MLP; its dense layers keep the MLP. gpt-oss: every layer's
+RoPE per layer type. Qwen3-MoE's sparse layers and all of Mixtral's take a mixture-of-experts block
+(layers/moe.py) in place of the MLP; Qwen3-MoE's dense layers keep the MLP. gpt-oss: every layer's
 block is layers/gpt_oss_moe.py's, and its attention has sinks (one learned logit per head).
 """
 
