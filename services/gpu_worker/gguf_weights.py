@@ -125,6 +125,9 @@ def load_gguf_weights(
     ):
         if name == "rope_freqs.weight":
             continue  # read into the config's rope_scaling (`_rope_scaling`)
+        if qtype.name in keep_quantized and len(shape) == 3 and name.endswith("_exps.weight"):
+            state.update(_expert_blocks(_hf_name(name, arch), qtype.name, data, shape))
+            continue
         if qtype.name in keep_quantized and len(shape) == 2:
             w = data.reshape(shape[0], -1)
         else:
@@ -142,6 +145,17 @@ def load_gguf_weights(
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
         state[_hf_name(name, arch)] = w
     return config, state
+
+
+def _expert_blocks(hf: str, qtype: str, data: np.ndarray, shape: tuple) -> dict[str, QuantTensor]:
+    """A 3-D expert tensor kept quantized (`<layer>.mlp.experts.<proj>.weight` [E, rows,
+    columns]) as one `QuantTensor` per expert, under the per-expert names a checkpoint has
+    (`<layer>.mlp.experts.<e>.<proj>.weight`): each expert's rows are whole blocks of the
+    file, a view of the mapped file, no copy."""
+    prefix, proj, _ = hf.rsplit(".", 2)
+    blocks = data.reshape(shape[0], shape[1], -1)
+    return {f"{prefix}.{e}.{proj}.weight": QuantTensor(qtype, blocks[e], (shape[1], shape[2]))
+            for e in range(shape[0])}
 
 
 def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
+from services.gpu_worker.layers.moe import SparseMoE
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
 from services.gpu_worker.threads import torch_threads
@@ -192,7 +194,14 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
     there on a miss."""
     repacked = repack_cache.repacked(gguf_path, quant_state)
     rest: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, quant.QuantLinear]]] = {}
     for name, qt in quant_state.items():
+        expert = _EXPERT.match(name)
+        if expert is not None:  # one expert's projection: its mixture block takes them all at once
+            layer = repack_cache.layer(repacked[name], qt.shape)
+            if layer is not None:
+                experts.setdefault(expert[1], {}).setdefault(int(expert[2]), {})[expert[3]] = layer
+                continue
         path = name.removesuffix(".weight")
         parent_name, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -205,6 +214,19 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
         elif layer is not None and isinstance(old, nn.Embedding):
             setattr(parent, leaf, quant.QuantEmbedding(layer))
         else:
-            deq = gguf.quants.dequantize(qt.data, gguf.GGMLQuantizationType[qt.qtype]).reshape(qt.shape)
-            rest[name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
+            rest[name] = _dequantized(qt)
+    for block, parts in experts.items():
+        moe = model.get_submodule(block.removesuffix(".experts"))
+        if not (isinstance(moe, SparseMoE) and moe.keep_quantized(parts)):  # (dequantized: stacked at load)
+            rest.update({name: _dequantized(qt) for name, qt in quant_state.items()
+                         if name.startswith(block + ".") and _EXPERT.match(name)})
     return rest
+
+
+#: one expert's projection of a GGUF file (`gguf_weights._expert_blocks`' names)
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _dequantized(qt: QuantTensor) -> torch.Tensor:
+    deq = gguf.quants.dequantize(qt.data, gguf.GGMLQuantizationType[qt.qtype]).reshape(qt.shape)
+    return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))

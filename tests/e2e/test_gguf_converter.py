@@ -222,14 +222,29 @@ def test_where_llama_cpp_cuts_otherwise_than_transformers(case):
 
 def test_qwen3moe_q8_0_file_gives_the_folders_tokens(vocabularies, tmp_path):
     """The converter's Q8_0 file of a Qwen3-MoE checkpoint served as the worker does on the
-    CPU (`quantized=True`: the attention and dense matrices kept in Q8_0 for the C kernel,
-    the experts' Q8_0 dequantized to float32 for the MoE block, the router as stored, F32):
-    transformers' greedy tokens on the folder (a tiny model's Q8_0 rounding does not change
-    its argmax)."""
+    CPU (`quantized=True`: the attention, dense and expert matrices kept in Q8_0 for the C
+    kernel, each expert's gate and up one GEMM, the router as stored, F32): transformers'
+    greedy tokens on the folder (a tiny model's Q8_0 rounding does not change its argmax)."""
     ckpt = _checkpoint(tmp_path / "tiny-qwen3moe", "qwen3_moe", vocabularies["bpe"])
     path = convert(ckpt, tmp_path / "tiny-qwen3moe-q8_0.gguf", "q8_0")
     ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
     assert greedy_on(path, ids, MAX_TOKENS, quantized=True) == [hf_greedy(ckpt, i, MAX_TOKENS) for i in ids]
+    assert _experts_kept_quantized(path)
+
+
+def _experts_kept_quantized(path: Path) -> bool:
+    """Every mixture-of-experts block of the file, built as a CPU worker builds it, computes
+    on the file's blocks (no float32 copy of an expert)."""
+    import torch
+
+    from services.gpu_worker.layers.moe import SparseMoE
+    from services.gpu_worker.weights import build_model
+    from shared.model_source import ModelSource
+
+    src = ModelSource(str(path))
+    blocks = [m for m in build_model(src, src.spec(16), torch.float32, quantized=True).modules()
+              if isinstance(m, SparseMoE)]
+    return bool(blocks) and all(m.quant is not None and not hasattr(m, "experts") for m in blocks)
 
 
 def test_mixtral_q8_0_file_reads_as_its_folder_and_serves_its_weights(vocabularies, tmp_path):
@@ -237,7 +252,7 @@ def test_mixtral_q8_0_file_reads_as_its_folder_and_serves_its_weights(vocabulari
     expert_used_count and blk.N.ffn_gate_inp / ffn_{gate,up,down}_exps: mstar reads it back as
     the folder's Mixtral (the same ModelConfig's experts, top-k, widths and parameter counts),
     and its Q8_0 file served as the worker does on the CPU (the attention matrices on the
-    quantized kernels, the experts dequantized to float32) gives transformers' greedy tokens
+    quantized kernels, the experts too, kept in their Q8_0 blocks) gives transformers' greedy tokens
     on a folder of the file's dequantized weights (the folder's own tokens are the f32 case's:
     at this random model's small logit gaps, Q8_0's rounding moves an argmax)."""
     from shared.gguf_source import gguf_config
@@ -255,6 +270,7 @@ def test_mixtral_q8_0_file_reads_as_its_folder_and_serves_its_weights(vocabulari
     dequantized = _dequantized_folder(ckpt, path, tmp_path / "tiny-mixtral-q8_0-dequantized", 8)
     ids = [reference_tokenizer(ckpt)(p)["input_ids"] for p in PROMPTS]
     assert greedy_on(path, ids, MAX_TOKENS, quantized=True) == [hf_greedy(dequantized, i, MAX_TOKENS) for i in ids]
+    assert _experts_kept_quantized(path)
 
 
 def _dequantized_folder(ckpt: Path, gguf_path: Path, out: Path, experts: int) -> Path:

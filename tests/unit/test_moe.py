@@ -211,3 +211,52 @@ def test_qwen3_30b_a3b_counts_as_its_name():
                num_experts_per_tok=8, num_hidden_layers=48, vocab_size=151936, max_position_embeddings=40960)
     counts = parameter_counts(read_model_config(raw))
     assert (round(counts.total / 1e9, 1), round(counts.active / 1e9, 1)) == (30.5, 3.4)  # Qwen: 30.5B, 3.3B active
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@torch.inference_mode()
+def test_quantized_experts_read_their_blocks_and_each_row_is_batch_invariant(qtype):
+    """A GGUF file's experts kept in their blocks (`keep_quantized`: gate and up joined, down
+    apart, `QuantLinear` each) compute what the dequantized experts do within the quantized
+    kernel's rounding, and a row's bits do not depend on the rows beside it."""
+    import gguf
+    import numpy as np
+
+    from services.gpu_worker.layers import quant
+    from services.gpu_worker.layers.quant import QuantLinear
+
+    if not quant.available():
+        pytest.skip("no quantized GEMM kernel here")
+    ref, mine = _blocks(8, 2, True)
+    kind = gguf.GGMLQuantizationType[qtype]
+    dense = SparseMoE(mine_cfg := read_model_config({**_config(8, 2, True).to_dict(),
+                                                     "architectures": ["Qwen3MoeForCausalLM"]}))
+    parts: dict[int, dict[str, QuantLinear]] = {}
+    stacked = {"gate_up_proj": [], "down_proj": []}
+    gate_up, down = ref.experts.gate_up_proj.detach(), ref.experts.down_proj.detach()
+    for e in range(8):
+        weights = {"gate_proj": gate_up[e, :32], "up_proj": gate_up[e, 32:], "down_proj": down[e]}
+        for name, w in weights.items():
+            blocks = gguf.quants.quantize(w.numpy(), kind)
+            parts.setdefault(e, {})[name] = QuantLinear.from_gguf(qtype, blocks, tuple(w.shape))
+            weights[name] = torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(w.shape).astype(np.float32))
+        stacked["gate_up_proj"].append(torch.cat([weights["gate_proj"], weights["up_proj"]]))
+        stacked["down_proj"].append(weights["down_proj"])
+    assert mine_cfg.num_experts == 8
+    dense.load_state_dict({"gate.weight": ref.gate.weight, "experts.gate_up_proj": torch.stack(stacked["gate_up_proj"]),
+                           "experts.down_proj": torch.stack(stacked["down_proj"])})
+    assert mine.keep_quantized(parts) and not hasattr(mine, "experts") and not mine.pack()
+    if linear.kernel_available():
+        assert linear.pack_linears(mine) == 1  # the router on the C GEMM, as a worker runs it
+    x = torch.randn(41, HIDDEN)
+    together = mine(x)
+    torch.testing.assert_close(together, dense(x), rtol=0.05, atol=0.02)
+    alone = torch.cat([mine(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, together)
+    assert torch.equal(mine(x[7:30]), together[7:30])
+
+
+def test_an_expert_missing_a_part_is_not_kept_quantized():
+    _, mine = _blocks(8, 2, True)
+    assert not mine.keep_quantized({e: {} for e in range(8)}) and hasattr(mine, "experts")

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker.layers.fused import silu_mul
 from services.gpu_worker.layers.linear import (
     kernel_available,
     kernel_gate_up_silu,
@@ -50,6 +51,7 @@ from services.gpu_worker.layers.linear import (
     kernel_pack_gate_up,
     kernel_packed_size,
 )
+from services.gpu_worker.layers.quant import QuantLinear
 from shared.model_config import ModelConfig
 
 
@@ -60,6 +62,17 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
+
+
+class QuantExperts(nn.Module):
+    """Each expert's gate and up (one GEMM: `QuantLinear.concat`) and down kept in a GGUF
+    file's blocks (`QuantLinear`): a decode row reads only its k experts' quantized bytes,
+    as llama.cpp's experts do, and the model's memory is the file's."""
+
+    def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear]) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
 
 
 class SparseMoE(nn.Module):
@@ -84,6 +97,8 @@ class SparseMoE(nn.Module):
         #: `pack`, which then drops the stacked weights)
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
+        #: the experts kept in a GGUF file's blocks (`keep_quantized`, in place of `experts`)
+        self.quant: QuantExperts | None = None
         #: the dense expert every row takes, and its gate's linear (HF `shared_expert_gate.weight`
         #: [1, hidden]), or None (Qwen3-MoE)
         self.shared_expert = shared_expert
@@ -93,7 +108,9 @@ class SparseMoE(nn.Module):
         """Put each expert's weights in the C GEMM kernel's layout, where that kernel runs
         (float32 on the CPU, one torch thread): the experts then give every row the same bits
         whatever rows share its step. The stacked weights are dropped (the packed copies are
-        the only ones kept). Returns whether it packed."""
+        the only ones kept). Returns whether it packed (never for quantized experts)."""
+        if getattr(self, "quant", None) is not None:
+            return False
         w, down = self.experts.gate_up_proj, self.experts.down_proj
         if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
             return False
@@ -103,6 +120,24 @@ class SparseMoE(nn.Module):
         for e in range(self.num_experts):
             kernel_pack_gate_up(w[e], self.gate_up_packed[e])
             kernel_pack(down[e], self.down_packed[e])
+        del self.experts
+        return True
+
+    def keep_quantized(self, parts: dict[int, dict[str, QuantLinear]]) -> bool:
+        """Compute with a GGUF file's experts as its blocks: `parts` maps each expert to its
+        gate_proj, up_proj and down_proj `QuantLinear`s. False (nothing changed: the caller
+        dequantizes them) where an expert lacks one or its gate and up cannot be joined."""
+        gate_up, down = [], []
+        for e in range(self.num_experts):
+            got = parts.get(e, {})
+            if set(got) != {"gate_proj", "up_proj", "down_proj"}:
+                return False
+            joined = QuantLinear.concat([got["gate_proj"], got["up_proj"]])
+            if joined is None:
+                return False
+            gate_up.append(joined)
+            down.append(got["down_proj"])
+        self.quant = QuantExperts(gate_up, down)
         del self.experts
         return True
 
@@ -155,6 +190,13 @@ class SparseMoE(nn.Module):
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows `h` [n, hidden]: one GEMM for gate and up, one for down."""
+        if self.quant is not None:
+            gate_up = self.quant.gate_up[e](h)
+            act = silu_mul(gate_up)  # the C kernel: a row's bits whatever rows share the call
+            if act is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            return self.quant.down[e](act)
         if self.gate_up_packed is not None and self.down_packed is not None:
             act = kernel_gate_up_silu(h, self.gate_up_packed[e], self.inter)
             return kernel_linear(act, self.down_packed[e], self.hidden, None)
