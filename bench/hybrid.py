@@ -187,7 +187,7 @@ HEADER = ["system", "round", "start-up s", "c1 TTFT ms", "c1 TPOT ms", "c16 tok/
           "peak RSS MiB", "errors"]
 
 
-def _rows(runs: list[dict]) -> list[list[str]]:
+def rows(runs: list[dict]) -> list[list[str]]:
     rows = []
     for r in runs:
         for name in ("mstar", "llama-server"):
@@ -208,11 +208,9 @@ STATE_HEADER = ["model", "mstar state / request", "per linear layer", "vLLM bloc
                 "vLLM page / layer", "vLLM state pages / request"]
 
 
-def bench(args) -> None:
-    model = args.model or str(ensure_file())
-    out_dir = results_dir(args.out)
-    states = model_states()
-    print(table(STATE_HEADER, _state_rows(states)), flush=True)
+def run_rounds(model: str, args, out_dir: Path) -> list[dict]:
+    """`args.rounds` rounds of both systems on `model`, who goes first alternating; the
+    table printed, the rounds returned (bench.moe runs the same)."""
     runs = []
     for rnd in range(args.rounds):
         args.round = rnd
@@ -225,7 +223,16 @@ def bench(args) -> None:
             run[name] = measure(systems[name](), args)
             print(name, rnd, {k: v for k, v in run[name].items() if k not in ("c1", "c16")}, flush=True)
         runs.append(run)
-    print(table(HEADER, _rows(runs)))
+    print(table(HEADER, rows(runs)))
+    return runs
+
+
+def bench(args) -> None:
+    model = args.model or str(ensure_file())
+    out_dir = results_dir(args.out)
+    states = model_states()
+    print(table(STATE_HEADER, _state_rows(states)), flush=True)
+    runs = run_rounds(model, args, out_dir)
     by_system = {name: [r[name] for r in runs] for name in ("mstar", "llama-server")}
     side_by_side_report(out_dir, by_system, FIGURES, "llama-server", "Qwen3.5 hybrid (30M, Q8_0)",
                         {"args": vars(args), "states": states, "rounds": runs})
