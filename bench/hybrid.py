@@ -233,19 +233,23 @@ def bench(args) -> None:
     states = model_states()
     print(table(STATE_HEADER, _state_rows(states)), flush=True)
     runs = run_rounds(model, args, out_dir)
+    report(out_dir, runs, "Qwen3.5 hybrid (30M, Q8_0)", {"args": vars(args), "states": states, "rounds": runs})
+
+
+def report(out_dir: Path, runs: list[dict], title: str, extra: dict) -> None:
+    """The side-by-side table, JSON and PNG of `run_rounds`' rounds (bench.moe's too)."""
     by_system = {name: [r[name] for r in runs] for name in ("mstar", "llama-server")}
-    side_by_side_report(out_dir, by_system, FIGURES, "llama-server", "Qwen3.5 hybrid (30M, Q8_0)",
-                        {"args": vars(args), "states": states, "rounds": runs})
+    side_by_side_report(out_dir, by_system, FIGURES, "llama-server", title, extra)
     print("load average at the end:", os.getloadavg())
     print("results in", out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.hybrid", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str, doc: str | None, what: str) -> argparse.ArgumentParser:
+    """The flags of a side-by-side bench on one cached GGUF file (`what` names it)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", action="store_true", help="run the side-by-side bench (else print the file's path)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--model", default="", help="GGUF file (default: the cached Q8_0 hybrid, made once)")
+    p.add_argument("--model", default="", help=f"GGUF file (default: the cached Q8_0 {what}, made once)")
     p.add_argument("--llama-bin", default=os.environ.get("LLAMA_SERVER_BIN", str(llama_server.DEFAULT_BIN)))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -255,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
     p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server flag (repeat)")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser("python -m bench.hybrid", __doc__, "hybrid").parse_args(argv)
     if args.bench:
         bench(args)
     else:

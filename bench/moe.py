@@ -21,16 +21,14 @@ peak RSS), the ratios mstar / llama-server with their spread (table, JSON, PNG).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from pathlib import Path
 
-from bench import bandwidth, llama_server
+from bench import bandwidth
 from bench.checkpoints import cache_dir
-from bench.hybrid import FIGURES, run_rounds
+from bench.hybrid import parser, report, run_rounds
 from bench.report import results_dir
-from bench.side_by_side import report as side_by_side_report
 
 SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
              num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, num_attention_heads=8,
@@ -102,30 +100,13 @@ def bench(args) -> None:
     for name in ("mstar", "llama-server"):
         tpot = min(r[name]["c1_tpot_ms"] for r in runs)
         print(f"{name}: best c1 TPOT {tpot:.2f} ms = {tpot / floor_ms:.2f}x the {floor_ms:.2f} ms floor")
-    by_system = {name: [r[name] for r in runs] for name in ("mstar", "llama-server")}
-    side_by_side_report(out_dir, by_system, FIGURES, "llama-server", "Qwen3-MoE 32x4 (104M, Q8_0)",
-                        {"args": vars(args), "rounds": runs, "active_bytes": bytes_per_token,
-                         "bandwidth_bytes_s": bw, "floor_ms": floor_ms})
-    print("load average at the end:", os.getloadavg())
-    print("results in", out_dir)
+    report(out_dir, runs, "Qwen3-MoE 32x4 (104M, Q8_0)", {"args": vars(args), "rounds": runs,
+                                                           "active_bytes": bytes_per_token, "bandwidth_bytes_s": bw,
+                                                           "floor_ms": floor_ms})
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", action="store_true", help="run the side-by-side bench (else print the file's path)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--model", default="", help="GGUF file (default: the cached Q8_0 MoE, made once)")
-    p.add_argument("--llama-bin", default=os.environ.get("LLAMA_SERVER_BIN", str(llama_server.DEFAULT_BIN)))
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--c1-requests", type=int, default=6)
-    p.add_argument("--c16-requests", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
-    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server flag (repeat)")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args = parser("python -m bench.moe", __doc__, "MoE").parse_args(argv)
     if args.bench:
         bench(args)
     else:
