@@ -35,7 +35,7 @@ from services.gpu_worker.modeling.base import GridVisionDecoderModel
 from services.gpu_worker.modeling.decoder.lm import RowEmbeds
 from services.gpu_worker.modeling.hybrid.qwen3_5 import LayerMeta, Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
-from services.gpu_worker.modeling.vision.qwen2_5_vl import VisionAttention
+from services.gpu_worker.modeling.vision.qwen2_5_vl import PatchEmbed, VisionAttention
 
 #: prefixes of the tower's tensors: transformers 5's files, then a bare `visual.` as the
 #: Qwen2.5-VL Hub files have it
@@ -48,20 +48,6 @@ VISION_DEFAULTS: dict[str, Any] = {
 }
 #: the LayerNorms' epsilon (transformers hard-codes it)
 LN_EPS = 1e-6
-
-
-class PatchEmbed(nn.Module):
-    """Each flattened (temporal_patch, patch, patch) cube of every channel -> one row, by a
-    Conv3d whose kernel is the cube (with a bias, unlike Qwen2.5-VL's)."""
-
-    def __init__(self, channels: int, dim: int, temporal: int, patch: int) -> None:
-        super().__init__()
-        self.shape = (-1, channels, temporal, patch, patch)
-        self.dim = dim
-        self.proj = nn.Conv3d(channels, dim, kernel_size=self.shape[2:], stride=self.shape[2:], bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixels.view(self.shape).to(self.proj.weight.dtype)).view(-1, self.dim)
 
 
 class VisionMLP(nn.Module):
@@ -159,7 +145,7 @@ class Qwen35VisionTower(nn.Module):
         positions = int(cfg["num_position_embeddings"])
         self.side = int(positions**0.5)
         self.patch_embed = PatchEmbed(int(cfg["in_channels"]), self.dim, int(cfg["temporal_patch_size"]),
-                                      int(cfg["patch_size"]))
+                                      int(cfg["patch_size"]), bias=True)
         self.pos_embed = nn.Embedding(positions, self.dim)
         self.blocks = nn.ModuleList(VisionBlock(self.dim, self.heads, int(cfg["intermediate_size"]),
                                                 str(cfg["hidden_act"])) for _ in range(int(cfg["depth"])))

@@ -129,13 +129,14 @@ class VisionBlock(nn.Module):
 
 class PatchEmbed(nn.Module):
     """Each flattened (temporal_patch, patch, patch) cube of every channel -> one row, by
-    a bias-free Conv3d whose kernel is the cube (transformers' op, so its rounding)."""
+    a Conv3d whose kernel is the cube (transformers' op, so its rounding): bias-free in
+    Qwen2.5-VL, with a bias in Qwen3.5's tower."""
 
-    def __init__(self, channels: int, dim: int, temporal: int, patch: int) -> None:
+    def __init__(self, channels: int, dim: int, temporal: int, patch: int, bias: bool = False) -> None:
         super().__init__()
         self.shape = (-1, channels, temporal, patch, patch)
         self.dim = dim
-        self.proj = nn.Conv3d(channels, dim, kernel_size=self.shape[2:], stride=self.shape[2:], bias=False)
+        self.proj = nn.Conv3d(channels, dim, kernel_size=self.shape[2:], stride=self.shape[2:], bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.proj(pixels.view(self.shape).to(self.proj.weight.dtype)).view(-1, self.dim)
