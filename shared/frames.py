@@ -118,6 +118,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Speech models that continue a conversation (CSM): its earlier turns, oldest first;
     # the prompt is the turn to speak.
     context: list[ContextTurn] = []
+    # Robot policies: each image's camera name (in the order of `images`) and the numeric
+    # inputs ("state", "noise" flattened), which `process_prompt` checks against the model.
+    cameras: list[str] = []
+    floats: dict[str, list[float]] = {}
     # Per-request model options for the spec's `process_prompt` (language and task above
     # are two of them); the data worker drops a value for a key the spec sets itself.
     options: dict[str, MetaValue] = {}

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from services.api.settings import ApiSettings
     from shared.config import Deployment
     from shared.model_source import ModelSource, TokenizerBundle
+    from shared.specs.base import ModelSpec
 
 ADDRESSES = ["api", "data_worker", "conductor", "conductor_control"]
 DRAIN_S = 5.0  # after SIGTERM, open requests get this long to finish, then end with a 503
@@ -235,7 +236,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
     import msgspec
 
     from services.api.chat_template import read_template_file
-    from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES, ApiSettings
+    from services.api.settings import ApiSettings
     from services.api.transcription import default_language, is_speech_model
     from shared.generation_config import read_generation_defaults
     from shared.model_source import ModelSource
@@ -256,8 +257,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         data_worker_addr=addrs["data_worker"],
         conductor_addr=addrs["conductor"],
         control_addr=addrs["conductor_control"],
-        max_body_bytes=args.max_body_bytes or (VISION_MAX_BODY_BYTES if spec.image_placeholder
-                                               else DEFAULT_MAX_BODY_BYTES),
+        max_body_bytes=args.max_body_bytes or _default_body_limit(spec),
         ws_max_live=args.ws_max_live,
         api_key=api_key or None,
         takes_audio=takes_audio,
@@ -275,6 +275,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         generation_defaults=read_generation_defaults(args.generation_config,
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
+        action_shape=spec.action_shape,
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
@@ -284,6 +285,13 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         **media_settings(args),  # type: ignore[arg-type]
     )
     return settings, tokenizer
+
+
+def _default_body_limit(spec: ModelSpec) -> int:
+    """The largest body by default: larger for a model whose requests carry images (data URLs)."""
+    from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES
+
+    return VISION_MAX_BODY_BYTES if spec.image_placeholder or spec.action_shape[0] else DEFAULT_MAX_BODY_BYTES
 
 
 def max_model_len(source: ModelSource, d: Deployment) -> int:

@@ -32,7 +32,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import dialects, embeddings, scoring, speech, tokenization, transcription
+from services.api import actions, dialects, embeddings, scoring, speech, tokenization, transcription
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -168,6 +168,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         WebSocketRoute("/generate/ws", generate_ws),
         Route("/openapi.json", guard(openapi_json), methods=["GET"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+        Route("/v1/actions", actions.actions, methods=["POST"]),
         *(Route(path, scoring.score, methods=["POST"]) for path in ("/v1/score", "/score")),
         *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
         *dialects.http_routes(),

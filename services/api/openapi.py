@@ -12,6 +12,8 @@ import msgspec
 from services.api.events import GenerateResponse
 from services.api.schemas import (
     UNSUPPORTED,
+    ActionRequest,
+    ActionResponse,
     AudioGenerateForm,
     Body,
     ClientFrame,
@@ -44,6 +46,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("/detokenize", "post"): Route(DetokenizeRequest, DetokenizeResponse),
     ("/version", "get"): Route(response=VersionResponse),
     ("/v1/embeddings", "post"): Route(EmbeddingRequest, EmbeddingResponse),
+    ("/v1/actions", "post"): Route(ActionRequest, ActionResponse),
     **{(path, "post"): Route(ScoreRequest, ScoreResponse) for path in ("/v1/score", "/score")},
     **{(path, "post"): Route(RerankRequest, RerankResponse) for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
 }

@@ -684,3 +684,41 @@ class Route(NamedTuple):
     body: type[Body] | tuple[type[Body], ...] | None = None  # a tuple: one of them
     response: type[msgspec.Struct] | None = None
     form: type[Body] | None = None
+
+
+# ---- /v1/actions (robot policies) ---------------------------------------------------------
+
+
+class Observation(Body):
+    """A robot's observation: each camera's image (a data URL) by name, its state."""
+
+    images: dict[str, Annotated[str, Meta(min_length=1)]]
+    state: list[float]
+
+
+class ActionRequest(Body):
+    """The body of `POST /v1/actions`."""
+
+    observation: Observation
+    model: str | None = None
+    prompt: str = ""
+    noise: list[list[float]] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1, description="an integer >= 0")] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+
+
+class ActionUsage(msgspec.Struct):
+    """The prefix's rows (image rows and prompt tokens); no tokens are generated."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ActionResponse(msgspec.Struct):
+    """The reply of `POST /v1/actions`: chunk x action_dim actions."""
+
+    id: str
+    model: str
+    actions: list[list[float]]
+    usage: ActionUsage
+    object: str = "actions"

@@ -10,6 +10,7 @@ request everywhere whether it was waiting for JSON or reading a stream.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
@@ -106,7 +107,7 @@ def json_body(body: bytes, content_type: str | None) -> dict[str, Any]:
     return decode_json_object(body)
 
 
-async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], what: str,
+async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared | Awaitable[Prepared]], what: str,
                 decode: Callable[[bytes, str | None], Any] = json_body,
                 errors: Callable[[ApiError], Response] = error_response) -> Response | EventStream:
     """Run one request end to end; `what` names the route in logs. `decode` turns the body
@@ -118,7 +119,10 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared], w
     gen: Generation | FanOut | None = None
     try:
         body = await read_body(request, state.settings.max_body_bytes)
-        prepared = await with_images(accept(decode(body, request.headers.get("content-type")), state), state)
+        accepted = accept(decode(body, request.headers.get("content-type")), state)
+        if inspect.isawaitable(accepted):  # a route that fetches its own media (/v1/actions' cameras)
+            accepted = await accepted
+        prepared = await with_images(accepted, state)
         params = prepared.params
         if prepared.choices:
             gen = await FanOut(prepared.choices, lambda c: state.start_generation(

@@ -57,6 +57,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0
+    #: a robot policy's actions: (chunk, action dim) of each reply's matrix
+    action_shape: tuple[int, int] = (0, 0)
     #: the model's parameters and those one token computes with (`ModelSpec.parameter_counts`;
     #: they differ for a mixture of experts), shown by /v1/models; 0: not counted
     parameters: int = 0

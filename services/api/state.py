@@ -76,6 +76,8 @@ class ApiState:
             options=dict(params.options),
             images=list(images),
             context=list(params.context),
+            cameras=list(params.cameras),
+            floats=dict(params.floats),
             max_tokens_default=defaults.max_tokens if params.defaulted is not None else None,
         )
         handle = await self.backend.submit(req)
@@ -123,7 +125,8 @@ class ApiState:
 TASK_ROUTES = {"generate": "/generate, /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages",
                "embed": "/v1/embeddings",
                "speech": "/v1/audio/speech (and /generate: tokens and audio)",
-               "score": "/v1/score and /v1/rerank"}
+               "score": "/v1/score and /v1/rerank",
+               "act": "/v1/actions"}
 
 
 def task_refusal(model: str, served: str, asked: str) -> str:

@@ -96,6 +96,10 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     #: speech models that continue a conversation (CSM): its earlier turns, audio decoded
     #: from base64 (the data worker decodes the files themselves)
     context: tuple[ContextFrame, ...] = ()
+    #: robot policies: each image's camera (in the order of `images`), and the numeric
+    #: inputs ("state", "noise" flattened) the data worker checks against the model
+    cameras: tuple[str, ...] = ()
+    floats: dict[str, list[float]] = {}
     #: the sampling fields the client left out, which take the model's defaults
     #: (generation_config.json) where it has them (`left_out`); None: the route takes none
     #: of them (max_tokens' default included)

@@ -157,6 +157,8 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     max_seq_len = min(p.max_seq_len for p in pools.values())
     if spec.engine == "pooling":  # a prompt's forward, no decode loop (embed, score)
         return _plan_pooling(spec, req, pools, max_seq_len)
+    if spec.engine == "policy":  # a prefix, then its flow loop inside the worker
+        return _plan_policy(spec, req, pools, max_seq_len)
     loops = spec.graph_loops()
     decode_iters = loops.get(spec.decode_loop)
     if req.prompt_len >= max_seq_len:
@@ -208,6 +210,23 @@ def _plan_pooling(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConf
                                               f"which holds {pools[name].num_pages} in all", "input")
     # max_tokens 1: the engine's one output is the pooled result, no token
     return msgspec.structs.replace(req, max_tokens=1, loop_caps={}, kv_configs=configs)
+
+
+def _plan_policy(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfig],
+                 max_seq_len: int) -> NewRequest:
+    """A policy request: its prefix (cameras and prompt) bounded by max_seq_len, and each
+    loop's cap (the flow loop's steps) within its max_iters, as any loop's."""
+    if req.prompt_len > max_seq_len:
+        raise Refusal(ErrorKind.TOO_LONG, f"the prefix (cameras and prompt) is {req.prompt_len} rows; the model's "
+                                          f"max length is {max_seq_len}", "prompt")
+    loops = spec.graph_loops()
+    caps = spec.clamp_caps(_loop_needs(spec, loops, 1, req.prompt_len))
+    configs = spec.kv_configs(req.kv_layout, caps, pools)
+    for name, cfg in configs.items():
+        if cfg.total_pages > pools[name].num_pages:
+            raise Refusal(ErrorKind.TOO_LONG, f"the prefix needs {cfg.total_pages} KV pages of pool {name!r}, "
+                                              f"which holds {pools[name].num_pages} in all", "prompt")
+    return msgspec.structs.replace(req, max_tokens=1, loop_caps=caps, kv_configs=configs)
 
 
 def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple[WorkerState, dict[str, int]]:

@@ -35,6 +35,7 @@ from shared.frames import (
 )
 from shared.model_source import TokenizerBundle
 from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PreparedImage, PromptError, PromptRequest
+from shared.specs.policy import PolicySpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
@@ -116,6 +117,8 @@ class DataWorker:
     def prepare(self, req: GenerateRequest):
         """(prompt ids, ProcessPromptOutput, the engine's metadata) for the request; raises
         `_ClientError` (param, message) for what is the client's fault: a 400, never a 500."""
+        if isinstance(self.spec, PolicySpec):
+            return self.prepare_policy(req, self.spec)
         if self.spec.takes_audio != (req.audio is not None):
             if req.audio is None:
                 raise _ClientError("file", "the served model takes audio: send a file")
@@ -153,6 +156,32 @@ class DataWorker:
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
+
+    def prepare_policy(self, req: GenerateRequest, spec: PolicySpec):
+        """A robot policy's request: its cameras in the model's order, each preprocessed by
+        the spec; the prompt laid out as the model's processor lays it out (image tokens per
+        camera, then the text), tokenized whole; the state and noise to the spec as floats."""
+        try:
+            named = dict(zip(req.cameras, req.images))
+            order = spec.camera_order(list(req.cameras))
+            images = []
+            for name in order:
+                try:
+                    images.append(spec.prepare_image(named[name]))
+                except PromptError as exc:
+                    raise PromptError(f"observation.images.{name}", str(exc)) from exc
+            text = spec.policy_prompt(req.prompt or "", len(images))
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids
+        options = model_options(req)
+        floats = {k: tuple(v) for k, v in req.floats.items()}
+        try:
+            ppo = spec.process_prompt(PromptRequest(ids, None, options, tuple(images), floats=floats,
+                                                    cameras=tuple(order)))
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        return ids, ppo, engine_metadata(options, ppo.metadata, spec.metadata_keys)
 
     def expand_images(self, req: GenerateRequest) -> tuple[tuple[PreparedImage, ...], str | None]:
         """(the request's images preprocessed by the spec's `prepare_image`: decoded,

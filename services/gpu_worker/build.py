@@ -29,6 +29,7 @@ from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDeco
 from services.gpu_worker.runners.hybrid import HybridRunner
 from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
+from services.gpu_worker.runners.policy import PolicyRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
@@ -40,7 +41,7 @@ from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.pages import pages_for
-from shared.specs.base import DeploymentError, ModelSpec, PromptRequest, describe_parameters, refuse_runner_gaps
+from shared.specs.base import DeploymentError, ModelSpec, describe_parameters, refuse_runner_gaps
 
 log = logging.getLogger("mstar.build")
 
@@ -57,6 +58,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
+    "policy": (PolicyRunner, None),
 }
 
 
@@ -188,7 +190,7 @@ def warm_up(parts: Assembled, d: Deployment) -> None:
     n = min(16, spec.max_seq_len - 2)
     # A speech model's warm-up takes a real request's path: no prompt ids, silent audio,
     # the default decoder prompt (Whisper's language probe, where it detects the language).
-    ppo = spec.process_prompt(PromptRequest([] if spec.takes_audio else spec.warmup_ids(n)))
+    ppo = spec.process_prompt(spec.warmup_request(n))
     n = int(ppo.metadata.get("prompt_len", n))
     caps = spec.clamp_caps(spec.get_loop_caps(2, prompt_len=n))
     refs, _ = pack_tensors(ppo.new_input_tensors)

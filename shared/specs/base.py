@@ -90,6 +90,10 @@ class PromptRequest:
     options: Mapping[str, MetaValue] = field(default_factory=dict)
     images: tuple[PreparedImage, ...] = ()
     context: tuple[PreparedAudio, ...] = ()
+    #: a robot policy's numeric inputs (its "state", the client's "noise", flat; and the
+    #: cameras' names, in the order of `images`)
+    floats: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    cameras: tuple[str, ...] = ()
 
 
 class ModelSpec(ABC):
@@ -110,6 +114,8 @@ class ModelSpec(ABC):
     #: ask for fewer dimensions (a Matryoshka-trained embedding model)
     dimensions: int = 0
     matryoshka: bool = False
+    #: a robot policy's actions per request: (chunk, action dim); (0, 0) for other models
+    action_shape: tuple[int, int] = (0, 0)
     #: a pooling model's vectors are L2-normalized (sentence-transformers' Normalize module)
     normalize: bool = False
     #: True for models whose requests are audio (the data worker needs a file)
@@ -147,6 +153,12 @@ class ModelSpec(ABC):
     audio_frame_tokens: int = 1
     #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
     speech_defaults: tuple[tuple[str, float], ...] = ()
+
+    def warmup_request(self, n: int) -> PromptRequest:
+        """The worker's warm-up request (`n` prompt ids): a text prompt of ordinary ids, or
+        no ids for a speech model (silent audio); a family whose requests need more (a
+        policy's cameras and state) builds its own."""
+        return PromptRequest([] if self.takes_audio else self.warmup_ids(n))
 
     def prepare_image(self, data: bytes) -> PreparedImage:
         """An image file (bytes as the client sent it) preprocessed as the model's processor
@@ -378,6 +390,18 @@ class PoolingRunnerSpec(RunnerSpec, Protocol):
     normalize: bool
     bidirectional: bool
     heads: int
+
+
+@runtime_checkable
+class PolicyRunnerSpec(RunnerSpec, Protocol):
+    """The policy runner's (runners/policy.py): the prefix's label, the query heads (the
+    attention backend's pick), the image token and its rows per camera, the flow loop."""
+
+    label_name: str
+    heads: int
+    image_token_id: int
+    rows_per_image: int
+    flow_loop: str
 
 
 @runtime_checkable

@@ -149,6 +149,29 @@ class SpeechCodesModel(ModelBase):
               head_rows: torch.Tensor, head: int) -> torch.Tensor: ...
 
 
+class PolicyModel(ModelBase):
+    """A robot policy (Pi0): `encode_images` turns a request's cameras into rows of its
+    prefix, `prefix` writes every layer's K/V of the prefix rows into their pages (once per
+    request), and `velocity` is one flow-matching step of the action expert over a batch of
+    requests' chunks, reading each layer's prefix K/V as gathered from the pages; the
+    runner (runners/policy.py) drives the loop of steps."""
+
+    @abstractmethod
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, image_rows: torch.Tensor,
+               image_at: torch.Tensor, kv_caches: list[torch.Tensor], metas: list[AttnMetadata]) -> None: ...
+
+    @abstractmethod
+    def embed_state(self, state: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def velocity(self, state_rows: torch.Tensor, noise: torch.Tensor, time: torch.Tensor,
+                 prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_mask: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -161,4 +184,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "mrope_vision_decoder": GridVisionDecoderModel,
     "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
     "csm_decoder": SpeechCodesModel,
+    "policy": PolicyModel,
 }

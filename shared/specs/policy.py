@@ -1,0 +1,234 @@
+"""Robot policies (Pi0: `PI0ForConditionalGeneration`): cameras, a prompt and the robot's
+state in, a chunk of actions out.
+
+A request is one prefix and one denoising loop (DESIGN.md section 3, "Stages" and
+"Denoising loops"): the prefix (each camera's image rows, then the prompt's tokens, as
+`PI0Processor` lays them out: `<image>` x rows x cameras, `<bos>`, the prompt, "\\n") is
+label "prefix" in pool "kv", a rows span (no keys: its K/V depend on the pixels), written
+once; the action expert then runs the `flow_loop` (cap: the config's
+`num_inference_steps`, the loop's max_iters too) over chunk + 1 rows (the state's, the
+chunk's) that attend to the prefix read-only and are never written to pages: no growth,
+no scratch, so the footprint is the prefix's rows.
+
+The state is normalized with the processor's dataset statistics ((state - mean) /
+(std + 1e-8), float32, as `PI0Processor.normalize`), zero-padded to `max_state_dim`; its
+length must be the statistics' (the robot's). The noise is the client's (chunk x
+max_action_dim, what `sample_actions(noise=...)` takes), else drawn from a standard
+normal by numpy's PCG64 seeded with the client's `seed` (reproducible), else unseeded.
+The actions are the model's (`sample_actions`' output, max_action_dim wide, in the
+normalized space: the processor has no inverse to apply).
+
+Cameras: where config.json lists LeRobot's `input_features` (`observation.images.<name>`
+of type VISUAL) those are the cameras the model needs, in that order, and a request must
+send each (a missing or unknown one is refused naming it); otherwise the request's
+cameras are taken in the order it sends them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.specs.base import DeploymentError, ModelSpec, PreparedImage, PromptError, PromptRequest
+from shared.vision.common import read_json
+from shared.vision.pi0 import Pi0Images
+
+PI0_ARCHITECTURES = ("PI0ForConditionalGeneration",)
+IMAGE_TOKEN = "<image>"
+
+
+class PolicySpec(ModelSpec):
+    """Pi0: the prefix label, the flow loop, the processor's settings."""
+
+    engine = "policy"
+    task = "act"
+    whole_prompts = True
+    pool = "kv"
+    label_name = "prefix"
+    flow_loop = "flow_loop"
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        vlm, dit = config.get("vlm_config") or {}, config.get("dit_config") or {}
+        text = vlm.get("text_config") or {}
+        self.config = dict(config)
+        self.page_size, self.dtype = page_size, dtype
+        try:
+            self.num_layers = int(text["num_hidden_layers"])
+            self.heads = int(text["num_attention_heads"])
+            self.kv_heads = int(text["num_key_value_heads"])
+            self.head_dim = int(text["head_dim"])
+        except KeyError as exc:
+            raise DeploymentError(f"vlm_config.text_config lacks {exc}") from exc
+        for key, want in (("num_hidden_layers", self.num_layers), ("num_key_value_heads", self.kv_heads),
+                          ("head_dim", self.head_dim)):
+            if int(dit.get(key, -1)) != want:
+                raise DeploymentError(f"dit_config.{key} {dit.get(key)} != the VLM's {want}: the action expert "
+                                      "reads the prefix's K/V layer by layer")
+        positions = int(text.get("max_position_embeddings", 8192))
+        self.max_seq_len = min(positions, max_seq_len) if max_seq_len else positions
+        self.vocab_size = int(text.get("vocab_size", 0))
+        self.image_token_id = int(vlm.get("image_token_id", vlm.get("image_token_index", -1)))
+        self.chunk = int(config.get("chunk_size", 50))
+        self.state_dim = int(config.get("max_state_dim", 32))
+        self.action_dim = int(config.get("max_action_dim", 32))
+        self.steps = int(config.get("num_inference_steps", 10))
+        self.action_shape = (self.chunk, self.action_dim)
+        vision = vlm.get("vision_config") or {}
+        self.rows_per_image = (int(vision.get("image_size", 224)) // int(vision.get("patch_size", 14))) ** 2
+        self.cameras = _cameras(config)
+        self.images = Pi0Images()
+        self.state_mean: np.ndarray | None = None
+        self.state_std: np.ndarray | None = None
+        self.bos_token = "<bos>"
+        self._label = KVLabel(self.label_name, self.pool, keys=False)
+
+    # -- the folder ------------------------------------------------------------------
+
+    def load_folder(self, path: str | Path) -> Self:
+        """The processor's settings (images, state statistics) and the tokenizer's bos."""
+        folder = Path(path)
+        try:
+            self.images = Pi0Images.from_folder(folder)
+        except ValueError as exc:
+            raise DeploymentError(str(exc)) from exc
+        if self.images.image_seq_length != self.rows_per_image:
+            raise DeploymentError(f"the processor's image_seq_length {self.images.image_seq_length} != the "
+                                  f"{self.rows_per_image} rows the vision tower makes per camera")
+        processor = read_json(folder / "processor_config.json")
+        mean, std = processor.get("state_mean"), processor.get("state_std")
+        if mean is not None and std is not None:
+            self.state_mean = np.asarray(mean, dtype=np.float32)
+            self.state_std = np.asarray(std, dtype=np.float32)
+        bos = read_json(folder / "tokenizer_config.json").get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        if isinstance(bos, str):
+            self.bos_token = bos
+        return self
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        return (self._label,)
+
+    @property
+    def step_loops(self) -> tuple[str, ...]:
+        return ()  # the flow loop runs inside the step that computes the prefix (runners/policy.py)
+
+    def graph_loops(self) -> dict[str, int]:
+        return {self.flow_loop: self.steps}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {self.flow_loop: self.steps}
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        return {self.pool: PagedKVConfig(self.pool, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
+                                         self.page_size, num_pages, self.max_seq_len)}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
+
+    # -- a request -------------------------------------------------------------------
+
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        from PIL import Image, ImageOps, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                image = ImageOps.exif_transpose(opened)
+                image.load()
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise PromptError("images", f"the file could not be decoded as an image ({exc})") from exc
+        pixels = self.images.preprocess(image)
+        key = hashlib.sha256(self.images.settings_key().encode() + b"\0" + data).hexdigest()
+        return PreparedImage(np.ascontiguousarray(pixels, dtype=np.float32), "", key)
+
+    def camera_order(self, names: list[str]) -> list[str]:
+        """The request's cameras in the model's order; PromptError naming a missing or
+        unknown one."""
+        if not names:
+            raise PromptError("observation.images", "observation.images must hold at least one camera")
+        if not self.cameras:
+            return names
+        for name in self.cameras:
+            if name not in names:
+                raise PromptError(f"observation.images.{name}", f"camera {name!r} is missing; the model needs "
+                                                                f"{list(self.cameras)}")
+        for name in names:
+            if name not in self.cameras:
+                raise PromptError(f"observation.images.{name}", f"camera {name!r} is not one of the model's "
+                                                                f"{list(self.cameras)}")
+        return list(self.cameras)
+
+    def policy_prompt(self, text: str, cameras: int) -> str:
+        """The text `PI0Processor.build_prompts` makes (tokenized whole, no special tokens added)."""
+        return f"{IMAGE_TOKEN * self.rows_per_image * cameras}{self.bos_token}{text}\n"
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        ids = request.token_ids
+        if not request.images:
+            raise PromptError("observation.images", "observation.images must hold at least one camera")
+        rows = sum(1 for t in ids if t == self.image_token_id)
+        if rows != self.rows_per_image * len(request.images):
+            raise PromptError("prompt", f"the prompt holds {rows} image tokens for {len(request.images)} camera(s)")
+        tensors = {"input_ids": np.asarray(ids, dtype=np.int32),
+                   "pixel_values": np.concatenate([img.pixels for img in request.images]),
+                   "state": self._state(request.floats.get("state")),
+                   "noise": self._noise(request.floats.get("noise"), request.options.get("noise_rows"),
+                                        request.options.get("seed"))}
+        layout = LabelLayout(spans=(Span.rows(len(ids)),))
+        return ProcessPromptOutput(tensors, {self.label_name: layout}, {"prompt_len": len(ids)})
+
+    def _state(self, state: tuple[float, ...] | None) -> np.ndarray:
+        """The state as the model takes it: normalized, zero-padded to max_state_dim."""
+        if state is None:
+            raise PromptError("observation.state", "observation.state is required")
+        values = np.asarray(state, dtype=np.float32)
+        if self.state_mean is not None and self.state_std is not None:
+            if values.size != self.state_mean.size:
+                raise PromptError("observation.state", f"observation.state must hold {self.state_mean.size} values "
+                                                       f"(the robot's state), got {values.size}")
+            values = (values - self.state_mean) / (self.state_std + np.float32(1e-8))
+        elif values.size > self.state_dim:
+            raise PromptError("observation.state", f"observation.state must hold at most {self.state_dim} values, "
+                                                   f"got {values.size}")
+        out = np.zeros(self.state_dim, dtype=np.float32)
+        out[: values.size] = values
+        return out
+
+    def _noise(self, noise: tuple[float, ...] | None, rows: object, seed: object) -> np.ndarray:
+        """The client's noise (flat, `rows` rows) as the model's chunk, else drawn (seeded)."""
+        shape = (self.chunk, self.action_dim)
+        if noise is not None:
+            if rows != self.chunk or len(noise) != self.chunk * self.action_dim:
+                width = len(noise) // rows if isinstance(rows, int) and rows > 0 else 0
+                raise PromptError("noise", f"noise must be {self.chunk} x {self.action_dim} (chunk_size x "
+                                           f"max_action_dim), got {rows} x {width}")
+            return np.asarray(noise, dtype=np.float32).reshape(shape)
+        rng = np.random.default_rng(seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def warmup_request(self, n: int) -> PromptRequest:
+        """One camera of zeros, an empty prompt, a zero state: the real path, whole."""
+        pixels = np.zeros((1, 3, self.images.pad_height, self.images.pad_width), dtype=np.float32)
+        ids = [self.image_token_id] * self.rows_per_image + self.warmup_ids(2)
+        state = tuple(0.0 for _ in range(self.state_mean.size if self.state_mean is not None else self.state_dim))
+        return PromptRequest(ids, images=(PreparedImage(pixels, "", "warmup"),), floats={"state": state},
+                             options={"seed": 0})
+
+
+def _cameras(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """LeRobot's camera names from config.json's `input_features`, in order (none: any)."""
+    features = config.get("input_features")
+    if not isinstance(features, dict):
+        return ()
+    prefix = "observation.images."
+    return tuple(name.removeprefix(prefix) for name, feat in features.items()
+                 if name.startswith(prefix) and (not isinstance(feat, dict) or feat.get("type", "VISUAL") == "VISUAL"))
+
