@@ -1,4 +1,4 @@
-"""Tiny random-weight Pi0 checkpoints made with transformers, in the Hub's folder layout
+"""Tiny random-weight Pi0 / Pi0.5 checkpoints made with transformers, in the Hub's folder layout
 (config.json, model.safetensors, tokenizer files, processor_config.json with the image
 processor's settings and the dataset statistics), and the reference that serves them:
 `PI0ForConditionalGeneration.sample_actions` fed by `PI0Processor`.
@@ -43,27 +43,51 @@ def pil_image_processor_class() -> Any:
     return type("PI0ImageProcessorPil", (PilBackend,), attrs)
 
 
-def make_processor(path: Path, tokenizer: Any | None = None, **stats: Any) -> Any:
-    """PI0Processor over the folder's tokenizer, with the Pillow image processor."""
+#: family -> (config class, model class, processor class)
+FAMILIES = {"pi0": ("PI0Config", "PI0ForConditionalGeneration", "PI0Processor"),
+            "pi05": ("PI05Config", "PI05ForConditionalGeneration", "PI05Processor")}
+STATS = ("state_mean", "state_std", "actions_mean", "actions_std", "state_q01", "state_q99", "actions_q01",
+         "actions_q99")
+
+
+def make_processor(path: Path, family: str = "pi0", **stats: Any) -> Any:
+    """The family's processor over the folder's tokenizer, with the Pillow image processor."""
     import transformers
 
-    tok = tokenizer or transformers.AutoTokenizer.from_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
     images = pil_image_processor_class()(size={"max_height": IMAGE_SIZE, "max_width": IMAGE_SIZE},
                                          pad_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                                          image_seq_length=TOKENS_PER_IMAGE)
-    return transformers.PI0Processor(images, tok, max_state_dim=MAX_DIM, chunk_size=CHUNK, **stats)
+    cls = getattr(transformers, FAMILIES[family][2])
+    return cls(images, tok, max_state_dim=MAX_DIM, chunk_size=CHUNK, **stats)
 
 
 def load_processor(path: Path) -> Any:
     """The reference processor of a folder made here: its saved statistics and tokenizer."""
     saved = json.loads((path / "processor_config.json").read_text())
-    stats = {k: saved[k] for k in ("state_mean", "state_std", "actions_mean", "actions_std") if k in saved}
-    return make_processor(path, **stats)
+    family = "pi05" if saved.get("processor_class") == "PI05Processor" else "pi0"
+    return make_processor(path, family, **{k: saved[k] for k in STATS if k in saved})
 
 
-def make_pi0_checkpoint(path: Path, seed: int = 0, cameras: tuple[str, ...] = ()) -> Path:
-    """Save a tiny random PI0ForConditionalGeneration with its processor in `path`;
-    `cameras`: LeRobot's `input_features` in config.json (the cameras the model needs)."""
+def statistics(family: str, seed: int) -> dict[str, list[float]]:
+    """The dataset statistics a processor normalizes the state with: mean and std (Pi0),
+    the 1st and 99th percentiles (Pi0.5, mapped to [-1, 1])."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    if family == "pi05":
+        low = (torch.rand(STATE_DIM, generator=gen) - 1.5).tolist()
+        return dict(state_q01=low, state_q99=[v + 3.0 for v in low], actions_q01=[-1.0] * STATE_DIM,
+                    actions_q99=[1.0] * STATE_DIM)
+    return dict(state_mean=(torch.randn(STATE_DIM, generator=gen) * 0.5).tolist(),
+                state_std=(torch.rand(STATE_DIM, generator=gen) + 0.5).tolist(),
+                actions_mean=[0.0] * STATE_DIM, actions_std=[1.0] * STATE_DIM)
+
+
+def make_pi0_checkpoint(path: Path, seed: int = 0, cameras: tuple[str, ...] = (), family: str = "pi0") -> Path:
+    """Save a tiny random PI0ForConditionalGeneration (or PI05ForConditionalGeneration)
+    with its processor in `path`; `cameras`: LeRobot's `input_features` in config.json
+    (the cameras the model needs)."""
     import torch
     import transformers
 
@@ -71,25 +95,23 @@ def make_pi0_checkpoint(path: Path, seed: int = 0, cameras: tuple[str, ...] = ()
     make_tokenizer(path, extra_specials=("<bos>",))
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<bos>"}))
-    gen = torch.Generator().manual_seed(seed + 1)
-    stats = dict(state_mean=(torch.randn(STATE_DIM, generator=gen) * 0.5).tolist(),
-                 state_std=(torch.rand(STATE_DIM, generator=gen) + 0.5).tolist(),
-                 actions_mean=[0.0] * STATE_DIM, actions_std=[1.0] * STATE_DIM)
-    processor = make_processor(path, **stats)
+    processor = make_processor(path, family, **statistics(family, seed))
     processor.save_pretrained(path)
     vocab = len(processor.tokenizer)
-    cfg = transformers.PI0Config(
+    config_name, model_name, _ = FAMILIES[family]
+    dims = dict(max_state_dim=MAX_DIM) if family == "pi0" else {}
+    cfg = getattr(transformers, config_name)(
         vlm_config=dict(model_type="paligemma", text_config={**TEXT, "vocab_size": vocab}, vision_config=VISION,
                         projection_dim=TEXT["hidden_size"], image_token_id=processor.image_token_id,
                         vocab_size=vocab),
-        dit_config=DIT, chunk_size=CHUNK, max_state_dim=MAX_DIM, max_action_dim=MAX_DIM, num_inference_steps=STEPS)
+        dit_config=DIT, chunk_size=CHUNK, max_action_dim=MAX_DIM, num_inference_steps=STEPS, **dims)
     torch.manual_seed(seed)
-    model = transformers.PI0ForConditionalGeneration(cfg).eval()
+    model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random biases and norm weights, so those paths are exercised
         for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
+            if name.endswith(".bias") or "norm" in name:  # (Pi0.5's adaptive norms start at zero)
                 param.normal_(0.0, 0.2)
-    model.config.architectures = ["PI0ForConditionalGeneration"]
+    model.config.architectures = [model_name]
     model.save_pretrained(path, safe_serialization=True)
     if cameras:
         config = json.loads((path / "config.json").read_text())
@@ -107,9 +129,11 @@ def reference_actions(path: Path, images: list[list[Any]], prompts: list[str], s
     import transformers
 
     processor = load_processor(path)
-    model = transformers.PI0ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     inputs = processor(images=images, text=prompts, state=torch.tensor(states, dtype=torch.float32))
+    extra = {"state": inputs["state"]} if "state" in inputs else {}
     with torch.no_grad():
-        return model.sample_actions(state=inputs["state"], input_ids=inputs["input_ids"],
-                                    pixel_values=inputs["pixel_values"], attention_mask=inputs["attention_mask"],
-                                    pixel_attention_mask=inputs["pixel_attention_mask"], noise=noise)
+        return model.sample_actions(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                                    attention_mask=inputs["attention_mask"],
+                                    pixel_attention_mask=inputs["pixel_attention_mask"], noise=noise, **extra)

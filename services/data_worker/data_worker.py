@@ -170,7 +170,7 @@ class DataWorker:
                     images.append(spec.prepare_image(named[name]))
                 except PromptError as exc:
                     raise PromptError(f"observation.images.{name}", str(exc)) from exc
-            text = spec.policy_prompt(req.prompt or "", len(images))
+            text = spec.policy_prompt(req.prompt or "", len(images), req.floats.get("state"))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,5 +1,5 @@
-"""Robot policies (Pi0: `PI0ForConditionalGeneration`): cameras, a prompt and the robot's
-state in, a chunk of actions out.
+"""Robot policies (Pi0: `PI0ForConditionalGeneration`; Pi0.5: `PI05ForConditionalGeneration`):
+cameras, a prompt and the robot's state in, a chunk of actions out.
 
 A request is one prefix and one denoising loop (DESIGN.md section 3, "Stages" and
 "Denoising loops"): the prefix (each camera's image rows, then the prompt's tokens, as
@@ -10,9 +10,12 @@ once; the action expert then runs the `flow_loop` (cap: the config's
 chunk's) that attend to the prefix read-only and are never written to pages: no growth,
 no scratch, so the footprint is the prefix's rows.
 
-The state is normalized with the processor's dataset statistics ((state - mean) /
-(std + 1e-8), float32, as `PI0Processor.normalize`), zero-padded to `max_state_dim`; its
-length must be the statistics' (the robot's). The noise is the client's (chunk x
+The state is normalized with the processor's dataset statistics (to [-1, 1] by the 1st and
+99th percentiles where the folder has them, else (state - mean) / (std + 1e-8); float32, as
+the processors' `normalize`); its length must be the statistics' (the robot's). Pi0 takes
+it as the expert's first row (zero-padded to `max_state_dim`); Pi0.5 as text in the prompt
+(`Pi05Spec`: "Task: ..., State: <bin> ...;\nAction: ", each value's bin of 256 over
+[-1, 1]). The noise is the client's (chunk x
 max_action_dim, what `sample_actions(noise=...)` takes), else drawn from a standard
 normal by numpy's PCG64 seeded with the client's `seed` (reproducible), else unseeded.
 The actions are the model's (`sample_actions`' output, max_action_dim wide, in the
@@ -40,6 +43,9 @@ from shared.vision.common import read_json
 from shared.vision.pi0 import Pi0Images
 
 PI0_ARCHITECTURES = ("PI0ForConditionalGeneration",)
+PI05_ARCHITECTURES = ("PI05ForConditionalGeneration",)
+#: Pi0.5 writes the state into its prompt as one of this many bins of [-1, 1] per value
+STATE_BINS = 256
 IMAGE_TOKEN = "<image>"
 
 
@@ -86,6 +92,8 @@ class PolicySpec(ModelSpec):
         self.images = Pi0Images()
         self.state_mean: np.ndarray | None = None
         self.state_std: np.ndarray | None = None
+        self.state_q01: np.ndarray | None = None
+        self.state_q99: np.ndarray | None = None
         self.bos_token = "<bos>"
         self._label = KVLabel(self.label_name, self.pool, keys=False)
 
@@ -102,10 +110,10 @@ class PolicySpec(ModelSpec):
             raise DeploymentError(f"the processor's image_seq_length {self.images.image_seq_length} != the "
                                   f"{self.rows_per_image} rows the vision tower makes per camera")
         processor = read_json(folder / "processor_config.json")
-        mean, std = processor.get("state_mean"), processor.get("state_std")
-        if mean is not None and std is not None:
-            self.state_mean = np.asarray(mean, dtype=np.float32)
-            self.state_std = np.asarray(std, dtype=np.float32)
+        for pair in (("state_mean", "state_std"), ("state_q01", "state_q99")):
+            if all(processor.get(name) is not None for name in pair):
+                for name in pair:
+                    setattr(self, name, np.asarray(processor[name], dtype=np.float32))
         bos = read_json(folder / "tokenizer_config.json").get("bos_token")
         if isinstance(bos, dict):
             bos = bos.get("content")
@@ -166,9 +174,33 @@ class PolicySpec(ModelSpec):
                                                                 f"{list(self.cameras)}")
         return list(self.cameras)
 
-    def policy_prompt(self, text: str, cameras: int) -> str:
+    def policy_prompt(self, text: str, cameras: int, state: list[float] | None) -> str:
         """The text `PI0Processor.build_prompts` makes (tokenized whole, no special tokens added)."""
         return f"{IMAGE_TOKEN * self.rows_per_image * cameras}{self.bos_token}{text}\n"
+
+    def state_size(self) -> int | None:
+        """The robot's state length (the statistics'), None where the folder has none."""
+        stats = self.state_q01 if self.state_q01 is not None else self.state_mean
+        return None if stats is None else int(stats.size)
+
+    def normalized_state(self, state: list[float] | tuple[float, ...] | None) -> np.ndarray:
+        """The state as the processor normalizes it (float32): to [-1, 1] by the dataset's 1st
+        and 99th percentiles where the folder has them, else by its mean and std, else as
+        sent; PromptError naming observation.state when absent or of the wrong length."""
+        if state is None:
+            raise PromptError("observation.state", "observation.state is required")
+        values = np.asarray(state, dtype=np.float32)
+        size = self.state_size()
+        if size is not None and values.size != size:
+            raise PromptError("observation.state", f"observation.state must hold {size} values (the robot's state), "
+                                                   f"got {values.size}")
+        if self.state_q01 is not None and self.state_q99 is not None:
+            span = self.state_q99 - self.state_q01
+            span = np.where(span == 0, np.float32(1e-8), span).astype(np.float32)
+            return (np.float32(2.0) * (values - self.state_q01) / span - np.float32(1.0)).astype(np.float32)
+        if self.state_mean is not None and self.state_std is not None:
+            return (values - self.state_mean) / (self.state_std + np.float32(1e-8))
+        return values
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         ids = request.token_ids
@@ -187,15 +219,8 @@ class PolicySpec(ModelSpec):
 
     def _state(self, state: tuple[float, ...] | None) -> np.ndarray:
         """The state as the model takes it: normalized, zero-padded to max_state_dim."""
-        if state is None:
-            raise PromptError("observation.state", "observation.state is required")
-        values = np.asarray(state, dtype=np.float32)
-        if self.state_mean is not None and self.state_std is not None:
-            if values.size != self.state_mean.size:
-                raise PromptError("observation.state", f"observation.state must hold {self.state_mean.size} values "
-                                                       f"(the robot's state), got {values.size}")
-            values = (values - self.state_mean) / (self.state_std + np.float32(1e-8))
-        elif values.size > self.state_dim:
+        values = self.normalized_state(state)
+        if values.size > self.state_dim:
             raise PromptError("observation.state", f"observation.state must hold at most {self.state_dim} values, "
                                                    f"got {values.size}")
         out = np.zeros(self.state_dim, dtype=np.float32)
@@ -218,7 +243,7 @@ class PolicySpec(ModelSpec):
         """One camera of zeros, an empty prompt, a zero state: the real path, whole."""
         pixels = np.zeros((1, 3, self.images.pad_height, self.images.pad_width), dtype=np.float32)
         ids = [self.image_token_id] * self.rows_per_image + self.warmup_ids(2)
-        state = tuple(0.0 for _ in range(self.state_mean.size if self.state_mean is not None else self.state_dim))
+        state = (0.0,) * (self.state_size() or self.state_dim)
         return PromptRequest(ids, images=(PreparedImage(pixels, "", "warmup"),), floats={"state": state},
                              options={"seed": 0})
 
@@ -231,4 +256,21 @@ def _cameras(config: Mapping[str, Any]) -> tuple[str, ...]:
     prefix = "observation.images."
     return tuple(name.removeprefix(prefix) for name, feat in features.items()
                  if name.startswith(prefix) and (not isinstance(feat, dict) or feat.get("type", "VISUAL") == "VISUAL"))
+
+
+class Pi05Spec(PolicySpec):
+    """Pi0.5: the state is text in the prompt (each normalized value's bin of 256 over
+    [-1, 1], as `PI05Processor.build_prompts` writes it), not a row of the expert."""
+
+    def policy_prompt(self, text: str, cameras: int, state: list[float] | None) -> str:
+        bins = np.linspace(-1.0, 1.0, STATE_BINS + 1, dtype=np.float32)[:-1]
+        # torch.bucketize(right=True) - 1: a value below -1 is bin -1, at or past the last edge 255
+        digits = np.searchsorted(bins, self.normalized_state(state), side="right") - 1
+        task = text.strip().replace("_", " ").replace("\n", " ")
+        state_text = ", State: " + " ".join(str(int(d)) for d in digits)
+        return (f"{IMAGE_TOKEN * self.rows_per_image * cameras}{self.bos_token}"
+                f"Task: {task}{state_text};\nAction: ")
+
+    def _state(self, state: tuple[float, ...] | None) -> np.ndarray:
+        return np.zeros(0, dtype=np.float32)  # in the prompt: the expert takes no state row
 

@@ -26,7 +26,7 @@ from shared.specs.hybrid_vision_lm import ARCHITECTURES as HYBRID_VISION_ARCHITE
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
-from shared.specs.policy import PI0_ARCHITECTURES, PolicySpec
+from shared.specs.policy import PI0_ARCHITECTURES, PI05_ARCHITECTURES, Pi05Spec, PolicySpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.vision_lm import (
     GEMMA3_ARCHITECTURES,
@@ -58,6 +58,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(GEMMA3_ARCHITECTURES, Gemma3VisionSpec),
     CSM_ARCHITECTURE: CsmSpec,
     **dict.fromkeys(PI0_ARCHITECTURES, PolicySpec),
+    **dict.fromkeys(PI05_ARCHITECTURES, Pi05Spec),
 }
 
 

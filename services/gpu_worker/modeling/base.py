@@ -154,7 +154,10 @@ class PolicyModel(ModelBase):
     prefix, `prefix` writes every layer's K/V of the prefix rows into their pages (once per
     request), and `velocity` is one flow-matching step of the action expert over a batch of
     requests' chunks, reading each layer's prefix K/V as gathered from the pages; the
-    runner (runners/policy.py) drives the loop of steps."""
+    runner (runners/policy.py) drives the loop of steps. `state_row`: the state is a row
+    of the expert's input before the chunk (Pi0), else it is in the prompt (Pi0.5)."""
+
+    state_row: ClassVar[bool] = True
 
     @abstractmethod
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor: ...

@@ -17,7 +17,7 @@ from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
 from services.gpu_worker.modeling.hybrid.qwen3_next import Qwen3NextLM
-from services.gpu_worker.modeling.policy.pi0 import Pi0Policy
+from services.gpu_worker.modeling.policy.pi0 import Pi0Policy, Pi05Policy
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
@@ -30,7 +30,7 @@ from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
-from shared.specs.policy import PolicySpec
+from shared.specs.policy import Pi05Spec, PolicySpec
 from shared.specs.pooling import EncoderSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
@@ -51,6 +51,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     Gemma3VisionSpec: Gemma3VisionLM,
     CsmSpec: CsmModel,
     PolicySpec: Pi0Policy,
+    Pi05Spec: Pi05Policy,
 }
 
 

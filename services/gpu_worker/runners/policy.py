@@ -96,7 +96,7 @@ class PolicyRunner(ModelRunner):
         noise = torch.stack([r.inputs["noise"] for r in reqs]).to(self.device)
         state_rows = self.model.embed_state(torch.stack([r.inputs["state"] for r in reqs]).to(self.device))
         caps = [int(r.caps.get(self.spec.flow_loop, 0)) for r in reqs]
-        rows = noise.shape[1] + 1
+        rows = noise.shape[1] + int(self.model.state_row)
         positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(rows, device=self.device)
         for step in range(max(caps, default=0)):
             live = [i for i, cap in enumerate(caps) if step < cap]

@@ -60,18 +60,22 @@ class GemmaLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., T, hidden] -> q [..., T, heads, D], k and v [..., T, kv_heads, D], RoPE applied."""
-        a = self.self_attn
-        h = self.input_layernorm(x)
-        lead = h.shape[:-1]
-        q = a.q_proj(h).view(*lead, a.heads, a.head_dim)
-        k = a.k_proj(h).view(*lead, a.kv_heads, a.head_dim)
-        v = a.v_proj(h).view(*lead, a.kv_heads, a.head_dim)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        return project_qkv(self.self_attn, self.input_layernorm(x), cos, sin)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual after attention (`attn`: [..., T, heads * D]), then the MLP's."""
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def project_qkv(a: GemmaAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normed rows [..., T, hidden] -> their q, k (RoPE applied) and v."""
+    lead = h.shape[:-1]
+    q = a.q_proj(h).view(*lead, a.heads, a.head_dim)
+    k = a.k_proj(h).view(*lead, a.kv_heads, a.head_dim)
+    v = a.v_proj(h).view(*lead, a.kv_heads, a.head_dim)
+    return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Pi0 (`PI0ForConditionalGeneration`) over paged KV, in plain torch.
+"""Pi0 (`PI0ForConditionalGeneration`) and Pi0.5 (`PI05ForConditionalGeneration`) over
+paged KV, in plain torch.
 
 Two halves that share each layer's attention: PaliGemma (a SigLIP tower, a linear
 projector and a Gemma LM) makes the prefix, whose rows (image rows, then the prompt's
@@ -7,7 +8,9 @@ the action expert (a second, narrower Gemma with the same layer count, KV heads 
 size) runs every flow-matching step over chunk + 1 rows (the state's row, then the
 action chunk's), each of its layers reading the same layer's prefix K/V read-only. The
 state's row sees the prefix and itself; an action row sees the prefix, the state and the
-whole chunk (transformers' two blocks). Parameter names are the checkpoint's as the Hub
+whole chunk (transformers' two blocks). Pi0.5 has no state row (its state is text in
+the prompt) and its expert's norms are adaptive: scale, shift and a residual gate
+predicted from the time's features (`PI05AdaptiveRMSNorm`). Parameter names are the checkpoint's as the Hub
 ships it (`paligemma_with_expert.paligemma.model.*`, `paligemma_with_expert.gemma_expert.*`,
 `action_in_proj`, ...).
 """
@@ -24,7 +27,15 @@ from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
 from services.gpu_worker.modeling.base import PolicyModel
-from services.gpu_worker.modeling.policy.gemma_layers import GemmaLayer, GemmaRMSNorm, rope_tables, rope_theta
+from services.gpu_worker.modeling.policy.gemma_layers import (
+    GemmaAttention,
+    GemmaLayer,
+    GemmaMLP,
+    GemmaRMSNorm,
+    project_qkv,
+    rope_tables,
+    rope_theta,
+)
 from services.gpu_worker.modeling.vision.siglip import SiglipVisionTower
 
 VLM = "paligemma_with_expert.paligemma.model."
@@ -48,7 +59,11 @@ class Projector(nn.Module):
         self.linear = nn.Linear(vision_hidden, text_hidden)
 
 
-class Pi0Policy(PolicyModel):
+class PaliGemmaPolicy(PolicyModel):
+    """What Pi0 and Pi0.5 share: the PaliGemma prefix (tower, projector, Gemma LM) over
+    paged KV, the sinusoidal time features, the action projections and the weights' names;
+    a subclass adds its action expert (`self.expert`) and `velocity`."""
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
         vlm, dit = config["vlm_config"], config["dit_config"]
@@ -57,18 +72,13 @@ class Pi0Policy(PolicyModel):
         self.chunk = int(config.get("chunk_size", 50))
         self.min_period = float(config.get("min_period", 4e-3))
         self.max_period = float(config.get("max_period", 4.0))
-        width, state_dim = int(dit["hidden_size"]), int(config.get("max_state_dim", 32))
-        action_dim = int(config.get("max_action_dim", 32))
+        width, action_dim = int(dit["hidden_size"]), int(config.get("max_action_dim", 32))
         self.vision_tower = SiglipVisionTower(vlm["vision_config"])
         self.multi_modal_projector = Projector(int(vlm["vision_config"]["hidden_size"]),
                                                int(vlm.get("projection_dim", text["hidden_size"])))
         self.language_model = GemmaStack(text, embed=True)
-        self.expert = GemmaStack(dit, embed=False)
         self.action_in_proj = nn.Linear(action_dim, width)
         self.action_out_proj = nn.Linear(width, action_dim)
-        self.state_proj = nn.Linear(state_dim, width)
-        self.action_time_mlp_in = nn.Linear(2 * width, width)
-        self.action_time_mlp_out = nn.Linear(width, width)
         self.head_dim = int(text["head_dim"])
         self.theta = rope_theta(text)
         self.dit_theta = rope_theta(dit)
@@ -116,10 +126,6 @@ class Pi0Policy(PolicyModel):
             o = paged_attention(q.contiguous(), cache, meta, self.head_dim**-0.5)
             x = layer.finish(x, o.reshape(x.shape[0], -1))
 
-    def embed_state(self, state: torch.Tensor) -> torch.Tensor:
-        """[B, max state dim] -> the state's row [B, width] of the expert's input."""
-        return self.state_proj(state)
-
     def time_embedding(self, time: torch.Tensor) -> torch.Tensor:
         """[B] -> [B, width]: sin and cos of the time at periods from min to max (float32)."""
         width = int(self.dit_cfg["hidden_size"])
@@ -128,6 +134,26 @@ class Pi0Policy(PolicyModel):
         freq = 1.0 / period * 2 * math.pi
         emb = freq[None, :] * time[:, None]
         return torch.cat([emb.sin(), emb.cos()], dim=1)
+
+
+class Pi0Policy(PaliGemmaPolicy):
+    """Pi0: the state is a row of the expert's input (before the chunk), the time is mixed
+    into each action row by an MLP, the expert is a plain Gemma."""
+
+    state_row = True
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        dit = config["dit_config"]
+        width, state_dim = int(dit["hidden_size"]), int(config.get("max_state_dim", 32))
+        self.expert = GemmaStack(dit, embed=False)
+        self.state_proj = nn.Linear(state_dim, width)
+        self.action_time_mlp_in = nn.Linear(2 * width, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+
+    def embed_state(self, state: torch.Tensor) -> torch.Tensor:
+        """[B, max state dim] -> the state's row [B, width] of the expert's input."""
+        return self.state_proj(state)
 
     def velocity(self, state_rows: torch.Tensor, noise: torch.Tensor, time: torch.Tensor,
                  prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_mask: torch.Tensor,
@@ -152,3 +178,87 @@ class Pi0Policy(PolicyModel):
                                                scale=self.head_dim**-0.5, enable_gqa=True)
             x = layer.finish(x, o.transpose(1, 2).reshape(b, rows, -1))
         return self.action_out_proj(self.expert.norm(x)[:, 1:])
+
+
+class Pi05Policy(PaliGemmaPolicy):
+    """Pi0.5: the chunk's rows alone, every norm of the expert modulated by the time."""
+
+    state_row = False
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        dit = config["dit_config"]
+        width = int(dit["hidden_size"])
+        self.expert = AdaGemmaStack(dit)
+        self.time_mlp_in = nn.Linear(width, width)
+        self.time_mlp_out = nn.Linear(width, width)
+
+    def embed_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state.new_zeros(state.shape[0], 0)  # the state is in the prompt
+
+    def velocity(self, state_rows: torch.Tensor, noise: torch.Tensor, time: torch.Tensor,
+                 prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_mask: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """As Pi0's, over the chunk's rows only (`positions` [B, chunk]); each sees them all."""
+        x = self.action_in_proj(noise)
+        temb = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(self.time_embedding(time).to(x.dtype)))))
+        b, rows = x.shape[:2]
+        mask = torch.cat([prefix_mask[:, None, :].expand(b, rows, -1),
+                          torch.ones(b, rows, rows, dtype=torch.bool, device=x.device)], dim=2)
+        cos, sin = rope_tables(positions, self.head_dim, self.dit_theta)
+        for layer, (pk, pv) in zip(cast("Iterable[AdaGemmaLayer]", self.expert.layers), prefix_kv):
+            q, k, v, gate = layer.qkv(x, temb, cos, sin)
+            keys = torch.cat([pk, k], dim=1).transpose(1, 2)
+            values = torch.cat([pv, v], dim=1).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                               scale=self.head_dim**-0.5, enable_gqa=True)
+            x = layer.finish(x, o.transpose(1, 2).reshape(b, rows, -1), gate, temb)
+        return self.action_out_proj(self.expert.norm(x, temb)[0])
+
+
+class AdaptiveRMSNorm(nn.Module):
+    """RMS norm whose scale and shift, and the residual's gate, come from the time's features."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale, shift, gate = self.dense(temb)[:, None, :].chunk(3, dim=-1)
+        return (xf * (1.0 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+
+
+class AdaGemmaLayer(nn.Module):
+    """A Gemma layer whose two norms are adaptive and whose residuals are gated."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = AdaptiveRMSNorm(hidden, eps)
+        self.self_attn = GemmaAttention(hidden, int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]),
+                                        int(cfg["head_dim"]))
+        self.post_attention_layernorm = AdaptiveRMSNorm(hidden, eps)
+        self.mlp = GemmaMLP(hidden, int(cfg["intermediate_size"]))
+
+    def qkv(self, x: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, gate = self.input_layernorm(x, temb)
+        q, k, v = project_qkv(self.self_attn, h, cos, sin)
+        return q, k, v, gate
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        x = x + gate * self.self_attn.o_proj(attn)
+        h, gate = self.post_attention_layernorm(x, temb)
+        return x + gate * self.mlp(h)
+
+
+class AdaGemmaStack(nn.Module):
+    """Pi0.5's action expert: adaptive-norm layers and an adaptive final norm."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(AdaGemmaLayer(cfg) for _ in range(int(cfg["num_hidden_layers"])))
+        self.norm = AdaptiveRMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6)))
