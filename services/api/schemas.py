@@ -465,7 +465,8 @@ class DetokenizeResponse(msgspec.Struct):
 
 class ModelCard(msgspec.Struct):
     """OpenAI's model object plus vLLM's `max_model_len`, what the model takes and gives
-    (`input_modalities`, `output_modalities`: "text", "image", "audio", "embedding"), and a
+    (`input_modalities`, `output_modalities`: "text", "image", "audio", "embedding"; a
+    robot policy's "state" in and "actions" out), and a
     vision model's `image_placeholder` (what a `/generate` prompt holds per image)."""
 
     id: str

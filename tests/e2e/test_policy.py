@@ -164,4 +164,6 @@ def test_bad_input_names_the_field(servers):
         assert r.status_code == 400 and r.json()["error"]["param"] == "noise", r.text
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400, r.text
+        card = client.get("/v1/models").json()["data"][0]
+        assert card["input_modalities"] == ["text", "image", "state"] and card["output_modalities"] == ["actions"]
     assert srv.wait_pages_free() == 0

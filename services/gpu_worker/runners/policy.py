@@ -14,6 +14,8 @@ pages are released as any pooling request's.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -21,6 +23,8 @@ from services.gpu_worker.attention import AttnRows
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 from shared.specs.base import PolicyRunnerSpec
+
+log = logging.getLogger("mstar.policy_runner")
 
 
 class PolicyRunner(ModelRunner):
@@ -58,6 +62,7 @@ class PolicyRunner(ModelRunner):
             rows.append(AttnRows(e.pages[label], 0, 0, n, False))
             ids.extend(r.prompt)
         lengths = [len(e.request.prompt) for e in plan.entries]
+        log.debug("policy step: %d request(s), prefixes of %s rows", len(lengths), lengths)
         meta = self.builder.build(rows, self.page_sizes[label], None, causal=False)
         with torch.inference_mode():
             flat = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -35,9 +35,12 @@ def _model_card(state: ApiState) -> ModelCard:
     """OpenAI's model object plus vLLM's `max_model_len` (the deployment's max_seq_len)."""
     settings = state.settings
     inputs = ["audio"] if settings.takes_audio else ["text"]
-    if settings.image_placeholder:
+    if settings.image_placeholder or settings.task == "act":
         inputs.append("image")
-    outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"]}.get(settings.task, ["score"])
+    if settings.task == "act":
+        inputs.append("state")
+    outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
+               "act": ["actions"]}.get(settings.task, ["score"])
     defaults = msgspec.structs.asdict(settings.generation_defaults)
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None,
