@@ -98,8 +98,9 @@ class PolicyRunner(ModelRunner):
         """Euler steps of the flow from t = 1 (the noise) to t = 0, each request its own cap
         of steps (`flow_loop`): a request past its cap keeps its actions while others go on."""
         prefix_kv, prefix_mask = self._prefix_kv(pages, lengths)
-        noise = torch.stack([r.inputs["noise"] for r in reqs]).to(self.device)
-        state_rows = self.model.embed_state(torch.stack([r.inputs["state"] for r in reqs]).to(self.device))
+        dtype = prefix_kv[0][0].dtype  # the model's (a bfloat16 checkpoint's expert takes bfloat16 rows)
+        noise = torch.stack([r.inputs["noise"] for r in reqs]).to(self.device)  # float32: the Euler sums
+        state_rows = self.model.embed_state(torch.stack([r.inputs["state"] for r in reqs]).to(self.device, dtype))
         caps = [int(r.caps.get(self.spec.flow_loop, 0)) for r in reqs]
         rows = noise.shape[1] + int(self.model.state_row)
         positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(rows, device=self.device)
@@ -110,10 +111,10 @@ class PolicyRunner(ModelRunner):
             dts = [-1.0 / caps[i] for i in live]
             time = torch.tensor([1.0 + step * dt for dt in dts], dtype=torch.float32, device=self.device)
             if len(live) == len(reqs):
-                v = self.model.velocity(state_rows, noise, time, prefix_kv, prefix_mask, positions)
+                v = self.model.velocity(state_rows, noise.to(dtype), time, prefix_kv, prefix_mask, positions)
             else:
                 kv = [(k[at], v[at]) for k, v in prefix_kv]
-                v = self.model.velocity(state_rows[at], noise[at], time, kv, prefix_mask[at], positions[at])
+                v = self.model.velocity(state_rows[at], noise[at].to(dtype), time, kv, prefix_mask[at], positions[at])
             for j, i in enumerate(live):
                 noise[i] = noise[i] + dts[j] * v[j]
         return noise
