@@ -38,7 +38,7 @@ IMAGES = {"wide": png(40, 20, 1), "tall": png(18, 36, 2), "square": png(28, 28, 
 #: input_features), the Pi0 one takes any
 CASES = [
     ({"base": "wide", "wrist": "tall"}, "pick up the red cube"),
-    ({"base": "square", "wrist": "small"}, "open the drawer"),
+    ({"wrist": "small", "base": "square"}, "open the drawer"),  # sent in another order than the model's
 ]
 ANY_CASES = [({"front": "tall"}, "pick up the red cube"), ({"front": "small", "side": "wide"}, "open_the drawer\n")]
 
