@@ -29,6 +29,7 @@ from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDeco
 from services.gpu_worker.runners.hybrid import HybridRunner
 from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
+from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
@@ -57,13 +58,14 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
+    "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
 TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "hybrid_mrope_vision_decoder",
-              "speech_decoder")
+              "speech_decoder", "omni_thinker")
 
 
 @dataclass(frozen=True)

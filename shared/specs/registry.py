@@ -27,6 +27,8 @@ from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
+from shared.specs.qwen3_omni import ARCHITECTURES as OMNI_ARCHITECTURES
+from shared.specs.qwen3_omni import Qwen3OmniSpec
 from shared.specs.vision_lm import (
     GEMMA3_ARCHITECTURES,
     IDEFICS3_ARCHITECTURES,
@@ -56,6 +58,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(QWEN25_VL_ARCHITECTURES, Qwen25VLSpec),
     **dict.fromkeys(GEMMA3_ARCHITECTURES, Gemma3VisionSpec),
     CSM_ARCHITECTURE: CsmSpec,
+    **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
 }
 
 

@@ -22,6 +22,7 @@ from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
+from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -30,6 +31,7 @@ from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.pooling import EncoderSpec
+from shared.specs.qwen3_omni import Qwen3OmniSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
 
@@ -48,6 +50,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     Qwen25VLSpec: Qwen25VLModel,
     Gemma3VisionSpec: Gemma3VisionLM,
     CsmSpec: CsmModel,
+    Qwen3OmniSpec: Qwen3OmniThinker,
 }
 
 
