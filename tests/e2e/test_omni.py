@@ -60,7 +60,8 @@ def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
         if not ours:
             return {"type": kind}
         if kind == "image":
-            return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}}
+            url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+            return {"type": "image_url", "image_url": {"url": url}}
         return {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}
     return [*map(part, media), {"type": "text", "text": text}]
 
@@ -180,7 +181,8 @@ async def test_speech_out_and_bad_audio_are_400s(server):
         noise = base64.b64encode(b"this is not a sound file at all" * 8).decode()
         bad = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {"data": noise, "format": "wav"}}]}],
+                {"type": "text", "text": "hi"},
+                {"type": "input_audio", "input_audio": {"data": noise, "format": "wav"}}]}],
             "max_tokens": 2})
         card = (await client.get("/v1/models")).json()["data"][0]
     assert speech.status_code == 400 and speech.json()["error"]["param"] == "modalities", speech.text
