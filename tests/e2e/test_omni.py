@@ -86,8 +86,9 @@ def rendered(folder: Path, case: str) -> str:
 
 
 @cache
-def reference(folder: Path, case: str) -> tuple[list[int], int]:
-    """(transformers' greedy tokens, EOS ignored; its prompt length) for one chat turn."""
+def reference(folder: Path, case: str, clip: bytes = AUDIO) -> tuple[list[int], int]:
+    """(transformers' greedy tokens, EOS ignored; its prompt length) for one chat turn
+    (`clip` the audio part's file)."""
     import soundfile as sf
     import torch
     from PIL import Image
@@ -98,7 +99,7 @@ def reference(folder: Path, case: str) -> tuple[list[int], int]:
     if "image" in media:
         kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
     if "audio" in media:
-        kwargs["audio"] = [sf.read(io.BytesIO(AUDIO), dtype="float32")[0]]
+        kwargs["audio"] = [sf.read(io.BytesIO(clip), dtype="float32")[0]]
     inputs = proc(text=[rendered(folder, case)], return_tensors="pt", **kwargs)
     with torch.no_grad():
         out = thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
@@ -110,7 +111,7 @@ def reference(folder: Path, case: str) -> tuple[list[int], int]:
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "omni.log", "--num-kv-pages", "96",
-                      "--page-size", "8", "--max-batch-tokens", "32",
+                      "--page-size", "8", "--max-batch-tokens", "32", "--enable-prompt-tokens-details",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
     try:
         yield srv
@@ -169,6 +170,30 @@ async def test_generate_token_ids_equal_transformers(folder, server):
     for case, r in zip(CASES, rs):
         assert r.status_code == 200, r.text
         assert (r.json()["token_ids"], r.json()["usage"]["prompt_tokens"]) == reference(folder, case), case
+    assert_clean(server)
+
+
+async def test_the_prefix_cache_keys_clips_by_content(folder, server):
+    """The same prompt with another clip of the same length (the same ids) answers as
+    transformers does for that clip, not from the first clip's rows; the first clip again
+    resumes from the prefix cache past its rows, with the same answer."""
+    other = wav_bytes(tone(2.3, f0=500.0, seed=7))
+
+    async def ask(client: httpx.AsyncClient, clip: bytes) -> tuple[list[int], int]:
+        r = await client.post("/generate", json={
+            "prompt": rendered(folder, "audio"), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "audios": [base64.b64encode(clip).decode()]})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"], r.json()["usage"]["cached_tokens"]
+
+    want, prompt_len = reference(folder, "audio")
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        first = await ask(client, AUDIO)
+        second, second_cached = await ask(client, other)
+        again, again_cached = await ask(client, AUDIO)
+    assert first[0] == want == again and second == reference(folder, "audio", other)[0] != want
+    assert second_cached < 8  # the template's rows before the clip at most
+    assert again_cached == (prompt_len - 1) // 8 * 8  # every full page but the one with the last prompt row
     assert_clean(server)
 
 
