@@ -205,13 +205,8 @@ class DataWorker:
         if len(parts) - 1 != len(req.audios):
             raise PromptError("prompt", f"the prompt holds {len(parts) - 1} audio placeholder(s) "
                                         f"({placeholder!r}) for {len(req.audios)} audio input(s)")
-        clips = []
-        for i, data in enumerate(req.audios):
-            try:
-                clips.append(self.spec.prepare_audio(data))
-            except PromptError as exc:
-                raise PromptError(f"audios[{i}]", str(exc)) from exc
-        return tuple(clips), parts[0] + "".join(c.text + part for c, part in zip(clips, parts[1:]))
+        clips = self.spec.prepare_audios(req.audios)
+        return clips, parts[0] + "".join(c.text + part for c, part in zip(clips, parts[1:]))
 
     def expand_context(self, req: GenerateRequest) -> tuple[tuple[PreparedAudio, ...], str]:
         """(the request's context audio, decoded by the spec's `prepare_context`; the text

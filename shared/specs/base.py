@@ -172,10 +172,11 @@ class ModelSpec(ABC):
         `image_placeholder`."""
         raise PromptError("images", "the served model does not take images")
 
-    def prepare_audio(self, data: bytes) -> PreparedClip:
-        """An audio input (the file's bytes) made into the model's features as its processor
-        does; `PromptError` on "audios" for a file it cannot use. Only for models with an
-        `audio_placeholder`."""
+    def prepare_audios(self, files: Sequence[bytes]) -> tuple[PreparedClip, ...]:
+        """A request's audio inputs (the files' bytes, in prompt order) made into the
+        model's features as its processor does for one prompt's clips (together: its
+        feature extractor pads them to the longest); `PromptError` on "audios[i]" for a file
+        it cannot use. Only for models with an `audio_placeholder`."""
         raise PromptError("audios", "the served model does not take audio inputs")
 
     def warmup_ids(self, n: int) -> list[int]:

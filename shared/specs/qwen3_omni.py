@@ -10,7 +10,7 @@ them), and a request that asks for speech is refused by the api.
 What the spec does for a request (in the data worker, numpy only):
 - images: Qwen2-VL's image processor (`shared.vision.qwen2_vl`), one `<|image_pad|>` per
   merged block, keyed by content as Qwen2.5-VL's;
-- audio: `prepare_audio` decodes the clip, resamples it to 16 kHz and computes the Whisper
+- audio: `prepare_audios` decodes each clip, resamples it to 16 kHz and computes the Whisper
   log-mel features of the clip as it is (the processor's `padding="longest"` on one clip;
   128 bins), and writes one `<|audio_pad|>` per encoder row (transformers'
   `_get_feat_extract_output_lengths`); the rows are a `Span.rows` keyed by the clip's hash;
@@ -23,16 +23,16 @@ Tensors the gpu worker gets: "input_ids", "mrope_positions", and "pixel_values" 
 "image_grid_thw" (images), "input_features" [mel bins, frames of every clip] +
 "audio_frames" [clips] (audio).
 
-Choices where the release is silent or does otherwise: each clip's features are computed
-alone (transformers pads every clip of one call to the longest, which changes a shorter
-clip's last frames); a clip shorter than 0.1 s or longer than the extractor's
-`chunk_length` (300 s) is refused; WAV, FLAC, MP3 and OGG files are read.
+Choices where the release is silent: a clip shorter than 0.1 s or longer than the
+extractor's `chunk_length` (300 s) is refused; WAV, FLAC, MP3 and OGG files are read, other
+rates resampled to 16 kHz, channels averaged. A request's clips are padded to its longest
+before their features are made, as the processor does for one prompt's.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -128,21 +128,35 @@ class Qwen3OmniSpec(Qwen25VLSpec):
             raise PromptError("images", "the model folder has no image processor settings (preprocessor_config.json)")
         return VisionLMSpec.prepare_image(self, data)
 
-    def prepare_audio(self, data: bytes) -> PreparedClip:
-        """The clip's log-mel features [mel bins, frames] and its `<|audio_pad|>` run."""
+    def prepare_audios(self, files: Sequence[bytes]) -> tuple[PreparedClip, ...]:
+        """Each clip's log-mel features [mel bins, frames] and its `<|audio_pad|>` run. As
+        the processor's extractor (`padding="longest"`), every clip is padded with zeros to
+        the longest before its features are made (its last frames see the zeros), then cut
+        to its own frames; so a clip's key covers the length it was padded to."""
+        cfg = self.features
+        samples = [self._decode(data, f"audios[{i}]") for i, data in enumerate(files)]
+        longest = max(s.size for s in samples)
+        clips = []
+        for data, wave in zip(files, samples):
+            padded = np.pad(wave, (0, longest - wave.size)) if wave.size < longest else wave
+            features = np.ascontiguousarray(log_mel_features(padded, cfg, pad=False)[:, : wave.size // cfg.hop_length])
+            settings = f"qwen3-omni-audio/1:{cfg}:{self.n_window}:{longest}".encode()
+            key = hashlib.sha256(settings + b"\0" + data).hexdigest()
+            clips.append(PreparedClip(features, AUDIO_TOKEN * audio_rows(features.shape[1], self.n_window), key))
+        return tuple(clips)
+
+    def _decode(self, data: bytes, param: str) -> np.ndarray:
+        """A clip's samples at the extractor's rate; `PromptError` on `param` for what it cannot use."""
         cfg = self.features
         try:
             samples = decode_audio(data, cfg.sampling_rate, max_seconds=cfg.chunk_length, limit="this model hears",
                                    formats=AUDIO_FORMATS)
         except ValueError as exc:
-            raise PromptError("audios", str(exc)) from exc
+            raise PromptError(param, str(exc)) from exc
         if samples.size < MIN_AUDIO_SECONDS * cfg.sampling_rate:
-            raise PromptError("audios", f"audio is {samples.size / cfg.sampling_rate:.3f} s long; "
-                                        f"this model hears at least {MIN_AUDIO_SECONDS:g} s")
-        features = log_mel_features(samples, cfg, pad=False)
-        settings = f"qwen3-omni-audio/1:{cfg}:{self.n_window}".encode()
-        key = hashlib.sha256(settings + b"\0" + data).hexdigest()
-        return PreparedClip(features, AUDIO_TOKEN * audio_rows(features.shape[1], self.n_window), key)
+            raise PromptError(param, f"audio is {samples.size / cfg.sampling_rate:.3f} s long; "
+                                     f"this model hears at least {MIN_AUDIO_SECONDS:g} s")
+        return samples
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         if request.audio is not None:

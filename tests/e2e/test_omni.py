@@ -41,6 +41,8 @@ def png(width: int, height: int, seed: int) -> bytes:
 IMAGE = png(96, 64, 1)
 #: 2.3 s: three conv windows (13, 13 and 4 rows) and two attention windows (26 and 4 rows)
 AUDIO = wav_bytes(tone(2.3, seed=1))
+#: name -> the clip's file: the other clip is shorter, so the processor pads it to AUDIO's length
+CLIPS = {"audio": AUDIO, "short": wav_bytes(tone(1.2, f0=300.0, seed=2))}
 #: case -> (media parts in order, the text)
 CASES = {
     "text only": ((), "Hello world! The quick brown fox."),
@@ -48,6 +50,9 @@ CASES = {
     "audio": (("audio",), "What do you hear?"),
     "image and audio": (("image", "audio"), "Describe both."),
 }
+#: /generate's extra case: two clips of different lengths
+TWO_CLIPS = {"two clips": (("audio", "short"), "Which is longer?")}
+ALL = {**CASES, **TWO_CLIPS}
 
 
 def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
@@ -58,11 +63,11 @@ def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
 
     def part(kind: str) -> dict:
         if not ours:
-            return {"type": kind}
+            return {"type": "image" if kind == "image" else "audio"}
         if kind == "image":
             url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
             return {"type": "image_url", "image_url": {"url": url}}
-        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}
+        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(CLIPS[kind]).decode(), "format": "wav"}}
     return [*map(part, media), {"type": "text", "text": text}]
 
 
@@ -80,7 +85,7 @@ def _hf(folder: Path):
 
 
 def rendered(folder: Path, case: str) -> str:
-    media, text = CASES[case]
+    media, text = ALL[case]
     return _hf(folder)[1].apply_chat_template([{"role": "user", "content": content(media, text, ours=False)}],
                                               add_generation_prompt=True)
 
@@ -94,12 +99,13 @@ def reference(folder: Path, case: str, clip: bytes = AUDIO) -> tuple[list[int], 
     from PIL import Image
 
     thinker, proc = _hf(folder)
-    media = CASES[case][0]
-    kwargs = {}
+    media = ALL[case][0]
+    kwargs: dict = {}
     if "image" in media:
         kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
-    if "audio" in media:
-        kwargs["audio"] = [sf.read(io.BytesIO(clip), dtype="float32")[0]]
+    files = [clip if kind == "audio" else CLIPS[kind] for kind in media if kind != "image"]
+    if files:
+        kwargs["audio"] = [sf.read(io.BytesIO(f), dtype="float32")[0] for f in files]
     inputs = proc(text=[rendered(folder, case)], return_tensors="pt", **kwargs)
     with torch.no_grad():
         out = thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
@@ -152,22 +158,22 @@ async def test_chat_route_equals_transformers(folder, server):
 
 
 async def test_generate_token_ids_equal_transformers(folder, server):
-    """`/generate` with the rendered prompt and the media: greedy token ids and
-    prompt_tokens equal transformers'."""
+    """`/generate` with the rendered prompt and the media (two clips of different lengths
+    too): greedy token ids and prompt_tokens equal transformers'."""
     def media(case: str) -> dict:
-        kinds = CASES[case][0]
+        kinds = ALL[case][0]
         out: dict = {}
         if "image" in kinds:
             out["images"] = ["data:image/png;base64," + base64.b64encode(IMAGE).decode()]
-        if "audio" in kinds:
-            out["audios"] = [base64.b64encode(AUDIO).decode()]
+        if any(k != "image" for k in kinds):
+            out["audios"] = [base64.b64encode(CLIPS[k]).decode() for k in kinds if k != "image"]
         return out
 
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         rs = await asyncio.gather(*(client.post("/generate", json={
             "prompt": rendered(folder, case), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            **media(case)}) for case in CASES))
-    for case, r in zip(CASES, rs):
+            **media(case)}) for case in ALL))
+    for case, r in zip(ALL, rs):
         assert r.status_code == 200, r.text
         assert (r.json()["token_ids"], r.json()["usage"]["prompt_tokens"]) == reference(folder, case), case
     assert_clean(server)
