@@ -60,7 +60,7 @@ def test_bad_clips_are_refused_naming_them() -> None:
     with pytest.raises(PromptError) as exc:
         spec.prepare_audios([good, b"not audio at all" * 10])
     assert exc.value.param == "audios[1]"
-    with pytest.raises(PromptError, match="at least 0.1 s") as exc:
+    with pytest.raises(PromptError, match=r"at least 0\.1 s") as exc:
         spec.prepare_audios([wav_bytes(tone(0.05))])
     assert exc.value.param == "audios[0]"
     with pytest.raises(PromptError) as exc:
