@@ -81,8 +81,9 @@ class FeatureConfig:
 
 
 def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = None,
-                 limit: str = "this model transcribes") -> np.ndarray:
-    """WAV/FLAC bytes -> mono float32 samples at `sampling_rate`.
+                 limit: str = "this model transcribes", formats: frozenset[str] = ACCEPTED_FORMATS) -> np.ndarray:
+    """WAV/FLAC bytes (or another of `formats`, libsndfile's names) -> mono float32
+    samples at `sampling_rate`.
 
     The header is read first, so an over-long file is refused before it is decoded (the
     message says "`limit` at most N s per request")."""
@@ -93,10 +94,10 @@ def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = No
     try:
         f = sf.SoundFile(io.BytesIO(bytes(data)))
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise ValueError("audio could not be decoded; send a WAV or FLAC file") from exc
+        raise ValueError(f"audio could not be decoded; send {_named(formats)}") from exc
     with f:
-        if f.format not in ACCEPTED_FORMATS:
-            raise ValueError(f"audio format {f.format} is not supported; send a WAV or FLAC file")
+        if f.format not in formats:
+            raise ValueError(f"audio format {f.format} is not supported; send {_named(formats)}")
         rate = int(f.samplerate)
         if not MIN_SAMPLING_RATE <= rate <= MAX_SAMPLING_RATE:
             raise ValueError(f"audio sampling rate {rate} Hz is outside [{MIN_SAMPLING_RATE}, {MAX_SAMPLING_RATE}] Hz")
@@ -118,6 +119,14 @@ def decode_audio(data: bytes, sampling_rate: int, max_seconds: float | None = No
     if rate != sampling_rate:
         mono = resample(mono, rate, sampling_rate)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def _named(formats: frozenset[str]) -> str:
+    """The accepted containers as a refusal names them ("a WAV or FLAC file")."""
+    order = ("WAV", "FLAC", "MP3", "OGG")  # the historical "a WAV or FLAC file" first
+    named = {{"WAVEX": "WAV", "RF64": "WAV"}.get(f, f) for f in formats}
+    shown = [f for f in order if f in named] + sorted(named - set(order))
+    return "a " + (" or ".join(shown) if len(shown) < 3 else ", ".join(shown[:-1]) + " or " + shown[-1]) + " file"
 
 
 def resample(audio: np.ndarray, orig_sr: int, new_sr: int, lowpass_filter_width: int = 6,
@@ -194,16 +203,20 @@ def _filters(cfg: FeatureConfig) -> np.ndarray:
     return _FILTERS[key]
 
 
-def log_mel_features(audio: np.ndarray, cfg: FeatureConfig = FeatureConfig()) -> np.ndarray:
+def log_mel_features(audio: np.ndarray, cfg: FeatureConfig = FeatureConfig(), pad: bool = True) -> np.ndarray:
     """Mono samples at `cfg.sampling_rate` -> float32 [feature_size, nb_max_frames].
 
     As WhisperFeatureExtractor: pad (or cut) to `chunk_length` seconds with
     `padding_value`, centred STFT (reflect padding) with a periodic Hann window, power
     spectrum without the last frame, mel filters, log10 of max(., 1e-10), floor at
-    max - 8, then (x + 4) / 4; in float64, returned as float32."""
-    wave = np.asarray(audio, dtype=np.float32).reshape(-1)[: cfg.n_samples]
-    if wave.size < cfg.n_samples:
-        wave = np.pad(wave, (0, cfg.n_samples - wave.size), constant_values=cfg.padding_value)
+    max - 8, then (x + 4) / 4; in float64, returned as float32. `pad=False`: the clip as
+    it is (the extractor's `padding="longest"` on one clip, as Qwen3-Omni's processor
+    calls it), [feature_size, len // hop_length]."""
+    wave = np.asarray(audio, dtype=np.float32).reshape(-1)
+    if pad:
+        wave = wave[: cfg.n_samples]
+        if wave.size < cfg.n_samples:
+            wave = np.pad(wave, (0, cfg.n_samples - wave.size), constant_values=cfg.padding_value)
     half = cfg.n_fft // 2
     padded = np.pad(wave.astype(np.float64), (half, half), mode="reflect")
     window = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(cfg.n_fft) / cfg.n_fft)  # periodic Hann

@@ -115,6 +115,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Vision models: each image file as the api fetched and checked it, in prompt order;
     # the prompt holds the model's image placeholder once per image.
     images: list[bytes] = []
+    # Omni models: each audio input's file as the api decoded and checked it, in prompt
+    # order; the prompt holds the model's audio placeholder once per input.
+    audios: list[bytes] = []
     # Speech models that continue a conversation (CSM): its earlier turns, oldest first;
     # the prompt is the turn to speak.
     context: list[ContextTurn] = []

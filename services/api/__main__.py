@@ -261,7 +261,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         ws_max_live=args.ws_max_live,
         api_key=api_key or None,
         takes_audio=takes_audio,
-        image_placeholder=spec.image_placeholder,
+        image_placeholder=spec.image_placeholder, audio_placeholder=spec.audio_placeholder,
         sample_rate=spec.sample_rate,
         speech_defaults=dict(spec.speech_defaults),
         audio_frame_rate=spec.audio_frame_rate,
@@ -288,10 +288,11 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
 
 
 def _default_body_limit(spec: ModelSpec) -> int:
-    """The largest body by default: larger for a model whose requests carry images (data URLs)."""
+    """The largest body by default: larger for a model whose requests carry images or audio (base64)."""
     from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES
 
-    return VISION_MAX_BODY_BYTES if spec.image_placeholder or spec.action_shape[0] else DEFAULT_MAX_BODY_BYTES
+    big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0]
+    return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
 
 
 def max_model_len(source: ModelSource, d: Deployment) -> int:

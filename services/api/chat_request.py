@@ -46,11 +46,13 @@ from services.api.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
     ImageUrlPart,
+    InputAudioPart,
     OpenAIFields,
 )
 from services.api.structured import parse_structured, validated
 from services.api.tools import Tools, parse_history_calls, parse_tools
 from services.api.validation import (
+    AudioRef,
     GenerateParams,
     ImageRef,
     left_out,
@@ -109,13 +111,15 @@ def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     return n
 
 
-def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tuple[list[dict[str, Any]],
-                                                                                     list[ImageRef]]:
+def parse_messages(messages: list[ChatMessageParam], parts: bool = False,
+                   audios: list[AudioRef] | None = None) -> tuple[list[dict[str, Any]], list[ImageRef]]:
     """(`messages` as plain dicts {role, content[, name, tool_calls, tool_call_id]} for the
     chat template, the image parts in prompt order). Text parts are joined with newlines
     (vLLM's "string" content format); with `parts` (a vision model, whose template walks a
     list) content is a list of parts, each image as `{"type": "image"}` as transformers'
-    processors pass it."""
+    processors pass it. `audios` (an omni model's chat): its audio parts are appended there
+    and go to the template as `{"type": "audio"}`; without it an audio part is a 400
+    naming the part."""
     out: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     for i, msg in enumerate(messages):
@@ -127,7 +131,7 @@ def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tup
                           f"{where}.tool_call_id must be the id of the call this result answers")
         if msg.content is None and msg.role != "assistant":
             raise invalid(f"{where}.content", f"{where}.content is required for a {msg.role} message")
-        entry: dict[str, Any] = {"role": msg.role, "content": _content(msg, where, parts, images)}
+        entry: dict[str, Any] = {"role": msg.role, "content": _content(msg, where, parts, images, audios)}
         if msg.name is not None:
             entry["name"] = msg.name
         if msg.tool_calls:
@@ -144,8 +148,10 @@ def parse_messages(messages: list[ChatMessageParam], parts: bool = False) -> tup
     return out, images
 
 
-def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageRef]) -> Any:
-    """A message's content for the template; its image parts appended to `images`."""
+def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageRef],
+             audios: list[AudioRef] | None = None) -> Any:
+    """A message's content for the template; its image parts appended to `images`, its
+    audio parts to `audios` (a 400 naming the part where the model takes none)."""
     if msg.content is None or isinstance(msg.content, str):
         return [{"type": "text", "text": msg.content}] if parts and msg.content is not None else msg.content
     listed: list[dict[str, Any]] = []
@@ -153,6 +159,12 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
         if isinstance(part, ImageUrlPart):
             images.append(ImageRef(part.image_url.url, f"{where}.content[{j}].image_url.url"))
             listed.append({"type": "image"})
+        elif isinstance(part, InputAudioPart):
+            if audios is None:
+                raise invalid(f"{where}.content[{j}]", f"the served model takes no audio inputs: {where}.content[{j}] "
+                                                       "is an input_audio part")
+            audios.append(AudioRef(part.input_audio.data, f"{where}.content[{j}].input_audio.data"))
+            listed.append({"type": "audio"})
         else:
             listed.append({"type": "text", "text": part.text})
     if parts:
@@ -160,14 +172,16 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
     return "\n".join(p["text"] for p in listed if p["type"] == "text")
 
 
-def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tuple[ChatRequest,
-                                                                               list[dict[str, Any]]]:
+def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False,
+               audio: bool = False) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """Validate a `/v1/chat/completions` body (`schemas.ChatCompletionRequest`); the prompt
     is filled in by the caller from the rendered template (see `with_prompt`). `vision`:
-    the served model takes images (content goes to its template as a list of parts)."""
+    the served model takes images (content goes to its template as a list of parts);
+    `audio`: it takes audio inputs (`input_audio` parts) too."""
     req = load(obj, ChatCompletionRequest)
     check_model(req.model, served)
-    messages, images = parse_messages(req.messages, parts=vision)
+    audios: list[AudioRef] | None = [] if audio else None
+    messages, images = parse_messages(req.messages, parts=vision or audio, audios=audios)
     n = check_n(req.n or 1)
     new, old = req.max_completion_tokens, req.max_tokens  # OpenAI's current name, and its deprecated alias
     if new is not None and old is not None and new != old:
@@ -187,6 +201,7 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False) -> tup
         stop=stop_strings(req.stop),
         add_special_tokens=False,
         image_refs=tuple(images),
+        audio_refs=tuple(audios or ()),
         defaulted=left_out(req),
     )
     tools = parse_tools(req)

@@ -221,6 +221,10 @@ class GenerateRequest(ConstrainedFields):
                       Meta(description="vision models: image URLs (data:, http(s), or file:// under "
                                        "--allowed-local-media-path), one per image placeholder in `prompt`, "
                                        "in order (`/v1/models` lists the model's placeholder)")] | None = None
+    audios: Annotated[list[Annotated[str, Meta(min_length=1)]],
+                      Meta(description="omni models: audio files, base64 (a data: URL too), one per audio "
+                                       "placeholder in `prompt`, in order (`/v1/models` lists the model's "
+                                       "placeholder)")] | None = None
     context: Context | None = None
 
 
@@ -325,7 +329,18 @@ class ImageUrlPart(Body, tag_field="type", tag="image_url"):
     image_url: ImageUrl
 
 
-ContentPart = TextPart | ImageUrlPart
+class InputAudio(Body):
+    data: Annotated[str, Meta(min_length=1, description="the audio file, base64")]
+    format: Annotated[Literal["wav", "mp3", "flac", "ogg"], Meta(description="the file's container")]
+
+
+class InputAudioPart(Body, tag_field="type", tag="input_audio"):
+    """An audio input (omni models only: another model refuses it naming the part)."""
+
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | ImageUrlPart | InputAudioPart
 
 
 class CalledFunction(msgspec.Struct, kw_only=True):
@@ -477,6 +492,7 @@ class ModelCard(msgspec.Struct):
     object: str = "model"
     owned_by: str = "mstar"
     image_placeholder: str | None = None
+    audio_placeholder: str | None = None
     #: the sampling defaults in force where a request leaves a field out (the checkpoint's
     #: generation_config.json, `--generation-config`), `max_tokens` among them; null: none
     default_sampling: dict[str, float | int] | None = None

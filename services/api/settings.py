@@ -45,6 +45,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: a vision model's image placeholder (its spec's; "" for a model that takes no images,
     #: which refuses an image part with a 400 naming it)
     image_placeholder: str = ""
+    #: an omni model's audio placeholder (its spec's; "" for a model that takes no audio
+    #: inputs, which refuses an input_audio part with a 400 naming it)
+    audio_placeholder: str = ""
     #: a speech model's audio sample rate (its codec's; 0 for a model that makes no sound)
     sample_rate: int = 0
     audio_language: str | None = None  # the language a speech model assumes when none is sent

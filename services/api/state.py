@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import msgspec
 from tokenizers import Tokenizer
 
+from services.api.audio_input import decode_audio_input
 from services.api.backend import Backend
 from services.api.chat_template import ChatTemplate
 from services.api.detokenize import IncrementalDetokenizer
@@ -58,6 +59,7 @@ class ApiState:
             raise invalid("model", task_refusal(self.settings.model_name, self.settings.task, task))
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         images = await self.load_images(params)
+        audios = await self.load_audios(params)
         sampling = self.with_model_defaults(params)
         defaults = self.settings.generation_defaults
         req = GenerateRequest(
@@ -75,6 +77,7 @@ class ApiState:
             task=params.task,
             options=dict(params.options),
             images=list(images),
+            audios=list(audios),
             context=list(params.context),
             cameras=list(params.cameras),
             floats=dict(params.floats),
@@ -102,6 +105,23 @@ class ApiState:
         model = self.settings.generation_defaults.sampling()
         fill = {name: value for name, value in model.items() if name in (params.defaulted or ())}
         return msgspec.structs.replace(params.sampling, **fill) if fill else params.sampling
+
+    async def load_audios(self, params: GenerateParams) -> tuple[bytes, ...]:
+        """The audio inputs' files, decoded from base64 and checked (`audio_input.py`); a 400
+        naming the first that fails. A model that takes no audio inputs refuses any."""
+        refs = params.audio_refs
+        if not refs:
+            return ()
+        if not self.settings.audio_placeholder:
+            raise invalid(refs[0].param, f"the served model `{self.settings.model_name}` takes no audio inputs")
+        if params.input_ids is not None:
+            raise invalid("input_ids", "audio inputs need a text prompt holding the audio placeholder "
+                                       f"{self.settings.audio_placeholder!r}, not input_ids")
+        policy = self.settings.media_policy()
+        if len(refs) > policy.max_images_per_request:
+            raise invalid(refs[-1].param, f"{len(refs)} audio inputs in one request; the limit is "
+                                          f"{policy.max_images_per_request}")
+        return tuple(await asyncio.gather(*(asyncio.to_thread(decode_audio_input, r.data, r.param) for r in refs)))
 
     async def load_images(self, params: GenerateParams) -> tuple[bytes, ...]:
         """The files of the images the request names, fetched and checked (`media.py`), all

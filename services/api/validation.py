@@ -71,6 +71,15 @@ class ImageRef(msgspec.Struct, frozen=True):
     param: str
 
 
+class AudioRef(msgspec.Struct, frozen=True):
+    """An audio input a request names (omni models): its base64 data, and the field's path
+    for a 400 (a chat part's `messages[i].content[j].input_audio.data`, `/generate`'s
+    `audios[i]`)."""
+
+    data: str
+    param: str
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated `/generate` request (also what WebSocket `generate` frames become)."""
 
@@ -93,6 +102,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     #: fetched and checked them: `ApiState.load_images`) their files
     image_refs: tuple[ImageRef, ...] = ()
     images: tuple[bytes, ...] = ()
+    #: omni models: the audio inputs the request names, in prompt order
+    audio_refs: tuple[AudioRef, ...] = ()
     #: speech models that continue a conversation (CSM): its earlier turns, audio decoded
     #: from base64 (the data worker decodes the files themselves)
     context: tuple[ContextFrame, ...] = ()
@@ -424,11 +435,13 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
     sampling = sampling_params(req, req.max_tokens, grammar=parse_structured(req), logprobs=req.logprobs,
                                prompt_logprobs=req.prompt_logprobs)
     images = tuple(ImageRef(url, f"images[{i}]") for i, url in enumerate(req.images or ()))
+    audios = tuple(AudioRef(data, f"audios[{i}]") for i, data in enumerate(req.audios or ()))
     if req.context and req.input_ids is not None:
         raise invalid("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
                           prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop),
-                          image_refs=images, context=context_turns(req.context), defaulted=left_out(req))
+                          image_refs=images, audio_refs=audios, context=context_turns(req.context),
+                          defaulted=left_out(req))
 
 
 def context_turns(turns: list[ContextTurn] | None) -> tuple[ContextFrame, ...]:

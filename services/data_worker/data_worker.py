@@ -34,7 +34,15 @@ from shared.frames import (
     pack_tensors,
 )
 from shared.model_source import TokenizerBundle
-from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PreparedImage, PromptError, PromptRequest
+from shared.specs.base import (
+    MetaValue,
+    ModelSpec,
+    PreparedAudio,
+    PreparedClip,
+    PreparedImage,
+    PromptError,
+    PromptRequest,
+)
 from shared.specs.policy import PolicySpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
 
@@ -125,10 +133,13 @@ class DataWorker:
             raise _ClientError("file", "the served model does not take audio")
         try:
             images, prompt = self.expand_images(req)
+            if images:
+                req = msgspec.structs.replace(req, prompt=prompt)
+            clips, prompt = self.expand_audios(req)
+            if clips:
+                req = msgspec.structs.replace(req, prompt=prompt)
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
-        if images:
-            req = msgspec.structs.replace(req, prompt=prompt)
         context: tuple[PreparedAudio, ...] = ()
         if req.prompt is not None:
             try:
@@ -152,7 +163,7 @@ class DataWorker:
         if pair_start is not None:
             options["pair_start"] = pair_start
         try:
-            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images, context))
+            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images, context, clips=clips))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
@@ -207,6 +218,24 @@ class DataWorker:
             except PromptError as exc:
                 raise PromptError(f"images[{i}]", str(exc)) from exc
         return tuple(images), parts[0] + "".join(img.text + part for img, part in zip(images, parts[1:]))
+
+    def expand_audios(self, req: GenerateRequest) -> tuple[tuple[PreparedClip, ...], str | None]:
+        """(the request's audio inputs made into features by the spec's `prepare_audio`; the
+        prompt with each one's tokens in place of its placeholder), as `expand_images`."""
+        placeholder = self.spec.audio_placeholder
+        if not req.audios:
+            return (), req.prompt
+        if not placeholder:
+            raise PromptError("audios", "the served model does not take audio inputs")
+        if req.prompt is None:
+            raise PromptError("input_ids", "audio inputs need a text prompt (with the audio placeholder), "
+                                           "not input_ids")
+        parts = req.prompt.split(placeholder)
+        if len(parts) - 1 != len(req.audios):
+            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} audio placeholder(s) "
+                                        f"({placeholder!r}) for {len(req.audios)} audio input(s)")
+        clips = self.spec.prepare_audios(req.audios)
+        return clips, parts[0] + "".join(c.text + part for c, part in zip(clips, parts[1:]))
 
     def expand_context(self, req: GenerateRequest) -> tuple[tuple[PreparedAudio, ...], str]:
         """(the request's context audio, decoded by the spec's `prepare_context`; the text

@@ -29,6 +29,7 @@ from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDeco
 from services.gpu_worker.runners.hybrid import HybridRunner
 from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
+from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.policy import PolicyRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
@@ -59,13 +60,14 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
     "policy": (PolicyRunner, None),
+    "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
 TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "hybrid_mrope_vision_decoder",
-              "speech_decoder")
+              "speech_decoder", "omni_thinker")
 
 
 @dataclass(frozen=True)

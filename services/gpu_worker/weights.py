@@ -17,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
@@ -96,7 +97,7 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
         if not files:
             raise FileNotFoundError(f"model folder {source.path} has no *.safetensors files")
         for f in tqdm(files, desc="loading safetensors", unit="file", file=sys.stderr):
-            state.update(load_file(str(f)))
+            state.update(_load_safetensors(f, cls.skip_prefixes))
     # Build on the meta device (no random init of weights about to be overwritten).
     with torch.device("meta"), _no_init():
         model = cls(config)
@@ -118,6 +119,14 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
         quant.set_threads(n)
         log.info("CPU GEMMs on %d thread%s (MSTAR_COMPUTE_THREADS to set)", n, "s" * (n > 1))
     return model
+
+
+def _load_safetensors(path: Path, skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, those under a `skip` prefix left unread."""
+    if not skip:
+        return load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if not k.startswith(skip)}  # noqa: SIM118 (not iterable)
 
 
 def prompt_path(model: nn.Module, prefill_dtype: str) -> int:

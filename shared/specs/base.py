@@ -63,6 +63,19 @@ class PreparedImage:
 
 
 @dataclass(frozen=True)
+class PreparedClip:
+    """One audio input of a request (an omni model's `input_audio` part), made by its spec
+    (`ModelSpec.prepare_audio`) in the data worker: the encoder's input features (float32
+    [mel bins, frames]), the text that replaces the clip's placeholder in the prompt before
+    tokenizing (one audio token per encoder row), and a content key (a hash of the file and
+    the settings that made the features) that keys its rows in the prefix cache."""
+
+    features: np.ndarray
+    text: str
+    key: str
+
+
+@dataclass(frozen=True)
 class PreparedAudio:
     """One context turn's audio, decoded by its spec (`ModelSpec.prepare_context`) in the
     data worker: mono float32 samples at the model's codec rate, the frames its codec's
@@ -94,6 +107,8 @@ class PromptRequest:
     #: cameras' names, in the order of `images`)
     floats: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     cameras: tuple[str, ...] = ()
+    #: audio inputs of an omni model, their placeholders already expanded in the ids
+    clips: tuple[PreparedClip, ...] = ()
 
 
 class ModelSpec(ABC):
@@ -124,6 +139,9 @@ class ModelSpec(ABC):
     #: text its chat template writes for an image part, which the data worker replaces by
     #: each image's `PreparedImage.text` before tokenizing
     image_placeholder: str = ""
+    #: what a prompt holds where an audio input goes ("" for a model that takes none: an
+    #: omni model's `<|audio_pad|>`), replaced by each clip's `PreparedClip.text`
+    audio_placeholder: str = ""
     #: the loop that emits one token per iteration (its cap bounds max_tokens)
     decode_loop: str = "decode_loop"
     #: the `metadata` keys `process_prompt` sets itself: a client's option of the same name
@@ -165,6 +183,13 @@ class ModelSpec(ABC):
         does; `PromptError` on "images" for a file it cannot use. Only for models with an
         `image_placeholder`."""
         raise PromptError("images", "the served model does not take images")
+
+    def prepare_audios(self, files: Sequence[bytes]) -> tuple[PreparedClip, ...]:
+        """A request's audio inputs (the files' bytes, in prompt order) made into the
+        model's features as its processor does for one prompt's clips (together: its
+        feature extractor pads them to the longest); `PromptError` on "audios[i]" for a file
+        it cannot use. Only for models with an `audio_placeholder`."""
+        raise PromptError("audios", "the served model does not take audio inputs")
 
     def warmup_ids(self, n: int) -> list[int]:
         """A text prompt of `n` ordinary ids for the worker's warm-up request: 1, 2, ...

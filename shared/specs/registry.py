@@ -28,6 +28,8 @@ from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.policy import PI0_ARCHITECTURES, PI05_ARCHITECTURES, Pi05Spec, PolicySpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
+from shared.specs.qwen3_omni import ARCHITECTURES as OMNI_ARCHITECTURES
+from shared.specs.qwen3_omni import Qwen3OmniSpec
 from shared.specs.vision_lm import (
     GEMMA3_ARCHITECTURES,
     IDEFICS3_ARCHITECTURES,
@@ -59,6 +61,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     CSM_ARCHITECTURE: CsmSpec,
     **dict.fromkeys(PI0_ARCHITECTURES, PolicySpec),
     **dict.fromkeys(PI05_ARCHITECTURES, Pi05Spec),
+    **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
 }
 
 

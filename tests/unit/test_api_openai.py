@@ -168,8 +168,12 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
          "messages[0].tool_calls is only for an assistant message", "messages[0].tool_calls"),
         ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required for a user message",
          "messages[0].content"),
-        ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
-         'messages[0].content[0].type must be one of text, image_url, got "input_audio"',
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+            "data": "AAAA", "format": "wav"}}]}]}, 400,
+         "the served model takes no audio inputs: messages[0].content[0] is an input_audio part",
+         "messages[0].content[0]"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, 400,
+         'messages[0].content[0].type must be one of text, image_url, input_audio, got "video_url"',
          "messages[0].content[0].type"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x",
                                                                                              "detail": "high"}}]}]},
@@ -220,11 +224,12 @@ def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
-                                    "output_modalities", "image_placeholder", "default_sampling", "parameters",
-                                    "active_parameters"}
+                                    "output_modalities", "image_placeholder", "audio_placeholder", "default_sampling",
+                                    "parameters", "active_parameters"}
     card = body["data"][0]
     assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])
-    assert card["image_placeholder"] is None and card["default_sampling"] is None  # no generation_config.json
+    assert card["image_placeholder"] is None and card["audio_placeholder"] is None
+    assert card["default_sampling"] is None  # no generation_config.json
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     r = client.get("/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

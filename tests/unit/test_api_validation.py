@@ -201,7 +201,7 @@ def test_unknown_field_names_it() -> None:
     err = refused({"prompt": "x", "max_token": 5})
     assert err.param == "max_token"
     assert err.message.startswith("unknown field 'max_token'; "
-                                  "allowed fields: context, frequency_penalty, guided_choice, guided_grammar, "
+                                  "allowed fields: audios, context, frequency_penalty, guided_choice, guided_grammar, "
                                   "guided_json, guided_regex, ignore_eos, images, input_ids, logit_bias, logprobs, "
                                   "max_tokens, min_p, min_tokens, presence_penalty, prompt,")
 

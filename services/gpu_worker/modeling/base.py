@@ -36,6 +36,9 @@ class ModelBase(nn.Module, metaclass=ABCMeta):
     #: allocation, no copy), so the model stays on the meta device until then; False when
     #: it copies into real tensors, which the loader allocates first (`to_empty`)
     assigns_weights: ClassVar[bool] = False
+    #: checkpoint tensors under these prefixes are never read (parts of a release the model
+    #: does not serve: Qwen3-Omni's talker and Code2Wav while it serves text out)
+    skip_prefixes: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -186,6 +189,7 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "speech_decoder": DecoderModel,
     "mrope_vision_decoder": GridVisionDecoderModel,
     "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
+    "omni_thinker": GridVisionDecoderModel,
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
 }

@@ -23,6 +23,7 @@ from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
+from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -32,6 +33,7 @@ from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
 from shared.specs.policy import Pi05Spec, PolicySpec
 from shared.specs.pooling import EncoderSpec
+from shared.specs.qwen3_omni import Qwen3OmniSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
 
@@ -52,6 +54,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     CsmSpec: CsmModel,
     PolicySpec: Pi0Policy,
     Pi05Spec: Pi05Policy,
+    Qwen3OmniSpec: Qwen3OmniThinker,
 }
 
 

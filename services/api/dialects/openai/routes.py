@@ -22,6 +22,7 @@ from services.api.chat import plan_chat
 from services.api.chat_request import check_model, parse_chat
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
+from services.api.errors import invalid
 from services.api.fanout import Choice, expand
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.api.schemas import Route as Shape
@@ -39,11 +40,14 @@ def _model_card(state: ApiState) -> ModelCard:
         inputs.append("image")
     if settings.task == "act":
         inputs.append("state")
+    if settings.audio_placeholder:
+        inputs.append("audio")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
                "act": ["actions"]}.get(settings.task, ["score"])
     defaults = msgspec.structs.asdict(settings.generation_defaults)
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None,
+                     audio_placeholder=settings.audio_placeholder or None,
                      default_sampling={k: v for k, v in defaults.items() if v is not None} or None,
                      parameters=settings.parameters or None, active_parameters=settings.active_parameters or None)
 
@@ -86,7 +90,11 @@ def _firsts(choices: list[Choice]) -> set[int]:
 
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
-    req, messages = parse_chat(obj, state.settings.model_name, vision=bool(state.settings.image_placeholder))
+    settings = state.settings
+    if settings.audio_placeholder:
+        refuse_speech_out(obj, settings.model_name)
+    req, messages = parse_chat(obj, settings.model_name, vision=bool(settings.image_placeholder),
+                               audio=bool(settings.audio_placeholder))
     plan = plan_chat(req, messages, state)
     req = plan.req
     created = int(time.time())
@@ -101,6 +109,18 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
         return Prepared(req.params, req.stream, reply())
     return Prepared(req.params, req.stream, ManyReply([reply(i, False) for i in range(len(choices))],
                                                       _firsts(choices)), choices)
+
+
+def refuse_speech_out(obj: dict[str, Any], model: str) -> None:
+    """An omni model's chat asking for speech (`modalities` with "audio", or `audio`
+    output options): a 400 naming the field. Its talker is not served yet (text out only)."""
+    modalities = obj.get("modalities")
+    if isinstance(modalities, list) and "audio" in modalities:
+        raise invalid("modalities", f"speech out from {model!r} is not served yet (its talker is not loaded): "
+                                    'send modalities ["text"] or leave it out')
+    if obj.get("audio") is not None:
+        raise invalid("audio", f"speech out from {model!r} is not served yet (its talker is not loaded): "
+                               "leave audio out")
 
 
 async def completions(request: Request) -> Response | EventStream:

@@ -1,0 +1,213 @@
+"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`), text out: its thinker.
+
+A release folder holds four models (the thinker, the talker, the talker's code predictor and
+Code2Wav); this step serves the thinker alone, which writes the text: a Qwen3-MoE language
+model (`thinker_config.text_config`) that reads images through its vision tower (Qwen3-VL's,
+whose intermediate features also enter the first LLM layers: "deepstack") and audio through
+its audio encoder (over windows). The talker's weights are not loaded (the gpu worker skips
+them), and a request that asks for speech is refused by the api.
+
+What the spec does for a request (in the data worker, numpy only):
+- images: Qwen2-VL's image processor (`shared.vision.qwen2_vl`), one `<|image_pad|>` per
+  merged block, keyed by content as Qwen2.5-VL's;
+- audio: `prepare_audios` decodes each clip, resamples it to 16 kHz and computes the Whisper
+  log-mel features of the clip as it is (the processor's `padding="longest"` on one clip;
+  128 bins), and writes one `<|audio_pad|>` per encoder row (transformers'
+  `_get_feat_extract_output_lengths`); the rows are a `Span.rows` keyed by the clip's hash;
+- positions: three a row, as transformers' `get_rope_index`: text and audio rows continue
+  one by one in all three streams (the function gives audio sequential positions), an
+  image's rows the (t, h, w) of its merged grid from where it starts (Qwen2.5-VL's for a
+  still image, `shared.specs.vision_lm.mrope_positions`); the decode offset as Qwen2.5-VL's.
+
+Tensors the gpu worker gets: "input_ids", "mrope_positions", and "pixel_values" +
+"image_grid_thw" (images), "input_features" [mel bins, frames of every clip] +
+"audio_frames" [clips] (audio).
+
+Choices where the release is silent: a clip shorter than 0.1 s or longer than the
+extractor's `chunk_length` (300 s) is refused; WAV, FLAC, MP3 and OGG files are read, other
+rates resampled to 16 kHz, channels averaged. A request's clips are padded to its longest
+before their features are made, as the processor does for one prompt's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from shared.audio import ACCEPTED_FORMATS, FeatureConfig, decode_audio, log_mel_features
+from shared.layout import LabelLayout, ProcessPromptOutput, Span
+from shared.specs.base import PreparedClip, PreparedImage, PromptError, PromptRequest
+from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec
+from shared.vision import common
+
+ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
+#: Qwen3OmniMoeThinkerConfig's defaults
+IMAGE_TOKEN_ID, AUDIO_TOKEN_ID = 151_655, 151_646
+AUDIO_TOKEN = "<|audio_pad|>"
+#: containers an audio input may come in (libsndfile's names)
+AUDIO_FORMATS = ACCEPTED_FORMATS | {"MP3", "OGG"}
+MIN_AUDIO_SECONDS = 0.1
+
+
+def omni_text_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(the thinker's language model as a Qwen3-MoE config.json dict, its M-RoPE sections):
+    `thinker_config.text_config`, the head tying the thinker declares, the rope parameters
+    without the multimodal keys (the sections are returned; the interleaving is the model's)."""
+    thinker = config.get("thinker_config") or {}
+    text = dict(thinker.get("text_config") or {})
+    text["model_type"] = "qwen3_moe"
+    text["tie_word_embeddings"] = bool(thinker.get("tie_word_embeddings", False))
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = tuple(int(s) for s in rope.pop("mrope_section", (24, 20, 20)))
+    rope.pop("mrope_interleaved", None)
+    rope.pop("interleaved", None)
+    kind = rope.pop("type", None) or rope.get("rope_type") or "default"
+    rope["rope_type"] = "default" if kind == "mrope" else kind
+    rope.setdefault("rope_theta", float(text.pop("rope_theta", 1_000_000.0)))
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = rope
+    return text, section
+
+
+def audio_rows(frames: int, n_window: int = 50) -> int:
+    """Encoder rows of a clip of `frames` mel frames: transformers'
+    `_get_feat_extract_output_lengths` (13 rows a full window of 2 * n_window frames, three
+    stride-2 convolutions over the rest)."""
+    leave = frames % (n_window * 2)
+    feat = (leave - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // (n_window * 2)) * 13
+
+
+class Qwen3OmniSpec(Qwen25VLSpec):
+    """The thinker of Qwen3-Omni: Qwen2.5-VL's image handling and positions over a Qwen3-MoE
+    text model, plus audio inputs. Engine "omni_thinker": `OmniRunner`."""
+
+    engine = "omni_thinker"
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        text, section = omni_text_config(config)
+        DecoderLMSpec.__init__(self, text, page_size=page_size, max_seq_len=max_seq_len, dtype=dtype)
+        thinker = config.get("thinker_config") or {}
+        self.vlm_config = dict(config)
+        self.mrope_section = section
+        vision = thinker.get("vision_config") or {}
+        audio = thinker.get("audio_config") or {}
+        self.merge_size = int(vision.get("spatial_merge_size", 2))
+        self.image_token_id = int(thinker.get("image_token_id", IMAGE_TOKEN_ID))
+        self.audio_token_id = int(thinker.get("audio_token_id", AUDIO_TOKEN_ID))
+        self.n_window = int(audio.get("n_window", 50))
+        self.features = FeatureConfig(feature_size=int(audio.get("num_mel_bins", 128)), chunk_length=300)
+        self.audio_placeholder = AUDIO_TOKEN
+        self.images = None
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        return VisionLMSpec.parameter_counts(self)
+
+    def load_folder(self, path: str | Path) -> Self:
+        """The image processor's and the feature extractor's settings (preprocessor_config.json)."""
+        folder = Path(path)
+        saved = common.read_json(folder / "preprocessor_config.json")
+        if saved.get("feature_size") is not None or saved.get("sampling_rate") is not None:
+            self.features = FeatureConfig.from_dict({"chunk_length": 300, **saved})
+        if self.features.feature_size != int(((self.vlm_config.get("thinker_config") or {}).get("audio_config")
+                                              or {}).get("num_mel_bins", self.features.feature_size)):
+            raise ValueError(f"{folder}: the feature extractor's feature_size {self.features.feature_size} is not the "
+                             "audio encoder's num_mel_bins")
+        if not common.image_processor_config(folder, common.read_json(folder / "processor_config.json")):
+            return self
+        return VisionLMSpec.load_folder(self, folder)
+
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        if self.images is None:
+            raise PromptError("images", "the model folder has no image processor settings (preprocessor_config.json)")
+        return VisionLMSpec.prepare_image(self, data)
+
+    def prepare_audios(self, files: Sequence[bytes]) -> tuple[PreparedClip, ...]:
+        """Each clip's log-mel features [mel bins, frames] and its `<|audio_pad|>` run. As
+        the processor's extractor (`padding="longest"`), every clip is padded with zeros to
+        the longest before its features are made (its last frames see the zeros), then cut
+        to its own frames; so a clip's key covers the length it was padded to."""
+        cfg = self.features
+        samples = [self._decode(data, f"audios[{i}]") for i, data in enumerate(files)]
+        longest = max(s.size for s in samples)
+        clips = []
+        for data, wave in zip(files, samples):
+            padded = np.pad(wave, (0, longest - wave.size)) if wave.size < longest else wave
+            features = np.ascontiguousarray(log_mel_features(padded, cfg, pad=False)[:, : wave.size // cfg.hop_length])
+            settings = f"qwen3-omni-audio/1:{cfg}:{self.n_window}:{longest}".encode()
+            key = hashlib.sha256(settings + b"\0" + data).hexdigest()
+            clips.append(PreparedClip(features, AUDIO_TOKEN * audio_rows(features.shape[1], self.n_window), key))
+        return tuple(clips)
+
+    def _decode(self, data: bytes, param: str) -> np.ndarray:
+        """A clip's samples at the extractor's rate; `PromptError` on `param` for what it cannot use."""
+        cfg = self.features
+        try:
+            samples = decode_audio(data, cfg.sampling_rate, max_seconds=cfg.chunk_length, limit="this model hears",
+                                   formats=AUDIO_FORMATS)
+        except ValueError as exc:
+            raise PromptError(param, str(exc)) from exc
+        if samples.size < MIN_AUDIO_SECONDS * cfg.sampling_rate:
+            raise PromptError(param, f"audio is {samples.size / cfg.sampling_rate:.3f} s long; "
+                                     f"this model hears at least {MIN_AUDIO_SECONDS:g} s")
+        return samples
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        if request.audio is not None:
+            raise PromptError("file", "the served model takes audio as input_audio parts, not a file")
+        ids = request.token_ids
+        out = Qwen25VLSpec.process_prompt(self, PromptRequest(ids, None, request.options, request.images))
+        tensors = dict(out.new_input_tensors)
+        spans = audio_spans(out.kv_layout["text"].spans, ids, self.audio_token_id, request.clips, self.n_window)
+        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.kv_labels}
+        if request.clips:
+            tensors["input_features"] = np.ascontiguousarray(np.concatenate([c.features for c in request.clips], 1))
+            tensors["audio_frames"] = np.asarray([c.features.shape[1] for c in request.clips], dtype=np.int64)
+        return ProcessPromptOutput(tensors, layouts, out.metadata)
+
+
+def audio_spans(spans: tuple[Span, ...], ids: list[int], audio_token_id: int, clips: tuple[PreparedClip, ...],
+                n_window: int) -> tuple[Span, ...]:
+    """`spans` (text `ids` spans and image `rows` spans, in prompt order) with each run of
+    audio tokens inside an `ids` span cut out as a `rows` span keyed by its clip's hash.
+    `PromptError` when the ids hold more or fewer audio tokens than the clips make, or a
+    clip's tokens are not one run."""
+    want = [audio_rows(c.features.shape[1], n_window) for c in clips]
+    have = sum(1 for t in ids if t == audio_token_id)
+    if have != sum(want):
+        param = "prompt" if clips else "input_ids"
+        raise PromptError(param, f"the prompt holds {have} audio tokens (id {audio_token_id}); "
+                                 f"its {len(clips)} audio input(s) make {sum(want)}")
+    if not clips:
+        return spans
+    out: list[Span] = []
+    clip = 0
+    for span in spans:
+        if span.kind != "ids":
+            out.append(span)
+            continue
+        text: list[int] = []
+        toks = list(span.token_ids)
+        i = 0
+        while i < len(toks):
+            if toks[i] != audio_token_id:
+                text.append(toks[i])
+                i += 1
+                continue
+            if text:
+                out.append(Span.ids(text))
+                text = []
+            n = want[clip]
+            if toks[i : i + n] != [audio_token_id] * n:
+                raise PromptError("prompt", f"audio input {clip}'s {n} audio tokens are not one run")
+            out.append(Span.rows(n, f"{clips[clip].key}:0"))
+            i, clip = i + n, clip + 1
+        if text:
+            out.append(Span.ids(text))
+    return tuple(out)

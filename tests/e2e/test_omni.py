@@ -1,0 +1,224 @@
+"""Qwen3-Omni's thinker (`Qwen3OmniMoeForConditionalGeneration`, text out) through the real
+services, on a tiny random checkpoint in the release's layout (thinker, talker, code
+predictor and Code2Wav weights in one folder, the processor's preprocessor_config.json):
+greedy tokens equal transformers' thinker `generate` (float32, transformers'
+Qwen3OmniMoeProcessor making its inputs) for text alone, an image and text, an audio clip
+and text, and both; on the chat route (image_url and input_audio parts) one after another
+and all four at once, and on `/generate` (`images`, `audios`); prefill in 32-row chunks, so
+chunks end inside images and clips; `usage.prompt_tokens` counts the media placeholders;
+every KV page back to zero under the layout debug checks. Speech out and audio that is not
+audio are 400s naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from functools import cache
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
+from tests.servers import MstarServer
+
+pytest.importorskip("soundfile")
+MAX_TOKENS = 8
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+#: 96 x 64 pixels: 6 x 4 patches of 16, 3 x 2 merged rows (not square: height and width differ)
+IMAGE = png(96, 64, 1)
+#: 2.3 s: three conv windows (13, 13 and 4 rows) and two attention windows (26 and 4 rows)
+AUDIO = wav_bytes(tone(2.3, seed=1))
+#: name -> the clip's file: the other clip is shorter, so the processor pads it to AUDIO's length
+CLIPS = {"audio": AUDIO, "short": wav_bytes(tone(1.2, f0=300.0, seed=2))}
+#: case -> (media parts in order, the text)
+CASES = {
+    "text only": ((), "Hello world! The quick brown fox."),
+    "image": (("image",), "What is in this image?"),
+    "audio": (("audio",), "What do you hear?"),
+    "image and audio": (("image", "audio"), "Describe both."),
+}
+#: /generate's extra case: two clips of different lengths
+TWO_CLIPS = {"two clips": (("audio", "short"), "Which is longer?")}
+ALL = {**CASES, **TWO_CLIPS}
+
+
+def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
+    """A user message: our parts (image_url / input_audio, base64) or the processor's
+    ({"type": "image"} / {"type": "audio"}), the text after them."""
+    if not media:
+        return text
+
+    def part(kind: str) -> dict:
+        if not ours:
+            return {"type": "image" if kind == "image" else "audio"}
+        if kind == "image":
+            url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+            return {"type": "image_url", "image_url": {"url": url}}
+        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(CLIPS[kind]).decode(), "format": "wav"}}
+    return [*map(part, media), {"type": "text", "text": text}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_omni_checkpoint(tmp_path_factory.mktemp("omni") / "ckpt")
+
+
+@cache
+def _hf(folder: Path):
+    import transformers
+
+    model = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval()
+    return model.thinker, omni_processor(folder)
+
+
+def rendered(folder: Path, case: str) -> str:
+    media, text = ALL[case]
+    return _hf(folder)[1].apply_chat_template([{"role": "user", "content": content(media, text, ours=False)}],
+                                              add_generation_prompt=True)
+
+
+@cache
+def reference(folder: Path, case: str, clip: bytes = AUDIO) -> tuple[list[int], int]:
+    """(transformers' greedy tokens, EOS ignored; its prompt length) for one chat turn
+    (`clip` the audio part's file)."""
+    import soundfile as sf
+    import torch
+    from PIL import Image
+
+    thinker, proc = _hf(folder)
+    media = ALL[case][0]
+    kwargs: dict = {}
+    if "image" in media:
+        kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
+    files = [clip if kind == "audio" else CLIPS[kind] for kind in media if kind != "image"]
+    if files:
+        kwargs["audio"] = [sf.read(io.BytesIO(f), dtype="float32")[0] for f in files]
+    inputs = proc(text=[rendered(folder, case)], return_tensors="pt", **kwargs)
+    with torch.no_grad():
+        out = thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+    n = inputs["input_ids"].shape[1]
+    return out[0, n:].tolist(), n
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "omni.log", "--num-kv-pages", "96",
+                      "--page-size", "8", "--max-batch-tokens", "32", "--enable-prompt-tokens-details",
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def assert_clean(srv: MstarServer) -> None:
+    """Pages back to 0; nothing overran; no request failed."""
+    assert srv.wait_pages_free() == 0
+    assert srv.metric("mstar_kv_footprint_overruns_total") == 0
+    log = srv.log()
+    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
+
+async def test_chat_route_equals_transformers(folder, server):
+    """`/v1/chat/completions` with image_url and input_audio parts, the cases one after
+    another and then all four at once: the answer and prompt_tokens are transformers'."""
+    tok = _hf(folder)[1].tokenizer
+
+    async def chat(client: httpx.AsyncClient, case: str) -> dict:
+        media, text = CASES[case]
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": content(media, text, ours=True)}], "modalities": ["text"],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        alone = [await chat(client, case) for case in CASES]
+        together = await asyncio.gather(*(chat(client, case) for case in CASES))
+    for case, one, other in zip(CASES, alone, together):
+        want, prompt_len = reference(folder, case)
+        for body in (one, other):
+            assert body["usage"]["prompt_tokens"] == prompt_len, case
+            assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), case
+    assert_clean(server)
+
+
+async def test_generate_token_ids_equal_transformers(folder, server):
+    """`/generate` with the rendered prompt and the media (two clips of different lengths
+    too): greedy token ids and prompt_tokens equal transformers'."""
+    def media(case: str) -> dict:
+        kinds = ALL[case][0]
+        out: dict = {}
+        if "image" in kinds:
+            out["images"] = ["data:image/png;base64," + base64.b64encode(IMAGE).decode()]
+        if any(k != "image" for k in kinds):
+            out["audios"] = [base64.b64encode(CLIPS[k]).decode() for k in kinds if k != "image"]
+        return out
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        rs = await asyncio.gather(*(client.post("/generate", json={
+            "prompt": rendered(folder, case), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            **media(case)}) for case in ALL))
+    for case, r in zip(ALL, rs):
+        assert r.status_code == 200, r.text
+        assert (r.json()["token_ids"], r.json()["usage"]["prompt_tokens"]) == reference(folder, case), case
+    assert_clean(server)
+
+
+async def test_the_prefix_cache_keys_clips_by_content(folder, server):
+    """The same prompt with another clip of the same length (the same ids) answers as
+    transformers does for that clip, not from the first clip's rows; the first clip again
+    resumes from the prefix cache past its rows, with the same answer."""
+    other = wav_bytes(tone(2.3, f0=500.0, seed=7))
+
+    async def ask(client: httpx.AsyncClient, clip: bytes) -> tuple[list[int], int]:
+        r = await client.post("/generate", json={
+            "prompt": rendered(folder, "audio"), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "audios": [base64.b64encode(clip).decode()]})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"], r.json()["usage"]["cached_tokens"]
+
+    want, prompt_len = reference(folder, "audio")
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        first = await ask(client, AUDIO)
+        second, second_cached = await ask(client, other)
+        again, again_cached = await ask(client, AUDIO)
+    assert first[0] == want == again and second == reference(folder, "audio", other)[0] != want
+    assert second_cached < 8  # the template's rows before the clip at most
+    assert again_cached == (prompt_len - 1) // 8 * 8  # every full page but the one with the last prompt row
+    assert_clean(server)
+
+
+async def test_speech_out_and_bad_audio_are_400s(server):
+    """`modalities` asking for audio, and an input_audio part that is not audio, are 400s
+    naming the field; the model card lists audio among its inputs."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        speech = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"], "max_tokens": 2})
+        noise = base64.b64encode(b"this is not a sound file at all" * 8).decode()
+        bad = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"},
+                {"type": "input_audio", "input_audio": {"data": noise, "format": "wav"}}]}],
+            "max_tokens": 2})
+        card = (await client.get("/v1/models")).json()["data"][0]
+    assert speech.status_code == 400 and speech.json()["error"]["param"] == "modalities", speech.text
+    assert "not served yet" in speech.json()["error"]["message"]
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "messages[0].content[1].input_audio.data"
+    assert {"text", "image", "audio"} <= set(card["input_modalities"]) and card["output_modalities"] == ["text"]
+    assert_clean(server)
