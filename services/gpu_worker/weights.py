@@ -215,11 +215,18 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
             setattr(parent, leaf, quant.QuantEmbedding(layer))
         else:
             rest[name] = _dequantized(qt)
+    kept = 0
     for block, parts in experts.items():
         moe = model.get_submodule(block.removesuffix(".experts"))
-        if not (isinstance(moe, SparseMoE) and moe.keep_quantized(parts)):  # (dequantized: stacked at load)
+        if isinstance(moe, SparseMoE) and moe.keep_quantized(parts):
+            kept += 1
+        else:  # (dequantized: stacked at load)
             rest.update({name: _dequantized(qt) for name, qt in quant_state.items()
                          if name.startswith(block + ".") and _EXPERT.match(name)})
+    if kept:
+        types = sorted({qt.qtype for name, qt in quant_state.items() if _EXPERT.match(name)})
+        log.info("experts kept quantized (%s) in %d of %d mixture-of-experts layers", ", ".join(types), kept,
+                 len(experts))
     return rest
 
 

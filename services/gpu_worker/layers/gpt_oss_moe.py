@@ -46,6 +46,16 @@ class GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
 
 
+class GptOssExpertBiases(nn.Module):
+    """The experts' biases alone, under transformers' names: what stays of `GptOssExperts`
+    where a GGUF file's experts are kept in their blocks (`GptOssMoE.keep_quantized`)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """`GptOssExperts._apply_gate` op for op, on gate and up already apart."""
     gate = gate.clamp(min=None, max=limit)
@@ -102,11 +112,30 @@ class GptOssMoE(SparseMoE):
         #: the biases in the packed weights' column order (gate half, then up half), set by `pack`
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
+        #: the experts kept in a GGUF file's blocks (`keep_quantized`)
+        self.quant = None
+
+    def keep_quantized(self, parts: dict) -> bool:
+        """SparseMoE's (each expert's gate and up joined, gate columns first, and down, in the
+        file's blocks: MXFP4 in gpt-oss's files), keeping a module for the biases, which
+        `pack` then puts in the GEMMs' epilogues."""
+        if not super().keep_quantized(parts):
+            return False
+        self.experts = GptOssExpertBiases(self.num_experts, self.hidden, self.inter)  # type: ignore[assignment]
+        return True
 
     def pack(self) -> bool:
         """Each expert's two weights in the C GEMM's panels ([2 x inter, hidden] with the gate
         columns first, [hidden, inter]), where that kernel runs (float32 on the CPU, one torch
-        thread); the checkpoint's tensors are then dropped. Returns whether it packed."""
+        thread); the checkpoint's tensors are then dropped. Returns whether it packed. Experts
+        kept quantized get their biases (gate half, then up half) in their GEMMs instead."""
+        if self.quant is not None:
+            biases = cast("GptOssExpertBiases", self.experts)
+            b = biases.gate_up_proj_bias.detach().float()
+            for e in range(self.num_experts):
+                self.quant.gate_up[e].bias = torch.cat((b[e, 0::2], b[e, 1::2])).contiguous()
+                self.quant.down[e].bias = biases.down_proj_bias[e].detach().float().contiguous()
+            return False
         ex = cast("GptOssExperts", self.experts)
         w = ex.gate_up_proj
         if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
@@ -132,6 +161,12 @@ class GptOssMoE(SparseMoE):
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows `h` [n, hidden]."""
+        if self.quant is not None:
+            gate_up = self.quant.gate_up[e](h)
+            act = kernel_clamped_swiglu(gate_up, self.inter, self.alpha, self.limit)
+            if act is None:
+                act = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.alpha, self.limit)
+            return self.quant.down[e](act)
         if self.gate_up_packed is not None and self.down_packed is not None:
             assert self.gate_up_bias is not None and self.down_bias is not None
             gate_up = kernel_linear(h, self.gate_up_packed[e], 2 * self.inter, self.gate_up_bias[e])
