@@ -199,13 +199,19 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
     """`load_gguf_weights` for a ``qwen35`` file: each tensor through `Qwen35Tensors`, which
     undoes what llama.cpp's converter did to it (names, (1 + w) norms, -exp(A_log), the
     value heads' order; a qwen3next file's ``ssm_ba`` split into b and a); matrices of a
-    kept type stay their raw blocks."""
+    kept type stay their raw blocks, and so do experts (one `QuantTensor` per expert and
+    projection, as `load_gguf_weights` keeps a qwen3moe file's)."""
     state: dict[str, np.ndarray | QuantTensor] = {}
     for name, qtype, shape, data in tqdm(tensors, desc="dequantizing GGUF", unit="tensor", file=sys.stderr,
                                          disable=not progress):
         def dequantize(data: Any = data, qtype: Any = qtype, shape: tuple = shape) -> np.ndarray:
             return gguf.quants.dequantize(data, qtype).reshape(shape)
 
+        if qtype.name in keep_quantized and len(shape) == 3 and name.endswith("_exps.weight"):
+            hf = qwen35.hf_tensor(name, data, qtype, dequantize)  # (experts: renamed, never reordered)
+            if hf is not None:
+                state.update(_expert_blocks(hf[0], qtype.name, data, shape))
+                continue
         kept = qtype.name in keep_quantized and len(shape) == 2
         got = qwen35.hf_tensor(name, data.reshape(shape[0], -1) if kept else dequantize(), qtype, dequantize)
         if got is None:
