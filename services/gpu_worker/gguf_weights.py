@@ -208,9 +208,9 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
             return gguf.quants.dequantize(data, qtype).reshape(shape)
 
         if qtype.name in keep_quantized and len(shape) == 3 and name.endswith("_exps.weight"):
-            hf = qwen35.hf_tensor(name, data, qtype, dequantize)  # (experts: renamed, never reordered)
-            if hf is not None:
-                state.update(_expert_blocks(hf[0], qtype.name, data, shape))
+            named = qwen35.hf_tensor(name, data, qtype, dequantize)  # (experts: renamed, never reordered)
+            if named is not None:
+                state.update(_expert_blocks(named[0], qtype.name, data, shape))
                 continue
         kept = qtype.name in keep_quantized and len(shape) == 2
         got = qwen35.hf_tensor(name, data.reshape(shape[0], -1) if kept else dequantize(), qtype, dequantize)

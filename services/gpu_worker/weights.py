@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
-from services.gpu_worker.layers.moe import SparseMoE
+from services.gpu_worker.layers.moe import ExpertMixture
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
 from services.gpu_worker.threads import torch_threads
@@ -218,7 +218,7 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
     kept = 0
     for block, parts in experts.items():
         moe = model.get_submodule(block.removesuffix(".experts"))
-        if isinstance(moe, SparseMoE) and moe.keep_quantized(parts):
+        if isinstance(moe, ExpertMixture) and moe.keep_quantized(parts):
             kept += 1
         else:  # (dequantized: stacked at load)
             rest.update({name: _dequantized(qt) for name, qt in quant_state.items()

@@ -1,8 +1,8 @@
 """gpt-oss's mixture-of-experts block: transformers' `GptOssMLP` (router + `GptOssExperts`).
 
-It differs from Qwen3-MoE's block (layers/moe.py `SparseMoE`, whose grouping by expert and
-weighted sum in ascending expert order it reuses) in three ways, each as transformers computes
-it:
+It differs from Qwen3-MoE's block (layers/moe.py `SparseMoE`; both are `ExpertMixture`s,
+whose grouping by expert and weighted sum in ascending expert order they share) in three
+ways, each as transformers computes it:
 
 - the router is a linear layer with a bias, and the softmax is over the top-k logits only
   (`torch.topk` of the logits, then softmax of those k);
@@ -31,7 +31,7 @@ from torch import nn
 
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.linear import kernel_available, kernel_linear, kernel_pack, kernel_packed_size
-from services.gpu_worker.layers.moe import SparseMoE
+from services.gpu_worker.layers.moe import ExpertMixture
 from shared.model_config import ModelConfig
 
 
@@ -90,38 +90,27 @@ def kernel_clamped_swiglu(gate_up: torch.Tensor, inter: int, alpha: float, limit
     return out
 
 
-class GptOssMoE(SparseMoE):
-    """`forward(x [T, hidden])` -> [T, hidden]: SparseMoE's grouping by expert, with gpt-oss's
+class GptOssMoE(ExpertMixture):
+    """`forward(x [T, hidden])` -> [T, hidden]: ExpertMixture's grouping by expert, with gpt-oss's
     router, biases and activation."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        # not SparseMoE.__init__: its router has no bias and its experts another layout;
-        # the attributes SparseMoE.forward reads are set here
-        nn.Module.__init__(self)
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = False
-        self.hidden = cfg.hidden_size
-        self.inter = cfg.moe_intermediate_size
+        super().__init__(cfg, norm_topk_prob=False)  # (its softmax is over the k logits: nothing to renormalize)
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         #: the router (HF `mlp.router.{weight,bias}`); `pack_linears` may swap it for the C GEMM
         self.router = nn.Linear(self.hidden, self.num_experts, bias=True)
-        self.experts = GptOssExperts(self.num_experts, self.hidden, self.inter)  # type: ignore[assignment]
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.experts = GptOssExperts(self.num_experts, self.hidden, self.inter)
         #: the biases in the packed weights' column order (gate half, then up half), set by `pack`
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
-        #: the experts kept in a GGUF file's blocks (`keep_quantized`)
-        self.quant = None
 
     def keep_quantized(self, parts: dict) -> bool:
-        """SparseMoE's (each expert's gate and up joined, gate columns first, and down, in the
+        """ExpertMixture's (each expert's gate and up joined, gate columns first, and down, in the
         file's blocks: MXFP4 in gpt-oss's files), keeping a module for the biases, which
         `pack` then puts in the GEMMs' epilogues."""
         if not super().keep_quantized(parts):
             return False
-        self.experts = GptOssExpertBiases(self.num_experts, self.hidden, self.inter)  # type: ignore[assignment]
+        self.experts = GptOssExpertBiases(self.num_experts, self.hidden, self.inter)
         return True
 
     def pack(self) -> bool:
