@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.fused import silu_mul
 from services.gpu_worker.layers.linear import (
     kernel_available,
@@ -197,8 +198,15 @@ class SparseMoE(ExpertMixture):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter
         and MixtralTopKRouter pick them: softmax in float32, `torch.topk` (its order among ties), renormalized
-        to sum to 1 where `norm_topk_prob`."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        to sum to 1 where `norm_topk_prob`. Where the experts are the C kernels' (packed or kept
+        quantized), the C routing (`kernel_route`) instead: the one the C decode stack runs, so
+        both paths pick the same experts with the same weights bit for bit."""
+        logits = self.gate(x)
+        if self.gate_up_packed is not None or self.quant is not None:
+            got = kernel_route(logits, self.top_k, self.norm_topk_prob)
+            if got is not None:
+                return got[0].to(x.dtype), got[1]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -237,6 +245,27 @@ class SparseMoE(ExpertMixture):
         experts = cast("Experts", self.experts)
         gate, up = F.linear(h, experts.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, experts.down_proj[e])
+
+
+#: the most experts `kernel_route` (kernels/decode_stack.c MOE_MAX_EXPERTS) takes
+MAX_KERNEL_EXPERTS = 1024
+
+
+def kernel_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weights [T, k] float32, ids [T, k]) of router logits [T, E] by the C kernel
+    (`mstar_moe_route`: softmax in float32 through its own exp, the k largest with the lower
+    index first among equals, renormalized where `norm`), each row on its own; None where the
+    kernel is not there or does not take the logits (then the caller's torch path routes)."""
+    lib = cpu_kernels.library()
+    if (lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
+            or not logits.is_contiguous() or not 1 <= top_k <= logits.shape[1] <= MAX_KERNEL_EXPERTS):
+        return None
+    t = logits.shape[0]
+    weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
+    if t and lib.mstar_moe_route(logits.data_ptr(), t, logits.shape[1], top_k, int(norm), weights.data_ptr(),
+                                 ids.data_ptr()):
+        return None
+    return weights, ids
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
