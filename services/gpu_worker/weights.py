@@ -141,10 +141,14 @@ def prompt_path(model: nn.Module, prefill_dtype: str) -> int:
     - quantized: as decode rows (two bytes a value).
 
     The LM head and the embedding table stay as they are: they never see more than the
-    step's sampled rows. Returns the bfloat16 copies' bytes (logged: the memory this costs)."""
+    step's sampled rows; so do experts kept quantized (a bfloat16 copy of every expert would
+    cost 2 bytes a weight of the whole model, and each expert sees only its share of a
+    prompt's rows). Returns the bfloat16 copies' bytes (logged: the memory this costs)."""
     if prefill_dtype == "auto":
         prefill_dtype = "bfloat16" if cpu_has_amx_bf16() else "quantized"
-    layers = [m for name, m in model.named_modules() if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}"]
+    experts = {id(q) for mix in model.modules() if isinstance(mix, ExpertMixture) for q in mix.modules()}
+    layers = [m for name, m in model.named_modules()
+              if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}" and id(m) not in experts]
     if prefill_dtype == "int8":
         for m in layers:
             m.prompt_bytes = 1
