@@ -68,6 +68,7 @@ _ARCHITECTURES = {
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 #: the hybrid linear-attention architectures (`_qwen35_config`), and those with experts
 HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
@@ -256,6 +257,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config.update(_experts_config(reader, arch, config["num_hidden_layers"], tensor_names))
     if arch == "llama" and llm(gguf.Keys.LLM.EXPERT_COUNT):
         config.update(_mixtral_config(reader, config["num_hidden_layers"], tensor_names))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_config(reader, config))
     if arch in GEMMA_ARCHS:
         config.update(_gemma_config(reader, arch, config))
     if arch == "phi3":
@@ -397,6 +400,27 @@ def _refuse_other_routing(reader: gguf.GGUFReader, arch: str) -> None:
         value = _field(reader, key.format(arch=arch))
         if value is not None and value != plain:  # gating 1: softmax (llama.cpp's enum)
             raise UnsupportedGGUF(f"GGUF {key.format(arch=arch)}={value!r} is not supported for {arch}")
+
+
+def _gpt_oss_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """A ``gpt-oss`` file as the GptOssConfig it was converted from, as llama.cpp's loader
+    reads it (src/llama-model.cpp): experts `expert_feed_forward_length` wide in every layer
+    (with biases and the clamped SwiGLU, whose alpha 1.702 and limit 7.0 llama.cpp fixes: the
+    config's defaults), the router's softmax over its top-k logits, sliding-window layers first
+    and every other one (the config's own `layer_types` default), attention sinks, q/k/v/o
+    biases. The file keeps no YaRN `truncate`: gpt-oss's released config says false, which
+    is what transformers computes with (llama.cpp rounds the correction range to whole dims,
+    as truncate true would)."""
+    llm, required = _metadata(reader, "gpt-oss")
+    window = llm(gguf.Keys.Attention.SLIDING_WINDOW)
+    scaling = config["rope_scaling"]
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        scaling = {**scaling, "truncate": False}
+    return {"intermediate_size": int(required(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)),
+            "num_local_experts": int(required(gguf.Keys.LLM.EXPERT_COUNT)),
+            "num_experts_per_tok": int(required(gguf.Keys.LLM.EXPERT_USED_COUNT)),
+            "sliding_window": None if window is None else int(window), "rope_scaling": scaling,
+            "attention_bias": True, "swiglu_limit": 7.0}
 
 
 def _mixtral_config(reader: gguf.GGUFReader, layers: int, tensor_names: set[str]) -> dict[str, Any]:

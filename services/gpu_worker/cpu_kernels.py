@@ -236,6 +236,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mstar_gemm_nr.argtypes = []
     lib.mstar_gemm_pack.restype = lib.mstar_gemm_unpack.restype = None
     lib.mstar_gemm_pack.argtypes = lib.mstar_gemm_unpack.argtypes = [ptr, i64, i64, ptr]
+    lib.mstar_moe_route.restype = ctypes.c_int
+    lib.mstar_moe_route.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr]
     lib.mstar_gemm.restype = ctypes.c_int
     lib.mstar_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.mstar_gemm_silu.restype = ctypes.c_int

@@ -47,6 +47,8 @@ _ARCH_LAYER_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: its norm before the MLP, its router's name (its attention sinks: `_hf_name`)
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _GLOBAL_NAMES = {
@@ -79,6 +81,8 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] == "attn_sinks" and arch == "gpt-oss":
+        return f"model.layers.{parts[1]}.self_attn.sinks"  # a bare parameter in HF, `.weight` in the file
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
@@ -144,7 +148,39 @@ def load_gguf_weights(
         # Copy only when needed: F32 tensors are read-only views of the mmap.
         w = np.require(w, dtype=np.float32, requirements=["C", "W"])
         state[_hf_name(name, arch)] = w
+    if arch == "gpt-oss":
+        state = _gpt_oss_experts(state)
     return config, state
+
+
+def _gpt_oss_experts(state: dict[str, np.ndarray | QuantTensor]) -> dict[str, np.ndarray | QuantTensor]:
+    """A gpt-oss file's experts in transformers' layout (`GptOssExperts`): gate and up, which
+    the converter split, interleaved again (gate = [..., ::2], up = [..., 1::2]) in
+    `gate_up_proj` [E, hidden, 2 x inter] and its bias [E, 2 x inter]; `down_proj` [E, inter,
+    hidden] transposed back; the biases named `*_proj_bias`. Experts kept quantized stay one
+    `QuantTensor` per expert and projection (`_expert_blocks`); only their biases move."""
+    out: dict[str, np.ndarray | QuantTensor] = {}
+    experts: dict[str, dict[str, np.ndarray]] = {}
+    for name, w in state.items():
+        prefix, sep, leaf = name.partition(".mlp.experts.")
+        if sep and leaf in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_proj.bias",
+                            "up_proj.bias", "down_proj.bias") and isinstance(w, np.ndarray):
+            experts.setdefault(prefix + ".mlp.experts.", {})[leaf] = w
+        else:
+            out[name] = w
+    for prefix, parts in experts.items():
+        if "gate_proj.weight" in parts:  # dequantized: [E, inter, hidden] each
+            gate, up = parts["gate_proj.weight"], parts["up_proj.weight"]
+            fused = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), dtype=np.float32)
+            fused[:, 0::2], fused[:, 1::2] = gate, up
+            out[prefix + "gate_up_proj"] = np.ascontiguousarray(fused.transpose(0, 2, 1))
+            out[prefix + "down_proj"] = np.ascontiguousarray(parts["down_proj.weight"].transpose(0, 2, 1))
+        gate_b, up_b = parts["gate_proj.bias"], parts["up_proj.bias"]
+        bias = np.empty((gate_b.shape[0], 2 * gate_b.shape[1]), dtype=np.float32)
+        bias[:, 0::2], bias[:, 1::2] = gate_b, up_b
+        out[prefix + "gate_up_proj_bias"] = bias
+        out[prefix + "down_proj_bias"] = np.ascontiguousarray(parts["down_proj.bias"], dtype=np.float32)
+    return out
 
 
 def _expert_blocks(hf: str, qtype: str, data: np.ndarray, shape: tuple) -> dict[str, QuantTensor]:
@@ -163,13 +199,19 @@ def _qwen35_weights(tensors: list[tuple], qwen35: Qwen35Tensors, progress: bool,
     """`load_gguf_weights` for a ``qwen35`` file: each tensor through `Qwen35Tensors`, which
     undoes what llama.cpp's converter did to it (names, (1 + w) norms, -exp(A_log), the
     value heads' order; a qwen3next file's ``ssm_ba`` split into b and a); matrices of a
-    kept type stay their raw blocks."""
+    kept type stay their raw blocks, and so do experts (one `QuantTensor` per expert and
+    projection, as `load_gguf_weights` keeps a qwen3moe file's)."""
     state: dict[str, np.ndarray | QuantTensor] = {}
     for name, qtype, shape, data in tqdm(tensors, desc="dequantizing GGUF", unit="tensor", file=sys.stderr,
                                          disable=not progress):
         def dequantize(data: Any = data, qtype: Any = qtype, shape: tuple = shape) -> np.ndarray:
             return gguf.quants.dequantize(data, qtype).reshape(shape)
 
+        if qtype.name in keep_quantized and len(shape) == 3 and name.endswith("_exps.weight"):
+            named = qwen35.hf_tensor(name, data, qtype, dequantize)  # (experts: renamed, never reordered)
+            if named is not None:
+                state.update(_expert_blocks(named[0], qtype.name, data, shape))
+                continue
         kept = qtype.name in keep_quantized and len(shape) == 2
         got = qwen35.hf_tensor(name, data.reshape(shape[0], -1) if kept else dequantize(), qtype, dequantize)
         if got is None:

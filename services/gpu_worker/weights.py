@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from services.gpu_worker.gguf_weights import QuantTensor, load_gguf_weights
 from services.gpu_worker.layers import quant, repack_cache
-from services.gpu_worker.layers.moe import SparseMoE
+from services.gpu_worker.layers.moe import ExpertMixture
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
 from services.gpu_worker.threads import torch_threads
@@ -150,10 +150,14 @@ def prompt_path(model: nn.Module, prefill_dtype: str) -> int:
     - quantized: as decode rows (two bytes a value).
 
     The LM head and the embedding table stay as they are: they never see more than the
-    step's sampled rows. Returns the bfloat16 copies' bytes (logged: the memory this costs)."""
+    step's sampled rows; so do experts kept quantized (a bfloat16 copy of every expert would
+    cost 2 bytes a weight of the whole model, and each expert sees only its share of a
+    prompt's rows). Returns the bfloat16 copies' bytes (logged: the memory this costs)."""
     if prefill_dtype == "auto":
         prefill_dtype = "bfloat16" if cpu_has_amx_bf16() else "quantized"
-    layers = [m for name, m in model.named_modules() if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}"]
+    experts = {id(q) for mix in model.modules() if isinstance(mix, ExpertMixture) for q in mix.modules()}
+    layers = [m for name, m in model.named_modules()
+              if isinstance(m, quant.QuantLinear) and ".layers." in f".{name}" and id(m) not in experts]
     if prefill_dtype == "int8":
         for m in layers:
             m.prompt_bytes = 1
@@ -224,11 +228,18 @@ def _install_quantized(model: nn.Module, quant_state: dict[str, QuantTensor],
             setattr(parent, leaf, quant.QuantEmbedding(layer))
         else:
             rest[name] = _dequantized(qt)
+    kept = 0
     for block, parts in experts.items():
         moe = model.get_submodule(block.removesuffix(".experts"))
-        if not (isinstance(moe, SparseMoE) and moe.keep_quantized(parts)):  # (dequantized: stacked at load)
+        if isinstance(moe, ExpertMixture) and moe.keep_quantized(parts):
+            kept += 1
+        else:  # (dequantized: stacked at load)
             rest.update({name: _dequantized(qt) for name, qt in quant_state.items()
                          if name.startswith(block + ".") and _EXPERT.match(name)})
+    if kept:
+        types = sorted({qt.qtype for name, qt in quant_state.items() if _EXPERT.match(name)})
+        log.info("experts kept quantized (%s) in %d of %d mixture-of-experts layers", ", ".join(types), kept,
+                 len(experts))
     return rest
 
 

@@ -5,7 +5,7 @@ SmolLM2's vocabulary and a multi-token prediction layer with experts (converted 
 ``blk.N.nextn``, not run), in test_hybrid_gguf's shape (2 key heads under 4 value heads):
 
 - f32: greedy tokens equal transformers' on the checkpoint, prompt ids its tokenizer's;
-- Q8_0, served quantized (the C kernels on the file's blocks; experts dequantized, as for
+- Q8_0, served quantized (the C kernels on the file's blocks, the experts' too, as for
   ``qwen3moe``): greedy tokens equal transformers' on a folder of the file's dequantized
   weights (put back in the checkpoint's own layout: experts fused, Qwen3-Next's
   projections fused per key head again).
@@ -212,3 +212,4 @@ def test_f32_file_serves_transformers_greedy_tokens(files, tmp_path):
 
 def test_q8_0_file_serves_quantized_as_its_dequantized_weights(files, tmp_path):
     _served_equal_transformers(files.q8, files.dequantized, tmp_path)
+    assert "experts kept quantized (Q8_0) in" in (tmp_path / "log.txt").read_text()

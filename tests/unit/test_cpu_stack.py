@@ -36,13 +36,15 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "llama-float32", "qwen2-float32",
-                                        "gemma3-float32", "llama-parts"])
+                                        "gemma3-float32", "llama-parts", "qwen3_moe-float32", "qwen3_moe-q8_0"])
 def model(request, tmp_path_factory):
     """A quantized GGUF model, or a float32 checkpoint on gemm.c's packed GEMMs (those are
     used with one torch thread, as the worker has on a 2-core machine). Gemma 3: five
     sliding-window layers of six, their own RoPE base (what a GGUF file of it holds)."""
     arch, _, variant = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"stack-{request.param}")
+    if variant == "q8_0":  # a mixture of experts in llama.cpp's converter's file: experts in their Q8_0 blocks
+        return _converted_moe(root)
     ckpt = make_checkpoint(root / "ckpt", arch, **gguf_checkpoint_overrides(arch))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -59,6 +61,33 @@ def model(request, tmp_path_factory):
                 assert isinstance(layer.mlp.gate_up_proj, quant.QuantParts)
     finally:
         torch.set_num_threads(threads)
+    return model, spec
+
+
+def _converted_moe(root):
+    """A Qwen3-MoE checkpoint (SmolLM2's vocabulary, which the converter knows) as llama.cpp's
+    converter writes it in Q8_0, loaded as the worker loads it."""
+    import shutil
+
+    from tests.llama_converter import convert, converter, smollm2_vocabulary
+
+    if converter() is None:
+        pytest.skip("llama.cpp's converter is not available (scripts/fetch-llama-converter fetches it)")
+    from tokenizers import Tokenizer
+
+    vocab = smollm2_vocabulary(root / "bpe")
+    size = Tokenizer.from_file(str(vocab / "tokenizer.json")).get_vocab_size()
+    ckpt = make_checkpoint(root / "ckpt", "qwen3_moe", vocab_size=size, eos_token_id=2,
+                           **gguf_checkpoint_overrides("qwen3_moe"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(vocab / name, ckpt / name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, spec, _ = load(str(convert(ckpt, root / "moe.gguf", "q8_0")), "auto", "float32")
+    finally:
+        torch.set_num_threads(threads)
+    assert model.model.layers[0].mlp.quant is not None  # the experts in their blocks
     return model, spec
 
 
@@ -233,6 +262,8 @@ def test_a_long_prefill_runs_the_mlp_in_slices_with_the_same_bits(model, monkeyp
     from services.gpu_worker.modeling.decoder import lm as decoder_lm
 
     m, spec = model
+    if m.config.has_experts:
+        pytest.skip("a mixture of experts has no dense MLP to slice (each expert takes its rows)")
     ids = [(5 * j) % 90 + 3 for j in range(300)]
     rows = [(list(range(64)), 0, 0, 300, False)]
     sliced = _forward(m, _caches(m, spec), ids, list(range(300)), rows, stack=False)

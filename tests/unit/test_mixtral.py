@@ -138,7 +138,7 @@ def test_mixtral_8x7b_counts_as_published():
 
 def test_served_model_matches_transformers(tmp_path):
     """A Mixtral checkpoint as `save_pretrained` writes it, built as the worker builds it: the
-    C decode stack declines it, every layer is a SparseMoE, and its prompt log-likelihood
+    C decode stack takes it (its experts packed), every layer is a SparseMoE, and its prompt log-likelihood
     (paged KV, prompt chunks of 7 rows) is transformers'."""
     from bench.perplexity import load, perplexity
     from tests.checkpoints import make_checkpoint
@@ -146,7 +146,7 @@ def test_served_model_matches_transformers(tmp_path):
     ckpt = make_checkpoint(tmp_path / "mixtral", "mixtral", num_hidden_layers=3, num_local_experts=4,
                            num_experts_per_tok=2)
     model, spec, kv = load(str(ckpt), "float32", "float32")
-    assert model.cpu_stack is None and model.step_stack is None
+    assert model.cpu_stack is not None and model.step_stack is model.cpu_stack
     assert [type(layer.mlp) for layer in model.model.layers] == [SparseMoE] * 3
     ids = list(range(3, 60))
     got = perplexity(model, spec, ids, kv, chunk=7)

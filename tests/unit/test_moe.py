@@ -109,6 +109,34 @@ def test_kernel_path_matches_transformers_and_each_row_is_batch_invariant(expert
     assert torch.equal(mine(x[7:30]), together[7:30])
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 1), (8, 2), (16, 4), (32, 4), (128, 8), (128, 2), (256, 4),
+                                                (64, 64), (1000, 3)])
+def test_kernel_route_picks_torch_topks_experts_among_ties(experts, top_k):
+    """The C routing (kernels/moe_route.c) picks torch.topk's experts in torch.topk's order,
+    on rows whose logits take a few values (ties everywhere: equal logits are equal
+    probabilities on both sides, distinct ones far apart), on both of topk's paths (partial
+    sort where k * 64 <= experts, else nth_element and sort), and weights within rounding of
+    torch's softmax (its own exp), renormalized or not."""
+    from services.gpu_worker.layers.moe import kernel_route
+
+    gen = torch.Generator().manual_seed(experts * 100 + top_k)
+    # a router's range (exp never near underflow, where the two exps' tails differ)
+    rows = [torch.randint(0, levels, (40, experts), generator=gen).float() * (8.0 / levels)
+            for levels in (1, 2, 3, 5, 1000)]
+    logits = torch.cat(rows).contiguous()
+    for norm in (False, True):
+        got = kernel_route(logits, top_k, norm)
+        if got is None:
+            pytest.skip("no C kernels here")
+        weights, ids = got
+        want_w, want_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+        if norm:
+            want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+
+
 @torch.inference_mode()
 def test_one_expert_call_per_active_expert():
     _, mine = _blocks(16, 4, True)
@@ -164,7 +192,7 @@ def test_num_experts_under_either_name():
 
 def test_served_model_skips_the_dense_fast_paths_and_matches_transformers(tmp_path):
     """A Qwen3-MoE checkpoint with a dense layer among sparse ones, built as the worker
-    builds it: the C decode stack declines it, the MLP fusions touch only the dense layer,
+    builds it: the C decode stack takes it (both kinds of layer), the MLP fusions touch only the dense layer,
     and its prompt log-likelihood (paged KV, prompt chunks of 7 rows) is transformers'."""
     from bench.perplexity import load, perplexity
     from services.gpu_worker.modeling.decoder.lm import MLP
@@ -173,7 +201,7 @@ def test_served_model_skips_the_dense_fast_paths_and_matches_transformers(tmp_pa
     ckpt = make_checkpoint(tmp_path / "moe", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1],
                            num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)
     model, spec, kv = load(str(ckpt), "float32", "float32")
-    assert model.cpu_stack is None and model.step_stack is None
+    assert model.cpu_stack is not None and model.step_stack is model.cpu_stack
     kinds = [type(layer.mlp) for layer in model.model.layers]
     assert kinds == [SparseMoE, MLP, SparseMoE]
     ids = list(range(3, 60))

@@ -154,3 +154,24 @@ def test_which_cpus_keep_a_bfloat16_copy_for_prompt_rows(monkeypatch, prefill_dt
     assert weights.prompt_path(model, prefill_dtype) == (32 * 64 * 2 if copied else 0)
     assert (model.layers[0].wide is not None) == copied and model.head.wide is None
     assert model.layers[0].prompt_bytes == prompt_bytes and model.head.prompt_bytes == 2  # int8: decoder layers only
+
+
+@needs_kernel
+def test_experts_kept_quantized_get_no_bfloat16_copy(monkeypatch):
+    """A mixture's experts stay in their blocks for prompt rows too: a bfloat16 copy of every
+    expert would double a MoE model's memory, and an expert sees only its share of the rows."""
+    from torch import nn
+
+    from services.gpu_worker import weights
+    from services.gpu_worker.layers.moe import ExpertMixture
+
+    monkeypatch.setattr(weights, "cpu_has_amx_bf16", lambda: True)
+    mix = ExpertMixture.__new__(ExpertMixture)
+    nn.Module.__init__(mix)
+    mix.quant = nn.ModuleList([layer(32, 64), layer(32, 64)])  # type: ignore[assignment]
+    block = nn.Module()
+    block.attn, block.mlp = layer(32, 64), mix
+    model = nn.Module()
+    model.layers = nn.ModuleList([block])
+    assert weights.prompt_path(model, "auto") == 32 * 64 * 2  # the attention's GEMM alone
+    assert block.attn.wide is not None and all(q.wide is None for q in mix.quant)

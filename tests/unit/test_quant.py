@@ -20,7 +20,7 @@ needs_kernel = pytest.mark.skipif(not quant.available(), reason="no quantized GE
 
 #: byte offsets of each type's float16 fields within a block
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+              "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 TYPES = sorted(quant.KEPT_TYPES)
 
 
@@ -33,6 +33,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     for off in F16_FIELDS[qtype]:
         scale = rng.uniform(1e-3, 1e-2, (n, k // size)) * rng.choice([-1, 1], (n, k // size))
         raw[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, k // size, 2)
+    if qtype == "MXFP4":  # E8M0 exponents of small scales (2^-18 .. 2^-3, as trained weights have)
+        raw[:, :, 0] = rng.integers(110, 126, (n, k // size), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -63,11 +65,11 @@ def test_repack_reproduces_gguf_dequantization(qtype):
     layer = QuantLinear.from_gguf(qtype, raw, (40, k))
     forms = {**dict.fromkeys(quant.FORM4, 4), **dict.fromkeys(quant.FORM5, quant.Q5),
              **dict.fromkeys(quant.FORM6, quant.Q6), **dict.fromkeys(quant.FORM9, quant.Q8S),
-             **dict.fromkeys(quant.FORMNL, quant.NL)}
+             **dict.fromkeys(quant.FORMNL, quant.NL), **dict.fromkeys(quant.FORMMX, quant.MX)}
     assert layer.form & ~quant.FLAGS == forms[qtype]
     # GGUF's own float16 scales stay float16; the k-quants' and IQ4_XS's as the file has them:
     # a float16 per 256 values and an integer factor per group, in one byte blob
-    half = qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+    half = qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")  # (MXFP4's powers of two)
     assert bool(layer.form & quant.HALF_SCALES) == half
     assert bool(layer.form & quant.SUPER_SCALES) == (not half)
     assert layer.d.dtype == (torch.float16 if half else torch.uint8)
@@ -78,7 +80,8 @@ def test_repack_reproduces_gguf_dequantization(qtype):
 
 #: bytes a weight in memory (layers/quant.py's table; the README's): float16 scales where exact
 BYTES_PER_WEIGHT = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.578125, "Q5_0": 0.75, "Q5_1": 0.75, "Q5_K": 0.703125,
-                    "Q6_K": 0.8203125, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625}
+                    "Q6_K": 0.8203125, "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.5390625,
+                    "MXFP4": 0.5625}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -127,7 +130,7 @@ def test_gemm_is_rounded_x_times_the_dequantized_weight(qtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"])
 def test_float16_scales_give_the_float32_scales_bits(qtype):
     """A layer whose scales are kept float16 computes what it would with them widened to
     float32 (the kernel widens them exactly): GEMM rows of either width, and lookups."""

@@ -57,6 +57,7 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
                        int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
+int mstar_moe_route(const float *logits, int64_t t, int64_t n, int64_t k, int norm, float *weights, int64_t *ids);
 int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
                                   const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
                                   int64_t d, int64_t page_size, int64_t window, float scale, float *out,
@@ -81,6 +82,18 @@ typedef struct {
  * Qwen3; else NULL): over each head. ln3 / ln4 (Gemma 3's sandwich norms; else NULL): the
  * norms before and after the MLP, and then ln2 is the norm of the attention's output. `step`: which of the call's steps
  * (its metadata and RoPE tables) the layer reads: 0 full attention, 1 sliding window. */
+/* A mixture-of-experts block in place of a layer's MLP (layers/moe.py SparseMoE without a
+ * shared expert: Qwen3-MoE, Mixtral): the router's GEMM, mstar_moe_route, then each active
+ * expert's gate/up GEMM (GEMM_F32_SILU with silu * up in its epilogue, or a quantized [gate |
+ * up] then silu * up) and down GEMM over its rows, weighted and added in ascending expert
+ * order (moe_block). gate_up and down: one weight per expert; at most 1024 experts
+ * (moe_route.c). */
+typedef struct {
+    int64_t n_experts, top_k, inter, norm_topk;
+    MstarQWeight router;
+    const MstarQWeight *gate_up, *down;
+} MstarMoE;
+
 typedef struct {
     const float *ln1, *ln2;
     /* qkv[1..2] and gate_up[1]: where the GEMM is split (layers/quant.py QuantParts: parts of
@@ -90,6 +103,7 @@ typedef struct {
     void *cache;
     const float *q_norm, *k_norm, *ln3, *ln4;
     int64_t step;
+    const MstarMoE *moe; /* NULL: the dense MLP (gate_up, down) */
 } MstarLayer;
 
 /* The shapes every layer shares; kv_kind: the pages' type, 0 float32, 1 bfloat16, 2 int8
@@ -99,6 +113,8 @@ typedef struct {
     int64_t n_layers, hidden, hq, hkv, d, inter, page_size, kv_kind;
     float eps, scale;
     int64_t gelu; /* the MLP's activation: gelu_tanh (Gemma), else silu */
+    int64_t n_experts, top_k; /* the widest mixture of experts' (0 where no layer has one); inter is the
+                               * widest MLP's or expert's */
 } MstarStackShape;
 
 /* The step: T rows of one label, its decode query rows (the metadata's decode_query columns
@@ -141,7 +157,22 @@ typedef struct {
  * mstar_paged_decode_scratch(rows, hq, d, max_keys) floats) */
 int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
-    return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter);
+    /* a mixture's (moe_block): each row's k ids and an expert's rows (int64s, 2 floats each,
+     * after a float of slack to align them), the router's logits, each row's k weights, an
+     * expert's rows' weights, its gathered rows and their outputs */
+    const int64_t moe = s->n_experts ? 1 + rows * (2 * s->top_k + 2 + s->n_experts + s->top_k + 1 + 2 * s->hidden) : 0;
+    return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter) + moe;
+}
+
+/* out [t, hidden] += weight * y for one expert's rows (`rows` [n] of out, y [n, hidden]): the
+ * product rounded, then added (as torch's `y * w` then `index_add_`; no fused multiply-add) */
+__attribute__((optimize("fp-contract=off"))) static void add_weighted(float *out, int64_t hid, const int64_t *rows,
+                                                                      const float *w, const float *y, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float *o = out + rows[j] * hid;
+        const float *yj = y + j * hid, wj = w[j];
+        for (int64_t i = 0; i < hid; i++) o[i] = o[i] + yj[i] * wj;
+    }
 }
 
 static void add_into(float *x, const float *o, int64_t n) {
@@ -188,6 +219,44 @@ static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, i
     return qgemm_ld(w, x, m, out, w->n, threads, qscratch);
 }
 
+/* A mixture-of-experts block on h [t, hidden] into out [t, hidden] (zeroed here), as
+ * layers/moe.py computes it: the router, mstar_moe_route, then for each expert in ascending
+ * order its rows (by top-k place, then row) gathered, its two GEMMs, and each row's weighted
+ * output added into out. mw: the workspace's mixture part (mstar_stack_workspace); gu, act:
+ * the MLP's buffers. Returns 0 or a GEMM's -1. */
+static int moe_block(const MstarStackShape *s, const MstarMoE *m, const float *h, int64_t t, float *out, float *gu,
+                     float *act, float *mw, int threads, void *qscratch) {
+    const int64_t hid = s->hidden, n = m->n_experts, k = m->top_k;
+    int64_t *ids = (int64_t *)(mw + ((uintptr_t)mw / sizeof(float)) % 2), *rows = ids + t * k; /* (an expert's: <= t) */
+    float *logits = (float *)(rows + t), *weights = logits + t * n, *pw = weights + t * k, *xg = pw + t;
+    float *y = xg + t * hid;
+    if (qgemm(&m->router, h, t, logits, threads, qscratch)) return -1;
+    if (mstar_moe_route(logits, t, n, k, (int)m->norm_topk, weights, ids)) return -1;
+    for (int64_t i = 0; i < t * hid; i++) out[i] = 0.f;
+    for (int64_t e = 0; e < n; e++) {
+        int64_t cnt = 0;
+        for (int64_t j = 0; j < k; j++)
+            for (int64_t r = 0; r < t; r++)
+                if (ids[r * k + j] == e) {
+                    rows[cnt] = r;
+                    pw[cnt] = weights[r * k + j];
+                    for (int64_t i = 0; i < hid; i++) xg[cnt * hid + i] = h[r * hid + i];
+                    cnt++;
+                }
+        if (!cnt) continue;
+        const MstarQWeight *gw = m->gate_up + e;
+        if (gw->form == GEMM_F32_SILU) {
+            if (qgemm(gw, xg, cnt, act, threads, qscratch)) return -1;
+        } else {
+            if (qgemm(gw, xg, cnt, gu, threads, qscratch)) return -1;
+            mstar_silu_mul(gu, 2 * m->inter, m->inter, act, cnt);
+        }
+        if (qgemm(m->down + e, act, cnt, y, threads, qscratch)) return -1;
+        add_weighted(out, hid, rows, pw, y, cnt);
+    }
+    return 0;
+}
+
 /* A GEMM given as up to `parts` weights (w[1..]: NULL where it is one): each part into its
  * column range of out [m, total columns]. */
 static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t m, float *out, int threads,
@@ -210,7 +279,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
                        float *work, void *qscratch, float *ascratch, int threads) {
     const int64_t t = steps[0].rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
     float *h = work, *qkv = h + t * hid, *attn = qkv + t * nqkv, *o = attn + t * s->hq * s->d;
-    float *gu = o + t * hid, *act = gu + t * 2 * s->inter;
+    float *gu = o + t * hid, *act = gu + t * 2 * s->inter, *mw = act + t * s->inter;
     for (int64_t l = 0; l < s->n_layers; l++) {
         const MstarLayer *L = layers + l;
         const MstarDecodeStep *st = steps + L->step;
@@ -247,6 +316,11 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         } else {
             add_into(x, o, t * hid);
             mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
+        }
+        if (L->moe) {
+            if (moe_block(s, L->moe, h, t, o, gu, act, mw, threads, qscratch)) return (int)(-12 - l * 8);
+            add_into(x, o, t * hid);
+            continue;
         }
         if (L->gate_up[0].form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
             if (qgemm(L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);

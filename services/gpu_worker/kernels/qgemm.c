@@ -19,6 +19,9 @@
  *            Stored as the Q4 form's nibbles (4 bits a weight); in the kernel each nibble
  *            becomes kvalues + 128 (1..241, an unsigned byte) by one vpshufb, and the + 128
  *            is taken back as the Q8 form's is.
+ *   MX form (17): the NL form on MXFP4's table, kvalues_mxfp4 (E2M1's values doubled: 0, 1,
+ *            2, 3, 4, 6, 8, 12 and their negatives) with d the block's E8M0 scale halved
+ *            (gguf's e8m0_to_fp32_half: a power of two, a float16 where it is in range)
  *
  * Layout: output columns in tiles of 16 (n padded), one column per 32-bit lane: vpdpbusd
  * multiplies 4 consecutive bytes of each lane by 4 bytes of x broadcast to every lane, so
@@ -31,7 +34,7 @@
  *   Q6 form: w [n/16][kb][6][16][4]: the Q5 form's, then the sixth bits' 8 words alike; its
  *            - 32 is taken back in int32 as the Q8 form's + 128 is (corr / 4)
  *   Q8 and Q8S forms: w [n/16][kb][8][16][4]: byte = q[4 g + i] + 128
- *   NL form: w as the Q4 form's (q the table index)
+ *   NL form: w as the Q4 form's (q the table index); the MX form (17) the same on MXFP4's table
  *   d: Q4, Q5, Q8S and NL [n/16][kb][16], Q6 and Q8 [n/16][kb][2][16]; m [n/16][kb][16] or none
  * d and m are float32, or float16 where the form code has HALF_SCALES (256) set: the repack
  * stores them so when every value is a float16 exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
@@ -85,6 +88,9 @@
 #define QGEMM_SIMD (QGEMM_AVX512 || QGEMM_AVX2)
 
 #define FORM_NL 16 /* the 4-bit table form (the others are named by their bits, 4, 5 and 8) */
+#define FORM_MX 17 /* the 4-bit table form on MXFP4's table (the NL form's layout and code, another table) */
+/* the two forms whose nibbles index a 16-value table */
+#define TABLE_FORM(form) ((form) == FORM_NL || (form) == FORM_MX)
 #define FORM_Q8S 9 /* the byte form with one scale per 32 (Q8_0's) */
 #define HALF_SCALES 256 /* a form code's flag: d and m stored as float16 */
 #define SUPER_SCALES 512 /* a form code's flag: d and m as the k-quants keep them (below) */
@@ -154,6 +160,8 @@ int64_t mstar_qlinear_scratch(int64_t m, int64_t k) {
 
 /* IQ4_NL's values (ggml-common.h kvalues_iq4nl) as floats, for mstar_qrows */
 static const float kvalues_nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's E2M1 values doubled (ggml-common.h kvalues_mxfp4; the block's scale is halved to match) */
+static const float kvalues_mx[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* Rows `ids` of a weight in the tiled layout above, in float32 (an embedding lookup: a tied
  * model's table is its LM head's weight), each value as gguf dequantizes it and as
@@ -168,7 +176,7 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                                                               int64_t ldo) {
     const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
     form &= ~(HALF_SCALES | SUPER_SCALES);
-    if (form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && form != FORM_NL) return -1;
+    if (form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && !TABLE_FORM(form)) return -1;
     if (half == 2 && ((k + 31) / 32) % 8) return -1;
     for (int64_t r = 0; r < n_ids; r++)
         if (ids[r] < 0 || ids[r] >= n) return -2;
@@ -198,6 +206,7 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
                         for (int p = 4; p < groups; p++)
                             q |= ((planes[64 * (p - 4) + 8 * g + bit / 8] >> (bit % 8)) & 1) << p;
                         v[4 * g + i] = form == FORM_NL ? dd * kvalues_nl[q]
+                                       : form == FORM_MX ? dd * kvalues_mx[q]
                                        : form == 6    ? scale_of(d, t, b, g / 4, j, kb, half, 1) * (float)(q - 32)
                                                       : dd * (float)q;
                     }
@@ -282,6 +291,13 @@ static inline __m512i nl_table(void) {
                                                 (char)181, (char)197, (char)217, (char)241));
 }
 
+/* MXFP4's kvalues (ggml-common.h kvalues_mxfp4, E2M1 doubled) + 128, as nl_table's */
+static inline __m512i mx_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)134,
+                                                (char)136, (char)140, (char)128, (char)127, (char)126, (char)125,
+                                                (char)124, (char)122, (char)120, (char)116));
+}
+
 /* x [m, lda] floats, k values per row -> q1, q2 [m, kp] bytes (kp: k padded to 32),
  * dx = d / 256 and sx (the block's sum of the rounded x) [m, kb] floats, and
  * corr [m, kb, 2] = 128 * (256 sum(q1) + sum(q2)) per half block (int32). xbytes 1: q1
@@ -350,14 +366,14 @@ static inline __attribute__((always_inline)) __m512 tile_scales(const void *p, i
 static inline __attribute__((always_inline)) void unpack_block(const int form, const uint8_t *w, int64_t t, int64_t kb,
                                                                int64_t b, __m512i *wv) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i table = nl_table();
-    if (form == 4 || form == 5 || form == 6 || form == FORM_NL) {
+    const __m512i table = form == FORM_MX ? mx_table() : nl_table();
+    if (form == 4 || form == 5 || form == 6 || TABLE_FORM(form)) {
         const uint8_t *src = w + ((t * kb + b) * block_vectors(form)) * 64;
         for (int g = 0; g < 4; g++) {
             __m512i v = _mm512_loadu_si512((const void *)(src + 64 * g));
             wv[g] = _mm512_and_si512(v, low);
             wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            if (form == FORM_NL) {
+            if (TABLE_FORM(form)) {
                 wv[g] = _mm512_shuffle_epi8(table, wv[g]);
                 wv[g + 4] = _mm512_shuffle_epi8(table, wv[g + 4]);
             }
@@ -428,14 +444,14 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
             const int32_t *x2 = (const int32_t *)(q2s + r * kp + b * 32);
             const __m512 xs = _mm512_set1_ps(dx[r * kb + b]);
-            if (form == 4 || form == 5 || form == FORM_NL) {
+            if (form == 4 || form == 5 || TABLE_FORM(form)) {
                 __m512i p1 = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) {
                     p1 = _mm512_dpbusd_epi32(p1, wv[g], _mm512_set1_epi32(x1[g]));
                     if (xbytes == 2) p2 = _mm512_dpbusd_epi32(p2, wv[g], _mm512_set1_epi32(x2[g]));
                 }
                 __m512i p = xbytes == 1 ? p1 : _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p2);
-                if (form == FORM_NL) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
+                if (TABLE_FORM(form)) /* |p| < 2^28: (kvalues + 128) * 257 * 127 * 32, no overflow */
                     p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[(r * kb + b) * 2] + corr[(r * kb + b) * 2 + 1]));
                 __m512 ds = _mm512_mul_ps(sd0, xs);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), ds, acc[i]);
@@ -514,6 +530,11 @@ static inline __m256i nl_table(void) {
                                                      89, 113));
 }
 
+/* MXFP4's kvalues (ggml-common.h kvalues_mxfp4, E2M1 doubled) as signed bytes, as nl_table's */
+static inline __m256i mx_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+}
+
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -586,7 +607,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t lda, int
 }
 
 /* forms whose bytes go signed (the sign trick above) */
-static inline int signed_form(const int form) { return form == 8 || form == FORM_Q8S || form == FORM_NL; }
+static inline int signed_form(const int form) { return form == 8 || form == FORM_Q8S || TABLE_FORM(form); }
 
 /* 8 scales from element i of d or m: float16 widened (exact), or float32 */
 static inline __attribute__((always_inline)) __m256 scales8(const void *p, int64_t i, const int half) {
@@ -634,6 +655,7 @@ static inline __attribute__((always_inline)) __m256i weight_vector(const int for
     const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 64 * (g % 4) + 32 * c));
     __m256i q = g < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     if (form == FORM_NL) q = _mm256_shuffle_epi8(nl_table(), q);
+    if (form == FORM_MX) q = _mm256_shuffle_epi8(mx_table(), q);
     if (form == 5 || form == 6) q = _mm256_or_si256(q, plane_bytes(src + 256 + 8 * g + 4 * c, 16));
     if (form == 6) q = _mm256_or_si256(q, plane_bytes(src + 320 + 8 * g + 4 * c, 32));
     return q;
@@ -808,7 +830,7 @@ static inline __attribute__((always_inline)) void tile_rows(int form, const int8
             const int32_t *x1 = (const int32_t *)(q1s + r * kp + b * 32);
             const int32_t *x2 = (const int32_t *)(q2s + r * kp + b * 32);
             const __m256 xs = _mm256_set1_ps(dx[r * kb + b]);
-            if (form == 4 || form == 5 || form == FORM_NL) {
+            if (form == 4 || form == 5 || TABLE_FORM(form)) {
                 const __m256i p = row_dot(form, xbytes, wv, wa, x1, x2, 0, 8);
                 const __m256 ds = _mm256_mul_ps(sd0, xs);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), ds, acc[i]);
@@ -882,6 +904,7 @@ static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw
     else if (j->form == 5) { TILE_ROWS(5, xbytes, half) }                                                      \
     else if (j->form == 6) { TILE_ROWS(6, xbytes, half) }                                                      \
     else if (j->form == FORM_NL) { TILE_ROWS(FORM_NL, xbytes, half) }                                          \
+    else if (j->form == FORM_MX) { TILE_ROWS(FORM_MX, xbytes, half) }                                          \
     else if (j->form == FORM_Q8S) { TILE_ROWS(FORM_Q8S, xbytes, half) }                                        \
     else { TILE_ROWS(8, xbytes, half) }
 
@@ -968,7 +991,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
                   void *scratch) {
     const int half = form & HALF_SCALES ? 1 : form & SUPER_SCALES ? 2 : 0;
     form &= ~(HALF_SCALES | SUPER_SCALES);
-    if ((form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && form != FORM_NL)
+    if ((form != 4 && form != 5 && form != 6 && form != 8 && form != FORM_Q8S && !TABLE_FORM(form))
         || ((form == 4 || form == 5) && !mn)
         || (xbytes != 1 && xbytes != 2) || (half == 2 && ((k + 31) / 32) % 8))
         return -1;
@@ -994,7 +1017,7 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
      * row) ns per tile) */
     j.rb = m > 32 ? 32 : m;
     j.nrb = (m + j.rb - 1) / j.rb;
-    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 || form == 6 || form == FORM_NL ? 10 : 25) + 6 * j.rb);
+    const int64_t per_tile = kb * ((form == 4 ? 8 : form == 5 || form == 6 || TABLE_FORM(form) ? 10 : 25) + 6 * j.rb);
     const int64_t least = (TASK_NS + per_tile - 1) / per_tile;
     int64_t chunks = threads > 1 ? (TASKS_PER_THREAD * threads + j.nrb - 1) / j.nrb : 1;
     int64_t ct = (tiles + chunks - 1) / chunks;

@@ -1,8 +1,8 @@
 """gpt-oss's mixture-of-experts block: transformers' `GptOssMLP` (router + `GptOssExperts`).
 
-It differs from Qwen3-MoE's block (layers/moe.py `SparseMoE`, whose grouping by expert and
-weighted sum in ascending expert order it reuses) in three ways, each as transformers computes
-it:
+It differs from Qwen3-MoE's block (layers/moe.py `SparseMoE`; both are `ExpertMixture`s,
+whose grouping by expert and weighted sum in ascending expert order they share) in three
+ways, each as transformers computes it:
 
 - the router is a linear layer with a bias, and the softmax is over the top-k logits only
   (`torch.topk` of the logits, then softmax of those k);
@@ -31,7 +31,7 @@ from torch import nn
 
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.linear import kernel_available, kernel_linear, kernel_pack, kernel_packed_size
-from services.gpu_worker.layers.moe import SparseMoE
+from services.gpu_worker.layers.moe import ExpertMixture
 from shared.model_config import ModelConfig
 
 
@@ -43,6 +43,16 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+
+
+class GptOssExpertBiases(nn.Module):
+    """The experts' biases alone, under transformers' names: what stays of `GptOssExperts`
+    where a GGUF file's experts are kept in their blocks (`GptOssMoE.keep_quantized`)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
 
 
@@ -80,33 +90,41 @@ def kernel_clamped_swiglu(gate_up: torch.Tensor, inter: int, alpha: float, limit
     return out
 
 
-class GptOssMoE(SparseMoE):
-    """`forward(x [T, hidden])` -> [T, hidden]: SparseMoE's grouping by expert, with gpt-oss's
+class GptOssMoE(ExpertMixture):
+    """`forward(x [T, hidden])` -> [T, hidden]: ExpertMixture's grouping by expert, with gpt-oss's
     router, biases and activation."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        # not SparseMoE.__init__: its router has no bias and its experts another layout;
-        # the attributes SparseMoE.forward reads are set here
-        nn.Module.__init__(self)
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = False
-        self.hidden = cfg.hidden_size
-        self.inter = cfg.moe_intermediate_size
+        super().__init__(cfg, norm_topk_prob=False)  # (its softmax is over the k logits: nothing to renormalize)
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         #: the router (HF `mlp.router.{weight,bias}`); `pack_linears` may swap it for the C GEMM
         self.router = nn.Linear(self.hidden, self.num_experts, bias=True)
-        self.experts = GptOssExperts(self.num_experts, self.hidden, self.inter)  # type: ignore[assignment]
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.experts = GptOssExperts(self.num_experts, self.hidden, self.inter)
         #: the biases in the packed weights' column order (gate half, then up half), set by `pack`
         self.gate_up_bias: torch.Tensor | None = None
         self.down_bias: torch.Tensor | None = None
 
+    def keep_quantized(self, parts: dict) -> bool:
+        """ExpertMixture's (each expert's gate and up joined, gate columns first, and down, in the
+        file's blocks: MXFP4 in gpt-oss's files), keeping a module for the biases, which
+        `pack` then puts in the GEMMs' epilogues."""
+        if not super().keep_quantized(parts):
+            return False
+        self.experts = GptOssExpertBiases(self.num_experts, self.hidden, self.inter)
+        return True
+
     def pack(self) -> bool:
         """Each expert's two weights in the C GEMM's panels ([2 x inter, hidden] with the gate
         columns first, [hidden, inter]), where that kernel runs (float32 on the CPU, one torch
-        thread); the checkpoint's tensors are then dropped. Returns whether it packed."""
+        thread); the checkpoint's tensors are then dropped. Returns whether it packed. Experts
+        kept quantized get their biases (gate half, then up half) in their GEMMs instead."""
+        if self.quant is not None:
+            biases = cast("GptOssExpertBiases", self.experts)
+            b = biases.gate_up_proj_bias.detach().float()
+            for e in range(self.num_experts):
+                self.quant.gate_up[e].bias = torch.cat((b[e, 0::2], b[e, 1::2])).contiguous()
+                self.quant.down[e].bias = biases.down_proj_bias[e].detach().float().contiguous()
+            return False
         ex = cast("GptOssExperts", self.experts)
         w = ex.gate_up_proj
         if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
@@ -132,6 +150,12 @@ class GptOssMoE(SparseMoE):
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows `h` [n, hidden]."""
+        if self.quant is not None:
+            gate_up = self.quant.gate_up[e](h)
+            act = kernel_clamped_swiglu(gate_up, self.inter, self.alpha, self.limit)
+            if act is None:
+                act = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.alpha, self.limit)
+            return self.quant.down[e](act)
         if self.gate_up_packed is not None and self.down_packed is not None:
             assert self.gate_up_bias is not None and self.down_bias is not None
             gate_up = kernel_linear(h, self.gate_up_packed[e], 2 * self.inter, self.gate_up_bias[e])

@@ -36,11 +36,13 @@ packed as the model's other MLPs), so this module imports no model.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.fused import silu_mul
 from services.gpu_worker.layers.linear import (
     kernel_available,
@@ -75,53 +77,42 @@ class QuantExperts(nn.Module):
         self.down = nn.ModuleList(down)
 
 
-class SparseMoE(nn.Module):
-    """`forward(x [T, hidden])` -> [T, hidden]: each row through its top-k experts."""
+class ExpertMixture(nn.Module):
+    """What every mixture-of-experts block shares: `routed(x [T, hidden])` -> [T, hidden],
+    each row through its top-k experts (`route` picks them, `_expert` runs one expert on its
+    rows: each family's own), and experts kept in a GGUF file's blocks (`keep_quantized`).
+    `experts` is the family's module of stacked weights until `pack` or `keep_quantized`
+    replaces it."""
 
     #: what a decode step streams, once packed (huge_pages.place puts them on 2 MB pages)
     hot_tensors = ("gate_up_packed", "down_packed")
+    experts: nn.Module
 
-    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, norm_topk_prob: bool) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
         self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.norm_topk_prob = norm_topk_prob
         self.hidden = cfg.hidden_size
         self.inter = cfg.moe_intermediate_size
-        if cfg.hidden_act != "silu":  # Qwen3-MoE's and Mixtral's experts are silu; nothing else is checked
-            raise ValueError(f"mixture-of-experts layers compute silu experts, not {cfg.hidden_act}")
-        #: the router (HF `mlp.gate.weight` [E, hidden]); `pack_linears` may swap it for the C GEMM
-        self.gate = nn.Linear(self.hidden, self.num_experts, bias=False)
-        self.experts = Experts(self.num_experts, self.hidden, self.inter)
-        #: each expert's gate/up and down weights in the C GEMM's panels, [E, packed] (set by
-        #: `pack`, which then drops the stacked weights)
+        #: each expert's weights in the C GEMM's panels, [E, packed] (set by `pack`, which
+        #: then drops the stacked weights)
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
         #: the experts kept in a GGUF file's blocks (`keep_quantized`, in place of `experts`)
         self.quant: QuantExperts | None = None
-        #: the dense expert every row takes, and its gate's linear (HF `shared_expert_gate.weight`
-        #: [1, hidden]), or None (Qwen3-MoE)
-        self.shared_expert = shared_expert
-        self.shared_expert_gate = nn.Linear(self.hidden, 1, bias=False) if shared_expert is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        raise NotImplementedError
+
+    def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on its rows `h` [n, hidden]."""
+        raise NotImplementedError
 
     def pack(self) -> bool:
-        """Put each expert's weights in the C GEMM kernel's layout, where that kernel runs
-        (float32 on the CPU, one torch thread): the experts then give every row the same bits
-        whatever rows share its step. The stacked weights are dropped (the packed copies are
-        the only ones kept). Returns whether it packed (never for quantized experts)."""
-        if getattr(self, "quant", None) is not None:
-            return False
-        w, down = self.experts.gate_up_proj, self.experts.down_proj
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
-            return False
-        # each expert packed straight into its row (no second copy of every expert on the way)
-        self.gate_up_packed = torch.empty(self.num_experts, kernel_gate_up_size(self.inter, self.hidden))
-        self.down_packed = torch.empty(self.num_experts, kernel_packed_size(self.hidden, self.inter))
-        for e in range(self.num_experts):
-            kernel_pack_gate_up(w[e], self.gate_up_packed[e])
-            kernel_pack(down[e], self.down_packed[e])
-        del self.experts
-        return True
+        """The experts in the C GEMM's layout where it runs; whether it packed."""
+        return False
 
     def keep_quantized(self, parts: dict[int, dict[str, QuantLinear]]) -> bool:
         """Compute with a GGUF file's experts as its blocks: `parts` maps each expert to its
@@ -141,17 +132,11 @@ class SparseMoE(nn.Module):
         del self.experts
         return True
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter
-        and MixtralTopKRouter pick them: softmax in float32, `torch.topk` (its order among ties), renormalized
-        to sum to 1 where `norm_topk_prob`."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows' routed experts' sum [T, hidden]."""
         weights, ids = self.route(x)
         # the (row, expert) pairs grouped by expert, ascending; within an expert by top-k
         # place, then row, as transformers' `torch.where` lists them (the same rows in the
@@ -171,8 +156,65 @@ class SparseMoE(nn.Module):
             # weighted, then added in ascending expert order: transformers' sum, bit for bit
             out.index_add_(0, idx, y * pair_weights[start : start + n, None])
             start += n
-        # (getattr: a subclass that sets its own attributes, gpt-oss's, has no shared expert)
-        shared, gate = getattr(self, "shared_expert", None), getattr(self, "shared_expert_gate", None)
+        return out
+
+
+class SparseMoE(ExpertMixture):
+    """`forward(x [T, hidden])` -> [T, hidden]: each row through its top-k experts, plus the
+    shared expert where there is one (Qwen3-MoE, Mixtral, Qwen3.5-MoE, Qwen3-Next)."""
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__(cfg, cfg.norm_topk_prob)
+        if cfg.hidden_act != "silu":  # Qwen3-MoE's and Mixtral's experts are silu; nothing else is checked
+            raise ValueError(f"mixture-of-experts layers compute silu experts, not {cfg.hidden_act}")
+        #: the router (HF `mlp.gate.weight` [E, hidden]); `pack_linears` may swap it for the C GEMM
+        self.gate = nn.Linear(self.hidden, self.num_experts, bias=False)
+        self.experts = Experts(self.num_experts, self.hidden, self.inter)
+        #: the dense expert every row takes, and its gate's linear (HF `shared_expert_gate.weight`
+        #: [1, hidden]), or None (Qwen3-MoE)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(self.hidden, 1, bias=False) if shared_expert is not None else None
+
+    def pack(self) -> bool:
+        """Put each expert's weights in the C GEMM kernel's layout, where that kernel runs
+        (float32 on the CPU, one torch thread): the experts then give every row the same bits
+        whatever rows share its step. The stacked weights are dropped (the packed copies are
+        the only ones kept). Returns whether it packed (never for quantized experts)."""
+        if self.quant is not None:
+            return False
+        experts = cast("Experts", self.experts)
+        w, down = experts.gate_up_proj, experts.down_proj
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not kernel_available():
+            return False
+        # each expert packed straight into its row (no second copy of every expert on the way)
+        self.gate_up_packed = torch.empty(self.num_experts, kernel_gate_up_size(self.inter, self.hidden))
+        self.down_packed = torch.empty(self.num_experts, kernel_packed_size(self.hidden, self.inter))
+        for e in range(self.num_experts):
+            kernel_pack_gate_up(w[e], self.gate_up_packed[e])
+            kernel_pack(down[e], self.down_packed[e])
+        del self.experts
+        return True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' Qwen3MoeTopKRouter
+        and MixtralTopKRouter pick them: softmax in float32, `torch.topk` (its order among ties), renormalized
+        to sum to 1 where `norm_topk_prob`. Where the experts are the C kernels' (packed or kept
+        quantized), the C routing (`kernel_route`) instead: the one the C decode stack runs, so
+        both paths pick the same experts with the same weights bit for bit."""
+        logits = self.gate(x)
+        if self.gate_up_packed is not None or self.quant is not None:
+            got = kernel_route(logits, self.top_k, self.norm_topk_prob)
+            if got is not None:
+                return got[0].to(x.dtype), got[1]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        shared, gate = self.shared_expert, self.shared_expert_gate
         if shared is not None and gate is not None:
             # transformers: routed + sigmoid(gate(x)) * shared(x), in that order
             out = out + self._shared_scale(gate(x)) * shared(x)
@@ -200,8 +242,30 @@ class SparseMoE(nn.Module):
         if self.gate_up_packed is not None and self.down_packed is not None:
             act = kernel_gate_up_silu(h, self.gate_up_packed[e], self.inter)
             return kernel_linear(act, self.down_packed[e], self.hidden, None)
-        gate, up = F.linear(h, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+        experts = cast("Experts", self.experts)
+        gate, up = F.linear(h, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, experts.down_proj[e])
+
+
+#: the most experts `kernel_route` (kernels/decode_stack.c MOE_MAX_EXPERTS) takes
+MAX_KERNEL_EXPERTS = 1024
+
+
+def kernel_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weights [T, k] float32, ids [T, k]) of router logits [T, E] by the C kernel
+    (`mstar_moe_route`: softmax in float32 through its own exp, the k largest with the lower
+    index first among equals, renormalized where `norm`), each row on its own; None where the
+    kernel is not there or does not take the logits (then the caller's torch path routes)."""
+    lib = cpu_kernels.library()
+    if (lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
+            or not logits.is_contiguous() or not 1 <= top_k <= logits.shape[1] <= MAX_KERNEL_EXPERTS):
+        return None
+    t = logits.shape[0]
+    weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
+    if t and lib.mstar_moe_route(logits.data_ptr(), t, logits.shape[1], top_k, int(norm), weights.data_ptr(),
+                                 ids.data_ptr()):
+        return None
+    return weights, ids
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")

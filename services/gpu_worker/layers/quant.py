@@ -17,12 +17,14 @@ qgemm.c), every scale made by the same float32 operations `gguf.quants.dequantiz
 | Q8_0 | 9 | d * q | 1.0625 (float16) |
 | IQ4_NL | 16 | d * kvalues[q] | 0.5625 (float16) |
 | IQ4_XS | 16 | (d * (sc - 32)) * kvalues[q], per 32-group | 0.539 (super-block) |
+| MXFP4 | 17 | d * kvalues_mxfp4[q], d = 2^(e - 128) | 0.5625 (float16) |
 
 (form 5: 5-bit values, the nibbles of form 4 and a plane of fifth bits; form 6: 6-bit values,
 the nibbles and two planes, a scale per 16; form 9: signed bytes with Q8_0's one scale per
 32; form 8, signed bytes with a scale per 16, is what a layer fused from parts of forms 5,
 6, 8 and 9 is kept in; form 16: 4-bit
-indices into IQ4_NL's 16-value table `kvalues`, a signed byte each. Q5_0 and Q5_1 were
+indices into IQ4_NL's 16-value table `kvalues`, a signed byte each; form 17: the same on
+MXFP4's table, E2M1's values doubled, gpt-oss's experts as its files keep them. Q5_0 and Q5_1 were
 signed bytes at 1.125-1.1875 bytes a weight, Q6_K too at 1.25, and Q8_0's scale was
 written twice, until Gemma 3's files, whose layers are mostly Q5_0 and whose head is Q8_0,
 showed it: a decode step of the 270M Q4_K_M file read 294 MB where the file holds 247.)
@@ -75,9 +77,11 @@ FORM6 = ("Q6_K",)
 FORM9 = ("Q8_0",)
 #: 4-bit indices into a 16-value table (form 16 of qgemm.c)
 FORMNL = ("IQ4_NL", "IQ4_XS")
-KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM6 + FORM9 + FORMNL)
-#: qgemm.c's codes of the 5-bit, 6-bit, one-scale byte and NL forms
-Q5, Q6, Q8S, NL = 5, 6, 9, 16
+#: 4-bit indices into MXFP4's table (form 17: form 16's layout)
+FORMMX = ("MXFP4",)
+KEPT_TYPES = frozenset(FORM4 + FORM5 + FORM6 + FORM9 + FORMNL + FORMMX)
+#: qgemm.c's codes of the 5-bit, 6-bit, one-scale byte, NL and MX forms
+Q5, Q6, Q8S, NL, MX = 5, 6, 9, 16, 17
 #: qgemm.c's flag on a form code: d and m are float16
 HALF_SCALES = 256
 #: qgemm.c's flag on a form code: d and m as the k-quants store them, a float16 per column
@@ -90,6 +94,8 @@ FLAGS = HALF_SCALES | SUPER_SCALES
 #: IQ4_NL's (and IQ4_XS's) values of the 16 indices (ggml's kvalues_iq4nl)
 KVALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
 _KVALUES_F32 = torch.from_numpy(KVALUES.astype(np.float32))
+#: MXFP4's values of the 16 indices (ggml's kvalues_mxfp4: E2M1's doubled)
+_MX_KVALUES_F32 = torch.tensor(gguf.quants.MXFP4.kvalues, dtype=torch.float32)
 
 def default_threads() -> int:
     """`MSTAR_COMPUTE_THREADS` if set, else every CPU the process may use (affinity mask and
@@ -176,6 +182,9 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     elif qtype == "IQ4_NL":
         d, m = _f16(b[:, 0:2]), None
         q = _nibbles(b[:, 2:], 1)
+    elif qtype == "MXFP4":  # a byte e (the scale 2^(e - 128), as gguf halves it), 16 bytes of nibbles
+        d, m = gguf.quants.MXFP4.e8m0_to_fp32_half(b[:, 0:1]), None
+        q = _nibbles(b[:, 1:], 1)
     elif qtype == "IQ4_XS":
         d, m = _iq4_xs_scales(b), None
         q = _nibbles(b[:, 8:], 8)  # per 32-group: 16 bytes, low nibbles first
@@ -287,7 +296,7 @@ def _tiled(qtype: str, raw: np.ndarray,
     np_, kp = tiles * TILE, kb * 32
     if m is not None:
         m = np.ascontiguousarray(_padded(m, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1))
-    if qtype in FORM4 or qtype in FORM5 or qtype in FORM6 or qtype in FORMNL:
+    if qtype in FORM4 or qtype in FORM5 or qtype in FORM6 or qtype in FORMNL or qtype in FORMMX:
         q = _padded(q.astype(np.uint8), np_, kp, 32 if qtype in FORM6 else 0)  # (32: Q6_K's zero)
         q4 = (q & np.uint8(15)).reshape(tiles, TILE, kb, 2, 4, 4)  # [t, j, b, half, g, i]
         w = (q4[:, :, :, 0] | (q4[:, :, :, 1] << np.uint8(4))).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
@@ -300,7 +309,7 @@ def _tiled(qtype: str, raw: np.ndarray,
             d = _padded(d, np_, 2 * kb).reshape(tiles, TILE, kb, 2).transpose(0, 2, 3, 1)
             return Q6, np.ascontiguousarray(w), np.ascontiguousarray(d), m
         d = _padded(d, np_, kb).reshape(tiles, TILE, kb).transpose(0, 2, 1)
-        form = 4 if qtype in FORM4 else Q5 if qtype in FORM5 else NL
+        form = 4 if qtype in FORM4 else Q5 if qtype in FORM5 else MX if qtype in FORMMX else NL
         return form, np.ascontiguousarray(w), np.ascontiguousarray(d), m
     u = _padded((q.astype(np.int16) + 128).astype(np.uint8), np_, kp, 128)  # 128: a zero weight
     w = u.reshape(tiles, TILE, kb, 8, 4).transpose(0, 2, 3, 1, 4)
@@ -429,9 +438,9 @@ class QuantLinear(nn.Module):
             assert m is not None  # form 4 always has offsets
             q = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).float()
             out = d[t, :, j].unsqueeze(-1) * q + m[t, :, j].unsqueeze(-1)
-        elif form == NL:
+        elif form in (NL, MX):
             idx = torch.cat(((w & 15).reshape(*lead, kb, 16), (w >> 4).reshape(*lead, kb, 16)), dim=-1).long()
-            out = d[t, :, j].unsqueeze(-1) * _KVALUES_F32[idx]
+            out = d[t, :, j].unsqueeze(-1) * (_MX_KVALUES_F32 if form == MX else _KVALUES_F32)[idx]
             if m is not None:
                 out = out + m[t, :, j].unsqueeze(-1)
         else:

@@ -42,6 +42,7 @@ from services.gpu_worker import cpu_kernels
 from services.gpu_worker.attention import HostStep, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelHead, KernelLinear
+from services.gpu_worker.layers.moe import MAX_KERNEL_EXPERTS, ExpertMixture, SparseMoE
 from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import Rotary
@@ -54,15 +55,21 @@ class _QWeight(ctypes.Structure):
     _fields_ = [("form", _i64), ("k", _i64), ("n", _i64), ("w", _ptr), ("d", _ptr), ("m", _ptr), ("bias", _ptr)]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [("n_experts", _i64), ("top_k", _i64), ("inter", _i64), ("norm_topk", _i64), ("router", _QWeight),
+                ("gate_up", _ptr), ("down", _ptr)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight * 3), ("o", _QWeight), ("gate_up", _QWeight * 2),
                 ("down", _QWeight), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("ln3", _ptr), ("ln4", _ptr),
-                ("step", _i64)]
+                ("step", _i64), ("moe", _ptr)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
-                ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("gelu", _i64)]
+                ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("gelu", _i64),
+                ("n_experts", _i64), ("top_k", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -110,6 +117,34 @@ def _qweight(layer) -> _QWeight | None:
     return None
 
 
+def _moe(mlp: SparseMoE) -> tuple[_MoE, list] | None:
+    """A mixture-of-experts block as the C stack's struct (and the arrays its pointers are
+    into), where the stack computes it as the module does: no shared expert, its router a C
+    GEMM, its experts packed (`SparseMoE.pack`) or kept quantized (`keep_quantized`), the
+    C routing (`kernel_route`: at most MAX_KERNEL_EXPERTS); None otherwise."""
+    router = _qweight(mlp.gate)
+    if type(mlp) is not SparseMoE or mlp.shared_expert is not None or router is None or not (
+            1 <= mlp.top_k <= mlp.num_experts <= MAX_KERNEL_EXPERTS):
+        return None
+    n = mlp.num_experts
+    if mlp.quant is not None:
+        gate_up = [_qweight(q) for q in mlp.quant.gate_up]
+        down = [_qweight(q) for q in mlp.quant.down]
+    elif mlp.gate_up_packed is not None and mlp.down_packed is not None:
+        gate_up = [_QWeight(GEMM_F32_SILU, mlp.hidden, mlp.inter, mlp.gate_up_packed[e].data_ptr(), None, None, None)
+                   for e in range(n)]
+        down = [_QWeight(GEMM_F32, mlp.inter, mlp.hidden, mlp.down_packed[e].data_ptr(), None, None, None)
+                for e in range(n)]
+    else:
+        return None
+    weights = [w for w in gate_up + down if w is not None]
+    if len(weights) != 2 * n:
+        return None
+    gu, dn = (_QWeight * n)(*weights[:n]), (_QWeight * n)(*weights[n:])
+    struct = _MoE(n, mlp.top_k, mlp.inter, int(mlp.norm_topk_prob), router, ctypes.addressof(gu), ctypes.addressof(dn))
+    return struct, [gu, dn]
+
+
 def _plain_f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
@@ -142,6 +177,7 @@ class CpuDecodeStack:
         self.shape = shape
         self.layers = (_Layer * len(layers))(*layers)
         self._norms = norms  # kept alive: the structs hold their pointers
+        self._moe_keep: list = []  # the mixture-of-experts structs and arrays the layers point at
         #: each layer's kind (FULL or SLIDING: its label), the first layer of each kind present,
         #: and the RoPE tables each kind reads (the model's key: one for both where they agree)
         self.kinds = kinds
@@ -177,9 +213,7 @@ class CpuDecodeStack:
         if os.environ.get("MSTAR_CPU_STACK", "1").lower() in ("0", "false", "no"):
             return None
         cfg = model.config
-        if cfg.has_experts:  # the C stack's layer is attention + one MLP: a mixture of experts runs the modules
-            return None
-        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.attn_softcap is not None
+        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.attn_softcap is not None or cfg.attn_sinks
                 or any(t not in KINDS for t in cfg.layer_types)
                 or cfg.head_dim % 2 or cfg.num_attention_heads > 128
                 or cfg.num_attention_heads % cfg.num_key_value_heads):
@@ -187,12 +221,22 @@ class CpuDecodeStack:
         lib = _library()
         if lib is None:
             return None
-        layers, norms = [], []
+        layers, norms, keep = [], [], []
         for layer, kind in zip(model.model.layers, cfg.layer_types, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            gate_up = mlp.gate_up_silu if mlp.gate_up_silu is not None else mlp.gate_up_proj
-            qkv, gu = _gemm_parts(attn.qkv_proj, 3), _gemm_parts(gate_up, 2)
-            gemms = [*qkv, _qweight(attn.o_proj), *gu, _qweight(getattr(mlp, "down_proj", None))]
+            attn, mlp, moe = layer.self_attn, layer.mlp, None
+            gu: list[_QWeight | None]
+            down: _QWeight | None
+            if isinstance(mlp, ExpertMixture):
+                got = _moe(cast("SparseMoE", mlp))
+                if got is None:
+                    return None
+                moe = got[0]
+                keep += [moe, *got[1]]
+                gu, down = [_QWeight(), _QWeight()], _QWeight()  # (the layer's dense MLP: none)
+            else:
+                gate_up = mlp.gate_up_silu if mlp.gate_up_silu is not None else mlp.gate_up_proj
+                gu, down = _gemm_parts(gate_up, 2), _qweight(getattr(mlp, "down_proj", None))
+            gemms = [*_gemm_parts(attn.qkv_proj, 3), _qweight(attn.o_proj), *gu, down]
             # ln1, ln2, then q/k norms (Gemma 3, Qwen3) and the MLP's own two (Gemma 3), or None
             mods = [layer.input_layernorm, layer.post_attention_layernorm,
                     *((attn.q_norm, attn.k_norm) if cfg.qk_norm else (None, None)),
@@ -208,11 +252,14 @@ class CpuDecodeStack:
             ptrs = [None if w is None else w.data_ptr() for w in ws]
             g = cast("list[_QWeight]", gemms)  # q, k, v, o, gate, up, down (k, v, up empty where fused)
             layers.append(_Layer(ptrs[0], ptrs[1], (_QWeight * 3)(*g[:3]), g[3], (_QWeight * 2)(*g[4:6]), g[6], None,
-                                 *ptrs[2:], KINDS.index(kind)))
+                                 *ptrs[2:], KINDS.index(kind), None if moe is None else ctypes.addressof(moe)))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       cfg.intermediate_size, 0, 0, cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"))
+                       max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0), 0, 0,
+                       cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"),
+                       cfg.num_experts if cfg.has_experts else 0, cfg.num_experts_per_tok if cfg.has_experts else 0)
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}
         stack = cls(lib, shape, layers, norms, list(cfg.layer_types), rope_of)
+        stack._moe_keep = keep
         stack._take_ends(model)
         stack._quants = [m for m in model.model.layers.modules() if isinstance(m, QuantLinear)]
         return stack

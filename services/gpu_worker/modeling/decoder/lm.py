@@ -33,7 +33,7 @@ from services.gpu_worker.layers.linear import (
     pack_linears,
     warm_packed,
 )
-from services.gpu_worker.layers.moe import SparseMoE, stack_experts
+from services.gpu_worker.layers.moe import ExpertMixture, SparseMoE, stack_experts
 from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import MRotary, Rotary, apply_rope
@@ -206,7 +206,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp: MLP | SparseMoE = _moe(cfg) if cfg.is_sparse(layer) else MLP(cfg)
+        self.mlp: MLP | ExpertMixture = _moe(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         #: Gemma: post_attention_layernorm normalises the attention output, and the MLP has
@@ -226,7 +226,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
-def _moe(cfg: ModelConfig) -> SparseMoE:
+def _moe(cfg: ModelConfig) -> ExpertMixture:
     """The family's mixture-of-experts block: gpt-oss's (biases, its router, clamped SwiGLU)
     or Qwen3-MoE's."""
     return GptOssMoE(cfg) if cfg.model_type == "gpt_oss" else SparseMoE(cfg)
@@ -300,11 +300,11 @@ class DecoderLM(DecoderModel):
         """After the weights are in place and on their device: fuse q/k/v and gate/up into
         one GEMM each, and on the CPU put every GEMM weight in the C kernel's (else
         oneDNN's) layout. A mixture-of-experts layer packs its experts for the C kernel
-        itself (`SparseMoE.pack`); its router goes with the other linears."""
+        itself (`ExpertMixture.pack`); its router goes with the other linears."""
         layers = cast("Iterable[DecoderLayer]", self.model.layers)
         for layer in layers:
             layer.self_attn.fuse()
-            if isinstance(layer.mlp, SparseMoE):
+            if isinstance(layer.mlp, ExpertMixture):
                 layer.mlp.pack()
             else:
                 layer.mlp.fuse()
