@@ -26,6 +26,7 @@ from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.csm import CsmRunner
 from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
+from services.gpu_worker.runners.higgs import HiggsRunner
 from services.gpu_worker.runners.hybrid import HybridRunner
 from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
@@ -57,6 +58,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "mrope_vision_decoder": (MropeVisionRunner, VISION_ENCODES_PER_STEP),
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
+    "higgs_decoder": (HiggsRunner, None),
 }
 
 

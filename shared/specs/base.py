@@ -369,6 +369,28 @@ class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
 
 
 @runtime_checkable
+class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The Higgs runner's (runners/higgs.py): its label and pool, the codebooks and the
+    stream BOS / EOS codes, the flat tokens of the delay pattern, the frame that ends a
+    request, RAS's settings, the codec."""
+
+    label_name: str
+    pool: str
+    num_codebooks: int
+    codebook_size: int
+    stream_bos: int
+    stream_eos: int
+    audio_token_id: int
+    audio_bos_token_id: int
+    audio_delay_token_id: int
+    eos_frame_token: int
+    ras_win_len: int
+    ras_max_repeat: int
+    codec_path: Any
+    codec_config: Any
+
+
+@runtime_checkable
 class PoolingRunnerSpec(RunnerSpec, Protocol):
     """The pooling runner's (pooling_runner.py): how rows become one vector, and whether
     it is normalized; `heads` for the attention backend's pick."""

@@ -1,0 +1,219 @@
+"""Higgs Audio v2 (Boson AI, `HiggsAudioV2ForConditionalGeneration`): text in, X-codec
+codes out, 8 codebooks a frame at 25 frames a second.
+
+One Llama stack whose layers each hold a second pair of norms and a second MLP, used at
+audio rows only ("dual FFN": attention is shared, transformers' `HiggsAudioV2DecoderLayer`);
+a text row is a token's embedding, an audio row the sum of its frame's 8 codebook
+embeddings (one table, code + codebook * codebook_size). One head (`audio_lm_head`)
+predicts all 8 codebooks of the next frame at once: `num_codebooks * codebook_size`
+logits, each codebook's vocabulary the codec's 1024 codes plus the stream BOS (1024) and
+EOS (1025).
+
+Delay pattern (transformers' `HiggsAudioV2DelayPatternLogitsProcessor`): codebook k runs k
+frames behind codebook 0. The prompt ends in `<|audio_out_bos|>`, so the first frame is
+all BOS and frame t has BOS in codebooks t..7 (forced); once a frame holds an EOS, each
+later frame forces EOS in one more codebook (0, 1, ...), and the first all-EOS frame ends
+the request (sent as `eos_frame_token`, one past the last code). The sound is the frames
+between the BOS frame and the EOS frame with the delay reverted (codebook k read k frames
+later: n delayed frames make n - 7 codec frames), decoded by the codec
+(services/gpu_worker/codecs/higgs_codec.py).
+
+KV: one label "kv" (pool "kv") holding the prompt's rows and one row per frame
+(`frame_loop`, capped by max_tokens, which counts frames, the BOS frame included).
+
+The prompt (Boson's examples/generation.py): the checkpoint's chat template over a system
+turn "Generate audio following instruction." with the scene description between
+`<|scene_desc_start|>` / `<|scene_desc_end|>`, then a user turn with the text, and the
+generation prompt (the template's, ending in `<|audio_out_bos|>`). Voice "default" adds
+nothing; any other voice is a speaker description: `SPEAKER0: <voice>` after the scene.
+
+The codec is the folder processor_config.json names (`audio_tokenizer_name_or_path`, a Hub
+id): a folder of that name inside the checkpoint's, else that repository in the local
+Hugging Face cache (never downloaded).
+
+Sampling: temperature, top-k, top-p per codebook (transformers' warpers); Boson's
+repetition-aware sampling (generation_config.json's `ras_win_len`,
+`ras_win_max_num_repeat`) applies when sampling (services/gpu_worker/runners/higgs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from shared.hub import resolve_model
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.specs.base import DeploymentError, MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
+from shared.specs.csm import _token_str, llama_config
+
+ARCHITECTURE = "HiggsAudioV2ForConditionalGeneration"
+DEFAULT_VOICE = "default"
+#: Boson's default scene (examples/scene_prompts/quiet_indoor.txt)
+DEFAULT_SCENE = "Audio is recorded from a quiet room."
+SYSTEM = "Generate audio following instruction."
+#: the longest speaker description a voice may be
+MAX_VOICE_CHARS = 500
+
+
+def system_message(voice: str, scene: str = DEFAULT_SCENE) -> str:
+    """Boson's system turn: the instruction, then the scene (and the speaker's description
+    for a voice other than default) between the scene markers."""
+    desc = scene if voice == DEFAULT_VOICE else f"{scene}\n\nSPEAKER0: {voice}"
+    return f"{SYSTEM}\n\n<|scene_desc_start|>\n{desc}\n<|scene_desc_end|>"
+
+
+def codec_frame(codec: Mapping[str, Any]) -> tuple[int, int]:
+    """(sample rate, samples a frame) of an X-codec config: the DAC's hop (960 at 24 kHz)."""
+    acoustic = codec.get("acoustic_model_config") or {}
+    hop = int(np.prod(acoustic.get("downsampling_ratios") or (8, 5, 4, 2, 3)))
+    return int(codec.get("sample_rate", 24000)), hop
+
+
+class HiggsSpec(ModelSpec):
+    task = "speech"
+    engine = "higgs_decoder"
+    decode_loop = "frame_loop"
+    label_name = "kv"
+    pool = "kv"
+    metadata_keys = frozenset({"prompt_len", "voice"})
+    #: Boson's generation defaults where generation_config.json says nothing
+    speech_defaults = (("temperature", 1.0), ("top_k", 50), ("top_p", 0.95))
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        self.raw = dict(config)
+        self.num_codebooks = int(config.get("num_codebooks") or 8)
+        self.codebook_size = int(config.get("codebook_size") or 1026)
+        self.config = llama_config(config, int(config["vocab_size"]))
+        self.stream_bos = int(config.get("audio_stream_bos_id", 1024))
+        self.stream_eos = int(config.get("audio_stream_eos_id", 1025))
+        self.audio_token_id = int(config["audio_token_id"])
+        self.audio_bos_token_id = int(config["audio_bos_token_id"])
+        self.audio_delay_token_id = int(config["audio_delay_token_id"])
+        eos = config.get("eos_token_id")
+        self.text_eos_id = int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
+        #: the token a frame that ends the request is sent as (one past the last code)
+        self.eos_frame_token = self.codebook_size
+        self.stop_ids = (self.eos_frame_token,)
+        self.vocab_size = self.codebook_size + 1
+        self.page_size = page_size
+        self.dtype = dtype
+        ctx = self.config.max_position_embeddings
+        self.max_seq_len = min(ctx, max_seq_len) if max_seq_len else ctx
+        self.codec_path: Path | None = None
+        self.codec_config: dict[str, Any] = {}
+        self.sample_rate, self.samples_per_frame = 24000, 960
+        self.audio_frame_rate = self.sample_rate / self.samples_per_frame
+        self.ras_win_len = 0
+        self.ras_max_repeat = 0
+        self.bos_id: int | None = None
+        self.bos_text = ""
+        self.template: Any = None
+        self._labels = (KVLabel(self.label_name, self.pool, keys=True, grows_on=self.decode_loop),)
+        self.layer_labels = [self.label_name] * self.config.num_hidden_layers
+
+    def load_folder(self, path: str | Path) -> HiggsSpec:
+        """The chat template and bos, the codec (processor_config.json), RAS's settings
+        (generation_config.json)."""
+        path = Path(path)
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        source = cfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            source = (path / "chat_template.jinja").read_text()
+        if not isinstance(source, str):
+            raise DeploymentError(f"{path}: no chat template (Higgs' prompt is its chat template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        self.template = env.from_string(source)
+        bos = _token_str(cfg.get("bos_token"))
+        vocab = added_tokens(path)
+        if bos is not None and bos in vocab:
+            self.bos_id, self.bos_text = vocab[bos], bos
+        self.codec_path = find_codec(path)
+        self.codec_config = json.loads((self.codec_path / "config.json").read_text())
+        self.sample_rate, self.samples_per_frame = codec_frame(self.codec_config)
+        self.audio_frame_rate = self.sample_rate / self.samples_per_frame
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.ras_win_len = int(gen.get("ras_win_len") or 0)
+        self.ras_max_repeat = int(gen.get("ras_win_max_num_repeat") or 0)
+        return self
+
+    # -- what a request is ----------------------------------------------------------------
+
+    def prompt_text(self, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The chat template over Boson's system turn and the text, its generation prompt
+        opening the audio; without the leading bos, which the tokenizer's own specials
+        write (or `process_prompt` adds)."""
+        voice = str(options.get("voice") or DEFAULT_VOICE)
+        if len(voice) > MAX_VOICE_CHARS or "<|" in voice:
+            raise PromptError("voice", f"voice must be 'default' or a speaker description of at most "
+                                       f"{MAX_VOICE_CHARS} characters without special tokens")
+        if self.template is None:
+            raise PromptError("prompt", "the model's chat template was not loaded")
+        messages = [{"role": "system", "content": [{"type": "text", "text": system_message(voice)}]},
+                    {"role": "user", "content": [{"type": "text", "text": text}]}]
+        rendered = self.template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
+                                        bos_token=self.bos_text, eos_token="")
+        return rendered[len(self.bos_text):] if self.bos_text and rendered.startswith(self.bos_text) else rendered
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """The prompt's text rows; the delay pattern's start needs `<|audio_out_bos|>` among
+        its last `num_codebooks` ids (the template's generation prompt ends in it)."""
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        ids = list(request.token_ids)
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        layouts = {self.label_name: LabelLayout(spans=(Span.ids(ids),), growth={self.decode_loop: 1})}
+        meta: dict[str, MetaValue] = {"prompt_len": len(ids),
+                                      "voice": str(request.options.get("voice") or DEFAULT_VOICE)}
+        return ProcessPromptOutput({"input_ids": np.asarray(ids, dtype=np.int32)}, layouts, meta)
+
+    # -- KV and loops -----------------------------------------------------------------------
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        return self._labels
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        c = self.config
+        return {self.pool: PagedKVConfig(self.pool, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                         self.dtype, self.page_size, num_pages, self.max_seq_len)}
+
+    def graph_loops(self) -> dict[str, int]:
+        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
+        return {self.decode_loop: self.max_seq_len - 1}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        """`max_tokens` counts frames (the BOS frame and the delay's 7 included)."""
+        return {self.decode_loop: max(1, max_tokens - 1)}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        c = self.config
+        return c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
+
+
+def find_codec(folder: Path) -> Path:
+    """The codec's folder: processor_config.json's `audio_tokenizer_name_or_path` as a
+    folder inside the checkpoint's (its full name, or its last part), else as a path or a
+    Hub id in the local Hugging Face cache (`shared.hub.resolve_model`)."""
+    proc_path = folder / "processor_config.json"
+    proc = json.loads(proc_path.read_text()) if proc_path.is_file() else {}
+    name = (proc.get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
+    if not isinstance(name, str) or not name:
+        raise DeploymentError(f"{folder}: processor_config.json names no audio_tokenizer_name_or_path "
+                              "(the codec Higgs' codes are decoded with)")
+    for inside in (folder / name, folder / name.rsplit("/", 1)[-1]):
+        if (inside / "config.json").is_file():
+            return inside
+    found = resolve_model(name)
+    if not (found / "config.json").is_file():
+        raise DeploymentError(f"the codec {name!r} ({found}) has no config.json")
+    return found
