@@ -57,7 +57,7 @@ class HiggsLayer(DecoderLayer):
         self.audio_input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.audio_post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, cache, meta, kinds: RowKinds | None = None):  # type: ignore[override]
+    def forward(self, x, rope, cache, meta, kinds: RowKinds | None = None):
         assert kinds is not None
         h = kinds.apply(x, self.input_layernorm, self.audio_input_layernorm)
         x = self.self_attn(h, rope, cache, meta).add_(x)
