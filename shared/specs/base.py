@@ -145,6 +145,9 @@ class ModelSpec(ABC):
     #: codes; CSM: 1, a frame is one step): how `max_audio_seconds` becomes a token cap
     audio_frame_rate: float = 0.0
     audio_frame_tokens: int = 1
+    #: output tokens a clip takes beyond its frames' (Higgs: its BOS frame and the 7 frames
+    #: of its codebooks' delay), added to a `max_audio_seconds` cap
+    audio_extra_tokens: int = 0
     #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
     speech_defaults: tuple[tuple[str, float], ...] = ()
 

@@ -110,6 +110,8 @@ class HiggsSpec(ModelSpec):
         self.codec_config: dict[str, Any] = {}
         self.sample_rate, self.samples_per_frame = 24000, 960
         self.audio_frame_rate = self.sample_rate / self.samples_per_frame
+        #: the BOS frame and the delay's frames make no sound of their own
+        self.audio_extra_tokens = self.num_codebooks
         self.ras_win_len = 0
         self.ras_max_repeat = 0
         self.bos_id: int | None = None
@@ -192,7 +194,8 @@ class HiggsSpec(ModelSpec):
         return {self.decode_loop: self.max_seq_len - 1}
 
     def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        """`max_tokens` counts frames (the BOS frame and the delay's 7 included)."""
+        """`max_tokens` counts frames (the BOS frame and the delay's 7 included: n frames
+        make n - 8 of sound; `max_audio_seconds` adds the 8, `audio_extra_tokens`)."""
         return {self.decode_loop: max(1, max_tokens - 1)}
 
     def bytes_per_page(self, page_size: int) -> int:

@@ -130,6 +130,9 @@ async def test_speech_route_streams_and_voices(server, reference):
         raw = await speech(client, input=text, response_format="pcm", stream_format="audio")
         sse = await speech(client, input=text, response_format="pcm", stream_format="sse", temperature=0)
         other = await speech(client, response_format="pcm", voice=VOICES[1], temperature=0)
+        # 0.4 s: 10 codec frames, 18 delayed ones (the BOS frame and the delay's 7 added)
+        seconds = await speech(client, input=text, response_format="pcm", max_tokens=None, max_audio_seconds=0.4)
+    assert len(reference[(VOICES[0], text)][0]) > 18 and len(seconds.content) == 2 * 10 * 960
     assert whole.headers["content-type"] == "audio/pcm"
     got = np.frombuffer(whole.content, "<i2")
     want = pcm(reference[(VOICES[0], text)][1])
@@ -151,11 +154,14 @@ async def test_speech_route_streams_and_voices(server, reference):
 
 async def test_sampling_with_ras_and_refusals(server):
     """A sampled request (temperature 1, RAS from generation_config.json) speaks and frees
-    its pages; voices that are not a speaker description are refused by name."""
+    its pages; voices that are not a speaker description, and context turns (voice cloning
+is not served yet), are refused by name."""
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         sampled = await asyncio.gather(*(speech(client, response_format="pcm", temperature=1.0, seed=s)
                                          for s in (1, 2)))
         bad = [await speech(client, voice=v) for v in ("<|audio_out_bos|>", "x" * 501)]
+        context = await speech(client, context=[{"speaker": "0", "text": "Hi."}])
+    assert context.status_code == 400 and context.json()["error"]["param"] == "context"
     for r in sampled:
         assert r.status_code == 200, r.text
         assert len(r.content) % (2 * 960) == 0

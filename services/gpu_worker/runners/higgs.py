@@ -229,9 +229,11 @@ class DelayedSound:
     def _revert(self) -> np.ndarray:
         """Codec frames whose every codebook has arrived since the last call."""
         k = self.spec.num_codebooks
-        ready = max(0, len(self.delayed) - (k - 1))
+        base = self.reverted  # delayed[0] is delayed frame `base` (those before it are spent)
+        ready = max(base, base + len(self.delayed) - (k - 1))
         d = np.asarray(self.delayed, dtype=np.int64).reshape(-1, k)
-        out = np.stack([d[t + np.arange(k), np.arange(k)] for t in range(self.reverted, ready)]) \
-            if ready > self.reverted else np.zeros((0, k), dtype=np.int64)
+        out = np.stack([d[t - base + np.arange(k), np.arange(k)] for t in range(base, ready)]) \
+            if ready > base else np.zeros((0, k), dtype=np.int64)
+        self.delayed = self.delayed[ready - base:]
         self.reverted = ready
         return np.clip(out, 0, self.spec.stream_bos - 1)
