@@ -5,7 +5,8 @@ a Hugging Face cache folder (HF_HUB_CACHE), not in the checkpoint's folder.
 - frames: `/generate`'s tokens are transformers' greedy frames' codebook-0 codes (the
   all-EOS frame as the eos token), 4 inputs x 2 voices batched, greedy both from
   generation_config.json (no sampling field sent) and with temperature 0 sent; the audio
-  equals `HiggsAudioV2Processor.decode` of the frames within 1e-3;
+  equals `HiggsAudioV2Processor.decode` of the frames within 1e-3; a step's token budget
+  of 64 chunks the ~100-row prompts, so steps mix prompt rows (text) and frame rows (audio);
 - `/v1/audio/speech` in pcm and wav, streamed (raw and SSE) and not: the chunks joined
   equal the whole clip, each voice's its reference; TTFA / RTF in /metrics;
 - a sampled request (RAS on, as generation_config.json sets it) and refusals;
@@ -66,7 +67,7 @@ def reference(root):
 @pytest.fixture(scope="module")
 def server(root, tmp_path_factory):
     srv = MstarServer(str(root / "higgs"), tmp_path_factory.mktemp("logs") / "higgs.log", "--num-kv-pages", "96",
-                      "--page-size", "16", "--max-seq-len", "256",
+                      "--page-size", "16", "--max-seq-len", "256", "--max-batch-tokens", "64",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1", "HF_HUB_CACHE": str(root / "hub")}).start()
     yield srv
     srv.stop()
