@@ -13,10 +13,10 @@
 The reference is transformers' own `generate` (greedy) and `HiggsAudioV2Processor.decode`
 (delay pattern reverted, codec decode).
 
-The venv has no torchaudio; transformers' codec module imports it at its top but uses it
-only to resample for the semantic encoder (`encode`). `_codec_class` puts an empty module
-in its place before importing the codec, so the decoder half (what these tests use) runs
-as shipped.
+The venv has no torchaudio; transformers' codec module imports it at its top and uses
+it only to resample for the semantic encoder (`encode`). `_codec_class` puts a module in
+its place before importing the codec whose one function is torchaudio's `resample`,
+transcribed (`_torchaudio_resample`); everything else of the codec runs as shipped.
 """
 
 from __future__ import annotations
@@ -65,9 +65,43 @@ def _codec_class():
     try:
         import torchaudio  # noqa: F401
     except ImportError:
-        sys.modules.setdefault("torchaudio", types.ModuleType("torchaudio"))
+        stub = types.ModuleType("torchaudio")
+        stub.functional = types.SimpleNamespace(resample=_torchaudio_resample)  # type: ignore[attr-defined]
+        sys.modules.setdefault("torchaudio", stub)
     mod = importlib.import_module("transformers.models.higgs_audio_v2_tokenizer.modeling_higgs_audio_v2_tokenizer")
     return transformers.HiggsAudioV2TokenizerConfig, mod.HiggsAudioV2TokenizerModel
+
+
+def _torchaudio_resample(waveform, orig_freq: int, new_freq: int, lowpass_filter_width: int = 6,
+                         rolloff: float = 0.99):
+    """torchaudio.functional.resample (its default windowed sinc, "sinc_interp_hann"),
+    transcribed from torchaudio 2.x's `_get_sinc_resample_kernel` and
+    `_apply_sinc_resample_kernel`, for the codec's encoder where torchaudio is missing."""
+    import math
+
+    import torch
+
+    gcd = math.gcd(int(orig_freq), int(new_freq))
+    orig, new = int(orig_freq) // gcd, int(new_freq) // gcd
+    base_freq = min(orig, new) * rolloff
+    width = math.ceil(lowpass_filter_width * orig / base_freq)
+    idx = torch.arange(-width, width + orig, dtype=waveform.dtype)[None, None] / orig
+    t = torch.arange(0, -new, -1, dtype=waveform.dtype)[:, None, None] / new + idx
+    t *= base_freq
+    t = t.clamp_(-lowpass_filter_width, lowpass_filter_width)
+    window = torch.cos(t * math.pi / lowpass_filter_width / 2) ** 2
+    t *= math.pi
+    scale = base_freq / orig
+    kernels = torch.where(t == 0, torch.tensor(1.0).to(t), t.sin() / t)
+    kernels *= window * scale
+    shape = waveform.size()
+    wav = waveform.reshape(-1, shape[-1])
+    num_wavs, length = wav.shape
+    wav = torch.nn.functional.pad(wav, (width, width + orig))
+    out = torch.nn.functional.conv1d(wav[:, None], kernels, stride=orig)
+    out = out.transpose(1, 2).reshape(num_wavs, -1)
+    target = math.ceil(new * length / orig)
+    return out[..., :target].reshape(shape[:-1] + out[..., :target].shape[-1:])
 
 
 def hub_cache_folder(cache: Path, repo: str = CODEC_REPO, revision: str = "0" * 40) -> Path:

@@ -38,22 +38,24 @@ DILATIONS = (1, 3, 9)
 KERNEL = 7
 
 
-def load_decoder_state(path: Path) -> dict[str, torch.Tensor]:
-    """The decoder's tensors from the folder's safetensors, weight norm folded."""
+def load_state(path: Path, parts: tuple[str, ...] = DECODER_PARTS) -> dict[str, torch.Tensor]:
+    """The codec's tensors named `parts` from the folder's safetensors, weight norm folded
+    (over the dimension its `g` keeps: 0 for the DAC's convs, 2 for HuBERT's positional conv)."""
     state: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.startswith(DECODER_PARTS):
+                if key.startswith(parts):
                     state[key] = f.get_tensor(key).float()
     if not state:
-        raise ValueError(f"{path}: no codec decoder weights (quantizer.*, fc2.*, acoustic_decoder.*)")
+        raise ValueError(f"{path}: no codec weights named {', '.join(p + '*' for p in parts)}")
     for g_name, v_name in ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
                            (".weight_g", ".weight_v")):
         for key in [k for k in state if k.endswith(g_name)]:
             base = key[: -len(g_name)]
             g, v = state.pop(key), state.pop(base + v_name)
-            state[base + ".weight"] = torch._weight_norm(v, g, 0)
+            kept = [d for d in range(g.dim()) if g.shape[d] != 1]
+            state[base + ".weight"] = torch._weight_norm(v, g, kept[0] if len(kept) == 1 else 0)
     return state
 
 
@@ -70,7 +72,7 @@ class HiggsCodec:
         self.sample_rate = int(config.get("sample_rate", 24000))
         self.codebook_size = int(config.get("codebook_size", 1024))
         self.device = torch.device(device)
-        state = load_decoder_state(Path(path))
+        state = load_state(Path(path))
         self.w = {k: v.to(self.device) for k, v in state.items()}
         self.num_quantizers = sum(1 for k in self.w if k.endswith(".codebook.embed"))
         self.radius = receptive_radius(self.strides)
