@@ -41,7 +41,8 @@ HIGGS_CHAT_TEMPLATE = (
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
     "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] == 'audio' %}{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}{%- endif %}{%- endfor %}"
+    "{%- elif part['type'] == 'audio' %}{{- '<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>' }}{%- endif %}"
+    "{%- endfor %}"
     "{%- endif %}{{- '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n<|audio_out_bos|>' }}"
     "{%- endif %}"
@@ -233,4 +234,53 @@ def higgs_reference(folder: Path, codec: Path, turns: list[tuple[str, str]], max
             frames = model.generate(input_ids=ids, max_new_tokens=max_frames, do_sample=False, ras_win_len=None)
             wave = processor.decode(frames) if frames.shape[1] > 8 else torch.zeros(0)
         out.append((frames[0].numpy(), wave.float().numpy().reshape(-1)))
+    return out
+
+
+def _processor(folder: Path, codec: Path):
+    """transformers' HiggsAudioV2Processor over the checkpoint's tokenizer and the codec (its
+    constructor's class check wants the lazy module's codec class, which needs torchaudio:
+    the attributes are set as the constructor sets them)."""
+    import transformers
+
+    _, codec_cls = _codec_class()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    processor = object.__new__(transformers.HiggsAudioV2Processor)
+    processor.tokenizer = tok
+    processor.feature_extractor = transformers.DacFeatureExtractor(sampling_rate=24000, hop_length=960)
+    processor.audio_tokenizer = codec_cls.from_pretrained(codec).eval()
+    processor.audio_stream_bos_id, processor.audio_stream_eos_id = 1024, 1025
+    for name, token in (("audio_token", "<|AUDIO_OUT|>"), ("audio_bos_token", "<|audio_out_bos|>"),
+                        ("audio_eos_token", "<|audio_eos|>"), ("audio_delay_token", "<|reserved_special_token_6|>")):
+        setattr(processor, name, token)
+        setattr(processor, name + "_id", tok.convert_tokens_to_ids(token))
+    return processor
+
+
+def higgs_clone_reference(folder: Path, codec: Path, items: list[tuple[str, object, str]], max_frames: int):
+    """transformers' greedy Higgs cloning a voice, for each `(reference text, reference clip
+    (float32 at 24 kHz), text)`: the conversation system, user (the reference text),
+    assistant (the clip), user (the text), as the processor lays it out (the clip encoded,
+    its codes framed by the stream BOS / EOS in the delay pattern, one placeholder row a
+    frame); (the frames `generate` made after the clip's, the processor's decode of them)."""
+    import torch
+    import transformers
+
+    model = transformers.HiggsAudioV2ForConditionalGeneration.from_pretrained(folder).eval()
+    processor = _processor(folder, codec)
+    out = []
+    for ref_text, clip, text in items:
+        messages = [{"role": "system", "content": [{"type": "text", "text": system_message()}]},
+                    {"role": "user", "content": [{"type": "text", "text": ref_text}]},
+                    {"role": "assistant", "content": [{"type": "audio"}]},
+                    {"role": "user", "content": [{"type": "text", "text": text}]}]
+        rendered = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = transformers.HiggsAudioV2Processor.__call__(processor, text=rendered, audio=[clip],
+                                                             return_tensors="pt", add_special_tokens=False,
+                                                             sampling_rate=24000)
+        context = inputs["audio_input_ids"].shape[1]
+        with torch.no_grad():
+            frames = model.generate(**inputs, max_new_tokens=max_frames, do_sample=False, ras_win_len=None)
+            wave = processor.decode(frames)
+        out.append((frames[0, context:].numpy(), wave.float().numpy().reshape(-1), inputs["input_ids"][0].tolist()))
     return out

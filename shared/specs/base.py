@@ -177,6 +177,13 @@ class ModelSpec(ABC):
         them from its config; None where it does not (the default)."""
         return None
 
+    def join_context(self, before: str, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The prompt text of a request with context turns: the turns' text (`before`, from
+        `prepare_context`) and the request's own (`text`, from `prompt_text`). Before it, by
+        default (CSM); a family whose own text opens with a turn that comes first (Higgs'
+        system turn) puts the context after that."""
+        return before + text
+
     def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
         """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
         text that precedes the request's own prompt text, each turn's audio placeholders
@@ -391,6 +398,8 @@ class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
     ras_max_repeat: int
     codec_path: Any
     codec_config: Any
+
+    def clip_rows(self, frames: int) -> int: ...
 
 
 @runtime_checkable

@@ -38,8 +38,10 @@ repetition-aware sampling (generation_config.json's `ras_win_len`,
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,19 @@ import numpy as np
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared.audio import decode_audio
+from shared.frames import ContextTurn
 from shared.hub import resolve_model
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.specs.base import DeploymentError, MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
+from shared.specs.base import (
+    DeploymentError,
+    MetaValue,
+    ModelSpec,
+    PreparedAudio,
+    PromptError,
+    PromptRequest,
+    added_tokens,
+)
 from shared.specs.csm import _token_str, llama_config
 
 ARCHITECTURE = "HiggsAudioV2ForConditionalGeneration"
@@ -116,6 +128,9 @@ class HiggsSpec(ModelSpec):
         self.ras_max_repeat = 0
         self.bos_id: int | None = None
         self.bos_text = ""
+        #: the texts of a clip's placeholders (`<|AUDIO_OUT|>`, the delay token), from the tokenizer
+        self.audio_text: str | None = None
+        self.delay_text: str | None = None
         self.template: Any = None
         self._labels = (KVLabel(self.label_name, self.pool, keys=True, grows_on=self.decode_loop),)
         self.layer_labels = [self.label_name] * self.config.num_hidden_layers
@@ -137,6 +152,8 @@ class HiggsSpec(ModelSpec):
         vocab = added_tokens(path)
         if bos is not None and bos in vocab:
             self.bos_id, self.bos_text = vocab[bos], bos
+        names = {i: text for text, i in vocab.items()}
+        self.audio_text, self.delay_text = names.get(self.audio_token_id), names.get(self.audio_delay_token_id)
         self.codec_path = find_codec(path)
         self.codec_config = json.loads((self.codec_path / "config.json").read_text())
         self.sample_rate, self.samples_per_frame = codec_frame(self.codec_config)
@@ -157,13 +174,70 @@ class HiggsSpec(ModelSpec):
         if len(voice) > MAX_VOICE_CHARS or "<|" in voice:
             raise PromptError("voice", f"voice must be 'default' or a speaker description of at most "
                                        f"{MAX_VOICE_CHARS} characters without special tokens")
+        return self._render([_system(voice), _text_turn("user", text)], True)
+
+    def _render(self, messages: list[dict[str, Any]], generation: bool) -> str:
+        """The chat template over `messages`, without its leading bos."""
         if self.template is None:
             raise PromptError("prompt", "the model's chat template was not loaded")
-        messages = [{"role": "system", "content": [{"type": "text", "text": system_message(voice)}]},
-                    {"role": "user", "content": [{"type": "text", "text": text}]}]
-        rendered = self.template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
-                                        bos_token=self.bos_text, eos_token="")
+        rendered = self.template.render(messages=messages, add_generation_prompt=generation, tools=None,
+                                        documents=None, bos_token=self.bos_text, eos_token="")
         return rendered[len(self.bos_text):] if self.bos_text and rendered.startswith(self.bos_text) else rendered
+
+    # -- voice cloning: reference clips as context turns --------------------------------------
+
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """Each turn is a reference clip and what it says: a user turn with the text, then
+        an assistant turn with the clip (`<|audio_out_bos|>`, one placeholder row a delayed
+        frame: `<|AUDIO_OUT|>` for the clip's frames and its stream BOS / EOS, the delay
+        token for the 7 frames of the delay, `<|audio_eos|>`), as transformers' processor
+        lays them out. The speaker field is not read (the clip is the voice)."""
+        if self.audio_text is None or self.delay_text is None:
+            raise PromptError("context", "the model's tokenizer lacks Higgs' audio tokens: it takes no context turns")
+        audios: list[PreparedAudio] = []
+        messages: list[dict[str, Any]] = []
+        rows = 0
+        for i, turn in enumerate(turns):
+            if not turn.text:
+                raise PromptError(f"context[{i}].text", "a context turn's text is empty")
+            if turn.audio is None:
+                raise PromptError(f"context[{i}].audio", "a context turn is a reference clip: it needs audio")
+            audio = self._context_audio(turn.audio, f"context[{i}].audio", self.max_seq_len - rows)
+            audios.append(audio)
+            rows += self.clip_rows(audio.frames)
+            messages += [_text_turn("user", turn.text), {"role": "assistant", "content": [{"type": "audio"}]}]
+        parts = self._render(messages, False).split(self.audio_text)
+        if len(parts) != len(audios) + 1:
+            raise PromptError("context", "the model's chat template does not write one audio placeholder a clip")
+        before = parts[0] + "".join(self.audio_text * (a.frames + 2) + self.delay_text * (self.num_codebooks - 1) + p
+                                    for a, p in zip(audios, parts[1:]))
+        return tuple(audios), before
+
+    def join_context(self, before: str, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The clips' turns after the system turn (Boson's order), before the text's."""
+        system = self._render([_system(str(options.get("voice") or DEFAULT_VOICE))], False)
+        if not text.startswith(system):
+            raise PromptError("context", "the model's chat template does not render turns one after another")
+        return system + before + text[len(system):]
+
+    def clip_rows(self, frames: int) -> int:
+        """Prompt rows of a clip of `frames` codec frames: with its stream BOS and EOS, delayed."""
+        return frames + 2 + self.num_codebooks - 1
+
+    def _context_audio(self, data: bytes, param: str, rows_left: int) -> PreparedAudio:
+        """One clip -> its samples, codec frames and content key; `PromptError` on `param`
+        for a file that is not WAV/FLAC audio or makes more rows than are left."""
+        most = max(0, rows_left) * self.samples_per_frame / self.sample_rate
+        try:
+            samples = decode_audio(data, self.sample_rate, most, limit=f"with the rest of the context, {param} holds")
+        except ValueError as exc:
+            raise PromptError(param, str(exc)) from exc
+        frames = encoded_frames(len(samples), self.codec_config)
+        if self.clip_rows(frames) >= rows_left:
+            raise PromptError(param, f"{param} makes {self.clip_rows(frames)} rows; {max(0, rows_left)} are left of "
+                                     f"the model's {self.max_seq_len} (max_seq_len)")
+        key = hashlib.sha256(f"higgs-context:{self.sample_rate}".encode() + b"\0" + data).hexdigest()
+        return PreparedAudio(samples, frames, key, param)
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         """The prompt's text rows; the delay pattern's start needs `<|audio_out_bos|>` among
@@ -173,10 +247,41 @@ class HiggsSpec(ModelSpec):
         ids = list(request.token_ids)
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
-        layouts = {self.label_name: LabelLayout(spans=(Span.ids(ids),), growth={self.decode_loop: 1})}
+        spans = self._spans(ids, request.context)
+        layouts = {self.label_name: LabelLayout(spans=spans, growth={self.decode_loop: 1})}
         meta: dict[str, MetaValue] = {"prompt_len": len(ids),
                                       "voice": str(request.options.get("voice") or DEFAULT_VOICE)}
-        return ProcessPromptOutput({"input_ids": np.asarray(ids, dtype=np.int32)}, layouts, meta)
+        tensors = {"input_ids": np.asarray(ids, dtype=np.int32)}
+        if request.context:
+            tensors["context_audio"] = np.concatenate([a.samples for a in request.context]).astype(np.float32)
+            tensors["context_cutoffs"] = np.cumsum([len(a.samples) for a in request.context], dtype=np.int64)
+        return ProcessPromptOutput(tensors, layouts, meta)
+
+    def _spans(self, ids: list[int], context: tuple[PreparedAudio, ...]) -> tuple[Span, ...]:
+        """`ids` spans for text, a keyed `rows` span per clip's run of placeholders (its
+        delayed frames, as long as `clip_rows`: the prefix cache shares a clip's rows only
+        with the same clip); `PromptError` otherwise."""
+        holes = {self.audio_token_id, self.audio_delay_token_id}
+        spans: list[Span] = []
+        text: list[int] = []
+        runs, i = 0, 0
+        while i < len(ids):
+            j = i
+            while j < len(ids) and ids[j] in holes:
+                j += 1
+            if j == i:
+                text.append(ids[i])
+                i += 1
+                continue
+            if runs >= len(context) or j - i != self.clip_rows(context[runs].frames):
+                raise PromptError("input_ids", "the prompt's audio placeholders do not match the context's clips")
+            spans += [Span.ids(text)] if text else []
+            spans.append(Span.rows(j - i, context[runs].key))
+            text, runs, i = [], runs + 1, j
+        if runs != len(context):
+            raise PromptError("input_ids", f"the prompt holds {runs} runs of audio placeholders for "
+                                           f"{len(context)} clip(s)")
+        return (*spans, Span.ids(text)) if text else tuple(spans)
 
     # -- KV and loops -----------------------------------------------------------------------
 
@@ -201,6 +306,36 @@ class HiggsSpec(ModelSpec):
     def bytes_per_page(self, page_size: int) -> int:
         c = self.config
         return c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
+
+
+def _system(voice: str) -> dict[str, Any]:
+    return _text_turn("system", system_message(voice))
+
+
+def _text_turn(role: str, text: str) -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+def encoded_frames(samples: int, codec: Mapping[str, Any]) -> int:
+    """Frames the codec's encoder makes of `samples` samples: its semantic path's length
+    (resampled to 16 kHz, padded 160 a side, HuBERT's convs, every
+    `semantic_downsample_factor`-th row, the semantic encoder's strides), which the
+    acoustic path is padded to match (codecs/higgs_encoder.py)."""
+    rate, sem_rate = int(codec.get("sample_rate", 24000)), int(codec.get("semantic_sample_rate", 16000))
+    g = math.gcd(rate, sem_rate)
+    n = -(-samples * (sem_rate // g) // (rate // g)) if rate != sem_rate else samples
+    length = n + 320
+    semantic = codec.get("semantic_model_config") or {}
+    for k, s in zip(semantic.get("conv_kernel") or (10, 3, 3, 3, 3, 2, 2),
+                    semantic.get("conv_stride") or (5, 2, 2, 2, 2, 2, 2)):
+        length = (length - int(k)) // int(s) + 1
+    _, hop = codec_frame(codec)
+    step = max(1, int(hop / (rate / sem_rate) / int(codec.get("downsample_factor", 320))))
+    length = -(-length // step)
+    for s in codec.get("strides") or (1, 1):
+        k = 3 if int(s) == 1 else 2 * int(s)
+        length = (length + 2 * ((k - 1) // 2) - k) // int(s) + 1
+    return length
 
 
 def find_codec(folder: Path) -> Path:

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from tests.higgs_checkpoints import (
+    higgs_clone_reference,
     higgs_prompt_ids,
     higgs_reference,
     hub_cache_folder,
@@ -37,6 +38,7 @@ from tests.higgs_checkpoints import (
     make_higgs_codec,
 )
 from tests.servers import MstarServer
+from tests.tts_checkpoints import audio_file, chirp
 
 TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.", "Numbers like 12345.",
          "What is the capital of France?")
@@ -155,18 +157,81 @@ async def test_speech_route_streams_and_voices(server, reference):
 
 async def test_sampling_with_ras_and_refusals(server):
     """A sampled request (temperature 1, RAS from generation_config.json) speaks and frees
-    its pages; voices that are not a speaker description, and context turns (voice cloning
-is not served yet), are refused by name."""
+    its pages; voices that are not a speaker description are refused by name."""
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         sampled = await asyncio.gather(*(speech(client, response_format="pcm", temperature=1.0, seed=s)
                                          for s in (1, 2)))
         bad = [await speech(client, voice=v) for v in ("<|audio_out_bos|>", "x" * 501)]
-        context = await speech(client, context=[{"speaker": "0", "text": "Hi."}])
-    assert context.status_code == 400 and context.json()["error"]["param"] == "context"
     for r in sampled:
         assert r.status_code == 200, r.text
         assert len(r.content) % (2 * 960) == 0
     for r in bad:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "voice"
+    _clean(server)
+
+
+# -- voice cloning: a reference clip and its text as a context turn -------------------------
+
+
+@pytest.fixture(scope="module")
+def clips():
+    """(context turn for the api, reference samples for transformers, text to speak): a
+    24 kHz float WAV, and a 48 kHz FLAC that mstar resamples (transformers gets the same
+    24 kHz samples)."""
+    from shared.audio import decode_audio
+
+    wav = chirp(12000, 220)
+    flac = audio_file(chirp(20000, 500, 48000), 48000, "FLAC", "PCM_16")
+    return [({"speaker": "0", "text": "Hello there.", "audio": base64.b64encode(audio_file(wav)).decode()}, wav,
+             TEXTS[2]),
+            ({"speaker": "x", "text": "Numbers like 12345.", "audio": base64.b64encode(flac).decode()},
+             decode_audio(flac, 24000), TEXTS[0])]
+
+
+@pytest.fixture(scope="module")
+def clone_reference(root, clips):
+    items = [(turn["text"], samples, text) for turn, samples, text in clips]
+    return higgs_clone_reference(root / "higgs", hub_cache_folder(root / "hub"), items, FRAMES)
+
+
+async def test_voice_cloning_equals_transformers(server, reference, clips, clone_reference):
+    """Both clips batched (/generate and the speech route), then the first again: its clip's
+    rows now come from the prefix cache (not encoded again), with the same frames."""
+    first = {"prompt": clips[0][2], "context": [clips[0][0]], "max_tokens": FRAMES, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        together = await asyncio.gather(client.post("/generate", json=first),
+                                        speech(client, input=clips[1][2], context=[clips[1][0]],
+                                               response_format="pcm", temperature=0))
+        await asyncio.sleep(0.5)  # metrics trail the worker
+        hits = server.metric("mstar_prefix_cache_hit_tokens_total")
+        again = await client.post("/generate", json=first)
+    frames, wave, ids = clone_reference[0]
+    for r in (together[0], again):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        assert body["token_ids"] == tokens_of(frames)
+        audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
+        assert audio.shape == wave.shape and len(wave) > 0
+        np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
+    assert server.wait_metric("mstar_prefix_cache_hit_tokens_total", hits + 1) > hits
+    assert together[1].status_code == 200, together[1].text
+    got, want = np.frombuffer(together[1].content, "<i2"), pcm(clone_reference[1][1])
+    assert len(got) == len(want) > 0 and np.abs(got.astype(int) - want).max() <= 33
+    alone = reference[(VOICES[0], clips[0][2])][0]  # the same text without the clip
+    assert not np.array_equal(frames[: len(alone)], alone[: len(frames)])
+    _clean(server)
+
+
+@pytest.mark.parametrize(("turn", "param"), [
+    ({"speaker": "0", "text": "Hi."}, "context[0].audio"),
+    ({"speaker": "0", "text": "", "audio": base64.b64encode(b"RIFF").decode()}, "context[0].text"),
+    ({"speaker": "0", "text": "Hi.", "audio": base64.b64encode(b"RIFF not a wav").decode()}, "context[0].audio"),
+])
+async def test_clone_refusals_name_the_field(server, turn, param):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        r = await speech(client, context=[turn])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
     _clean(server)

@@ -33,13 +33,15 @@ import torch
 from services.gpu_worker.attention import AttnRows, cpu_backend
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.higgs_codec import HiggsCodec, HiggsStream
+from services.gpu_worker.codecs.higgs_encoder import HiggsEncoder
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.csm import _StepRows
 from services.gpu_worker.sampler import Row, sample
-from services.gpu_worker.step_types import PlanEntry, StepPlan
+from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
 from shared.frames import Output, SamplingParams
 from shared.specs.base import HiggsRunnerSpec
+from shared.specs.higgs import encoded_frames
 
 log = logging.getLogger("mstar.higgs_runner")
 
@@ -85,6 +87,7 @@ class DelayPattern:
 
 class HiggsRunner(HeldSound, ModelRunner):
     SPEC = HiggsRunnerSpec
+    needs_prepare = True
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         self.label = spec.label(spec.label_name)
@@ -94,6 +97,11 @@ class HiggsRunner(HeldSound, ModelRunner):
             raise ValueError(f"the codec has {self.codec.num_quantizers} codebooks; the model writes "
                              f"{spec.num_codebooks}")
         self.thread = CodecThread()
+        try:
+            self.encoder: HiggsEncoder | None = HiggsEncoder(spec.codec_path, spec.codec_config, self.device)
+        except ValueError as exc:  # a codec saved without its encoder: reference clips cannot be read
+            log.warning("no codec encoder (%s): requests with context audio will fail", exc)
+            self.encoder = None
 
     def _backend(self) -> str:
         """The C kernels where they take the stack's attention, else torch (no FlashInfer plan:
@@ -105,6 +113,92 @@ class HiggsRunner(HeldSound, ModelRunner):
         pick = cpu_backend(self.caches[self.spec.pool][0].dtype, compute, None, cfg.num_attention_heads,
                            cfg.num_key_value_heads)
         return "kernel" if pick == "kernel" else "torch"
+
+    # -- voice cloning: reference clips --------------------------------------------------
+
+    def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
+        """`tensors`: "input_ids" [P], and for a request with reference clips the clips
+        concatenated ("context_audio", float32 at the codec's rate) and where each ends
+        ("context_cutoffs"); their rows are the prompt's placeholders (`<|AUDIO_OUT|>` and
+        the delay token), `clip_rows` a clip."""
+        prompt, _ = super().make_request(tensors)
+        audio = tensors.get("context_audio")
+        if audio is None:
+            return prompt, {}
+        cutoffs = [int(c) for c in tensors["context_cutoffs"].reshape(-1)]
+        clips = np.split(np.asarray(audio, dtype=np.float32).reshape(-1), cutoffs[:-1])
+        ids = np.asarray(prompt)
+        where = np.flatnonzero((ids == self.spec.audio_token_id) | (ids == self.spec.audio_delay_token_id))
+        frames = [encoded_frames(len(c), self.spec.codec_config) for c in clips]
+        if len(where) != sum(self.spec.clip_rows(n) for n in frames):
+            raise ValueError(f"the prompt holds {len(where)} audio rows; its clips make "
+                             f"{sum(self.spec.clip_rows(n) for n in frames)}")
+        return prompt, {"clips": clips, "where": where, "frames": frames}
+
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """Encode the reference clips of newly admitted requests (each clip whose rows the
+        prefix cache does not hold); a request keeps its clips' delayed frames on `embeds`."""
+        failures = []
+        for r in admitted:
+            if "clips" not in r.inputs:
+                continue
+            if self.encoder is None:
+                failures.append(Failure(r, "the model's codec has no encoder: reference clips cannot be read"))
+                continue
+            try:
+                r.embeds = self._clip_frames(r)
+            except Exception as exc:
+                log.exception("the codec encoder failed on %s", r.request_id)
+                failures.append(Failure(r, "internal error in the codec encoder", exc))
+        return failures
+
+    def _clip_frames(self, r: Request) -> tuple[np.ndarray, torch.Tensor]:
+        """(the prompt positions of every clip row; their codes [rows, num_codebooks]): each
+        clip's codes framed by the stream BOS and EOS, in the delay pattern (transformers'
+        `build_delay_pattern`)."""
+        assert self.encoder is not None
+        k = self.spec.num_codebooks
+        parts, at = [], 0
+        for clip, n in zip(r.inputs["clips"], r.inputs["frames"]):
+            rows = r.inputs["where"][at: at + self.spec.clip_rows(n)]
+            cached = rows[-1] < r.num_computed  # the prefix cache holds them: never read
+            codes = np.zeros((n, k), dtype=np.int64) if cached else self.encoder.encode(clip)
+            if codes.shape != (n, k):
+                raise ValueError(f"the encoder made {codes.shape} codes of a clip whose prompt holds {n} frames")
+            parts.append(self._delayed(codes))
+            at += len(rows)
+        return r.inputs["where"], torch.from_numpy(np.concatenate(parts))
+
+    def _delayed(self, codes: np.ndarray) -> np.ndarray:
+        """Codes [n, K] with a BOS frame before and an EOS frame after, codebook k delayed k
+        frames (BOS before, EOS after): [n + 2 + K - 1, K]."""
+        n, k = codes.shape
+        seq = np.concatenate([np.full((1, k), self.spec.stream_bos), codes, np.full((1, k), self.spec.stream_eos)])
+        out = np.full((n + 2 + k - 1, k), self.spec.stream_eos, dtype=np.int64)
+        for j in range(k):
+            out[:j, j] = self.spec.stream_bos
+            out[j: j + n + 2, j] = seq[:, j]
+        return out
+
+    def _prompt_rows(self, r: Request, n: int, step: _StepRows) -> None:
+        """A prompt chunk's `n` rows: text ids, except the clips' rows (their delayed
+        frames, kept on `r.embeds` by `prepare`, dropped once the chunk holding the last runs)."""
+        lo, hi = r.num_computed, r.num_computed + n
+        frames: dict[int, list[int]] = {}
+        if r.embeds is not None:
+            where, codes = r.embeds
+            a, b = np.searchsorted(where, [lo, hi])
+            frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist()))
+            if b == len(where):
+                r.embeds = None
+        if not frames:
+            step.text(r.prompt[lo:hi])
+            return
+        for pos in range(lo, hi):
+            if pos in frames:
+                step.frame(frames[pos])
+            else:
+                step.text([r.prompt[pos]])
 
     # -- the step ----------------------------------------------------------------------
 
@@ -118,7 +212,7 @@ class HiggsRunner(HeldSound, ModelRunner):
             if e.decode:
                 step.frame(r.inputs["last_frame"])
             else:
-                step.text(r.prompt[r.num_computed: r.num_computed + n])
+                self._prompt_rows(r, n, step)
             step.positions.extend(range(r.num_computed, r.num_computed + n))
             if r.num_computed + n == r.tokens_len:
                 sampled.append(e)
