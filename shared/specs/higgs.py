@@ -31,6 +31,16 @@ The codec is the folder processor_config.json names (`audio_tokenizer_name_or_pa
 id): a folder of that name inside the checkpoint's, else that repository in the local
 Hugging Face cache (never downloaded).
 
+Voice cloning (`context`, as CSM's field): each turn is a reference clip and what it says,
+laid out as transformers' processor lays a conversation out, after the system turn (Boson's
+order, `join_context`): a user turn with the text, then an assistant turn with the clip:
+`<|audio_out_bos|>`, one placeholder row a delayed frame (`<|AUDIO_OUT|>` for the clip's
+frames and its stream BOS / EOS, the delay token for the delay's 7), `<|audio_eos|>`. A
+clip's rows are a `rows` span keyed by a hash of its file (the prefix cache shares them only
+with the same clip); the gpu worker encodes the clip at admission
+(codecs/higgs_encoder.py) and fills the rows with its delayed frames' summed embeddings on
+the audio norms and MLPs. Audio at another rate is resampled to the codec's (shared/audio.py).
+
 Sampling: temperature, top-k, top-p per codebook (transformers' warpers); Boson's
 repetition-aware sampling (generation_config.json's `ras_win_len`,
 `ras_win_max_num_repeat`) applies when sampling (services/gpu_worker/runners/higgs.py).

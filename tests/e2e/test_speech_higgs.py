@@ -9,6 +9,9 @@ a Hugging Face cache folder (HF_HUB_CACHE), not in the checkpoint's folder.
   of 64 chunks the ~100-row prompts, so steps mix prompt rows (text) and frame rows (audio);
 - `/v1/audio/speech` in pcm and wav, streamed (raw and SSE) and not: the chunks joined
   equal the whole clip, each voice's its reference; TTFA / RTF in /metrics;
+- voice cloning: a reference clip (24 kHz WAV, 48 kHz FLAC resampled) and its text as a
+  context turn equal transformers' processor + generate, batched, then again from the
+  prefix cache;
 - a sampled request (RAS on, as generation_config.json sets it) and refusals;
 - debug asserts on, pages back to 0.
 

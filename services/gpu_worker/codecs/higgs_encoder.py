@@ -1,8 +1,7 @@
 """Higgs Audio v2's codec encoder (bosonai/higgs-audio-v2-tokenizer, an X-codec): 24 kHz
 sound -> frames of 8 codes, as transformers' `HiggsAudioV2TokenizerModel.encode` makes
-them (tests/unit/test_higgs_encoder.py), in plain torch from the same weights. The
-building block of voice cloning (a reference clip's frames as prompt rows), which is not
-served yet.
+them (tests/unit/test_higgs_encoder.py), in plain torch from the same weights: voice
+cloning's reference clips, encoded at admission (runners/higgs.py).
 
     semantic: resample to 16 kHz (torchaudio's windowed-sinc `resample`, ported), pad 160
       each side, HuBERT (conv feature encoder, projection, positional conv, post-LN

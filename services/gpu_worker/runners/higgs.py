@@ -16,6 +16,12 @@ The step loop, admission, footprints and stop checks are the decoder's; what is 
   redrawn (transformers would draw at random there: its RAS runs under greedy too);
 - the token a frame is sent as: its codebook-0 code, or `eos_frame_token` for the all-EOS
   frame that ends the request;
+- reference clips (voice cloning): at admission (`prepare`) the codec's encoder
+  (codecs/higgs_encoder.py) turns each clip into codes, once per request (not for a clip
+  whose rows the prefix cache holds), and the clip's placeholder rows take its codes framed
+  by the stream BOS / EOS in the delay pattern, as audio rows (transformers' processor and
+  `build_delay_pattern`); RAS's window holds the generated frames only (transformers'
+  includes the clip's, which matters only when sampling);
 - sound: each output's new frames go to the request's `DelayedSound` in the codec thread:
   the BOS frame dropped, the delay reverted (a codec frame is final once the frame 7
   later arrives), codes clipped to the codec's, and the codec's exact stream
