@@ -262,10 +262,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         api_key=api_key or None,
         takes_audio=takes_audio,
         image_placeholder=spec.image_placeholder, audio_placeholder=spec.audio_placeholder,
-        sample_rate=spec.sample_rate,
-        speech_defaults=dict(spec.speech_defaults),
-        audio_frame_rate=spec.audio_frame_rate,
-        audio_frame_tokens=spec.audio_frame_tokens,
+        **speech_settings(spec),  # type: ignore[arg-type]
         audio_language=default_language(source) if takes_audio else None,
         max_model_len=max_model_len(source, d),
         parameters=parameters,
@@ -293,6 +290,14 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
     big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
+
+
+def speech_settings(spec) -> dict[str, object]:
+    """What the speech route reads of a speech model's spec: its rate, its sampling
+    defaults, and how `max_audio_seconds` becomes a token cap."""
+    return {"sample_rate": spec.sample_rate, "speech_defaults": dict(spec.speech_defaults),
+            "audio_frame_rate": spec.audio_frame_rate, "audio_frame_tokens": spec.audio_frame_tokens,
+            "audio_extra_tokens": spec.audio_extra_tokens}
 
 
 def max_model_len(source: ModelSource, d: Deployment) -> int:

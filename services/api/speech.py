@@ -173,21 +173,23 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
                             sampling=SamplingParams(**sampling_fields(req, model_defaults(settings))),
-                            max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens),
+                            max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens,
+                                                 settings.audio_extra_tokens),
                             prompt=req.input, options=options, context=context_turns(req.context),
                             defaulted=frozenset())  # its sampling is filled above; max_tokens' default applies
     reply = SpeechReply(params.request_id, fmt, req.stream_format, settings.sample_rate)
     return Prepared(params, req.stream_format is not None, reply, task="speech")
 
 
-def token_cap(req: SpeechRequest, frame_rate: float, frame_tokens: int) -> int | None:
+def token_cap(req: SpeechRequest, frame_rate: float, frame_tokens: int, extra: int = 0) -> int | None:
     """The request's cap in output tokens: `max_tokens`, or `max_audio_seconds` of sound in
-    whole frames (Orpheus: 7 tokens a frame; CSM: 1), the smaller where both are given."""
+    whole frames (Orpheus: 7 tokens a frame; CSM: 1) plus the tokens a clip takes beyond
+    its frames' (`extra`: Higgs' 8 delay frames), the smaller where both are given."""
     if req.max_audio_seconds is None:
         return req.max_tokens
     if frame_rate <= 0:  # (a speech model always says its rate)
         raise invalid("max_audio_seconds", "the served model does not say its frame rate")
-    tokens = max(1, math.ceil(req.max_audio_seconds * frame_rate - 1e-9)) * frame_tokens
+    tokens = max(1, math.ceil(req.max_audio_seconds * frame_rate - 1e-9)) * frame_tokens + extra
     return tokens if req.max_tokens is None else min(tokens, req.max_tokens)
 
 

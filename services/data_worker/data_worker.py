@@ -145,10 +145,11 @@ class DataWorker:
             try:
                 text = self.spec.prompt_text(req.prompt, model_options(req))
                 context, before = self.expand_context(req)
+                joined = self.spec.join_context(before, text, model_options(req)) if before else text
             except PromptError as exc:
                 raise _ClientError(exc.param, str(exc)) from exc
-            if before + text != req.prompt:
-                req = msgspec.structs.replace(req, prompt=before + text)
+            if joined != req.prompt:
+                req = msgspec.structs.replace(req, prompt=joined)
         elif req.context:
             raise _ClientError("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
         ids: list[int] = []

@@ -169,6 +169,9 @@ class ModelSpec(ABC):
     #: codes; CSM: 1, a frame is one step): how `max_audio_seconds` becomes a token cap
     audio_frame_rate: float = 0.0
     audio_frame_tokens: int = 1
+    #: output tokens a clip takes beyond its frames' (Higgs: its BOS frame and the 7 frames
+    #: of its codebooks' delay), added to a `max_audio_seconds` cap
+    audio_extra_tokens: int = 0
     #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
     speech_defaults: tuple[tuple[str, float], ...] = ()
 
@@ -210,6 +213,13 @@ class ModelSpec(ABC):
         experts. Stated by /v1/models and the worker's start-up log where a family counts
         them from its config; None where it does not (the default)."""
         return None
+
+    def join_context(self, before: str, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The prompt text of a request with context turns: the turns' text (`before`, from
+        `prepare_context`) and the request's own (`text`, from `prompt_text`). Before it, by
+        default (CSM); a family whose own text opens with a turn that comes first (Higgs'
+        system turn) puts the context after that."""
+        return before + text
 
     def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
         """A conversation's earlier turns (oldest first) -> (their audio, decoded; the
@@ -403,6 +413,30 @@ class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
     codec_config: Any
     audio_token_id: int | None
     audio_eos_token_id: int | None
+
+
+@runtime_checkable
+class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The Higgs runner's (runners/higgs.py): its label and pool, the codebooks and the
+    stream BOS / EOS codes, the flat tokens of the delay pattern, the frame that ends a
+    request, RAS's settings, the codec."""
+
+    label_name: str
+    pool: str
+    num_codebooks: int
+    codebook_size: int
+    stream_bos: int
+    stream_eos: int
+    audio_token_id: int
+    audio_bos_token_id: int
+    audio_delay_token_id: int
+    eos_frame_token: int
+    ras_win_len: int
+    ras_max_repeat: int
+    codec_path: Any
+    codec_config: Any
+
+    def clip_rows(self, frames: int) -> int: ...
 
 
 @runtime_checkable

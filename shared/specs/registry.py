@@ -21,6 +21,8 @@ from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.higgs import ARCHITECTURE as HIGGS_ARCHITECTURE
+from shared.specs.higgs import HiggsSpec
 from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import ARCHITECTURES as HYBRID_VISION_ARCHITECTURES
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
@@ -62,6 +64,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(PI0_ARCHITECTURES, PolicySpec),
     **dict.fromkeys(PI05_ARCHITECTURES, Pi05Spec),
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
+    HIGGS_ARCHITECTURE: HiggsSpec,
 }
 
 

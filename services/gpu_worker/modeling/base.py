@@ -178,6 +178,20 @@ class PolicyModel(ModelBase):
                  positions: torch.Tensor) -> torch.Tensor: ...
 
 
+class MultiCodeModel(ModelBase):
+    """A speech model whose one stack writes every codebook of a frame at once (Higgs Audio
+    v2): `backbone` over a step's text and frame rows, `code_logits` on the rows that
+    sample; the runner (runners/higgs.py) drives both."""
+
+    @abstractmethod
+    def backbone(self, text_ids: torch.Tensor, text_rows: torch.Tensor, frames: torch.Tensor,
+                 frame_rows: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                 meta: AttnMetadata) -> torch.Tensor: ...
+
+    @abstractmethod
+    def code_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -192,4 +206,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "omni_thinker": GridVisionDecoderModel,
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
+    "higgs_decoder": MultiCodeModel,
 }

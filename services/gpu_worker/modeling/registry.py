@@ -19,6 +19,7 @@ from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
 from services.gpu_worker.modeling.hybrid.qwen3_next import Qwen3NextLM
 from services.gpu_worker.modeling.policy.pi0 import Pi0Policy, Pi05Policy
 from services.gpu_worker.modeling.speech.csm import CsmModel
+from services.gpu_worker.modeling.speech.higgs import HiggsModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
@@ -28,6 +29,7 @@ from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
+from shared.specs.higgs import HiggsSpec
 from shared.specs.hybrid_lm import HybridLMSpec, HybridMoESpec, Qwen3NextSpec
 from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NullLMSpec
@@ -55,6 +57,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     PolicySpec: Pi0Policy,
     Pi05Spec: Pi05Policy,
     Qwen3OmniSpec: Qwen3OmniThinker,
+    HiggsSpec: HiggsModel,
 }
 
 
