@@ -227,12 +227,20 @@ def _refuse(key: str, value: Any, why: str) -> DeploymentError:
     return DeploymentError(f"config.json {key}={value!r} is not supported: {why}")
 
 
+def _mxfp4_gpt_oss(raw: Mapping[str, Any], model_type: str) -> bool:
+    """gpt-oss as released: its experts in MXFP4 (services/gpu_worker/mxfp4_weights.py reads
+    them), everything else unquantized (the quantization's `modules_to_not_convert`)."""
+    quant = raw.get("quantization_config") or {}
+    return model_type == "gpt_oss" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
+
+
 def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
     """The `ModelConfig` of a config.json dict; DeploymentError names any field it cannot honour."""
     arch, model_type = _architecture(raw)
     for key in sorted(REFUSED & set(raw)):
-        if raw[key] is not None:
-            raise _refuse(key, raw[key], "quantized Hugging Face checkpoints are not supported (use a GGUF file)")
+        if raw[key] is not None and not _mxfp4_gpt_oss(raw, model_type):
+            raise _refuse(key, raw[key], "quantized Hugging Face checkpoints are not supported (use a GGUF file); "
+                          "gpt-oss's MXFP4 experts are")
     unknown = sorted(set(raw) - HARMLESS - READ - REFUSED)
     if unknown:
         log.warning("config.json keys not known to mstar (ignored): %s", unknown)

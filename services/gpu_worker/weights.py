@@ -27,6 +27,7 @@ from services.gpu_worker.layers import quant, repack_cache
 from services.gpu_worker.layers.moe import ExpertMixture
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
+from services.gpu_worker.mxfp4_weights import is_mxfp4, split_experts
 from services.gpu_worker.threads import torch_threads
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
@@ -59,12 +60,13 @@ def cpu_has_amx_bf16() -> bool:
 def weight_dtype(name: str, source: ModelSource, device: torch.device | str) -> tuple[torch.dtype, bool]:
     """`--dtype` -> (the dtype the model computes in, whether GGUF weights stay quantized).
     "auto": a GGUF file stays quantized on the CPU (computing in float32 around the
-    quantized GEMMs); a checkpoint keeps its dtype where the device computes it natively
-    (bfloat16: CUDA, or a CPU with bf16 instructions; float16: CUDA), else float32."""
+    quantized GEMMs), and so do a gpt-oss checkpoint's MXFP4 experts; a checkpoint keeps
+    its dtype where the device computes it natively (bfloat16: CUDA, or a CPU with bf16
+    instructions; float16: CUDA), else float32."""
     if name != "auto":
         return _TORCH[name], False
     cuda = torch.device(device).type == "cuda"
-    if source.kind == "gguf":
+    if source.kind == "gguf" or is_mxfp4(source.config):  # (gpt-oss as released: MXFP4 experts)
         return torch.float32, not cuda
     stored = source.config.get("torch_dtype") or source.config.get("dtype") or "float32"
     if stored == "bfloat16" and (cuda or cpu_computes_bf16()):
@@ -82,7 +84,7 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     `quantized` (a GGUF file on the CPU, where the quantized GEMM kernel is built): the
     linear layers and the embedding whose GGUF type `layers.quant` computes on stay
     quantized (`QuantLinear`, `QuantEmbedding`); every other tensor is dequantized to
-    float32 as without it."""
+    float32 as without it. A gpt-oss folder's MXFP4 experts likewise (`mxfp4_weights`)."""
     cls = torch_model_for(spec)
     quant_state: dict[str, QuantTensor] = {}
     if source.kind == "gguf":
@@ -98,11 +100,14 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
             raise FileNotFoundError(f"model folder {source.path} has no *.safetensors files")
         for f in tqdm(files, desc="loading safetensors", unit="file", file=sys.stderr):
             state.update(_load_safetensors(f, cls.skip_prefixes))
+        if is_mxfp4(config):  # kept in their blocks where the kernels run, else dequantized
+            keep_mx = quantized and quant.available() and torch.device(device).type == "cpu"
+            state, quant_state = split_experts(state, keep_mx)
     # Build on the meta device (no random init of weights about to be overwritten).
     with torch.device("meta"), _no_init():
         model = cls(config)
     if quant_state:
-        state.update(_install_quantized(model, quant_state, state, source.path))
+        state.update(_install_quantized(model, quant_state, state, source.path if source.kind == "gguf" else None))
     if not cls.assigns_weights:
         model = model.to_empty(device="cpu")  # its load_weights copies into real tensors
     model.load_weights(state)

@@ -1,7 +1,7 @@
-"""gpt-oss GGUF files as llama.cpp's OWN converter writes them from a checkpoint laid out as
-the Hub ships gpt-oss (experts in MXFP4 blocks and scales, `quantization_config` mxfp4:
-tests/mxfp4.py), so the file's experts are GGUF MXFP4, the type every released gpt-oss GGUF
-has, and the rest float32.
+"""gpt-oss as the Hub ships it (experts in MXFP4 blocks and scales, `quantization_config`
+mxfp4: tests/mxfp4.py), served from its folder, and GGUF files as llama.cpp's OWN converter
+writes them from that checkpoint, so the file's experts are GGUF MXFP4, the type every
+released gpt-oss GGUF has, and the rest float32.
 
 - The file's tensors, read back, are the checkpoint's values bit for bit (MXFP4 times powers
   of two is exact in float32), in transformers' layout (gate and up interleaved again, down
@@ -11,6 +11,9 @@ has, and the rest float32.
   float32 `generate` on the checkpoint (sliding and full layers, sinks, YaRN, biases, the
   clamped SwiGLU), prompts past the window, one at a time and 4 at once; the pages all come
   back. With `--dtype float32` (the experts dequantized) the same tokens.
+- The MXFP4 folder itself (`quantization_config` mxfp4) served: its experts kept in their
+  blocks (moved into GGUF's MXFP4 layout at load, services/gpu_worker/mxfp4_weights.py), the
+  same tokens; with `--dtype float32` dequantized, the same tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ LONG = "The quick brown fox jumps over the lazy dog. Serving engines batch reque
 class Files(NamedTuple):
     rounded: Path  # the float checkpoint whose experts hold the MXFP4 values (the reference)
     gguf: Path  # the converter's file of the MXFP4 checkpoint
+    mx: Path  # the MXFP4 checkpoint (the Hub's form)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def files(tmp_path_factory) -> Files:
         (ckpt / name).unlink(missing_ok=True)
         shutil.copy(vocab / name, ckpt / name)
     mx, rounded = mxfp4_folders(ckpt, root / "mxfp4", root / "rounded")
-    return Files(rounded, convert(mx, root / "gpt-oss-mxfp4.gguf", "f32"))
+    return Files(rounded, convert(mx, root / "gpt-oss-mxfp4.gguf", "f32"), mx)
 
 
 def test_the_file_holds_the_checkpoint_in_mxfp4(files):
@@ -94,12 +98,14 @@ def test_the_file_holds_the_checkpoint_in_mxfp4(files):
         assert torch.equal(torch.from_numpy(np.asarray(state[name])), w.float()), name
 
 
-def test_served_with_mxfp4_experts_equals_transformers(files, tmp_path):
-    """Greedy tokens of the file served with its experts kept in MXFP4 blocks (the log says
-    so) equal transformers' on the checkpoint; 4 prompts at once give the same; pages back."""
+@pytest.mark.parametrize("form", ["gguf", "folder"])
+def test_served_with_mxfp4_experts_equals_transformers(files, tmp_path, form):
+    """Greedy tokens of the file (or the MXFP4 folder) served with its experts kept in MXFP4
+    blocks (the log says so) equal transformers' on the checkpoint; 4 prompts at once give the
+    same; pages back."""
     prompts = [*PROMPTS, LONG]
     want = {p: hf_greedy(files.rounded, hf_ids(files.rounded, p), MAX_TOKENS) for p in prompts}
-    server = MstarServer(str(files.gguf), tmp_path / "log.txt", "--num-kv-pages", "128",
+    server = MstarServer(str(files.gguf if form == "gguf" else files.mx), tmp_path / "log.txt", "--num-kv-pages", "128",
                           env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
     try:
         for prompt in prompts:
@@ -116,8 +122,10 @@ def test_served_with_mxfp4_experts_equals_transformers(files, tmp_path):
     assert "experts kept quantized (MXFP4)" in log
 
 
-def test_served_dequantized_equals_transformers(files, tmp_path):
-    server = MstarServer(str(files.gguf), tmp_path / "log.txt", "--num-kv-pages", "128", "--dtype", "float32").start()
+@pytest.mark.parametrize("form", ["gguf", "folder"])
+def test_served_dequantized_equals_transformers(files, tmp_path, form):
+    server = MstarServer(str(files.gguf if form == "gguf" else files.mx), tmp_path / "log.txt", "--num-kv-pages", "128",
+                         "--dtype", "float32").start()
     try:
         for prompt in (PROMPTS[0], LONG):
             want = hf_greedy(files.rounded, hf_ids(files.rounded, prompt), MAX_TOKENS)
