@@ -36,7 +36,8 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "llama-float32", "qwen2-float32",
-                                        "gemma3-float32", "llama-parts", "qwen3_moe-float32", "qwen3_moe-q8_0"])
+                                        "gemma3-float32", "llama-parts", "qwen3_moe-float32", "qwen3_moe-q8_0",
+                                        "gpt_oss-float32", "gpt_oss-mxfp4"])
 def model(request, tmp_path_factory):
     """A quantized GGUF model, or a float32 checkpoint on gemm.c's packed GEMMs (those are
     used with one torch thread, as the worker has on a 2-core machine). Gemma 3: five
@@ -45,6 +46,13 @@ def model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"stack-{request.param}")
     if variant == "q8_0":  # a mixture of experts in llama.cpp's converter's file: experts in their Q8_0 blocks
         return _converted_moe(root)
+    if variant == "mxfp4":  # gpt-oss as released: its experts in MXFP4 blocks, kept so
+        from tests.mxfp4 import mxfp4_folders
+
+        folder = mxfp4_folders(make_checkpoint(root / "ckpt", arch), root / "mx", root / "rounded")[0]
+        model, spec, _ = load(str(folder), "auto", "float32")
+        assert model.model.layers[0].mlp.quant is not None
+        return model, spec
     ckpt = make_checkpoint(root / "ckpt", arch, **gguf_checkpoint_overrides(arch))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

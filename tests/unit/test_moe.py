@@ -118,7 +118,7 @@ def test_kernel_route_picks_torch_topks_experts_among_ties(experts, top_k):
     probabilities on both sides, distinct ones far apart), on both of topk's paths (partial
     sort where k * 64 <= experts, else nth_element and sort), and weights within rounding of
     torch's softmax (its own exp), renormalized or not."""
-    from services.gpu_worker.layers.moe import kernel_route
+    from services.gpu_worker.layers.moe import TOPK_SOFTMAX, kernel_route
 
     gen = torch.Generator().manual_seed(experts * 100 + top_k)
     # a router's range (exp never near underflow, where the two exps' tails differ)
@@ -126,7 +126,7 @@ def test_kernel_route_picks_torch_topks_experts_among_ties(experts, top_k):
             for levels in (1, 2, 3, 5, 1000)]
     logits = torch.cat(rows).contiguous()
     for norm in (False, True):
-        got = kernel_route(logits, top_k, norm)
+        got = kernel_route(logits, top_k, int(norm))  # (SOFTMAX_TOPK, SOFTMAX_TOPK_NORM)
         if got is None:
             pytest.skip("no C kernels here")
         weights, ids = got
@@ -135,6 +135,11 @@ def test_kernel_route_picks_torch_topks_experts_among_ties(experts, top_k):
             want_w = want_w / want_w.sum(dim=-1, keepdim=True)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+    got = kernel_route(logits, top_k, TOPK_SOFTMAX)  # gpt-oss's: the k largest logits, then their softmax
+    assert got is not None
+    top, want_ids = torch.topk(logits, top_k, dim=-1)
+    assert torch.equal(got[1], want_ids)
+    torch.testing.assert_close(got[0], torch.softmax(top, dim=1), rtol=2e-6, atol=1e-7)
 
 
 @torch.inference_mode()

@@ -57,7 +57,13 @@ void mstar_write_kv_i8(int8_t *cache, const float *k, int64_t k_stride, const fl
                        int64_t page_size);
 void mstar_write_kv(float *cache, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                     const int64_t *slot_pages, const int64_t *slot_offsets, int64_t n, int64_t row, int64_t page_size);
-int mstar_moe_route(const float *logits, int64_t t, int64_t n, int64_t k, int norm, float *weights, int64_t *ids);
+int mstar_moe_route(const float *logits, int64_t t, int64_t n, int64_t k, int kind, float *weights, int64_t *ids);
+void mstar_clamped_swiglu(const float *gu, int64_t gu_stride, int64_t inter, float alpha, float limit, float *out,
+                          int64_t rows);
+int mstar_paged_decode_sinks(int64_t kind, const float *q, int64_t q_stride, const void *cache, const int64_t *pages,
+                             int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo,
+                             const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
+                             float scale, float *out, float *scratch, int64_t max_keys, const float *sinks);
 int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
                                   const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
                                   int64_t d, int64_t page_size, int64_t window, float scale, float *out,
@@ -83,13 +89,15 @@ typedef struct {
  * norms before and after the MLP, and then ln2 is the norm of the attention's output. `step`: which of the call's steps
  * (its metadata and RoPE tables) the layer reads: 0 full attention, 1 sliding window. */
 /* A mixture-of-experts block in place of a layer's MLP (layers/moe.py SparseMoE without a
- * shared expert: Qwen3-MoE, Mixtral): the router's GEMM, mstar_moe_route, then each active
- * expert's gate/up GEMM (GEMM_F32_SILU with silu * up in its epilogue, or a quantized [gate |
- * up] then silu * up) and down GEMM over its rows, weighted and added in ascending expert
- * order (moe_block). gate_up and down: one weight per expert; at most 1024 experts
- * (moe_route.c). */
+ * shared expert: Qwen3-MoE, Mixtral; layers/gpt_oss_moe.py GptOssMoE): the router's GEMM,
+ * mstar_moe_route (`route`: its kind), then each active expert's gate/up GEMM (GEMM_F32_SILU
+ * with silu * up in its epilogue, or [gate | up] then the activation: silu * up, or with
+ * `clamped` gpt-oss's clamped SwiGLU of `alpha` and `limit`) and down GEMM over its rows
+ * (biases in the GEMMs' epilogues), weighted and added in ascending expert order
+ * (moe_block). gate_up and down: one weight per expert; at most 1024 experts (moe_route.c). */
 typedef struct {
-    int64_t n_experts, top_k, inter, norm_topk;
+    int64_t n_experts, top_k, inter, route, clamped;
+    float alpha, limit;
     MstarQWeight router;
     const MstarQWeight *gate_up, *down;
 } MstarMoE;
@@ -104,6 +112,7 @@ typedef struct {
     const float *q_norm, *k_norm, *ln3, *ln4;
     int64_t step;
     const MstarMoE *moe; /* NULL: the dense MLP (gate_up, down) */
+    const float *sinks;  /* gpt-oss's attention sinks [hq], or NULL */
 } MstarLayer;
 
 /* The shapes every layer shares; kv_kind: the pages' type, 0 float32, 1 bfloat16, 2 int8
@@ -184,16 +193,20 @@ static void add_into(float *x, const float *o, int64_t n) {
  * their key partitions over the pool's threads itself (the same bits on any count); then each
  * prompt chunk through the prefill kernel, as attention.py's `_prefill_kernel` calls it. */
 static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
-                     float *out, float *scratch) {
+                     const float *sinks, float *out, float *scratch) {
     const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d, hd = s->hq * s->d;
     for (int64_t c = 0; c < st->n_chunks; c++) {
         const int64_t *ch = st->chunks + 5 * c;
         if (mstar_prefill_attention_sinks(qkv + ch[0] * nqkv, nqkv, cache, s->kv_kind, st->chunk_pages + ch[3],
                                           ch[1] - ch[0], ch[2], s->hq, s->hkv, s->d, s->page_size, st->window,
-                                          s->scale, out + ch[0] * hd, hd, NULL, ch[4]))
+                                          s->scale, out + ch[0] * hd, hd, sinks, ch[4]))
             return -2;
     }
     if (!st->n_query) return 0;
+    if (sinks) /* (the module's path: this kernel with sinks, the plain ones without) */
+        return mstar_paged_decode_sinks(s->kv_kind, qkv, nqkv, cache, st->pages, st->width, st->qrow, st->entry,
+                                        st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
+                                        scratch, st->max_keys, sinks);
     if (s->kv_kind == 2)
         return mstar_paged_decode_i8(qkv, nqkv, (const int8_t *)cache, st->pages, st->width, st->qrow, st->entry,
                                      st->lo, st->hi, st->n_query, s->hq, s->hkv, s->d, s->page_size, s->scale, out,
@@ -231,7 +244,7 @@ static int moe_block(const MstarStackShape *s, const MstarMoE *m, const float *h
     float *logits = (float *)(rows + t), *weights = logits + t * n, *pw = weights + t * k, *xg = pw + t;
     float *y = xg + t * hid;
     if (qgemm(&m->router, h, t, logits, threads, qscratch)) return -1;
-    if (mstar_moe_route(logits, t, n, k, (int)m->norm_topk, weights, ids)) return -1;
+    if (mstar_moe_route(logits, t, n, k, (int)m->route, weights, ids)) return -1;
     for (int64_t i = 0; i < t * hid; i++) out[i] = 0.f;
     for (int64_t e = 0; e < n; e++) {
         int64_t cnt = 0;
@@ -249,7 +262,10 @@ static int moe_block(const MstarStackShape *s, const MstarMoE *m, const float *h
             if (qgemm(gw, xg, cnt, act, threads, qscratch)) return -1;
         } else {
             if (qgemm(gw, xg, cnt, gu, threads, qscratch)) return -1;
-            mstar_silu_mul(gu, 2 * m->inter, m->inter, act, cnt);
+            if (m->clamped)
+                mstar_clamped_swiglu(gu, 2 * m->inter, m->inter, m->alpha, m->limit, act, cnt);
+            else
+                mstar_silu_mul(gu, 2 * m->inter, m->inter, act, cnt);
         }
         if (qgemm(m->down + e, act, cnt, y, threads, qscratch)) return -1;
         add_weighted(out, hid, rows, pw, y, cnt);
@@ -305,7 +321,7 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
         else
             mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
                            s->page_size);
-        const int rc = attention(s, st, qkv, L->cache, attn, ascratch);
+        const int rc = attention(s, st, qkv, L->cache, L->sinks, attn, ascratch);
         if (rc == -2) return (int)(-30000 - l); /* a chunk the prefill kernel refused: nothing is lost */
         if (rc) return (int)(-20000 - l);
         if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);

@@ -12,6 +12,8 @@
  * elements, heap select): the same experts whatever the ties (tests/unit/test_moe.py holds
  * it against torch.topk on rows full of ties).
  *
+ * gpt-oss's router takes the top-k of the logits and the softmax of those k (kind 2).
+ *
  * The softmax is float32 with its own exp (exp_poly.h: the same bits on every CPU class and
  * thread count): max, exp(l - max), their sum in index order, each times 1 / sum. A row's
  * routing depends on nothing but its logits.
@@ -211,36 +213,54 @@ static void nth_element(Pair *first, Pair *nth, Pair *last) {
 
 #define MOE_MAX_EXPERTS 1024
 
-/* logits [t, n] -> weights [t, k] (the k largest probabilities, renormalized where `norm`)
- * and ids [t, k], in torch.topk's order. Returns 0, or -1 for n or k out of range (nothing
- * written). */
+/* softmax of v [n] in place: max, exp(v - max), their sum in order, each times 1 / sum */
+__attribute__((optimize("fp-contract=off"))) static void softmax_pairs(Pair *v, int64_t n) {
+    float mx = v[0].v, sum = 0.f;
+    for (int64_t e = 1; e < n; e++) mx = v[e].v > mx ? v[e].v : mx;
+    for (int64_t e = 0; e < n; e++) {
+        v[e].v = exp_poly(v[e].v - mx);
+        sum += v[e].v;
+    }
+    const float inv = 1.f / sum;
+    for (int64_t e = 0; e < n; e++) v[e].v = v[e].v * inv;
+}
+
+/* torch.topk(v, k)'s first k pairs of v [n] (in index order on entry) */
+static void top_k(Pair *v, int64_t n, int64_t k) {
+    if (k * 64 <= n) {
+        partial_sort(v, v + k, v + n);
+    } else {
+        nth_element(v, v + k - 1, v + n);
+        sort(v, v + k - 1);
+    }
+}
+
+/* logits [t, n] -> weights [t, k] and ids [t, k], in torch.topk's order. kind 0: the k
+ * largest of the softmax (Qwen3-MoE); 1: those renormalized to sum to 1 (Mixtral,
+ * norm_topk_prob); 2: the k largest logits, then the softmax of those k (gpt-oss's router).
+ * Returns 0, or -1 for n, k or kind out of range (nothing written). */
 __attribute__((optimize("fp-contract=off"))) int mstar_moe_route(const float *logits, int64_t t, int64_t n, int64_t k,
-                                                                  int norm, float *weights, int64_t *ids) {
+                                                                  int kind, float *weights, int64_t *ids) {
     Pair q[MOE_MAX_EXPERTS];
-    if (n < 1 || n > MOE_MAX_EXPERTS || k < 1 || k > n) return -1;
+    if (n < 1 || n > MOE_MAX_EXPERTS || k < 1 || k > n || kind < 0 || kind > 2) return -1;
     for (int64_t r = 0; r < t; r++) {
-        const float *l = logits + r * n;
-        float mx = l[0], sum = 0.f;
-        for (int64_t e = 1; e < n; e++) mx = l[e] > mx ? l[e] : mx;
         for (int64_t e = 0; e < n; e++) {
-            q[e].v = exp_poly(l[e] - mx);
+            q[e].v = logits[r * n + e];
             q[e].i = e;
-            sum += q[e].v;
         }
-        const float inv = 1.f / sum;
-        for (int64_t e = 0; e < n; e++) q[e].v = q[e].v * inv;
-        if (k * 64 <= n) {
-            partial_sort(q, q + k, q + n);
+        if (kind == 2) {
+            top_k(q, n, k);
+            softmax_pairs(q, k);
         } else {
-            nth_element(q, q + k - 1, q + n);
-            sort(q, q + k - 1);
+            softmax_pairs(q, n);
+            top_k(q, n, k);
         }
         float *w = weights + r * k, picked = 0.f;
         for (int64_t j = 0; j < k; j++) {
             w[j] = q[j].v;
             ids[r * k + j] = q[j].i;
         }
-        if (norm) {
+        if (kind == 1) {
             for (int64_t j = 0; j < k; j++) picked += w[j];
             for (int64_t j = 0; j < k; j++) w[j] = w[j] / picked;
         }

@@ -31,7 +31,7 @@ from torch import nn
 
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.layers.linear import kernel_available, kernel_linear, kernel_pack, kernel_packed_size
-from services.gpu_worker.layers.moe import ExpertMixture
+from services.gpu_worker.layers.moe import TOPK_SOFTMAX, ExpertMixture, kernel_route
 from shared.model_config import ModelConfig
 
 
@@ -144,8 +144,14 @@ class GptOssMoE(ExpertMixture):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as `GptOssTopKRouter`: the k largest logits
-        (torch.topk's order among ties), softmax over those k in their dtype."""
-        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        (torch.topk's order among ties), softmax over those k in their dtype; on the C
+        kernels' path (experts packed or quantized) the C routing, as the C decode stack."""
+        logits = self.router(x)
+        if self.gate_up_packed is not None or self.quant is not None:  # the C decode stack's routing, bit for bit
+            got = kernel_route(logits, self.top_k, TOPK_SOFTMAX)
+            if got is not None:
+                return got[0].to(x.dtype), got[1]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top, dim=1, dtype=top.dtype), ids
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:

@@ -203,7 +203,7 @@ class SparseMoE(ExpertMixture):
         both paths pick the same experts with the same weights bit for bit."""
         logits = self.gate(x)
         if self.gate_up_packed is not None or self.quant is not None:
-            got = kernel_route(logits, self.top_k, self.norm_topk_prob)
+            got = kernel_route(logits, self.top_k, SOFTMAX_TOPK_NORM if self.norm_topk_prob else SOFTMAX_TOPK)
             if got is not None:
                 return got[0].to(x.dtype), got[1]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -247,22 +247,28 @@ class SparseMoE(ExpertMixture):
         return F.linear(F.silu(gate) * up, experts.down_proj[e])
 
 
-#: the most experts `kernel_route` (kernels/decode_stack.c MOE_MAX_EXPERTS) takes
+#: the most experts `kernel_route` (kernels/moe_route.c MOE_MAX_EXPERTS) takes
 MAX_KERNEL_EXPERTS = 1024
 
 
-def kernel_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+#: `kernel_route`'s kinds (kernels/moe_route.c): softmax then top-k; the same renormalized;
+#: top-k of the logits, then their softmax (gpt-oss)
+SOFTMAX_TOPK, SOFTMAX_TOPK_NORM, TOPK_SOFTMAX = 0, 1, 2
+
+
+def kernel_route(logits: torch.Tensor, top_k: int, kind: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(weights [T, k] float32, ids [T, k]) of router logits [T, E] by the C kernel
-    (`mstar_moe_route`: softmax in float32 through its own exp, the k largest with the lower
-    index first among equals, renormalized where `norm`), each row on its own; None where the
-    kernel is not there or does not take the logits (then the caller's torch path routes)."""
+    (`mstar_moe_route`: softmax in float32 through its own exp, the k largest in torch.topk's
+    order among equals, `kind` one of SOFTMAX_TOPK, SOFTMAX_TOPK_NORM, TOPK_SOFTMAX), each row
+    on its own; None where the kernel is not there or does not take the logits (then the
+    caller's torch path routes)."""
     lib = cpu_kernels.library()
     if (lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
             or not logits.is_contiguous() or not 1 <= top_k <= logits.shape[1] <= MAX_KERNEL_EXPERTS):
         return None
     t = logits.shape[0]
     weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
-    if t and lib.mstar_moe_route(logits.data_ptr(), t, logits.shape[1], top_k, int(norm), weights.data_ptr(),
+    if t and lib.mstar_moe_route(logits.data_ptr(), t, logits.shape[1], top_k, kind, weights.data_ptr(),
                                  ids.data_ptr()):
         return None
     return weights, ids

@@ -41,8 +41,16 @@ import torch
 from services.gpu_worker import cpu_kernels
 from services.gpu_worker.attention import HostStep, KernelDecode, _decode_scratch, _kernel_pages, head_dim_of
 from services.gpu_worker.layers import quant
+from services.gpu_worker.layers.gpt_oss_moe import GptOssMoE
 from services.gpu_worker.layers.linear import KernelGateUpSilu, KernelHead, KernelLinear
-from services.gpu_worker.layers.moe import MAX_KERNEL_EXPERTS, ExpertMixture, SparseMoE
+from services.gpu_worker.layers.moe import (
+    MAX_KERNEL_EXPERTS,
+    SOFTMAX_TOPK,
+    SOFTMAX_TOPK_NORM,
+    TOPK_SOFTMAX,
+    ExpertMixture,
+    SparseMoE,
+)
 from services.gpu_worker.layers.norm import RMSNorm
 from services.gpu_worker.layers.quant import QuantEmbedding, QuantLinear, QuantParts
 from services.gpu_worker.layers.rope import Rotary
@@ -56,14 +64,14 @@ class _QWeight(ctypes.Structure):
 
 
 class _MoE(ctypes.Structure):
-    _fields_ = [("n_experts", _i64), ("top_k", _i64), ("inter", _i64), ("norm_topk", _i64), ("router", _QWeight),
-                ("gate_up", _ptr), ("down", _ptr)]
+    _fields_ = [("n_experts", _i64), ("top_k", _i64), ("inter", _i64), ("route", _i64), ("clamped", _i64),
+                ("alpha", _f32), ("limit", _f32), ("router", _QWeight), ("gate_up", _ptr), ("down", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight * 3), ("o", _QWeight), ("gate_up", _QWeight * 2),
                 ("down", _QWeight), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("ln3", _ptr), ("ln4", _ptr),
-                ("step", _i64), ("moe", _ptr)]
+                ("step", _i64), ("moe", _ptr), ("sinks", _ptr)]
 
 
 class _Shape(ctypes.Structure):
@@ -117,13 +125,15 @@ def _qweight(layer) -> _QWeight | None:
     return None
 
 
-def _moe(mlp: SparseMoE) -> tuple[_MoE, list] | None:
+def _moe(mlp: ExpertMixture) -> tuple[_MoE, list] | None:
     """A mixture-of-experts block as the C stack's struct (and the arrays its pointers are
-    into), where the stack computes it as the module does: no shared expert, its router a C
-    GEMM, its experts packed (`SparseMoE.pack`) or kept quantized (`keep_quantized`), the
-    C routing (`kernel_route`: at most MAX_KERNEL_EXPERTS); None otherwise."""
-    router = _qweight(mlp.gate)
-    if type(mlp) is not SparseMoE or mlp.shared_expert is not None or router is None or not (
+    into), where the stack computes it as the module does: Qwen3-MoE's or Mixtral's (no
+    shared expert) or gpt-oss's, its router a C GEMM, its experts packed (`pack`) or kept
+    quantized (`keep_quantized`), the C routing (`kernel_route`: at most
+    MAX_KERNEL_EXPERTS); None otherwise."""
+    oss = isinstance(mlp, GptOssMoE)
+    router = _qweight(mlp.router if oss else mlp.gate)
+    if not (oss or (type(mlp) is SparseMoE and mlp.shared_expert is None)) or router is None or not (
             1 <= mlp.top_k <= mlp.num_experts <= MAX_KERNEL_EXPERTS):
         return None
     n = mlp.num_experts
@@ -131,18 +141,33 @@ def _moe(mlp: SparseMoE) -> tuple[_MoE, list] | None:
         gate_up = [_qweight(q) for q in mlp.quant.gate_up]
         down = [_qweight(q) for q in mlp.quant.down]
     elif mlp.gate_up_packed is not None and mlp.down_packed is not None:
-        gate_up = [_QWeight(GEMM_F32_SILU, mlp.hidden, mlp.inter, mlp.gate_up_packed[e].data_ptr(), None, None, None)
-                   for e in range(n)]
-        down = [_QWeight(GEMM_F32, mlp.inter, mlp.hidden, mlp.down_packed[e].data_ptr(), None, None, None)
-                for e in range(n)]
+        gate_up, down = _packed_experts(mlp)
     else:
         return None
     weights = [w for w in gate_up + down if w is not None]
     if len(weights) != 2 * n:
         return None
     gu, dn = (_QWeight * n)(*weights[:n]), (_QWeight * n)(*weights[n:])
-    struct = _MoE(n, mlp.top_k, mlp.inter, int(mlp.norm_topk_prob), router, ctypes.addressof(gu), ctypes.addressof(dn))
+    route = TOPK_SOFTMAX if oss else SOFTMAX_TOPK_NORM if mlp.norm_topk_prob else SOFTMAX_TOPK
+    alpha, limit = (mlp.alpha, mlp.limit) if oss else (0.0, 0.0)
+    struct = _MoE(n, mlp.top_k, mlp.inter, route, int(oss), alpha, limit, router, ctypes.addressof(gu),
+                  ctypes.addressof(dn))
     return struct, [gu, dn]
+
+
+def _packed_experts(mlp: ExpertMixture) -> tuple[list[_QWeight | None], list[_QWeight | None]]:
+    """The packed experts' weights (`pack`): Qwen3-MoE's gate/up with silu * up in the GEMM,
+    gpt-oss's gate/up and down with their biases (gate half, then up half)."""
+    assert mlp.gate_up_packed is not None and mlp.down_packed is not None
+    n, h, i = mlp.num_experts, mlp.hidden, mlp.inter
+    if isinstance(mlp, GptOssMoE):
+        assert mlp.gate_up_bias is not None and mlp.down_bias is not None
+        return ([_QWeight(GEMM_F32, h, 2 * i, mlp.gate_up_packed[e].data_ptr(), None, None,
+                          mlp.gate_up_bias[e].data_ptr()) for e in range(n)],
+                [_QWeight(GEMM_F32, i, h, mlp.down_packed[e].data_ptr(), None, None, mlp.down_bias[e].data_ptr())
+                 for e in range(n)])
+    return ([_QWeight(GEMM_F32_SILU, h, i, mlp.gate_up_packed[e].data_ptr(), None, None, None) for e in range(n)],
+            [_QWeight(GEMM_F32, i, h, mlp.down_packed[e].data_ptr(), None, None, None) for e in range(n)])
 
 
 def _plain_f32(t: torch.Tensor) -> bool:
@@ -213,7 +238,7 @@ class CpuDecodeStack:
         if os.environ.get("MSTAR_CPU_STACK", "1").lower() in ("0", "false", "no"):
             return None
         cfg = model.config
-        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.attn_softcap is not None or cfg.attn_sinks
+        if (cfg.hidden_act not in ("silu", "gelu_pytorch_tanh") or cfg.attn_softcap is not None
                 or any(t not in KINDS for t in cfg.layer_types)
                 or cfg.head_dim % 2 or cfg.num_attention_heads > 128
                 or cfg.num_attention_heads % cfg.num_key_value_heads):
@@ -227,7 +252,7 @@ class CpuDecodeStack:
             gu: list[_QWeight | None]
             down: _QWeight | None
             if isinstance(mlp, ExpertMixture):
-                got = _moe(cast("SparseMoE", mlp))
+                got = _moe(mlp)
                 if got is None:
                     return None
                 moe = got[0]
@@ -243,16 +268,20 @@ class CpuDecodeStack:
                     *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if cfg.sandwich_norm
                       else (None, None))]
             ws = [None if m is None else m.weight for m in mods]
+            sinks = getattr(attn, "sinks", None)  # gpt-oss's, else None
+            if sinks is not None and not _plain_f32(sinks):
+                return None
             if (any(g is None for g in gemms) or kind not in KINDS
                     or any(w is not None and (w.dtype != torch.float32 or w.device.type != "cpu"
                                               or not w.is_contiguous()) for w in ws)
                     or any(m is not None and m.eps != cfg.rms_norm_eps for m in mods)):
                 return None
-            norms.append(ws)
+            norms.append([*ws, sinks])
             ptrs = [None if w is None else w.data_ptr() for w in ws]
             g = cast("list[_QWeight]", gemms)  # q, k, v, o, gate, up, down (k, v, up empty where fused)
             layers.append(_Layer(ptrs[0], ptrs[1], (_QWeight * 3)(*g[:3]), g[3], (_QWeight * 2)(*g[4:6]), g[6], None,
-                                 *ptrs[2:], KINDS.index(kind), None if moe is None else ctypes.addressof(moe)))
+                                 *ptrs[2:], KINDS.index(kind), None if moe is None else ctypes.addressof(moe),
+                                 None if sinks is None else sinks.data_ptr()))
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                        max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0), 0, 0,
                        cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"),
