@@ -233,28 +233,10 @@ class CsmSpec(ModelSpec):
     def _spans(self, ids: list[int], context: tuple[PreparedAudio, ...]) -> tuple[Span, ...]:
         """`ids` spans for text, a keyed `rows` span per run of audio placeholders (one run
         per context audio, in order, as long as its frames); `PromptError` otherwise."""
-        spans: list[Span] = []
-        text: list[int] = []
-        runs = 0
-        i = 0
-        while i < len(ids):
-            j = i
-            while j < len(ids) and ids[j] == self.audio_token_id:
-                j += 1
-            if j == i:
-                text.append(ids[i])
-                i += 1
-                continue
-            if runs >= len(context) or j - i != context[runs].frames:
-                raise PromptError("input_ids", f"the prompt's audio placeholders (id {self.audio_token_id}) do not "
-                                               "match the context's audio")
-            spans += [Span.ids(text)] if text else []
-            spans.append(Span.rows(j - i, context[runs].key))
-            text, runs, i = [], runs + 1, j
-        if runs != len(context):
-            raise PromptError("input_ids", f"the prompt holds {runs} runs of audio placeholders for "
-                                           f"{len(context)} context audio(s)")
-        return (*spans, Span.ids(text)) if text else tuple(spans)
+        holes = set() if self.audio_token_id is None else {self.audio_token_id}
+        return context_spans(ids, holes, [(a.frames, a.key) for a in context],
+                             f"the prompt's audio placeholders (id {self.audio_token_id}) do not match the "
+                             "context's audio", "context audio(s)")
 
     @property
     def depth_rows(self) -> int:
@@ -303,6 +285,34 @@ def encoded_frames(samples: int, samples_per_frame: int) -> int:
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def context_spans(ids: list[int], holes: set[int], clips: Sequence[tuple[int, str]], mismatch: str,
+                  noun: str) -> tuple[Span, ...]:
+    """`ids` as spans: text as `ids` spans, each run of `holes` ids as a keyed `rows` span of
+    the next clip (`clips`: each one's rows and key, in order; the run as long as its rows,
+    so the prefix cache shares a clip's rows only with the same clip). `PromptError` naming
+    input_ids with `mismatch` for a run that is not its clip's length, or when the runs and
+    the clips (`noun`) do not pair up. CSM's and Higgs Audio's context turns."""
+    spans: list[Span] = []
+    text: list[int] = []
+    runs, i = 0, 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] in holes:
+            j += 1
+        if j == i:
+            text.append(ids[i])
+            i += 1
+            continue
+        if runs >= len(clips) or j - i != clips[runs][0]:
+            raise PromptError("input_ids", mismatch)
+        spans += [Span.ids(text)] if text else []
+        spans.append(Span.rows(j - i, clips[runs][1]))
+        text, runs, i = [], runs + 1, j
+    if runs != len(clips):
+        raise PromptError("input_ids", f"the prompt holds {runs} runs of audio placeholders for {len(clips)} {noun}")
+    return (*spans, Span.ids(text)) if text else tuple(spans)
 
 
 def _token_str(value: Any) -> str | None:

@@ -72,7 +72,7 @@ from shared.specs.base import (
     PromptRequest,
     added_tokens,
 )
-from shared.specs.csm import _token_str, llama_config
+from shared.specs.csm import _token_str, context_spans, llama_config
 
 ARCHITECTURE = "HiggsAudioV2ForConditionalGeneration"
 DEFAULT_VOICE = "default"
@@ -271,27 +271,9 @@ class HiggsSpec(ModelSpec):
         """`ids` spans for text, a keyed `rows` span per clip's run of placeholders (its
         delayed frames, as long as `clip_rows`: the prefix cache shares a clip's rows only
         with the same clip); `PromptError` otherwise."""
-        holes = {self.audio_token_id, self.audio_delay_token_id}
-        spans: list[Span] = []
-        text: list[int] = []
-        runs, i = 0, 0
-        while i < len(ids):
-            j = i
-            while j < len(ids) and ids[j] in holes:
-                j += 1
-            if j == i:
-                text.append(ids[i])
-                i += 1
-                continue
-            if runs >= len(context) or j - i != self.clip_rows(context[runs].frames):
-                raise PromptError("input_ids", "the prompt's audio placeholders do not match the context's clips")
-            spans += [Span.ids(text)] if text else []
-            spans.append(Span.rows(j - i, context[runs].key))
-            text, runs, i = [], runs + 1, j
-        if runs != len(context):
-            raise PromptError("input_ids", f"the prompt holds {runs} runs of audio placeholders for "
-                                           f"{len(context)} clip(s)")
-        return (*spans, Span.ids(text)) if text else tuple(spans)
+        return context_spans(ids, {self.audio_token_id, self.audio_delay_token_id},
+                             [(self.clip_rows(a.frames), a.key) for a in context],
+                             "the prompt's audio placeholders do not match the context's clips", "clip(s)")
 
     # -- KV and loops -----------------------------------------------------------------------
 
