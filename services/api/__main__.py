@@ -273,6 +273,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
+        **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
@@ -290,6 +291,13 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
     big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
+
+
+def policy_settings(spec: ModelSpec) -> dict[str, object]:
+    """What the openpi WebSocket reads of a robot policy's spec: its cameras, its state's length."""
+    state_size = getattr(spec, "state_size", None)
+    size = state_size() if callable(state_size) else None
+    return {"policy_cameras": tuple(getattr(spec, "cameras", ())), "policy_state_size": int(size or 0)}
 
 
 def speech_settings(spec) -> dict[str, object]:
