@@ -107,11 +107,12 @@ def test_same_actions_as_v1_actions(folder, server):
         assert got["server_timing"]["infer_ms"] > 0
         np.testing.assert_array_equal(got["actions"], http_actions(server, body))
     obs, body = libero(1, "pick up the red cube")
+    import torch
     from PIL import Image
 
-    want = reference_actions(folder, [[Image.fromarray(obs["observation/image"]),
-                                       Image.fromarray(obs["observation/wrist_image"])]],
-                             [body["prompt"]], [body["observation"]["state"]], __import__("torch").tensor(noise(1)[None]))
+    images = [Image.fromarray(obs["observation/image"]), Image.fromarray(obs["observation/wrist_image"])]
+    want = reference_actions(folder, [images], [body["prompt"]], [body["observation"]["state"]],
+                             torch.tensor(noise(1)[None]))
     np.testing.assert_allclose(policy.infer(obs)["actions"], want[0].numpy(), atol=1e-5, rtol=0)
     policy._ws.close()
     assert server.wait_pages_free() == 0
