@@ -27,6 +27,7 @@ socket is closed with 1011 as openpi's server does. The metadata: `model`, `chun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import time
 from typing import Any
@@ -67,7 +68,7 @@ def png(pixels: np.ndarray) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, "PNG", compress_level=1)
+    Image.fromarray(pixels).save(buf, "PNG", compress_level=1)  # HWC uint8: RGB
     return buf.getvalue()
 
 
@@ -86,17 +87,31 @@ async def openpi_ws(ws: WebSocket) -> None:
         if message["type"] == "websocket.disconnect":
             return
         try:
-            reply = await infer(state, message.get("bytes"))
+            reply: bytes | str = await infer(state, message.get("bytes"))
         except ApiError as err:
             state.metrics.count(status_label(err.status))
-            await ws.send_text(encode(err.body()).decode())
-            continue
+            reply = encode(err.body()).decode()
         except Exception as exc:
             state.metrics.count("error_5xx")
-            await ws.send_text(encode(internal_error("answering an openpi observation", exc).body()).decode())
-            await ws.close(INTERNAL_ERROR, "internal server error; the error is in the previous frame")
+            await _send(ws, encode(internal_error("answering an openpi observation", exc).body()).decode())
+            with contextlib.suppress(Exception):
+                await ws.close(INTERNAL_ERROR, "internal server error; the error is in the previous frame")
             return
-        await ws.send_bytes(reply)
+        if not await _send(ws, reply):
+            return
+
+
+async def _send(ws: WebSocket, frame: bytes | str) -> bool:
+    """Send one frame (bytes: binary, str: text); False once the client has gone (it may
+    leave while its observation runs: the answer then has nowhere to go)."""
+    try:
+        if isinstance(frame, bytes):
+            await ws.send_bytes(frame)
+        else:
+            await ws.send_text(frame)
+        return True
+    except Exception:  # WebSocketDisconnect, RuntimeError on a closed socket, OSError
+        return False
 
 
 async def infer(state: ApiState, data: bytes | None) -> bytes:
