@@ -12,8 +12,9 @@ Made once, cached beside the other bench checkpoints. Random weights: speed only
 
 Figures, rounds alternating the two systems (medians, per-round ratios with their spread):
 - TTFT at c1: one request at a time, request to its whole chunk (a policy's only output);
-  mstar: over HTTP (two PNG data URLs, decoded by the data worker); transformers: the
-  processor on the already decoded images, then `sample_actions`;
+  mstar: over HTTP (two PNG data URLs, decoded by the data worker), or with `--client
+  openpi` through openpi's own `WebsocketClientPolicy` (LIBERO's keys, uint8 arrays in
+  msgpack); transformers: the processor on the already decoded images, then `sample_actions`;
 - actions/s at c1: chunk rows answered per second over those requests;
 - c16: bursts of 16 observations arriving at once (16 robots, or one robot's 16 arms):
   TTFT is each one's time from the burst's start to its chunk (mstar: 16 concurrent
@@ -198,6 +199,46 @@ async def mstar_round(url: str, payload: dict, shape: Shape, c1_requests: int, b
     return figures(c1, c1_wall, burst_ttft, burst_wall, shape)
 
 
+def openpi_round(port: int, obs: dict, shape: Shape, c1_requests: int, bursts: int) -> dict:
+    """`mstar_round` through openpi's own client over the WebSocket (one socket a client,
+    as a robot holds one; the burst's 16 from 16 threads, the client being synchronous)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    clients = [WebsocketClientPolicy("127.0.0.1", port) for _ in range(BURST)]
+
+    def infer(client: Any, t0: float) -> float:
+        client.infer(obs)
+        return time.perf_counter() - t0
+
+    try:
+        start = time.perf_counter()
+        c1 = [infer(clients[0], time.perf_counter()) for _ in range(c1_requests)]
+        c1_wall = time.perf_counter() - start
+        burst_ttft: list[float] = []
+        start = time.perf_counter()
+        with ThreadPoolExecutor(BURST) as pool:
+            for _ in range(bursts):
+                t0 = time.perf_counter()
+                burst_ttft += pool.map(infer, clients, [t0] * len(clients))
+        burst_wall = time.perf_counter() - start
+    finally:
+        for client in clients:
+            client._ws.close()
+    return figures(c1, c1_wall, burst_ttft, burst_wall, shape)
+
+
+def observation(images: list[Any], payload: dict) -> dict:
+    """The observation as openpi's LIBERO example sends it (mstar maps its cameras to base_0_rgb
+    and left_wrist_0_rgb), with the body's state, prompt and seed."""
+    import numpy as np
+
+    return {"observation/image": np.asarray(images[0]), "observation/wrist_image": np.asarray(images[1]),
+            "observation/state": np.asarray(payload["observation"]["state"], dtype=np.float32),
+            "prompt": payload["prompt"], "seed": payload["seed"]}
+
+
 def figures(c1: list[float], c1_wall: float, burst: list[float], burst_wall: float, shape: Shape) -> dict:
     return {"c1_ttft_s": statistics.median(c1), "c1_actions_s": shape.chunk * len(c1) / c1_wall,
             "c16_ttft_s": statistics.median(burst), "c16_actions_s": shape.chunk * len(burst) / burst_wall,
@@ -258,12 +299,17 @@ def policy(args) -> Path:
     print("starting mstar serve ...", file=sys.stderr)
     server = MstarServer(str(folder), out / "logs" / "mstar.log", list(args.serve_arg)).start()
     runs: dict[str, list[dict]] = {"mstar": [], "transformers": []}
+
+    def ours(c1_requests: int, bursts: int) -> dict:
+        if args.client == "openpi":
+            return openpi_round(server.port, observation(images, payload), shape, c1_requests, bursts)
+        return asyncio.run(mstar_round(server.url, payload, shape, c1_requests, bursts))
+
     try:
-        asyncio.run(mstar_round(server.url, payload, shape, 1, 1))  # warm both (a burst: the batched path)
+        ours(1, 1)  # warm both (a burst: the batched path)
         ref.one()
         for r in range(args.rounds):
-            systems = [("mstar", lambda: asyncio.run(mstar_round(server.url, payload, shape, args.c1_requests,
-                                                                 args.bursts))),
+            systems = [("mstar", lambda: ours(args.c1_requests, args.bursts)),
                        ("transformers", lambda: ref.round(args.c1_requests, args.bursts))]
             for name, run in systems if r % 2 == 0 else systems[::-1]:
                 runs[name].append(run())
@@ -271,8 +317,8 @@ def policy(args) -> Path:
                   file=sys.stderr)
     finally:
         server.stop()
-    title = (f"random Pi0.5 {shape.name}, {len(CAMERAS)} cameras of {shape.vision['image_size']} px, chunk "
-             f"{shape.chunk} x {shape.action_dim}, {shape.steps} steps")
+    title = (f"random Pi0.5 {shape.name} (mstar over {args.client}), {len(CAMERAS)} cameras of "
+             f"{shape.vision['image_size']} px, chunk {shape.chunk} x {shape.action_dim}, {shape.steps} steps")
     return report(out, runs, FIGURES, "transformers", title,
                   {"mode": "policy", "args": vars(args), "model": str(folder), "shape": shape._asdict()})
 
@@ -286,6 +332,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bursts", type=int, default=None, help=f"bursts of {BURST} a round (default 2; --quick: 1)")
     p.add_argument("--model", default="", help="a Pi0.5 folder (default: the cached bench checkpoint)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", choices=("http", "openpi"), default="http",
+                   help="mstar through POST /v1/actions (JSON, PNG data URLs), or openpi's own "
+                        "WebsocketClientPolicy (msgpack arrays; needs openpi-client)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `mstar serve` flag (repeat)")
     p.add_argument("--out", default=None)
     return p
