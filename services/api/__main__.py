@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,  # uvicorn's records go through this process's handler (text or json)
         access_log=args.access_log,
         timeout_keep_alive=args.keep_alive_s,
+        # a WebSocket frame up to the body limit reaches the route (which refuses past it with
+        # an error frame): a policy's openpi observations are msgpack arrays, 64 MiB allowed
+        ws_max_size=max(16 << 20, settings.max_body_bytes),
         # uvicorn annotates an int but only passes it to asyncio.timeout: a float is fine
         timeout_graceful_shutdown=DRAIN_S + 3.0,  # type: ignore[arg-type]  # only reached if draining itself hangs
     )
