@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,  # uvicorn's records go through this process's handler (text or json)
         access_log=args.access_log,
         timeout_keep_alive=args.keep_alive_s,
+        # a WebSocket frame up to the body limit reaches the route (which refuses past it with
+        # an error frame): a policy's openpi observations are msgpack arrays, 64 MiB allowed
+        ws_max_size=max(16 << 20, settings.max_body_bytes),
         # uvicorn annotates an int but only passes it to asyncio.timeout: a float is fine
         timeout_graceful_shutdown=DRAIN_S + 3.0,  # type: ignore[arg-type]  # only reached if draining itself hangs
     )
@@ -273,6 +276,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
+        **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
         normalized=spec.normalize,
@@ -290,6 +294,13 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
     big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
+
+
+def policy_settings(spec: ModelSpec) -> dict[str, object]:
+    """What the openpi WebSocket reads of a robot policy's spec: its cameras, its state's length."""
+    state_size = getattr(spec, "state_size", None)
+    size = state_size() if callable(state_size) else None
+    return {"policy_cameras": tuple(getattr(spec, "cameras", ())), "policy_state_size": int(size or 0)}
 
 
 def speech_settings(spec) -> dict[str, object]:

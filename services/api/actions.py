@@ -29,6 +29,7 @@ from services.api.fanout import Choice
 from services.api.media import load_image
 from services.api.schemas import ActionRequest, ActionResponse, ActionUsage
 from services.api.serving import Prepared, serve
+from services.api.settings import ApiSettings
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, load, new_request_id
@@ -62,6 +63,13 @@ async def accept(obj: Any, state: ApiState) -> Prepared:
     policy.check_image_count(len(cameras), "observation.images")
     images = [await load_image(req.observation.images[name], f"observation.images.{name}", policy)
               for name in cameras]
+    return prepare(req, cameras, images, settings)
+
+
+def prepare(req: ActionRequest, cameras: list[str], images: list[bytes], settings: ApiSettings) -> Prepared:
+    """The engine request of a checked body whose cameras' image files are `images` (in
+    `cameras`' order); shared with the openpi WebSocket (`openpi.py`), which brings its
+    cameras as arrays, so both paths submit the same request for the same observation."""
     numbers, options = floats(req)
     request_id = req.request_id or new_request_id()
     params = GenerateParams(request_id=request_id, sampling=SamplingParams(), max_tokens=1, prompt=req.prompt,

@@ -6,9 +6,10 @@ OpenAI's `GET /v1/models[/{model}]`, `POST /v1/completions`, `POST /v1/chat/comp
 `/v1/responses`; Anthropic's `/v1/messages`), the task routes (`POST /v1/embeddings`,
 `/v1/score`, `/v1/rerank`, `/v1/audio/transcriptions`, `/v1/audio/speech`), vLLM's
 `POST /tokenize`, `POST /detokenize`, `GET /version`, and `GET /openapi.json`,
-`GET /health`, `GET /ready`, `GET /metrics`. Build it with `create_app(settings, tokenizer)`;
-the backend binds its socket in the lifespan (or at the first request if the lifespan did
-not run), and nothing else needs to be up for the app to start and answer 400s. The
+`GET /health` (and `/healthz`, openpi's), `GET /ready`, `GET /metrics`; for a robot policy
+also openpi's WebSocket policy protocol at `/` and `/openpi` (`openpi.py`). Build it with
+`create_app(settings, tokenizer)`; the backend binds its socket in the lifespan (or at the
+first request if the lifespan did not run), and nothing else needs to be up for the app to start and answer 400s. The
 lifespan also runs the periodic stats line (`stats_log.py`). With `settings.api_key` set,
 `ApiKeyMiddleware` wraps everything.
 """
@@ -32,7 +33,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import actions, dialects, embeddings, scoring, speech, tokenization, transcription
+from services.api import actions, dialects, embeddings, openpi, scoring, speech, tokenization, transcription
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -166,6 +167,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
     routes = [
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
+        # openpi's policy-server protocol: its client connects to ws://host:port (path /)
+        *(WebSocketRoute(path, openpi.openpi_ws) for path in ("/", "/openpi")),
         Route("/openapi.json", guard(openapi_json), methods=["GET"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/actions", actions.actions, methods=["POST"]),
@@ -177,7 +180,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/tokenize", guard(tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", guard(tokenization.detokenize), methods=["POST"]),
         Route("/version", guard(tokenization.version), methods=["GET"]),
-        Route("/health", guard(health), methods=["GET"]),
+        *(Route(path, guard(health), methods=["GET"]) for path in ("/health", "/healthz")),  # /healthz: openpi's
         Route("/ready", guard(ready), methods=["GET"]),
         Route("/metrics", guard(metrics), methods=["GET"]),
     ]

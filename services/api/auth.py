@@ -1,5 +1,6 @@
-"""Optional API key (`--api-key` / `MSTAR_API_KEY`): `Authorization: Bearer <key>`, or
-`x-api-key: <key>` (Anthropic's header, which its SDK sends).
+"""Optional API key (`--api-key` / `MSTAR_API_KEY`): `Authorization: Bearer <key>` (or
+`Api-Key <key>`, openpi's client's), or `x-api-key: <key>` (Anthropic's header, which its
+SDK sends).
 
 An ASGI middleware in front of every route, so no route can forget the check; only the
 probes `/health` and `/ready` stay open (orchestrators call them without credentials).
@@ -26,16 +27,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.api.errors import ApiError, HttpKind
 from services.api.events import encode
 
-OPEN_PATHS = ("/health", "/ready")
+OPEN_PATHS = ("/health", "/healthz", "/ready")
 WS_POLICY_VIOLATION = 1008
 
 
 def bearer_token(scope: Scope) -> bytes | None:
-    """The token of an `Authorization: Bearer <token>` header, or None."""
+    """The token of an `Authorization: Bearer <token>` header (or `Api-Key <token>`, what
+    openpi's WebSocket client sends), or None."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
+            if scheme.lower() in (b"bearer", b"api-key") and token.strip():
                 return token.strip()
             return None
     return None

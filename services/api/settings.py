@@ -63,6 +63,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0
     #: a robot policy's actions: (chunk, action dim) of each reply's matrix
     action_shape: tuple[int, int] = (0, 0)
+    #: a robot policy's camera names (LeRobot's `input_features`, in order; empty: it takes
+    #: any) and its state's length (0: not known): the openpi WebSocket maps onto them
+    policy_cameras: tuple[str, ...] = ()
+    policy_state_size: int = 0
     #: the model's parameters and those one token computes with (`ModelSpec.parameter_counts`;
     #: they differ for a mixture of experts), shown by /v1/models; 0: not counted
     parameters: int = 0

@@ -78,3 +78,21 @@ def test_bench_spec_smoke(tmp_path):
         assert all(s["completed"] == 2 and s["output_tokens"] == 24 for s in run.values())
     assert data["runs"]["k=0"]["repetitive c1"]["drafted"] == 0
     assert (out / "plot.png").stat().st_size > 1000
+
+
+def test_policy_bench_quick(tmp_path):
+    """`python -m bench.policy --quick`: a tiny Pi0.5 through /v1/actions against transformers'
+    one-at-a-time `sample_actions`; the four figures there for both, the PNG written."""
+    out = tmp_path / "policy"
+    argv = [sys.executable, "-m", "bench.policy", "--quick", "--out", str(out)]
+    env = {**service_env(), "MSTAR_BENCH_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "c1 actions/s" in proc.stdout and "c16 TTFT (ms)" in proc.stdout
+    assert (out / "plot.png").stat().st_size > 1000
+    data = json.loads((out / "results.json").read_text())
+    assert data["mode"] == "policy" and data["shape"]["chunk"] == 5
+    for system in ("mstar", "transformers"):
+        (run,) = data["runs"][system]
+        assert len(run["c1_all_s"]) == 2 and len(run["c16_all_s"]) == 16
+        assert run["c1_actions_s"] > 0 and run["c16_actions_s"] > 0 and run["c16_ttft_s"] > 0

@@ -90,3 +90,14 @@ async def test_websocket_without_denial_extension_closes_1008() -> None:
     scope = {"type": "websocket", "path": "/generate/ws", "headers": [(b"authorization", b"Bearer nope")]}
     await ApiKeyMiddleware(app, KEY)(scope, receive, send)
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": "invalid API key"}]
+
+
+def test_openpi_socket_takes_openpi_clients_key_header(client: TestClient) -> None:
+    """openpi's client sends `Authorization: Api-Key <key>`; /healthz (openpi's probe) is open.
+    This model is no policy, so the socket answers with an error frame naming the task."""
+    assert client.get("/healthz").status_code == 200
+    with pytest.raises(WebSocketDenialResponse) as info, client.websocket_connect("/"):
+        pass
+    assert info.value.status_code == 401
+    with client.websocket_connect("/", headers={"Authorization": f"Api-Key {KEY}"}) as ws:
+        assert json.loads(ws.receive_text())["error"]["param"] == "model"
