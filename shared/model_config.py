@@ -234,13 +234,18 @@ def _mxfp4_gpt_oss(raw: Mapping[str, Any], model_type: str) -> bool:
     return model_type == "gpt_oss" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
 
 
-def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """The `ModelConfig` of a config.json dict; DeploymentError names any field it cannot honour."""
-    arch, model_type = _architecture(raw)
+def _refuse_quantized(raw: Mapping[str, Any], model_type: str) -> None:
+    """DeploymentError for a quantized checkpoint, but gpt-oss's MXFP4 experts."""
     for key in sorted(REFUSED & set(raw)):
         if raw[key] is not None and not _mxfp4_gpt_oss(raw, model_type):
             raise _refuse(key, raw[key], "quantized Hugging Face checkpoints are not supported (use a GGUF file); "
                           "gpt-oss's MXFP4 experts are")
+
+
+def read_model_config(raw: Mapping[str, Any]) -> ModelConfig:
+    """The `ModelConfig` of a config.json dict; DeploymentError names any field it cannot honour."""
+    arch, model_type = _architecture(raw)
+    _refuse_quantized(raw, model_type)
     unknown = sorted(set(raw) - HARMLESS - READ - REFUSED)
     if unknown:
         log.warning("config.json keys not known to mstar (ignored): %s", unknown)
