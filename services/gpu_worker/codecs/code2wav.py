@@ -63,7 +63,8 @@ class Code2WavSettings:
         self.theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         if cfg.get("hidden_act", "silu") != "silu" or rope.get("rope_type", "default") != "default" \
                 or cfg.get("attention_bias", False):
-            raise ValueError("only Code2Wav's own arithmetic is implemented: SiLU MLPs, default RoPE, no attention bias")
+            raise ValueError("only Code2Wav's own arithmetic is implemented: SiLU MLPs, default RoPE, "
+                             "no attention bias")
         self.samples_per_frame = math.prod(self.rates + self.ratios)
         self.sample_rate = 24000
 
@@ -148,8 +149,8 @@ class Code2WavCodec:
             h = _rms(x, w[p + "input_layernorm.weight"], s.eps)
             x = x + w[p + "self_attn_layer_scale.scale"] * self._attend(h, p + "self_attn.", cos, sin, mask)
             h = _rms(x, w[p + "post_attention_layernorm.weight"], s.eps)
-            mlp = F.linear(F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"]),
-                           w[p + "mlp.down_proj.weight"])
+            gate = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"]))
+            mlp = F.linear(gate * F.linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
             x = x + w[p + "mlp_layer_scale.scale"] * mlp
         return _rms(x, w["pre_transformer.norm.weight"], s.eps)
 
