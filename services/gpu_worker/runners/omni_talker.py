@@ -15,6 +15,11 @@ Each later step feeds the previous frame's summed code embeddings plus one text 
 projections of the generated tokens after the first, then `tts_eos`, then `tts_pad` for
 ever (so the talker reads the text one token per frame, and knows where it ends).
 
+Positions are transformers' `get_rope_index` over the talker's ids (the user turns' ids, then
+`tts_pad` for each opening row): text and audio rows one by one, an image's rows its merged
+grid (`shared.specs.vision_lm.mrope_positions`, the thinker's own); a later row r is at
+r + the offset in all three.
+
 Sampling is the reference's greedy: the first code's logits with the 1024 ids past the
 codes suppressed except `codec_eos`, and transformers' repetition penalty (1.05) over the
 first codes so far; the code predictor's codes greedy. A frame is made for each first code
@@ -32,6 +37,7 @@ import torch
 
 from services.gpu_worker.attention import AttnRows, build_metadata
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
+from shared.specs.vision_lm import mrope_positions
 
 #: transformers' `generate` defaults for the talker
 REPETITION_PENALTY = 1.05
@@ -51,6 +57,7 @@ class TalkerSettings:
     codec_eos: int
     multimodal: tuple[int, ...]  # audio, image, video placeholder ids
     accept_hidden_layer: int
+    merge: int  # the vision tower's spatial merge
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TalkerSettings:
@@ -68,7 +75,8 @@ class TalkerSettings:
             codec_eos=int(t.get("codec_eos_token_id", 4198)),
             multimodal=(int(th.get("audio_token_id", 151646)), int(th.get("image_token_id", 151655)),
                         int(th.get("video_token_id", 151656))),
-            accept_hidden_layer=int(t.get("accept_hidden_layer", 18)))
+            accept_hidden_layer=int(t.get("accept_hidden_layer", 18)),
+            merge=int((th.get("vision_config") or {}).get("spatial_merge_size", 2)))
 
 
 @dataclass
@@ -76,6 +84,8 @@ class TalkerPrompt:
     rows: torch.Tensor  # [P, hidden]: the talker's prompt rows
     trailing: torch.Tensor  # [L, hidden]: the text row each step adds, in order
     pad: torch.Tensor  # [hidden]: the text row of every step past `trailing`
+    positions: torch.Tensor  # [3, P]: the prompt rows' M-RoPE positions
+    offset: int  # a later row r is at r + offset in all three streams
 
 
 def user_positions(ids: list[int], s: TalkerSettings) -> list[int]:
@@ -99,11 +109,12 @@ def assistant_start(ids: list[int], s: TalkerSettings) -> int:
 
 def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[torch.Tensor], torch.Tensor],
                   sequence: list[int], prompt_len: int, speaker: int, thinker_eos: tuple[int, ...],
-                  mm_hidden: torch.Tensor | None = None) -> TalkerPrompt:
+                  mm_hidden: torch.Tensor | None = None,
+                  grids: list[tuple[int, int, int]] | None = None) -> TalkerPrompt:
     """The talker's prompt rows and text rows for the thinker's `sequence` (its prompt's
     `prompt_len` ids, then what it generated); `embed`: the thinker's input embeddings;
     `mm_hidden` [prompt rows, thinker hidden]: its hidden states at `accept_hidden_layer`,
-    read only at image and audio rows of user turns."""
+    read only at image and audio rows of user turns; `grids`: the prompt's images' (t, h, w)."""
     dev = model.codec_head.weight.device
     prompt = sequence[:prompt_len]
     embeds = embed(torch.tensor(sequence, device=dev))
@@ -129,7 +140,10 @@ def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[to
     if first_eos < len(trailing):
         trailing[first_eos] = eos
         trailing[first_eos + 1:] = pad
-    return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad)
+    ids = [prompt[p] for p in users] + [s.tts_ids[2]] * opening.shape[0]
+    positions, offset = mrope_positions(ids, s.multimodal[1], list(grids or []), s.merge)
+    return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad,
+                        torch.from_numpy(positions).to(dev), int(offset))
 
 
 class TalkerRun:
@@ -147,7 +161,10 @@ class TalkerRun:
     def _talk(self, x: torch.Tensor, pages: list[int]) -> None:
         n = x.shape[0]
         meta = build_metadata([AttnRows(pages, 0, self.rows, n, self.rows > 0)], self.page_size)
-        pos = torch.arange(self.rows, self.rows + n, device=x.device).expand(3, -1)
+        if self.rows == 0:
+            pos = self.p.positions
+        else:
+            pos = torch.arange(self.rows, self.rows + n, device=x.device).expand(3, -1) + self.p.offset
         self.hidden = self.m.talk(x, pos, self.talker_caches, meta)[-1:]
         self.rows += n
 
