@@ -17,7 +17,7 @@ import torch
 from services.gpu_worker.codecs.code2wav import Code2WavCodec
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
-from services.gpu_worker.runners.omni_talker import TalkerRun, TalkerSettings, talker_prompt
+from services.gpu_worker.runners.omni_talker import TalkerRun, TalkerSettings, TalkerStep, talker_prompt
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
 
 PAGE = 4
@@ -80,7 +80,7 @@ def _reference(hf, voice: str, max_tokens: int, media: tuple[str, ...]):
     return ref, seen["codes"], wav.reshape(-1).numpy()
 
 
-def _ours(ckpt, voice, ref):
+def _stage(ckpt):
     from safetensors.torch import load_file
 
     config = json.loads((ckpt / "config.json").read_text())
@@ -90,32 +90,61 @@ def _ours(ckpt, voice, ref):
     model.eval()
     s = TalkerSettings.from_config(config)
     tc, pc = model.cfg, model.predictor_cfg
-    talker_caches = kv_cache(tc.num_hidden_layers, 32, PAGE, tc.num_key_value_heads, tc.head_dim, torch.float32,
+    talker_caches = kv_cache(tc.num_hidden_layers, 64, PAGE, tc.num_key_value_heads, tc.head_dim, torch.float32,
                              torch.device("cpu"))
-    code_caches = kv_cache(pc.num_hidden_layers, 4, PAGE, pc.num_key_value_heads, pc.head_dim, torch.float32,
+    code_caches = kv_cache(pc.num_hidden_layers, 8, PAGE, pc.num_key_value_heads, pc.head_dim, torch.float32,
                            torch.device("cpu"))
-    with torch.inference_mode():
-        prompt = talker_prompt(model, s, ref["embed"], ref["sequence"], ref["prompt_len"], s.speakers[voice],
-                               (ref["eos"],), ref["mm_hidden"], ref["grids"])
-        run = TalkerRun(model, s, prompt, talker_caches, code_caches, PAGE)
-        pages = list(range(32))
-        code = run.prefill(pages)
-        frames = []
-        while code != s.codec_eos and len(run.history) <= MAX_FRAMES:
-            frame, code = run.frame(pages, [0, 1])
-            frames.append(frame)
     codec = Code2WavCodec(ckpt, config["code2wav_config"])
-    codes = np.asarray(frames, dtype=np.int64)
-    return codes, codec.decode(codes)
+    return model, s, TalkerStep(model, s, talker_caches, code_caches, PAGE), codec
+
+
+def _talk(ckpt, cases: list[tuple[str, dict, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each case's (voice, reference inputs, the step it joins at) through one batch: its
+    own 16 talker pages and 2 code pages; a run leaves the batch at codec_eos or the cap."""
+    model, s, step, codec = _stage(ckpt)
+    with torch.inference_mode():
+        runs = [TalkerRun(talker_prompt(model, s, ref["embed"], ref["sequence"], ref["prompt_len"], s.speakers[voice],
+                                        (ref["eos"],), ref["mm_hidden"], ref["grids"])) for voice, ref, _ in cases]
+        live: list[int] = []
+        t = 0
+        while t == 0 or live:
+            live += [i for i, (_, _, at) in enumerate(cases) if at == t]
+            codes = step([runs[i] for i in live], [list(range(16 * i, 16 * i + 16)) for i in live],
+                         [[2 * i, 2 * i + 1] for i in live])
+            live = [i for i, c in zip(live, codes) if c != s.codec_eos and len(runs[i].history) <= MAX_FRAMES]
+            t += 1
+    out = []
+    for r in runs:
+        frames = np.asarray(r.frames, dtype=np.int64)
+        out.append((frames, codec.decode(frames)))
+    return out
+
+
+CASES = [("ethan", 6, ()), ("chelsie", 3, ()), ("ethan", 4, ("image",)), ("chelsie", 4, ("audio",))]
+
+
+@pytest.fixture(scope="module")
+def references(hf):
+    return [_reference(hf, voice, n, media) for voice, n, media in CASES]
+
+
+def _check(ours: tuple[np.ndarray, np.ndarray], ref_codes: np.ndarray, ref_wave: np.ndarray) -> None:
+    codes, wave = ours
+    assert len(codes) and codes.tolist() == ref_codes.tolist()
+    assert wave.shape == ref_wave.shape
+    np.testing.assert_allclose(wave, ref_wave, atol=1e-3)
 
 
 #: (an image and an audio clip together is left out: transformers' talker cannot place them,
 #: its `get_rope_index` reads `self.config.audio_config`, which the talker's config lacks)
-@pytest.mark.parametrize(("voice", "max_tokens", "media"), [("ethan", 6, ()), ("chelsie", 3, ()),
-                                                             ("ethan", 4, ("image",)), ("chelsie", 4, ("audio",))])
-def test_codes_and_waveform_equal_transformers(ckpt, hf, voice, max_tokens, media):
-    ref, ref_codes, ref_wave = _reference(hf, voice, max_tokens, media)
-    codes, wave = _ours(ckpt, voice, ref)
-    assert len(codes) and codes.tolist() == ref_codes.tolist()
-    assert wave.shape == ref_wave.shape
-    np.testing.assert_allclose(wave, ref_wave, atol=1e-3)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_alone_equals_transformers(ckpt, references, case):
+    ref, ref_codes, ref_wave = references[case]
+    _check(_talk(ckpt, [(CASES[case][0], ref, 0)])[0], ref_codes, ref_wave)
+
+
+def test_batched_equals_transformers(ckpt, references):
+    """All four in one batch, two joining late (their prompts share steps with the others' frames)."""
+    cases = [(CASES[i][0], references[i][0], at) for i, at in enumerate((0, 2, 0, 1))]
+    for ours, (_, ref_codes, ref_wave) in zip(_talk(ckpt, cases), references):
+        _check(ours, ref_codes, ref_wave)

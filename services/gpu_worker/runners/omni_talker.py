@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -147,70 +147,100 @@ def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[to
 
 
 class TalkerRun:
-    """One request's talker stage over its pages: `prefill` the prompt rows, then `frame`
-    per step (the frame of the code sampled last, and the next first code)."""
+    """One request's talker stage: its prompt, the first codes sampled so far, the frames
+    made, and the talker's last hidden state (what the next frame's code predictor reads)."""
 
-    def __init__(self, model: Qwen3OmniTalker, s: TalkerSettings, prompt: TalkerPrompt,
-                 talker_caches: list[torch.Tensor], code_caches: list[torch.Tensor], page_size: int) -> None:
-        self.m, self.s, self.p = model, s, prompt
-        self.talker_caches, self.code_caches, self.page_size = talker_caches, code_caches, page_size
+    def __init__(self, prompt: TalkerPrompt) -> None:
+        self.p = prompt
         self.rows = 0  # talker rows in KV
         self.history: list[int] = []  # first codes sampled
-        self.hidden: torch.Tensor | None = None  # the talker's last hidden state
+        self.frames: list[list[int]] = []
+        self.hidden: torch.Tensor | None = None  # [1, hidden]
 
-    def _talk(self, x: torch.Tensor, pages: list[int]) -> None:
-        n = x.shape[0]
-        meta = build_metadata([AttnRows(pages, 0, self.rows, n, self.rows > 0)], self.page_size)
-        if self.rows == 0:
-            pos = self.p.positions
-        else:
-            pos = torch.arange(self.rows, self.rows + n, device=x.device).expand(3, -1) + self.p.offset
-        self.hidden = self.m.talk(x, pos, self.talker_caches, meta)[-1:]
-        self.rows += n
+    @property
+    def started(self) -> bool:
+        return self.rows > 0
 
-    def _sample_first(self) -> int:
-        assert self.hidden is not None
-        logits = self.m.first_code_logits(self.hidden)[0]
+    def next_rows(self, frame_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this step's talker input rows, their positions [3, n]): the prompt, or the last
+        frame's summed code embeddings `frame_rows` [1, hidden] plus the next text row."""
+        if not self.started:
+            return self.p.rows, self.p.positions
+        assert frame_rows is not None
+        g = self.rows - self.p.rows.shape[0]
+        text = self.p.trailing[g] if g < self.p.trailing.shape[0] else self.p.pad
+        pos = torch.full((3, 1), self.rows + self.p.offset, device=text.device, dtype=torch.long)
+        return frame_rows + text, pos
+
+
+class TalkerStep:
+    """The talker stage's step over a batch of requests, each with its pages: the code
+    predictor makes the frame of each started request's last first code (batched, a row
+    per request per code, in the "code" pages, rewritten each frame), then one talker
+    forward runs every request's rows (a prompt, or that frame plus a text row) and samples
+    each request's next first code."""
+
+    def __init__(self, model: Qwen3OmniTalker, s: TalkerSettings, talker_caches: list[torch.Tensor],
+                 code_caches: list[torch.Tensor], page_size: int) -> None:
+        self.m, self.s = model, s
+        self.talker_caches, self.code_caches, self.page_size = talker_caches, code_caches, page_size
+
+    def __call__(self, runs: list[TalkerRun], pages: list[list[int]], code_pages: list[list[int]]) -> list[int]:
+        """Each run's next first code; the frames made are appended to `run.frames`."""
+        dev = self.m.codec_head.weight.device
+        started = [i for i, r in enumerate(runs) if r.started]
+        frame_rows: dict[int, torch.Tensor] = {}
+        if started:
+            hidden = torch.cat([cast(torch.Tensor, runs[i].hidden) for i in started])
+            firsts = [runs[i].history[-1] for i in started]
+            frames = self.predict(hidden, firsts, [code_pages[i] for i in started])
+            embeds = self.m.frame_embeds(torch.tensor(frames, device=dev))
+            for j, i in enumerate(started):
+                runs[i].frames.append(frames[j])
+                frame_rows[i] = embeds[j: j + 1]
+        xs, poss, attn, last = [], [], [], []
+        for i, r in enumerate(runs):
+            x, pos = r.next_rows(frame_rows.get(i))
+            attn.append(AttnRows(pages[i], 0, r.rows, x.shape[0], r.started))
+            xs.append(x)
+            poss.append(pos)
+            last.append(sum(t.shape[0] for t in xs) - 1)
+        meta = build_metadata(attn, self.page_size)
+        hidden = self.m.talk(torch.cat(xs), torch.cat(poss, dim=1), self.talker_caches, meta)[last]
+        logits = self.m.first_code_logits(hidden)
+        out = []
+        for j, r in enumerate(runs):
+            r.rows += xs[j].shape[0]
+            r.hidden = hidden[j: j + 1]
+            r.history.append(self._first_code(logits[j], r.history))
+            out.append(r.history[-1])
+        return out
+
+    def _first_code(self, logits: torch.Tensor, history: list[int]) -> int:
+        """Greedy over the codes and `codec_eos` (the other 1023 control ids suppressed),
+        after the repetition penalty over the first codes so far."""
         vocab = logits.shape[0]
         keep = logits[self.s.codec_eos].clone()
         logits[max(0, vocab - SUPPRESSED_TAIL):] = float("-inf")
         logits[self.s.codec_eos] = keep
-        if self.history:
-            seen = torch.tensor(sorted(set(self.history)), device=logits.device)
+        if history:
+            seen = torch.tensor(sorted(set(history)), device=logits.device)
             vals = logits[seen]
             logits[seen] = torch.where(vals < 0, vals * REPETITION_PENALTY, vals / REPETITION_PENALTY)
-        code = int(torch.argmax(logits))
-        self.history.append(code)
-        return code
+        return int(torch.argmax(logits))
 
-    def prefill(self, pages: list[int]) -> int:
-        """The prompt rows; returns the first code."""
-        self._talk(self.p.rows, pages)
-        return self._sample_first()
-
-    def frame(self, pages: list[int], code_pages: list[int]) -> tuple[list[int], int]:
-        """(the frame of the last first code, the next first code)."""
-        assert self.hidden is not None
-        frame = self.predict(self.history[-1], code_pages)
-        g = self.rows - self.p.rows.shape[0]
-        text = self.p.trailing[g] if g < self.p.trailing.shape[0] else self.p.pad
-        x = self.m.frame_embeds(torch.tensor([frame], device=text.device)) + text
-        self._talk(x, pages)
-        return frame, self._sample_first()
-
-    def predict(self, first: int, code_pages: list[int]) -> list[int]:
-        """The code predictor's `groups - 1` codes after `first` (greedy), fresh each frame."""
-        assert self.hidden is not None
-        dev = self.hidden.device
-        codes = [first]
+    def predict(self, hidden: torch.Tensor, firsts: list[int], pages: list[list[int]]) -> list[list[int]]:
+        """Frames [b][groups]: each first code and the code predictor's `groups - 1` codes
+        after it (greedy), from the talker's hidden states `hidden` [b, hidden]."""
+        b, dev = len(firsts), hidden.device
+        codes = [torch.tensor(firsts, device=dev)]
         for k in range(self.m.groups - 1):
-            if k == 0:
-                x = torch.cat([self.hidden, self.m.codec_embeds(torch.tensor([first], device=dev))])
-                cached = 0
+            if k == 0:  # the talker's hidden state and the first code's embedding, positions 0 and 1
+                x = torch.stack([hidden, self.m.codec_embeds(codes[0])], dim=1).reshape(2 * b, -1)
+                cached, new, rows = 0, 2, torch.arange(1, 2 * b, 2, device=dev)
             else:
-                x, cached = self.m.residual_embeds(torch.tensor([codes[-1]], device=dev), k), k + 1
-            meta = build_metadata([AttnRows(code_pages, 0, cached, x.shape[0], k > 0)], self.page_size)
-            pos = torch.arange(cached, cached + x.shape[0], device=dev)
-            last = torch.tensor([x.shape[0] - 1], device=dev)
-            codes.append(int(torch.argmax(self.m.predict(x, pos, self.code_caches, meta, last, k)[0])))
-        return codes
+                x, cached, new, rows = self.m.residual_embeds(codes[-1], k), k + 1, 1, torch.arange(b, device=dev)
+            meta = build_metadata([AttnRows(p, 0, cached, new, k > 0) for p in pages], self.page_size)
+            pos = torch.arange(cached, cached + new, device=dev).repeat(b)
+            codes.append(torch.argmax(self.m.predict(x, pos, self.code_caches, meta, rows, k), dim=-1))
+        return torch.stack(codes, dim=1).tolist()
