@@ -69,14 +69,22 @@ def _ours(ckpt, inputs, layer: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("layer", [0, 1, 2])
-def test_tapped_rows_equal_transformers_hidden_states(ckpt, layer):
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """(the processor's inputs, transformers' thinker with its hidden states of every layer)."""
     import transformers
 
     inputs = _inputs(ckpt)
     hf = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = hf.thinker(**inputs, output_hidden_states=True).hidden_states[layer][0]
+        states = hf.thinker(**inputs, output_hidden_states=True).hidden_states
+    return inputs, hf, states
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_tapped_rows_equal_transformers_hidden_states(ckpt, reference, layer):
+    inputs, hf, states = reference
+    ref = states[layer][0]
     ours = _ours(ckpt, inputs, layer)
     ids = inputs["input_ids"][0]
     mm = torch.nonzero((ids == hf.config.thinker_config.image_token_id)
