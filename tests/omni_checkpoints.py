@@ -31,7 +31,9 @@ OMNI_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 OMNI_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-                 "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
+                 "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
+#: the talker's voices (`talker_config.speaker_id`, codec ids past the 32 codes a codebook)
+OMNI_SPEAKERS = {"ethan": 40, "chelsie": 41}
 #: the tokenizer's named multimodal tokens (transformers reads them from tokenizer_config.json)
 OMNI_NAMED = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
@@ -102,7 +104,9 @@ def _configs(tok: Any) -> dict[str, Any]:
     ids = {name: tok.token_to_id(t) for name, t in
            (("eos", "<|im_end|>"), ("pad", "<|endoftext|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
             ("audio", "<|audio_pad|>"), ("audio_start", "<|audio_start|>"), ("vision_start", "<|vision_start|>"),
-            ("im_start", "<|im_start|>"))}
+            ("im_start", "<|im_start|>"), ("tts_pad", "<tts_pad>"), ("tts_bos", "<tts_text_bos>"),
+            ("tts_eos", "<tts_text_eod>"))}
+    roles = {role: tok.encode(role).ids[0] for role in ("system", "user", "assistant")}
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -114,23 +118,29 @@ def _configs(tok: Any) -> dict[str, Any]:
                    audio_token_id=ids["audio"], image_token_id=ids["image"], video_token_id=ids["video"],
                    audio_start_token_id=ids["audio_start"], vision_start_token_id=ids["vision_start"],
                    position_id_per_seconds=13, initializer_range=0.2)
+    # the talker's vocabulary: 32 codes, then 1024 ids transformers' generate never samples
+    # but codec_eos (the release's layout: 2048 codes + 1024); its special ids are among them
     predictor = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=16, num_code_groups=4)
-    talker_text = dict(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                     num_key_value_heads=1, head_dim=16, num_code_groups=4, initializer_range=0.2)
+    talker_text = dict(vocab_size=32 + 1024, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
-                       num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=16,
+                       num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=16, initializer_range=0.2,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                         "mrope_interleaved": True})
     talker = dict(code_predictor_config=predictor, text_config=talker_text, num_code_groups=4, thinker_hidden_size=64,
-                  accept_hidden_layer=1, codec_eos_token_id=40, codec_nothink_id=41, codec_think_bos_id=42,
-                  codec_think_eos_id=43, codec_pad_id=44, codec_bos_id=45, audio_token_id=ids["audio"],
+                  accept_hidden_layer=1, codec_eos_token_id=34, codec_nothink_id=35, codec_think_bos_id=36,
+                  codec_think_eos_id=37, codec_pad_id=32, codec_bos_id=33, speaker_id=dict(OMNI_SPEAKERS),
+                  audio_token_id=ids["audio"],
                   image_token_id=ids["image"], video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
-                  audio_start_token_id=ids["audio_start"], spatial_merge_size=2)
+                  audio_start_token_id=ids["audio_start"], spatial_merge_size=2, initializer_range=0.2)
     code2wav = dict(codebook_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                     intermediate_size=48, num_hidden_layers=1, num_quantizers=4, decoder_dim=16,
-                    upsample_rates=[2, 2], upsampling_ratios=[2, 2], sliding_window=8)
+                    upsample_rates=[2, 2], upsampling_ratios=[2, 2], sliding_window=8,
+                    initializer_range=0.2)
     return dict(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
-                im_start_token_id=ids["im_start"], im_end_token_id=ids["eos"])
+                im_start_token_id=ids["im_start"], im_end_token_id=ids["eos"], tts_pad_token_id=ids["tts_pad"],
+                tts_bos_token_id=ids["tts_bos"], tts_eos_token_id=ids["tts_eos"], system_token_id=roles["system"],
+                user_token_id=roles["user"], assistant_token_id=roles["assistant"])
 
 
 def make_omni_checkpoint(path: Path, seed: int = 0) -> Path:

@@ -25,6 +25,7 @@ Checkpoint names are the release's: `thinker.model.*` and `thinker.lm_head.*` (t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -94,8 +95,23 @@ class OmniVisionTower(Qwen35VisionTower):
         return torch.cat([self.merger(x), *deep], dim=-1)
 
 
+@dataclass
+class HiddenTap:
+    """Rows whose hidden state after `layer` layers (0: the input embeddings) a forward keeps
+    in `out`, before deepstack adds to them: what transformers' `hidden_states[layer]`
+    holds, and what the talker reads at a prompt's image and audio rows
+    (`talker_config.accept_hidden_layer`)."""
+
+    layer: int
+    rows: torch.Tensor
+    out: torch.Tensor | None = None
+
+
 class OmniTextLM(DecoderLM):
     """`DecoderLM` with interleaved M-RoPE and deepstack (see the module docstring)."""
+
+    #: set by the caller around a forward whose rows the talker reads
+    tap: HiddenTap | None = None
 
     def __init__(self, config: Mapping[str, Any], section: tuple[int, ...], image_token_id: int) -> None:
         cfg = read_model_config(config)
@@ -124,8 +140,13 @@ class OmniTextLM(DecoderLM):
                 deep = values[visual, width:].to(x.dtype).view(len(deep_rows), layers, width)
         rotaries = cast("Iterable[tuple[str, Rotary]]", self.rotaries.items())
         ropes = {t: rot.tables(positions, x.dtype) for t, rot in rotaries}
+        tap = self.tap
+        if tap is not None and tap.layer == 0:
+            tap.out = x[tap.rows].clone()
         for i, (layer, cache, meta, kind) in enumerate(zip(self.model.layers, kv_caches, metas, self.layer_rope)):
             x = layer(x, ropes[kind], cache, meta)
+            if tap is not None and tap.layer == i + 1:
+                tap.out = x[tap.rows].clone()
             if deep is not None and deep_rows is not None and i < deep.shape[1] and len(deep_rows):
                 x[deep_rows] = x[deep_rows] + deep[:, i]
         return x
