@@ -99,6 +99,13 @@ def _converted_moe(root):
     return model, spec
 
 
+def _pages_of_other_types_on_dense_models(m, dtype) -> None:
+    """bfloat16 and int8 pages change the attention alone, which the dense families hold:
+    a mixture of experts' models run on float32 pages (the CI's time, not a gap)."""
+    if m.config.has_experts and dtype != torch.float32:
+        pytest.skip("pages of other types: the dense families' tests (the attention is the same)")
+
+
 def _caches(model, spec, dtype=torch.float32):
     """A KV tensor per layer (a Gemma's sliding and full layers in one list, as the runner
     hands them to the model)."""
@@ -190,6 +197,7 @@ def test_whole_decode_steps_are_bitwise_the_modules(model, lens, dtype):
     """Embedding, layers, final norm and head in one call (RoPE read from the whole tables
     at each row's position, Gemma's embedding scale) give the modules' logits and pages."""
     m, spec = model
+    _pages_of_other_types_on_dense_models(m, dtype)
     a, b = _prefilled(m, spec, lens, dtype), _prefilled(m, spec, lens, dtype)
     for step in range(18):  # crosses page boundaries (16 rows a page)
         rows = [(list(range(8 * r, 8 * r + 8)), 0, n + step, 1, True) for r, n in enumerate(lens)]
@@ -219,6 +227,7 @@ def test_whole_steps_with_prompt_chunks_beside_decode_rows_are_bitwise_the_modul
     rows already held) in one call: the chunks through the prefill kernel as the modules
     call it, the same logits and pages (a Gemma's sliding layers under their window)."""
     m, spec = model
+    _pages_of_other_types_on_dense_models(m, dtype)
     a, b = _prefilled(m, spec, [5, 17, 10], dtype), _prefilled(m, spec, [5, 17, 10], dtype)
     fresh = [(31 * j) % 90 + 3 for j in range(12)]
     later = [(13 * j) % 90 + 3 for j in range(9)]
@@ -253,6 +262,7 @@ def test_a_prefill_step_goes_through_the_modules(model):
 
 def test_bfloat16_and_int8_pages_are_bitwise_the_modules_and_float16_goes_through_them(model):
     m, spec = model
+    _pages_of_other_types_on_dense_models(m, torch.bfloat16)
     for dtype, runs in ((torch.bfloat16, True), (torch.int8, True), (torch.float16, False)):
         a, b = _prefilled(m, spec, [9, 20], dtype), _prefilled(m, spec, [9, 20], dtype)
         for step in range(3):
