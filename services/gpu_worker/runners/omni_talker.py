@@ -155,6 +155,7 @@ class TalkerRun:
         self.rows = 0  # talker rows in KV
         self.history: list[int] = []  # first codes sampled
         self.frames: list[list[int]] = []
+        self.sent = 0  # frames handed to the codec
         self.hidden: torch.Tensor | None = None  # [1, hidden]
 
     @property
