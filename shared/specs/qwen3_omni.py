@@ -129,10 +129,7 @@ class Qwen3OmniSpec(Qwen25VLSpec):
             self.voices = ()
             return
         text, predictor = talker.get("text_config") or {}, talker.get("code_predictor_config") or {}
-        self.talker_shape = (int(text["num_hidden_layers"]), int(text["num_key_value_heads"]),
-                             int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]))
-        self.code_shape = (int(predictor["num_hidden_layers"]), int(predictor["num_key_value_heads"]),
-                           int(predictor.get("head_dim") or predictor["hidden_size"] // predictor["num_attention_heads"]))
+        self.talker_shape, self.code_shape = _kv_shape(text), _kv_shape(predictor)
         self.code_groups = int(talker.get("num_code_groups", 32))
         self.im_start_id = int(config.get("im_start_token_id", 151644))
         self.user_id = int(config.get("user_token_id", 872))
@@ -269,6 +266,12 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         rows = len(user_rows(ids, self.im_start_id, self.user_id)) + TALKER_OPENING_ROWS
         return {TALKER_LABEL: LabelLayout(spans=(Span.rows(rows),), growth={FRAME_LOOP: 1}),
                 CODE_LABEL: LabelLayout(spans=(), scratch=self.code_groups)}
+
+
+def _kv_shape(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a stack's config."""
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"]), int(head_dim)
 
 
 def user_rows(ids: list[int], im_start: int, user: int) -> list[int]:

@@ -37,6 +37,7 @@ import torch
 
 from services.gpu_worker.attention import AttnRows, build_metadata
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
+from shared.specs.qwen3_omni import user_rows
 from shared.specs.vision_lm import mrope_positions
 
 #: transformers' `generate` defaults for the talker
@@ -90,13 +91,7 @@ class TalkerPrompt:
 
 def user_positions(ids: list[int], s: TalkerSettings) -> list[int]:
     """The prompt positions of every user turn's tokens (transformers' `user_mask`)."""
-    out, last = [], 0
-    for i, tok in enumerate(ids):
-        if tok == s.im_start:
-            last = i
-        if ids[min(last + 1, len(ids) - 1)] == s.user:
-            out.append(i)
-    return out
+    return user_rows(ids, s.im_start, s.user)
 
 
 def assistant_start(ids: list[int], s: TalkerSettings) -> int:

@@ -23,7 +23,6 @@ from services.api.chat_request import check_model, parse_chat
 from services.api.dialects.openai.chat_audio import speech_out
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
-from services.api.errors import invalid
 from services.api.fanout import Choice, expand
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.api.schemas import Route as Shape
