@@ -243,7 +243,11 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.thinker_labels}
         voice = request.options.get("voice")
         if voice is not None:
-            layouts.update(self._speech_layouts(str(voice), ids, request))
+            layouts.update(self._speech_layouts(str(voice), ids))
+            if request.images or request.clips:  # the talker reads the thinker's rows of them
+                unkeyed = tuple(Span.rows(sp.length) if sp.key else sp for sp in spans)
+                layouts.update({lab.name: LabelLayout(spans=unkeyed, growth={self.decode_loop: 1})
+                                for lab in self.thinker_labels})
         if request.clips:
             tensors["input_features"] = np.ascontiguousarray(np.concatenate([c.features for c in request.clips], 1))
             tensors["audio_frames"] = np.asarray([c.features.shape[1] for c in request.clips], dtype=np.int64)
@@ -252,17 +256,16 @@ class Qwen3OmniSpec(Qwen25VLSpec):
             metadata["voice"] = str(voice).lower()
         return ProcessPromptOutput(tensors, layouts, metadata)
 
-    def _speech_layouts(self, voice: str, ids: list[int], request: PromptRequest) -> dict[str, LabelLayout]:
+    def _speech_layouts(self, voice: str, ids: list[int]) -> dict[str, LabelLayout]:
         """A request that asks for speech (option "voice"): the talker's rows (its prompt:
         the user turns' rows and its opening rows; then a row a frame on the frame loop) and
-        the code predictor's scratch rows (a frame's codes, rewritten every frame)."""
+        the code predictor's scratch rows (a frame's codes, rewritten every frame). Its
+        image and audio rows are not keyed in the prefix cache (the caller's): the talker
+        reads the thinker's hidden states at them, which only a forward gives."""
         if not self.speaks:
             raise PromptError("modalities", "this model has no talker: it writes text only")
         if voice.lower() not in self.voices:
             raise PromptError("audio.voice", f"voice {voice!r} is not one of this model's voices {list(self.voices)}")
-        if request.images or request.clips:
-            raise PromptError("modalities", "speech out is served for text prompts only so far (an image or audio "
-                                            "input with audio out is not yet)")
         rows = len(user_rows(ids, self.im_start_id, self.user_id)) + TALKER_OPENING_ROWS
         return {TALKER_LABEL: LabelLayout(spans=(Span.rows(rows),), growth={FRAME_LOOP: 1}),
                 CODE_LABEL: LabelLayout(spans=(), scratch=self.code_groups)}

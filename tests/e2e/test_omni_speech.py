@@ -6,7 +6,7 @@ two voices, the text equals transformers' greedy text and the waveform transform
 1e-3 and of the same length (its talker_max_new_tokens the frame loop's cap + 1: the cap
 counts frames after the talker's prompt step); alone and both at once; streamed, the
 `delta.content` chunks join to the text and the `delta.audio` chunks (base64 pcm16) to the
-unstreamed clip. Every KV page back to zero under the layout debug checks. Bad speech
+unstreamed clip. An image prompt and an audio prompt too. Every KV page back to zero under the layout debug checks. Bad speech
 options are 400s naming the field."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from shared.specs.qwen3_omni import FRAMES_PER_TOKEN
-from tests.omni_checkpoints import make_omni_checkpoint, omni_processor
+from tests.e2e.test_omni import png
+from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
 from tests.servers import MstarServer
 
 pytest.importorskip("soundfile")
@@ -46,14 +47,35 @@ def _hf(folder: Path):
     return model, omni_processor(folder)
 
 
+#: an image and an audio clip, each before the user's text (their parts as we send them)
+IMAGE, AUDIO = png(96, 64, 1), wav_bytes(tone(1.3, seed=1))
+MEDIA = {"image": {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}},
+         "audio": {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}}
+
+
+def messages(media: str = "", ours: bool = True) -> list[dict]:
+    """MESSAGES, the user's text after a `media` part (ours, or the processor's)."""
+    if not media:
+        return MESSAGES
+    part = MEDIA[media] if ours else {"type": media}
+    return [MESSAGES[0], {"role": "user", "content": [part, {"type": "text", "text": MESSAGES[1]["content"]}]}]
+
+
 @cache
-def reference(folder: Path, voice: str) -> tuple[str, np.ndarray]:
-    """(transformers' text, its waveform) for MESSAGES in `voice`."""
+def reference(folder: Path, voice: str, media: str = "") -> tuple[str, np.ndarray]:
+    """(transformers' text, its waveform) for `messages(media)` in `voice`."""
+    import soundfile as sf
     import torch
+    from PIL import Image
 
     model, proc = _hf(folder)
-    text = proc.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    inputs = proc(text=text, return_tensors="pt")
+    text = proc.apply_chat_template(messages(media, ours=False), add_generation_prompt=True, tokenize=False)
+    kwargs: dict = {}
+    if media == "image":
+        kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
+    if media == "audio":
+        kwargs["audio"] = [sf.read(io.BytesIO(AUDIO), dtype="float32")[0]]
+    inputs = proc(text=text, return_tensors="pt", **kwargs)
     eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
     with torch.no_grad():
         seq, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
@@ -82,14 +104,14 @@ def assert_clean(srv: MstarServer) -> None:
     assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
 
 
-def body(voice: str, fmt: str = "wav", **extra) -> dict:
-    return {"messages": MESSAGES, "modalities": ["text", "audio"], "audio": {"voice": voice, "format": fmt},
+def body(voice: str, fmt: str = "wav", media: str = "", **extra) -> dict:
+    return {"messages": messages(media), "modalities": ["text", "audio"], "audio": {"voice": voice, "format": fmt},
             "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
-async def chat(client: httpx.AsyncClient, voice: str, fmt: str = "wav") -> tuple[str, bytes, dict]:
+async def chat(client: httpx.AsyncClient, voice: str, fmt: str = "wav", media: str = "") -> tuple[str, bytes, dict]:
     """(the text, the clip's file bytes, message.audio) of an unstreamed reply."""
-    r = await client.post("/v1/chat/completions", json=body(voice, fmt))
+    r = await client.post("/v1/chat/completions", json=body(voice, fmt, media))
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     return message["content"], base64.b64decode(message["audio"]["data"]), message["audio"]
@@ -121,8 +143,8 @@ def wave_of(wav: bytes) -> np.ndarray:
     return samples
 
 
-def assert_speech(folder: Path, voice: str, text: str, wav: bytes) -> None:
-    want_text, want_wave = reference(folder, voice)
+def assert_speech(folder: Path, voice: str, text: str, wav: bytes, media: str = "") -> None:
+    want_text, want_wave = reference(folder, voice, media)
     assert text == want_text
     wave = wave_of(wav)
     assert wave.shape == want_wave.shape and len(wave) > 0
@@ -144,6 +166,18 @@ async def test_speech_equals_transformers(folder, server):
         assert raw[1] == one[1][44:]  # pcm16: the wav file's samples
         assert stream == (one[0], raw[1])
     assert one[1] != alone[0][1]  # the two voices differ
+    assert_clean(server)
+
+
+async def test_image_and_audio_prompts(folder, server):
+    """An image prompt and an audio prompt (the talker reads the thinker's hidden states at
+    their rows), at once: transformers' text and waveform. (An image and a clip together has
+    no reference: transformers' talker cannot place them.)"""
+    cases = (("ethan", "image"), ("chelsie", "audio"))
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        replies = await asyncio.gather(*(chat(client, voice, media=media) for voice, media in cases))
+    for (voice, media), (text, wav, _) in zip(cases, replies):
+        assert_speech(folder, voice, text, wav, media)
     assert_clean(server)
 
 

@@ -21,9 +21,13 @@ predictor's scratch rows. It runs in two stages:
 The request ends when the talker samples `codec_eos` or its frame loop reaches its cap; its
 last output carries the thinker's finish_reason.
 
+Image and audio prompts: the talker reads the thinker's hidden states at their rows (layer
+`accept_hidden_layer`, `HiddenTap` around the prefill chunks holding them), kept on the
+request; those rows are not keyed in the prefix cache for a speech request (the spec), so
+they are always computed.
+
 Not yet: the talker starting while the thinker still decodes (DESIGN.md "Stages" allows
-it; here it starts after), and speech for prompts with images or audio (the spec refuses
-them: the thinker's `HiddenTap` rows are not kept for the talker yet).
+it; here it starts after).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from services.gpu_worker.modeling.speech.qwen3_omni_talker import PREFIX, Qwen3O
 from services.gpu_worker.request import Request, Stage
 from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.omni_talker import TalkerPrompt, TalkerRun, TalkerSettings, TalkerStep, talker_prompt
-from services.gpu_worker.step_types import Emitted, PlanEntry, StepPlan
+from services.gpu_worker.modeling.vision.qwen3_omni import HiddenTap
+from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output
 from shared.specs.qwen3_omni import CODE_LABEL, FRAME_LOOP, TALKER_LABEL, TALKER_OPENING_ROWS, user_rows
 
@@ -100,6 +105,51 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         output.finish_reason = None
         return True
 
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        """A speech request keeps its images' grids (the talker's positions) and the rows
+        whose hidden states the talker reads (its image and audio rows)."""
+        for r in admitted:
+            if r.metadata.get("voice") is None:
+                continue
+            grids = r.inputs.get("grids")
+            r.metadata["talker_grids"] = [] if grids is None else [tuple(int(v) for v in g) for g in grids]
+            mm = np.flatnonzero(np.isin(np.asarray(r.prompt), self.settings.multimodal))
+            if len(mm):
+                r.metadata["talker_rows"] = mm
+        return super().prepare(admitted, pages)
+
+    def call_model(self, ids, positions, metas, sample_rows, plan: StepPlan) -> torch.Tensor:
+        """The thinker's forward; where a prompt chunk of a speech request holds image or
+        audio rows, their hidden states at `accept_hidden_layer` are kept on the request
+        (`HiddenTap`), what its talker prompt reads."""
+        taps, rows, t, n = [], [], 0, 0
+        for e in plan.entries:
+            r = e.request
+            where = r.metadata.get("talker_rows")
+            if where is not None and not e.decode:
+                lo, hi = np.searchsorted(where, [r.num_computed, r.num_computed + e.rows])
+                if hi > lo:
+                    taps.append((r, where[lo:hi], n))
+                    rows.append(where[lo:hi] - r.num_computed + t)
+                    n += hi - lo
+            t += e.rows
+        if not taps:
+            return super().call_model(ids, positions, metas, sample_rows, plan)
+        lm = self.model.lm
+        lm.tap = HiddenTap(self.settings.accept_hidden_layer, torch.from_numpy(np.concatenate(rows)).to(self.device))
+        try:
+            out = super().call_model(ids, positions, metas, sample_rows, plan)
+            hidden = lm.tap.out
+        finally:
+            lm.tap = None
+        assert hidden is not None
+        for r, at, start in taps:
+            kept = r.metadata.get("talker_hidden")
+            if kept is None:
+                kept = r.metadata["talker_hidden"] = hidden.new_zeros(len(r.prompt), hidden.shape[1])
+            kept[torch.from_numpy(at).to(self.device)] = hidden[start: start + len(at)]
+        return out
+
     def step_scratch(self, entry: PlanEntry) -> dict[str, int]:
         """A talker step after its first makes a frame: the code predictor's rows."""
         stage = entry.request.stage
@@ -131,7 +181,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         eos = (r.output[-1],) if r.stage.finish == "stop" and r.output else ()
         with torch.inference_mode():
             return talker_prompt(self.talker, self.settings, self.model.lm.model.embed_tokens, r.prompt + r.output,
-                                 len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos)
+                                 len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos,
+                                 r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"))
 
     def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
         """A talker step's output: no token ids (its sound is added by `on_emit`); it ends
