@@ -6,8 +6,8 @@ two voices, the text equals transformers' greedy text and the waveform transform
 1e-3 and of the same length (its talker_max_new_tokens the frame loop's cap + 1: the cap
 counts frames after the talker's prompt step); alone and both at once; streamed, the
 `delta.content` chunks join to the text and the `delta.audio` chunks (base64 pcm16) to the
-unstreamed clip. An image prompt and an audio prompt too. Every KV page back to zero under the layout debug checks. Bad speech
-options are 400s naming the field."""
+unstreamed clip. An image prompt and an audio prompt too. Every KV page back to zero
+under the layout debug checks. Bad speech options are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _hf(folder: Path):
 
 #: an image and an audio clip, each before the user's text (their parts as we send them)
 IMAGE, AUDIO = png(96, 64, 1), wav_bytes(tone(1.3, seed=1))
-MEDIA = {"image": {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}},
+MEDIA = {"image": {"type": "image_url",
+                   "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}},
          "audio": {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}}
 
 

@@ -42,10 +42,10 @@ from safetensors import safe_open
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.code2wav import Code2WavCodec, Code2WavStream
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import PREFIX, Qwen3OmniTalker
+from services.gpu_worker.modeling.vision.qwen3_omni import HiddenTap
 from services.gpu_worker.request import Request, Stage
 from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.omni_talker import TalkerPrompt, TalkerRun, TalkerSettings, TalkerStep, talker_prompt
-from services.gpu_worker.modeling.vision.qwen3_omni import HiddenTap
 from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output
 from shared.specs.qwen3_omni import CODE_LABEL, FRAME_LOOP, TALKER_LABEL, TALKER_OPENING_ROWS, user_rows

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from services.gpu_worker.attention import AttnRows, build_metadata
+from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
 from shared.specs.qwen3_omni import user_rows
 from shared.specs.vision_lm import mrope_positions
@@ -180,6 +180,13 @@ class TalkerStep:
                  code_caches: list[torch.Tensor], page_size: int) -> None:
         self.m, self.s = model, s
         self.talker_caches, self.code_caches, self.page_size = talker_caches, code_caches, page_size
+        #: where the caches live: off the CPU, torch's attention over metadata moved there
+        self.device = talker_caches[0].device
+
+    def _meta(self, rows: list[AttnRows]) -> AttnMetadata:
+        if self.device.type == "cpu":
+            return build_metadata(rows, self.page_size)
+        return build_metadata(rows, self.page_size, backend="torch").to(self.device)
 
     def __call__(self, runs: list[TalkerRun], pages: list[list[int]], code_pages: list[list[int]]) -> list[int]:
         """Each run's next first code; the frames made are appended to `run.frames`."""
@@ -201,7 +208,7 @@ class TalkerStep:
             xs.append(x)
             poss.append(pos)
             last.append(sum(t.shape[0] for t in xs) - 1)
-        meta = build_metadata(attn, self.page_size)
+        meta = self._meta(attn)
         hidden = self.m.talk(torch.cat(xs), torch.cat(poss, dim=1), self.talker_caches, meta)[last]
         logits = self.m.first_code_logits(hidden)
         out = []
@@ -236,7 +243,7 @@ class TalkerStep:
                 cached, new, rows = 0, 2, torch.arange(1, 2 * b, 2, device=dev)
             else:
                 x, cached, new, rows = self.m.residual_embeds(codes[-1], k), k + 1, 1, torch.arange(b, device=dev)
-            meta = build_metadata([AttnRows(p, 0, cached, new, k > 0) for p in pages], self.page_size)
+            meta = self._meta([AttnRows(p, 0, cached, new, k > 0) for p in pages])
             pos = torch.arange(cached, cached + new, device=dev).repeat(b)
             codes.append(torch.argmax(self.m.predict(x, pos, self.code_caches, meta, rows, k), dim=-1))
         return torch.stack(codes, dim=1).tolist()
