@@ -1,11 +1,13 @@
-"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`), text out: its thinker.
+"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`): its thinker, and speech out.
 
 A release folder holds four models (the thinker, the talker, the talker's code predictor and
-Code2Wav); this step serves the thinker alone, which writes the text: a Qwen3-MoE language
-model (`thinker_config.text_config`) that reads images through its vision tower (Qwen3-VL's,
+Code2Wav). The thinker writes the text: a Qwen3-MoE language model
+(`thinker_config.text_config`) that reads images through its vision tower (Qwen3-VL's,
 whose intermediate features also enter the first LLM layers: "deepstack") and audio through
-its audio encoder (over windows). The talker's weights are not loaded (the gpu worker skips
-them), and a request that asks for speech is refused by the api.
+its audio encoder (over windows). Where the talker has voices (`talker_config.speaker_id`),
+a request with the option "voice" also declares the talker's labels (pools "talker" and
+"code") and the frame loop's cap (`_speech_layouts`, `get_loop_caps`); the gpu worker runs
+its talker after its text (services/gpu_worker/runners/omni_speech.py).
 
 What the spec does for a request (in the data worker, numpy only):
 - images: Qwen2-VL's image processor (`shared.vision.qwen2_vl`), one `<|image_pad|>` per
