@@ -182,6 +182,19 @@ async def test_image_and_audio_prompts(folder, server):
     assert_clean(server)
 
 
+async def test_a_client_gone_mid_speech_frees_every_stage(folder, server):
+    """A stream closed at its first audio chunk (the talker running): the request ends
+    everywhere and every page of both stages returns."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body("ethan", "pcm16", stream=True)) as r:
+            async for line in r.aiter_lines():
+                if '"audio"' in line:
+                    break
+        text, _, _ = await chat(client, "chelsie")  # the engine goes on serving
+    assert text == reference(folder, "chelsie")[0]
+    assert_clean(server)
+
+
 async def test_bad_speech_options_are_400s(server):
     """A voice the model lacks, audio without text, audio asked without its options, a bad format."""
     cases = [({"audio": {"voice": "nobody", "format": "wav"}}, "audio.voice"),
