@@ -251,7 +251,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         ready = [r for r in self.running if r.ready]
         decodes = [r for r in ready if r.decoding]
-        budget = self.limits.max_batch_tokens - len(decodes)
+        # (a later stage's first step writes its prompt rows: they count as a prefill's)
+        budget = self.limits.max_batch_tokens - sum(1 if r.stage is None else r.stage.rows for r in decodes)
         plan = StepPlan()
         for r in decodes:
             if r.stage is not None:  # a later stage's step: its prompt rows, then a row an iteration
