@@ -265,6 +265,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         api_key=api_key or None,
         takes_audio=takes_audio,
         image_placeholder=spec.image_placeholder, audio_placeholder=spec.audio_placeholder,
+        voices=tuple(getattr(spec, "voices", ())),
         **speech_settings(spec),  # type: ignore[arg-type]
         audio_language=default_language(source) if takes_audio else None,
         max_model_len=max_model_len(source, d),

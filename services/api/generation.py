@@ -233,11 +233,11 @@ class Generation:
                         return
                     if finish is not None:
                         text += stop.flush()  # may settle a match held back until now
-                        if text or ids:
+                        if text or ids or self._pending_audio:
                             yield self._delta(text, list(ids))
                         yield self._done("stop" if stop.matched is not None else finish)
                         return
-                    if text or ids:
+                    if text or ids or self._pending_audio:  # (a speech-out stage's outputs carry sound alone)
                         yield self._delta(text, list(ids))
             elif type(item) is Aborted:
                 text = stop.push(detok.finish())

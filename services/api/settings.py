@@ -50,6 +50,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     audio_placeholder: str = ""
     #: a speech model's audio sample rate (its codec's; 0 for a model that makes no sound)
     sample_rate: int = 0
+    #: an omni model's voices for speech out on the chat route (its spec's; empty: text only)
+    voices: tuple[str, ...] = ()
     audio_language: str | None = None  # the language a speech model assumes when none is sent
     #: a speech model's own sampling defaults (`ModelSpec.speech_defaults`), under a body's fields
     speech_defaults: dict[str, float] = {}

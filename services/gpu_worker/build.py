@@ -31,6 +31,7 @@ from services.gpu_worker.runners.hybrid import HybridRunner
 from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
 from services.gpu_worker.runners.omni import OmniRunner
+from services.gpu_worker.runners.omni_speech import OmniSpeechRunner
 from services.gpu_worker.runners.policy import PolicyRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
@@ -86,6 +87,8 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
                  speculation: Speculation = Speculation(), itl_target_s: float = 0.0,
                  guides: Guides | None = None) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
+    if spec.engine == "omni_thinker" and getattr(spec, "speaks", False):
+        runner_cls = OmniSpeechRunner  # the thinker's runner, and its talker stage
     refuse_runner_gaps(spec, runner_cls.SPEC)
     runner = runner_cls(model, spec, kv, caches, planner)
     k = speculation.k

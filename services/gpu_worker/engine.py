@@ -182,13 +182,25 @@ class Engine:
         for entry, k in zip(plan.entries, kept):
             if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue
-            emitted = self.outputs.emit(entry.request, k.tokens)
+            emitted = self._emit(entry.request, k.tokens)
             if not self.runner.on_emit(entry.request, emitted.reply_to, emitted.output):
                 res.outputs.append((emitted.reply_to, emitted.output))
             if emitted.ended:
                 self._finish(entry.request, emitted.ran_to_caps, "ok", res)
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time
         return res
+
+    def _emit(self, req: Request, tokens: list[int]):
+        """The step's output of `req`: a later stage's is the runner's (`emit_stage`); an
+        end that the runner turns into its next stage (`next_stage`: the thinker's text
+        ended, its talker starts) does not end the request."""
+        if req.stage is not None:
+            return self.runner.emit_stage(req, tokens)
+        emitted = self.outputs.emit(req, tokens)
+        if emitted.ended and self.runner.next_stage(req, emitted.output, emitted.ran_to_caps):
+            req.proposer = None  # (a later stage never speculates)
+            return emitted._replace(ended=False)
+        return emitted
 
     def _prepare(self, admitted: list[Request], res: StepResult) -> None:
         """Admission work (an encoder pass, a probe): the scheduler reserves the rows it

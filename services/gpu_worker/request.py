@@ -16,6 +16,25 @@ from services.gpu_worker.guided import Guide
 from services.gpu_worker.kv_manager import RequestKV
 from services.gpu_worker.speculative import NgramProposer
 from shared.frames import SamplingParams
+from shared.layout import KVLabel
+
+
+@dataclass
+class Stage:
+    """A request's later stage (an omni model's talker, after its thinker's text ended), set
+    by the runner (`ModelRunner.next_stage`): the labels its steps write, the loop a step
+    after its first iterates (its first step commits its prompt rows as a span), the rows
+    its next step writes, the earlier stage's finish_reason (sent on the request's last
+    output, as the earlier stage's end did not end the request) and the runner's state."""
+
+    labels: tuple[KVLabel, ...]
+    loop: str
+    rows: int
+    finish: str
+    #: the earlier stage ran every loop to its cap (for the KV manager's under-use check)
+    at_caps: bool = False
+    started: bool = False
+    state: Any = None
 
 
 @dataclass
@@ -63,6 +82,8 @@ class Request:
     embeds: tuple[Any, torch.Tensor] | None = None
     #: a speech request's codec state (its `SnacStream`), dropped with the request
     codec: Any = None
+    #: the stage a request runs after its first (None: its first, the only one for most models)
+    stage: Stage | None = None
 
     @property
     def tokens_len(self) -> int:

@@ -122,7 +122,8 @@ class Scheduler:
         """Pages for every entry's rows on each label the step writes, before the forward
         writes them. An entry whose layout under-states what it writes and finds no page
         nobody reserved fails alone (it leaves the plan); every other entry runs."""
-        return self._reserve_each(plan, lambda e: {lab.name: e.rows for lab in labels}, scratch=False)
+        return self._reserve_each(plan, lambda e: {lab.name: e.rows for lab in entry_labels(e, labels)},
+                                  scratch=False)
 
     def reserve_scratch(self, plan: StepPlan, rows_of: Callable[[PlanEntry], dict[str, int]]) -> list[Failure]:
         """Pages for the scratch rows each entry's forward writes past its committed rows
@@ -166,7 +167,7 @@ class Scheduler:
         for entry, k in zip(plan.entries, kept):
             req = entry.request
             try:
-                for lab in labels:
+                for lab in entry_labels(entry, labels):
                     if entry.decode:
                         for _ in range(k.rows):
                             self.kv.commit(req.request_id, lab.name, 1, lab.grows_on)
@@ -174,6 +175,9 @@ class Scheduler:
                         self.kv.commit(req.request_id, lab.name, k.rows, None)
             except LayoutViolation as exc:
                 failed.append(Failure(req, LAYOUT_VIOLATED, exc))
+                continue
+            if req.stage is not None:
+                _stage_committed(req, entry, k.rows)
                 continue
             req.num_computed += k.rows
             if entry.decode:
@@ -247,9 +251,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         ready = [r for r in self.running if r.ready]
         decodes = [r for r in ready if r.decoding]
-        budget = self.limits.max_batch_tokens - len(decodes)
+        # (a later stage's first step writes its prompt rows: they count as a prefill's)
+        budget = self.limits.max_batch_tokens - sum(1 if r.stage is None else r.stage.rows for r in decodes)
         plan = StepPlan()
         for r in decodes:
+            if r.stage is not None:  # a later stage's step: its prompt rows, then a row an iteration
+                plan.entries.append(PlanEntry(r, r.stage.rows, r.stage.started))
+                plan.shape += chunk_shape(0, r.stage.rows, 1)
+                continue
             drafts = self._drafts(r, budget) if r.proposer is not None and budget > 0 else []
             budget -= len(drafts)
             plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
@@ -316,6 +325,22 @@ class Scheduler:
                 req.max_tokens - len(req.output) - 1, self.limits.max_seq_len - req.tokens_len - 1)
         assert req.proposer is not None  # asked only for a request that speculates
         return req.proposer.propose(req.prompt + req.output, k) if k > 0 else []
+
+
+def entry_labels(entry: PlanEntry, labels: tuple[KVLabel, ...]) -> tuple[KVLabel, ...]:
+    """The labels an entry's rows are written on: the step's, or its request's later stage's."""
+    stage = entry.request.stage
+    return labels if stage is None else stage.labels
+
+
+def _stage_committed(req: Request, entry: PlanEntry, rows: int) -> None:
+    """A later stage's step committed: its first (the stage's prompt) or one iteration of
+    its loop; every step after the first writes a row."""
+    stage = req.stage
+    assert stage is not None
+    if entry.decode:
+        req.iters[stage.loop] = req.iters.get(stage.loop, 0) + rows
+    stage.started, stage.rows = True, 1
 
 
 def whole_blocks(blocks: tuple[tuple[int, int], ...], computed: int, n: int, first: bool) -> int:

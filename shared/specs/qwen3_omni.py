@@ -1,11 +1,13 @@
-"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`), text out: its thinker.
+"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`): its thinker, and speech out.
 
 A release folder holds four models (the thinker, the talker, the talker's code predictor and
-Code2Wav); this step serves the thinker alone, which writes the text: a Qwen3-MoE language
-model (`thinker_config.text_config`) that reads images through its vision tower (Qwen3-VL's,
+Code2Wav). The thinker writes the text: a Qwen3-MoE language model
+(`thinker_config.text_config`) that reads images through its vision tower (Qwen3-VL's,
 whose intermediate features also enter the first LLM layers: "deepstack") and audio through
-its audio encoder (over windows). The talker's weights are not loaded (the gpu worker skips
-them), and a request that asks for speech is refused by the api.
+its audio encoder (over windows). Where the talker has voices (`talker_config.speaker_id`),
+a request with the option "voice" also declares the talker's labels (pools "talker" and
+"code") and the frame loop's cap (`_speech_layouts`, `get_loop_caps`); the gpu worker runs
+its talker after its text (services/gpu_worker/runners/omni_speech.py).
 
 What the spec does for a request (in the data worker, numpy only):
 - images: Qwen2-VL's image processor (`shared.vision.qwen2_vl`), one `<|image_pad|>` per
@@ -39,7 +41,7 @@ from typing import Any, Self
 import numpy as np
 
 from shared.audio import ACCEPTED_FORMATS, FeatureConfig, decode_audio, log_mel_features
-from shared.layout import LabelLayout, ProcessPromptOutput, Span
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.specs.base import PreparedClip, PreparedImage, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec
@@ -52,6 +54,19 @@ AUDIO_TOKEN = "<|audio_pad|>"
 #: containers an audio input may come in (libsndfile's names)
 AUDIO_FORMATS = ACCEPTED_FORMATS | {"MP3", "OGG"}
 MIN_AUDIO_SECONDS = 0.1
+#: speech out: the talker's frame loop, its label (a row a frame) and the code predictor's
+#: scratch label, each in a pool of its own (their layers and heads are not the thinker's)
+FRAME_LOOP = "frame_loop"
+TALKER_LABEL, CODE_LABEL = "talker", "code"
+#: the talker's opening rows after the user turns (transformers' `_get_talker_assistant_parts`:
+#: three role tokens, four tts_pad, tts_bos, the first generated token)
+TALKER_OPENING_ROWS = 9
+#: Code2Wav's rate and the talker's frames a second (12.5 Hz: 1,920 samples a frame)
+SPEECH_SAMPLE_RATE, SPEECH_FRAME_RATE = 24_000, 12.5
+#: the frame loop's cap: 8 frames (0.64 s of speech) a text token the request may write,
+#: and never more than MAX_SPEECH_SECONDS (the loop's max_iters)
+FRAMES_PER_TOKEN = 8
+MAX_SPEECH_SECONDS = 300
 
 
 def omni_text_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -105,6 +120,67 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         self.features = FeatureConfig(feature_size=int(audio.get("num_mel_bins", 128)), chunk_length=300)
         self.audio_placeholder = AUDIO_TOKEN
         self.images = None
+        self._speech_init(config)
+
+    def _speech_init(self, config: Mapping[str, Any]) -> None:
+        """Speech out where the release holds a talker with voices (`talker_config.speaker_id`):
+        the talker's and the code predictor's labels and pools, the voices, the frame loop."""
+        talker = config.get("talker_config") or {}
+        self.voices = tuple(sorted(str(k).lower() for k in (talker.get("speaker_id") or {})))
+        if not self.voices or config.get("enable_audio_output") is False:
+            self.voices = ()
+            return
+        text, predictor = talker.get("text_config") or {}, talker.get("code_predictor_config") or {}
+        self.talker_shape, self.code_shape = _kv_shape(text), _kv_shape(predictor)
+        self.code_groups = int(talker.get("num_code_groups", 32))
+        self.im_start_id = int(config.get("im_start_token_id", 151644))
+        self.user_id = int(config.get("user_token_id", 872))
+        self._labels = (*self._labels, KVLabel(TALKER_LABEL, TALKER_LABEL, grows_on=FRAME_LOOP),
+                        KVLabel(CODE_LABEL, CODE_LABEL))
+        self.sample_rate = SPEECH_SAMPLE_RATE
+        self.metadata_keys = frozenset({*self.metadata_keys, "voice"})
+
+    @property
+    def speaks(self) -> bool:
+        return bool(self.voices)
+
+    @property
+    def thinker_labels(self) -> tuple[KVLabel, ...]:
+        return tuple(lab for lab in self.kv_labels if lab.name not in (TALKER_LABEL, CODE_LABEL))
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        thinker = self._labels
+        self._labels = self.thinker_labels
+        try:
+            pools = super().paged_pools(num_pages)
+        finally:
+            self._labels = thinker
+        if self.speaks:
+            for name, (layers, heads, dim) in ((TALKER_LABEL, self.talker_shape), (CODE_LABEL, self.code_shape)):
+                pools[name] = PagedKVConfig(name, layers, heads, dim, self.dtype, self.page_size, num_pages,
+                                            self.max_seq_len)
+        return pools
+
+    def graph_loops(self) -> dict[str, int]:
+        loops = super().graph_loops()
+        if self.speaks:
+            loops[FRAME_LOOP] = int(MAX_SPEECH_SECONDS * SPEECH_FRAME_RATE)
+        return loops
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        """The decode loop's cap as any decoder's; with speech, the frame loop's: the talker's
+        frames after its prompt step (FRAMES_PER_TOKEN a text token, at most MAX_SPEECH_SECONDS)."""
+        caps = super().get_loop_caps(max_tokens, prompt_len)
+        if self.speaks:
+            caps[FRAME_LOOP] = min(FRAMES_PER_TOKEN * max_tokens, int(MAX_SPEECH_SECONDS * SPEECH_FRAME_RATE))
+        return caps
+
+    def bytes_per_page(self, page_size: int) -> int:
+        own = super().bytes_per_page(page_size)
+        if not self.speaks:
+            return own
+        return own + sum(layers * 2 * page_size * heads * kv_head_bytes(self.dtype, dim)
+                         for layers, heads, dim in (self.talker_shape, self.code_shape))
 
     def parameter_counts(self) -> tuple[int, int] | None:
         return VisionLMSpec.parameter_counts(self)
@@ -112,6 +188,7 @@ class Qwen3OmniSpec(Qwen25VLSpec):
     def load_folder(self, path: str | Path) -> Self:
         """The image processor's and the feature extractor's settings (preprocessor_config.json)."""
         folder = Path(path)
+        self.folder = folder
         saved = common.read_json(folder / "preprocessor_config.json")
         if saved.get("feature_size") is not None or saved.get("sampling_rate") is not None:
             self.features = FeatureConfig.from_dict({"chunk_length": 300, **saved})
@@ -165,11 +242,53 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         out = Qwen25VLSpec.process_prompt(self, PromptRequest(ids, None, request.options, request.images))
         tensors = dict(out.new_input_tensors)
         spans = audio_spans(out.kv_layout["text"].spans, ids, self.audio_token_id, request.clips, self.n_window)
-        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.kv_labels}
+        layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.thinker_labels}
+        voice = request.options.get("voice")
+        if voice is not None:
+            layouts.update(self._speech_layouts(str(voice), ids))
+            if request.images or request.clips:  # the talker reads the thinker's rows of them
+                unkeyed = tuple(Span.rows(sp.length) if sp.key else sp for sp in spans)
+                layouts.update({lab.name: LabelLayout(spans=unkeyed, growth={self.decode_loop: 1})
+                                for lab in self.thinker_labels})
         if request.clips:
             tensors["input_features"] = np.ascontiguousarray(np.concatenate([c.features for c in request.clips], 1))
             tensors["audio_frames"] = np.asarray([c.features.shape[1] for c in request.clips], dtype=np.int64)
-        return ProcessPromptOutput(tensors, layouts, out.metadata)
+        metadata = dict(out.metadata)
+        if voice is not None:
+            metadata["voice"] = str(voice).lower()
+        return ProcessPromptOutput(tensors, layouts, metadata)
+
+    def _speech_layouts(self, voice: str, ids: list[int]) -> dict[str, LabelLayout]:
+        """A request that asks for speech (option "voice"): the talker's rows (its prompt:
+        the user turns' rows and its opening rows; then a row a frame on the frame loop) and
+        the code predictor's scratch rows (a frame's codes, rewritten every frame). Its
+        image and audio rows are not keyed in the prefix cache (the caller's): the talker
+        reads the thinker's hidden states at them, which only a forward gives."""
+        if not self.speaks:
+            raise PromptError("modalities", "this model has no talker: it writes text only")
+        if voice.lower() not in self.voices:
+            raise PromptError("audio.voice", f"voice {voice!r} is not one of this model's voices {list(self.voices)}")
+        rows = len(user_rows(ids, self.im_start_id, self.user_id)) + TALKER_OPENING_ROWS
+        return {TALKER_LABEL: LabelLayout(spans=(Span.rows(rows),), growth={FRAME_LOOP: 1}),
+                CODE_LABEL: LabelLayout(spans=(), scratch=self.code_groups)}
+
+
+def _kv_shape(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a stack's config."""
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"]), int(head_dim)
+
+
+def user_rows(ids: list[int], im_start: int, user: int) -> list[int]:
+    """The prompt positions of every user turn's tokens (transformers' `user_mask`: each
+    token whose last `<|im_start|>` is followed by the user role id)."""
+    out, last = [], 0
+    for i, tok in enumerate(ids):
+        if tok == im_start:
+            last = i
+        if ids[min(last + 1, len(ids) - 1)] == user:
+            out.append(i)
+    return out
 
 
 def audio_spans(spans: tuple[Span, ...], ids: list[int], audio_token_id: int, clips: tuple[PreparedClip, ...],

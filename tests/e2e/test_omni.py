@@ -6,8 +6,8 @@ Qwen3OmniMoeProcessor making its inputs) for text alone, an image and text, an a
 and text, and both; on the chat route (image_url and input_audio parts) one after another
 and all four at once, and on `/generate` (`images`, `audios`); prefill in 32-row chunks, so
 chunks end inside images and clips; `usage.prompt_tokens` counts the media placeholders;
-every KV page back to zero under the layout debug checks. Speech out and audio that is not
-audio are 400s naming the field."""
+every KV page back to zero under the layout debug checks. Speech options without `audio` and
+audio that is not audio are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -203,9 +203,10 @@ async def test_the_prefix_cache_keys_clips_by_content(folder, server):
     assert_clean(server)
 
 
-async def test_speech_out_and_bad_audio_are_400s(server):
-    """`modalities` asking for audio, and an input_audio part that is not audio, are 400s
-    naming the field; the model card lists audio among its inputs."""
+async def test_speech_options_and_bad_audio_are_400s(server):
+    """`modalities` asking for audio without its `audio` options, and an input_audio part
+    that is not audio, are 400s naming the field; the model card lists audio among its
+    inputs and outputs (speech out: tests/e2e/test_omni_speech.py)."""
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         speech = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"], "max_tokens": 2})
@@ -216,9 +217,9 @@ async def test_speech_out_and_bad_audio_are_400s(server):
                 {"type": "input_audio", "input_audio": {"data": noise, "format": "wav"}}]}],
             "max_tokens": 2})
         card = (await client.get("/v1/models")).json()["data"][0]
-    assert speech.status_code == 400 and speech.json()["error"]["param"] == "modalities", speech.text
-    assert "not served yet" in speech.json()["error"]["message"]
+    assert speech.status_code == 400 and speech.json()["error"]["param"] == "audio", speech.text
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "messages[0].content[1].input_audio.data"
-    assert {"text", "image", "audio"} <= set(card["input_modalities"]) and card["output_modalities"] == ["text"]
+    assert {"text", "image", "audio"} <= set(card["input_modalities"])
+    assert card["output_modalities"] == ["text", "audio"]
     assert_clean(server)

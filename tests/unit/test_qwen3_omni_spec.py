@@ -66,3 +66,35 @@ def test_bad_clips_are_refused_naming_them() -> None:
     with pytest.raises(PromptError) as exc:
         spec.process_prompt(PromptRequest([1, 2, 151646]))
     assert exc.value.param == "input_ids"
+
+
+#: a talker as the release's (its stacks' KV shapes; two voices)
+TALKER = {"text_config": {"num_hidden_layers": 20, "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 1024,
+                          "num_attention_heads": 16},
+          "code_predictor_config": {"num_hidden_layers": 5, "num_key_value_heads": 8, "head_dim": 128,
+                                    "hidden_size": 1024, "num_attention_heads": 16},
+          "num_code_groups": 16, "speaker_id": {"Ethan": 2302, "Chelsie": 2301}}
+IM_START, USER, ASSISTANT = 151644, 872, 77091
+
+
+def test_speech_out_declares_the_talkers_labels_up_front() -> None:
+    """With a voice: the thinker's layout as without, the talker's rows (user turns' rows +
+    9 opening rows, a row a frame) and the code predictor's scratch (a frame's codes); the
+    frame loop's cap is 8 frames a text token, at most 300 s; a voice it lacks is refused."""
+    spec = Qwen3OmniSpec({**CONFIG, "talker_config": TALKER}, page_size=16)
+    assert spec.voices == ("chelsie", "ethan")
+    assert {n: (p.num_layers, p.kv_heads) for n, p in spec.paged_pools(8).items()} == {
+        "kv": (48, 4), "talker": (20, 2), "code": (5, 8)}
+    assert spec.get_loop_caps(10) == {"decode_loop": 9, "frame_loop": 80}
+    assert spec.get_loop_caps(10_000)["frame_loop"] == 3750 == spec.graph_loops()["frame_loop"]
+    ids = [IM_START, 9125, 198, 5, IM_START, USER, 198, 7, 8, IM_START, ASSISTANT, 198]
+    text = spec.process_prompt(PromptRequest(ids))
+    speech = spec.process_prompt(PromptRequest(ids, options={"voice": "Ethan"}))
+    assert set(text.kv_layout) == {"text"} and speech.kv_layout["text"] == text.kv_layout["text"]
+    assert speech.kv_layout["talker"].spans == (Span.rows(5 + 9),)  # the user turn: 5 tokens
+    assert speech.kv_layout["talker"].growth == {"frame_loop": 1}
+    assert speech.kv_layout["code"].scratch == 16 and speech.metadata["voice"] == "ethan"
+    with pytest.raises(PromptError) as err:
+        spec.process_prompt(PromptRequest(ids, options={"voice": "nobody"}))
+    assert err.value.param == "audio.voice"
+    assert Qwen3OmniSpec(CONFIG, page_size=16).voices == ()  # no talker: text only

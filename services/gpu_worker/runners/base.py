@@ -35,7 +35,7 @@ from services.gpu_worker.layers.prompt_rows import prompt_rows_from
 from services.gpu_worker.modeling.decoder.cpu_stack import CpuDecodeStack
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
-from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
+from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output, RequestError
 from shared.layout import KVLabel
 from shared.specs.base import DecoderRunnerSpec
@@ -174,6 +174,18 @@ class ModelRunner:
         processor made it; True when the runner holds the output to send it later itself
         (`ready_outputs`). Nothing by default: sent with the step."""
         return False
+
+    def next_stage(self, request: Request, output: Output, at_caps: bool) -> bool:
+        """The request's first stage ended with `output` (its finish_reason set): True when
+        the request goes on to a later stage instead (`request.stage` set, the output's
+        finish_reason moved onto it and cleared, so the api keeps listening: "the text
+        ended, the request continues"); False by default: the request ends."""
+        return False
+
+    def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
+        """A later stage's step output (what it sampled: `tokens`), and whether it ends the
+        request; only runners whose `next_stage` starts one are asked."""
+        raise NotImplementedError
 
     @property
     def holding(self) -> bool:

@@ -35,8 +35,9 @@ from typing import Any, cast
 
 import torch
 
-from services.gpu_worker.attention import AttnRows, build_metadata
+from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
+from shared.specs.qwen3_omni import user_rows
 from shared.specs.vision_lm import mrope_positions
 
 #: transformers' `generate` defaults for the talker
@@ -90,13 +91,7 @@ class TalkerPrompt:
 
 def user_positions(ids: list[int], s: TalkerSettings) -> list[int]:
     """The prompt positions of every user turn's tokens (transformers' `user_mask`)."""
-    out, last = [], 0
-    for i, tok in enumerate(ids):
-        if tok == s.im_start:
-            last = i
-        if ids[min(last + 1, len(ids) - 1)] == s.user:
-            out.append(i)
-    return out
+    return user_rows(ids, s.im_start, s.user)
 
 
 def assistant_start(ids: list[int], s: TalkerSettings) -> int:
@@ -155,6 +150,7 @@ class TalkerRun:
         self.rows = 0  # talker rows in KV
         self.history: list[int] = []  # first codes sampled
         self.frames: list[list[int]] = []
+        self.sent = 0  # frames handed to the codec
         self.hidden: torch.Tensor | None = None  # [1, hidden]
 
     @property
@@ -184,6 +180,13 @@ class TalkerStep:
                  code_caches: list[torch.Tensor], page_size: int) -> None:
         self.m, self.s = model, s
         self.talker_caches, self.code_caches, self.page_size = talker_caches, code_caches, page_size
+        #: where the caches live: off the CPU, torch's attention over metadata moved there
+        self.device = talker_caches[0].device
+
+    def _meta(self, rows: list[AttnRows]) -> AttnMetadata:
+        if self.device.type == "cpu":
+            return build_metadata(rows, self.page_size)
+        return build_metadata(rows, self.page_size, backend="torch").to(self.device)
 
     def __call__(self, runs: list[TalkerRun], pages: list[list[int]], code_pages: list[list[int]]) -> list[int]:
         """Each run's next first code; the frames made are appended to `run.frames`."""
@@ -205,7 +208,7 @@ class TalkerStep:
             xs.append(x)
             poss.append(pos)
             last.append(sum(t.shape[0] for t in xs) - 1)
-        meta = build_metadata(attn, self.page_size)
+        meta = self._meta(attn)
         hidden = self.m.talk(torch.cat(xs), torch.cat(poss, dim=1), self.talker_caches, meta)[last]
         logits = self.m.first_code_logits(hidden)
         out = []
@@ -240,7 +243,7 @@ class TalkerStep:
                 cached, new, rows = 0, 2, torch.arange(1, 2 * b, 2, device=dev)
             else:
                 x, cached, new, rows = self.m.residual_embeds(codes[-1], k), k + 1, 1, torch.arange(b, device=dev)
-            meta = build_metadata([AttnRows(p, 0, cached, new, k > 0) for p in pages], self.page_size)
+            meta = self._meta([AttnRows(p, 0, cached, new, k > 0) for p in pages])
             pos = torch.arange(cached, cached + new, device=dev).repeat(b)
             codes.append(torch.argmax(self.m.predict(x, pos, self.code_caches, meta, rows, k), dim=-1))
         return torch.stack(codes, dim=1).tolist()

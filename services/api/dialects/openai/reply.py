@@ -23,6 +23,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from services.api.answer import AnswerStream, read_answer
+from services.api.dialects.openai.chat_audio import SpeechOut, audio_delta, audio_message
 from services.api.errors import ApiError
 from services.api.events import DeltaEvent, DoneEvent, encode, floor
 from services.api.tools import ToolCall, ToolCallDelta
@@ -103,6 +104,8 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[ToolCall] | UnsetType = UNSET
     #: a reasoning model's thinking (vLLM's field), split from `content`
     reasoning_content: str | UnsetType = UNSET
+    #: speech out (`chat_audio.audio_message`): the clip of the reply, with its transcript
+    audio: dict[str, Any] | UnsetType = UNSET
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -144,6 +147,8 @@ class ChatDelta(msgspec.Struct):
     content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
+    #: speech out: a chunk of the clip (`chat_audio.audio_delta`)
+    audio: dict[str, Any] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -324,8 +329,10 @@ class ChatReply:
     def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool = False,
                  tokenizer: Any = None, logprobs: int | None = None, index: int = 0,
                  final_usage: bool = True, tool_format: str | None = None, tools_forced: bool = False,
-                 reasoning: str | None = None) -> None:
+                 reasoning: str | None = None, speech: SpeechOut | None = None) -> None:
         self.id = request_id
+        #: speech out's voice and format (None: text only)
+        self.speech = speech
         self.model = model
         self.created = created
         self.include_usage = include_usage
@@ -353,8 +360,10 @@ class ChatReply:
             return ChatChoice(self.index, ChatMessage(answer.content, tool_calls=answer.calls,
                                                       reasoning_content=reasoning_content),
                               "tool_calls", self._logprobs(done), _stop_reason(done))
-        return ChatChoice(self.index, ChatMessage(answer.content, reasoning_content=reasoning_content),
-                          done.finish_reason, self._logprobs(done), _stop_reason(done))
+        message = ChatMessage(answer.content, reasoning_content=reasoning_content)
+        if self.speech is not None:
+            message.audio = audio_message(self.speech, self.id, done.audio or b"", answer.content)
+        return ChatChoice(self.index, message, done.finish_reason, self._logprobs(done), _stop_reason(done))
 
     def wrap(self, choices: list, usage: OpenAIUsage) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model, choices, usage)
@@ -387,8 +396,11 @@ class ChatReply:
             if self._answer.plain:  # plain text: as it comes, with its logprobs
                 if event.text or (self._k is not None and event.token_ids):
                     out += self._chunk(ChatDelta(content=event.text), None, self._logprobs(event))
-                return out
-            return out + self._parts(*self._answer.feed(event.text))
+            else:
+                out += self._parts(*self._answer.feed(event.text))
+            if self.speech is not None and event.audio:
+                out += self._chunk(ChatDelta(audio=audio_delta(self.id, event.audio)), None)
+            return out
         assert type(event) is DoneEvent
         finish = event.finish_reason
         thinking, rest, calls = self._answer.finish()

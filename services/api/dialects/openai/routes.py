@@ -20,9 +20,9 @@ from starlette.routing import BaseRoute, Route
 
 from services.api.chat import plan_chat
 from services.api.chat_request import check_model, parse_chat
+from services.api.dialects.openai.chat_audio import speech_out
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
-from services.api.errors import invalid
 from services.api.fanout import Choice, expand
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.api.schemas import Route as Shape
@@ -44,6 +44,8 @@ def _model_card(state: ApiState) -> ModelCard:
         inputs.append("audio")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
                "act": ["actions"]}.get(settings.task, ["score"])
+    if settings.voices and settings.task == "generate":  # an omni model's talker: speech out on chat
+        outputs = ["text", "audio"]
     defaults = msgspec.structs.asdict(settings.generation_defaults)
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None,
@@ -91,10 +93,15 @@ def _firsts(choices: list[Choice]) -> set[int]:
 
 def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     settings = state.settings
-    if settings.audio_placeholder:
-        refuse_speech_out(obj, settings.model_name)
+    speech = None
+    if settings.audio_placeholder:  # an omni model: speech out where it has a talker
+        obj = dict(obj)
+        speech = speech_out(obj, settings.voices, settings.sample_rate, settings.model_name)
     req, messages = parse_chat(obj, settings.model_name, vision=bool(settings.image_placeholder),
                                audio=bool(settings.audio_placeholder))
+    if speech is not None:
+        req = msgspec.structs.replace(req, params=msgspec.structs.replace(
+            req.params, options={**req.params.options, "voice": speech.voice}))
     plan = plan_chat(req, messages, state)
     req = plan.req
     created = int(time.time())
@@ -102,25 +109,14 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
     def reply(index: int = 0, final_usage: bool = True) -> ChatReply:
         return ChatReply(req.params.request_id, state.settings.model_name, created, include_usage=req.include_usage,
                          tokenizer=state.tokenizer, logprobs=req.logprobs, index=index, final_usage=final_usage,
-                         tool_format=plan.tool_format, tools_forced=plan.tools_forced, reasoning=plan.reasoning)
+                         tool_format=plan.tool_format, tools_forced=plan.tools_forced, reasoning=plan.reasoning,
+                         speech=speech)
 
     choices = expand(req.params, [], req.n)
     if not choices:
         return Prepared(req.params, req.stream, reply())
     return Prepared(req.params, req.stream, ManyReply([reply(i, False) for i in range(len(choices))],
                                                       _firsts(choices)), choices)
-
-
-def refuse_speech_out(obj: dict[str, Any], model: str) -> None:
-    """An omni model's chat asking for speech (`modalities` with "audio", or `audio`
-    output options): a 400 naming the field. Its talker is not served yet (text out only)."""
-    modalities = obj.get("modalities")
-    if isinstance(modalities, list) and "audio" in modalities:
-        raise invalid("modalities", f"speech out from {model!r} is not served yet (its talker is not loaded): "
-                                    'send modalities ["text"] or leave it out')
-    if obj.get("audio") is not None:
-        raise invalid("audio", f"speech out from {model!r} is not served yet (its talker is not loaded): "
-                               "leave audio out")
 
 
 async def completions(request: Request) -> Response | EventStream:

@@ -1,0 +1,209 @@
+"""Qwen3-Omni's speech out through the real services (`/v1/chat/completions` with
+`modalities: ["text", "audio"]`), on the tiny random checkpoint of tests/omni_checkpoints.py:
+the thinker's text, then its talker and Code2Wav in the same request. For a text prompt and
+two voices, the text equals transformers' greedy text and the waveform transformers'
+`generate(..., thinker_do_sample=False, talker_do_sample=False, return_audio=True)` within
+1e-3 and of the same length (its talker_max_new_tokens the frame loop's cap + 1: the cap
+counts frames after the talker's prompt step); alone and both at once; streamed, the
+`delta.content` chunks join to the text and the `delta.audio` chunks (base64 pcm16) to the
+unstreamed clip. An image prompt and an audio prompt too. Every KV page back to zero
+under the layout debug checks. Bad speech options are 400s naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from functools import cache
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from shared.specs.qwen3_omni import FRAMES_PER_TOKEN
+from tests.e2e.test_omni import png
+from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
+from tests.servers import MstarServer
+
+pytest.importorskip("soundfile")
+MAX_TOKENS = 5
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello to the world"}]
+VOICES = ("ethan", "chelsie")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_omni_checkpoint(tmp_path_factory.mktemp("omni") / "ckpt")
+
+
+@cache
+def _hf(folder: Path):
+    import torch
+    import transformers
+
+    model = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, omni_processor(folder)
+
+
+#: an image and an audio clip, each before the user's text (their parts as we send them)
+IMAGE, AUDIO = png(96, 64, 1), wav_bytes(tone(1.3, seed=1))
+MEDIA = {"image": {"type": "image_url",
+                   "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}},
+         "audio": {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}}
+
+
+def messages(media: str = "", ours: bool = True) -> list[dict]:
+    """MESSAGES, the user's text after a `media` part (ours, or the processor's)."""
+    if not media:
+        return MESSAGES
+    part = MEDIA[media] if ours else {"type": media}
+    return [MESSAGES[0], {"role": "user", "content": [part, {"type": "text", "text": MESSAGES[1]["content"]}]}]
+
+
+@cache
+def reference(folder: Path, voice: str, media: str = "") -> tuple[str, np.ndarray]:
+    """(transformers' text, its waveform) for `messages(media)` in `voice`."""
+    import soundfile as sf
+    import torch
+    from PIL import Image
+
+    model, proc = _hf(folder)
+    text = proc.apply_chat_template(messages(media, ours=False), add_generation_prompt=True, tokenize=False)
+    kwargs: dict = {}
+    if media == "image":
+        kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
+    if media == "audio":
+        kwargs["audio"] = [sf.read(io.BytesIO(AUDIO), dtype="float32")[0]]
+    inputs = proc(text=text, return_tensors="pt", **kwargs)
+    eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        seq, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
+                                  talker_do_sample=False, return_audio=True,
+                                  talker_max_new_tokens=FRAMES_PER_TOKEN * MAX_TOKENS + 1, thinker_eos_token_id=eos)
+    out = seq[0, inputs["input_ids"].shape[1]:].tolist()
+    return proc.tokenizer.decode(out, skip_special_tokens=True), wav.reshape(-1).float().numpy()
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "omni_speech.log", "--num-kv-pages", "64",
+                      "--page-size", "8", "--max-batch-tokens", "32",
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def assert_clean(srv: MstarServer) -> None:
+    """Pages back to 0; nothing overran; no request failed."""
+    assert srv.wait_pages_free() == 0
+    assert srv.metric("mstar_kv_footprint_overruns_total") == 0
+    log = srv.log()
+    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
+
+def body(voice: str, fmt: str = "wav", media: str = "", **extra) -> dict:
+    return {"messages": messages(media), "modalities": ["text", "audio"], "audio": {"voice": voice, "format": fmt},
+            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+async def chat(client: httpx.AsyncClient, voice: str, fmt: str = "wav", media: str = "") -> tuple[str, bytes, dict]:
+    """(the text, the clip's file bytes, message.audio) of an unstreamed reply."""
+    r = await client.post("/v1/chat/completions", json=body(voice, fmt, media))
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    return message["content"], base64.b64decode(message["audio"]["data"]), message["audio"]
+
+
+async def streamed(client: httpx.AsyncClient, voice: str) -> tuple[str, bytes]:
+    """(the delta.content chunks joined, the delta.audio chunks' pcm16 joined)."""
+    text, pcm = [], []
+    async with client.stream("POST", "/v1/chat/completions", json=body(voice, "pcm16", stream=True)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                delta = choice["delta"]
+                if delta.get("content"):
+                    assert not pcm, "text after audio"
+                    text.append(delta["content"])
+                if delta.get("audio"):
+                    pcm.append(base64.b64decode(delta["audio"]["data"]))
+    return "".join(text), b"".join(pcm)
+
+
+def wave_of(wav: bytes) -> np.ndarray:
+    import soundfile as sf
+
+    samples, rate = sf.read(io.BytesIO(wav), dtype="float32")
+    assert rate == 24_000
+    return samples
+
+
+def assert_speech(folder: Path, voice: str, text: str, wav: bytes, media: str = "") -> None:
+    want_text, want_wave = reference(folder, voice, media)
+    assert text == want_text
+    wave = wave_of(wav)
+    assert wave.shape == want_wave.shape and len(wave) > 0
+    np.testing.assert_allclose(wave, want_wave, atol=1e-3)
+
+
+async def test_speech_equals_transformers(folder, server):
+    """Two voices, one after the other and both at once: transformers' text and waveform;
+    streamed, the same text and the same clip."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        alone = [await chat(client, v) for v in VOICES]
+        together = await asyncio.gather(*(chat(client, v) for v in VOICES))
+        pcm = await asyncio.gather(*(chat(client, v, "pcm16") for v in VOICES))
+        streams = await asyncio.gather(*(streamed(client, v) for v in VOICES))
+    for voice, one, other, raw, stream in zip(VOICES, alone, together, pcm, streams):
+        for text, wav, audio in (one, other):
+            assert_speech(folder, voice, text, wav)
+            assert audio["transcript"] == text and audio["id"] and audio["expires_at"] > 0
+        assert raw[1] == one[1][44:]  # pcm16: the wav file's samples
+        assert stream == (one[0], raw[1])
+    assert one[1] != alone[0][1]  # the two voices differ
+    assert_clean(server)
+
+
+async def test_image_and_audio_prompts(folder, server):
+    """An image prompt and an audio prompt (the talker reads the thinker's hidden states at
+    their rows), at once: transformers' text and waveform. (An image and a clip together has
+    no reference: transformers' talker cannot place them.)"""
+    cases = (("ethan", "image"), ("chelsie", "audio"))
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        replies = await asyncio.gather(*(chat(client, voice, media=media) for voice, media in cases))
+    for (voice, media), (text, wav, _) in zip(cases, replies):
+        assert_speech(folder, voice, text, wav, media)
+    assert_clean(server)
+
+
+async def test_a_client_gone_mid_speech_frees_every_stage(folder, server):
+    """A stream closed at its first audio chunk (the talker running): the request ends
+    everywhere and every page of both stages returns."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body("ethan", "pcm16", stream=True)) as r:
+            async for line in r.aiter_lines():
+                if '"audio"' in line:
+                    break
+        text, _, _ = await chat(client, "chelsie")  # the engine goes on serving
+    assert text == reference(folder, "chelsie")[0]
+    assert_clean(server)
+
+
+async def test_bad_speech_options_are_400s(server):
+    """A voice the model lacks, audio without text, audio asked without its options, a bad format."""
+    cases = [({"audio": {"voice": "nobody", "format": "wav"}}, "audio.voice"),
+             ({"modalities": ["audio"]}, "modalities"),
+             ({"audio": None}, "audio"),
+             ({"audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
+             ({"modalities": ["text"]}, "audio")]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        for change, param in cases:
+            r = await client.post("/v1/chat/completions", json={**body("ethan"), **change})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (change, r.text)
+    assert_clean(server)
