@@ -14,6 +14,8 @@ from services.api.schemas import (
     UNSUPPORTED,
     ActionRequest,
     ActionResponse,
+    RolloutRequest,
+    RolloutResponse,
     AudioGenerateForm,
     Body,
     ClientFrame,
@@ -47,6 +49,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("/version", "get"): Route(response=VersionResponse),
     ("/v1/embeddings", "post"): Route(EmbeddingRequest, EmbeddingResponse),
     ("/v1/actions", "post"): Route(ActionRequest, ActionResponse),
+    ("/v1/world/rollout", "post"): Route(RolloutRequest, RolloutResponse),
     **{(path, "post"): Route(ScoreRequest, ScoreResponse) for path in ("/v1/score", "/score")},
     **{(path, "post"): Route(RerankRequest, RerankResponse) for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
 }

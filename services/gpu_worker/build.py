@@ -32,6 +32,7 @@ from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
 from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.policy import PolicyRunner
+from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
@@ -61,6 +62,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
     "policy": (PolicyRunner, None),
+    "world": (WorldRunner, None),
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
 }

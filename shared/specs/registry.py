@@ -29,6 +29,7 @@ from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.policy import PI0_ARCHITECTURES, PI05_ARCHITECTURES, Pi05Spec, PolicySpec
+from shared.specs.world import WORLD_ARCHITECTURES, WorldSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.qwen3_omni import ARCHITECTURES as OMNI_ARCHITECTURES
 from shared.specs.qwen3_omni import Qwen3OmniSpec
@@ -63,6 +64,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     CSM_ARCHITECTURE: CsmSpec,
     **dict.fromkeys(PI0_ARCHITECTURES, PolicySpec),
     **dict.fromkeys(PI05_ARCHITECTURES, Pi05Spec),
+    **dict.fromkeys(WORLD_ARCHITECTURES, WorldSpec),
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
 }

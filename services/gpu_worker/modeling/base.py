@@ -192,6 +192,19 @@ class MultiCodeModel(ModelBase):
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class WorldModel(ModelBase):
+    """A world model (V-JEPA 2-AC): `encode` turns frames into their tokens (once per clip;
+    the runner caches them by the clip's content key), `predict` is one pass of the
+    action-conditioned predictor over a batch of rollouts with the same number of frames;
+    the runner (runners/world.py) steps the rollouts."""
+
+    @abstractmethod
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
