@@ -220,4 +220,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
+    "world": WorldModel,
 }
