@@ -32,11 +32,11 @@ from services.gpu_worker.runners.hybrid_vision import HybridVisionRunner
 from services.gpu_worker.runners.mrope import MropeVisionRunner
 from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.policy import PolicyRunner
-from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.runners.vision import VisionRunner
+from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
 from services.gpu_worker.weights import build_model, prompt_path, weight_dtype

@@ -29,7 +29,6 @@ from shared.specs.hybrid_vision_lm import Qwen35VLSpec
 from shared.specs.null_lm import NULL_ARCHITECTURE, NullLMSpec
 from shared.specs.orpheus import OrpheusSpec
 from shared.specs.policy import PI0_ARCHITECTURES, PI05_ARCHITECTURES, Pi05Spec, PolicySpec
-from shared.specs.world import WORLD_ARCHITECTURES, WorldSpec
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.qwen3_omni import ARCHITECTURES as OMNI_ARCHITECTURES
 from shared.specs.qwen3_omni import Qwen3OmniSpec
@@ -43,6 +42,7 @@ from shared.specs.vision_lm import (
 )
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
+from shared.specs.world import WORLD_ARCHITECTURES, WorldSpec
 from shared.tasks import TASKS
 
 #: factory(config, *, page_size, max_seq_len=0, dtype="float32") -> ModelSpec

@@ -122,11 +122,11 @@ class WorldSpec(ModelSpec):
         from PIL import Image, UnidentifiedImageError
 
         try:
-            img = Image.open(io.BytesIO(data))
-            img.load()
+            opened = Image.open(io.BytesIO(data))
+            opened.load()
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise PromptError("frames", f"not an image file: {exc}") from exc
-        img = img.convert("RGB")
+        img = opened.convert("RGB")
         if img.size != (self.img_size, self.img_size):
             img = img.resize((self.img_size, self.img_size), Image.Resampling.BILINEAR)
         pixels = (np.asarray(img, dtype=np.float32) / np.float32(255.0) - MEAN) / STD

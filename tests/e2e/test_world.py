@@ -21,7 +21,16 @@ import numpy as np
 import pytest
 
 from tests.servers import MstarServer
-from tests.world_checkpoints import ACTION_DIM, EMBED, ENCODER, IMG, PREDICTOR, TOKENS, make_world_checkpoint, reference_rollout
+from tests.world_checkpoints import (
+    ACTION_DIM,
+    EMBED,
+    ENCODER,
+    IMG,
+    PREDICTOR,
+    TOKENS,
+    make_world_checkpoint,
+    reference_rollout,
+)
 
 SEED = 3
 
@@ -161,10 +170,11 @@ def test_one_clip_encoded_once_for_8_rollouts(server):
 
 def test_bad_input_names_the_field(server):
     good = body(clip(1, 2), 1, 2)
+    not_image = "data:image/png;base64," + base64.b64encode(b"no").decode()
     cases = {
         "actions": {**good, "actions": good["actions"][:-1]},
         "states": {**good, "states": [*good["states"], [0.0] * ACTION_DIM]},
-        "frames.1": {**good, "frames": [good["frames"][0], "data:image/png;base64," + base64.b64encode(b"nope").decode()]},
+        "frames.1": {**good, "frames": [good["frames"][0], not_image]},
         "steps": {**good, "steps": 0},
         "frames": {**good, "frames": []},
     }

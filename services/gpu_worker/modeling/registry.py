@@ -22,10 +22,10 @@ from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.higgs import HiggsModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
-from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
+from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec

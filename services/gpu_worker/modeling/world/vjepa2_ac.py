@@ -14,7 +14,7 @@ every token of its frame and of the frames before it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,18 @@ def grid_positions(tokens: int, width: int, device: torch.device) -> tuple[torch
     return (ids // width).float(), (ids % width).float()
 
 
+class PatchEmbed(nn.Module):
+    """`PatchEmbed3D`: one Conv3d over (tubelet, patch, patch)."""
+
+    def __init__(self, dim: int, patch: int, tubelet: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(3, dim, (tubelet, patch, patch), (tubelet, patch, patch))
+
+
+def blocks_of(modules: nn.ModuleList) -> list[Block]:
+    return cast(list[Block], list(modules))
+
+
 class Encoder(nn.Module):
     """The video ViT with RoPE, each frame one tubelet (the frame twice)."""
 
@@ -113,8 +125,7 @@ class Encoder(nn.Module):
         super().__init__()
         dim, patch, tubelet = int(cfg["embed_dim"]), int(cfg.get("patch_size", 16)), int(cfg.get("tubelet_size", 2))
         self.tubelet = tubelet
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(3, dim, (tubelet, patch, patch), (tubelet, patch, patch))
+        self.patch_embed = PatchEmbed(dim, patch, tubelet)
         self.blocks = nn.ModuleList(Block(cfg, dim) for _ in range(int(cfg["depth"])))
         self.norm = nn.LayerNorm(dim, eps=float(cfg.get("layer_norm_eps", 1e-6)))
 
@@ -127,7 +138,7 @@ class Encoder(nn.Module):
         x = conv.flatten(2).transpose(1, 2)
         h, w = grid_positions(x.shape[1], width, x.device)
         depth = torch.zeros_like(h)
-        for blk in self.blocks:
+        for blk in blocks_of(self.blocks):
             q, k, v = blk.qkv(blk.norm1(x))
             part = blk.attn.part
             x = blk.finish(x, rope3(q, part, depth, h, w), rope3(k, part, depth, h, w), v, None)
@@ -154,7 +165,7 @@ class Predictor(nn.Module):
         """z [B, T, tokens, embed], actions and states [B, T, A] -> the predictor's output for
         every frame's tokens [B, T, tokens, embed], layer-normed (no affine) as Meta's
         `_step_predictor` does."""
-        b, t, n, _ = z.shape
+        t, n = z.shape[1], z.shape[2]
         x = torch.cat([self.action_encoder(actions)[:, :, None], self.state_encoder(states)[:, :, None],
                        self.predictor_embed(z)], dim=2)  # [B, T, 2 + n, dim]
         frame = torch.arange(t, device=z.device).repeat_interleave(n + 2)
@@ -162,7 +173,7 @@ class Predictor(nn.Module):
         h, w = grid_positions(n, self.grid, z.device)
         depth = torch.arange(t, device=z.device).float()
         x = x.flatten(1, 2)
-        for blk in self.predictor_blocks:
+        for blk in blocks_of(self.predictor_blocks):
             q, k, v = (p.unflatten(2, (t, n + 2)) for p in blk.qkv(blk.norm1(x)))
             part = blk.attn.part
             rows = depth.repeat_interleave(n)
