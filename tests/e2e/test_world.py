@@ -168,6 +168,14 @@ def test_one_clip_encoded_once_for_8_rollouts(server):
     assert server.wait_pages_free() == 0
 
 
+def test_models_names_the_modalities(server):
+    card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    assert card["input_modalities"] == ["image", "actions", "state"] and card["output_modalities"] == ["embedding"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=10)
+    assert r.status_code == 400 and "/v1/world/rollout" in r.json()["error"]["message"], r.text
+
+
 def test_bad_input_names_the_field(server):
     good = body(clip(1, 2), 1, 2)
     not_image = "data:image/png;base64," + base64.b64encode(b"no").decode()
