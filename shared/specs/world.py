@@ -17,10 +17,11 @@ A request is one rollout as Meta's training code runs it (app/vjepa_droid/train.
 far (the context's, then the k predicted), each frame's tokens after its action and state
 tokens, frame-block causal, layer-norms its output and keeps the last frame's tokens. So
 the actions and states have a row per context frame and per step but the last
-(frames + steps - 1 rows). Layout: label "frames" in pool "kv", a rows span of the
-predictor's largest input ((frames + steps - 1) x (tokens per frame + 2)); the first step
-recomputes the predictor over every frame at each step and writes no K/V (the span
-reserves what a K/V-keeping rollout holds), so nothing grows. The loop `rollout_loop` is
+(frames + steps - 1 rows). Layout: label "frames" in pool "kv", a rows span of every
+frame the predictor takes ((frames + steps - 1) x (tokens per frame + 2) rows: each
+frame's action and state tokens, then its patches), whose K/V the worker writes once per
+frame as the rollout goes (the mask is frame-block causal, so they never change); the
+last predicted frame is never fed back, so nothing grows past the span. The loop `rollout_loop` is
 capped at the predictor's frames (`num_frames // tubelet_size`).
 
 The clip's content key (sha256 of its frames' bytes and the preprocessing) travels as the

@@ -195,14 +195,18 @@ class MultiCodeModel(ModelBase):
 class WorldModel(ModelBase):
     """A world model (V-JEPA 2-AC): `encode` turns frames into their tokens (once per clip;
     the runner caches them by the clip's content key), `predict` is one pass of the
-    action-conditioned predictor over a batch of rollouts with the same number of frames;
-    the runner (runners/world.py) steps the rollouts."""
+    action-conditioned predictor over a batch of rollouts' new frames (all from frame
+    `start`), reading the K/V of their earlier frames (`past`, per layer) and returning the
+    new rows' K/V with its output; the runner (runners/world.py) steps the rollouts and
+    keeps their K/V in the pages."""
 
     @abstractmethod
     def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor: ...
+    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, start: int,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]: ...
 
 
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for

@@ -7,10 +7,12 @@ worker): the tokens stay in a small LRU cache here, so many rollouts from one cl
 planner's candidates), in one step or across requests, encode it once; each encode is
 logged ("world encoder: clip ... encoded") so it can be counted. Then the rollouts of every
 request of the step go step by step together: at step k a request predicts from its
-frames so far (the context's, then the k predicted), and rollouts with as many frames run
+frames so far (the context's, then the k predicted), and rollouts at the same frame run
 as one batch of the predictor; the last frame's tokens of its output are the step's
-prediction. This first version recomputes the predictor over every frame at each step
-(no K/V kept: the pages reserved for the frames label are not written). The predictions
+prediction. The predictor is frame-block causal, so a frame's K/V never change once
+computed: each frame's rows (its action, state and patch tokens) are written once into
+the request's pages of the frames label, and each step after the first computes only the
+newest frame's rows, reading the earlier ones' K/V from the pages. The predictions
 go back as float32 bytes on the request (`Request.pooled`: steps x tokens x embed).
 """
 
@@ -68,7 +70,7 @@ class WorldRunner(ModelRunner):
         reqs = [e.request for e in plan.entries]
         with torch.inference_mode():
             context = [self._clip(r.inputs["clip_key"], r.inputs["pixel_values"]) for r in reqs]
-            out = self._rollout(reqs, context)
+            out = self._rollout(reqs, context, [e.pages[self.spec.label_name] for e in plan.entries])
         for r, steps in zip(reqs, out):
             r.pooled = torch.stack(steps).float().cpu().numpy().astype("<f4").tobytes()
         return [[] for _ in reqs]
@@ -89,26 +91,59 @@ class WorldRunner(ModelRunner):
             self.clips.popitem(last=False)
         return tokens
 
-    def _rollout(self, reqs: list, context: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Each request's predicted frames; at each step the live requests with the same
-        number of frames so far run as one batch."""
-        frames = [list(c.unbind(0)) for c in context]
+    def _rollout(self, reqs: list, context: list[torch.Tensor], pages: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Each request's predicted frames. Its first pass runs the predictor over its context
+        frames; each later one over its newest frame alone, reading the earlier frames' K/V
+        from its pages (written by the passes before). Requests at the same frame with as
+        many new frames run as one batch."""
+        new = [c for c in context]  # each request's frames not yet through the predictor
+        fed = [0] * len(reqs)  # frames whose K/V are in the pages
         out: list[list[torch.Tensor]] = [[] for _ in reqs]
         caps = [min(r.inputs["steps"], int(r.caps.get(self.spec.rollout_loop, 0))) for r in reqs]
         for step in range(max(caps, default=0)):
-            groups: dict[int, list[int]] = {}
+            groups: dict[tuple[int, int], list[int]] = {}
             for i, cap in enumerate(caps):
                 if step < cap:
-                    groups.setdefault(len(frames[i]), []).append(i)
-            for t, members in groups.items():
-                z = torch.stack([torch.stack(frames[i]) for i in members])
-                dtype = z.dtype
-                acts = torch.stack([reqs[i].inputs["actions"][:t] for i in members]).to(self.device, dtype)
-                states = torch.stack([reqs[i].inputs["states"][:t] for i in members]).to(self.device, dtype)
-                nxt = self.model.predict(z, acts, states)[:, -1]
+                    groups.setdefault((fed[i], new[i].shape[0]), []).append(i)
+            for (start, t), members in groups.items():
+                z = torch.stack([new[i] for i in members])
+                acts = torch.stack([reqs[i].inputs["actions"][start:start + t] for i in members]).to(z)
+                states = torch.stack([reqs[i].inputs["states"][start:start + t] for i in members]).to(z)
+                past = self._read([pages[i] for i in members], start) if start else None
+                pred, kv = self.model.predict(z, acts, states, start, past)
+                self._write([pages[i] for i in members], start, kv)
                 for j, i in enumerate(members):
-                    frames[i].append(nxt[j])
-                    out[i].append(nxt[j])
+                    out[i].append(pred[j, -1])
+                    new[i], fed[i] = pred[j, -1:], start + t
             log.debug("world step %d: %d rollout(s) in %d batch(es)", step, sum(map(len, groups.values())),
                       len(groups))
         return out
+
+    def _slots(self, pages: list[int], first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of each of rows [first, first + rows) of a request's frames label."""
+        size = self.page_sizes[self.spec.label_name]
+        at = torch.arange(first, first + rows)
+        table = torch.tensor(pages, dtype=torch.long)
+        return table[at // size].to(self.device), (at % size).to(self.device)
+
+    def _read(self, pages: list[list[int]], frames: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V [B, heads, rows, head_dim] of the first `frames` frames."""
+        rows = frames * (self.spec.tokens_per_frame + 2)
+        where = [self._slots(p, 0, rows) for p in pages]
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        out = []
+        for cache in self.layer_caches:
+            k = torch.stack([cache[pg, 0, sl] for pg, sl in where]).transpose(1, 2).to(dtype)
+            v = torch.stack([cache[pg, 1, sl] for pg, sl in where]).transpose(1, 2).to(dtype)
+            out.append((k, v))
+        return out
+
+    def _write(self, pages: list[list[int]], frames: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The new rows' K and V (each layer's [B, heads, rows, head_dim]), after the first
+        `frames` frames of each request's frames label."""
+        first = frames * (self.spec.tokens_per_frame + 2)
+        where = [self._slots(p, first, kv[0][0].shape[2]) for p in pages]
+        for cache, (k, v) in zip(self.layer_caches, kv):
+            for b, (pg, sl) in enumerate(where):
+                cache[pg, 0, sl] = k[b].transpose(0, 1).to(cache.dtype)
+                cache[pg, 1, sl] = v[b].transpose(0, 1).to(cache.dtype)

@@ -161,32 +161,47 @@ class Predictor(nn.Module):
         self.predictor_norm = nn.LayerNorm(dim, eps=float(cfg.get("layer_norm_eps", 1e-6)))
         self.predictor_proj = nn.Linear(dim, embed_dim)
 
-    def forward(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """z [B, T, tokens, embed], actions and states [B, T, A] -> the predictor's output for
-        every frame's tokens [B, T, tokens, embed], layer-normed (no affine) as Meta's
-        `_step_predictor` does."""
+    def forward(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, start: int = 0,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """z [B, T, tokens, embed], the rollout's frames `start` to `start + T - 1`, with their
+        actions and states [B, T, A]; `past`: each layer's K and V [B, heads, rows, head_dim]
+        (RoPE applied) of the frames before `start`, which the frame-block causal mask lets
+        every new row see (and no earlier row see a new one, so they never change). Returns
+        the new frames' output [B, T, tokens, embed], layer-normed (no affine) as Meta's
+        `_step_predictor` does, and each layer's K and V of the new rows."""
         t, n = z.shape[1], z.shape[2]
         x = torch.cat([self.action_encoder(actions)[:, :, None], self.state_encoder(states)[:, :, None],
-                       self.predictor_embed(z)], dim=2)  # [B, T, 2 + n, dim]
-        frame = torch.arange(t, device=z.device).repeat_interleave(n + 2)
-        mask = frame[:, None] >= frame[None, :]
-        h, w = grid_positions(n, self.grid, z.device)
-        depth = torch.arange(t, device=z.device).float()
-        x = x.flatten(1, 2)
-        for blk in blocks_of(self.predictor_blocks):
-            q, k, v = (p.unflatten(2, (t, n + 2)) for p in blk.qkv(blk.norm1(x)))
-            part = blk.attn.part
-            rows = depth.repeat_interleave(n)
-            fq = rope3(q[:, :, :, 2:].flatten(2, 3), part, rows, h.repeat(t), w.repeat(t)).unflatten(2, (t, n))
-            fk = rope3(k[:, :, :, 2:].flatten(2, 3), part, rows, h.repeat(t), w.repeat(t)).unflatten(2, (t, n))
-            aq = torch.stack([rope3(q[:, :, :, i], part, depth, None, None) for i in (0, 1)], dim=3)
-            ak = torch.stack([rope3(k[:, :, :, i], part, depth, None, None) for i in (0, 1)], dim=3)
-            q2 = torch.cat([aq, fq], dim=3).flatten(2, 3)
-            k2 = torch.cat([ak, fk], dim=3).flatten(2, 3)
-            x = blk.finish(x, q2, k2, v.flatten(2, 3), mask)
+                       self.predictor_embed(z)], dim=2).flatten(1, 2)  # [B, T * (2 + n), dim]
+        frame = torch.arange(start, start + t, device=z.device).repeat_interleave(n + 2)
+        mask = frame[:, None] >= torch.arange(start + t, device=z.device).repeat_interleave(n + 2)[None, :]
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, blk in enumerate(blocks_of(self.predictor_blocks)):
+            q, k, v = self._rotated(blk, x, start, t, n)
+            kept.append((k, v))
+            if past is not None:
+                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
+            x = blk.finish(x, q, k, v, mask)
         x = x.unflatten(1, (t, n + 2))[:, :, 2:]
         x = self.predictor_proj(self.predictor_norm(x))
-        return F.layer_norm(x, (x.shape[-1],))
+        return F.layer_norm(x, (x.shape[-1],)), kept
+
+    def _rotated(self, blk: Block, x: torch.Tensor, start: int, t: int, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, heads, T * (2 + n), head_dim] of rows x, RoPE applied as
+        `ACRoPEAttention` does: a frame's patches by (frame, row, column), its action and
+        state tokens by frame only."""
+        q, k, v = (p.unflatten(2, (t, n + 2)) for p in blk.qkv(blk.norm1(x)))
+        part = blk.attn.part
+        h, w = grid_positions(n, self.grid, x.device)
+        depth = torch.arange(start, start + t, device=x.device).float()
+        rows = depth.repeat_interleave(n)
+        out = []
+        for y in (q, k):
+            patches = rope3(y[:, :, :, 2:].flatten(2, 3), part, rows, h.repeat(t), w.repeat(t)).unflatten(2, (t, n))
+            conds = torch.stack([rope3(y[:, :, :, i], part, depth, None, None) for i in (0, 1)], dim=3)
+            out.append(torch.cat([conds, patches], dim=3).flatten(2, 3))
+        return out[0], out[1], v.flatten(2, 3)
 
 
 class VJepa2ACWorld(WorldModel):
@@ -208,5 +223,7 @@ class VJepa2ACWorld(WorldModel):
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.encoder(pixels)
 
-    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        return self.predictor(z, actions, states)
+    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, start: int,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        return self.predictor(z, actions, states, start, past)
