@@ -191,7 +191,8 @@ def test_bad_input_names_the_field(server):
     ragged = {**good, "states": [good["states"][0][:-1], *good["states"][1:]]}
     too_long = {**good, "steps": 9, "actions": rows(1, 10).tolist(), "states": rows(2, 10).tolist()}
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        for param, payload in [*cases.items(), ("actions", wide), ("frames.0", not_url), ("states", ragged), ("steps", too_long)]:
+        more = [("actions", wide), ("frames.0", not_url), ("states", ragged), ("steps", too_long)]
+        for param, payload in [*cases.items(), *more]:
             r = client.post("/v1/world/rollout", json=payload)
             assert r.status_code == 400, (param, r.text)
             assert r.json()["error"]["param"] == param, (param, r.text)
