@@ -158,7 +158,9 @@ def test_one_clip_encoded_once_for_8_rollouts(server):
             rest = await asyncio.gather(*(post(client, body(frames, s, 3)) for s in seeds[4:]))
             return [*first, *rest]
 
+    encoded = server.metric("mstar_world_clip_encodes_total")
     got = asyncio.run(run())
+    assert server.wait_metric("mstar_world_clip_encodes_total", encoded + 1) == encoded + 1
     for g, w in zip(got, want):
         close(decoded(g), w)
     encodes = [line for line in server.log().splitlines() if "world encoder: clip" in line]
