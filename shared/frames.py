@@ -270,6 +270,8 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     #: the CPU kernels' class the worker runs (`cpu_kernels.cpu_class`: avx512, avx2, neon,
     #: generic), "" where it runs none (CUDA, no compiler, MSTAR_CPU_KERNELS=0)
     kernels: str = ""
+    #: a world model's encoder runs (one per context clip not in the worker's clip cache)
+    clip_encodes: int = 0
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from shared.specs import null_lm
 from shared.specs.base import DeploymentError, ModelSpec
@@ -161,8 +162,18 @@ def _default_template(value, where: str) -> str | None:
     return "{{ raise_exception(" + json.dumps(reason) + ") }}"
 
 
+def _textless(config: dict) -> bool:
+    """A model that takes no text (a world model: frames, actions, states): its folder has no
+    tokenizer, and the services get an empty one."""
+    from shared.specs.world import WORLD_ARCHITECTURES
+
+    return any(a in WORLD_ARCHITECTURES for a in config.get("architectures") or ())
+
+
 def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     tok_file = path / "tokenizer.json"
+    if not tok_file.exists() and _textless(config):
+        return TokenizerBundle(Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), None, [])
     if not tok_file.exists():
         raise DeploymentError(f"model folder {path} has no tokenizer.json")
     tok = Tokenizer.from_file(str(tok_file))

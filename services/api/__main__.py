@@ -277,6 +277,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
+        world_shape=spec.world_shape,
         **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
@@ -293,7 +294,7 @@ def _default_body_limit(spec: ModelSpec) -> int:
     """The largest body by default: larger for a model whose requests carry images or audio (base64)."""
     from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES
 
-    big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0]
+    big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0] or spec.world_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
 
 

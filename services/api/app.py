@@ -33,7 +33,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 from tokenizers import Tokenizer
 
-from services.api import actions, dialects, embeddings, openpi, scoring, speech, tokenization, transcription
+from services.api import actions, dialects, embeddings, openpi, scoring, speech, tokenization, transcription, world
 from services.api.auth import ApiKeyMiddleware
 from services.api.chat_template import ChatTemplate
 from services.api.errors import ApiError, internal_error, kind_for_status
@@ -172,6 +172,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | TokenizerBundle,
         Route("/openapi.json", guard(openapi_json), methods=["GET"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/actions", actions.actions, methods=["POST"]),
+        Route("/v1/world/rollout", world.rollout, methods=["POST"]),
         *(Route(path, scoring.score, methods=["POST"]) for path in ("/v1/score", "/score")),
         *(Route(path, scoring.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
         *dialects.http_routes(),

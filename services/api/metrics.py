@@ -122,6 +122,8 @@ class ClusterCollector(Collector):
                             sum(w.spec_draft_tokens for w in ws))
         yield self._counter("mstar_spec_accepted_tokens", "speculative draft tokens accepted, summed over workers",
                             sum(w.spec_accepted_tokens for w in ws))
+        yield self._counter("mstar_world_clip_encodes", "a world model's context clips encoded (the others were "
+                            "in the worker's clip cache), summed over workers", sum(w.clip_encodes for w in ws))
         yield self._counter("mstar_kv_footprint_overruns",
                             "pages taken past a label's footprint (bugs), summed over workers",
                             sum(w.footprint_overruns for w in ws))

@@ -25,6 +25,8 @@ from services.api.schemas import (
     GenerateRequest,
     RerankRequest,
     RerankResponse,
+    RolloutRequest,
+    RolloutResponse,
     Route,
     ScoreRequest,
     ScoreResponse,
@@ -47,6 +49,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("/version", "get"): Route(response=VersionResponse),
     ("/v1/embeddings", "post"): Route(EmbeddingRequest, EmbeddingResponse),
     ("/v1/actions", "post"): Route(ActionRequest, ActionResponse),
+    ("/v1/world/rollout", "post"): Route(RolloutRequest, RolloutResponse),
     **{(path, "post"): Route(ScoreRequest, ScoreResponse) for path in ("/v1/score", "/score")},
     **{(path, "post"): Route(RerankRequest, RerankResponse) for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
 }

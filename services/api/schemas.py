@@ -739,3 +739,35 @@ class ActionResponse(msgspec.Struct):
     actions: list[list[float]]
     usage: ActionUsage
     object: str = "actions"
+
+
+# ---- /v1/world/rollout (world models) -----------------------------------------------------
+
+
+class RolloutRequest(Body):
+    """The body of `POST /v1/world/rollout`: a context clip (data URLs), actions and states
+    (frames + steps - 1 rows each), the steps to predict."""
+
+    frames: list[Annotated[str, Meta(min_length=1)]]
+    actions: list[list[float]]
+    states: list[list[float]]
+    steps: Annotated[int, Meta(ge=1, description="an integer >= 1")]
+    model: str | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+
+
+class RolloutItem(msgspec.Struct):
+    """One predicted step: its tokens x embed_dim float32 embedding, base64 little-endian."""
+
+    index: int
+    shape: list[int]
+    embedding: str
+    object: str = "embedding"
+
+
+class RolloutResponse(msgspec.Struct):
+    """The reply of `POST /v1/world/rollout`: one item per predicted step."""
+
+    data: list[RolloutItem]
+    model: str
+    object: str = "list"

@@ -65,6 +65,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0
     #: a robot policy's actions: (chunk, action dim) of each reply's matrix
     action_shape: tuple[int, int] = (0, 0)
+    #: a world model's predicted frames: (tokens, embed dim) of each step's embedding
+    world_shape: tuple[int, int] = (0, 0)
     #: a robot policy's camera names (LeRobot's `input_features`, in order; empty: it takes
     #: any) and its state's length (0: not known): the openpi WebSocket maps onto them
     policy_cameras: tuple[str, ...] = ()

@@ -146,7 +146,8 @@ TASK_ROUTES = {"generate": "/generate, /v1/completions, /v1/chat/completions, /v
                "embed": "/v1/embeddings",
                "speech": "/v1/audio/speech (and /generate: tokens and audio)",
                "score": "/v1/score and /v1/rerank",
-               "act": "/v1/actions"}
+               "act": "/v1/actions",
+               "rollout": "/v1/world/rollout"}
 
 
 def task_refusal(model: str, served: str, asked: str) -> str:

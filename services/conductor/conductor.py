@@ -157,7 +157,7 @@ def plan_request(spec: ModelSpec, req: NewRequest, pools: dict[str, PagedKVConfi
     max_seq_len = min(p.max_seq_len for p in pools.values())
     if spec.engine == "pooling":  # a prompt's forward, no decode loop (embed, score)
         return _plan_pooling(spec, req, pools, max_seq_len)
-    if spec.engine == "policy":  # a prefix, then its flow loop inside the worker
+    if spec.engine in ("policy", "world"):  # a prefix, then its loop inside the worker
         return _plan_policy(spec, req, pools, max_seq_len)
     loops = spec.graph_loops()
     decode_iters = loops.get(spec.decode_loop)

@@ -44,6 +44,7 @@ from shared.specs.base import (
     PromptRequest,
 )
 from shared.specs.policy import PolicySpec
+from shared.specs.world import WorldSpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
 
 log = logging.getLogger("mstar.data_worker")
@@ -127,6 +128,8 @@ class DataWorker:
         `_ClientError` (param, message) for what is the client's fault: a 400, never a 500."""
         if isinstance(self.spec, PolicySpec):
             return self.prepare_policy(req, self.spec)
+        if isinstance(self.spec, WorldSpec):
+            return self.prepare_world(req, self.spec)
         if self.spec.takes_audio != (req.audio is not None):
             if req.audio is None:
                 raise _ClientError("file", "the served model takes audio: send a file")
@@ -193,6 +196,25 @@ class DataWorker:
                                                     cameras=tuple(order)))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
+        return ids, ppo, engine_metadata(options, ppo.metadata, spec.metadata_keys)
+
+    def prepare_world(self, req: GenerateRequest, spec: WorldSpec):
+        """A world model's rollout: each frame of the context clip preprocessed by the spec
+        (`frames.<i>` names a frame that is not an image), the actions, states and steps to
+        the spec, which checks their rows; no text, so no tokenizer."""
+        images = []
+        for i, data in enumerate(req.images):
+            try:
+                images.append(spec.prepare_image(data))
+            except PromptError as exc:
+                raise _ClientError(f"frames.{i}", str(exc)) from exc
+        options = model_options(req)
+        floats = {k: tuple(v) for k, v in req.floats.items()}
+        try:
+            ppo = spec.process_prompt(PromptRequest([], None, options, tuple(images), floats=floats))
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        ids = [int(t) for t in ppo.new_input_tensors["input_ids"]]
         return ids, ppo, engine_metadata(options, ppo.metadata, spec.metadata_keys)
 
     def expand_images(self, req: GenerateRequest) -> tuple[tuple[PreparedImage, ...], str | None]:

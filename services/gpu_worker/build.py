@@ -37,6 +37,7 @@ from services.gpu_worker.runners.pooling import PoolingRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.runners.vision import VisionRunner
+from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
 from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
@@ -62,6 +63,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "hybrid_mrope_vision_decoder": (HybridVisionRunner, VISION_ENCODES_PER_STEP),
     "csm_decoder": (CsmRunner, None),
     "policy": (PolicyRunner, None),
+    "world": (WorldRunner, None),
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
 }

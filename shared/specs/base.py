@@ -131,6 +131,8 @@ class ModelSpec(ABC):
     matryoshka: bool = False
     #: a robot policy's actions per request: (chunk, action dim); (0, 0) for other models
     action_shape: tuple[int, int] = (0, 0)
+    #: a world model's prediction per step: (tokens per frame, embed dim); (0, 0) for others
+    world_shape: tuple[int, int] = (0, 0)
     #: a pooling model's vectors are L2-normalized (sentence-transformers' Normalize module)
     normalize: bool = False
     #: True for models whose requests are audio (the data worker needs a file)
@@ -461,6 +463,17 @@ class PolicyRunnerSpec(RunnerSpec, Protocol):
     image_token_id: int
     rows_per_image: int
     flow_loop: str
+
+
+@runtime_checkable
+class WorldRunnerSpec(RunnerSpec, Protocol):
+    """The world-model runner's (runners/world.py): the frames label, the query heads, the
+    tokens per frame, the rollout loop."""
+
+    label_name: str
+    heads: int
+    tokens_per_frame: int
+    rollout_loop: str
 
 
 @runtime_checkable

@@ -42,6 +42,7 @@ from shared.specs.vision_lm import (
 )
 from shared.specs.whisper import ARCHITECTURE as WHISPER_ARCHITECTURE
 from shared.specs.whisper import WhisperSpec
+from shared.specs.world import WORLD_ARCHITECTURES, WorldSpec
 from shared.tasks import TASKS
 
 #: factory(config, *, page_size, max_seq_len=0, dtype="float32") -> ModelSpec
@@ -63,6 +64,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     CSM_ARCHITECTURE: CsmSpec,
     **dict.fromkeys(PI0_ARCHITECTURES, PolicySpec),
     **dict.fromkeys(PI05_ARCHITECTURES, Pi05Spec),
+    **dict.fromkeys(WORLD_ARCHITECTURES, WorldSpec),
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
 }

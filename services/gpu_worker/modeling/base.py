@@ -192,6 +192,23 @@ class MultiCodeModel(ModelBase):
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class WorldModel(ModelBase):
+    """A world model (V-JEPA 2-AC): `encode` turns frames into their tokens (once per clip;
+    the runner caches them by the clip's content key), `predict` is one pass of the
+    action-conditioned predictor over a batch of rollouts' new frames (all from frame
+    `start`), reading the K/V of their earlier frames (`past`, per layer) and returning the
+    new rows' K/V with its output; the runner (runners/world.py) steps the rollouts and
+    keeps their K/V in the pages."""
+
+    @abstractmethod
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def predict(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor, start: int,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None
+                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -207,4 +224,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
+    "world": WorldModel,
 }

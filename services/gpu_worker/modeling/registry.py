@@ -25,6 +25,7 @@ from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
+from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -38,6 +39,7 @@ from shared.specs.pooling import EncoderSpec
 from shared.specs.qwen3_omni import Qwen3OmniSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
+from shared.specs.world import WorldSpec
 
 #: spec class -> torch model class
 TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
@@ -56,6 +58,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     CsmSpec: CsmModel,
     PolicySpec: Pi0Policy,
     Pi05Spec: Pi05Policy,
+    WorldSpec: VJepa2ACWorld,
     Qwen3OmniSpec: Qwen3OmniThinker,
     HiggsSpec: HiggsModel,
 }

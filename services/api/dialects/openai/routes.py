@@ -36,6 +36,8 @@ def _model_card(state: ApiState) -> ModelCard:
     """OpenAI's model object plus vLLM's `max_model_len` (the deployment's max_seq_len)."""
     settings = state.settings
     inputs = ["audio"] if settings.takes_audio else ["text"]
+    if settings.task == "rollout":  # a world model: a clip, actions, states; no text
+        inputs = ["image", "actions", "state"]
     if settings.image_placeholder or settings.task == "act":
         inputs.append("image")
     if settings.task == "act":
@@ -43,7 +45,7 @@ def _model_card(state: ApiState) -> ModelCard:
     if settings.audio_placeholder:
         inputs.append("audio")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
-               "act": ["actions"]}.get(settings.task, ["score"])
+               "act": ["actions"], "rollout": ["embedding"]}.get(settings.task, ["score"])
     if settings.voices and settings.task == "generate":  # an omni model's talker: speech out on chat
         outputs = ["text", "audio"]
     defaults = msgspec.structs.asdict(settings.generation_defaults)
