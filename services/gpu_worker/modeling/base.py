@@ -23,7 +23,7 @@ a `DecoderModel` for "decoder", an `EncoderDecoderModel` (which adds `encode` an
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -99,6 +99,27 @@ class GridVisionDecoderModel(DecoderModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metas: list[AttnMetadata], sample_rows: torch.Tensor,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
+
+
+class TowerAndLM(GridVisionDecoderModel):
+    """A vision tower (`vision`: patches and grids -> rows) beside a decoder LM (`lm`) that
+    holds the step's state: the LM's buffers, preparation and warm-up are the model's
+    (Qwen2.5-VL, Qwen3.5, Qwen3-Omni's thinker)."""
+
+    lm: Any
+    vision: nn.Module
+
+    def reset_buffers(self) -> None:
+        self.lm.reset_buffers()
+
+    def prepare(self) -> None:
+        self.lm.prepare()
+
+    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
+        return self.lm.warm_gemms(max_rows, max_sample_rows)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.vision(pixel_values, grid_thw)
 
 
 class EncoderDecoderModel(ModelBase):

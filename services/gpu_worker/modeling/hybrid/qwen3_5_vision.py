@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.modeling.base import GridVisionDecoderModel
+from services.gpu_worker.modeling.base import TowerAndLM
 from services.gpu_worker.modeling.decoder.lm import RowEmbeds
 from services.gpu_worker.modeling.hybrid.qwen3_5 import LayerMeta, Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
@@ -179,7 +179,7 @@ class Qwen35VisionTower(nn.Module):
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
-class Qwen35VLModel(GridVisionDecoderModel):
+class Qwen35VLModel(TowerAndLM):
     """The tower and the hybrid text model; `forward` is `Qwen35LM`'s with the step's image
     rows (`embeds`) and positions [3, T] (or [T] for a step of text rows only)."""
 
@@ -202,18 +202,6 @@ class Qwen35VLModel(GridVisionDecoderModel):
             raise ValueError(f"the vision tower's tensors do not match: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         self.lm.load_weights({k: v for k, v in state.items() if not k.startswith(prefix)})
-
-    def reset_buffers(self) -> None:
-        self.lm.reset_buffers()
-
-    def prepare(self) -> None:
-        self.lm.prepare()
-
-    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
-        return self.lm.warm_gemms(max_rows, max_sample_rows)
-
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.vision(pixel_values, grid_thw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[torch.Tensor], metas: list[LayerMeta], sample_rows: torch.Tensor,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
-from services.gpu_worker.modeling.base import GridVisionDecoderModel
+from services.gpu_worker.modeling.base import TowerAndLM
 from services.gpu_worker.modeling.decoder.lm import DecoderLM, RowEmbeds
 from services.gpu_worker.modeling.vision.base import load_vlm_weights
 from shared.specs.vision_lm import qwen25_vl_text_config
@@ -233,7 +233,7 @@ class Qwen25VisionTower(nn.Module):
         return torch.cat(order), bounds
 
 
-class Qwen25VLModel(GridVisionDecoderModel):
+class Qwen25VLModel(TowerAndLM):
     assigns_weights = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
@@ -248,18 +248,6 @@ class Qwen25VLModel(GridVisionDecoderModel):
                                           PREFIXES[0])
         load_vlm_weights(state, self.lm, text=(text_prefix,), head=("lm_head.",),
                          parts=[(self.vision, (vision_prefix,))])
-
-    def reset_buffers(self) -> None:
-        self.lm.reset_buffers()
-
-    def prepare(self) -> None:
-        self.lm.prepare()
-
-    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
-        return self.lm.warm_gemms(max_rows, max_sample_rows)
-
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.vision(pixel_values, grid_thw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metas: list[AttnMetadata], sample_rows: torch.Tensor, embeds: RowEmbeds | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.layers.interleaved_mrope import InterleavedMRotary
 from services.gpu_worker.layers.rope import Rotary
-from services.gpu_worker.modeling.base import GridVisionDecoderModel
+from services.gpu_worker.modeling.base import TowerAndLM
 from services.gpu_worker.modeling.decoder.lm import DecoderLM, RowEmbeds
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import LN_EPS, Qwen35VisionTower, position_taps
 from services.gpu_worker.modeling.speech.qwen3_omni_audio import Qwen3OmniAudioEncoder
@@ -152,7 +152,7 @@ class OmniTextLM(DecoderLM):
         return x
 
 
-class Qwen3OmniThinker(GridVisionDecoderModel):
+class Qwen3OmniThinker(TowerAndLM):
     """The thinker: `forward` is the LM's with the step's image and audio rows (`embeds`)
     and positions [3, T]."""
 
@@ -173,18 +173,6 @@ class Qwen3OmniThinker(GridVisionDecoderModel):
         state = {k: v for k, v in state.items() if not k.startswith(SKIPPED)}
         load_vlm_weights(state, self.lm, text=(LM_PREFIX,), head=(HEAD_PREFIX,),
                          parts=[(self.vision, (VISION_PREFIX,)), (self.audio, (AUDIO_PREFIX,))])
-
-    def reset_buffers(self) -> None:
-        self.lm.reset_buffers()
-
-    def prepare(self) -> None:
-        self.lm.prepare()
-
-    def warm_gemms(self, max_rows: int, max_sample_rows: int) -> int:
-        return self.lm.warm_gemms(max_rows, max_sample_rows)
-
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.vision(pixel_values, grid_thw)
 
     def encode_audio(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         """One request's clips (features [mel bins, sum(frames)]) -> rows [sum(rows), hidden]."""
