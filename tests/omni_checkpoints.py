@@ -166,10 +166,33 @@ def make_omni_checkpoint(path: Path, seed: int = 0) -> Path:
                 param.normal_(1.0, 0.2)
             elif name.endswith("pos_embed.weight"):
                 param.normal_(0.0, 0.5)
+        _unsaturated_code2wav(model.code2wav)
     model.config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     model.save_pretrained(path, safe_serialization=True)
     (path / "preprocessor_config.json").write_text(json.dumps(OMNI_PREPROCESSOR, indent=2))
     return path
+
+
+def _unsaturated_code2wav(c2w) -> None:
+    """Scale Code2Wav's last convolution so its random output sits mostly inside [-1, 1]
+    (std ~0.3) rather than at the clamp: a clamped waveform hides the codes and the voice
+    (two voices' clips could be all +-1 alike)."""
+    import torch
+
+    codes = torch.randint(0, c2w.config.codebook_size, (1, c2w.config.num_quantizers, 24),
+                          generator=torch.Generator().manual_seed(5))
+    hidden = c2w.code_embedding(codes + c2w.code_offset).mean(1)
+    hidden = c2w.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+    for blocks in c2w.upsample:
+        for block in blocks:
+            hidden = block(hidden)
+    for block in c2w.decoder:
+        hidden = block(hidden)
+    last = c2w.decoder[-1].conv
+    factor = 0.3 / float(hidden.std())
+    last.weight.mul_(factor)
+    if last.bias is not None:
+        last.bias.mul_(factor)
 
 
 def tone(seconds: float, sr: int = 16000, f0: float = 220.0, seed: int = 0) -> np.ndarray:
