@@ -157,11 +157,8 @@ def _hf_greedy(reference: Path, prompt: str) -> list[int]:
 
 
 def _served_equal_transformers(path: Path, reference: Path, tmp_path: Path) -> None:
-    server = MstarServer(str(path), tmp_path / "log.txt", "--num-kv-pages", "128").launch()
+    server = MstarServer(str(path), tmp_path / "log.txt", "--num-kv-pages", "128").start()
     try:
-        for prompt in PROMPTS:  # transformers' answers while the server starts
-            _hf_greedy(reference, prompt)
-        server.wait_ready()
         for prompt in PROMPTS:
             ids = hf_ids(reference, prompt)
             body = _generate(server.url, prompt)
