@@ -61,9 +61,17 @@ class MstarServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 240.0) -> MstarServer:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> MstarServer:
+        """Start the launcher without waiting for it (a test computes its reference meanwhile:
+        `wait_ready` then)."""
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> MstarServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
