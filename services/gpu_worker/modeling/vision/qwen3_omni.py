@@ -19,7 +19,8 @@ its audio encoder.
 
 Checkpoint names are the release's: `thinker.model.*` and `thinker.lm_head.*` (the LM),
 `thinker.visual.*`, `thinker.audio_tower.*`; the talker's and Code2Wav's (`talker.*`,
-`code2wav.*`) are not read (`skip_prefixes`): speech out is the next step.
+`code2wav.*`) are not read here (`skip_prefixes`): the speech stage loads them
+(runners/omni_speech.py) where the folder has voices.
 """
 
 from __future__ import annotations
