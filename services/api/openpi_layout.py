@@ -42,7 +42,7 @@ PROMPT_KEYS = ("prompt", "task")
 STATE_KEYS = ("observation/state", "state", "observation.state")
 DROID_STATE = ("observation/joint_position", "observation/gripper_position")
 IMAGE_DICTS = ("images", "image")
-MSTAR_KEYS = ("noise", "seed")
+OWN_KEYS = ("noise", "seed")
 #: openpi's example cameras -> the model slot its input transform fills with them
 ALIASES = {"image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb", "exterior_image_1_left": "base_0_rgb",
            "wrist_image_left": "left_wrist_0_rgb", "cam_high": "base_0_rgb", "cam_left_wrist": "left_wrist_0_rgb",
@@ -98,7 +98,7 @@ def policy_input(obs: Any, cameras: tuple[str, ...]) -> PolicyInput:
     used: set[str] = set()
     body: dict[str, Any] = {"prompt": _prompt(obs, used)}
     state = _state(obs, used)
-    for key in MSTAR_KEYS:
+    for key in OWN_KEYS:
         if key in obs:
             used.add(key)
             body[key] = _plain(obs[key])

@@ -184,7 +184,7 @@ def test_kernel_refuses_an_unknown_form_or_x_width():
     lib = cpu_kernels.library()
     layer = QuantLinear.from_gguf("IQ4_NL", blocks("IQ4_NL", 16, 64), (16, 64))
     x, out = torch.randn(1, 64), torch.empty(1, 16)
-    for form, xbytes in ((5, 2), (15, 2), (17, 2), (16, 0), (16, 3)):  # x in 1 or 2 bytes only
+    for form, xbytes in ((5, 2), (15, 2), (18, 2), (16, 0), (16, 3)):  # x in 1 or 2 bytes only (17: MXFP4)
         assert lib.mstar_qlinear(form, xbytes, x.data_ptr(), 1, 64, 64, layer.w.data_ptr(), layer.d.data_ptr(), None,
                                  16, None, out.data_ptr(), 16, 1, quant._scratch(lib, 1, 64)) == -1
 
