@@ -166,6 +166,8 @@ def make_omni_checkpoint(path: Path, seed: int = 0) -> Path:
                 param.normal_(1.0, 0.2)
             elif name.endswith("pos_embed.weight"):
                 param.normal_(0.0, 0.5)
+            elif name.startswith("talker.") and ".experts." in name:
+                param.normal_(0.0, 0.02)  # transformers leaves the talker's experts uninitialized (torch.empty)
         _unsaturated_code2wav(model.code2wav)
     model.config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     model.save_pretrained(path, safe_serialization=True)

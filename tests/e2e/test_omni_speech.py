@@ -166,10 +166,7 @@ async def test_speech_equals_transformers(folder, server):
             assert audio["transcript"] == text and audio["id"] and audio["expires_at"] > 0
         assert raw[1] == one[1][44:]  # pcm16: the wav file's samples
         assert stream == (one[0], raw[1])
-    # the two voices differ where transformers' do (by more than the 1e-3 each clip is held to)
-    a, b = (reference(folder, v)[1] for v in VOICES[:2])
-    if a.shape != b.shape or np.abs(a - b).max() > 2e-3:
-        assert one[1] != alone[0][1]
+    assert one[1] != alone[0][1]  # the two voices differ
     assert_clean(server)
 
 
