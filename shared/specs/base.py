@@ -27,6 +27,7 @@ from shared.layout import (
     LabelLayout,
     PagedKVConfig,
     ProcessPromptOutput,
+    kv_head_bytes,
     label_footprint,
 )
 from shared.pages import pages_for as pages_for  # the one definition (shared/pages.py), re-exported for specs
@@ -543,3 +544,40 @@ def _magnitude(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return str(n)
+
+
+class InStepLoopSpec(ModelSpec):
+    """A model whose one loop runs inside the step that takes the request, over one paged
+    pool (a robot policy's flow-matching steps, a world model's rollout): no step loop, the
+    loop's graph bound and cap both `loop_cap`, the pool `pool` of the model's layers."""
+
+    #: the loop's name, and the pool's (set by the subclass)
+    in_step_loop: str
+    pool: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    max_seq_len: int
+
+    @property
+    def loop_cap(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def step_loops(self) -> tuple[str, ...]:
+        return ()  # the loop runs inside the step (the runner's)
+
+    def graph_loops(self) -> dict[str, int]:
+        return {self.in_step_loop: self.loop_cap}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {self.in_step_loop: self.loop_cap}
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        return {self.pool: PagedKVConfig(self.pool, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
+                                         self.page_size, num_pages, self.max_seq_len)}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)

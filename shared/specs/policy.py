@@ -37,8 +37,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.specs.base import DeploymentError, ModelSpec, PreparedImage, PromptError, PromptRequest
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
+from shared.specs.base import DeploymentError, InStepLoopSpec, PreparedImage, PromptError, PromptRequest
 from shared.vision.common import read_json
 from shared.vision.pi0 import Pi0Images
 
@@ -49,7 +49,7 @@ STATE_BINS = 256
 IMAGE_TOKEN = "<image>"
 
 
-class PolicySpec(ModelSpec):
+class PolicySpec(InStepLoopSpec):
     """Pi0: the prefix label, the flow loop, the processor's settings."""
 
     engine = "policy"
@@ -57,7 +57,7 @@ class PolicySpec(ModelSpec):
     whole_prompts = True
     pool = "kv"
     label_name = "prefix"
-    flow_loop = "flow_loop"
+    flow_loop = in_step_loop = "flow_loop"
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -126,21 +126,8 @@ class PolicySpec(ModelSpec):
         return (self._label,)
 
     @property
-    def step_loops(self) -> tuple[str, ...]:
-        return ()  # the flow loop runs inside the step that computes the prefix (runners/policy.py)
-
-    def graph_loops(self) -> dict[str, int]:
-        return {self.flow_loop: self.steps}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        return {self.flow_loop: self.steps}
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        return {self.pool: PagedKVConfig(self.pool, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
-                                         self.page_size, num_pages, self.max_seq_len)}
-
-    def bytes_per_page(self, page_size: int) -> int:
-        return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
+    def loop_cap(self) -> int:
+        return self.steps  # (the flow loop runs inside the step that computes the prefix (runners/policy.py))
 
     # -- a request -------------------------------------------------------------------
 

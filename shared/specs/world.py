@@ -38,8 +38,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.specs.base import DeploymentError, ModelSpec, PreparedImage, PromptError, PromptRequest
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
+from shared.specs.base import DeploymentError, InStepLoopSpec, PreparedImage, PromptError, PromptRequest
 
 WORLD_ARCHITECTURES = ("VJEPA2ACWorldModel",)
 #: ImageNet's statistics: V-JEPA 2's video transforms normalize with them
@@ -54,7 +54,7 @@ def _int(section: Mapping[str, Any], key: str, where: str, default: int | None =
     return int(value)
 
 
-class WorldSpec(ModelSpec):
+class WorldSpec(InStepLoopSpec):
     """V-JEPA 2-AC: the frames label, the rollout loop, the images' size."""
 
     engine = "world"
@@ -62,7 +62,7 @@ class WorldSpec(ModelSpec):
     whole_prompts = True
     pool = "kv"
     label_name = "frames"
-    rollout_loop = "rollout_loop"
+    rollout_loop = in_step_loop = "rollout_loop"
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -99,21 +99,8 @@ class WorldSpec(ModelSpec):
         return (self._label,)
 
     @property
-    def step_loops(self) -> tuple[str, ...]:
-        return ()  # the rollout runs inside the step that takes the request (runners/world.py)
-
-    def graph_loops(self) -> dict[str, int]:
-        return {self.rollout_loop: self.max_frames}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        return {self.rollout_loop: self.max_frames}
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        return {self.pool: PagedKVConfig(self.pool, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
-                                         self.page_size, num_pages, self.max_seq_len)}
-
-    def bytes_per_page(self, page_size: int) -> int:
-        return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
+    def loop_cap(self) -> int:
+        return self.max_frames  # (the rollout runs inside the step that takes the request (runners/world.py))
 
     # -- a request -------------------------------------------------------------------
 
