@@ -238,3 +238,11 @@ def served_with_template(folder: Path, family: str, template: str, max_positions
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120), ckpt.name
     finally:
         server.stop()
+
+
+def assert_clean(srv: MstarServer) -> None:
+    """Pages (and state slots) back to 0; nothing overran a footprint; no request failed."""
+    assert srv.wait_pages_free() == 0
+    assert srv.metric("mstar_kv_footprint_overruns_total") == 0
+    log = srv.log()
+    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
-from tests.servers import MstarServer
+from tests.servers import MstarServer, assert_clean
 
 pytest.importorskip("soundfile")
 MAX_TOKENS = 8
@@ -123,14 +123,6 @@ def server(folder, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-def assert_clean(srv: MstarServer) -> None:
-    """Pages back to 0; nothing overran; no request failed."""
-    assert srv.wait_pages_free() == 0
-    assert srv.metric("mstar_kv_footprint_overruns_total") == 0
-    log = srv.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
 
 
 async def test_chat_route_equals_transformers(folder, server):

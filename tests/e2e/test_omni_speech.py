@@ -25,7 +25,7 @@ import pytest
 from shared.specs.qwen3_omni import FRAMES_PER_TOKEN
 from tests.e2e.test_omni import png
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
-from tests.servers import MstarServer
+from tests.servers import MstarServer, assert_clean
 
 pytest.importorskip("soundfile")
 MAX_TOKENS = 5
@@ -95,14 +95,6 @@ def server(folder, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-def assert_clean(srv: MstarServer) -> None:
-    """Pages back to 0; nothing overran; no request failed."""
-    assert srv.wait_pages_free() == 0
-    assert srv.metric("mstar_kv_footprint_overruns_total") == 0
-    log = srv.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
 
 
 def body(voice: str, fmt: str = "wav", media: str = "", **extra) -> dict:
