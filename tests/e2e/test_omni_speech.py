@@ -146,7 +146,9 @@ def assert_speech(folder: Path, voice: str, text: str, wav: bytes, media: str = 
 
 async def test_speech_equals_transformers(folder, server):
     """Two voices, one after the other and both at once: transformers' text and waveform;
-    streamed, the same text and the same clip."""
+    streamed, the same text and the same clip; each of the 8 clips counted in the
+    time-to-first-audio and real-time-factor histograms."""
+    clips = server.metric("mstar_time_to_first_audio_seconds_count")
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         alone = [await chat(client, v) for v in VOICES]
         together = await asyncio.gather(*(chat(client, v) for v in VOICES))
@@ -159,6 +161,8 @@ async def test_speech_equals_transformers(folder, server):
         assert raw[1] == one[1][44:]  # pcm16: the wav file's samples
         assert stream == (one[0], raw[1])
     assert one[1] != alone[0][1]  # the two voices differ
+    assert server.metric("mstar_time_to_first_audio_seconds_count") == clips + 8
+    assert server.metric("mstar_real_time_factor_count") == clips + 8
     assert_clean(server)
 
 
