@@ -474,7 +474,7 @@ def model_name(model: str) -> str:
     """The name a model is served under, as `ModelSource` gives it (a folder's name, a
     .gguf's stem, a Hub id as is), without reading it."""
     path = os.path.expanduser(model)
-    if os.path.exists(path):
+    if os.path.exists(path) or path.endswith(".gguf"):
         base = os.path.basename(os.path.normpath(path))
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
     return model

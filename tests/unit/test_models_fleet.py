@@ -1,0 +1,78 @@
+"""Several models behind one deployment, the parts that need no process: a models folder
+read into named models, the launcher's plan (each child's command line parsed by that
+service's own parser), and /metrics merged across the models' registries."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from services.api.fleet import merge_metrics
+from services.launcher import build_parser, plan_fleet, served_models
+from shared.config import Deployment, deployment_from_args
+from shared.models import ServedModel, check_names, decode_models, encode_models, models_in_dir
+
+
+def test_models_dir_names_each_folder_and_gguf_file(tmp_path):
+    for name in ("b-chat", "a-embed"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    (tmp_path / "no-config").mkdir()  # not a model
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    got = models_in_dir(str(tmp_path))
+    assert [m.name for m in got] == ["a-embed", "b-chat", "tiny"]
+    assert got[2].model == str((tmp_path / "tiny.gguf").resolve())
+    with pytest.raises(ValueError, match="no model in it"):
+        models_in_dir(str(tmp_path / "no-config"))
+
+
+def test_names_must_be_unique():
+    with pytest.raises(ValueError, match="two models are named 'x'"):
+        check_names([ServedModel("x", "/a"), ServedModel("x", "/b")])
+    models = [ServedModel("x", "/a", "ipc://dw", "ipc://api")]
+    assert decode_models(encode_models(models)) == models
+
+
+def test_repeated_model_and_models_dir(tmp_path):
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "config.json").write_text("{}")
+    parser = build_parser()
+    assert served_models(parser.parse_args(["serve", "--model", "/x/one"])) == []  # one model: as always
+    got = served_models(parser.parse_args(["serve", "--models-dir", str(tmp_path), "--model", "/x/m.gguf"]))
+    assert [(m.name, m.model) for m in got] == [("chat", str(tmp_path / "chat")), ("m", "/x/m.gguf")]
+    assert [m.name for m in served_models(parser.parse_args(["serve", "--model", "org/a", "--model", "org/b"]))] \
+        == ["org/a", "org/b"]
+
+
+def test_the_fleet_plan_parses_in_every_service():
+    """Each model's gpu workers and data worker get its own deployment; the conductor and
+    the api get the list; only the first --models-max models' workers start."""
+    d = Deployment(page_size=32)
+    models = [ServedModel("a", "/m/a"), ServedModel("b", "/m/b"), ServedModel("c", "/m/c")]
+    children = plan_fleet(d, "/run", "127.0.0.1", 8000, 2, [], models, 1)
+    by_model = {}
+    for child in children:
+        service = child.argv[2].removeprefix("services.")
+        args = importlib.import_module(f"services.{service}.__main__").build_parser().parse_args(child.argv[3:])
+        got = deployment_from_args(args)
+        if service in ("conductor", "api"):
+            assert [m.name for m in decode_models(args.models)] == ["a", "b", "c"]
+            assert got.page_size == 32 or service == "api"
+        else:
+            assert got.page_size == 32
+            by_model.setdefault(got.model, []).append((service, child.wanted))
+    assert by_model["/m/a"] == [("gpu_worker", True), ("gpu_worker", True), ("data_worker", True)]
+    assert by_model["/m/c"] == [("gpu_worker", False), ("gpu_worker", False), ("data_worker", True)]
+
+
+def test_metrics_merge_by_family():
+    a = ('# HELP m_total x\n# TYPE m_total counter\nm_total{model_name="a"} 1.0\n'
+         '# HELP g y\n# TYPE g gauge\ng{model_name="a"} 2.0\n')
+    b = a.replace('"a"', '"b"')
+    merged = merge_metrics([a, b]).splitlines()
+    assert merged == ["# HELP m_total x", "# TYPE m_total counter", 'm_total{model_name="a"} 1.0',
+                      'm_total{model_name="b"} 1.0', "# HELP g y", "# TYPE g gauge", 'g{model_name="a"} 2.0',
+                      'g{model_name="b"} 2.0']
