@@ -242,15 +242,16 @@ def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple
 
 class Conductor:
     def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str],
-                 fingerprint: Fingerprint | None = None, pushers: Pushers | None = None) -> None:
+                 fingerprint: Fingerprint | None = None, pushers: Pushers | None = None,
+                 ctx: zmq.asyncio.Context | None = None) -> None:
         self.d = d
         #: what a worker must have loaded to join (None: no check, for in-process tests)
         self.fingerprint = fingerprint
         self.refused: OrderedDict[str, str] = OrderedDict()  # incarnation -> reason, logged once
         self.spec = spec
         self.addrs = addrs
-        self.ctx = zmq.asyncio.Context()
         #: shared by the models' conductors of one process (`fleet.Fleet`), else its own
+        self.ctx = ctx or zmq.asyncio.Context()
         self.pushers = pushers or Pushers(self.ctx)
         #: set while the model drains to be unloaded: requests queue, none is placed
         self.paused = False

@@ -11,8 +11,9 @@ Load on first use and LRU (`--models-max N`): at most N models are *wanted* (the
 workers running; the launcher starts and stops the processes by `ModelState.wanted` in
 the status it polls). A request for a model not wanted queues in that model's conductor;
 when a slot is free the model is wanted (its workers start, register, and drain the
-queue); when none is, the least recently used wanted model with nothing queued drains:
-it places no more requests (new ones queue), and once its running requests finished it is
+queue); when none is, the least recently used wanted model with nothing queued (or whose
+oldest queued request came after the waiting model's: a busy model cannot starve another)
+drains: it places no more requests (new ones queue), and once its running requests finished it is
 no longer wanted: its workers are retired (forgotten without failing anything, their
 late beats ignored) and the launcher stops their processes. A request waits for its
 model's load within `--queue-timeout-s`, as it waits for a first worker.
@@ -70,7 +71,7 @@ class Fleet:
         self.ctl_codec = FrameCodec(StatusQuery | ModelCommand)
         self.conductors: dict[str, Conductor] = {}
         for m, spec, fp in models:
-            c = Conductor(msgspec.structs.replace(d, model=m.model), spec, addrs, fp, self.pushers)
+            c = Conductor(msgspec.structs.replace(d, model=m.model), spec, addrs, fp, self.pushers, self.ctx)
             self.conductors[m.name] = c
         self.order = list(self.conductors)
         self.models_max = models_max if models_max > 0 else math.inf
@@ -220,21 +221,26 @@ class Fleet:
                 continue
             if self.draining:
                 return  # a slot is being freed; the next reconcile takes it
-            idle = [n for n in self.order if self.wanted[n] and not self.conductors[n].queue]
-            if not idle:
+            # a loaded model whose queue is empty, or whose oldest request came after this
+            # model's oldest (so a busy model cannot starve another past its queue timeout)
+            waited = self._oldest(name)
+            victims = [n for n in self.order if self.wanted[n] and self._oldest(n) > waited]
+            if not victims:
                 return
-            self._drain(min(idle, key=lambda n: self.last_used.get(n, -1.0)))
+            self._drain(min(victims, key=lambda n: self.last_used.get(n, -1.0)))
             return await self.reconcile()
+
+    def _oldest(self, name: str) -> float:
+        """When the model's oldest queued request arrived (inf: none queued; a load command
+        with nothing queued counts from the command)."""
+        c = self.conductors[name]
+        times = [c.queued_at.get(r.request_id, math.inf) for r, _ in c.queue]
+        return min(times, default=self.last_used.get(name, 0.0) if name in self.asked else math.inf)
 
     def _waiting_models(self) -> list[str]:
         """Models not wanted that a request (or a load command) waits for, oldest first."""
-        def since(name: str) -> float:
-            c = self.conductors[name]
-            times = [c.queued_at.get(r.request_id, math.inf) for r, _ in c.queue]
-            return min(times, default=self.last_used.get(name, 0.0))
-
         return sorted((n for n in self.order if not self.wanted[n] and (self.conductors[n].queue or n in self.asked)),
-                      key=since)
+                      key=self._oldest)
 
     # -- status --------------------------------------------------------------------------------
 

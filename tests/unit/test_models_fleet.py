@@ -76,3 +76,66 @@ def test_metrics_merge_by_family():
     assert merged == ["# HELP m_total x", "# TYPE m_total counter", 'm_total{model_name="a"} 1.0',
                       'm_total{model_name="b"} 1.0', "# HELP g y", "# TYPE g gauge", 'g{model_name="a"} 2.0',
                       'g{model_name="b"} 2.0']
+
+
+# ---- the conductor's choice of loaded models (--models-max), in process ---------------------
+
+
+def _fleet(models_max: int):
+    from services.conductor.fleet import Fleet
+
+    served = [(ServedModel(n, f"/m/{n}"), None, None) for n in ("a", "b", "c")]
+    return Fleet(Deployment(), served, {"conductor": "ipc://x", "conductor_control": "ipc://y"}, models_max)
+
+
+def _queue(fleet, model: str, rid: str, at: float) -> None:
+    from shared.frames import NewRequest, SamplingParams
+
+    c = fleet.conductors[model]
+    c.queue.append((NewRequest(rid, model, {}, SamplingParams(), "ipc://api", 3), []))
+    c.queued_at[rid] = at
+
+
+def _busy(fleet, model: str) -> None:
+    from services.conductor.conductor import WorkerState
+
+    c = fleet.conductors[model]
+    c.workers["w-" + model] = WorkerState("w-" + model, "ipc://w-" + model, {}, "inc-" + model,
+                                          requests={"running": ({}, "ipc://api")})
+
+
+def test_lru_loads_a_waiting_model_once_the_least_recently_used_drained():
+    import asyncio
+
+    fleet = _fleet(2)
+    assert fleet.wanted == {"a": True, "b": True, "c": False}
+    _busy(fleet, "a")
+    _busy(fleet, "b")
+    fleet.last_used.update(a=2.0, b=1.0)
+    _queue(fleet, "c", "r1", 5.0)
+    asyncio.run(fleet.reconcile())
+    # b was used least recently: it drains (places nothing more) but runs its request to the end
+    assert fleet.draining == {"b"} and fleet.conductors["b"].paused and fleet.wanted["b"]
+    assert not fleet.wanted["c"]
+    fleet.conductors["b"].workers["w-b"].requests.clear()  # its request finished
+    asyncio.run(fleet.reconcile())
+    assert fleet.wanted == {"a": True, "b": False, "c": True}
+    assert fleet.conductors["b"].workers == {} and "inc-b" in fleet.retired  # its late beats are ignored
+    assert [m.status for m in fleet.model_states()] == ["loaded", "unloaded", "loading"]
+
+
+def test_a_busy_model_cannot_starve_an_older_request():
+    import asyncio
+
+    fleet = _fleet(1)
+    _busy(fleet, "a")
+    _queue(fleet, "a", "late", 9.0)  # a is busy and has a queue, but of a younger request
+    _queue(fleet, "b", "early", 5.0)
+    asyncio.run(fleet.reconcile())
+    assert fleet.draining == {"a"}
+    fleet2 = _fleet(1)
+    _busy(fleet2, "a")
+    _queue(fleet2, "a", "early", 1.0)  # a's own older request waits: a stays
+    _queue(fleet2, "b", "late", 5.0)
+    asyncio.run(fleet2.reconcile())
+    assert fleet2.draining == set() and fleet2.wanted == {"a": True, "b": False, "c": False}
