@@ -13,7 +13,8 @@ in front of them:
   it: with its task), llama-server's `GET /models`, `POST /models/load` and
   `/models/unload` (`{"model": name}`: the conductor loads or drains it, `ModelCommand`),
   `/ready` (200 once a worker of any model is ready), `/metrics` (every app's series,
-  merged by family: each series carries its `model_name`), `/health`.
+  merged by family: each series carries its `model_name`); `/v1/responses/{id}` is asked
+  of each app in turn (a stored response lives in its model's app).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class ModelRouter:
             name = parse_qs(scope.get("query_string", b"").decode()).get("model", [None])[0]
             await self.apps.get(name or self.default, self.apps[self.default])(scope, receive, send)
             return
+        if path.startswith("/v1/responses/"):  # a stored response lives in its model's app
+            await self._first_found(scope, receive, send)
+            return
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.apps[self.default](scope, receive, send)
             return
@@ -111,6 +115,21 @@ class ModelRouter:
                 return json_response(body, err.status)
             return json_response(err.body(), err.status)
         raise AssertionError("check_model passed an unknown name")
+
+    async def _first_found(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The answer of the first app that does not answer 404 (the last app's 404 else):
+        `/v1/responses/{id}` (GET, DELETE, cancel) names a response only its model's app
+        stored. Each app's answer is held until its status is known."""
+        chunks, _ = await self._read(receive)
+        apps = list(self.apps.values())
+        for i, app in enumerate(apps):
+            held: list[Message] = []
+            await app(scope, _replay(chunks, False, receive), _holder(held))
+            status = next((m["status"] for m in held if m["type"] == "http.response.start"), 500)
+            if status != 404 or i == len(apps) - 1:
+                for message in held:
+                    await send(message)
+                return
 
     async def _read(self, receive: Receive) -> tuple[list[bytes], bool]:
         """The body's chunks, up to the body limit: (chunks, whether more follows unread);
@@ -267,6 +286,15 @@ async def asgi_get(app: Starlette, path: str) -> tuple[int, bytes]:
 
     await app(scope, receive, send)
     return got["status"], b"".join(got["body"])
+
+
+def _holder(held: list[Message]) -> Send:
+    """A send that keeps what the app sends, for the router to pass on or drop."""
+
+    async def hold(message: Message) -> None:
+        held.append(message)
+
+    return hold
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

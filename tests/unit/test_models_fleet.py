@@ -5,6 +5,7 @@ service's own parser), and /metrics merged across the models' registries."""
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -139,3 +140,52 @@ def test_a_busy_model_cannot_starve_an_older_request():
     _queue(fleet2, "b", "late", 5.0)
     asyncio.run(fleet2.reconcile())
     assert fleet2.draining == set() and fleet2.wanted == {"a": True, "b": False, "c": False}
+
+
+# ---- the api's router, in process over two stand-in apps ----------------------------------
+
+
+def _router():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from services.api.fleet import ModelRouter
+
+    def app(name: str) -> Starlette:
+        async def echo(request):
+            body = await request.body()
+            return JSONResponse({"app": name, "bytes": len(body)})
+
+        async def stored(request):
+            found = request.path_params["rid"] == f"resp-{name}"
+            return JSONResponse({"app": name}, 200 if found else 404)
+
+        return Starlette(routes=[Route("/v1/chat/completions", echo, methods=["POST"]),
+                                 Route("/v1/audio/transcriptions", echo, methods=["POST"]),
+                                 Route("/generate", echo, methods=["POST"]),
+                                 Route("/v1/responses/{rid}", stored, methods=["GET"])])
+
+    return ModelRouter({"a": app("a"), "b": app("b")}, 1 << 20)
+
+
+def test_the_router_hands_each_request_to_its_models_app():
+    from starlette.testclient import TestClient
+
+    client = TestClient(_router())
+    body = json.dumps({"model": "b", "messages": [{"role": "user", "content": "x" * 100}]}).encode()
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.json() == {"app": "b", "bytes": len(body)}  # the body replayed whole
+    assert client.post("/v1/chat/completions", json={"messages": []}).json()["app"] == "a"  # none named: default
+    assert client.post("/generate", json={"prompt": "hi"}).json()["app"] == "a"  # no model field: default
+    assert client.post("/generate", content=b"not json").json()["app"] == "a"  # its app's 400 says why
+    form = client.post("/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")}, data={"model": "b"})
+    assert form.json()["app"] == "b"
+    r = client.post("/v1/chat/completions", json={"model": "zz", "messages": []})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and "`a`, `b`" in r.json()["error"]["message"]
+    r = client.post("/v1/messages", json={"model": "zz"})
+    assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic's shape
+    assert client.get("/v1/responses/resp-b").json() == {"app": "b"}  # asked of each app in turn
+    assert client.get("/v1/responses/resp-none").status_code == 404
+
