@@ -243,20 +243,23 @@ def _build_app(args: argparse.Namespace, addrs: dict[str, str], reply_to: str) -
         settings, tokenizer = _load_settings(args, addrs, reply_to)
         app = create_app(settings, tokenizer)
         return app, settings, app.state.api.backend
+    import msgspec
+
     from services.api.auth import ApiKeyMiddleware
     from services.api.fleet import ModelRouter
 
     apps = {}
+    key = None
     for m in served:
         ns = argparse.Namespace(**{**vars(args), "model": m.model, "served_model_name": m.name})
         own = {**addrs, "api": m.api_addr, "data_worker": m.data_worker_addr}
         settings, tokenizer = _load_settings(ns, own, advertised(m.api_addr, None))
-        apps[m.name] = create_app(settings, tokenizer)
+        key = settings.api_key  # checked once, by the router in front, for every route of every app
+        apps[m.name] = create_app(msgspec.structs.replace(settings, api_key=None), tokenizer)
     first = apps[served[0].name]
     router = ModelRouter(apps, max(a.state.api.settings.max_body_bytes for a in apps.values()))
-    key = first.state.api.settings.api_key
     front: Any = ApiKeyMiddleware(router, key) if key else router
-    return _Front(front, first.state), first.state.api.settings, router
+    return _Front(front, first.state), msgspec.structs.replace(first.state.api.settings, api_key=key), router
 
 
 class _Front:

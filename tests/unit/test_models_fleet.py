@@ -189,3 +189,26 @@ def test_the_router_hands_each_request_to_its_models_app():
     assert client.get("/v1/responses/resp-b").json() == {"app": "b"}  # asked of each app in turn
     assert client.get("/v1/responses/resp-none").status_code == 404
 
+
+
+def test_the_api_assembles_one_app_per_model_behind_one_key(tmp_path):
+    """`python -m services.api --models ...` in process: each model's card from its own app,
+    the API key checked once in front of them all (the router's own routes included)."""
+    from starlette.testclient import TestClient
+
+    from services.api.__main__ import _build_app, build_parser
+
+    models = [ServedModel(name, "null", f"ipc://{tmp_path}/dw-{name}.sock", f"ipc://{tmp_path}/api-{name}.sock")
+              for name in ("one", "two")]  # the null model twice: no weights, no torch
+    args = build_parser().parse_args(["--models", encode_models(models), "--api-key", "k"])
+    addrs = {"api": "", "data_worker": "", "conductor": f"ipc://{tmp_path}/c.sock",
+             "conductor_control": f"ipc://{tmp_path}/cc.sock"}
+    app, settings, router = _build_app(args, addrs, "")
+    assert settings.model_name == "one" and router.names == ("one", "two")
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 401
+        cards = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
+        assert [(c["id"], c["task"]) for c in cards] == [("one", "generate"), ("two", "generate")]
+        r = client.post("/v1/completions", json={"model": "three", "prompt": "x"},
+                        headers={"Authorization": "Bearer k"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
