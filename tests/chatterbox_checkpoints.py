@@ -96,13 +96,20 @@ def _tokenizer_json() -> dict:
                       "vocab": vocab, "merges": [f"{a} {b}" for a, b in MERGES]}}
 
 
+def chatterbox_configs(folder: Path) -> Path:
+    """The tiny checkpoint's config.json and tokenizer.json in `folder`; its weights come
+    with the first `chatterbox_reference` (or `make_chatterbox_checkpoint`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY, indent=1))
+    (folder / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+    return folder
+
+
 def make_chatterbox_checkpoint(folder: Path, seed: int = 0) -> Path:
     """The tiny checkpoint in `folder` (made once: a folder holding conds.pt is reused)."""
     if (folder / "conds.pt").is_file():
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY, indent=1))
-    (folder / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+    chatterbox_configs(folder)
     _run("weights", str(folder), str(seed))
     return folder
 
@@ -117,12 +124,13 @@ def _run(*args: str, timeout: float = 600) -> None:
         raise RuntimeError(f"tests/chatterbox_reference.py {args[0]} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
-def chatterbox_reference(folder: Path, cases: list[dict], work: Path) -> list[dict[str, np.ndarray]]:
+def chatterbox_reference(folder: Path, cases: list[dict], work: Path, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """The package's answers for each case (see tests/chatterbox_reference.py): "tokens" (T3's
     speech tokens), "s3_tokens" (what S3Gen decoded), "logits" (the first step's [cond,
-    uncond]) and "wave" (24 kHz float32)."""
+    uncond]) and "wave" (24 kHz float32). A folder of `chatterbox_configs` only gets its
+    weights (from `seed`) in the same run."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
-    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
+    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed))
     with np.load(work / "out.npz") as out:
         return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave")} for i in range(len(cases))]

@@ -6,14 +6,17 @@ transformers 5.2 and more; installed --no-deps, it runs on this venv's torch and
         random weights for the tiny checkpoint whose sizes FOLDER/config.json holds, from the
         package's own classes (so every parameter name is theirs): t3_cfg.safetensors,
         s3gen.safetensors, ve.safetensors, and the built-in voice conds.pt
-    python chatterbox_reference.py generate FOLDER CASES.json OUT.npz
+    python chatterbox_reference.py generate FOLDER CASES.json OUT.npz [SEED]
         `ChatterboxTTS.from_local(FOLDER).generate` for each case {"text", "seed", "max_new_tokens",
         "temperature", "cfg_weight", "exaggeration", "repetition_penalty", "min_p", "top_p"}:
         T3's speech tokens (`tokens_i`, EOS included when it stopped), the conditional and
         unconditional logits of its first step (`logits_i` [2, vocab], for distribution checks)
         and the waveform (`wave_i`, 24 kHz float32); T3 runs `max_new_tokens` steps at most (the
         package's generate passes 1000: a random T3 seldom says EOS); the global RNG is seeded with the case's
-        seed before T3 and again before S3Gen (the flow-matching noise and HiFT's source)
+        seed before T3 and again before S3Gen (the flow-matching noise and HiFT's source);
+        a case with "wave": false skips S3Gen (an empty `wave_i`). With SEED, a folder
+        without weights gets them first (`weights`), in the same process: the package's
+        imports cost seconds
 
 The package's sizes are hard-coded (T3's `LLAMA_CONFIGS["Llama_520M"]`, the Perceiver's
 defaults, S3Gen's constructor arguments, S3TokenizerV2's default ModelConfig): `shrink`
@@ -156,7 +159,7 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
 
     model = ChatterboxTTS.from_local(folder, "cpu")
     seen: dict = {}
-    t3_inference, s3_inference, backend = model.t3.inference, model.s3gen.inference, None
+    t3_inference, s3_inference = model.t3.inference, model.s3gen.inference
 
     def t3_run(**kw):
         kw["max_new_tokens"] = seen["max_new_tokens"]  # the package's generate says 1000
@@ -166,12 +169,15 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
 
     def s3_run(**kw):
         seen["s3_tokens"] = kw["speech_tokens"]
+        if not seen["wave"]:
+            return torch.zeros(1, 0), None
         return s3_inference(**kw)
 
     model.t3.inference, model.s3gen.inference = t3_run, s3_run
     result = {}
     for i, case in enumerate(json.loads(cases_path.read_text())):
         seen["seed"], seen["max_new_tokens"] = int(case["seed"]), int(case["max_new_tokens"])
+        seen["wave"] = case.get("wave", True)
         seen.pop("first", None)
         torch.manual_seed(seen["seed"])
         kwargs = {k: case[k] for k in ("temperature", "cfg_weight", "exaggeration", "repetition_penalty",
@@ -182,7 +188,6 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
         result[f"s3_tokens_{i}"] = seen["s3_tokens"].cpu().numpy()
         result[f"logits_{i}"] = seen["first"]
         result[f"wave_{i}"] = wav[0].cpu().numpy().astype(np.float32)
-    del backend
     np.savez(out, **result)
 
 
@@ -209,6 +214,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "weights":
         weights(Path(sys.argv[2]), int(sys.argv[3]))
     elif sys.argv[1] == "generate":
+        if len(sys.argv) > 5 and not (Path(sys.argv[2]) / "conds.pt").is_file():
+            weights(Path(sys.argv[2]), int(sys.argv[5]))
         generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

@@ -693,7 +693,7 @@ class SpeechRequest(Body):
         "past what the model's frame loop allows it is refused as max_tokens is"))] | None = None
     context: Context | None = None
     exaggeration: Annotated[float, Meta(description=(
-        "Chatterbox: the emotion exaggeration of its conditioning (0 to 2; the package's 0.5 when absent)"))] | None = None
+        "Chatterbox: the emotion exaggeration of its voice (0 to 2; the package's 0.5 when absent)"))] | None = None
     cfg_weight: Annotated[float, Meta(description=(
         "Chatterbox: the classifier-free guidance weight (0 to 2; the package's 0.5 when absent)"))] | None = None
 

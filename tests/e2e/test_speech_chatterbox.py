@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.chatterbox_checkpoints import chatterbox_reference, make_chatterbox_checkpoint
+from tests.chatterbox_checkpoints import chatterbox_configs, chatterbox_reference
 from tests.servers import MstarServer
 
 TEXTS = ("Hello world!", "the quick brown fox jumps over the lazy dog", "Numbers like 12345...",
@@ -36,21 +36,22 @@ EXTENDED = (TEXTS[1], 7, 1.2, 0.3)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return make_chatterbox_checkpoint(tmp_path_factory.mktemp("chatterbox") / "cb")
+    return chatterbox_configs(tmp_path_factory.mktemp("chatterbox") / "cb")
 
 
 @pytest.fixture(scope="module")
 def reference(folder, tmp_path_factory):
-    cases = [{"text": t, "seed": 10 + i, "max_new_tokens": TOKENS, **DEFAULTS} for i, t in enumerate(TEXTS)]
+    """The package's tokens (its weights are written by the same run); S3Gen is skipped."""
+    base = {"max_new_tokens": TOKENS, "wave": False, **DEFAULTS}
+    cases = [{"text": t, "seed": 10 + i, **base} for i, t in enumerate(TEXTS)]
     text, seed, exaggeration, cfg_weight = EXTENDED
-    cases.append({"text": text, "seed": seed, "max_new_tokens": TOKENS, **DEFAULTS, "exaggeration": exaggeration,
-                  "cfg_weight": cfg_weight})
-    cases.append({"text": text, "seed": seed, "max_new_tokens": TOKENS, **DEFAULTS})
+    cases.append({"text": text, "seed": seed, **base, "exaggeration": exaggeration, "cfg_weight": cfg_weight})
+    cases.append({"text": text, "seed": seed, **base})
     return chatterbox_reference(folder, cases, tmp_path_factory.mktemp("chatterbox-ref"))
 
 
 @pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
+def server(folder, reference, tmp_path_factory):
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "chatterbox.log", "--num-kv-pages", "64",
                       "--page-size", "16", "--max-seq-len", "160", "--max-batch-tokens", "64",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
