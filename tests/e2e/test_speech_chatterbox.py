@@ -5,7 +5,8 @@ ships ResembleAI/chatterbox (tests/chatterbox_checkpoints.py), its reference the
 - tokens: `/generate`'s tokens equal T3's speech tokens from `ChatterboxTTS.generate` under
   the same seed (its sampling: CFG, repetition penalty, temperature, min-p, top-p, then
   `torch.multinomial`; mstar draws with the request's seeded CPU generator), the package's
-  defaults; 4 requests at once, then one alone again;
+  defaults; 4 requests at once, then one alone again; and greedy (temperature 0; the
+  package at 1e-4, where min-p leaves one token);
 - the speech route's extensions `exaggeration` and `cfg_weight` change the tokens as the
   package's do (their usage's token count), and bad values are refused naming the field;
 - debug asserts on, pages back to 0.
@@ -47,6 +48,8 @@ def reference(folder, tmp_path_factory):
     text, seed, exaggeration, cfg_weight = EXTENDED
     cases.append({"text": text, "seed": seed, **base, "exaggeration": exaggeration, "cfg_weight": cfg_weight})
     cases.append({"text": text, "seed": seed, **base})
+    # greedy: the package at temperature 1e-4 (min-p then keeps the top token alone); mstar at 0
+    cases.append({"text": TEXTS[2], "seed": 3, **base, "temperature": 1e-4})
     return chatterbox_reference(folder, cases, tmp_path_factory.mktemp("chatterbox-ref"))
 
 
@@ -76,6 +79,9 @@ async def test_tokens_equal_the_package_seeded(server, reference):
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         together = await asyncio.gather(*(_generate(client, i) for i in range(len(TEXTS))))
         alone = await _generate(client, 0)
+        greedy = await client.post("/generate", json={"prompt": TEXTS[2], "max_tokens": TOKENS,
+                                                      **DEFAULTS, "temperature": 0})
+    assert greedy.json()["token_ids"] == reference[6]["tokens"].tolist()
     for i, r in enumerate(together):
         assert r.status_code == 200, r.text
         assert r.json()["token_ids"] == reference[i]["tokens"].tolist(), TEXTS[i]
