@@ -133,4 +133,5 @@ def chatterbox_reference(folder: Path, cases: list[dict], work: Path, seed: int 
     (work / "cases.json").write_text(json.dumps(cases))
     _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed))
     with np.load(work / "out.npz") as out:
-        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave")} for i in range(len(cases))]
+        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng")
+                 if f"{k}_{i}" in out} for i in range(len(cases))]

@@ -11,9 +11,10 @@ transformers 5.2 and more; installed --no-deps, it runs on this venv's torch and
         "temperature", "cfg_weight", "exaggeration", "repetition_penalty", "min_p", "top_p"}:
         T3's speech tokens (`tokens_i`, EOS included when it stopped), the conditional and
         unconditional logits of its first step (`logits_i` [2, vocab], for distribution checks)
-        and the waveform (`wave_i`, 24 kHz float32); T3 runs `max_new_tokens` steps at most (the
+        and the waveform (`wave_i`, 24 kHz float32), with the vocoder's input mel, the global
+        RNG state before it and its output (`mel_i`, `rng_i`, `hift_i`); T3 runs `max_new_tokens` steps at most (the
         package's generate passes 1000: a random T3 seldom says EOS); the global RNG is seeded with the case's
-        seed before T3 and again before S3Gen (the flow-matching noise and HiFT's source);
+        seed before T3 (S3Gen's flow-matching noise and HiFT's source continue it, as in the package);
         a case with "wave": false skips S3Gen (an empty `wave_i`). With SEED, a folder
         without weights gets them first (`weights`), in the same process: the package's
         imports cost seconds
@@ -164,16 +165,24 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
     def t3_run(**kw):
         kw["max_new_tokens"] = seen["max_new_tokens"]  # the package's generate says 1000
         seen["tokens"] = t3_inference(**kw)
-        torch.manual_seed(seen["seed"])  # S3Gen's noise from the request's seed
         return seen["tokens"]
 
     def s3_run(**kw):
         seen["s3_tokens"] = kw["speech_tokens"]
         if not seen["wave"]:
             return torch.zeros(1, 0), None
+        seen["flow_rng"] = torch.get_rng_state().numpy()
         return s3_inference(**kw)
 
-    model.t3.inference, model.s3gen.inference = t3_run, s3_run
+    hift_inference = model.s3gen.hift_inference
+
+    def hift_run(speech_feat, cache_source=None):
+        seen["mel"], seen["rng"] = speech_feat.clone(), torch.get_rng_state().numpy()
+        wav, source = hift_inference(speech_feat, cache_source)
+        seen["hift"] = wav.clone()
+        return wav, source
+
+    model.t3.inference, model.s3gen.inference, model.s3gen.hift_inference = t3_run, s3_run, hift_run
     result = {}
     for i, case in enumerate(json.loads(cases_path.read_text())):
         seen["seed"], seen["max_new_tokens"] = int(case["seed"]), int(case["max_new_tokens"])
@@ -188,6 +197,9 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
         result[f"s3_tokens_{i}"] = seen["s3_tokens"].cpu().numpy()
         result[f"logits_{i}"] = seen["first"]
         result[f"wave_{i}"] = wav[0].cpu().numpy().astype(np.float32)
+        if seen["wave"]:  # the vocoder's own input, RNG state and output (before the fade-in)
+            result[f"mel_{i}"], result[f"rng_{i}"] = seen["mel"].cpu().numpy(), seen["rng"]
+            result[f"hift_{i}"], result[f"flow_rng_{i}"] = seen["hift"].cpu().numpy(), seen["flow_rng"]
     np.savez(out, **result)
 
 

@@ -50,6 +50,8 @@ def reference(folder, tmp_path_factory):
     cases.append({"text": text, "seed": seed, **base})
     # greedy: the package at temperature 1e-4 (min-p then keeps the top token alone); mstar at 0
     cases.append({"text": TEXTS[2], "seed": 3, **base, "temperature": 1e-4})
+    # S3Gen run whole once: its vocoder's input, RNG state and output
+    cases.append({"text": TEXTS[0], "seed": 5, **base, "max_new_tokens": 12, "wave": True})
     return chatterbox_reference(folder, cases, tmp_path_factory.mktemp("chatterbox-ref"))
 
 
@@ -111,3 +113,25 @@ async def test_speech_route_extensions_and_refusals(server, reference):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
     _clean(server)
+
+
+def test_vocoder_equals_the_package(folder, reference):
+    """S3Gen's HiFT (codecs/s3gen_hift.py) on the package's flow output, from its RNG state:
+    the package's vocoder output within 1e-6 (float32)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from services.gpu_worker.codecs.s3gen_hift import HiFT
+
+    ref = reference[7]
+    s3gen = json.loads((folder / "config.json").read_text())["s3gen"]
+    hift = HiFT(s3gen.get("HiFTGenerator"), s3gen.get("ConvRNNF0Predictor")).eval()
+    state = load_file(str(folder / "s3gen.safetensors"))
+    hift.load_state_dict({k[len("mel2wav."):]: v for k, v in state.items() if k.startswith("mel2wav.")})
+    gen = torch.Generator()
+    gen.set_state(torch.from_numpy(ref["rng"]))
+    with torch.inference_mode():
+        wave = hift(torch.from_numpy(ref["mel"]), gen).numpy()
+    assert wave.shape == ref["hift"].shape and np.abs(ref["hift"]).max() > 0.01
+    np.testing.assert_allclose(wave, ref["hift"], atol=1e-6, rtol=0)
