@@ -16,7 +16,10 @@ The step loop, admission, footprints and stop checks are the decoder's; what is 
   global CPU generator, which `torch.manual_seed(seed)` seeds the same way). Temperature
   0 is argmax (the package would divide by zero).
 
-The sound (S3Gen and its vocoder) is not made here yet: outputs carry the speech tokens.
+- sound: S3Gen (codecs/s3gen.py) in the codec thread (as the other speech runners'), once
+  a request's last token is out: its flow matching attends over the whole utterance, so no
+  sample is final before; earlier outputs carry no audio. Its noise continues the request's
+  generator after T3's draws, as the package's continues its global one.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttnRows, cpu_backend
+from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
+from services.gpu_worker.codecs.s3gen import S3Gen
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import PlanEntry, StepPlan
+from shared.frames import Output
 from shared.specs.base import ChatterboxRunnerSpec
 
 log = logging.getLogger("mstar.chatterbox_runner")
@@ -47,7 +53,7 @@ class _Rows:
         self.positions: list[int] = []
 
 
-class ChatterboxRunner(ModelRunner):
+class ChatterboxRunner(HeldSound, ModelRunner):
     SPEC = ChatterboxRunnerSpec
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
@@ -56,6 +62,8 @@ class ChatterboxRunner(ModelRunner):
             raise ValueError(f"the Chatterbox folder has no built-in voice ({spec.conds_path})")
         conds = torch.load(spec.conds_path, map_location="cpu", weights_only=True)["t3"]
         self.voice = (conds["speaker_emb"].float(), conds["cond_prompt_speech_tokens"].long())
+        self.codec = S3Gen(spec.conds_path.parent, self.device)
+        self.thread = CodecThread()
 
     def _backend(self) -> str:
         """The C kernels where they take the stack's attention, else torch (the step's rows
@@ -164,6 +172,19 @@ class ChatterboxRunner(ModelRunner):
             probs = torch.softmax(logits, dim=-1)
             out.append(int(torch.multinomial(probs, num_samples=1, generator=r.generator)))
         return out
+
+    # -- sound -----------------------------------------------------------------------------
+
+    def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
+        """Hold the output (in order); the last one's sound is the whole utterance's."""
+        last = output.finish_reason is not None
+        tokens = request.inputs.setdefault("tokens", [])
+        tokens.extend(output.token_ids)
+        self.thread.submit(reply_to, output, self._sound, list(tokens) if last else [], request.generator, last)
+        return True
+
+    def _sound(self, tokens: list[int], generator: torch.Generator, last: bool) -> bytes:
+        return sound_bytes([self.codec.decode(tokens, generator)]) if last else b""
 
 
 def repetition_penalty(scores: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
