@@ -1,5 +1,6 @@
 """Chatterbox (Resemble AI's `chatterbox-tts`, ResembleAI/chatterbox): text in, S3 speech
-tokens out (25 a second), T3's half of the package's `ChatterboxTTS`.
+tokens out (25 a second) by T3, 24 kHz sound from them by S3Gen (codecs/s3gen.py), as the
+package's `ChatterboxTTS.generate`.
 
 The Hub folder holds no config.json and no architecture: t3_cfg.safetensors (T3),
 s3gen.safetensors (S3Gen: tokens -> mel -> 24 kHz), ve.safetensors (the voice encoder),
@@ -29,7 +30,8 @@ and `exaggeration`'s, not ids'). The token EOS (6562) ends the request and is se
 
 Request extensions (`/v1/audio/speech`, as options): `exaggeration` (0..2, default 0.5) and
 `cfg_weight` (0..2, default 0.5); `voice` "default" is the folder's conds.pt (the only one:
-voice cloning from a clip is not served yet). Sampling defaults are the package's
+voice cloning from a clip is not served yet). `max_tokens` counts speech tokens (25 a
+second; the package's generate allows 1000). Sampling defaults are the package's
 `generate`'s: temperature 0.8, repetition_penalty 1.2, min_p 0.05, top_p 1.0.
 """
 

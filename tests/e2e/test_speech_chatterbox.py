@@ -7,8 +7,9 @@ ships ResembleAI/chatterbox (tests/chatterbox_checkpoints.py), its reference the
   `torch.multinomial`; mstar draws with the request's seeded CPU generator), the package's
   defaults; 4 requests at once, then one alone again; and greedy (temperature 0; the
   package at 1e-4, where min-p leaves one token);
-- the speech route's extensions `exaggeration` and `cfg_weight` change the tokens as the
-  package's do (their usage's token count), and bad values are refused naming the field;
+- the speech route (pcm whole, SSE) with its extensions `exaggeration` and `cfg_weight` and
+  without: the package's waveforms with and without them; bad values are refused naming
+  the field;
 - debug asserts on, pages back to 0.
 
 - sound: each sampled request's audio (S3Gen in the codec thread, its noise continuing the
@@ -53,8 +54,9 @@ def reference(folder, tmp_path_factory):
     base = {"max_new_tokens": TOKENS, "wave": False, **DEFAULTS}
     cases = [{"text": t, "seed": 10 + i, **base, "wave": True} for i, t in enumerate(TEXTS)]
     text, seed, exaggeration, cfg_weight = EXTENDED
-    cases.append({"text": text, "seed": seed, **base, "exaggeration": exaggeration, "cfg_weight": cfg_weight})
-    cases.append({"text": text, "seed": seed, **base})
+    cases.append({"text": text, "seed": seed, **base, "exaggeration": exaggeration, "cfg_weight": cfg_weight,
+                  "wave": True})
+    cases.append({"text": text, "seed": seed, **base, "wave": True})
     # greedy: the package at temperature 1e-4 (min-p then keeps the top token alone); mstar at 0
     cases.append({"text": TEXTS[2], "seed": 3, **base, "temperature": 1e-4})
     return chatterbox_reference(folder, cases, tmp_path_factory.mktemp("chatterbox-ref"))
@@ -102,22 +104,26 @@ async def test_tokens_equal_the_package_seeded(server, reference):
 
 
 async def test_speech_route_extensions_and_refusals(server, reference):
-    """`exaggeration` / `cfg_weight` reach T3 (the SSE usage counts the package's tokens
-    with them and without); bad values and voices are 400s naming the field."""
+    """`exaggeration` / `cfg_weight` reach T3 and the route's defaults are the package's
+    (pcm whole with them, SSE without: each the package's waveform, its usage the package's
+    token count); bad values and voices are 400s naming the field."""
     text, seed, exaggeration, cfg_weight = EXTENDED
-    body = {"input": text, "seed": seed, "max_tokens": TOKENS, "response_format": "pcm", "stream_format": "sse",
-            "temperature": DEFAULTS["temperature"], "repetition_penalty": DEFAULTS["repetition_penalty"]}
+    body = {"input": text, "seed": seed, "max_tokens": TOKENS, "response_format": "pcm"}
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         with_ext = await client.post("/v1/audio/speech", json={**body, "exaggeration": exaggeration,
                                                                "cfg_weight": cfg_weight})
-        plain = await client.post("/v1/audio/speech", json=body)
+        plain = await client.post("/v1/audio/speech", json={**body, "stream_format": "sse"})
         bad = [await client.post("/v1/audio/speech", json={**body, **field})
                for field in ({"exaggeration": 2.5}, {"cfg_weight": -1}, {"voice": "someone"})]
-    for r, ref in ((with_ext, reference[4]), (plain, reference[5])):
-        assert r.status_code == 200, r.text
-        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[-1]["type"] == "speech.audio.done"
-        assert events[-1]["usage"]["output_tokens"] == len(ref["tokens"])
+    assert with_ext.status_code == 200 and plain.status_code == 200, with_ext.text + plain.text
+    events = [json.loads(line[6:]) for line in plain.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["output_tokens"] == len(reference[5]["tokens"])
+    streamed = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    for got, ref in ((with_ext.content, reference[4]), (streamed, reference[5])):
+        want = (np.clip(ref["wave"], -1, 1) * 32767).round().astype("<i2")
+        pcm = np.frombuffer(got, "<i2")
+        assert len(pcm) == len(want) > 0 and np.abs(pcm.astype(int) - want).max() <= 33  # 1e-3 of full scale
     assert reference[4]["tokens"].tolist() != reference[5]["tokens"].tolist()
     for r, param in zip(bad, ("exaggeration", "cfg_weight", "voice")):
         assert r.status_code == 400, r.text

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +166,7 @@ class _Encoder(nn.Module):
 
 
 class _CausalConv(nn.Conv1d):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
 
 
@@ -299,17 +299,18 @@ class _Estimator(nn.Module):
             x = block(x)
         return x.transpose(1, 2).contiguous()
 
-    def forward(self, x, mu, t, spks, cond) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                cond: torch.Tensor) -> torch.Tensor:
         t = self.time_embedding(t)
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
-        resnet, blocks, down = self.down_blocks[0]
-        skip = self._blocks(resnet(x, t), blocks)
-        x = down(skip)
-        for resnet, blocks in self.mid_blocks:
-            x = self._blocks(resnet(x, t), blocks)
-        resnet, blocks, up = self.up_blocks[0]
+        down = cast("Sequence[Any]", self.down_blocks[0])
+        skip = self._blocks(down[0](x, t), down[1])
+        x = down[2](skip)
+        for mid in cast("Iterable[Sequence[Any]]", self.mid_blocks):
+            x = self._blocks(mid[0](x, t), mid[1])
+        up = cast("Sequence[Any]", self.up_blocks[0])
         x = torch.cat([x[:, :, : skip.shape[-1]], skip], dim=1)
-        x = up(self._blocks(resnet(x, t), blocks))
+        x = up[2](self._blocks(up[0](x, t), up[1]))
         return self.final_proj(self.final_block(x))
 
 

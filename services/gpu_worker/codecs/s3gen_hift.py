@@ -115,6 +115,8 @@ class HiFT(nn.Module):
     """`HiFTGenerator` (the package's `mel2wav`); `config` overrides its arguments (the
     folder's config.json "s3gen" section: "HiFTGenerator", "ConvRNNF0Predictor")."""
 
+    window: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: Mapping[str, Any] | None = None, f0: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         c = {**HIFT, **(config or {})}
