@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.chatterbox_checkpoints import chatterbox_configs, chatterbox_reference
+from tests.chatterbox_checkpoints import chatterbox_reference, make_chatterbox_checkpoint
 from tests.servers import MstarServer
 
 TEXTS = ("Hello world!", "the quick brown fox jumps over the lazy dog", "Numbers like 12345...",
@@ -45,12 +45,11 @@ EXTENDED = (TEXTS[1], 7, 1.2, 0.3)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return chatterbox_configs(tmp_path_factory.mktemp("chatterbox") / "cb")
+    return make_chatterbox_checkpoint(tmp_path_factory.mktemp("chatterbox") / "cb")
 
 
-@pytest.fixture(scope="module")
-def reference(folder, tmp_path_factory):
-    """The package's tokens (its weights are written by the same run); S3Gen is skipped."""
+def _cases() -> list[dict]:
+    """The package's runs: S3Gen's only where a waveform is compared."""
     base = {"max_new_tokens": TOKENS, "wave": False, **DEFAULTS}
     cases = [{"text": t, "seed": 10 + i, **base, "wave": True} for i, t in enumerate(TEXTS)]
     text, seed, exaggeration, cfg_weight = EXTENDED
@@ -59,16 +58,31 @@ def reference(folder, tmp_path_factory):
     cases.append({"text": text, "seed": seed, **base, "wave": True})
     # greedy: the package at temperature 1e-4 (min-p then keeps the top token alone); mstar at 0
     cases.append({"text": TEXTS[2], "seed": 3, **base, "temperature": 1e-4})
-    return chatterbox_reference(folder, cases, tmp_path_factory.mktemp("chatterbox-ref"))
+    return cases
 
 
 @pytest.fixture(scope="module")
-def server(folder, reference, tmp_path_factory):
+def stack(folder, tmp_path_factory):
+    """The services start while the package computes the reference."""
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "chatterbox.log", "--num-kv-pages", "64",
                       "--page-size", "16", "--max-seq-len", "160", "--max-batch-tokens", "64",
-                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
-    yield srv
-    srv.stop()
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
+    try:
+        reference = chatterbox_reference(folder, _cases(), tmp_path_factory.mktemp("chatterbox-ref"))
+        srv.wait_ready()
+        yield srv, reference
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(stack) -> MstarServer:
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def reference(stack) -> list[dict]:
+    return stack[1]
 
 
 def _clean(server: MstarServer) -> None:
