@@ -18,6 +18,7 @@ from tokenizers.models import WordLevel
 
 from shared.specs import null_lm
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.chatterbox import folder_config, is_chatterbox_folder
 from shared.specs.orpheus import CODEC_FOLDER as SPEECH_CODEC_FOLDER
 from shared.specs.registry import load_plugins, spec_factory
 
@@ -49,7 +50,7 @@ class ModelSource:
 
             path = resolve_model(model)
             if path.is_dir():
-                if not (path / "config.json").exists():
+                if not (path / "config.json").exists() and not is_chatterbox_folder(path):
                     raise DeploymentError(f"model folder {path} has no config.json")
                 self.kind, self.path = "hf", path
             elif path.suffix == ".gguf" and path.is_file():
@@ -63,6 +64,8 @@ class ModelSource:
 
     @functools.cached_property
     def config(self) -> dict:
+        if self.kind == "hf" and is_chatterbox_folder(self.path):  # the Hub's folder has no config.json
+            return folder_config(self.path)
         if self.kind == "hf":
             return json.loads((self.path / "config.json").read_text())
         from shared.gguf_source import gguf_config

@@ -695,6 +695,10 @@ class SpeechRequest(Body):
         "the most sound to make, in seconds (rounded up to whole frames; with max_tokens, the smaller cap); "
         "past what the model's frame loop allows it is refused as max_tokens is"))] | None = None
     context: Context | None = None
+    exaggeration: Annotated[float, Meta(description=(
+        "Chatterbox: the emotion exaggeration of its voice (0 to 2; the package's 0.5 when absent)"))] | None = None
+    cfg_weight: Annotated[float, Meta(description=(
+        "Chatterbox: the classifier-free guidance weight (0 to 2; the package's 0.5 when absent)"))] | None = None
 
 
 class Route(NamedTuple):

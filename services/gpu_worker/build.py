@@ -24,6 +24,7 @@ from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.chatterbox import ChatterboxRunner
 from services.gpu_worker.runners.csm import CsmRunner
 from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
 from services.gpu_worker.runners.higgs import HiggsRunner
@@ -66,6 +67,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "world": (WorldRunner, None),
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
+    "chatterbox_decoder": (ChatterboxRunner, None),
 }
 
 

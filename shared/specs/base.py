@@ -419,6 +419,19 @@ class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
 
 
 @runtime_checkable
+class ChatterboxRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The Chatterbox runner's (runners/chatterbox.py): its two labels (the guidance row
+    set second) and their pool, the conditioning prefix's rows, the start of speech, the
+    built-in voice's file."""
+
+    labels: tuple[str, ...]
+    pool: str
+    cond_rows: int
+    bos: int
+    conds_path: Any
+
+
+@runtime_checkable
 class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
     """The Higgs runner's (runners/higgs.py): its label and pool, the codebooks and the
     stream BOS / EOS codes, the flat tokens of the delay pattern, the frame that ends a

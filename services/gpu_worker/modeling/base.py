@@ -213,6 +213,20 @@ class MultiCodeModel(ModelBase):
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class GuidedSpeechModel(ModelBase):
+    """A speech-token LM over input embeddings with classifier-free guidance (Chatterbox's
+    T3): the runner (runners/chatterbox.py) makes each row's embedding (`cond_rows`,
+    `text_rows`, `speech_rows`), runs both row sets through `backbone` and combines the
+    two `speech_logits` rows of a request."""
+
+    @abstractmethod
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                 meta: AttnMetadata) -> torch.Tensor: ...
+
+    @abstractmethod
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class WorldModel(ModelBase):
     """A world model (V-JEPA 2-AC): `encode` turns frames into their tokens (once per clip;
     the runner caches them by the clip's content key), `predict` is one pass of the
@@ -245,5 +259,6 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
+    "chatterbox_decoder": GuidedSpeechModel,
     "world": WorldModel,
 }

@@ -18,6 +18,7 @@ from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
 from services.gpu_worker.modeling.hybrid.qwen3_next import Qwen3NextLM
 from services.gpu_worker.modeling.policy.pi0 import Pi0Policy, Pi05Policy
+from services.gpu_worker.modeling.speech.chatterbox import T3Model
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.higgs import HiggsModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
@@ -27,6 +28,7 @@ from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.chatterbox import ChatterboxSpec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
@@ -61,6 +63,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     WorldSpec: VJepa2ACWorld,
     Qwen3OmniSpec: Qwen3OmniThinker,
     HiggsSpec: HiggsModel,
+    ChatterboxSpec: T3Model,
 }
 
 
