@@ -34,8 +34,9 @@ TRANSFORMER = dict(hidden_size=64, intermediate_size=128, head_dim=16, num_atten
                    num_hidden_layers=2, latent_channel=Z_DIM, latent_patch_size=2, patch_latent_dim=4 * Z_DIM,
                    rope_axes_dim=[4, 2, 2], rope_theta=10000.0, dtype="float32")
 VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2], num_res_blocks=1,
-           temperal_downsample=[False, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=8,
-           scale_factor_temporal=2, latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0])
+           temperal_downsample=[False, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+           scale_factor_spatial=8, scale_factor_temporal=2, latents_mean=[0.1, -0.2, 0.3, 0.0],
+           latents_std=[1.5, 0.8, 1.2, 1.0])
 #: UniPC over flow-matching sigmas (Wan's shape), multistep order 2
 SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, solver_order=2,
                  num_train_timesteps=1000)
