@@ -168,6 +168,8 @@ def test_bad_input_and_failed_job(setup):
         r = httpx.post(srv.url + route, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert httpx.get(srv.url + "/v1/videos/video_nope").status_code == 404
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     # a prompt past the pool's 1024 rows is the conductor's refusal, after the job started
     r = httpx.post(srv.url + "/v1/videos", json={"prompt": "fox " * 1100, "size": "32x32", "num_frames": 5,
                                                  "num_inference_steps": 1}, timeout=30)
@@ -177,6 +179,12 @@ def test_bad_input_and_failed_job(setup):
     job = _wait(openai.OpenAI(base_url=srv.url + "/v1", api_key="x"), r.json()["id"])
     assert job.status == "failed" and job.error is not None and "KV pages" in job.error.message, job
     assert httpx.get(f"{srv.url}/v1/videos/{job.id}/content").status_code == 409
+    # a job deleted while it may still run: gone, its pages freed (assert_clean below)
+    r = httpx.post(srv.url + "/v1/videos", json={**VIDEO, "num_inference_steps": STEPS})
+    video_id = r.json()["id"]
+    r = httpx.delete(f"{srv.url}/v1/videos/{video_id}")
+    assert r.status_code == 200 and r.json() == {"id": video_id, "object": "video.deleted", "deleted": True}
+    assert httpx.get(f"{srv.url}/v1/videos/{video_id}").status_code == 404
     steps = srv.metric("mstar_denoise_steps_total")
     assert steps >= STEPS * 9, steps  # the images, the video and the warm-up's step
     assert_clean(srv)

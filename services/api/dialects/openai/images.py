@@ -106,13 +106,17 @@ def check_frames(num_frames: int, settings: ApiSettings, param: str = "num_frame
                              f"{max_frames}, got {num_frames}")
 
 
+def check_served(req: PixelFields, settings: ApiSettings) -> None:
+    """An image model, and the one the body names (else 400 / 404 naming `model`)."""
+    if settings.task != "image":
+        raise invalid("model", task_refusal(settings.model_name, settings.task, "image"))
+    check_model(req.model, settings.model_name)
+
+
 def engine_options(req: PixelFields, settings: ApiSettings, width: int, height: int,
                    num_frames: int) -> dict[str, int | str | float | bool]:
     """The data worker's options for one sample (`sample` set per choice); a 400 naming
     `num_inference_steps` past the model's loop cap."""
-    if settings.task != "image":
-        raise invalid("model", task_refusal(settings.model_name, settings.task, "image"))
-    check_model(req.model, settings.model_name)
     steps = req.num_inference_steps if req.num_inference_steps is not None else DEFAULT_STEPS
     if steps > settings.image_limits[4]:
         raise invalid("num_inference_steps", f"num_inference_steps must be at most {settings.image_limits[4]} "
@@ -163,6 +167,7 @@ def npy(array: np.ndarray) -> bytes:
 def accept(obj: dict, state: ApiState) -> Prepared:
     settings = state.settings
     req = load(obj, ImageGenerationRequest)
+    check_served(req, settings)
     width, height = parse_size(req.size, settings)
     options = engine_options(req, settings, width, height, 1)
     choices = sample_choices(req.prompt, options, req.n, req.request_id)

@@ -147,6 +147,7 @@ ROUTES: list[BaseRoute] = [
     Route("/v1/images/generations", image_generations, methods=["POST"]),
     Route("/v1/videos", guard(videos.create), methods=["POST"]),
     Route("/v1/videos/{video_id}", guard(videos.retrieve), methods=["GET"]),
+    Route("/v1/videos/{video_id}", guard(videos.delete), methods=["DELETE"]),
     Route("/v1/videos/{video_id}/content", guard(videos.content), methods=["GET"]),
 ]
 #: its routes' declared shapes, published in `/openapi.json`

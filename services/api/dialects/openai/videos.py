@@ -1,6 +1,7 @@
 """OpenAI's video job API for a text-to-video model (Cosmos 3): `POST /v1/videos` (JSON, or
 multipart/form-data as the official client sends it) starts a job and answers it at once;
-`GET /v1/videos/{id}` is the job; `GET /v1/videos/{id}/content` its MP4 (H.264, PyAV), or
+`GET /v1/videos/{id}` is the job; `DELETE /v1/videos/{id}` forgets it (aborting it while it runs);
+`GET /v1/videos/{id}/content` its MP4 (H.264, PyAV), or
 with `?variant=frames` the raw frames as a .npy uint8 array [F, H, W, 3] (the frames
 diffusers' `numpy_to_pil` rounding makes: for exact checks).
 
@@ -36,6 +37,7 @@ from starlette.responses import Response
 from services.api.dialects.openai.images import (
     PixelFields,
     check_frames,
+    check_served,
     engine_options,
     frames_of,
     npy,
@@ -94,6 +96,7 @@ class Entry:
         self.frames: np.ndarray | None = None
         self.expires = float("inf")
         self.task: asyncio.Task[None] | None = None
+        self.gen: Any = None
 
 
 class VideoJobs:
@@ -152,6 +155,7 @@ async def create(request: Request) -> Response:
         state = api_state(request)
         obj = _body(await read_body(request, state.settings.max_body_bytes), request.headers.get("content-type"))
         req = load(obj, VideoCreateRequest)
+        check_served(req, state.settings)
         if req.input_reference is not None:
             raise invalid("input_reference", "input_reference (image to video) is not served: text to video only")
         width, height = parse_size(req.size, state.settings)
@@ -169,7 +173,7 @@ async def create(request: Request) -> Response:
         except ApiError:
             del jobs_of(request).entries[job.id]
             raise
-        job.status = "in_progress"
+        job.status, entry.gen = "in_progress", gen
         entry.task = asyncio.get_running_loop().create_task(_run(gen, entry, jobs_of(request), (frames, width,
                                                                                                   height)))
         return json_response(job)
@@ -182,6 +186,8 @@ async def _run(gen: Any, entry: Entry, jobs: VideoJobs, shape: tuple[int, int, i
     job = entry.job
     try:
         done = await gen.collect()
+        if done.finish_reason == "abort":
+            raise ApiError(ErrorKind.CONFLICT, "the job was deleted before it ended")
         entry.frames = to_uint8(frames_of(done, 0, *shape))
         job.status, job.progress = "completed", 100
     except ApiError as err:
@@ -196,6 +202,19 @@ async def retrieve(request: Request) -> Response:
     """GET /v1/videos/{video_id}."""
     try:
         return json_response(jobs_of(request).get(request.path_params["video_id"]).job)
+    except ApiError as err:
+        return json_response(err.body(), err.status)
+
+
+async def delete(request: Request) -> Response:
+    """DELETE /v1/videos/{video_id}: the job forgotten (a running one aborted, its pages freed)."""
+    try:
+        jobs = jobs_of(request)
+        entry = jobs.get(request.path_params["video_id"])
+        if entry.gen is not None:
+            entry.gen.close()
+        del jobs.entries[entry.job.id]
+        return json_response({"id": entry.job.id, "object": "video.deleted", "deleted": True})
     except ApiError as err:
         return json_response(err.body(), err.status)
 
