@@ -141,8 +141,10 @@ def sample_choices(prompt: str, options: dict[str, int | str | float | bool], n:
 
 
 def frames_of(done: DoneEvent, i: int, num_frames: int, width: int, height: int) -> np.ndarray:
-    """A sample's float32 frames [F, H, W, 3] in [0, 1] (the worker's bytes)."""
-    return np.frombuffer(pooled(done, i), dtype="<f4").reshape(num_frames, height, width, 3)
+    """A sample's frames [F, H, W, 3] as the worker sends them: an image's float32 in [0, 1],
+    a video's uint8 (already rounded: runners/diffusion.py `frame_bytes`)."""
+    dtype = "<f4" if num_frames == 1 else "u1"
+    return np.frombuffer(pooled(done, i), dtype=dtype).reshape(num_frames, height, width, 3)
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

@@ -43,7 +43,6 @@ from services.api.dialects.openai.images import (
     npy,
     parse_size,
     sample_choices,
-    to_uint8,
 )
 from services.api.errors import ApiError, HttpKind, invalid
 from services.api.forms import is_form, parse_form
@@ -188,7 +187,7 @@ async def _run(gen: Any, entry: Entry, jobs: VideoJobs, shape: tuple[int, int, i
         done = await gen.collect()
         if done.finish_reason == "abort":
             raise ApiError(ErrorKind.CONFLICT, "the job was deleted before it ended")
-        entry.frames = to_uint8(frames_of(done, 0, *shape))
+        entry.frames = frames_of(done, 0, *shape)
         job.status, job.progress = "completed", 100
     except ApiError as err:
         job.status, job.error = "failed", VideoError(err.code or err.type, err.message)
