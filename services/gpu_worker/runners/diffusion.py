@@ -20,6 +20,11 @@ same shape (the j-th of n samples is the pipeline's j-th call on one generator).
 decoded frames go back as bytes on the request (`Request.pooled`: [F, H, W, 3]; float32
 for an image, uint8 for a video: `frame_bytes`).
 `denoise_steps` counts the iterations run (every request's), for /metrics.
+
+The loop inside one worker step is the policy runner's shape; its costs: a request that
+arrives meanwhile waits for the whole loop, and a loop past the step watchdog
+(`MSTAR_STEP_WATCHDOG_S`) is taken for a hang. One iteration per worker step, requests
+joining between iterations, would lift both.
 """
 
 from __future__ import annotations
