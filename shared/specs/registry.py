@@ -19,6 +19,8 @@ from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.chatterbox import ARCHITECTURE as CHATTERBOX_ARCHITECTURE
 from shared.specs.chatterbox import ChatterboxSpec
+from shared.specs.cosmos3 import ARCHITECTURES as COSMOS3_ARCHITECTURES
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -70,6 +72,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
     CHATTERBOX_ARCHITECTURE: ChatterboxSpec,
+    **dict.fromkeys(COSMOS3_ARCHITECTURES, Cosmos3Spec),
 }
 
 
