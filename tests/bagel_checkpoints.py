@@ -36,7 +36,7 @@ from tests.checkpoints import make_tokenizer
 #: writes for each ViT row (the reference has no token for them)
 BAGEL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                 hidden_act="silu", tie_word_embeddings=False, max_window_layers=2, use_sliding_window=False,
                 sliding_window=None, model_type="qwen2", architectures=["Qwen2ForCausalLM"])
 #: SigLIP so400m's geometry cut down: 14 px patches, 980 px (70 patches a side, BAGEL's
@@ -123,7 +123,6 @@ def _float32_attention() -> None:
     """The reference's attention modules see a `torch` whose bfloat16 is float32, so their
     casts before flash-attn keep float32 (the only change to its float32 arithmetic)."""
     import torch
-
     from bagel2.modeling.bagel import qwen2_navit, siglip_navit
 
     class _Torch(types.ModuleType):
@@ -166,8 +165,12 @@ def build_reference(path: Path, dtype: str = "float32") -> dict[str, Any]:
     from bagel2.data.data_utils import add_special_tokens
     from bagel2.data.transforms import ImageTransform
     from bagel2.modeling.autoencoder import AutoEncoder, AutoEncoderParams
-    from bagel2.modeling.bagel import (Bagel, BagelConfig, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig,
-                                       SiglipVisionModel)
+    from bagel2.modeling.bagel import (
+        Bagel,
+        BagelConfig,
+        Qwen2ForCausalLM,
+        SiglipVisionModel,
+    )
     from transformers import AutoTokenizer
 
     if dtype == "float32":
@@ -224,8 +227,12 @@ def _new_model(path: Path, seed: int) -> Any:
     import torch
 
     _stub_missing()
-    from bagel2.modeling.bagel import (Bagel, BagelConfig, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig,
-                                       SiglipVisionModel)
+    from bagel2.modeling.bagel import (
+        Bagel,
+        BagelConfig,
+        Qwen2ForCausalLM,
+        SiglipVisionModel,
+    )
 
     llm_config, vit_config = _configs(path)
     ae = types.SimpleNamespace(downsample=TINY_AE["downsample"], z_channels=TINY_AE["z_channels"])
@@ -283,30 +290,38 @@ def make_bagel_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def reference_chat(ref: dict[str, Any], image: Any, text: str, max_new_tokens: int) -> list[int]:
-    """BAGEL's understanding (`InterleaveInferencer(image, text, understanding_output=True)`,
-    greedy): the ids it generates after its `<|im_start|>`, up to and without `<|im_end|>`."""
+def reference_chat(ref: dict[str, Any], inputs: list[Any], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """BAGEL's understanding (`InterleaveInferencer.interleave_inference(inputs,
+    understanding_output=True)`, greedy; `inputs` PIL images and texts in order): the ids
+    it generates after its fed `<|im_start|>`, up to and without `<|im_end|>`, and each
+    one's log-probability (its `lm_head` logits, log-softmaxed)."""
     import torch
-
     from bagel2.inferencer import InterleaveInferencer
 
     inf = InterleaveInferencer(ref["model"], ref["vae"], ref["tokenizer"], ref["vae_transform"],
                                ref["vit_transform"], ref["ids"])
     captured: list[torch.Tensor] = []
-    generate = ref["model"].generate_text
+    logits: list[torch.Tensor] = []
+    model = ref["model"]
+    generate, head = model.generate_text, model.language_model.lm_head.forward
 
     def keep(**kw: Any) -> torch.Tensor:
         out = generate(**kw)
         captured.append(out)
         return out
 
-    ref["model"].generate_text = keep
+    def keep_logits(x: torch.Tensor) -> torch.Tensor:
+        out = head(x)
+        logits.append(out.float().log_softmax(-1)[0])
+        return out
+
+    model.generate_text, model.language_model.lm_head.forward = keep, keep_logits
     try:
-        inf.interleave_inference([image, text], understanding_output=True, do_sample=False,
+        inf.interleave_inference(list(inputs), understanding_output=True, do_sample=False,
                                  max_think_token_n=max_new_tokens + 1)
     except IndexError:
-        pass  # its decode splits on <|im_end|> / <|im_start|>; random weights may emit neither
+        pass  # it decodes its answer and splits on <|im_start|>, which random weights may not emit
     finally:
-        del ref["model"].generate_text
+        del model.generate_text, model.language_model.lm_head.forward
     ids = captured[0][1:, 0].tolist()  # [0] is the start token it feeds
-    return ids
+    return ids, [float(lp[t]) for lp, t in zip(logits, ids)]

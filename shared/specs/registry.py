@@ -16,6 +16,7 @@ from collections.abc import Callable
 from shared.hybrid_config import ARCHITECTURES as HYBRID_ARCHITECTURES
 from shared.hybrid_config import MOE_ARCHITECTURES as HYBRID_MOE_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
+from shared.specs.bagel import BAGEL_ARCHITECTURES, BagelSpec
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
@@ -67,6 +68,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(WORLD_ARCHITECTURES, WorldSpec),
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
+    **dict.fromkeys(BAGEL_ARCHITECTURES, BagelSpec),
 }
 
 

@@ -242,6 +242,7 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "mrope_vision_decoder": GridVisionDecoderModel,
     "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
     "omni_thinker": GridVisionDecoderModel,
+    "bagel_decoder": GridVisionDecoderModel,
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
