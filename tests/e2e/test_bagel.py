@@ -51,6 +51,8 @@ CASES = {
     "text, image, text": (PROMPTS[1], "green", PROMPTS[0]),
     "text only": (PROMPTS[0],),
 }
+#: the first case's text after another image
+OTHER = ("green", PROMPTS[0])
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +77,14 @@ def reference(folder: Path, items: tuple[str, ...]) -> tuple[list[int], list[flo
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
+    """The server, started while the reference computes every answer the tests compare."""
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "bagel.log", "--num-kv-pages", "640",
                       "--page-size", "16", "--max-batch-tokens", "2048", "--enable-prompt-tokens-details",
-                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
     try:
-        yield srv
+        for items in (*CASES.values(), OTHER):
+            reference(folder, items)
+        yield srv.wait_ready()
     finally:
         srv.stop()
 
@@ -150,12 +155,12 @@ async def test_an_image_seen_again_comes_from_the_prefix_cache(folder, server):
     async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
         first = await generate(client, items)
         again = await generate(client, items)
-        other = await generate(client, ("green", PROMPTS[0]))
+        other = await generate(client, OTHER)
     assert again["token_ids"] == first["token_ids"] == reference(folder, items)[0][: len(first["token_ids"])]
     rows = first["usage"]["prompt_tokens"]
     assert again["usage"]["cached_tokens"] == (rows - 1) // 16 * 16  # every full page but the last row's
     assert other["usage"]["cached_tokens"] == 0
-    assert other["token_ids"][:MAX_TOKENS] == reference(folder, ("green", PROMPTS[0]))[0][:MAX_TOKENS]
+    assert other["token_ids"][:MAX_TOKENS] == reference(folder, OTHER)[0][:MAX_TOKENS]
     assert_clean(server)
 
 
