@@ -317,8 +317,10 @@ def reference_chat(ref: dict[str, Any], inputs: list[Any], max_new_tokens: int) 
 
     model.generate_text, model.language_model.lm_head.forward = keep, keep_logits
     try:
-        inf.interleave_inference(list(inputs), understanding_output=True, do_sample=False,
-                                 max_think_token_n=max_new_tokens + 1)
+        # bfloat16 weights: under autocast, as its CUDA path runs (its own autocast is CUDA's)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=model.dtype == torch.bfloat16):
+            inf.interleave_inference(list(inputs), understanding_output=True, do_sample=False,
+                                     max_think_token_n=max_new_tokens + 1)
     except IndexError:
         pass  # it decodes its answer and splits on <|im_start|>, which random weights may not emit
     finally:

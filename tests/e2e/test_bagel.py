@@ -6,8 +6,9 @@ Each case is the inferencer's input list (images and texts in order, `understand
 sent as one chat turn: the answer's tokens equal the reference's, up to its `<|im_end|>`.
 BAGEL's images are big in rows (the inferencer resizes every image to a short edge of 512
 and then 518 px for the ViT: 37 x 37 patches and more), so every prompt here is ~1400-3100
-rows whose image blocks attend both ways; the server runs with
-`MSTAR_KV_DEBUG_ASSERTS=1` and every page comes back.
+rows whose image blocks attend both ways. The server's step budget (1024 rows) is smaller
+than every image block here, so each block runs whole as its step's first chunk while the
+text around it is chunked; it runs with `MSTAR_KV_DEBUG_ASSERTS=1` and every page comes back.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def reference(folder: Path, items: tuple[str, ...]) -> tuple[list[int], list[flo
 def server(folder, tmp_path_factory):
     """The server, started while the reference computes every answer the tests compare."""
     srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "bagel.log", "--num-kv-pages", "640",
-                      "--page-size", "16", "--max-batch-tokens", "2048", "--enable-prompt-tokens-details",
+                      "--page-size", "16", "--max-batch-tokens", "1024", "--enable-prompt-tokens-details",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
     try:
         for items in (*CASES.values(), OTHER):
