@@ -176,3 +176,36 @@ async def test_image_tokens_without_their_block_are_refused(server):
     assert "<|vision_start|>" in bare.json()["error"]["message"]
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "input_ids", ids.text
     assert server.wait_pages_free() == 0
+
+
+@pytest.mark.parametrize(("size", "steps", "text_scale"), [((64, 64), 5, 3.0), ((32, 96), 4, 1.0)])
+def test_text_to_image_in_process_equals_the_reference(folder, size, steps, text_scale):
+    """BAGEL's text-to-image (`services.gpu_worker.modeling.vision.bagel_gen`, in process,
+    not yet on the engine) against the inferencer's `interleave_inference([text])` with the
+    same global seed: three-branch guidance on (and off), the decoded uint8 pixels equal."""
+    import json
+
+    import torch
+    from bagel2.inferencer import InterleaveInferencer
+    from safetensors.torch import load_file
+
+    from services.gpu_worker.modeling.vision.bagel_gen import BagelGenerator, text_to_image
+
+    ref = _reference(folder)
+    inf = InterleaveInferencer(ref["model"], ref["vae"], ref["tokenizer"], ref["vae_transform"],
+                               ref["vit_transform"], ref["ids"])
+    text, (height, width) = "A red cat on a mat.", size
+    torch.manual_seed(7)
+    want = np.asarray(inf.interleave_inference([text], image_shapes=size, num_timesteps=steps,
+                                               cfg_text_scale=text_scale)[-1])
+    model = BagelGenerator(json.loads((folder / "config.json").read_text())).eval()
+    model.load_weights({**load_file(str(folder / "ema.safetensors")), **load_file(str(folder / "ae.safetensors"))})
+    ids = ref["ids"]
+    prompt = torch.tensor([ids["bos_token_id"], *ref["tokenizer"].encode(text), ids["eos_token_id"]])
+    tags = torch.tensor([ids["start_of_image"], ids["end_of_image"]])
+    noise = torch.randn(height * width // 256, 64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = text_to_image(model, prompt, tags, height, width, noise, steps=steps, text_scale=text_scale).numpy()
+    assert got.shape == want.shape == (height, width, 3)
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    assert want.std() > 10  # an image, not a flat field

@@ -1,0 +1,289 @@
+"""BAGEL's text-to-image path in torch: the mixture-of-transformers LLM with both weight
+copies, the flow-matching loop with its three-branch guidance, and FLUX's autoencoder
+decoder. In process (not yet on the engine: its context K/V are plain tensors here).
+
+Op for op as ByteDance's `Bagel.generate_image` / `_forward_flow` and `InterleaveInferencer`:
+- context K/V per branch, computed once by the understanding weights (causal): "full" (the
+  prompt's `<|im_start|>text<|im_end|>`), "no text" (the context before the text: empty for
+  text-to-image) and "no image" (the context without images: the full one for
+  text-to-image). The reference keeps them as its `NaiveCache`s and reads them every step;
+- each step: the query rows `<|vision_start|>`, one row per latent patch (2 x 2 latent
+  pixels x 16 channels), `<|vision_end|>`, all at one RoPE position (the context's length),
+  attending to the branch's context and to each other both ways. Tag rows run the
+  understanding weights, latent rows the generation copy (`*_moe_gen`); a latent row's
+  input is `vae2llm(x_t) + time_embedder(t) + latent_pos_embed[row * 64 + column]`, its
+  velocity `llm2vae` of its final-normed (`norm_moe_gen`) state;
+- guidance inside `cfg_interval`: v_text = v_notext + s_text (v - v_notext), then
+  v' = v_noimg + s_img (v_text - v_noimg), renormed to at most |v| ("global": over all
+  rows); Euler steps x -= v dt on the shifted timesteps t' = s t / (1 + (s - 1) t);
+- decode: the patches back to [16, 2h, 2w], `z / scale + shift`, FLUX's decoder, then
+  (x / 2 + 1/2) clamped, times 255, truncated to uint8 as the reference's PIL image.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: BAGEL's `max_latent_size` in its app (latent position ids are row * 64 + column)
+MAX_LATENT_SIZE = 64
+LATENT_PATCH = 2
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """Qwen2RMSNorm: float32 statistics, weight * x in x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MotAttention(nn.Module):
+    """q/k/v/o and the per-head q/k norms, each twice: understanding and `_moe_gen`."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.hidden = heads, kv_heads, hidden // heads, hidden
+        for suffix in ("", "_moe_gen"):
+            setattr(self, "q_proj" + suffix, nn.Linear(hidden, heads * self.head_dim))
+            setattr(self, "k_proj" + suffix, nn.Linear(hidden, kv_heads * self.head_dim))
+            setattr(self, "v_proj" + suffix, nn.Linear(hidden, kv_heads * self.head_dim))
+            setattr(self, "o_proj" + suffix, nn.Linear(heads * self.head_dim, hidden, bias=False))
+            setattr(self, "q_norm" + suffix, RMSNorm(self.head_dim, eps))
+            setattr(self, "k_norm" + suffix, RMSNorm(self.head_dim, eps))
+
+    def qkv(self, x: torch.Tensor, gen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [T, heads, head_dim] with each row through its copy (`gen` marks latent rows)."""
+        out = []
+        for name, heads in (("q", self.heads), ("k", self.kv_heads), ("v", self.kv_heads)):
+            y = x.new_zeros(x.shape[0], heads, self.head_dim)
+            for rows, suffix in ((~gen, ""), (gen, "_moe_gen")):
+                part = getattr(self, f"{name}_proj{suffix}")(x[rows]).view(-1, heads, self.head_dim)
+                y[rows] = getattr(self, f"{name}_norm{suffix}")(part) if name != "v" else part
+            out.append(y)
+        return tuple(out)
+
+    def out(self, o: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+        und: Any = self.o_proj
+        gen_proj: Any = self.o_proj_moe_gen
+        y = o.new_zeros(o.shape[0], self.hidden)
+        y[~gen], y[gen] = und(o[~gen]), gen_proj(o[gen])
+        return y
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+class MotLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        self.self_attn = MotAttention(hidden, int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), eps)
+        for suffix in ("", "_moe_gen"):
+            setattr(self, "mlp" + suffix, Mlp(hidden, int(cfg["intermediate_size"])))
+            setattr(self, "input_layernorm" + suffix, RMSNorm(hidden, eps))
+            setattr(self, "post_attention_layernorm" + suffix, RMSNorm(hidden, eps))
+
+    def _split(self, x: torch.Tensor, gen: torch.Tensor, name: str) -> torch.Tensor:
+        y = torch.zeros_like(x)
+        y[~gen], y[gen] = getattr(self, name)(x[~gen]), getattr(self, name + "_moe_gen")(x[gen])
+        return y
+
+    def forward(self, x: torch.Tensor, gen: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                past: tuple[torch.Tensor, torch.Tensor] | None, causal: bool) -> tuple[torch.Tensor, tuple]:
+        """Rows `x` after the context `past` (k, v) -> (rows out, the rows' own k, v)."""
+        attn = self.self_attn
+        q, k, v = attn.qkv(self._split(x, gen, "input_layernorm"), gen)
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k)), torch.cat((past[1], v)))
+        groups = attn.heads // attn.kv_heads
+        n, m = q.shape[0], keys.shape[0]
+        mask = torch.ones(n, m, dtype=torch.bool).tril(m - n) if causal else None
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(groups, 1).transpose(0, 1),
+                                           values.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=mask)
+        x = x + attn.out(o.transpose(0, 1).reshape(n, -1), gen)
+        return x + self._split(self._split(x, gen, "post_attention_layernorm"), gen, "mlp"), (k, v)
+
+
+class _Backbone(nn.Module):
+    """Embeddings, layers and the two final norms (names as the checkpoint's `model.*`)."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        self.embed_tokens = nn.Embedding(int(cfg["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(MotLayer(cfg) for _ in range(int(cfg["num_hidden_layers"])))
+        self.norm, self.norm_moe_gen = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+
+
+class _Table(nn.Module):
+    """A fixed position table (the checkpoint's `pos_embed`)."""
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.zeros(rows, hidden), requires_grad=False)
+
+
+class MotLM(nn.Module):
+    """The LLM with both copies (checkpoint names under `language_model.`)."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.model = _Backbone(cfg)
+        self.head_dim = hidden // int(cfg["num_attention_heads"])
+        self.theta = float(cfg.get("rope_theta", 10000.0))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        freqs = positions.float()[:, None] * inv[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def run(self, x: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, past: KV | None,
+            causal: bool) -> tuple[torch.Tensor, KV]:
+        """Rows through every layer (each row by its copy) -> (final-normed rows, each layer's k, v)."""
+        rope, kvs = self.rope(positions), []
+        layers: Any = self.model.layers
+        for i, layer in enumerate(layers):
+            x, kv = layer(x, gen, rope, None if past is None else past[i], causal)
+            kvs.append(kv)
+        y = torch.zeros_like(x)
+        y[~gen], y[gen] = self.model.norm(x[~gen]), self.model.norm_moe_gen(x[gen])
+        return y, kvs
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, hidden: int, freq: int = 256) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(freq, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.freq = freq
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+
+
+class BagelGenerator(nn.Module):
+    """The generation half of a BAGEL checkpoint (module docstring); `load_weights` takes the
+    folder's tensors (ema.safetensors and ae.safetensors together) and keeps its parts'."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        from services.gpu_worker.modeling.vision.flux_ae import FluxDecoder
+
+        super().__init__()
+        llm, ae = config["llm_config"], config["vae_config"]
+        hidden = int(llm["hidden_size"])
+        self.language_model = MotLM(llm)
+        self.time_embedder = TimestepEmbedder(hidden)
+        self.latent_channels = int(ae["z_channels"])
+        patch_dim = LATENT_PATCH**2 * self.latent_channels
+        self.vae2llm, self.llm2vae = nn.Linear(patch_dim, hidden), nn.Linear(hidden, patch_dim)
+        self.latent_pos_embed = _Table(MAX_LATENT_SIZE**2, hidden)
+        self.ae = FluxDecoder(ae)
+        self.downsample = int(ae["downsample"]) * LATENT_PATCH
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Its tensors by name (ae's `decoder.*` as `ae.decoder.*`); the understanding-only
+        parts (ViT, connector, head) and the encoder are not its."""
+        skip = ("vit_model.", "connector.", "vit_pos_embed.", "encoder.", "language_model.lm_head.")
+        mine = {("ae." + k if k.startswith("decoder.") else k): v for k, v in state.items() if not k.startswith(skip)}
+        self.load_state_dict(mine, strict=True)
+
+    def context(self, ids: torch.Tensor) -> KV:
+        """A branch's context K/V (its prompt rows through the understanding weights, causal)."""
+        lm = self.language_model
+        gen = torch.zeros(len(ids), dtype=torch.bool)
+        return lm.run(lm.model.embed_tokens(ids), gen, torch.arange(len(ids)), None, causal=True)[1]
+
+    def velocity(self, x: torch.Tensor, t: float, tags: torch.Tensor, height: int, width: int,
+                 past: KV | None, position: int) -> torch.Tensor:
+        """One branch's velocity for latents `x` [h * w, patch dim] at time `t`."""
+        h, w = height // self.downsample, width // self.downsample
+        ids = (torch.arange(h)[:, None] * MAX_LATENT_SIZE + torch.arange(w)).reshape(-1)
+        rows = self.vae2llm(x) + self.time_embedder(torch.full((len(x),), t)) + self.latent_pos_embed.pos_embed[ids]
+        emb = self.language_model.model.embed_tokens(tags)
+        seq = torch.cat((emb[:1], rows, emb[1:]))
+        gen = torch.zeros(len(seq), dtype=torch.bool)
+        gen[1:-1] = True
+        out, _ = self.language_model.run(seq, gen, torch.full((len(seq),), position), past, causal=False)
+        return self.llm2vae(out)[1:-1]
+
+    def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents [h * w, 2 * 2 * C] -> the image uint8 [H, W, 3] as the reference's PIL image."""
+        h, w, p, c = height // self.downsample, width // self.downsample, LATENT_PATCH, self.latent_channels
+        z = torch.einsum("nhwpqc->nchpwq", x.reshape(1, h, w, p, p, c)).reshape(1, c, h * p, w * p)
+        image = (self.ae.decode(z) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0) * 255
+        return image.to(torch.uint8)
+
+
+def guided(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None, text_scale: float,
+           img_scale: float, renorm_min: float, renorm_type: str) -> torch.Tensor:
+    """BAGEL's guidance of the full branch's velocity `v` by the no-text and no-image ones."""
+    if v_text is None:
+        return v
+    mixed = v_text + text_scale * (v - v_text)
+    if renorm_type == "text_channel":
+        scale = (v.norm(dim=-1, keepdim=True) / (mixed.norm(dim=-1, keepdim=True) + 1e-8)).clamp(renorm_min, 1.0)
+        mixed = mixed * scale
+        return mixed if v_img is None else v_img + img_scale * (mixed - v_img)
+    if v_img is not None:
+        mixed = v_img + img_scale * (mixed - v_img)
+    if renorm_type == "global":
+        scale = (v.norm() / (mixed.norm() + 1e-8)).clamp(min=renorm_min, max=1.0)
+    else:  # "channel"
+        scale = (v.norm(dim=-1, keepdim=True) / (mixed.norm(dim=-1, keepdim=True) + 1e-8)).clamp(renorm_min, 1.0)
+    return mixed * scale
+
+
+def timesteps(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the times each step evaluates at, each step's dt): linspace(1, 0) shifted."""
+    t = torch.linspace(1, 0, steps)
+    t = shift * t / (1 + (shift - 1) * t)
+    return t[:-1], t[:-1] - t[1:]
+
+
+def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.Tensor, height: int, width: int,
+                  noise: torch.Tensor, *, steps: int = 50, shift: float = 3.0, text_scale: float = 3.0,
+                  img_scale: float = 1.5, interval: tuple[float, float] = (0.4, 1.0), renorm_min: float = 0.0,
+                  renorm_type: str = "global") -> torch.Tensor:
+    """The inferencer's text-to-image: `prompt_ids` its `<|im_start|>text<|im_end|>`, `tags`
+    [start_of_image, end_of_image], `noise` [h * w, patch dim]. The no-text branch's context
+    is empty; the no-image branch's is the full one (no image in the prompt), so its K/V are
+    the full branch's, computed once."""
+    full = model.context(prompt_ids)
+    n = len(prompt_ids)
+    x = noise
+    for t, dt in zip(*timesteps(steps, shift)):
+        v = model.velocity(x, float(t), tags, height, width, full, n)
+        on = interval[0] < t <= interval[1]
+        v_text = model.velocity(x, float(t), tags, height, width, None, 0) if on and text_scale > 1.0 else None
+        v_img = model.velocity(x, float(t), tags, height, width, full, n) if on and img_scale > 1.0 else None
+        x = x - guided(v, v_text, v_img, text_scale, img_scale, renorm_min, renorm_type) * dt
+    return model.decode(x, height, width)
