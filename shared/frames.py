@@ -272,6 +272,8 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     kernels: str = ""
     #: a world model's encoder runs (one per context clip not in the worker's clip cache)
     clip_encodes: int = 0
+    #: a diffusion model's denoising iterations run (every request's; runners/diffusion.py)
+    denoise_steps: int = 0
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):

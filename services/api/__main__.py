@@ -277,7 +277,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
-        world_shape=spec.world_shape,
+        world_shape=spec.world_shape, **image_settings(spec),  # type: ignore[arg-type]
         **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
@@ -296,6 +296,15 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
     big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0] or spec.world_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
+
+
+def image_settings(spec: ModelSpec) -> dict[str, object]:
+    """What the image and video routes check before queueing: an image model's sizes, frames and steps."""
+    from shared.specs.cosmos3 import MAX_FRAMES, MAX_SIDE, Cosmos3Spec
+
+    if not isinstance(spec, Cosmos3Spec):
+        return {}
+    return {"image_limits": (spec.spatial, spec.temporal, MAX_SIDE, MAX_FRAMES, spec.loop_cap)}
 
 
 def policy_settings(spec: ModelSpec) -> dict[str, object]:

@@ -147,7 +147,8 @@ TASK_ROUTES = {"generate": "/generate, /v1/completions, /v1/chat/completions, /v
                "speech": "/v1/audio/speech (and /generate: tokens and audio)",
                "score": "/v1/score and /v1/rerank",
                "act": "/v1/actions",
-               "rollout": "/v1/world/rollout"}
+               "rollout": "/v1/world/rollout",
+               "image": "/v1/images/generations and /v1/videos"}
 
 
 def task_refusal(model: str, served: str, asked: str) -> str:

@@ -478,6 +478,20 @@ class WorldRunnerSpec(RunnerSpec, Protocol):
 
 
 @runtime_checkable
+class DiffusionRunnerSpec(RunnerSpec, Protocol):
+    """The diffusion runner's (runners/diffusion.py): the text label, the query heads, the
+    denoising loop, the pixels per latent patch (spatial) and frames per latent (temporal),
+    the pipeline's component configs (`config["transformer"]`, `config["scheduler"]`)."""
+
+    label_name: str
+    heads: int
+    denoise_loop: str
+    spatial: int
+    temporal: int
+    config: Any
+
+
+@runtime_checkable
 class EncoderDecoderRunnerSpec(RunnerSpec, Protocol):
     """The encoder-decoder runner's (encdec_runner.py): the two labels, the encoder's
     input and output frames, the language probe and the suppress lists."""

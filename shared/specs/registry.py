@@ -18,6 +18,8 @@ from shared.hybrid_config import MOE_ARCHITECTURES as HYBRID_MOE_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.bagel import BAGEL_ARCHITECTURES, BagelSpec
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.cosmos3 import ARCHITECTURES as COSMOS3_ARCHITECTURES
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -69,6 +71,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
     **dict.fromkeys(BAGEL_ARCHITECTURES, BagelSpec),
+    **dict.fromkeys(COSMOS3_ARCHITECTURES, Cosmos3Spec),
 }
 
 

@@ -230,6 +230,29 @@ class WorldModel(ModelBase):
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]: ...
 
 
+class DiffusionModel(ModelBase):
+    """A text-to-image/video diffusion model (Cosmos 3): `text_kv` is a prompt's K/V per
+    layer (once per prompt: the runner keeps them in its pages), `velocity` one denoising
+    forward of every row set of a step together (each reading its prompt's K/V), `decode`
+    the latents to frames; the runner (runners/diffusion.py) steps the loop and the
+    scheduler. `components`: the pipeline folders whose weights it takes (prefixed by name)."""
+
+    components: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def text_kv(self, ids: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    @abstractmethod
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def velocity(self, tokens: torch.Tensor, t: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                 sets: list[tuple[int, int]], text: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -247,4 +270,5 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
     "world": WorldModel,
+    "diffusion": DiffusionModel,
 }

@@ -12,6 +12,7 @@ from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
 from services.gpu_worker.modeling.decoder.embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder.lm import DecoderLM
 from services.gpu_worker.modeling.decoder.null_lm import NullLM
+from services.gpu_worker.modeling.diffusion.cosmos3 import Cosmos3
 from services.gpu_worker.modeling.encoder.bert import BertModel
 from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
@@ -29,6 +30,7 @@ from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from shared.specs.bagel import BagelSpec
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
@@ -64,6 +66,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     Qwen3OmniSpec: Qwen3OmniThinker,
     HiggsSpec: HiggsModel,
     BagelSpec: BagelUnderstanding,
+    Cosmos3Spec: Cosmos3,
 }
 
 
