@@ -24,6 +24,7 @@ from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runners.bagel import BagelRunner
+from services.gpu_worker.runners.bagel_image import BagelImageRunner
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.csm import CsmRunner
 from services.gpu_worker.runners.diffusion import DiffusionRunner
@@ -70,6 +71,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
     "bagel_decoder": (BagelRunner, VISION_ENCODES_PER_STEP),
+    "bagel_diffusion": (BagelImageRunner, None),
 }
 
 

@@ -9,6 +9,10 @@ and then 518 px for the ViT: 37 x 37 patches and more), so every prompt here is 
 rows whose image blocks attend both ways. The server's step budget (1024 rows) is smaller
 than every image block here, so each block runs whole as its step's first chunk while the
 text around it is chunked; it runs with `MSTAR_KV_DEBUG_ASSERTS=1` and every page comes back.
+
+Text to image: a second server (`--task image`) behind `POST /v1/images/generations`, against
+the inferencer's `interleave_inference([text])` with the same global seed: guidance on and
+off, two sizes, n = 2, all at once; the PNG within 1, the npy float image exact once truncated.
 """
 
 from __future__ import annotations
@@ -77,17 +81,33 @@ def reference(folder: Path, items: tuple[str, ...]) -> tuple[list[int], list[flo
 
 
 @pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
-    """The server, started while the reference computes every answer the tests compare."""
-    srv = MstarServer(str(folder), tmp_path_factory.mktemp("logs") / "bagel.log", "--num-kv-pages", "640",
-                      "--page-size", "16", "--max-batch-tokens", "1024", "--enable-prompt-tokens-details",
+def servers(folder, tmp_path_factory):
+    """(the understanding server, the `--task image` one, the reference images): both start
+    while the reference computes every answer and image the tests compare."""
+    logs = tmp_path_factory.mktemp("logs")
+    und = MstarServer(str(folder), logs / "bagel.log", "--num-kv-pages", "640", "--page-size", "16",
+                      "--max-batch-tokens", "1024", "--enable-prompt-tokens-details",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
+    gen = MstarServer(str(folder), logs / "bagel-image.log", "--task", "image", "--num-kv-pages", "64",
+                      "--page-size", "16", env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
     try:
         for items in (*CASES.values(), OTHER):
             reference(folder, items)
-        yield srv.wait_ready()
+        refs = {name: reference_images(folder, body, n) for name, (body, n) in GEN.items()}
+        yield und.wait_ready(), gen.wait_ready(), refs
     finally:
-        srv.stop()
+        und.stop()
+        gen.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def image_server(servers):
+    return servers[1], servers[2]
 
 
 def url(name: str) -> str:
@@ -178,34 +198,74 @@ async def test_image_tokens_without_their_block_are_refused(server):
     assert server.wait_pages_free() == 0
 
 
-@pytest.mark.parametrize(("size", "steps", "text_scale"), [((64, 64), 5, 3.0), ((32, 96), 4, 1.0)])
-def test_text_to_image_in_process_equals_the_reference(folder, size, steps, text_scale):
-    """BAGEL's text-to-image (`services.gpu_worker.modeling.vision.bagel_gen`, in process,
-    not yet on the engine) against the inferencer's `interleave_inference([text])` with the
-    same global seed: three-branch guidance on (and off), the decoded uint8 pixels equal."""
-    import json
+# -- text to image on the engine, through POST /v1/images/generations ------------------------
 
+#: name -> (the route's body, n): guidance on, off (a wide size), and two samples of a seed
+GEN = {"cfg": ({"prompt": "A red cat on a mat.", "size": "64x64", "num_inference_steps": 5, "guidance_scale": 3.0,
+                "seed": 7}, 1),
+       "no cfg, wide": ({"prompt": "A blue boat.", "size": "96x32", "num_inference_steps": 4,
+                         "guidance_scale": 1.0, "seed": 11}, 1),
+       "two samples": ({"prompt": "Two green apples.", "size": "32x48", "num_inference_steps": 3,
+                        "guidance_scale": 4.0, "seed": 5}, 2)}
+
+
+def reference_images(folder: Path, body: dict, n: int) -> list[np.ndarray]:
+    """The inferencer's images for the body: sample j after j draws of the same shape on the
+    global generator seeded with `seed` (its noise is `torch.randn` there)."""
     import torch
     from bagel2.inferencer import InterleaveInferencer
-    from safetensors.torch import load_file
-
-    from services.gpu_worker.modeling.vision.bagel_gen import BagelGenerator, text_to_image
 
     ref = _reference(folder)
     inf = InterleaveInferencer(ref["model"], ref["vae"], ref["tokenizer"], ref["vae_transform"],
                                ref["vit_transform"], ref["ids"])
-    text, (height, width) = "A red cat on a mat.", size
-    torch.manual_seed(7)
-    want = np.asarray(inf.interleave_inference([text], image_shapes=size, num_timesteps=steps,
-                                               cfg_text_scale=text_scale)[-1])
-    model = BagelGenerator(json.loads((folder / "config.json").read_text())).eval()
-    model.load_weights({**load_file(str(folder / "ema.safetensors")), **load_file(str(folder / "ae.safetensors"))})
-    ids = ref["ids"]
-    prompt = torch.tensor([ids["bos_token_id"], *ref["tokenizer"].encode(text), ids["eos_token_id"]])
-    tags = torch.tensor([ids["start_of_image"], ids["end_of_image"]])
-    noise = torch.randn(height * width // 256, 64, generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        got = text_to_image(model, prompt, tags, height, width, noise, steps=steps, text_scale=text_scale).numpy()
-    assert got.shape == want.shape == (height, width, 3)
-    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
-    assert want.std() > 10  # an image, not a flat field
+    width, height = (int(s) for s in body["size"].split("x"))
+    out = []
+    for j in range(n):
+        torch.manual_seed(body["seed"])
+        for _ in range(j):
+            torch.randn(height * width // 256, 64)
+        out.append(np.asarray(inf.interleave_inference(
+            [body["prompt"]], image_shapes=(height, width), num_timesteps=body["num_inference_steps"],
+            cfg_text_scale=body["guidance_scale"])[-1]))
+    return out
+
+
+def _pixels(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+async def test_images_equal_the_reference(image_server):
+    """Every body at once (four engine requests): each PNG within 1 of the inferencer's
+    image (it truncates x * 255, the route's PNG rounds it), the `npy` float image exactly
+    its pixels once truncated; n = 2 as the seed's first two draws; pages back to zero."""
+    srv, refs = image_server
+    async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
+        replies = await asyncio.gather(*(client.post("/v1/images/generations", json={**body, "n": n})
+                                         for body, n in GEN.values()),
+                                       client.post("/v1/images/generations",
+                                                   json={**GEN["cfg"][0], "output_format": "npy"}))
+    for name, r in zip([*GEN, "npy"], replies):
+        assert r.status_code == 200, (name, r.text)
+    for name, r in zip(GEN, replies):
+        got = [_pixels(d["b64_json"]) for d in r.json()["data"]]
+        assert len(got) == len(refs[name]), name
+        for mine, want in zip(got, refs[name]):
+            assert mine.shape == want.shape and np.abs(mine.astype(int) - want.astype(int)).max() <= 1, name
+    assert not np.array_equal(*refs["two samples"])
+    image = np.load(io.BytesIO(base64.b64decode(replies[-1].json()["data"][0]["b64_json"])))
+    assert np.array_equal((image * np.float32(255)).astype(np.uint8), refs["cfg"][0])
+    assert_clean(srv)
+
+
+async def test_image_refusals_name_the_field(image_server):
+    srv, _ = image_server
+    cases = [({"prompt": "x", "size": "40x40"}, "size"), ({"prompt": "x", "size": "2048x32"}, "size"),
+             ({"prompt": "x", "size": "32x32", "num_inference_steps": 1}, "num_inference_steps"),
+             ({"prompt": "x", "size": "32x32", "negative_prompt": "blurry"}, "negative_prompt")]
+    async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+        for body, param in cases:
+            r = await client.post("/v1/images/generations", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert srv.wait_pages_free() == 0

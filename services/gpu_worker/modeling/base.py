@@ -266,6 +266,7 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
     "omni_thinker": GridVisionDecoderModel,
     "bagel_decoder": GridVisionDecoderModel,
+    "bagel_diffusion": ModelBase,
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,

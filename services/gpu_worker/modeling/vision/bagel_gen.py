@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.gpu_worker.modeling.base import ModelBase
+
 #: BAGEL's `max_latent_size` in its app (latent position ids are row * 64 + column)
 MAX_LATENT_SIZE = 64
 LATENT_PATCH = 2
@@ -122,7 +124,7 @@ class MotLayer(nn.Module):
         keys, values = (k, v) if past is None else (torch.cat((past[0], k)), torch.cat((past[1], v)))
         groups = attn.heads // attn.kv_heads
         n, m = q.shape[0], keys.shape[0]
-        mask = torch.ones(n, m, dtype=torch.bool).tril(m - n) if causal else None
+        mask = torch.ones(n, m, dtype=torch.bool, device=x.device).tril(m - n) if causal else None
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(groups, 1).transpose(0, 1),
                                            values.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=mask)
         x = x + attn.out(o.transpose(0, 1).reshape(n, -1), gen)
@@ -159,7 +161,8 @@ class MotLM(nn.Module):
         self.theta = float(cfg.get("rope_theta", 10000.0))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device)
+        inv = 1.0 / (self.theta ** (steps.float() / self.head_dim))
         freqs = positions.float()[:, None] * inv[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
@@ -185,14 +188,17 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.freq // 2
-        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
         return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
 
 
-class BagelGenerator(nn.Module):
+class BagelGenerator(ModelBase):
     """The generation half of a BAGEL checkpoint (module docstring); `load_weights` takes the
     folder's tensors (ema.safetensors and ae.safetensors together) and keeps its parts'."""
+
+    #: the understanding-only parts and the autoencoder's encoder are not read
+    skip_prefixes = ("vit_model.", "connector.", "vit_pos_embed.", "encoder.")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         from services.gpu_worker.modeling.vision.flux_ae import FluxDecoder
@@ -216,31 +222,39 @@ class BagelGenerator(nn.Module):
         mine = {("ae." + k if k.startswith("decoder.") else k): v for k, v in state.items() if not k.startswith(skip)}
         self.load_state_dict(mine, strict=True)
 
+    def dtype_(self) -> torch.dtype:
+        return self.vae2llm.weight.dtype
+
     def context(self, ids: torch.Tensor) -> KV:
         """A branch's context K/V (its prompt rows through the understanding weights, causal)."""
         lm = self.language_model
-        gen = torch.zeros(len(ids), dtype=torch.bool)
-        return lm.run(lm.model.embed_tokens(ids), gen, torch.arange(len(ids)), None, causal=True)[1]
+        gen = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        return lm.run(lm.model.embed_tokens(ids), gen, torch.arange(len(ids), device=ids.device), None, causal=True)[1]
 
     def velocity(self, x: torch.Tensor, t: float, tags: torch.Tensor, height: int, width: int,
                  past: KV | None, position: int) -> torch.Tensor:
         """One branch's velocity for latents `x` [h * w, patch dim] at time `t`."""
         h, w = height // self.downsample, width // self.downsample
-        ids = (torch.arange(h)[:, None] * MAX_LATENT_SIZE + torch.arange(w)).reshape(-1)
-        rows = self.vae2llm(x) + self.time_embedder(torch.full((len(x),), t)) + self.latent_pos_embed.pos_embed[ids]
+        dev = x.device
+        ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
+        times = torch.full((len(x),), t, device=dev)
+        rows = self.vae2llm(x) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
         emb = self.language_model.model.embed_tokens(tags)
         seq = torch.cat((emb[:1], rows, emb[1:]))
-        gen = torch.zeros(len(seq), dtype=torch.bool)
+        gen = torch.zeros(len(seq), dtype=torch.bool, device=dev)
         gen[1:-1] = True
-        out, _ = self.language_model.run(seq, gen, torch.full((len(seq),), position), past, causal=False)
+        out, _ = self.language_model.run(seq, gen, torch.full((len(seq),), position, device=dev), past, causal=False)
         return self.llm2vae(out)[1:-1]
 
-    def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents [h * w, 2 * 2 * C] -> the image uint8 [H, W, 3] as the reference's PIL image."""
+    def pixels(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Latents [h * w, 2 * 2 * C] -> the image float [H, W, 3] in [0, 1]."""
         h, w, p, c = height // self.downsample, width // self.downsample, LATENT_PATCH, self.latent_channels
         z = torch.einsum("nhwpqc->nchpwq", x.reshape(1, h, w, p, p, c)).reshape(1, c, h * p, w * p)
-        image = (self.ae.decode(z) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0) * 255
-        return image.to(torch.uint8)
+        return (self.ae.decode(z) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0)
+
+    def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The image uint8 [H, W, 3] as the reference's PIL image (x 255, truncated)."""
+        return (self.pixels(x, height, width) * 255).to(torch.uint8)
 
 
 def guided(v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None, text_scale: float,
@@ -269,21 +283,27 @@ def timesteps(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:-1], t[:-1] - t[1:]
 
 
-def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.Tensor, height: int, width: int,
-                  noise: torch.Tensor, *, steps: int = 50, shift: float = 3.0, text_scale: float = 3.0,
-                  img_scale: float = 1.5, interval: tuple[float, float] = (0.4, 1.0), renorm_min: float = 0.0,
-                  renorm_type: str = "global") -> torch.Tensor:
-    """The inferencer's text-to-image: `prompt_ids` its `<|im_start|>text<|im_end|>`, `tags`
-    [start_of_image, end_of_image], `noise` [h * w, patch dim]. The no-text branch's context
-    is empty; the no-image branch's is the full one (no image in the prompt), so its K/V are
-    the full branch's, computed once."""
-    full = model.context(prompt_ids)
-    n = len(prompt_ids)
+def denoise(model: BagelGenerator, full: KV, n: int, tags: torch.Tensor, height: int, width: int,
+            noise: torch.Tensor, *, steps: int = 50, shift: float = 3.0, text_scale: float = 3.0,
+            img_scale: float = 1.5, interval: tuple[float, float] = (0.4, 1.0), renorm_min: float = 0.0,
+            renorm_type: str = "global") -> torch.Tensor:
+    """The flow loop from `noise` [h * w, patch dim]: the full branch reads `full` (the K/V of
+    the context's `n` rows), the no-text branch an empty context, the no-image branch the
+    full one (a text-to-image prompt holds no image). Returns the final latents."""
     x = noise
     for t, dt in zip(*timesteps(steps, shift)):
         v = model.velocity(x, float(t), tags, height, width, full, n)
         on = interval[0] < t <= interval[1]
         v_text = model.velocity(x, float(t), tags, height, width, None, 0) if on and text_scale > 1.0 else None
         v_img = model.velocity(x, float(t), tags, height, width, full, n) if on and img_scale > 1.0 else None
-        x = x - guided(v, v_text, v_img, text_scale, img_scale, renorm_min, renorm_type) * dt
+        x = x - guided(v, v_text, v_img, text_scale, img_scale, renorm_min, renorm_type) * dt.to(x.device)
+    return x
+
+
+def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.Tensor, height: int, width: int,
+                  noise: torch.Tensor, **options: Any) -> torch.Tensor:
+    """The inferencer's text-to-image, uint8 [H, W, 3]: `prompt_ids` its
+    `<|im_start|>text<|im_end|>`, `tags` [start_of_image, end_of_image], `noise` [h * w,
+    patch dim], `options` `denoise`'s."""
+    x = denoise(model, model.context(prompt_ids), len(prompt_ids), tags, height, width, noise, **options)
     return model.decode(x, height, width)
