@@ -8,11 +8,14 @@ LLM's understanding weights once and writes every layer's K/V into the request's
 the loop then reads them back (read-only) for the full and the no-image branches at every
 step, and the no-text branch reads an empty context. The reference keeps one `NaiveCache`
 per branch and rebuilds the merged K/V (context + query) in every step and branch; here
-the context is computed once and held in paged KV. Each request's steps run in turn (not
-yet batched across requests). The noise is the reference's `torch.randn(h * w, 64)` on a
-CPU generator seeded with the request's seed, after `sample` earlier draws of the same
+the context is computed once and held in paged KV. Every request of the step runs its loop
+in lockstep with the others: each iteration is one forward over every live request's
+branches (projections and MLPs over all their rows at once, attention within each
+branch): the GEMMs' row counts change their rounding, so an image is its reference's
+within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h * w, 64)` on
+a CPU generator seeded with the request's seed, after `sample` earlier draws of the same
 shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`); the
-route's PNG rounds x * 255 where the reference's PIL image truncates it (within 1).
+route's PNG rounds x * 255 where the reference's PIL image truncates it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, denoise
+from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, denoise
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.diffusion import DiffusionRunner
 from services.gpu_worker.step_types import StepPlan
@@ -54,19 +57,21 @@ class BagelImageRunner(DiffusionRunner):
             if e.request.num_computed != 0 or e.rows != len(e.request.prompt):
                 raise RuntimeError(f"image request {e.request.request_id} was scheduled in part: it runs whole")
         with torch.inference_mode():
-            for e in plan.entries:
-                r, gen = e.request, e.request.inputs
-                pages = e.pages[label]
-                ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
-                self._write(pages, 0, self.model.context(ids))
-                full = self._read(pages, 0, len(r.prompt))
-                steps = min(gen["steps"], int(r.caps.get(self.spec.denoise_loop, 0)) + 1)
-                x = denoise(self.model, full, len(r.prompt), self.tags, gen["height"], gen["width"],
-                            self._noise(gen), steps=steps, text_scale=gen["guidance"])
-                self.denoise_steps += steps - 1
-                image = self.model.pixels(x, gen["height"], gen["width"])[None]
-                r.pooled = image.float().cpu().numpy().astype("<f4").tobytes()
+            jobs = [self._image_job(e.request, e.pages[label]) for e in plan.entries]
+            self.denoise_steps += denoise(self.model, jobs, self.tags)
+            for e, job in zip(plan.entries, jobs):
+                image = self.model.pixels(job.x, job.height, job.width)[None]
+                e.request.pooled = image.float().cpu().numpy().astype("<f4").tobytes()
         return [[] for _ in plan.entries]
+
+    def _image_job(self, r: Any, pages: list[int]) -> Job:
+        """Its context's K/V into its pages, read back (read-only from here on); its noise."""
+        gen = r.inputs
+        ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
+        self._write(pages, 0, self.model.context(ids))
+        steps = min(gen["steps"], int(r.caps.get(self.spec.denoise_loop, 0)) + 1)
+        return Job(self._read(pages, 0, len(r.prompt)), len(r.prompt), gen["height"], gen["width"],
+                   self._noise(gen), steps=steps, text_scale=gen["guidance"])
 
     def _noise(self, gen: dict[str, Any]) -> torch.Tensor:
         """[h * w, 2 * 2 * C]: the reference's draw, after `sample` earlier ones."""

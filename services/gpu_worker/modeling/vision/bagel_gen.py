@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +37,21 @@ from services.gpu_worker.modeling.base import ModelBase
 MAX_LATENT_SIZE = 64
 LATENT_PATCH = 2
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Query:
+    """One branch's query of one step: latents `x` at time `t` of a `height` x `width`
+    image, between the image tags, at RoPE `position`, after the context `past` (None:
+    empty)."""
+
+    x: torch.Tensor
+    t: float
+    tags: torch.Tensor
+    height: int
+    width: int
+    past: KV | None
+    position: int
 
 
 class RMSNorm(nn.Module):
@@ -116,19 +132,29 @@ class MotLayer(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor, gen: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                past: tuple[torch.Tensor, torch.Tensor] | None, causal: bool) -> tuple[torch.Tensor, tuple]:
-        """Rows `x` after the context `past` (k, v) -> (rows out, the rows' own k, v)."""
+                sets: list[tuple[int, int]], pasts: list[tuple[torch.Tensor, torch.Tensor] | None],
+                causal: bool) -> tuple[torch.Tensor, tuple]:
+        """Row sets of `x` (start, rows), set i after its context `pasts[i]` (k, v), in one
+        pass of the projections and MLPs -> (rows out, the rows' own k, v). Attention stays
+        within a set: its context and its own rows (causal, or both ways)."""
         attn = self.self_attn
         q, k, v = attn.qkv(self._split(x, gen, "input_layernorm"), gen)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
+        o = torch.cat([self._attend(q[a:a + n], k[a:a + n], v[a:a + n], past, causal)
+                       for (a, n), past in zip(sets, pasts)])
+        x = x + attn.out(o, gen)
+        return x + self._split(self._split(x, gen, "post_attention_layernorm"), gen, "mlp"), (k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None, causal: bool) -> torch.Tensor:
+        attn = self.self_attn
         keys, values = (k, v) if past is None else (torch.cat((past[0], k)), torch.cat((past[1], v)))
         groups = attn.heads // attn.kv_heads
         n, m = q.shape[0], keys.shape[0]
-        mask = torch.ones(n, m, dtype=torch.bool, device=x.device).tril(m - n) if causal else None
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n) if causal else None
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(groups, 1).transpose(0, 1),
                                            values.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=mask)
-        x = x + attn.out(o.transpose(0, 1).reshape(n, -1), gen)
-        return x + self._split(self._split(x, gen, "post_attention_layernorm"), gen, "mlp"), (k, v)
+        return o.transpose(0, 1).reshape(n, -1)
 
 
 class _Backbone(nn.Module):
@@ -167,13 +193,14 @@ class MotLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def run(self, x: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, past: KV | None,
-            causal: bool) -> tuple[torch.Tensor, KV]:
-        """Rows through every layer (each row by its copy) -> (final-normed rows, each layer's k, v)."""
+    def run(self, x: torch.Tensor, gen: torch.Tensor, positions: torch.Tensor, sets: list[tuple[int, int]],
+            pasts: list[KV | None], causal: bool) -> tuple[torch.Tensor, KV]:
+        """Row sets through every layer (each row by its copy, set i after its context
+        `pasts[i]`) -> (final-normed rows, each layer's k, v of every row)."""
         rope, kvs = self.rope(positions), []
         layers: Any = self.model.layers
         for i, layer in enumerate(layers):
-            x, kv = layer(x, gen, rope, None if past is None else past[i], causal)
+            x, kv = layer(x, gen, rope, sets, [None if p is None else p[i] for p in pasts], causal)
             kvs.append(kv)
         y = torch.zeros_like(x)
         y[~gen], y[gen] = self.model.norm(x[~gen]), self.model.norm_moe_gen(x[gen])
@@ -229,22 +256,30 @@ class BagelGenerator(ModelBase):
         """A branch's context K/V (its prompt rows through the understanding weights, causal)."""
         lm = self.language_model
         gen = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-        return lm.run(lm.model.embed_tokens(ids), gen, torch.arange(len(ids), device=ids.device), None, causal=True)[1]
+        positions = torch.arange(len(ids), device=ids.device)
+        return lm.run(lm.model.embed_tokens(ids), gen, positions, [(0, len(ids))], [None], causal=True)[1]
 
-    def velocity(self, x: torch.Tensor, t: float, tags: torch.Tensor, height: int, width: int,
-                 past: KV | None, position: int) -> torch.Tensor:
-        """One branch's velocity for latents `x` [h * w, patch dim] at time `t`."""
-        h, w = height // self.downsample, width // self.downsample
-        dev = x.device
-        ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
-        times = torch.full((len(x),), t, device=dev)
-        rows = self.vae2llm(x) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
-        emb = self.language_model.model.embed_tokens(tags)
-        seq = torch.cat((emb[:1], rows, emb[1:]))
-        gen = torch.zeros(len(seq), dtype=torch.bool, device=dev)
-        gen[1:-1] = True
-        out, _ = self.language_model.run(seq, gen, torch.full((len(seq),), position, device=dev), past, causal=False)
-        return self.llm2vae(out)[1:-1]
+    def velocities(self, queries: list[Query]) -> list[torch.Tensor]:
+        """Each query's velocity for its latents [h * w, patch dim], all in one pass (each
+        query's rows attend to its own context and to each other only)."""
+        seqs, gens, positions, sets, at = [], [], [], [], 0
+        tags = self.language_model.model.embed_tokens(queries[0].tags)
+        for q in queries:
+            dev, h, w = q.x.device, q.height // self.downsample, q.width // self.downsample
+            ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
+            times = torch.full((len(q.x),), q.t, device=dev)
+            rows = self.vae2llm(q.x) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
+            seqs.append(torch.cat((tags[:1], rows, tags[1:])))
+            gen = torch.ones(len(rows) + 2, dtype=torch.bool, device=dev)
+            gen[0] = gen[-1] = False
+            gens.append(gen)
+            positions.append(torch.full((len(rows) + 2,), q.position, device=dev))
+            sets.append((at, len(rows) + 2))
+            at += len(rows) + 2
+        out, _ = self.language_model.run(torch.cat(seqs), torch.cat(gens), torch.cat(positions), sets,
+                                         [q.past for q in queries], causal=False)
+        v = self.llm2vae(out)
+        return [v[a + 1:a + n - 1] for a, n in sets]
 
     def pixels(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Latents [h * w, 2 * 2 * C] -> the image float [H, W, 3] in [0, 1]."""
@@ -283,21 +318,58 @@ def timesteps(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:-1], t[:-1] - t[1:]
 
 
-def denoise(model: BagelGenerator, full: KV, n: int, tags: torch.Tensor, height: int, width: int,
-            noise: torch.Tensor, *, steps: int = 50, shift: float = 3.0, text_scale: float = 3.0,
-            img_scale: float = 1.5, interval: tuple[float, float] = (0.4, 1.0), renorm_min: float = 0.0,
-            renorm_type: str = "global") -> torch.Tensor:
-    """The flow loop from `noise` [h * w, patch dim]: the full branch reads `full` (the K/V of
-    the context's `n` rows), the no-text branch an empty context, the no-image branch the
-    full one (a text-to-image prompt holds no image). Returns the final latents."""
-    x = noise
-    for t, dt in zip(*timesteps(steps, shift)):
-        v = model.velocity(x, float(t), tags, height, width, full, n)
-        on = interval[0] < t <= interval[1]
-        v_text = model.velocity(x, float(t), tags, height, width, None, 0) if on and text_scale > 1.0 else None
-        v_img = model.velocity(x, float(t), tags, height, width, full, n) if on and img_scale > 1.0 else None
-        x = x - guided(v, v_text, v_img, text_scale, img_scale, renorm_min, renorm_type) * dt.to(x.device)
-    return x
+@dataclass
+class Job:
+    """One image's loop: its context (K/V of its `n` rows), size, latents and guidance."""
+
+    full: KV
+    n: int
+    height: int
+    width: int
+    x: torch.Tensor
+    steps: int = 50
+    shift: float = 3.0
+    text_scale: float = 3.0
+    img_scale: float = 1.5
+    interval: tuple[float, float] = (0.4, 1.0)
+    renorm_min: float = 0.0
+    renorm_type: str = "global"
+    times: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.times = list(zip(*timesteps(self.steps, self.shift)))
+
+    def queries(self, step: int, tags: torch.Tensor) -> list[Query]:
+        """This step's branches: the full one, then (inside the interval) no text, no image."""
+        t = self.times[step][0]
+        out = [Query(self.x, float(t), tags, self.height, self.width, self.full, self.n)]
+        if self.interval[0] < t <= self.interval[1] and self.text_scale > 1.0:
+            out.append(Query(self.x, float(t), tags, self.height, self.width, None, 0))
+            if self.img_scale > 1.0:
+                out.append(Query(self.x, float(t), tags, self.height, self.width, self.full, self.n))
+        return out
+
+    def advance(self, step: int, v: list[torch.Tensor]) -> None:
+        """The guided velocity's Euler step (the branches `queries` gave, in order)."""
+        v_text, v_img = (v[1], v[2] if len(v) > 2 else None) if len(v) > 1 else (None, None)
+        mixed = guided(v[0], v_text, v_img, self.text_scale, self.img_scale, self.renorm_min, self.renorm_type)
+        self.x = self.x - mixed * self.times[step][1].to(self.x.device)
+
+
+def denoise(model: BagelGenerator, jobs: list[Job], tags: torch.Tensor) -> int:
+    """Every job's loop in lockstep: each step one forward over every live job's branches.
+    Returns the steps run (all jobs')."""
+    done = 0
+    for step in range(max((len(j.times) for j in jobs), default=0)):
+        live = [j for j in jobs if step < len(j.times)]
+        queries = [j.queries(step, tags) for j in live]
+        v = model.velocities([q for qs in queries for q in qs])
+        at = 0
+        for job, qs in zip(live, queries):
+            job.advance(step, v[at:at + len(qs)])
+            at += len(qs)
+        done += len(live)
+    return done
 
 
 def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.Tensor, height: int, width: int,
@@ -305,5 +377,6 @@ def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.T
     """The inferencer's text-to-image, uint8 [H, W, 3]: `prompt_ids` its
     `<|im_start|>text<|im_end|>`, `tags` [start_of_image, end_of_image], `noise` [h * w,
     patch dim], `options` `denoise`'s."""
-    x = denoise(model, model.context(prompt_ids), len(prompt_ids), tags, height, width, noise, **options)
-    return model.decode(x, height, width)
+    job = Job(model.context(prompt_ids), len(prompt_ids), height, width, noise, **options)
+    denoise(model, [job], tags)
+    return model.decode(job.x, height, width)
