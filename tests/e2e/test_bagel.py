@@ -240,8 +240,9 @@ async def test_images_equal_the_reference(image_server):
     """Every body at once (four engine requests): each PNG within 1 of the inferencer's
     image (it truncates x * 255, the route's PNG rounds it; the engine's forward runs every
     request's branches together), the `npy` float image truncated within 1 too; n = 2 as the
-    seed's first two draws; pages back to zero."""
+    seed's first two draws; the loop's iterations in /metrics; pages back to zero."""
     srv, refs = image_server
+    before = srv.metric("mstar_denoise_steps_total")
     async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
         replies = await asyncio.gather(*(client.post("/v1/images/generations", json={**body, "n": n})
                                          for body, n in GEN.values()),
@@ -258,6 +259,9 @@ async def test_images_equal_the_reference(image_server):
     image = np.load(io.BytesIO(base64.b64decode(replies[-1].json()["data"][0]["b64_json"])))
     truncated = (image * np.float32(255)).astype(np.uint8)  # as the reference's PIL image
     assert np.abs(truncated.astype(int) - refs["cfg"][0].astype(int)).max() <= 1
+    # each image's loop iterations (steps - 1: its timesteps hold both ends), in /metrics
+    want = sum((body["num_inference_steps"] - 1) * n for body, n in GEN.values()) + 4
+    assert srv.wait_metric("mstar_denoise_steps_total", before + want) == before + want
     assert_clean(srv)
 
 
