@@ -10,7 +10,7 @@ never past its cap) runs over every request of the step together: each iteration
 forward of the latents' patch rows of every live row set (a request under CFG has two:
 the same latents at the two prompts' positions), each reading its prompt's K/V gathered
 once from the pages, read-only; then each request's guidance (uncond + g * (cond -
-uncond), float32) and its own UniPC scheduler step (a copy of the folder's scheduler per
+uncond), float32) and its own UniPC scheduler step (modeling/diffusion/unipc.py, one per
 request: its multistep history is the request's). The reference recomputes the whole text
 pathway in every step and branch; here it runs once per request.
 
@@ -20,11 +20,15 @@ same shape (the j-th of n samples is the pipeline's j-th call on one generator).
 decoded frames go back as bytes on the request (`Request.pooled`: [F, H, W, 3]; float32
 for an image, uint8 for a video: `frame_bytes`).
 `denoise_steps` counts the iterations run (every request's), for /metrics.
+
+The loop inside one worker step is the policy runner's shape; its costs: a request that
+arrives meanwhile waits for the whole loop, and a loop past the step watchdog
+(`MSTAR_STEP_WATCHDOG_S`) is taken for a hang. One iteration per worker step, requests
+joining between iterations, would lift both.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.gpu_worker.modeling.diffusion.unipc import UniPC, check_config
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
-from shared.specs.base import DiffusionRunnerSpec
+from shared.specs.base import DeploymentError, DiffusionRunnerSpec
 from shared.specs.cosmos3 import GEN_FIELDS
 
 log = logging.getLogger("mstar.diffusion_runner")
@@ -46,7 +51,7 @@ class Job:
 
     gen: dict[str, Any]
     latents: torch.Tensor
-    scheduler: Any
+    scheduler: UniPC
     ropes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     text: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
@@ -65,10 +70,11 @@ class DiffusionRunner(ModelRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        from diffusers import UniPCMultistepScheduler
-
-        sched = {k: v for k, v in self.spec.config.get("scheduler", {}).items() if not k.startswith("_")}
-        self.scheduler = UniPCMultistepScheduler.from_config(sched)
+        self.scheduler_config = self.spec.config.get("scheduler") or {}
+        try:
+            check_config(self.scheduler_config)
+        except ValueError as exc:
+            raise DeploymentError(str(exc)) from exc
         self.denoise_steps = 0
         tcfg = self.spec.config["transformer"]
         self.patch, self.channels = int(tcfg.get("latent_patch_size", 2)), int(tcfg["latent_channel"])
@@ -123,9 +129,7 @@ class DiffusionRunner(ModelRunner):
             positions = torch.arange(rows, dtype=torch.float32, device=self.device).expand(3, rows)
             self._write(pages, first, self.model.text_kv(ids[first:first + rows], positions))
         latents = self._noise(gen)
-        scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(gen["steps"], device=self.device)
-        job = Job(gen, latents, scheduler)
+        job = Job(gen, latents, UniPC(self.scheduler_config, gen["steps"], self.device))
         for first, rows in sets:
             job.text.append(self._read(pages, first, rows))
             job.ropes.append(self.model.rope(self._latent_positions(latents.shape, rows + self.margin)))
@@ -188,9 +192,7 @@ class DiffusionRunner(ModelRunner):
                     uncond = self._unpatchify(v[first:first + rows], job.latents.shape)
                     cond = uncond + job.gen["guidance"] * (cond - uncond)
                 s += len(job.ropes)
-                t = job.scheduler.timesteps[step]
-                job.latents = job.scheduler.step(cond.unsqueeze(0), t, job.latents.unsqueeze(0),
-                                                 return_dict=False)[0].squeeze(0)
+                job.latents = job.scheduler.step(cond.unsqueeze(0), job.latents.unsqueeze(0)).squeeze(0)
             self.denoise_steps += len(live)
         log.debug("diffusion step: %d request(s), %s steps", len(jobs), limits)
 

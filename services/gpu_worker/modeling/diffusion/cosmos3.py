@@ -1,6 +1,6 @@
 """Cosmos 3's transformer (`Cosmos3OmniTransformer`, diffusers), split where the engine
-needs it, and its VAE (diffusers' `AutoencoderKLWan`, used as it ships: it holds no KV and
-runs once per request, as a codec does).
+needs it, and its VAE's decoder (wan_vae.py: diffusers' `AutoencoderKLWan.decode`; it holds
+no KV and runs once per request, as a codec does).
 
 Every layer is a mixture of two transformers over one sequence: the text rows (the
 "understanding" pathway: its own projections, norms and MLP, causal attention over the text
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.modeling.base import DiffusionModel
+from services.gpu_worker.modeling.diffusion.wan_vae import WanVAEDecoder
 
 #: (cos, sin) [rows, head_dim] of a row set's positions
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -230,15 +231,13 @@ class Cosmos3(DiffusionModel):
     components: ClassVar[tuple[str, ...]] = ("transformer", "vae")
     #: the text pathway's final norm and LM head (text out), the sound and action heads: never read here
     skip_prefixes: ClassVar[tuple[str, ...]] = ("transformer.lm_head.", "transformer.norm.", "transformer.audio_",
-                                                "transformer.action_")
+                                                "transformer.action_", "vae.encoder.", "vae.quant_conv.")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
-        from diffusers import AutoencoderKLWan
-
         self.transformer = Cosmos3Transformer(config["transformer"])
-        vae_cfg = {k: v for k, v in config["vae"].items() if not k.startswith("_")}
-        self.vae: Any = AutoencoderKLWan(**vae_cfg)
+        vae_cfg = config["vae"]
+        self.vae = WanVAEDecoder(vae_cfg)
         self.latents_mean = [float(m) for m in vae_cfg.get("latents_mean", [])]
         self.latents_std = [float(s) for s in vae_cfg.get("latents_std", [])]
 
@@ -268,7 +267,7 @@ class Cosmos3(DiffusionModel):
         mean = torch.tensor(self.latents_mean, dtype=dtype, device=latents.device).view(1, -1, 1, 1, 1)
         inv_std = (1.0 / torch.tensor(self.latents_std, dtype=dtype)).to(latents.device).view(1, -1, 1, 1, 1)
         z = latents.to(dtype) / inv_std + mean
-        video = self.vae.decode(z).sample.to(latents.dtype)
+        video = self.vae(z).to(latents.dtype)
         return (video[0].permute(1, 0, 2, 3) * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float()
 
     def dtype_(self) -> torch.dtype:
