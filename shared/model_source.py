@@ -18,6 +18,7 @@ from tokenizers.models import WordLevel
 
 from shared.diffusers_folder import diffusers_config, is_diffusers_folder, tokenizer_folder
 from shared.specs import null_lm
+from shared.specs.bagel import bagel_chat_template
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.chatterbox import folder_config, is_chatterbox_folder
 from shared.specs.orpheus import CODEC_FOLDER as SPEECH_CODEC_FOLDER
@@ -194,7 +195,8 @@ def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     tcfg = {}
     if (path / "tokenizer_config.json").exists():
         tcfg = json.loads((path / "tokenizer_config.json").read_text())
-    template = _chat_template(path, tcfg)
+    # a family whose prompt format is not its tokenizer's template (BAGEL ships Qwen's)
+    template = bagel_chat_template(config) or _chat_template(path, tcfg)
     eos = None
     if (path / "generation_config.json").exists():
         eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")

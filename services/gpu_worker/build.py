@@ -23,6 +23,8 @@ from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
+from services.gpu_worker.runners.bagel import BagelRunner
+from services.gpu_worker.runners.bagel_image import BagelImageRunner
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.chatterbox import ChatterboxRunner
 from services.gpu_worker.runners.csm import CsmRunner
@@ -70,13 +72,15 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
     "chatterbox_decoder": (ChatterboxRunner, None),
+    "bagel_decoder": (BagelRunner, VISION_ENCODES_PER_STEP),
+    "bagel_diffusion": (BagelImageRunner, None),
 }
 
 
 #: engines whose steps are a decoder LM's over token rows (a vision model's images are
 #: rows of its prompt): FlashInfer plans them, the step-cost model times them
 TEXT_STEPS = ("decoder", "hybrid_decoder", "vision_decoder", "mrope_vision_decoder", "hybrid_mrope_vision_decoder",
-              "speech_decoder", "omni_thinker")
+              "speech_decoder", "omni_thinker", "bagel_decoder")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from shared.hybrid_config import ARCHITECTURES as HYBRID_ARCHITECTURES
 from shared.hybrid_config import MOE_ARCHITECTURES as HYBRID_MOE_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
+from shared.specs.bagel import BAGEL_ARCHITECTURES, BagelSpec
+from shared.specs.bagel_image import BagelImageSpec
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.chatterbox import ARCHITECTURE as CHATTERBOX_ARCHITECTURE
 from shared.specs.chatterbox import ChatterboxSpec
@@ -72,6 +74,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
     CHATTERBOX_ARCHITECTURE: ChatterboxSpec,
+    **dict.fromkeys(BAGEL_ARCHITECTURES, BagelSpec),
     **dict.fromkeys(COSMOS3_ARCHITECTURES, Cosmos3Spec),
 }
 
@@ -93,6 +96,8 @@ def load_plugins() -> None:
 EMBED_VARIANTS: dict[SpecFactory, SpecFactory] = {DecoderLMSpec: DecoderEmbedSpec}
 #: the text-to-speech variant (`--task speech`, a folder with a SNAC codec at `snac/`)
 SPEECH_VARIANTS: dict[SpecFactory, SpecFactory] = {DecoderLMSpec: OrpheusSpec}
+#: the text-to-image variant (`--task image`: BAGEL's generation)
+IMAGE_VARIANTS: dict[SpecFactory, SpecFactory] = {BagelSpec: BagelImageSpec}
 
 
 def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = False,
@@ -109,5 +114,7 @@ def spec_factory(architecture: str, task: str = "auto", pooled_folder: bool = Fa
         factory = EMBED_VARIANTS.get(factory, factory)
     elif task == "speech" or (task == "auto" and speech_folder):
         factory = SPEECH_VARIANTS.get(factory, factory)
+    elif task == "image":
+        factory = IMAGE_VARIANTS.get(factory, factory)
     return factory
 

@@ -279,6 +279,8 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "mrope_vision_decoder": GridVisionDecoderModel,
     "hybrid_mrope_vision_decoder": GridVisionDecoderModel,
     "omni_thinker": GridVisionDecoderModel,
+    "bagel_decoder": GridVisionDecoderModel,
+    "bagel_diffusion": ModelBase,
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,

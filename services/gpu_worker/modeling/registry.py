@@ -23,11 +23,15 @@ from services.gpu_worker.modeling.speech.chatterbox import T3Model
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.higgs import HiggsModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
+from services.gpu_worker.modeling.vision.bagel import BagelUnderstanding
+from services.gpu_worker.modeling.vision.bagel_gen import BagelGenerator
 from services.gpu_worker.modeling.vision.gemma3 import Gemma3VisionLM
 from services.gpu_worker.modeling.vision.idefics3 import Idefics3LM
 from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
+from shared.specs.bagel import BagelSpec
+from shared.specs.bagel_image import BagelImageSpec
 from shared.specs.base import DeploymentError, ModelSpec
 from shared.specs.chatterbox import ChatterboxSpec
 from shared.specs.cosmos3 import Cosmos3Spec
@@ -66,6 +70,8 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     Qwen3OmniSpec: Qwen3OmniThinker,
     HiggsSpec: HiggsModel,
     ChatterboxSpec: T3Model,
+    BagelSpec: BagelUnderstanding,
+    BagelImageSpec: BagelGenerator,
     Cosmos3Spec: Cosmos3,
 }
 

@@ -1,0 +1,83 @@
+"""The runner of BAGEL's text-to-image (`shared.specs.bagel_image`): a request's context
+into its pages, then its denoising loop, in the step that takes it (DESIGN.md section 3,
+"Denoising loops"), as the Cosmos 3 runner does (runners/diffusion.py, whose page helpers
+it shares).
+
+The step that takes a request runs its context `<|im_start|>text<|im_end|>` through the
+LLM's understanding weights once and writes every layer's K/V into the request's pages;
+the loop then reads them back (read-only) for the full and the no-image branches at every
+step, and the no-text branch reads an empty context. The reference keeps one `NaiveCache`
+per branch and rebuilds the merged K/V (context + query) in every step and branch; here
+the context is computed once and held in paged KV. Every request of the step runs its loop
+in lockstep with the others: each iteration is one forward over every live request's
+branches (projections and MLPs over all their rows at once, attention within each
+branch): the GEMMs' row counts change their rounding, so an image is its reference's
+within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h * w, 64)` on
+a CPU generator seeded with the request's seed, after `sample` earlier draws of the same
+shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`); the
+route's PNG rounds x * 255 where the reference's PIL image truncates it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, denoise
+from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.diffusion import DiffusionRunner
+from services.gpu_worker.step_types import StepPlan
+from shared.specs.cosmos3 import GEN_FIELDS
+
+
+class BagelImageRunner(DiffusionRunner):
+    def __init__(self, model, spec, kv, caches, planner=None) -> None:
+        ModelRunner.__init__(self, model, spec, kv, caches, planner)
+        self.denoise_steps = 0
+        self.tags = torch.tensor(spec.tags, dtype=torch.long, device=self.device)
+
+    def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
+        """`tensors`: input_ids (the context's rows), gen (int64, `GEN_FIELDS`), guidance (float64)."""
+        prompt, _ = ModelRunner.make_request(self, tensors)
+        for name in ("gen", "guidance"):
+            if name not in tensors:
+                raise ValueError(f"a BAGEL image request needs tensor {name!r}")
+        gen: dict[str, Any] = dict(zip(GEN_FIELDS, (int(v) for v in tensors["gen"].reshape(-1))))
+        gen["guidance"] = float(tensors["guidance"].reshape(-1)[0])
+        if not prompt or len(prompt) != gen["cond_rows"]:
+            raise ValueError(f"a BAGEL image request's {len(prompt)} rows are not its context's {gen['cond_rows']}")
+        return prompt, gen
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """Every entry's context into its pages, then its loop, then its image."""
+        label = self.spec.label_name
+        for e in plan.entries:
+            if e.request.num_computed != 0 or e.rows != len(e.request.prompt):
+                raise RuntimeError(f"image request {e.request.request_id} was scheduled in part: it runs whole")
+        with torch.inference_mode():
+            jobs = [self._image_job(e.request, e.pages[label]) for e in plan.entries]
+            self.denoise_steps += denoise(self.model, jobs, self.tags)
+            for e, job in zip(plan.entries, jobs):
+                image = self.model.pixels(job.x, job.height, job.width)[None]
+                e.request.pooled = image.float().cpu().numpy().astype("<f4").tobytes()
+        return [[] for _ in plan.entries]
+
+    def _image_job(self, r: Any, pages: list[int]) -> Job:
+        """Its context's K/V into its pages, read back (read-only from here on); its noise."""
+        gen = r.inputs
+        ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
+        self._write(pages, 0, self.model.context(ids))
+        steps = min(gen["steps"], int(r.caps.get(self.spec.denoise_loop, 0)) + 1)
+        return Job(self._read(pages, 0, len(r.prompt)), len(r.prompt), gen["height"], gen["width"],
+                   self._noise(gen), steps=steps, text_scale=gen["guidance"])
+
+    def _noise(self, gen: dict[str, Any]) -> torch.Tensor:
+        """[h * w, 2 * 2 * C]: the reference's draw, after `sample` earlier ones."""
+        down = self.model.downsample
+        shape = ((gen["height"] // down) * (gen["width"] // down), LATENT_PATCH**2 * self.model.latent_channels)
+        generator = torch.Generator("cpu").manual_seed(gen["seed"])
+        for _ in range(gen["sample"]):
+            torch.randn(shape, generator=generator)
+        return torch.randn(shape, generator=generator).to(self.device, self.model.dtype_())
