@@ -36,8 +36,8 @@ DIALECTS = {"vivian": False, "ryan": False, "dylan": "beijing_dialect"}
 LANGUAGES = {"english": 90, "chinese": 91, "beijing_dialect": 92}
 #: "assistant" and "user" one token each, as in Qwen's vocabulary (the reference slices the
 #: prompt by position: `<|im_start|>assistant\n` is its first 3 ids)
-MERGES = tuple(("assistant"[:i], "assistant"[i]) for i in range(1, 9)) + (("u", "s"), ("us", "e"), ("use", "r")) + (
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "u"), ("Ġ", "w"))
+MERGES = (*(("assistant"[:i], "assistant"[i]) for i in range(1, 9)), ("u", "s"), ("us", "e"), ("use", "r"),
+          ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "u"), ("Ġ", "w"))
 #: the text vocabulary's specials, right after the bytes and merges (Qwen's are 151643...)
 SPECIALS = {t: 256 + len(MERGES) + i for i, t in enumerate(
     ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>"))}

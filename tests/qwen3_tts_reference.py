@@ -57,7 +57,7 @@ def _randomize(model, seed: int) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight") or ".norm" in name and name.endswith("weight") and p.ndim == 1:
+            if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * noise)
             elif "cluster_usage" in name:
                 p.copy_(1.0 + 0.5 * noise.abs())

@@ -34,6 +34,7 @@ from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.omni_speech import OmniSpeechRunner
 from services.gpu_worker.runners.policy import PolicyRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
+from services.gpu_worker.runners.qwen3_tts import Qwen3TTSRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.runners.vision import VisionRunner
@@ -66,6 +67,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "world": (WorldRunner, None),
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
+    "qwen3_tts": (Qwen3TTSRunner, None),
 }
 
 

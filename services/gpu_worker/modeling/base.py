@@ -245,5 +245,6 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
+    "qwen3_tts": SpeechCodesModel,
     "world": WorldModel,
 }
