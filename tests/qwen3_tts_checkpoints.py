@@ -8,13 +8,15 @@ own: `reference_python()` builds it once per pin set under ~/.cache/mstar-peers/
 with --system-site-packages whose .pth puts this interpreter's site-packages after its
 own: torch, numpy, safetensors, soundfile come from here; qwen-tts 0.1.1 is installed
 --no-deps, its torchaudio / librosa / sox / onnxruntime stubbed by the script, and
-transformers 4.57.3 with its own small deps shadows the 5.x). First build ~15-30 s (two
-pip installs from PyPI), then nothing. tests/qwen3_tts_reference.py is what runs there.
+transformers 4.57.3 with its own small deps shadows the 5.x). First build ~10-30 s (two
+pip installs from PyPI), then nothing. tests/qwen3_tts_reference.py is what runs there;
+its answers are kept beside the venv, keyed by every byte they depend on.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +30,8 @@ import numpy as np
 PINS = ("qwen-tts==0.1.1", "transformers==4.57.3")
 VENV = Path.home() / ".cache" / "mstar-peers" / ("qwen-tts-venv-" + "-".join(p.replace("==", "") for p in PINS))
 SCRIPT = Path(__file__).with_name("qwen3_tts_reference.py")
+#: the package's answers, by `_answers_key`
+ANSWERS = VENV.parent / "qwen-tts-answers"
 
 CODEBOOK = 64
 GROUPS = 4
@@ -174,11 +178,28 @@ def _run(*args: str, timeout: float = 600) -> None:
         raise RuntimeError(f"tests/qwen3_tts_reference.py {args[0]} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
+def _answers_key(folder: Path, cases: list[dict]) -> str:
+    """What the package's answers depend on: the pins, the script, the cases and every
+    byte of the checkpoint folder."""
+    h = hashlib.sha256(json.dumps([PINS, cases]).encode() + SCRIPT.read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:32]
+
+
 def qwen3_tts_reference(folder: Path, cases: list[dict], work: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """qwen-tts' greedy (codes [frames, groups], waveform) for each case {"text", "speaker",
-    "instruct" (optional), "max_new_tokens"}."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "cases.json").write_text(json.dumps(cases))
-    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
-    with np.load(work / "out.npz") as out:
+    "instruct" (optional), "max_new_tokens"}. Kept in ANSWERS under a key of everything
+    they depend on (`_answers_key`): the package's `generate` runs a nested `generate` per
+    frame, ~0.5 s a frame on a busy 2-core host."""
+    cached = ANSWERS / f"{_answers_key(folder, cases)}.npz"
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "cases.json").write_text(json.dumps(cases))
+        _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(work / "out.npz", tmp)
+        tmp.replace(cached)
+    with np.load(cached) as out:
         return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]
