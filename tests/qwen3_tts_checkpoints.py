@@ -32,6 +32,8 @@ VENV = Path.home() / ".cache" / "mstar-peers" / ("qwen-tts-venv-" + "-".join(p.r
 SCRIPT = Path(__file__).with_name("qwen3_tts_reference.py")
 #: the package's answers, by `_answers_key`
 ANSWERS = VENV.parent / "qwen-tts-answers"
+#: the tiny checkpoints' weights, by the key `_weights` computes
+WEIGHTS = VENV.parent / "qwen-tts-weights"
 
 CODEBOOK = 64
 GROUPS = 4
@@ -165,8 +167,29 @@ def make_qwen3_tts_checkpoint(folder: Path, generation: dict | None = None, seed
     (codec / "preprocessor_config.json").write_text(json.dumps({
         "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "padding_side": "right",
         "padding_value": 0.0, "return_attention_mask": True, "sampling_rate": 24000}))
-    _run("weights", str(folder), str(seed))
+    _weights(folder, seed)
     return folder
+
+
+def _weights(folder: Path, seed: int) -> None:
+    """The package's random weights for the configs in `folder` (its own classes name every
+    tensor), kept in WEIGHTS by a key of the configs, the seed, the pins and the script."""
+    h = hashlib.sha256(json.dumps([PINS, seed]).encode() + SCRIPT.read_bytes())
+    for name in ("config.json", "speech_tokenizer/config.json"):
+        h.update((folder / name).read_bytes())
+    kept = WEIGHTS / h.hexdigest()[:32]
+    files = ("model.safetensors", "speech_tokenizer/model.safetensors")
+    if not all((kept / f).is_file() for f in files):
+        _run("weights", str(folder), str(seed))
+        tmp = WEIGHTS / f".{kept.name}.{os.getpid()}"
+        for f in files:
+            (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / f, tmp / f)
+        shutil.rmtree(kept, ignore_errors=True)
+        tmp.rename(kept)
+        return
+    for f in files:
+        shutil.copyfile(kept / f, folder / f)
 
 
 def _run(*args: str, timeout: float = 600) -> None:

@@ -10,6 +10,7 @@ tokenizer.json, the 12 Hz codec in speech_tokenizer/), against the `qwen-tts` pa
 - `/v1/audio/speech`: a second voice (4 inputs, one with instructions: the package's user
   turn) batched, each equal to the package's pcm within 1e-3 of full scale; a request alone
   equals the same request among others; streamed (raw and SSE) chunks join to the whole;
+- a sampled request: the same seed, the same clip;
 - refusals: an unknown voice (400 naming `voice` and listing the speakers), the model's
   special tokens in the text;
 - debug asserts on, pages back to 0.
@@ -152,6 +153,19 @@ async def test_streams_join_to_the_whole(server, reference):
     samples, rate = soundfile.read(io.BytesIO(wav.content), dtype="int16")
     assert rate == 24000 and np.array_equal(samples, np.frombuffer(whole.content, "<i2"))
     assert server.metric("mstar_time_to_first_audio_seconds_count") >= 4
+    _clean(server)
+
+
+async def test_sampled_requests_are_seeded(server):
+    """generation_config.json's sub-talker sampling is off here; a request sent with
+    temperature 1 samples its first codes with its seed: the same seed, the same clip."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(speech(client, VOICES[1], TEXTS[1], temperature=1.0, seed=s)
+                                     for s in (7, 7, 8)))
+    for r in got:
+        assert r.status_code == 200, r.text
+        assert len(r.content) % (2 * 48) == 0 and len(r.content) > 0
+    assert got[0].content == got[1].content
     _clean(server)
 
 
