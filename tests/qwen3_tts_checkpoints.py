@@ -51,10 +51,12 @@ TEXT_VOCAB = 300
 
 
 def reference_python() -> Path:
-    """The reference venv's python, built (once, under a lock) when missing."""
+    """The reference venv's python, built (once, under a lock) when missing; its .pth
+    points at this interpreter's site-packages (CI's venv is not the one that built it)."""
     python = VENV / "bin" / "python"
     marker = VENV / ".complete"
     if marker.is_file():
+        _point_at_us(python)
         return python
     VENV.parent.mkdir(parents=True, exist_ok=True)
     with open(VENV.parent / (VENV.name + ".lock"), "w") as lock:
@@ -64,16 +66,24 @@ def reference_python() -> Path:
         shutil.rmtree(VENV, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(VENV)],
                        check=True)
-        ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
-        theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                     check=True, capture_output=True, text=True).stdout.strip())
-        theirs.mkdir(parents=True, exist_ok=True)
-        (theirs / "zz_mstar_venv.pth").write_text("\n".join(ours) + "\n")  # after the venv's own packages
+        _point_at_us(python)
         pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, "--no-deps", PINS[0]], check=True)
         subprocess.run([*pip, PINS[1]], check=True)
         marker.touch()
     return python
+
+
+def _point_at_us(python: Path) -> None:
+    """The venv's .pth: this interpreter's site-packages, after the venv's own packages."""
+    ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
+    theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip())
+    theirs.mkdir(parents=True, exist_ok=True)
+    pth = theirs / "zz_mstar_venv.pth"
+    text = "\n".join(ours) + "\n"
+    if not pth.is_file() or pth.read_text() != text:
+        pth.write_text(text)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
