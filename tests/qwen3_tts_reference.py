@@ -6,9 +6,11 @@ own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4
         model.safetensors, the 12 Hz codec in speech_tokenizer/model.safetensors), from the
         package's own classes (so every parameter name is theirs)
     python qwen3_tts_reference.py generate FOLDER CASES.json OUT.npz
-        `Qwen3TTSModel.generate_custom_voice` (greedy: do_sample and subtalker_dosample off)
-        for each case {"text", "speaker", "instruct", "max_new_tokens"}: its codes [frames,
-        groups] and the codec's waveform, as `codes_i` and `wave_i` in OUT.npz
+        what `Qwen3TTSModel.generate_custom_voice` runs (greedy: do_sample and
+        subtalker_dosample off), the cases {"text", "speaker", "instruct", "max_new_tokens"}
+        as one batch (the package's left-padded batch: its `generate` runs a nested
+        `generate` a frame, so one batch costs what one case does): each case's codes
+        [frames, groups] and the codec's waveform, as `codes_i` and `wave_i` in OUT.npz
 
 The modules that do not load against the CPU torch here (torchaudio, and librosa, sox,
 onnxruntime that only the 25 Hz codec, the speaker encoder and audio loading use) are
@@ -117,19 +119,22 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
     from qwen_tts import Qwen3TTSModel
 
     model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
-    result = {}
-    for i, case in enumerate(json.loads(cases_path.read_text())):
-        codes, _ = model.model.generate(
-            input_ids=model._tokenize_texts([model._build_assistant_text(case["text"])]),
-            instruct_ids=[model._tokenize_texts([model._build_instruct_text(case["instruct"])])[0]
-                          if case.get("instruct") else None],
-            languages=[case.get("language", "Auto")], speakers=[case["speaker"]], non_streaming_mode=True,
-            **model._merge_generate_kwargs(do_sample=False, subtalker_dosample=False,
-                                           max_new_tokens=case["max_new_tokens"]))
-        wavs, rate = model.model.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
-        result[f"codes_{i}"] = codes[0].cpu().numpy()
-        result[f"wave_{i}"] = np.asarray(wavs[0], dtype=np.float32)
-        result["rate"] = np.asarray(rate)
+    cases = json.loads(cases_path.read_text())
+    if len({c["max_new_tokens"] for c in cases}) != 1:
+        raise SystemExit("the cases run as one batch: one max_new_tokens")
+    codes, _ = model.model.generate(
+        input_ids=model._tokenize_texts([model._build_assistant_text(c["text"]) for c in cases]),
+        instruct_ids=[model._tokenize_texts([model._build_instruct_text(c["instruct"])])[0]
+                      if c.get("instruct") else None for c in cases],
+        languages=[c.get("language", "Auto") for c in cases], speakers=[c["speaker"] for c in cases],
+        non_streaming_mode=True,
+        **model._merge_generate_kwargs(do_sample=False, subtalker_dosample=False,
+                                       max_new_tokens=cases[0]["max_new_tokens"]))
+    wavs, rate = model.model.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
+    result = {"rate": np.asarray(rate)}
+    for i, (c, w) in enumerate(zip(codes, wavs)):
+        result[f"codes_{i}"] = c.cpu().numpy()
+        result[f"wave_{i}"] = np.asarray(w, dtype=np.float32)
     np.savez(out, **result)
 
 
