@@ -500,6 +500,9 @@ class ModelCard(msgspec.Struct):
     #: computes with (its top-k experts'); null where the family does not count them
     parameters: int | None = None
     active_parameters: int | None = None
+    #: what the model serves ("generate", "embed", "score", "speech", "act", "rollout"):
+    #: the routes it answers (several models behind one server differ in it)
+    task: str | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -48,6 +48,7 @@ class ApiState:
             conductor_addr=settings.conductor_addr,
             control_addr=settings.control_addr,
             status_timeout_s=settings.status_timeout_s,
+            model=settings.model_name,
         )
 
     async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,

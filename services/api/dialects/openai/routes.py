@@ -53,7 +53,8 @@ def _model_card(state: ApiState) -> ModelCard:
                      image_placeholder=settings.image_placeholder or None,
                      audio_placeholder=settings.audio_placeholder or None,
                      default_sampling={k: v for k, v in defaults.items() if v is not None} or None,
-                     parameters=settings.parameters or None, active_parameters=settings.active_parameters or None)
+                     parameters=settings.parameters or None, active_parameters=settings.active_parameters or None,
+                     task=settings.task)
 
 
 async def list_models(request: Request) -> Response:
