@@ -34,6 +34,9 @@ import pytest
 from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_reference
 from tests.servers import MstarServer
 
+#: the first test's setup may build the reference's venv, weights and answers (kept after)
+pytestmark = pytest.mark.timeout(600)
+
 TEXTS = ("Hello world!", "The quick brown fox jumps over the lazy dog.", "Numbers like 12345.",
          "What is the capital of France?")
 VOICES = ("vivian", "ryan")  # the first speaker is the default voice

@@ -76,7 +76,7 @@ class Qwen3TTSRunner(CsmRunner):
     def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
         return []
 
-    def _frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
+    def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the talker's `hidden`, the others
         from the code predictor; kept on the request, returned as its token."""
         reqs = [e.request for e in entries]
