@@ -206,6 +206,8 @@ class Qwen3TTSSpec(ModelSpec):
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")
         voice = self._voice(request.options)
+        if any(not 0 <= t < self.text_vocab for t in request.token_ids):
+            raise PromptError("input_ids", f"the prompt's ids must be text ids, below {self.text_vocab}")
         rows = self.prompt_rows(list(request.token_ids), voice, bool(request.options.get("instructions")))
         layouts = {
             self.backbone_label: LabelLayout(spans=(Span.ids(rows),), growth={self.decode_loop: 1}),

@@ -98,5 +98,12 @@ def test_small_checkpoints_take_no_instructions(folder):
     assert err.value.param == "instructions"
 
 
+def test_ids_past_the_text_vocabulary_are_refused(spec):
+    ids = list(spec.warmup_request(16).token_ids)
+    with pytest.raises(PromptError) as err:
+        spec.process_prompt(PromptRequest([*ids[:4], spec.text_vocab, *ids[4:]]))
+    assert err.value.param == "input_ids"
+
+
 def test_warmup_prompt_is_accepted(spec):
     assert spec.process_prompt(spec.warmup_request(16)).metadata["prompt_len"] > 8
