@@ -69,7 +69,7 @@ def reference_python() -> Path:
         _point_at_us(python)
         pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, "--no-deps", PINS[0]], check=True)
-        subprocess.run([*pip, PINS[1]], check=True)
+        subprocess.run([*pip, PINS[1], "einops"], check=True)  # einops: the 25 Hz codec's import
         marker.touch()
     return python
 
