@@ -148,6 +148,8 @@ async def test_streams_join_to_the_whole(server, reference):
         raw = await speech(client, VOICES[1], text, stream_format="audio")
         sse = await speech(client, VOICES[1], text, stream_format="sse", temperature=0)
         wav = await speech(client, VOICES[1], text, response_format="wav")
+        # 0.01 s: 5 frames of the tiny codec's 48 samples (500 a second)
+        short = await speech(client, VOICES[1], text, max_audio_seconds=0.01)
     assert_pcm(whole.content, reference[(VOICES[1], text, "")][1])
     assert raw.content == whole.content
     events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
@@ -155,6 +157,10 @@ async def test_streams_join_to_the_whole(server, reference):
     assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == whole.content
     samples, rate = soundfile.read(io.BytesIO(wav.content), dtype="int16")
     assert rate == 24000 and np.array_equal(samples, np.frombuffer(whole.content, "<i2"))
+    # the same samples as the whole clip's first 5 frames (a decode of other lengths: to the last bit or one)
+    head = np.frombuffer(whole.content[: 2 * 5 * 48], "<i2").astype(int)
+    assert len(reference[(VOICES[1], text, "")][0]) > 5 and len(short.content) == 2 * 5 * 48
+    assert np.abs(np.frombuffer(short.content, "<i2").astype(int) - head).max() <= 1
     assert server.metric("mstar_time_to_first_audio_seconds_count") >= 4
     _clean(server)
 
