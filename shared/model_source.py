@@ -16,6 +16,7 @@ import msgspec
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
+from shared.bpe_files import has_bpe_files, tokenizer_from_bpe_files
 from shared.diffusers_folder import diffusers_config, is_diffusers_folder, tokenizer_folder
 from shared.specs import null_lm
 from shared.specs.bagel import bagel_chat_template
@@ -184,9 +185,12 @@ def _hf_tokenizer(path: Path, config: dict) -> TokenizerBundle:
     tok_file = path / "tokenizer.json"
     if not tok_file.exists() and _textless(config):
         return TokenizerBundle(Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), None, [])
-    if not tok_file.exists():
-        raise DeploymentError(f"model folder {path} has no tokenizer.json")
-    tok = Tokenizer.from_file(str(tok_file))
+    if not tok_file.exists() and not has_bpe_files(path):
+        raise DeploymentError(f"model folder {path} has no tokenizer.json (nor vocab.json + merges.txt)")
+    try:
+        tok = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else tokenizer_from_bpe_files(path)
+    except ValueError as exc:
+        raise DeploymentError(str(exc)) from None
     # A tokenizer.json may carry padding or truncation (sentence-transformers' exports pad
     # to 128 and cut at 128): ids are the prompt, whole; the length limit is the
     # conductor's 400, or the client's explicit cut (truncate_prompt_tokens).

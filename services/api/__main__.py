@@ -363,7 +363,8 @@ def speech_settings(spec) -> dict[str, object]:
     defaults, and how `max_audio_seconds` becomes a token cap."""
     return {"sample_rate": spec.sample_rate, "speech_defaults": dict(spec.speech_defaults),
             "audio_frame_rate": spec.audio_frame_rate, "audio_frame_tokens": spec.audio_frame_tokens,
-            "audio_extra_tokens": spec.audio_extra_tokens}
+            "audio_extra_tokens": spec.audio_extra_tokens,
+            "speech_instructions": bool(getattr(spec, "takes_instructions", False))}
 
 
 def max_model_len(source: ModelSource, d: Deployment) -> int:

@@ -12,7 +12,8 @@
   clip); `sse`: OpenAI's events
   `{"type": "speech.audio.delta", "audio": base64 pcm16}` ... then `{"type":
   "speech.audio.done", "usage": {input_tokens, output_tokens, total_tokens}}`.
-- `speed` other than 1.0 and `instructions` are refused (the model does not take them);
+- `speed` other than 1.0 is refused, and `instructions` unless the model takes them
+  (Qwen3-TTS: a user turn before the text);
   `voice` must be one of the model's (the data worker's 400 names it).
 - `context` (CSM's voice continuation, an extension): the conversation's earlier turns,
   oldest first, each `{"speaker", "text", "audio"}` (audio: a base64 WAV or FLAC file, or
@@ -58,14 +59,14 @@ REFUSED_FORMATS = ("aac",)
 SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 
 
-def check_speech(req: SpeechRequest) -> str:
+def check_speech(req: SpeechRequest, instructions: bool = False) -> str:
     """The response format, after the fields the model cannot honour are refused."""
     fmt = req.response_format or "wav"
     if fmt in REFUSED_FORMATS:
         raise invalid("response_format", f"response_format {fmt!r} is not offered; use one of {', '.join(FORMATS)}")
     if req.speed is not None and req.speed != 1.0:
         raise invalid("speed", f"speed {req.speed} is not supported: the model speaks at its own pace (1.0)")
-    if req.instructions:
+    if req.instructions and not instructions:
         raise invalid("instructions", "instructions are not supported by this model")
     if req.stream_format == "audio" and fmt in SOUNDFILE:
         raise invalid("stream_format", f"{fmt} cannot be streamed as it is made; use pcm or wav, or stream_format sse")
@@ -169,11 +170,13 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
         raise invalid("model", task_refusal(settings.model_name, settings.task, "speech"))
     req = load(obj, SpeechRequest)
     check_model(req.model, settings.model_name)
-    fmt = check_speech(req)
+    fmt = check_speech(req, settings.speech_instructions)
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
     for name in ("exaggeration", "cfg_weight"):  # Chatterbox's extensions; its spec checks them
         if getattr(req, name) is not None:
             options[name] = getattr(req, name)
+    if req.instructions:
+        options["instructions"] = req.instructions
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
                             sampling=SamplingParams(**sampling_fields(req, model_defaults(settings))),
                             max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens,

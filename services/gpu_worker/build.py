@@ -38,6 +38,7 @@ from services.gpu_worker.runners.omni import OmniRunner
 from services.gpu_worker.runners.omni_speech import OmniSpeechRunner
 from services.gpu_worker.runners.policy import PolicyRunner
 from services.gpu_worker.runners.pooling import PoolingRunner
+from services.gpu_worker.runners.qwen3_tts import Qwen3TTSRunner
 from services.gpu_worker.runners.speech import SpeechRunner
 from services.gpu_worker.runners.vision import MAX_ENCODES_PER_STEP as VISION_ENCODES_PER_STEP
 from services.gpu_worker.runners.vision import VisionRunner
@@ -74,6 +75,7 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "chatterbox_decoder": (ChatterboxRunner, None),
     "bagel_decoder": (BagelRunner, VISION_ENCODES_PER_STEP),
     "bagel_diffusion": (BagelImageRunner, None),
+    "qwen3_tts": (Qwen3TTSRunner, None),
 }
 
 

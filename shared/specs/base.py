@@ -431,6 +431,25 @@ class ChatterboxRunnerSpec(DecoderRunnerSpec, Protocol):
     conds_path: Any
 
 
+class Qwen3TTSRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The Qwen3-TTS runner's (runners/qwen3_tts.py): CSM's labels and codebooks, the
+    frame that ends a request, the sub-talker's sampling, the codec's folder."""
+
+    backbone_label: str
+    depth_label: str
+    pool: str
+    depth_pool: str
+    depth_config: Any
+    num_codebooks: int
+    codebook_vocab: int
+    codec_eos: int
+    codebook_loop: str
+    depth_rows: int
+    subtalker: Any
+    codec_path: Any
+    codec_config: Any
+
+
 @runtime_checkable
 class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
     """The Higgs runner's (runners/higgs.py): its label and pool, the codebooks and the

@@ -38,6 +38,8 @@ from shared.specs.policy import PI0_ARCHITECTURES, PI05_ARCHITECTURES, Pi05Spec,
 from shared.specs.pooling import EMBED_ARCHITECTURES, SCORE_ARCHITECTURES, EncoderSpec
 from shared.specs.qwen3_omni import ARCHITECTURES as OMNI_ARCHITECTURES
 from shared.specs.qwen3_omni import Qwen3OmniSpec
+from shared.specs.qwen3_tts import ARCHITECTURE as QWEN3_TTS_ARCHITECTURE
+from shared.specs.qwen3_tts import Qwen3TTSSpec
 from shared.specs.vision_lm import (
     GEMMA3_ARCHITECTURES,
     IDEFICS3_ARCHITECTURES,
@@ -76,6 +78,7 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     CHATTERBOX_ARCHITECTURE: ChatterboxSpec,
     **dict.fromkeys(BAGEL_ARCHITECTURES, BagelSpec),
     **dict.fromkeys(COSMOS3_ARCHITECTURES, Cosmos3Spec),
+    QWEN3_TTS_ARCHITECTURE: Qwen3TTSSpec,
 }
 
 

@@ -285,6 +285,7 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
     "chatterbox_decoder": GuidedSpeechModel,
+    "qwen3_tts": SpeechCodesModel,
     "world": WorldModel,
     "diffusion": DiffusionModel,
 }

@@ -22,6 +22,7 @@ from services.gpu_worker.modeling.policy.pi0 import Pi0Policy, Pi05Policy
 from services.gpu_worker.modeling.speech.chatterbox import T3Model
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.higgs import HiggsModel
+from services.gpu_worker.modeling.speech.qwen3_tts import Qwen3TTSModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
 from services.gpu_worker.modeling.vision.bagel import BagelUnderstanding
 from services.gpu_worker.modeling.vision.bagel_gen import BagelGenerator
@@ -45,6 +46,7 @@ from shared.specs.null_lm import NullLMSpec
 from shared.specs.policy import Pi05Spec, PolicySpec
 from shared.specs.pooling import EncoderSpec
 from shared.specs.qwen3_omni import Qwen3OmniSpec
+from shared.specs.qwen3_tts import Qwen3TTSSpec
 from shared.specs.vision_lm import Gemma3VisionSpec, Idefics3Spec, Qwen25VLSpec
 from shared.specs.whisper import WhisperSpec
 from shared.specs.world import WorldSpec
@@ -73,6 +75,7 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     BagelSpec: BagelUnderstanding,
     BagelImageSpec: BagelGenerator,
     Cosmos3Spec: Cosmos3,
+    Qwen3TTSSpec: Qwen3TTSModel,
 }
 
 

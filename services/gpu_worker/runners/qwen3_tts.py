@@ -1,0 +1,145 @@
+"""The runner of Qwen3-TTS (shared/specs/qwen3_tts.py): CSM's runner (runners/csm.py) over
+Qwen3-TTS' talker and code predictor; one engine step makes one frame of every request
+that samples in it.
+
+What differs from CSM's:
+- rows: a prompt chunk's rows are the spec's `row_id`s (projected text plus codec
+  embeddings), a decoding request's row its previous frame (summed code embeddings plus the
+  projected `tts_pad`), both through the model's `backbone`;
+- the codebook loop inside the step (the "code" label's rows are scratch, as CSM's depth
+  rows): the talker's last hidden state and the first code start the code predictor,
+  `num_codebooks - 1` steps batched over the requests that sample;
+- the first code, as the package's `generate` samples it: the 1024 ids past the codes
+  masked except `codec_eos`, `codec_eos` masked for the first two frames (min_new_tokens
+  2), then the request's repetition penalty (over the first codes generated, never the
+  prompt), temperature, top-k, top-p; the other codes with generation_config.json's
+  `subtalker_*` sampling (greedy where `subtalker_dosample` is false or the request is);
+- a frame whose first code is `codec_eos` ends the request and makes no sound (the
+  package cuts its codes there);
+- sound: each output's new frames go to the request's codec stream (Code2Wav's, over the
+  12 Hz decoder: codecs/qwen3_tts_codec.py) in the codec thread, `CHUNK_FRAMES` frames'
+  samples at a time (the rest with the request's last output).
+
+Unlike the package, a frame's other codes are made in the step that samples its first
+code: `max_tokens` frames make `max_tokens` frames of sound (the package's
+`max_new_tokens` n makes n - 1: it runs the predictor for a code only when it feeds the
+next step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.gpu_worker.attention import AttnRows
+from services.gpu_worker.codec_thread import CodecThread, sound_bytes
+from services.gpu_worker.codecs.code2wav import Code2WavStream
+from services.gpu_worker.codecs.qwen3_tts_codec import Qwen3TTSCodec
+from services.gpu_worker.request import Request
+from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.csm import CsmRunner
+from services.gpu_worker.sampler import Row, sample
+from services.gpu_worker.step_types import Failure, PlanEntry
+from shared.frames import Output, SamplingParams
+from shared.specs.base import Qwen3TTSRunnerSpec
+
+#: frames a chunk after the first gathers (each decode call has a fixed cost)
+CHUNK_FRAMES = 4
+#: the package's `generate`: the top 1024 ids are control ids, never sampled but codec_eos
+SUPPRESSED_TAIL = 1024
+MIN_NEW_TOKENS = 2
+
+
+class Qwen3TTSRunner(CsmRunner):
+    SPEC = Qwen3TTSRunnerSpec  # type: ignore[assignment]  # CSM's protocol is not what it reads
+    needs_prepare = False
+
+    def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
+        self.backbone_label, self.depth_label = spec.label(spec.backbone_label), spec.label(spec.depth_label)
+        ModelRunner.__init__(self, model, spec, kv, caches, planner)
+        self.depth_caches = caches[self.depth_label.pool]
+        self.tts_codec = Qwen3TTSCodec(spec.codec_path, spec.codec_config)
+        codec = self.tts_codec
+        if codec.quantizers != spec.num_codebooks or codec.codebook_size != spec.codebook_vocab:
+            raise ValueError(f"the codec has {codec.quantizers} codebooks of {codec.codebook_size}; the "
+                             f"model writes {spec.num_codebooks} of {spec.codebook_vocab}")
+        self.thread = CodecThread()
+        self.encoder = None
+        sub = spec.subtalker
+        self.subtalker = SamplingParams(temperature=float(sub["subtalker_temperature"]) if sub["subtalker_dosample"]
+                                        else 0.0, top_k=int(sub["subtalker_top_k"] or 0),
+                                        top_p=float(sub["subtalker_top_p"]))
+
+    def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
+        return ModelRunner.make_request(self, tensors)
+
+    def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
+        return []
+
+    def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
+        """Each sampling entry's frame: its first code from the talker's `hidden`, the others
+        from the code predictor; kept on the request, returned as its token."""
+        reqs = [e.request for e in entries]
+        logits = self._first_code_rules(self.model.first_code_logits(hidden), reqs)
+        codes = [torch.tensor(sample(logits, [Row(r.sampling, r.generator, (), r.output) for r in reqs])[0])]
+        steps = {r.caps.get(self.spec.codebook_loop, 0) for r in reqs}
+        if steps != {self.spec.num_codebooks - 1}:  # a frame needs every codebook
+            raise ValueError(f"codebook_loop caps {sorted(steps)}; a frame takes {self.spec.num_codebooks - 1}")
+        pages = [e.pages[self.depth_label.name] for e in entries]
+        rows = [Row(SamplingParams(temperature=0.0) if r.sampling.greedy else self.subtalker, r.generator)
+                for r in reqs]
+        b = len(reqs)
+        for k in range(self.spec.num_codebooks - 1):
+            if k == 0:  # the talker's hidden state and the first code, at positions 0 and 1
+                pairs = torch.stack([hidden, self.model.code_embeds(codes[0].to(self.device), 0)], dim=1)
+                inputs, new, head_rows = pairs.reshape(2 * b, -1), 2, torch.arange(1, 2 * b, 2, device=self.device)
+            else:
+                inputs, new = self.model.code_embeds(codes[k].to(self.device), k), 1
+                head_rows = torch.arange(b, device=self.device)
+            cached = 0 if k == 0 else k + 1
+            meta = self.builder.build([AttnRows(p, 0, cached, new, k > 0) for p in pages],
+                                      self.page_sizes[self.depth_label.name])
+            pos = torch.arange(cached, cached + new, device=self.device).repeat(b)
+            logits = self.model.depth(inputs, pos, self.depth_caches, meta, head_rows, k)
+            codes.append(torch.tensor(sample(logits, rows)[0]))
+        frame = torch.stack(codes, dim=1).tolist()
+        for r, f in zip(reqs, frame):
+            r.inputs["last_frame"] = f
+            r.inputs.setdefault("new_frames", []).append(f)
+        return [f[0] for f in frame]
+
+    def _first_code_rules(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The package's suppressions: control ids (but codec_eos), and codec_eos itself
+        for the first `MIN_NEW_TOKENS` frames."""
+        eos = self.spec.codec_eos
+        keep = logits[:, eos].clone()
+        logits[:, max(0, logits.shape[-1] - SUPPRESSED_TAIL):] = float("-inf")
+        logits[:, eos] = keep
+        for i, r in enumerate(reqs):
+            if len(r.output) < MIN_NEW_TOKENS:
+                logits[i, eos] = float("-inf")
+        return logits
+
+    # -- sound -------------------------------------------------------------------------
+
+    def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
+        if request.codec is None:
+            request.codec = self.tts_codec.stream(CHUNK_FRAMES)
+        frames = request.inputs.pop("new_frames", [])
+        self.thread.submit(reply_to, output, self._frames_sound, request.codec, frames,
+                           output.finish_reason is not None)
+        return True
+
+    def _frames_sound(self, stream: Code2WavStream, frames: list[list[int]], last: bool) -> bytes:
+        """The samples `frames` made final (in the codec thread); the rest on the last
+        output. The codec_eos frame and anything after it make no sound."""
+        keep = []
+        for f in frames:
+            if f[0] == self.spec.codec_eos:
+                break
+            keep.append(f)
+        chunks = [stream.push(np.asarray(keep))] if keep else []
+        if last:
+            chunks.append(stream.finish())
+        return sound_bytes(chunks)
+

@@ -1,0 +1,250 @@
+"""Qwen3-TTS (the `qwen-tts` package's `Qwen3TTSForConditionalGeneration`, CustomVoice
+checkpoints): text in, 12 Hz codec codes out, `num_code_groups` codebooks a frame.
+
+Two Qwen3 stacks and a codec, as the package's `generate` runs them:
+- the talker reads the prompt and then one row per frame (the sum of the frame's code
+  embeddings plus the projected `tts_pad` text row) and samples the frame's first code
+  (`codec_head`); its positions are one stream (its 3-D RoPE gets the same position in all
+  three, which is 1-D RoPE);
+- the code predictor writes the frame's other codes: rows [the talker's last hidden state,
+  code 0's talker embedding, code 1's, ...] at positions 0, 1, ..., `lm_head[k]` at row k + 1
+  giving code k + 1 (its rows are scratch, rewritten every frame, as CSM's depth decoder);
+- the 12 Hz codec in `speech_tokenizer/` turns frames into 24 kHz sound
+  (services/gpu_worker/codecs/qwen3_tts_codec.py).
+
+The prompt (the package's `generate` in its default non-streaming mode): each row is a
+projected text embedding (`text_projection(text_embedding(id))`) plus, for some, a codec
+embedding; a row is sent as one id, `text + text_vocab * (codec + 1)` (the text id alone
+when it has no codec part), so the prefix cache keys exactly what makes the row:
+- `<|im_start|>user\\n{instructions}<|im_end|>\\n` when instructions are given (text only);
+- `<|im_start|>assistant\\n` (the first three ids of the assistant text, text only);
+- `tts_pad` x (K - 2), `tts_bos` over the codec ids `nothink, think_bos, think_eos`
+  (`think, think_bos, <language>, think_eos` for a dialect speaker), the speaker, `codec_pad`
+  (K - 1 rows: K counts `codec_bos` too);
+- the text's ids, then `tts_eos`, each over `codec_pad`; then `tts_pad` over `codec_bos`.
+The tokenizer is vocab.json + merges.txt (shared/bpe_files.py). A text holding the
+tokenizer's special tokens is refused: the prompt's parts are found by them.
+
+Voices are the checkpoint's speakers (`talker_config.spk_id`, lower case); the language is
+the package's "Auto" (a dialect speaker's dialect, as the package does). Sampling:
+generation_config.json's (`do_sample`, `temperature`, `top_k`, `top_p`,
+`repetition_penalty` over the first codes generated) for the first code; its `subtalker_*`
+for the others (greedy for a request sent with temperature 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.model_config import ModelConfig, read_model_config
+from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
+
+ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+#: the config fields of a stack that are a Qwen3's
+QWEN3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+                "rope_theta", "attention_bias")
+#: the package's hard defaults where generation_config.json says nothing
+SUBTALKER_DEFAULTS = {"subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50,
+                      "subtalker_top_p": 1.0}
+
+
+def qwen3_config(raw: Mapping[str, Any]) -> ModelConfig:
+    """One of the two stacks as the Qwen3 it is (q/k norms, SiLU MLP)."""
+    fields = {k: raw[k] for k in QWEN3_FIELDS if k in raw and raw[k] is not None}
+    return read_model_config({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                              "tie_word_embeddings": False, **fields})
+
+
+class Qwen3TTSSpec(ModelSpec):
+    task = "speech"
+    engine = "qwen3_tts"
+    decode_loop = "frame_loop"
+    codebook_loop = "codebook_loop"
+    backbone_label = "talker"
+    depth_label = "code"
+    pool = "kv"
+    depth_pool = "code"
+    metadata_keys = frozenset({"prompt_len", "voice"})
+    #: the package's hard defaults (its `_merge_generate_kwargs`), under generation_config.json
+    speech_defaults = (("temperature", 0.9), ("top_k", 50), ("top_p", 1.0), ("repetition_penalty", 1.05))
+
+    def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
+                 dtype: str = "float32") -> None:
+        self.raw = dict(config)
+        t = dict(config.get("talker_config") or {})
+        self.talker_raw = t
+        self.config = qwen3_config(t)
+        self.depth_config = qwen3_config(t.get("code_predictor_config") or {})
+        self.num_codebooks = int(t.get("num_code_groups", 32))
+        self.codebook_vocab = self.depth_config.vocab_size
+        self.text_vocab = int(t.get("text_vocab_size", 151936))
+        self.vocab_size = self.config.vocab_size
+        self.codec_eos = int(t.get("codec_eos_token_id", 4198))
+        self.eos_frame_token = self.codec_eos
+        self.stop_ids = (self.codec_eos,)
+        ids = {k: int(t[k]) for k in ("codec_pad_id", "codec_bos_id", "codec_think_id", "codec_nothink_id",
+                                       "codec_think_bos_id", "codec_think_eos_id") if k in t}
+        self.codec_ids = ids
+        self.speakers = {str(k).lower(): int(v) for k, v in (t.get("spk_id") or {}).items()}
+        self.dialects = {str(k).lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()}
+        self.languages = {str(k).lower(): int(v) for k, v in (t.get("codec_language_id") or {}).items()}
+        self.voices = tuple(self.speakers)
+        self.default_voice = self.voices[0] if self.voices else ""
+        self.im_start = int(config.get("im_start_token_id", 151644))
+        self.im_end = int(config.get("im_end_token_id", 151645))
+        self.tts_pad = int(config.get("tts_pad_token_id", 151671))
+        self.tts_bos = int(config.get("tts_bos_token_id", 151672))
+        self.tts_eos = int(config.get("tts_eos_token_id", 151673))
+        #: the 0.6B CustomVoice checkpoints take no instructions (the package drops them)
+        self.takes_instructions = str(config.get("tts_model_size") or "") not in ("0b6", "")
+        if config.get("tts_model_type", "custom_voice") != "custom_voice" or not self.voices:
+            raise ValueError(f"only Qwen3-TTS CustomVoice checkpoints (named speakers) are served; this one is "
+                             f"{config.get('tts_model_type')!r}")
+        self.page_size = page_size
+        self.dtype = dtype
+        ctx = self.config.max_position_embeddings
+        self.max_seq_len = min(ctx, max_seq_len) if max_seq_len else ctx
+        self.sample_rate, self.samples_per_frame = 24000, 1920
+        self.audio_frame_rate = self.sample_rate / self.samples_per_frame
+        self.codec_path: Path | None = None
+        self.codec_config: dict[str, Any] = {}
+        self.subtalker = dict(SUBTALKER_DEFAULTS)
+        self.special_texts: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")
+        self._labels = (KVLabel(self.backbone_label, self.pool, keys=True, grows_on=self.decode_loop),
+                        KVLabel(self.depth_label, self.depth_pool))
+        self.layer_labels = [self.backbone_label] * self.config.num_hidden_layers
+
+    def load_folder(self, path: str | Path) -> Qwen3TTSSpec:
+        """The codec's config (speech_tokenizer/), the sub-talker's sampling
+        (generation_config.json), the tokenizer's special tokens."""
+        path = Path(path)
+        self.codec_path = path
+        self.codec_config = json.loads((path / "speech_tokenizer" / "config.json").read_text())
+        self.sample_rate = int(self.codec_config.get("output_sample_rate", 24000))
+        self.samples_per_frame = int(self.codec_config.get("decode_upsample_rate", 1920))
+        self.audio_frame_rate = self.sample_rate / self.samples_per_frame
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.subtalker = {k: gen.get(k, v) for k, v in SUBTALKER_DEFAULTS.items()}
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        specials = [t.get("content") for t in (cfg.get("added_tokens_decoder") or {}).values() if t.get("special")]
+        self.special_texts = tuple(s for s in specials if isinstance(s, str) and s) or self.special_texts
+        return self
+
+    # -- what a request is ----------------------------------------------------------------
+
+    def prompt_text(self, text: str, options: Mapping[str, MetaValue]) -> str:
+        """The instructions' user turn (if any) and the assistant turn the package tokenizes."""
+        self._voice(options)
+        instructions = str(options.get("instructions") or "")
+        for name, value in (("input", text), ("instructions", instructions)):
+            special = next((s for s in self.special_texts if s in value), None)
+            if special is not None:
+                raise PromptError(name, f"{name} holds the model's special token {special!r}")
+        if instructions and not self.takes_instructions:
+            raise PromptError("instructions", "this Qwen3-TTS checkpoint (0.6B) takes no instructions")
+        user = f"<|im_start|>user\n{instructions}<|im_end|>\n" if instructions else ""
+        return f"{user}<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    def _voice(self, options: Mapping[str, MetaValue]) -> str:
+        voice = str(options.get("voice") or self.default_voice).lower()
+        if voice not in self.speakers:
+            raise PromptError("voice", f"voice {options.get('voice')!r} is not one of this model's speakers: "
+                                       f"{', '.join(self.voices)}")
+        return voice
+
+    def warmup_request(self, n: int) -> PromptRequest:
+        """A prompt of the package's shape: the assistant turn around `n` ordinary ids."""
+        return PromptRequest([self.im_start, 1, 2, *range(3, 3 + max(1, n - 8)), self.im_end, 2, self.im_start, 1, 2])
+
+    def codec_prefix(self, voice: str) -> list[int]:
+        """The codec ids of the prompt's tag rows: think / language (a dialect speaker's) or
+        nothink, the speaker, codec_pad, codec_bos (the package's `codec_input_embedding`)."""
+        c = self.codec_ids
+        dialect = self.dialects.get(voice)
+        if dialect:
+            tags = [c["codec_think_id"], c["codec_think_bos_id"], self.languages[str(dialect).lower()],
+                    c["codec_think_eos_id"]]
+        else:
+            tags = [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"]]
+        return [*tags, self.speakers[voice], c["codec_pad_id"], c["codec_bos_id"]]
+
+    def row_id(self, text: int, codec: int | None = None) -> int:
+        """One prompt row as one id: its text id, and its codec id folded in above the text vocabulary."""
+        return text if codec is None else text + self.text_vocab * (codec + 1)
+
+    def prompt_rows(self, ids: list[int], voice: str, instructed: bool) -> list[int]:
+        """The prompt's rows (as `row_id`s) from its tokens (see the module docstring)."""
+        split = 0
+        if instructed:
+            starts = [i for i, t in enumerate(ids) if t == self.im_start]
+            if len(starts) < 3:
+                raise PromptError("instructions", "the prompt does not hold the instructions' turn")
+            split = starts[1]
+        instruct, said = ids[:split], ids[split:]
+        if len(said) < 8 or said[0] != self.im_start:
+            raise PromptError("input", "the prompt is not the assistant turn Qwen3-TTS speaks")
+        codec = self.codec_prefix(voice)
+        pad, bos = self.codec_ids["codec_pad_id"], self.codec_ids["codec_bos_id"]
+        tags = [self.tts_pad] * (len(codec) - 2) + [self.tts_bos]
+        return ([self.row_id(t) for t in instruct + said[:3]]
+                + [self.row_id(t, c) for t, c in zip(tags, codec[:-1])]
+                + [self.row_id(t, pad) for t in [*said[3:-5], self.tts_eos]]
+                + [self.row_id(self.tts_pad, bos)])
+
+    def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """The talker's rows (ids spans: each row's id says all that makes it), the code
+        predictor's scratch."""
+        if request.audio is not None:
+            raise PromptError("file", "the served model does not take audio")
+        voice = self._voice(request.options)
+        if any(not 0 <= t < self.text_vocab for t in request.token_ids):
+            raise PromptError("input_ids", f"the prompt's ids must be text ids, below {self.text_vocab}")
+        rows = self.prompt_rows(list(request.token_ids), voice, bool(request.options.get("instructions")))
+        layouts = {
+            self.backbone_label: LabelLayout(spans=(Span.ids(rows),), growth={self.decode_loop: 1}),
+            self.depth_label: LabelLayout(spans=(), scratch=self.depth_rows),
+        }
+        meta: dict[str, MetaValue] = {"prompt_len": len(rows), "voice": voice}
+        return ProcessPromptOutput({"input_ids": np.asarray(rows, dtype=np.int64)}, layouts, meta)
+
+    @property
+    def depth_rows(self) -> int:
+        """Rows one frame's code predictor writes: the talker's hidden state and codes 0 to
+        `num_codebooks - 2` (the last code is sampled, never fed back)."""
+        return self.num_codebooks
+
+    # -- KV and loops -----------------------------------------------------------------------
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        return self._labels
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        b, d = self.config, self.depth_config
+        return {
+            self.pool: PagedKVConfig(self.pool, b.num_hidden_layers, b.num_key_value_heads, b.head_dim, self.dtype,
+                                     self.page_size, num_pages, self.max_seq_len),
+            self.depth_pool: PagedKVConfig(self.depth_pool, d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
+                                           self.dtype, self.page_size, num_pages, self.max_seq_len),
+        }
+
+    def graph_loops(self) -> dict[str, int]:
+        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
+        return {self.decode_loop: self.max_seq_len - 1, self.codebook_loop: self.num_codebooks - 1}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        """`max_tokens` counts frames; each frame runs the whole codebook loop."""
+        return {self.decode_loop: max(1, max_tokens - 1), self.codebook_loop: self.num_codebooks - 1}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
+                   for c in (self.config, self.depth_config))

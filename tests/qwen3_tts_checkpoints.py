@@ -1,0 +1,238 @@
+"""A tiny random Qwen3-TTS CustomVoice checkpoint laid out as the Hub ships one
+(Qwen/Qwen3-TTS-12Hz-*-CustomVoice: config.json, generation_config.json, vocab.json +
+merges.txt + tokenizer_config.json and no tokenizer.json, model.safetensors, and the 12 Hz
+codec in speech_tokenizer/), and the `qwen-tts` package's answers for it.
+
+The reference pins transformers 4.57.3 (mstar's venv has 5.x), so it runs in a venv of its
+own: `reference_python()` builds it once per pin set under ~/.cache/mstar-peers/ (a venv
+with --system-site-packages whose .pth puts this interpreter's site-packages after its
+own: torch, numpy, safetensors, soundfile come from here; qwen-tts 0.1.1 is installed
+--no-deps, its torchaudio / librosa / sox / onnxruntime stubbed by the script, and
+transformers 4.57.3 with its own small deps shadows the 5.x). First build ~10-30 s (two
+pip installs from PyPI), then nothing. tests/qwen3_tts_reference.py is what runs there;
+its answers are kept beside the venv, keyed by every byte they depend on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PINS = ("qwen-tts==0.1.1", "transformers==4.57.3")
+VENV = Path.home() / ".cache" / "mstar-peers" / ("qwen-tts-venv-" + "-".join(p.replace("==", "") for p in PINS))
+SCRIPT = Path(__file__).with_name("qwen3_tts_reference.py")
+#: the package's answers, by `_answers_key`
+ANSWERS = VENV.parent / "qwen-tts-answers"
+#: the tiny checkpoints' weights, by the key `_weights` computes
+WEIGHTS = VENV.parent / "qwen-tts-weights"
+
+CODEBOOK = 64
+GROUPS = 4
+SPEAKERS = {"vivian": 80, "ryan": 81, "dylan": 82}
+DIALECTS = {"vivian": False, "ryan": False, "dylan": "beijing_dialect"}
+LANGUAGES = {"english": 90, "chinese": 91, "beijing_dialect": 92}
+#: "assistant" and "user" one token each, as in Qwen's vocabulary (the reference slices the
+#: prompt by position: `<|im_start|>assistant\n` is its first 3 ids)
+MERGES = (*(("assistant"[:i], "assistant"[i]) for i in range(1, 9)), ("u", "s"), ("us", "e"), ("use", "r"),
+          ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "u"), ("Ġ", "w"))
+#: the text vocabulary's specials, right after the bytes and merges (Qwen's are 151643...)
+SPECIALS = {t: 256 + len(MERGES) + i for i, t in enumerate(
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>"))}
+TEXT_VOCAB = 300
+
+
+def reference_python() -> Path:
+    """The reference venv's python, built (once, under a lock) when missing; its .pth
+    points at this interpreter's site-packages (CI's venv is not the one that built it)."""
+    python = VENV / "bin" / "python"
+    marker = VENV / ".complete"
+    if marker.is_file():
+        _point_at_us(python)
+        return python
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(VENV.parent / (VENV.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return python
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(VENV)],
+                       check=True)
+        _point_at_us(python)
+        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "--no-deps", PINS[0]], check=True)
+        subprocess.run([*pip, PINS[1], "einops"], check=True)  # einops: the 25 Hz codec's import
+        marker.touch()
+    return python
+
+
+def _point_at_us(python: Path) -> None:
+    """The venv's .pth: this interpreter's site-packages, after the venv's own packages."""
+    ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
+    theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip())
+    theirs.mkdir(parents=True, exist_ok=True)
+    pth = theirs / "zz_mstar_venv.pth"
+    text = "\n".join(ours) + "\n"
+    if not pth.is_file() or pth.read_text() != text:
+        pth.write_text(text)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _tokenizer_files(folder: Path) -> None:
+    """vocab.json + merges.txt (byte-level BPE: the 256 bytes, a few merges) and
+    tokenizer_config.json with Qwen's specials as added tokens, as the Hub's repos ship them."""
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True} for t, i in SPECIALS.items()}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_prefix_space": False, "added_tokens_decoder": added, "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace", "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False, "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
+        "processor_class": "Qwen3TTSProcessor", "extra_special_tokens": {}}))
+
+
+def _config() -> dict:
+    talker = {
+        "vocab_size": CODEBOOK + 1024, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"interleaved": True, "mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+        "attention_bias": False, "num_code_groups": GROUPS, "text_hidden_size": 24, "text_vocab_size": TEXT_VOCAB,
+        "codec_eos_token_id": 72, "codec_think_id": 73, "codec_nothink_id": 74, "codec_think_bos_id": 75,
+        "codec_think_eos_id": 76, "codec_pad_id": 70, "codec_bos_id": 71, "spk_id": SPEAKERS,
+        "spk_is_dialect": DIALECTS, "codec_language_id": LANGUAGES, "position_id_per_seconds": 13,
+        "code_predictor_config": {
+            "vocab_size": CODEBOOK, "hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000, "num_code_groups": GROUPS,
+            "attention_bias": False, "use_sliding_window": False}}
+    return {"architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
+            "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_size": "1b7", "tts_model_type": "custom_voice",
+            "im_start_token_id": SPECIALS["<|im_start|>"], "im_end_token_id": SPECIALS["<|im_end|>"],
+            "tts_pad_token_id": SPECIALS["<|tts_pad|>"], "tts_bos_token_id": SPECIALS["<|tts_bos|>"],
+            "tts_eos_token_id": SPECIALS["<|tts_eos|>"], "assistant_token_id": 0, "talker_config": talker,
+            "speaker_encoder_config": {"enc_dim": 32, "sample_rate": 24000}, "torch_dtype": "float32",
+            "transformers_version": "4.57.3"}
+
+
+def _codec_config() -> dict:
+    """The 12 Hz codec, shrunk: 4 codebooks of 64, 48 samples a frame (rates 4 x 3, ratios 2 x 2)."""
+    decoder = {"codebook_size": CODEBOOK, "hidden_size": 32, "latent_dim": 24, "codebook_dim": 16,
+               "max_position_embeddings": 8000, "rope_theta": 10000, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "head_dim": 8, "attention_bias": False, "sliding_window": 8,
+               "intermediate_size": 48, "hidden_act": "silu", "layer_scale_initial_scale": 0.01,
+               "rms_norm_eps": 1e-5, "num_hidden_layers": 2, "num_quantizers": GROUPS, "upsample_rates": [4, 3],
+               "upsampling_ratios": [2, 2], "decoder_dim": 32, "attention_dropout": 0.0}
+    encoder = {"audio_channels": 1, "codebook_dim": 16, "codebook_size": CODEBOOK, "hidden_size": 16,
+               "intermediate_size": 32, "num_filters": 4, "num_residual_layers": 1, "upsampling_ratios": [4, 3, 2, 2],
+               "kernel_size": 3, "last_kernel_size": 3, "residual_kernel_size": 3, "dilation_growth_rate": 2,
+               "compress": 2, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+               "head_dim": 8, "sliding_window": 8, "num_quantizers": GROUPS, "num_semantic_quantizers": 1,
+               "frame_rate": 500.0, "sampling_rate": 24000, "use_causal_conv": True}
+    return {"architectures": ["Qwen3TTSTokenizerV2Model"], "model_type": "qwen3_tts_tokenizer_12hz",
+            "encoder_valid_num_quantizers": GROUPS, "input_sample_rate": 24000, "output_sample_rate": 24000,
+            "decode_upsample_rate": 48, "encode_downsample_rate": 48, "encoder_config": encoder,
+            "decoder_config": decoder, "transformers_version": "4.57.3"}
+
+
+def make_qwen3_tts_checkpoint(folder: Path, generation: dict | None = None, seed: int = 0) -> Path:
+    """The tiny CustomVoice checkpoint in `folder` (3 speakers, one a dialect's); its
+    generation_config.json the Hub's, updated by `generation`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "speech_tokenizer").mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(_config(), indent=1))
+    gen = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
+           "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0, "subtalker_top_k": 50,
+           "max_new_tokens": 8192, **(generation or {})}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=1))
+    (folder / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}))
+    _tokenizer_files(folder)
+    codec = folder / "speech_tokenizer"
+    (codec / "config.json").write_text(json.dumps(_codec_config(), indent=1))
+    (codec / "preprocessor_config.json").write_text(json.dumps({
+        "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "padding_side": "right",
+        "padding_value": 0.0, "return_attention_mask": True, "sampling_rate": 24000}))
+    _weights(folder, seed)
+    return folder
+
+
+def _weights(folder: Path, seed: int) -> None:
+    """The package's random weights for the configs in `folder` (its own classes name every
+    tensor), kept in WEIGHTS by a key of the configs, the seed, the pins and the script."""
+    h = hashlib.sha256(json.dumps([PINS, seed]).encode() + SCRIPT.read_bytes())
+    for name in ("config.json", "speech_tokenizer/config.json"):
+        h.update((folder / name).read_bytes())
+    kept = WEIGHTS / h.hexdigest()[:32]
+    files = ("model.safetensors", "speech_tokenizer/model.safetensors")
+    if not all((kept / f).is_file() for f in files):
+        _run("weights", str(folder), str(seed))
+        tmp = WEIGHTS / f".{kept.name}.{os.getpid()}"
+        for f in files:
+            (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / f, tmp / f)
+        shutil.rmtree(kept, ignore_errors=True)
+        tmp.rename(kept)
+        return
+    for f in files:
+        shutil.copyfile(kept / f, folder / f)
+
+
+def _run(*args: str, timeout: float = 600) -> None:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(reference_python()), str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=SCRIPT.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tests/qwen3_tts_reference.py {args[0]} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def _answers_key(folder: Path, cases: list[dict]) -> str:
+    """What the package's answers depend on: the pins, the script, the cases and every
+    byte of the checkpoint folder."""
+    h = hashlib.sha256(json.dumps([PINS, cases]).encode() + SCRIPT.read_bytes())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def qwen3_tts_reference(folder: Path, cases: list[dict], work: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """qwen-tts' greedy (codes [frames, groups], waveform) for each case {"text", "speaker",
+    "instruct" (optional), "max_new_tokens"}. Kept in ANSWERS under a key of everything
+    they depend on (`_answers_key`): the package's `generate` runs a nested `generate` per
+    frame, ~0.5 s a frame on a busy 2-core host."""
+    cached = ANSWERS / f"{_answers_key(folder, cases)}.npz"
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "cases.json").write_text(json.dumps(cases))
+        _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(work / "out.npz", tmp)
+        tmp.replace(cached)
+    with np.load(cached) as out:
+        return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]

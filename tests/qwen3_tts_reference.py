@@ -1,0 +1,148 @@
+"""The `qwen-tts` package's side of the Qwen3-TTS tests, run as a script in the reference's
+own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4.57.3).
+
+    python qwen3_tts_reference.py weights FOLDER SEED
+        random weights for the tiny checkpoint whose configs FOLDER holds (the talker in
+        model.safetensors, the 12 Hz codec in speech_tokenizer/model.safetensors), from the
+        package's own classes (so every parameter name is theirs)
+    python qwen3_tts_reference.py generate FOLDER CASES.json OUT.npz
+        what `Qwen3TTSModel.generate_custom_voice` runs (greedy: do_sample and
+        subtalker_dosample off), the cases {"text", "speaker", "instruct", "max_new_tokens"}
+        as one batch (the package's left-padded batch: its `generate` runs a nested
+        `generate` a frame, so one batch costs what one case does): each case's codes
+        [frames, groups] and the codec's waveform, as `codes_i` and `wave_i` in OUT.npz
+
+The modules that do not load against the CPU torch here (torchaudio, and librosa, sox,
+onnxruntime that only the 25 Hz codec, the speaker encoder and audio loading use) are
+stubbed before the package is imported; nothing this script runs reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+
+def _stub(name: str, **attrs) -> types.ModuleType:
+    import importlib.machinery
+
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+def _stub_audio_packages() -> None:
+    def unused(*_a, **_k):
+        raise RuntimeError("stubbed in tests/qwen3_tts_reference.py")
+
+    _stub("librosa", load=unused, resample=unused)
+    _stub("librosa.filters", mel=unused)
+    sys.modules["librosa"].filters = sys.modules["librosa.filters"]  # type: ignore[attr-defined]
+    torchaudio = _stub("torchaudio")
+    compliance = _stub("torchaudio.compliance")
+    kaldi = _stub("torchaudio.compliance.kaldi", fbank=unused)
+    torchaudio.compliance, compliance.kaldi = compliance, kaldi  # type: ignore[attr-defined]
+    _stub("sox", Transformer=unused)
+    _stub("onnxruntime", InferenceSession=unused, SessionOptions=unused)
+
+
+def _randomize(model, seed: int) -> None:
+    """Every parameter drawn afresh (normal, std 0.2; norms and layer scales near 1 / their
+    size), so no code path is flat: the package's own init leaves many at zero or one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif "cluster_usage" in name:
+                p.copy_(1.0 + 0.5 * noise.abs())
+            elif name.endswith(("alpha", "beta")):
+                p.copy_(0.2 * noise)
+            elif "layer_scale" in name or name.endswith("gamma"):
+                p.copy_(0.5 + 0.1 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
+def _scale_wave(decoder, seed: int) -> None:
+    """The codec's last conv scaled so random codes make a waveform of std ~0.3: unscaled,
+    nearly every sample is clamped to +-1, which would hide the codes."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, decoder.config.codebook_size, (1, decoder.config.num_quantizers, 24), generator=gen)
+    with torch.no_grad():
+        hidden = decoder.pre_conv(decoder.quantizer.decode(codes)).transpose(1, 2)
+        hidden = decoder.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+        for blocks in decoder.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        for block in decoder.decoder:
+            hidden = block(hidden)
+        last = decoder.decoder[-1].conv
+        last.weight.mul_(0.3 / float(hidden.std()))
+        last.bias.mul_(0.3 / float(hidden.std()))
+
+
+def weights(folder: Path, seed: int) -> None:
+    import torch
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    cfg = Qwen3TTSConfig(**json.loads((folder / "config.json").read_text()))
+    model = Qwen3TTSForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    codec_dir = folder / "speech_tokenizer"
+    codec_cfg = Qwen3TTSTokenizerV2Config(**json.loads((codec_dir / "config.json").read_text()))
+    codec = Qwen3TTSTokenizerV2Model(codec_cfg)
+    _randomize(codec, seed + 1)
+    _scale_wave(codec.decoder, seed)
+    save_file({k: v.contiguous() for k, v in codec.state_dict().items()}, str(codec_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def generate(folder: Path, cases_path: Path, out: Path) -> None:
+    import numpy as np
+    import torch
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    cases = json.loads(cases_path.read_text())
+    if len({c["max_new_tokens"] for c in cases}) != 1:
+        raise SystemExit("the cases run as one batch: one max_new_tokens")
+    codes, _ = model.model.generate(
+        input_ids=model._tokenize_texts([model._build_assistant_text(c["text"]) for c in cases]),
+        instruct_ids=[model._tokenize_texts([model._build_instruct_text(c["instruct"])])[0]
+                      if c.get("instruct") else None for c in cases],
+        languages=[c.get("language", "Auto") for c in cases], speakers=[c["speaker"] for c in cases],
+        non_streaming_mode=True,
+        **model._merge_generate_kwargs(do_sample=False, subtalker_dosample=False,
+                                       max_new_tokens=cases[0]["max_new_tokens"]))
+    wavs, rate = model.model.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
+    result = {"rate": np.asarray(rate)}
+    for i, (c, w) in enumerate(zip(codes, wavs)):
+        result[f"codes_{i}"] = c.cpu().numpy()
+        result[f"wave_{i}"] = np.asarray(w, dtype=np.float32)
+    np.savez(out, **result)
+
+
+if __name__ == "__main__":
+    _stub_audio_packages()
+    if sys.argv[1] == "weights":
+        weights(Path(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "generate":
+        generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]!r}")
