@@ -70,4 +70,5 @@ def settings_read() -> set[str]:
 SET_PER_CONTAINER = {"MSTAR_RUN_DIR", "MSTAR_WORKER_ADDR", "MSTAR_WORKER_ID", "MSTAR_WORKER_ADVERTISE_ADDR",
                      "MSTAR_API_ADVERTISE_ADDR", "MSTAR_API_HOST", "MSTAR_API_PORT",
                      *(f"MSTAR_{n.upper()}_ADDR" for n in ADDRESS_NAMES),
-                     "MSTAR_WORKERS", "MSTAR_START_TIMEOUT"}  # `mstar serve`'s own: compose and k8s place workers
+                     "MSTAR_WORKERS", "MSTAR_START_TIMEOUT",  # `mstar serve`'s own: compose and k8s place workers
+                     "MSTAR_TP_RANK"}  # a tensor-parallel rank's, set by the rank that starts it
