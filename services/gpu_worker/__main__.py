@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     d = deployment_from_args(args)
     group = None
     try:
-        from services.gpu_worker.worker import GpuWorker
-
-        if d.tensor_parallel_size > 1:
+        if d.tensor_parallel_size > 1:  # the other ranks start first: their imports overlap this one's
             from services.gpu_worker.tp import main as tp_main
 
             group = tp_main.join(d, tp_main.placement(args, d), argv if argv is not None else sys.argv[1:])
             if group.rank != 0:  # a rank that follows rank 0's plans; it never talks to the conductor
                 return tp_main.follow(d, group)
+        from services.gpu_worker.worker import GpuWorker
+
         worker = GpuWorker(d, bind, advertised(bind, args.advertise_addr), addrs["conductor"], args.worker_id, group)
     except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
         log.error("cannot start: %s", exc)

@@ -235,7 +235,7 @@ class GpuWorker:
         except DeviceLost as lost:
             # The device cannot run another step: fail what the step held, then exit so the
             # supervisor starts a fresh process (every later step would fail the same way).
-            log.critical("the device is unusable (%s); failing every request and exiting", lost.cause)
+            log.critical("the worker cannot step again (%s); failing every request and exiting", lost.cause)
             self._send_results(lost.result)
             self.exit_code, self.running = 1, False
             return

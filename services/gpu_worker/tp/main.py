@@ -45,7 +45,6 @@ def placement(args: argparse.Namespace, d: Deployment):
 
 def join(d: Deployment, place, argv: list[str]):
     """Start this host's other ranks (from its first rank) and join the group."""
-    from services.gpu_worker.build import pick_device
     from services.gpu_worker.tp.group import TpGroup, start_local_ranks
 
     first = place.rank == place.node_ranks[0]
@@ -53,6 +52,8 @@ def join(d: Deployment, place, argv: list[str]):
         refuse_unservable(d)  # before any rank loads a weight
     children = start_local_ranks(place, argv) if first else []
     try:
+        from services.gpu_worker.build import pick_device
+
         group = TpGroup.join(place, pick_device().type == "cuda")
     except Exception:
         for p in children:
