@@ -183,10 +183,10 @@ def assemble(d: Deployment, group: TpGroup | None = None) -> Assembled:
     prompt_path(model, d.prefill_dtype)
     cache_dtype = TORCH_DTYPES[kv_dtype(d)]
     # a rank's pages hold its KV heads (the conductor counts the pages, the same on every rank)
-    heads = {} if group is None else {"kv_heads": model.config.num_key_value_heads}
+    rank_kv = None if group is None else int(model.config.num_key_value_heads)  # type: ignore[union-attr,arg-type]
     caches = {name: state_cache(p.num_layers, p.num_pages, p.state_floats, device) if p.is_state
-              else kv_cache(p.num_layers, p.num_pages, p.page_size, heads.get("kv_heads", p.kv_heads), p.head_dim,
-                            cache_dtype, device)
+              else kv_cache(p.num_layers, p.num_pages, p.page_size, rank_kv or p.kv_heads, p.head_dim, cache_dtype,
+                            device)
               for name, p in pools.items()}
     planner = None
     if device.type == "cuda" and spec.engine in TEXT_STEPS and flashinfer_available():

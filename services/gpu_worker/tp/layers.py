@@ -73,9 +73,9 @@ def parallelize(model, split: HeadSplit, group: TpGroup) -> None:
 
     for layer in cast("Iterable[DecoderLayer]", model.model.layers):
         attn = layer.self_attn
-        attn.o_proj = AllReduced(attn.o_proj, group)
+        attn.o_proj = AllReduced(attn.o_proj, group)  # type: ignore[assignment]
         mlp = cast("MLP", layer.mlp)
-        mlp.down_proj = AllReduced(mlp.down_proj, group)
+        mlp.down_proj = AllReduced(mlp.down_proj, group)  # type: ignore[assignment]
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, split.rank * split.vocab_local, group)
     head = model.head
     if head is None:  # CUDA, or no packed form: the plain weight

@@ -25,7 +25,7 @@ def refuse_unservable(d: Deployment) -> None:
     if spec.engine != "decoder":
         raise DeploymentError(f"--tensor-parallel-size {d.tensor_parallel_size}: tensor parallelism shards decoder "
                               f"LMs; this model's engine is {spec.engine!r}, which it does not split")
-    refuse_unsplittable(spec.config, d.tensor_parallel_size)
+    refuse_unsplittable(spec.config, d.tensor_parallel_size)  # type: ignore[attr-defined]  # a DecoderLMSpec's
 
 
 def placement(args: argparse.Namespace, d: Deployment):
