@@ -22,6 +22,7 @@ from services.gpu_worker.layers import prompt_rows
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 from services.gpu_worker.tp.group import GroupLost, TpGroup
+from shared.memory import release_free_heap
 
 log = logging.getLogger("mstar.tp")
 
@@ -108,6 +109,8 @@ class TpRunner(ModelRunner):
                 ModelRunner.copy_pages(self, msg.copies)
             elif isinstance(msg, Forward):
                 self._run(msg)
+            else:  # a heartbeat: rank 0 is idle, so this rank's freed step buffers go back as rank 0's do
+                release_free_heap()
 
     def _run(self, f: Forward) -> None:
         metas = ModelRunner._metadata(self, f.rows)
