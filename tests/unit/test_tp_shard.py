@@ -82,3 +82,16 @@ def test_unsplittable_refused_by_name(over, size, named):
         refuse_unsplittable(_cfg(**over), size)
     refuse_unsplittable(_cfg(), 2)  # 4 heads, 2 KV heads: fine
     refuse_unsplittable(_cfg(num_attention_heads=8, head_dim=16), 4)  # 2 KV heads each on two ranks
+
+
+def test_placement_across_hosts():
+    """--nnodes / --node-rank place each host's ranks as torch.distributed's launchers do."""
+    from services.gpu_worker.tp.group import TpPlacement
+
+    place = TpPlacement(4, rank=2, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    place.check()
+    assert list(place.node_ranks) == [2, 3] and place.local_rank == 0
+    for bad, named in ((TpPlacement(4, nnodes=3), "--nnodes 3"), (TpPlacement(4, nnodes=2, node_rank=2), "--node-rank"),
+                       (TpPlacement(4, nnodes=2), "--master-port")):
+        with pytest.raises(ValueError, match=named):
+            bad.check()
