@@ -26,10 +26,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+import msgspec
+
 from shared.config import Deployment, add_deployment_flags, deployment_argv, deployment_from_args
 from shared.generation_config import FLAG_HELP as GENERATION_FLAG_HELP
 from shared.logs import add_logging_flags
 from shared.memory import release_free_heap
+from shared.models import MODELS_MAX_ENV, ServedModel, check_names, encode_models, models_in_dir
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
@@ -37,6 +40,8 @@ STABLE_S = 30.0  # a child that lived this long is no longer crash-looping
 MAX_BACKOFF_S = 30.0
 #: how often start-up asks /ready (a poll is one local HTTP request; ready is seen this much later at most)
 READY_POLL_S = 0.05
+#: several models: how often the launcher asks which are wanted loaded
+MODELS_POLL_S = 0.25
 
 
 def _die_with_parent() -> None:
@@ -55,6 +60,11 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0  # consecutive quick deaths, for the crash-loop back-off
     restart_at: float | None = None
+    #: the served model whose gpu worker this is (several models: it runs while wanted)
+    model: str | None = None
+    wanted: bool = True
+    #: when it was asked to stop because its model was unloaded (None: it was not)
+    retiring: float | None = None
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -96,6 +106,41 @@ def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: in
     return children
 
 
+def plan_fleet(d: Deployment, run_dir: str, host: str, port: int, workers: int, api_flags: list[str],
+               models: list[ServedModel], models_max: int) -> list[Child]:
+    """Several models: one conductor and one api for all of them; per model a data worker
+    (always running: a tokenizer is cheap) and `workers` gpu workers, which run while the
+    conductor wants the model loaded (the first `models_max` at start, all with 0)."""
+    py = [sys.executable, "-m"]
+    addr = {n: f"ipc://{os.path.join(run_dir, n)}.sock" for n in ("conductor", "conductor-control")}
+    placed = [msgspec.structs.replace(m, data_worker_addr=f"ipc://{os.path.join(run_dir, f'data-worker-m{i}')}.sock",
+                                      api_addr=f"ipc://{os.path.join(run_dir, f'api-m{i}')}.sock")
+              for i, m in enumerate(models)]
+    listed = encode_models(placed)
+    children = [Child("conductor", [
+        *py, "services.conductor", *deployment_argv(d), "--models", listed, "--models-max", str(models_max),
+        "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"],
+    ])]
+    cap = len(models) if models_max <= 0 else models_max
+    for i, m in enumerate(placed):
+        dflags = deployment_argv(msgspec.structs.replace(d, model=m.model))
+        for j in range(workers):
+            children.append(Child(f"gpu_worker-{m.name}-{j}", [
+                *py, "services.gpu_worker", *dflags, "--worker-id", f"worker-m{i}-{j}",
+                "--bind-addr", f"ipc://{os.path.join(run_dir, f'gpu-worker-m{i}-{j}')}.sock",
+                "--conductor-addr", addr["conductor"],
+            ], model=m.name, wanted=i < cap))
+        children.append(Child(f"data_worker-{m.name}", [
+            *py, "services.data_worker", *dflags,
+            "--data-worker-addr", m.data_worker_addr, "--conductor-addr", addr["conductor"],
+        ]))
+    children.append(Child("api", [
+        *py, "services.api", *deployment_argv(d), "--models", listed, "--host", host, "--port", str(port),
+        "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"], *api_flags,
+    ]))
+    return children
+
+
 class Launcher:
     def __init__(self, children: list[Child], ready_url: str, run_dir: str, start_timeout: float) -> None:
         self.children = children
@@ -103,6 +148,9 @@ class Launcher:
         self.run_dir = run_dir
         self.start_timeout = start_timeout
         self.stopping = False
+        #: several models: which are wanted loaded, polled from the api's GET /models
+        self.models_url = ready_url.rsplit("/", 1)[0] + "/models" if any(c.model for c in children) else None
+        self._polled = 0.0
 
     def _on_signal(self, signum, _frame) -> None:
         self.stopping = True
@@ -113,13 +161,15 @@ class Launcher:
         env = dict(os.environ, MSTAR_RUN_DIR=self.run_dir)
         try:
             for child in self.children:
-                child.start(env)
+                if child.wanted:
+                    child.start(env)
             code = self._wait_ready()
             if code is not None:
                 return code
             say(f"mstar: ready on {self.ready_url.rsplit('/', 1)[0]}")
             release_free_heap()  # what the preflight check freed (a first start parses the model)
             while not self.stopping:
+                self._poll_models()
                 self._supervise(env)
                 time.sleep(0.1)
             return 0
@@ -132,6 +182,16 @@ class Launcher:
         now = time.monotonic()
         for child in self.children:
             code = child.poll()
+            if not child.wanted:
+                self._retire(child, code, now)
+                continue
+            if child.retiring is not None or child.proc is None:  # its model is wanted (again)
+                if code is None and child.proc is not None:
+                    continue  # the old process still stops: start the new one after it
+                say(f"mstar: {child.name} starting (model {child.model} loads)")
+                child.retiring = None
+                child.start(env)
+                continue
             if code is None:
                 if child.restarts and now - child.started_at > STABLE_S:
                     child.restarts = 0
@@ -145,6 +205,34 @@ class Launcher:
                     f"restarting in {delay:.1f}s (restart {child.restarts})", "ERROR")
             elif now >= child.restart_at:
                 child.start(env)
+
+    def _retire(self, child: Child, code: int | None, now: float) -> None:
+        """Stop a gpu worker of an unloaded model: SIGTERM, SIGKILL past the grace period."""
+        if child.proc is None or code is not None:
+            return
+        if child.retiring is None:
+            say(f"mstar: {child.name} stopping (model {child.model} unloaded)")
+            child.retiring = now
+            child.proc.send_signal(signal.SIGTERM)
+        elif now - child.retiring > GRACE_S:
+            child.proc.kill()
+
+    def _poll_models(self) -> None:
+        """Several models: which the conductor wants loaded (the api's GET /models, whose
+        `wanted` it reports); a child of a model not wanted is stopped, one wanted started."""
+        if self.models_url is None or time.monotonic() - self._polled < MODELS_POLL_S:
+            return
+        self._polled = time.monotonic()
+        headers = {"Authorization": f"Bearer {os.environ['MSTAR_API_KEY']}"} if os.environ.get("MSTAR_API_KEY") else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.models_url, headers=headers), timeout=1) as resp:
+                listed = json.loads(resp.read())["data"]
+        except (OSError, ValueError, KeyError):
+            return  # the api or the conductor restarts: keep what runs
+        wanted = {m["id"]: bool(m.get("wanted")) for m in listed if "wanted" in m}
+        for child in self.children:
+            if child.model in wanted:
+                child.wanted = wanted[child.model]
 
     def _dead(self) -> Child | None:
         return next((c for c in self.children if c.poll() is not None), None)
@@ -190,17 +278,24 @@ class Launcher:
 
 
 class _ModelAction(argparse.Action):
-    """`mstar serve MODEL` and `--model MODEL` both set `model`; two different values are
-    a usage error (the same one twice is fine)."""
+    """`mstar serve MODEL` and `--model MODEL` both set `model` (the first one given);
+    `--model` repeated with other values serves several models (`model_list`); MODEL and a
+    different `--model` are a usage error (the same one twice is fine)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         if values is None:  # the positional MODEL, absent
             return
-        given = getattr(namespace, "_model_given", None)
-        if given is not None and given != values:
-            parser.error(f"the model is given twice, as {given!r} and {values!r}; give MODEL or --model, not both")
-        namespace._model_given = values
-        namespace.model = values
+        given = list(getattr(namespace, "model_list", None) or [])
+        positional = getattr(namespace, "_model_positional", None)
+        if option_string is None:
+            positional = namespace._model_positional = values
+        if positional is not None and any(g != values for g in given):
+            parser.error(f"the model is given twice, as {given[0]!r} and {values!r}; give MODEL or --model, "
+                         "not both (repeat --model to serve several models)")
+        if values not in given:
+            given.append(values)
+        namespace.model_list = given
+        namespace.model = given[0]
 
 
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a Hugging Face Hub id (org/name) already in the local "
@@ -227,8 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_deployment_flags(serve)
     serve.add_argument("--model", dest="model", default=None, action=_ModelAction, help=MODEL_FLAG_HELP)
     serve.add_argument("--served-model-name", default=os.environ.get("MSTAR_SERVED_MODEL_NAME") or None,
-                       help="the name /v1/models lists and OpenAI requests must give as `model` "
+                       help="the name /v1/models lists and OpenAI requests must give as `model`, when one model "
+                            "is served "
                             "(env MSTAR_SERVED_MODEL_NAME; default: the Hub id, the folder's name or the .gguf's stem)")
+    _add_models_flags(serve)
     serve.add_argument("--chat-template", default=os.environ.get("MSTAR_CHAT_TEMPLATE") or None,
                        help=CHAT_TEMPLATE_HELP)
     serve.add_argument("--tool-call-parser", default=os.environ.get("MSTAR_TOOL_CALL_PARSER") or "auto",
@@ -266,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--version", action="version", version=version)
     _add_check(sub)
     return parser
+
+
+def _add_models_flags(serve: argparse.ArgumentParser) -> None:
+    """Several models behind one deployment (llama-server's router mode; docs/deploy.md)."""
+    serve.add_argument("--models-dir", default=os.environ.get("MSTAR_MODELS_DIR") or None, metavar="DIR",
+                       help="serve every model of DIR (each subfolder with a config.json, each .gguf file), named by "
+                            "its folder or file name; with repeated --model, those too; requests pick one by their "
+                            "`model` field (env MSTAR_MODELS_DIR; default: none)")
+    serve.add_argument("--models-max", type=int, default=int(os.environ.get(MODELS_MAX_ENV) or 0),
+                       help="several models: the most loaded at once; a request for another loads it on first use "
+                            "and the least recently used model's gpu workers stop "
+                            f"(env {MODELS_MAX_ENV}; default 0: every model stays loaded)")
 
 
 def _add_media_flags(serve: argparse.ArgumentParser) -> None:
@@ -394,6 +503,29 @@ def _check(d: Deployment, chat_template: str | None) -> str | None:
     return None
 
 
+def model_name(model: str) -> str:
+    """The name a model is served under, as `ModelSource` gives it (a folder's name, a
+    .gguf's stem, a Hub id as is), without reading it."""
+    path = os.path.expanduser(model)
+    if os.path.exists(path) or path.endswith(".gguf"):
+        base = os.path.basename(os.path.normpath(path))
+        return base[: -len(".gguf")] if base.endswith(".gguf") else base
+    return model
+
+
+def served_models(args: argparse.Namespace) -> list[ServedModel]:
+    """Every model `serve` was asked for: --models-dir's, then each --model; empty when
+    one --model (or none) is given, the usual single-model deployment."""
+    found = models_in_dir(args.models_dir) if getattr(args, "models_dir", None) else []
+    given = getattr(args, "model_list", None) or []
+    if not found and len(given) < 2:
+        return []
+    found += [ServedModel(model_name(m), os.path.abspath(os.path.expanduser(m)) if os.path.exists(
+        os.path.expanduser(m)) else m) for m in given]
+    check_names(found)
+    return found
+
+
 def say(text: str, level: str = "INFO") -> None:
     """One line of the launcher's own on stderr: as is, or under --log-format json as the
     services' JSON records are, so that the whole stream parses."""
@@ -413,22 +545,35 @@ def _log_env(args: argparse.Namespace) -> None:
         os.environ["MSTAR_ACCESS_LOG"] = "1" if args.access_log else "0"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _log_env(args)
-    d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
-    chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
-    refused = preflight(d, chat_template)
-    if args.command == "check":
-        say(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
-            "ERROR" if refused else "INFO")
-        return 2 if refused else 0
-    if refused is None and args.served_model_name is not None and not args.served_model_name.strip():
-        refused = "--served-model-name must be non-empty"
-    if refused is not None:
-        say(f"mstar: deployment refused: {refused}", "ERROR")
-        return 2
-    run_dir = tempfile.mkdtemp(prefix="mstar-")
+def _refusal(args: argparse.Namespace, d: Deployment,
+             chat_template: str | None) -> tuple[Deployment, list[ServedModel], str | None]:
+    """(the deployment, the models when several are served, why it is refused or None):
+    one model is checked as always; several each by the same check, before any child."""
+    try:
+        models = served_models(args) if args.command == "serve" else []
+    except ValueError as exc:
+        return d, [], str(exc)
+    if len(models) == 1:  # a --models-dir of one: served as --model, named by its folder or file
+        d = msgspec.structs.replace(d, model=models[0].model)
+        if args.served_model_name is None:
+            args.served_model_name = models[0].name
+    if len(models) <= 1:
+        refused = preflight(d, chat_template)
+        named = getattr(args, "served_model_name", None)
+        if refused is None and named is not None and not named.strip():
+            refused = "--served-model-name must be non-empty"
+        return d, [], refused
+    if args.served_model_name is not None:
+        return d, models, "--served-model-name names one model; several are served (each named by its folder or file)"
+    for m in models:
+        refused = preflight(msgspec.structs.replace(d, model=m.model), chat_template)
+        if refused is not None:
+            return d, models, f"model {m.name}: {refused}"
+    return d, models, None
+
+
+def _api_flags(args: argparse.Namespace, chat_template: str | None) -> list[str]:
+    """The api's command line from `serve`'s flags."""
     api_flags = ["--max-body-bytes", str(args.max_body_bytes)] if args.max_body_bytes else []
     if args.served_model_name is not None:
         api_flags += ["--served-model-name", args.served_model_name]
@@ -442,9 +587,29 @@ def main(argv: list[str] | None = None) -> int:
         api_flags += ["--generation-config", args.generation_config]
     if args.enable_prompt_tokens_details:
         api_flags.append("--enable-prompt-tokens-details")
-    api_flags += media_flags(args)
+    return api_flags + media_flags(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _log_env(args)
+    d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
+    chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
+    d, models, refused = _refusal(args, d, chat_template)
+    if args.command == "check":
+        say(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
+            "ERROR" if refused else "INFO")
+        return 2 if refused else 0
+    if refused is not None:
+        say(f"mstar: deployment refused: {refused}", "ERROR")
+        return 2
+    run_dir = tempfile.mkdtemp(prefix="mstar-")
+    api_flags = _api_flags(args, chat_template)
     _group_env(args)
-    children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags, args.master_port)
+    if models:
+        children = plan_fleet(d, run_dir, args.host, args.port, args.workers, api_flags, models, args.models_max)
+    else:
+        children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags, args.master_port)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

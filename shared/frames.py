@@ -272,6 +272,8 @@ class WorkerStats(msgspec.Struct, tag="worker_stats", **HOT):
     kernels: str = ""
     #: a world model's encoder runs (one per context clip not in the worker's clip cache)
     clip_encodes: int = 0
+    #: a diffusion model's denoising iterations run (every request's; runners/diffusion.py)
+    denoise_steps: int = 0
 
 
 class RequestFinished(msgspec.Struct, tag="request_finished", **HOT):
@@ -307,7 +309,33 @@ class WorkerRefused(msgspec.Struct, tag="worker_refused", **HOT):
 
 
 class StatusQuery(msgspec.Struct, tag="status_query", **HOT):
-    pass
+    #: the served model whose workers to report ("": every model's, summed)
+    model: str = ""
+
+
+class ModelCommand(msgspec.Struct, tag="model_command", **HOT):
+    """Load or unload one served model (llama-server's router `/models/load` and
+    `/models/unload`); the conductor answers with its `ClusterStatus` (`error` set when
+    it refused)."""
+
+    action: str  # "load" | "unload"
+    model: str
+
+
+class ModelState(msgspec.Struct, array_like=True, frozen=True):
+    """One served model as the conductor sees it: `status` "loaded" (a worker is ready),
+    "loading" (wanted, none ready yet), "unloading" (draining its running requests) or
+    "unloaded"; `wanted` says whether its gpu workers should be running (the launcher
+    starts and stops them by it)."""
+
+    name: str
+    status: str
+    wanted: bool
+    ready_workers: int = 0
+    running: int = 0  # requests placed on its workers, not finished
+    waiting: int = 0  # requests in its conductor queue
+    #: seconds since a request for it last arrived (-1: never)
+    idle_s: float = -1.0
 
 
 class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
@@ -316,13 +344,17 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", **HOT):
     waiting: int = 0
     #: worker id -> requests the conductor placed there since it registered
     dispatched: dict[str, int] = {}
+    #: every served model's state (several models behind one deployment)
+    models: list[ModelState] = []
+    #: why a `ModelCommand` was refused ("": it was not)
+    error: str = ""
 
 
 ToDataWorker = GenerateRequest | Abort
 ToConductor = NewRequest | Abort | WorkerReady | WorkerStats | RequestFinished | Heartbeat
 ToWorker = NewRequest | Abort | Heartbeat | WorkerRefused
 ToApi = StepOutputs | RequestError | Dispatched | Heartbeat
-ControlRequest = StatusQuery
+ControlRequest = StatusQuery | ModelCommand
 ControlReply = ClusterStatus
 
 

@@ -16,8 +16,10 @@ import msgspec
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
+from shared.diffusers_folder import diffusers_config, is_diffusers_folder, tokenizer_folder
 from shared.specs import null_lm
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.chatterbox import folder_config, is_chatterbox_folder
 from shared.specs.orpheus import CODEC_FOLDER as SPEECH_CODEC_FOLDER
 from shared.specs.registry import load_plugins, spec_factory
 
@@ -49,7 +51,8 @@ class ModelSource:
 
             path = resolve_model(model)
             if path.is_dir():
-                if not (path / "config.json").exists():
+                if not (path / "config.json").exists() and not is_chatterbox_folder(path) \
+                        and not is_diffusers_folder(path):
                     raise DeploymentError(f"model folder {path} has no config.json")
                 self.kind, self.path = "hf", path
             elif path.suffix == ".gguf" and path.is_file():
@@ -63,6 +66,10 @@ class ModelSource:
 
     @functools.cached_property
     def config(self) -> dict:
+        if self.kind == "hf" and is_chatterbox_folder(self.path):  # the Hub's folder has no config.json
+            return folder_config(self.path)
+        if self.kind == "hf" and is_diffusers_folder(self.path):
+            return diffusers_config(self.path)
         if self.kind == "hf":
             return json.loads((self.path / "config.json").read_text())
         from shared.gguf_source import gguf_config
@@ -77,6 +84,8 @@ class ModelSource:
             info = load_gguf_tokenizer(self.path)
             return TokenizerBundle(info.tokenizer, info.chat_template, [info.eos_token_id], info.bos_token,
                                    info.eos_token)
+        if is_diffusers_folder(self.path):
+            return _hf_tokenizer(tokenizer_folder(self.path), {})
         return _hf_tokenizer(self.path, self.config)
 
     @functools.cached_property

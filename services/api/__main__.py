@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shared.config import (
     add_address_flags,
@@ -24,6 +24,7 @@ from shared.config import (
 from shared.generation_config import FLAG_HELP as GENERATION_FLAG_HELP
 from shared.logs import add_logging_flags, setup_logging
 from shared.memory import release_free_heap
+from shared.models import add_models_flags
 from shared.zmq_utils import cleanup_ipc
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_deployment_flags(p, names=("model", "max_seq_len"))
     add_model_flags(p)
     add_address_flags(p, ADDRESSES)
+    add_models_flags(p)
     p.add_argument("--api-advertise-addr", default=os.environ.get("MSTAR_API_ADVERTISE_ADDR") or None,
                    help="the api address workers reply to "
                         "(env MSTAR_API_ADVERTISE_ADDR; default: the api bind address)")
@@ -189,19 +191,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from services.api.app import create_app
     from services.api.server import ApiServer
 
     try:
-        settings, tokenizer = _load_settings(args, addrs, reply_to)
+        app, settings, drain = _build_app(args, addrs, reply_to)
     except Exception as exc:  # a bad --model or flag: say so in one line, no traceback
         log.error("cannot start the api: %s", exc)
         return 2
 
-    app = create_app(settings, tokenizer)
     release_free_heap()
     log.info("api for %s on http://%s:%d (outputs at %s, reply_to %s)%s",
-             settings.model_name, args.host, args.port, settings.api_addr, reply_to,
+             ", ".join(getattr(drain, "names", (settings.model_name,))),
+             args.host, args.port, settings.api_addr, reply_to,
              "; API key required" if settings.api_key else "")
     log.info("default sampling from %s: %s", args.generation_config, settings.generation_defaults.describe())
     config = uvicorn.Config(
@@ -215,17 +216,60 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=args.keep_alive_s,
         # a WebSocket frame up to the body limit reaches the route (which refuses past it with
         # an error frame): a policy's openpi observations are msgpack arrays, 64 MiB allowed
-        ws_max_size=max(16 << 20, settings.max_body_bytes),
+        ws_max_size=max(16 << 20, getattr(drain, "max_body_bytes", settings.max_body_bytes)),
         # uvicorn annotates an int but only passes it to asyncio.timeout: a float is fine
         timeout_graceful_shutdown=DRAIN_S + 3.0,  # type: ignore[arg-type]  # only reached if draining itself hangs
     )
     if args.access_log:  # uvicorn set its access logger to log_level (warning): its lines are info
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     try:
-        ApiServer(config, app.state.api.backend, DRAIN_S).run()
+        ApiServer(config, drain, DRAIN_S).run()
     finally:
         cleanup_ipc(addrs["api"])  # also when uvicorn failed before its lifespan shutdown
     return 0
+
+
+def _build_app(args: argparse.Namespace, addrs: dict[str, str], reply_to: str) -> tuple[Any, ApiSettings, Any]:
+    """(the ASGI app, the default model's settings, what drains live requests at shutdown).
+
+    One model: `create_app`'s app. Several (`--models`): each model's app behind a
+    `fleet.ModelRouter`, each app's backend at the model's own output socket and data
+    worker, the conductor shared."""
+    from services.api.app import create_app
+    from shared.models import models_from_args
+
+    served = models_from_args(args)
+    if not served:
+        settings, tokenizer = _load_settings(args, addrs, reply_to)
+        app = create_app(settings, tokenizer)
+        return app, settings, app.state.api.backend
+    import msgspec
+
+    from services.api.auth import ApiKeyMiddleware
+    from services.api.fleet import ModelRouter
+
+    apps = {}
+    key = None
+    for m in served:
+        ns = argparse.Namespace(**{**vars(args), "model": m.model, "served_model_name": m.name})
+        own = {**addrs, "api": m.api_addr, "data_worker": m.data_worker_addr}
+        settings, tokenizer = _load_settings(ns, own, advertised(m.api_addr, None))
+        key = settings.api_key  # checked once, by the router in front, for every route of every app
+        apps[m.name] = create_app(msgspec.structs.replace(settings, api_key=None), tokenizer)
+    first = apps[served[0].name]
+    router = ModelRouter(apps, max(a.state.api.settings.max_body_bytes for a in apps.values()))
+    front: Any = ApiKeyMiddleware(router, key) if key else router
+    return _Front(front, first.state), msgspec.structs.replace(first.state.api.settings, api_key=key), router
+
+
+class _Front:
+    """The router as the app uvicorn runs, with the default model's `state` beside it."""
+
+    def __init__(self, app: Any, state: Any) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
 
 
 def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
@@ -277,7 +321,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
-        world_shape=spec.world_shape,
+        world_shape=spec.world_shape, **image_settings(spec),  # type: ignore[arg-type]
         **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,
@@ -296,6 +340,15 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
     big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0] or spec.world_shape[0]
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
+
+
+def image_settings(spec: ModelSpec) -> dict[str, object]:
+    """What the image and video routes check before queueing: an image model's sizes, frames and steps."""
+    from shared.specs.cosmos3 import MAX_FRAMES, MAX_SIDE, Cosmos3Spec
+
+    if not isinstance(spec, Cosmos3Spec):
+        return {}
+    return {"image_limits": (spec.spatial, spec.temporal, MAX_SIDE, MAX_FRAMES, spec.loop_cap)}
 
 
 def policy_settings(spec: ModelSpec) -> dict[str, object]:

@@ -39,6 +39,7 @@ from shared.frames import (
     FrameCodec,
     GenerateRequest,
     Heartbeat,
+    ModelCommand,
     Output,
     RequestError,
     StatusQuery,
@@ -96,6 +97,7 @@ class Backend:
         conductor_addr: str,
         control_addr: str,
         status_timeout_s: float = 1.0,
+        model: str = "",
     ) -> None:
         self.api_addr = api_addr
         self.reply_to = reply_to
@@ -103,6 +105,9 @@ class Backend:
         self.conductor_addr = conductor_addr
         self.control_addr = control_addr
         self.status_timeout_s = status_timeout_s
+        #: the served model whose workers `/ready` and `/metrics` report (several models
+        #: behind one conductor; a conductor of one model ignores it)
+        self.model = model
         self._codec = FrameCodec(ToApi)
         self._control_codec = FrameCodec(ClusterStatus)
         self._ctx: zmq.asyncio.Context | None = None
@@ -325,7 +330,12 @@ class Backend:
             self._status, self._status_at = status, -1e9 if starting else time.monotonic()
             return status
 
-    async def _query_status(self) -> ClusterStatus | None:
+    async def ask(self, query: StatusQuery | ModelCommand) -> ClusterStatus | None:
+        """One control query, uncached (a model command, or every model's status)."""
+        async with self._status_lock:
+            return await self._query_status(query)
+
+    async def _query_status(self, query: StatusQuery | ModelCommand | None = None) -> ClusterStatus | None:
         if self._closed:
             return None
         await self.start()
@@ -333,7 +343,7 @@ class Backend:
             self._control = self._socket(zmq.DEALER, self.control_addr)
         sock = self._control
         try:
-            await sock.send_multipart(self._codec.encode(StatusQuery()))
+            await sock.send_multipart(self._codec.encode(query or StatusQuery(self.model)))
             # pyzmq's stub gives the async poll no flags argument (run time: flags=POLLIN, returns the events)
             if not await sock.poll(int(self.status_timeout_s * 1000), zmq.POLLIN):  # type: ignore[call-arg]
                 # Replies carry no query id: drop the socket so a late answer can never be

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -87,10 +88,16 @@ def chat_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
+#: every served model's name, where several models are served (`fleet.ModelRouter` sets it
+#: per request): a refusal names them all, not only the app's own
+SERVED: ContextVar[tuple[str, ...]] = ContextVar("served_models", default=())
+
+
 def check_model(model: str | None, served: str) -> None:
     """`model`: omitted, null, or the served name (else 404 model_not_found, as OpenAI)."""
     if model is not None and model != served:
-        raise ApiError(HttpKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist; this server serves `{served}`.",
+        names = ", ".join(f"`{n}`" for n in SERVED.get() or (served,))
+        raise ApiError(HttpKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist; this server serves {names}.",
                        "model", code="model_not_found")
 
 

@@ -124,6 +124,8 @@ class ClusterCollector(Collector):
                             sum(w.spec_accepted_tokens for w in ws))
         yield self._counter("mstar_world_clip_encodes", "a world model's context clips encoded (the others were "
                             "in the worker's clip cache), summed over workers", sum(w.clip_encodes for w in ws))
+        yield self._counter("mstar_denoise_steps", "a diffusion model's denoising steps run (each request's "
+                            "iterations of its loop), summed over workers", sum(w.denoise_steps for w in ws))
         yield self._counter("mstar_kv_footprint_overruns",
                             "pages taken past a label's footprint (bugs), summed over workers",
                             sum(w.footprint_overruns for w in ws))

@@ -500,6 +500,9 @@ class ModelCard(msgspec.Struct):
     #: computes with (its top-k experts'); null where the family does not count them
     parameters: int | None = None
     active_parameters: int | None = None
+    #: what the model serves ("generate", "embed", "score", "speech", "act", "rollout"):
+    #: the routes it answers (several models behind one server differ in it)
+    task: str | None = None
 
 
 class ModelList(msgspec.Struct):
@@ -692,6 +695,10 @@ class SpeechRequest(Body):
         "the most sound to make, in seconds (rounded up to whole frames; with max_tokens, the smaller cap); "
         "past what the model's frame loop allows it is refused as max_tokens is"))] | None = None
     context: Context | None = None
+    exaggeration: Annotated[float, Meta(description=(
+        "Chatterbox: the emotion exaggeration of its voice (0 to 2; the package's 0.5 when absent)"))] | None = None
+    cfg_weight: Annotated[float, Meta(description=(
+        "Chatterbox: the classifier-free guidance weight (0 to 2; the package's 0.5 when absent)"))] | None = None
 
 
 class Route(NamedTuple):

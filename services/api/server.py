@@ -19,16 +19,21 @@ import signal
 import socket
 import threading
 from collections.abc import Generator
+from typing import Protocol
 
 import uvicorn
-
-from services.api.backend import Backend
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class Drains(Protocol):
+    """What ends the live requests at shutdown: the backend, or every model's (`fleet`)."""
+
+    def fail_live(self, message: str = ...) -> int: ...
+
+
 class ApiServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, backend: Backend, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, backend: Drains, drain_s: float) -> None:
         super().__init__(config)
         self._backend = backend
         self._drain_s = drain_s

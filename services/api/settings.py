@@ -67,6 +67,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     action_shape: tuple[int, int] = (0, 0)
     #: a world model's predicted frames: (tokens, embed dim) of each step's embedding
     world_shape: tuple[int, int] = (0, 0)
+    #: an image/video model's limits (the spec's): pixels per latent patch, frames per
+    #: latent frame, the largest side, the most frames, the most denoising steps
+    image_limits: tuple[int, int, int, int, int] = (16, 4, 2048, 189, 100)
     #: a robot policy's camera names (LeRobot's `input_features`, in order; empty: it takes
     #: any) and its state's length (0: not known): the openpi WebSocket maps onto them
     policy_cameras: tuple[str, ...] = ()

@@ -171,6 +171,9 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     check_model(req.model, settings.model_name)
     fmt = check_speech(req)
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
+    for name in ("exaggeration", "cfg_weight"):  # Chatterbox's extensions; its spec checks them
+        if getattr(req, name) is not None:
+            options[name] = getattr(req, name)
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",
                             sampling=SamplingParams(**sampling_fields(req, model_defaults(settings))),
                             max_tokens=token_cap(req, settings.audio_frame_rate, settings.audio_frame_tokens,

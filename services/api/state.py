@@ -48,6 +48,7 @@ class ApiState:
             conductor_addr=settings.conductor_addr,
             control_addr=settings.control_addr,
             status_timeout_s=settings.status_timeout_s,
+            model=settings.model_name,
         )
 
     async def start_generation(self, params: GenerateParams, *, client_id: str, started: float,
@@ -147,7 +148,8 @@ TASK_ROUTES = {"generate": "/generate, /v1/completions, /v1/chat/completions, /v
                "speech": "/v1/audio/speech (and /generate: tokens and audio)",
                "score": "/v1/score and /v1/rerank",
                "act": "/v1/actions",
-               "rollout": "/v1/world/rollout"}
+               "rollout": "/v1/world/rollout",
+               "image": "/v1/images/generations and /v1/videos"}
 
 
 def task_refusal(model: str, served: str, asked: str) -> str:

@@ -14,6 +14,7 @@ from shared.config import (
 from shared.logs import add_logging_flags, setup_logging
 from shared.memory import release_free_heap
 from shared.model_source import ModelSource
+from shared.models import add_models_flags, models_from_args
 from shared.specs.base import DeploymentError, ModelSpec
 
 ADDRESSES = ["conductor", "conductor_control"]
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="mstar conductor: deployment validation, loop caps, "
                                                  "admission by KV footprint, routing")
     add_deployment_flags(parser)
+    add_models_flags(parser, models_max=True)
     add_address_flags(parser, ADDRESSES)
     add_logging_flags(parser)
     return parser
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from shared.fingerprint import fingerprint
 
     try:
+        served = models_from_args(args)
+        if served:
+            return _run_fleet(args, d, served)
         spec = validate_deployment(d.model, d.page_size, d.max_seq_len, d.task)
         ours = fingerprint(d)
     except (DeploymentError, FileNotFoundError, ValueError) as exc:
@@ -70,6 +75,25 @@ def main(argv: list[str] | None = None) -> int:
     conductor = Conductor(d, spec, addrs, ours)
     release_free_heap()  # what reading the model's config and spec freed
     run_service(conductor.run())
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, d, served) -> int:
+    """Several models: each validated and fingerprinted as one model is, then one
+    `Fleet` keeps a conductor per model behind this process's sockets."""
+    import msgspec
+
+    from services.conductor.fleet import Fleet
+    from shared.aio import run_service
+    from shared.fingerprint import fingerprint
+
+    entries = []
+    for m in served:
+        md = msgspec.structs.replace(d, model=m.model)
+        entries.append((m, validate_deployment(m.model, d.page_size, d.max_seq_len, d.task), fingerprint(md)))
+    fleet = Fleet(d, entries, resolve_addresses(args, ADDRESSES), args.models_max)
+    release_free_heap()
+    run_service(fleet.run())
     return 0
 
 

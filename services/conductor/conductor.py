@@ -242,15 +242,19 @@ def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple
 
 class Conductor:
     def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str],
-                 fingerprint: Fingerprint | None = None) -> None:
+                 fingerprint: Fingerprint | None = None, pushers: Pushers | None = None,
+                 ctx: zmq.asyncio.Context | None = None) -> None:
         self.d = d
         #: what a worker must have loaded to join (None: no check, for in-process tests)
         self.fingerprint = fingerprint
         self.refused: OrderedDict[str, str] = OrderedDict()  # incarnation -> reason, logged once
         self.spec = spec
         self.addrs = addrs
-        self.ctx = zmq.asyncio.Context()
-        self.pushers = Pushers(self.ctx)
+        #: shared by the models' conductors of one process (`fleet.Fleet`), else its own
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.pushers = pushers or Pushers(self.ctx)
+        #: set while the model drains to be unloaded: requests queue, none is placed
+        self.paused = False
         self.codec = FrameCodec(ToConductor)
         self.ctl_codec = FrameCodec(StatusQuery)
         self.workers: dict[str, WorkerState] = {}
@@ -270,14 +274,32 @@ class Conductor:
         pull = bind_pull(self.ctx, self.addrs["conductor"])
         router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         try:
-            await asyncio.gather(self._intake(pull), self._control(router), self._watch_heartbeats(),
-                                 self._expire_queue())
+            await asyncio.gather(self._intake(pull), self._control(router), *self.background())
         finally:
             pull.close(0)
             router.close(0)
             self.pushers.close()
             cleanup_ipc(self.addrs["conductor"])
             cleanup_ipc(self.addrs["conductor_control"])
+
+    def background(self) -> list:
+        """The periodic duties beside the sockets: heartbeats watched, the queue expired."""
+        return [self._watch_heartbeats(), self._expire_queue()]
+
+    def retire(self) -> list[str]:
+        """Forget every worker without failing anything (the model is unloaded, its requests
+        all finished): the incarnations retired, so a late beat of theirs is not taken for
+        a new worker."""
+        gone = []
+        for w in list(self.workers.values()):
+            if w.monitor is not None:
+                w.monitor.cancel()
+            self.pushers.drop(w.address)
+            gone.append(w.incarnation)
+            log.info("worker %s retired (its model is unloaded)", w.worker_id)
+        self.workers.clear()
+        self.no_worker_since = time.monotonic()
+        return gone
 
     # -- sockets -------------------------------------------------------------------------
 
@@ -367,7 +389,7 @@ class Conductor:
         await self.pushers.send(req.reply_to, self.codec.encode(err))
 
     async def _drain_queue(self) -> None:
-        while self.queue and self.workers:
+        while self.queue and self.workers and not self.paused:
             req, bufs = self.queue[0]
             if not req.loop_caps:  # queued before any worker existed
                 pools = self._reference_pools()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from contextlib import aclosing
+from typing import cast
 
 import msgspec
 import zmq
@@ -43,6 +44,7 @@ from shared.specs.base import (
     PromptError,
     PromptRequest,
 )
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.policy import PolicySpec
 from shared.specs.world import WorldSpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
@@ -130,6 +132,8 @@ class DataWorker:
             return self.prepare_policy(req, self.spec)
         if isinstance(self.spec, WorldSpec):
             return self.prepare_world(req, self.spec)
+        if isinstance(self.spec, Cosmos3Spec):
+            return self.prepare_diffusion(req, self.spec)
         if self.spec.takes_audio != (req.audio is not None):
             if req.audio is None:
                 raise _ClientError("file", "the served model takes audio: send a file")
@@ -212,6 +216,32 @@ class DataWorker:
         floats = {k: tuple(v) for k, v in req.floats.items()}
         try:
             ppo = spec.process_prompt(PromptRequest([], None, options, tuple(images), floats=floats))
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        ids = [int(t) for t in ppo.new_input_tensors["input_ids"]]
+        return ids, ppo, engine_metadata(options, ppo.metadata, spec.metadata_keys)
+
+    def prepare_diffusion(self, req: GenerateRequest, spec: Cosmos3Spec):
+        """An image or video to generate: the prompt and the negative prompt (option
+        `negative_prompt`) each rendered as the pipeline renders it (its templates and chat
+        template) and tokenized, then the pipeline's two closing ids; the conditional ids
+        first, the spec told where they end (`cond_rows`)."""
+        options = model_options(req)
+        negative = options.pop("negative_prompt", None)
+        size = [options.get(k, d) for k, d in (("height", 720), ("width", 1280), ("num_frames", 1))]
+        try:
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in size):
+                raise PromptError("size", "height, width and num_frames must be integers")
+            height, width, frames = (int(cast(int, v)) for v in size)
+            spec.check_size(width, height, frames)
+            texts = spec.prompt_texts(req.prompt or "", negative if isinstance(negative, str) else None, height,
+                                      width, frames)
+        except PromptError as exc:
+            raise _ClientError(exc.param, str(exc)) from exc
+        cond, uncond = (self.tok.tokenizer.encode(t, add_special_tokens=False).ids + spec.suffix_ids for t in texts)
+        options["cond_rows"] = len(cond)
+        try:
+            ppo = spec.process_prompt(PromptRequest(cond + uncond, None, options))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         ids = [int(t) for t in ppo.new_input_tensors["input_ids"]]

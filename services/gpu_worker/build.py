@@ -24,7 +24,9 @@ from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.chatterbox import ChatterboxRunner
 from services.gpu_worker.runners.csm import CsmRunner
+from services.gpu_worker.runners.diffusion import DiffusionRunner
 from services.gpu_worker.runners.encdec import MAX_ENCODES_PER_STEP, EncoderDecoderRunner
 from services.gpu_worker.runners.higgs import HiggsRunner
 from services.gpu_worker.runners.hybrid import HybridRunner
@@ -66,8 +68,10 @@ RUNNERS: dict[str, tuple[type[ModelRunner], int | None]] = {
     "csm_decoder": (CsmRunner, None),
     "policy": (PolicyRunner, None),
     "world": (WorldRunner, None),
+    "diffusion": (DiffusionRunner, None),
     "omni_thinker": (OmniRunner, VISION_ENCODES_PER_STEP),
     "higgs_decoder": (HiggsRunner, None),
+    "chatterbox_decoder": (ChatterboxRunner, None),
 }
 
 

@@ -35,7 +35,7 @@ from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.sampler import make_generator
 from services.gpu_worker.scheduler import Scheduler
 from services.gpu_worker.speculative import NgramProposer
-from services.gpu_worker.step_types import OVERRUN, Failure, Finished, StepResult, error_frame
+from services.gpu_worker.step_types import OVERRUN, Failure, Finished, PlanEntry, StepResult, error_frame
 from services.gpu_worker.tp.group import GroupLost
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest
@@ -190,7 +190,7 @@ class Engine:
         for entry, k in zip(plan.entries, kept):
             if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
                 continue
-            emitted = self._emit(entry.request, k.tokens)
+            emitted = self._emit(entry, k.tokens)
             if not self.runner.on_emit(entry.request, emitted.reply_to, emitted.output):
                 res.outputs.append((emitted.reply_to, emitted.output))
             if emitted.ended:
@@ -198,16 +198,23 @@ class Engine:
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time
         return res
 
-    def _emit(self, req: Request, tokens: list[int]):
-        """The step's output of `req`: a later stage's is the runner's (`emit_stage`); an
-        end that the runner turns into its next stage (`next_stage`: the thinker's text
-        ended, its talker starts) does not end the request."""
-        if req.stage is not None:
+    def _emit(self, entry: PlanEntry, tokens: list[int]):
+        """The step's output of `entry`: a later stage's is the runner's (`emit_stage`). The
+        first stage's may open the later one (`open_stage`: an omni talker starts at the
+        thinker's first token), and its end does not end the request while the later stage
+        runs or is still to run (`next_stage`); where the later stage ended first, the
+        request ends with the first, every loop at its cap only if both stages' were."""
+        req = entry.request
+        if entry.stage:
             return self.runner.emit_stage(req, tokens)
         emitted = self.outputs.emit(req, tokens)
-        if emitted.ended and self.runner.next_stage(req, emitted.output, emitted.ran_to_caps):
+        if not emitted.ended:
+            self.runner.open_stage(req)
+        elif self.runner.next_stage(req, emitted.output, emitted.ran_to_caps):
             req.proposer = None  # (a later stage never speculates)
             return emitted._replace(ended=False)
+        elif req.stage is not None:
+            return emitted._replace(ran_to_caps=emitted.ran_to_caps and req.stage.at_caps)
         return emitted
 
     def _prepare(self, admitted: list[Request], res: StepResult) -> None:

@@ -21,20 +21,37 @@ from shared.layout import KVLabel
 
 @dataclass
 class Stage:
-    """A request's later stage (an omni model's talker, after its thinker's text ended), set
-    by the runner (`ModelRunner.next_stage`): the labels its steps write, the loop a step
-    after its first iterates (its first step commits its prompt rows as a span), the rows
-    its next step writes, the earlier stage's finish_reason (sent on the request's last
-    output, as the earlier stage's end did not end the request) and the runner's state."""
+    """A request's later stage (an omni model's talker), set by the runner: the labels its
+    steps write, the loop a step after its first iterates (its first step commits its
+    prompt rows as a span), the rows its next step writes, and the runner's state.
+
+    It may open while the earlier stage still decodes (DESIGN.md §3 "Stages": the talker
+    starts at the thinker's first token, `ModelRunner.open_stage`): then both stages have
+    an entry in a step, and the later one's step k waits until the earlier one has made
+    k + `lead` outputs (what it reads of them), unless the earlier one ended. Either may
+    end first; the request ends when both have. `finish` is the earlier stage's
+    finish_reason (sent on the request's last output)."""
 
     labels: tuple[KVLabel, ...]
     loop: str
     rows: int
-    finish: str
-    #: the earlier stage ran every loop to its cap (for the KV manager's under-use check)
+    finish: str = ""
+    #: the earlier stage ran every loop to its cap; once `done`, whether this stage's did
     at_caps: bool = False
     started: bool = False
     state: Any = None
+    #: the earlier stage's outputs the later one's first step needs
+    lead: int = 1
+    #: steps this stage has run (its prompt's included)
+    steps: int = 0
+    #: the earlier stage has ended (its finish_reason is in `finish`)
+    earlier_done: bool = True
+    #: this stage has ended (it may before the earlier one does)
+    done: bool = False
+
+    def ready(self, earlier_outputs: int) -> bool:
+        """Whether this stage's next step has what it reads of the earlier stage."""
+        return not self.done and (self.earlier_done or earlier_outputs >= self.steps + self.lead)
 
 
 @dataclass

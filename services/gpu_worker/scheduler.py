@@ -176,7 +176,7 @@ class Scheduler:
             except LayoutViolation as exc:
                 failed.append(Failure(req, LAYOUT_VIOLATED, exc))
                 continue
-            if req.stage is not None:
+            if entry.stage:
                 _stage_committed(req, entry, k.rows)
                 continue
             req.num_computed += k.rows
@@ -250,19 +250,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         ready = [r for r in self.running if r.ready]
-        decodes = [r for r in ready if r.decoding]
-        # (a later stage's first step writes its prompt rows: they count as a prefill's)
-        budget = self.limits.max_batch_tokens - sum(1 if r.stage is None else r.stage.rows for r in decodes)
         plan = StepPlan()
-        for r in decodes:
-            if r.stage is not None:  # a later stage's step: its prompt rows, then a row an iteration
-                plan.entries.append(PlanEntry(r, r.stage.rows, r.stage.started))
-                plan.shape += chunk_shape(0, r.stage.rows, 1)
-                continue
-            drafts = self._drafts(r, budget) if r.proposer is not None and budget > 0 else []
-            budget -= len(drafts)
-            plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
-            plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
+        budget = self._plan_decodes([r for r in ready if r.decoding], plan)
         seconds, floor = self._prefill_allowance(plan)
         logit_rows = self.limits.max_logit_rows or self.limits.max_batch_tokens
         first = True  # no prompt chunk in the plan yet
@@ -317,6 +306,25 @@ class Scheduler:
         if plan.entries and self.limits.itl_target_s > 0:
             self.costs.observe(plan.shape, seconds)
 
+    def _plan_decodes(self, decodes: list[Request], plan: StepPlan) -> int:
+        """Each decoding request's entries (a row and its drafts; its later stage's rows
+        where that stage is ready, beside or after the first's); the batch tokens left."""
+        # (a later stage's first step writes its prompt rows: they count as a prefill's)
+        budget = self.limits.max_batch_tokens - sum(
+            (0 if r.stage is not None and r.stage.earlier_done else 1)
+            + (r.stage.rows if r.stage is not None and r.stage.ready(len(r.output)) else 0) for r in decodes)
+        for r in decodes:
+            stage = r.stage
+            if stage is None or not stage.earlier_done:
+                drafts = self._drafts(r, budget) if r.proposer is not None and budget > 0 else []
+                budget -= len(drafts)
+                plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
+                plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
+            if stage is not None and stage.ready(len(r.output)):  # its prompt rows, then a row an iteration
+                plan.entries.append(PlanEntry(r, stage.rows, stage.started, stage=True))
+                plan.shape += chunk_shape(0, stage.rows, 1)
+        return budget
+
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Prompt-lookup drafts for this step, never more than the request may still emit
         after the token this step samples anyway: its loop cap, max_tokens, max_seq_len."""
@@ -330,7 +338,7 @@ class Scheduler:
 def entry_labels(entry: PlanEntry, labels: tuple[KVLabel, ...]) -> tuple[KVLabel, ...]:
     """The labels an entry's rows are written on: the step's, or its request's later stage's."""
     stage = entry.request.stage
-    return labels if stage is None else stage.labels
+    return stage.labels if entry.stage and stage is not None else labels
 
 
 def _stage_committed(req: Request, entry: PlanEntry, rows: int) -> None:
@@ -341,6 +349,7 @@ def _stage_committed(req: Request, entry: PlanEntry, rows: int) -> None:
     if entry.decode:
         req.iters[stage.loop] = req.iters.get(stage.loop, 0) + rows
     stage.started, stage.rows = True, 1
+    stage.steps += 1
 
 
 def whole_blocks(blocks: tuple[tuple[int, int], ...], computed: int, n: int, first: bool) -> int:

@@ -36,6 +36,8 @@ class PlanEntry:
     pages: dict[str, list[int]] = field(default_factory=dict)
     #: labels whose scratch rows the step wrote (given back after it)
     scratch: list[str] = field(default_factory=list)
+    #: the step of the request's later stage (`Request.stage`), not of its first
+    stage: bool = False
 
 
 @dataclass

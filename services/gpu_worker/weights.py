@@ -29,6 +29,7 @@ from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.modeling.registry import torch_model_for
 from services.gpu_worker.mxfp4_weights import is_mxfp4, split_experts
 from services.gpu_worker.threads import torch_threads
+from shared.diffusers_folder import component_weights, is_diffusers_folder
 from shared.model_source import ModelSource
 from shared.specs.base import ModelSpec
 
@@ -95,11 +96,16 @@ def build_model(source: ModelSource, spec: ModelSpec, dtype: torch.dtype,
     else:
         config = source.config
         state = {}
-        files = sorted(source.path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"model folder {source.path} has no *.safetensors files")
-        for f in tqdm(files, desc="loading safetensors", unit="file", file=sys.stderr):
-            state.update(_load_safetensors(f, cls.skip_prefixes))
+        if is_diffusers_folder(source.path):  # a pipeline: each component's tensors under its name
+            for component, f in component_weights(source.path, getattr(cls, "components", ())):
+                state.update({f"{component}.{k}": v for k, v in _load_safetensors(f, ()).items()
+                              if not f"{component}.{k}".startswith(cls.skip_prefixes)})
+        else:
+            files = sorted(source.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"model folder {source.path} has no *.safetensors files")
+            for f in tqdm(files, desc="loading safetensors", unit="file", file=sys.stderr):
+                state.update(_load_safetensors(f, cls.skip_prefixes))
         if is_mxfp4(config):  # kept in their blocks where the kernels run, else dequantized
             keep_mx = quantized and quant.available() and torch.device(device).type == "cpu"
             state, quant_state = split_experts(state, keep_mx)

@@ -215,13 +215,15 @@ class GpuWorker:
         kv = self.kv
         drafted, accepted = self.engine.spec_draft_tokens, self.engine.spec_accepted_tokens
         encodes = int(getattr(self.engine.runner, "encodes", 0))  # a world model's (runners/world.py)
+        denoised = int(getattr(self.engine.runner, "denoise_steps", 0))  # a diffusion model's (runners/diffusion.py)
         key = (tuple(pools), len(self.engine.running), len(self.engine.waiting), kv.footprint_overruns,
-               kv.prefix_queries, drafted, encodes)
+               kv.prefix_queries, drafted, encodes, denoised)
         if force or key != self._last_stats:
             self._last_stats = key
             self._to_conductor(WorkerStats(self.worker_id, pools, len(self.engine.running), len(self.engine.waiting),
                                            kv.footprint_overruns, kv.prefix_queries, kv.prefix_hit_tokens,
-                                           drafted, accepted, kernels=self._kernels, clip_encodes=encodes))
+                                           drafted, accepted, kernels=self._kernels, clip_encodes=encodes,
+                                           denoise_steps=denoised))
 
     def _held(self) -> str:
         """The requests this worker holds, for the step watchdog's log line."""

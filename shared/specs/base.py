@@ -419,6 +419,19 @@ class CsmRunnerSpec(DecoderRunnerSpec, Protocol):
 
 
 @runtime_checkable
+class ChatterboxRunnerSpec(DecoderRunnerSpec, Protocol):
+    """The Chatterbox runner's (runners/chatterbox.py): its two labels (the guidance row
+    set second) and their pool, the conditioning prefix's rows, the start of speech, the
+    built-in voice's file."""
+
+    labels: tuple[str, ...]
+    pool: str
+    cond_rows: int
+    bos: int
+    conds_path: Any
+
+
+@runtime_checkable
 class HiggsRunnerSpec(DecoderRunnerSpec, Protocol):
     """The Higgs runner's (runners/higgs.py): its label and pool, the codebooks and the
     stream BOS / EOS codes, the flat tokens of the delay pattern, the frame that ends a
@@ -475,6 +488,20 @@ class WorldRunnerSpec(RunnerSpec, Protocol):
     heads: int
     tokens_per_frame: int
     rollout_loop: str
+
+
+@runtime_checkable
+class DiffusionRunnerSpec(RunnerSpec, Protocol):
+    """The diffusion runner's (runners/diffusion.py): the text label, the query heads, the
+    denoising loop, the pixels per latent patch (spatial) and frames per latent (temporal),
+    the pipeline's component configs (`config["transformer"]`, `config["scheduler"]`)."""
+
+    label_name: str
+    heads: int
+    denoise_loop: str
+    spatial: int
+    temporal: int
+    config: Any
 
 
 @runtime_checkable

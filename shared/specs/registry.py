@@ -17,6 +17,10 @@ from shared.hybrid_config import ARCHITECTURES as HYBRID_ARCHITECTURES
 from shared.hybrid_config import MOE_ARCHITECTURES as HYBRID_MOE_ARCHITECTURES
 from shared.model_config import ARCHITECTURES as DECODER_LM_ARCHITECTURES
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.chatterbox import ARCHITECTURE as CHATTERBOX_ARCHITECTURE
+from shared.specs.chatterbox import ChatterboxSpec
+from shared.specs.cosmos3 import ARCHITECTURES as COSMOS3_ARCHITECTURES
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.csm import ARCHITECTURE as CSM_ARCHITECTURE
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
@@ -67,6 +71,8 @@ MODEL_REGISTRY: dict[str, SpecFactory] = {
     **dict.fromkeys(WORLD_ARCHITECTURES, WorldSpec),
     **dict.fromkeys(OMNI_ARCHITECTURES, Qwen3OmniSpec),
     HIGGS_ARCHITECTURE: HiggsSpec,
+    CHATTERBOX_ARCHITECTURE: ChatterboxSpec,
+    **dict.fromkeys(COSMOS3_ARCHITECTURES, Cosmos3Spec),
 }
 
 

@@ -145,6 +145,9 @@ def test_a_chat_model_refuses_embeddings(smollm_server):
     assert r.json()["error"]["message"].endswith("is a 'generate' model: this route is for 'embed' models; it "
                                                  "serves /generate, /v1/completions, /v1/chat/completions, "
                                                  "/v1/responses and /v1/messages")
+    for route in ("/v1/images/generations", "/v1/videos"):
+        r = httpx.post(smollm_server.url + route, json={"prompt": "a fox", "size": "30x30"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
 def test_task_embed_serves_a_decoder_lm_by_its_last_token(tmp_path):

@@ -146,7 +146,9 @@ def assert_speech(folder: Path, voice: str, text: str, wav: bytes, media: str = 
 
 async def test_speech_equals_transformers(folder, server):
     """Two voices, one after the other and both at once: transformers' text and waveform;
-    streamed, the same text and the same clip."""
+    streamed, the same text and the same clip; each of the 8 clips counted in the
+    time-to-first-audio and real-time-factor histograms."""
+    clips = server.metric("mstar_time_to_first_audio_seconds_count")
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         alone = [await chat(client, v) for v in VOICES]
         together = await asyncio.gather(*(chat(client, v) for v in VOICES))
@@ -159,6 +161,34 @@ async def test_speech_equals_transformers(folder, server):
         assert raw[1] == one[1][44:]  # pcm16: the wav file's samples
         assert stream == (one[0], raw[1])
     assert one[1] != alone[0][1]  # the two voices differ
+    assert server.metric("mstar_time_to_first_audio_seconds_count") == clips + 8
+    assert server.metric("mstar_real_time_factor_count") == clips + 8
+    assert_clean(server)
+
+
+async def test_the_talker_speaks_while_the_thinker_writes(server):
+    """The talker starts at the thinker's first token (DESIGN.md §3 "Stages"): streamed,
+    the first sound arrives before the text's last token (counted by the chunks' logprobs,
+    which the detokenizer does not hold back); the stream joins to the unstreamed reply."""
+    request = body("chelsie", "pcm16", max_tokens=16, ignore_eos=True, logprobs=True)
+    tokens_before_audio, text, pcm = None, [], []
+    tokens = 0
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        async with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    delta = choice["delta"]
+                    tokens += len((choice.get("logprobs") or {}).get("content") or [])
+                    text.append(delta.get("content") or "")
+                    if delta.get("audio"):
+                        tokens_before_audio = tokens if tokens_before_audio is None else tokens_before_audio
+                        pcm.append(base64.b64decode(delta["audio"]["data"]))
+        whole = (await client.post("/v1/chat/completions", json=request)).json()["choices"][0]["message"]
+    assert tokens == 16 and tokens_before_audio is not None and tokens_before_audio < 16, tokens_before_audio
+    assert "".join(text) == whole["content"] and b"".join(pcm) == base64.b64decode(whole["audio"]["data"])
     assert_clean(server)
 
 

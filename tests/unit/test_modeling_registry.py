@@ -59,9 +59,9 @@ def test_an_unlisted_spec_or_a_mismatched_engine_is_refused():
         torch_model_for(EncDecDecoder)
 
     class Unknown(DecoderLMSpec):
-        engine = "diffusion"
+        engine = "teleport"
 
-    with pytest.raises(DeploymentError, match="engine is 'diffusion'"):
+    with pytest.raises(DeploymentError, match="engine is 'teleport'"):
         torch_model_for(Unknown)
 
 

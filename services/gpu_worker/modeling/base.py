@@ -213,6 +213,20 @@ class MultiCodeModel(ModelBase):
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class GuidedSpeechModel(ModelBase):
+    """A speech-token LM over input embeddings with classifier-free guidance (Chatterbox's
+    T3): the runner (runners/chatterbox.py) makes each row's embedding (`cond_rows`,
+    `text_rows`, `speech_rows`), runs both row sets through `backbone` and combines the
+    two `speech_logits` rows of a request."""
+
+    @abstractmethod
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                 meta: AttnMetadata) -> torch.Tensor: ...
+
+    @abstractmethod
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class WorldModel(ModelBase):
     """A world model (V-JEPA 2-AC): `encode` turns frames into their tokens (once per clip;
     the runner caches them by the clip's content key), `predict` is one pass of the
@@ -230,6 +244,29 @@ class WorldModel(ModelBase):
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]: ...
 
 
+class DiffusionModel(ModelBase):
+    """A text-to-image/video diffusion model (Cosmos 3): `text_kv` is a prompt's K/V per
+    layer (once per prompt: the runner keeps them in its pages), `velocity` one denoising
+    forward of every row set of a step together (each reading its prompt's K/V), `decode`
+    the latents to frames; the runner (runners/diffusion.py) steps the loop and the
+    scheduler. `components`: the pipeline folders whose weights it takes (prefixed by name)."""
+
+    components: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def text_kv(self, ids: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    @abstractmethod
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def velocity(self, tokens: torch.Tensor, t: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                 sets: list[tuple[int, int]], text: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+
 #: the spec's `engine` kind -> the base class its torch model must have (abstract, for
 #: issubclass checks: mypy keeps `type[ModelBase]` for classes it may instantiate)
 ENGINE_MODELS: dict[str, ABCMeta] = {
@@ -245,5 +282,7 @@ ENGINE_MODELS: dict[str, ABCMeta] = {
     "csm_decoder": SpeechCodesModel,
     "policy": PolicyModel,
     "higgs_decoder": MultiCodeModel,
+    "chatterbox_decoder": GuidedSpeechModel,
     "world": WorldModel,
+    "diffusion": DiffusionModel,
 }

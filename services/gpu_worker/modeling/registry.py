@@ -12,12 +12,14 @@ from services.gpu_worker.modeling.base import ENGINE_MODELS, ModelBase
 from services.gpu_worker.modeling.decoder.embed import DecoderEmbedder
 from services.gpu_worker.modeling.decoder.lm import DecoderLM
 from services.gpu_worker.modeling.decoder.null_lm import NullLM
+from services.gpu_worker.modeling.diffusion.cosmos3 import Cosmos3
 from services.gpu_worker.modeling.encoder.bert import BertModel
 from services.gpu_worker.modeling.hybrid.qwen3_5 import Qwen35LM
 from services.gpu_worker.modeling.hybrid.qwen3_5_moe import Qwen35MoeLM
 from services.gpu_worker.modeling.hybrid.qwen3_5_vision import Qwen35VLModel
 from services.gpu_worker.modeling.hybrid.qwen3_next import Qwen3NextLM
 from services.gpu_worker.modeling.policy.pi0 import Pi0Policy, Pi05Policy
+from services.gpu_worker.modeling.speech.chatterbox import T3Model
 from services.gpu_worker.modeling.speech.csm import CsmModel
 from services.gpu_worker.modeling.speech.higgs import HiggsModel
 from services.gpu_worker.modeling.speech.whisper import WhisperModel
@@ -27,6 +29,8 @@ from services.gpu_worker.modeling.vision.qwen2_5_vl import Qwen25VLModel
 from services.gpu_worker.modeling.vision.qwen3_omni import Qwen3OmniThinker
 from services.gpu_worker.modeling.world.vjepa2_ac import VJepa2ACWorld
 from shared.specs.base import DeploymentError, ModelSpec
+from shared.specs.chatterbox import ChatterboxSpec
+from shared.specs.cosmos3 import Cosmos3Spec
 from shared.specs.csm import CsmSpec
 from shared.specs.decoder_embed import DecoderEmbedSpec
 from shared.specs.decoder_lm import DecoderLMSpec
@@ -61,6 +65,8 @@ TORCH_MODELS: dict[type[ModelSpec], type[ModelBase]] = {
     WorldSpec: VJepa2ACWorld,
     Qwen3OmniSpec: Qwen3OmniThinker,
     HiggsSpec: HiggsModel,
+    ChatterboxSpec: T3Model,
+    Cosmos3Spec: Cosmos3,
 }
 
 

@@ -177,10 +177,16 @@ class ModelRunner:
 
     def next_stage(self, request: Request, output: Output, at_caps: bool) -> bool:
         """The request's first stage ended with `output` (its finish_reason set): True when
-        the request goes on to a later stage instead (`request.stage` set, the output's
-        finish_reason moved onto it and cleared, so the api keeps listening: "the text
-        ended, the request continues"); False by default: the request ends."""
+        the request goes on to a later stage instead (`request.stage` set or, where
+        `open_stage` set it, told the first ended; the output's finish_reason moved onto it
+        and cleared, so the api keeps listening: "the text ended, the request continues");
+        False by default, and where the later stage has ended already: the request ends."""
         return False
+
+    def open_stage(self, request: Request) -> None:
+        """The request's first stage emitted and goes on: a runner whose later stage may
+        start while the first still decodes (DESIGN.md §3 "Stages") sets `request.stage`
+        here, with `earlier_done` False; nothing by default."""
 
     def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
         """A later stage's step output (what it sampled: `tokens`), and whether it ends the

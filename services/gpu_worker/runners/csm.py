@@ -40,9 +40,9 @@ from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.mimi_codec import MimiCodec, MimiStream
 from services.gpu_worker.codecs.mimi_encoder import MimiEncoder
 from services.gpu_worker.request import Request
-from services.gpu_worker.runners.base import ModelRunner
+from services.gpu_worker.runners.frame_rows import FrameBackboneRunner
 from services.gpu_worker.sampler import Row, sample
-from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
+from services.gpu_worker.step_types import Failure, PlanEntry
 from shared.frames import Output, SamplingParams
 from shared.layout import KVLabel
 from shared.specs.base import CsmRunnerSpec
@@ -54,29 +54,7 @@ log = logging.getLogger("mstar.csm_runner")
 CHUNK_FRAMES = 4
 
 
-class _StepRows:
-    """A step's backbone rows as they are gathered: text rows (ids) and frame rows (codes)."""
-
-    def __init__(self) -> None:
-        self.text_ids: list[int] = []
-        self.text_rows: list[int] = []
-        self.frames: list[list[int]] = []
-        self.frame_rows: list[int] = []
-        self.positions: list[int] = []
-        self.t = 0
-
-    def text(self, tokens: list[int]) -> None:
-        self.text_ids.extend(tokens)
-        self.text_rows.extend(range(self.t, self.t + len(tokens)))
-        self.t += len(tokens)
-
-    def frame(self, codes: list[int]) -> None:
-        self.frames.append(codes)
-        self.frame_rows.append(self.t)
-        self.t += 1
-
-
-class CsmRunner(HeldSound, ModelRunner):
+class CsmRunner(HeldSound, FrameBackboneRunner):
     SPEC = CsmRunnerSpec
     needs_prepare = True
 
@@ -182,56 +160,7 @@ class CsmRunner(HeldSound, ModelRunner):
 
     # -- the step ----------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        rows, sampled, sample_rows = [], [], []
-        step = _StepRows()
-        for e in plan.entries:
-            r, n = e.request, e.rows
-            rows.append(AttnRows(e.pages[self.backbone_label.name], r.kv.labels[self.backbone_label.name].first_page,
-                                 r.num_computed, n, e.decode))
-            if e.decode:
-                step.frame(r.inputs["last_frame"])
-            else:
-                self._prompt_rows(r, n, step)
-            step.positions.extend(range(r.num_computed, r.num_computed + n))
-            if r.num_computed + n == r.tokens_len:
-                sampled.append(e)
-                sample_rows.append(step.t - 1)
-        meta = self._metadata({self.backbone_label.name: rows})[self.backbone_label.name]
-
-        def long(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        with torch.inference_mode():
-            hidden = self.model.backbone(long(step.text_ids), long(step.text_rows),
-                                         long(step.frames).view(-1, self.spec.num_codebooks), long(step.frame_rows),
-                                         long(step.positions), self.layer_caches, meta)
-            made = self._frames(hidden[long(sample_rows)], sampled) if sampled else []
-        tokens = {id(e): tok for e, tok in zip(sampled, made)}
-        return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]
-
-    def _prompt_rows(self, r: Request, n: int, step: _StepRows) -> None:
-        """A prompt chunk's `n` rows: text ids, except the context's frame rows (its
-        audio's encoded codes, each turn's closing all-zero frame), kept on `r.embeds` by
-        `prepare` and dropped once the chunk holding the last of them runs."""
-        lo, hi = r.num_computed, r.num_computed + n
-        frames: dict[int, list[int]] = {}
-        if r.embeds is not None:
-            where, codes = r.embeds
-            a, b = np.searchsorted(where, [lo, hi])
-            frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist()))
-            if b == len(where):
-                r.embeds = None
-        if not frames:  # a text chunk (every prompt without context audio)
-            step.text(r.prompt[lo:hi])
-            return
-        for pos in range(lo, hi):
-            if pos in frames:
-                step.frame(frames[pos])
-            else:
-                step.text([r.prompt[pos]])
-
-    def _frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
+    def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the backbone's `hidden`, the
         others from the depth decoder; kept on the request, returned as its token."""
         reqs = [e.request for e in entries]

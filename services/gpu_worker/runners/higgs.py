@@ -36,15 +36,14 @@ import logging
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import AttnRows, cpu_backend
+from services.gpu_worker.attention import cpu_backend
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.higgs_codec import HiggsCodec, HiggsStream
 from services.gpu_worker.codecs.higgs_encoder import HiggsEncoder
 from services.gpu_worker.request import Request
-from services.gpu_worker.runners.base import ModelRunner
-from services.gpu_worker.runners.csm import _StepRows
+from services.gpu_worker.runners.frame_rows import FrameBackboneRunner
 from services.gpu_worker.sampler import Row, sample
-from services.gpu_worker.step_types import Failure, PlanEntry, StepPlan
+from services.gpu_worker.step_types import Failure, PlanEntry
 from shared.frames import Output, SamplingParams
 from shared.specs.base import HiggsRunnerSpec
 from shared.specs.higgs import encoded_frames
@@ -91,12 +90,12 @@ class DelayPattern:
         return done
 
 
-class HiggsRunner(HeldSound, ModelRunner):
+class HiggsRunner(HeldSound, FrameBackboneRunner):
     SPEC = HiggsRunnerSpec
     needs_prepare = True
 
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
-        self.label = spec.label(spec.label_name)
+        self.backbone_label = spec.label(spec.label_name)
         super().__init__(model, spec, kv, caches, planner)
         self.codec = HiggsCodec(spec.codec_path, spec.codec_config, self.device)
         if self.codec.num_quantizers != spec.num_codebooks:
@@ -186,55 +185,8 @@ class HiggsRunner(HeldSound, ModelRunner):
             out[j: j + n + 2, j] = seq[:, j]
         return out
 
-    def _prompt_rows(self, r: Request, n: int, step: _StepRows) -> None:
-        """A prompt chunk's `n` rows: text ids, except the clips' rows (their delayed
-        frames, kept on `r.embeds` by `prepare`, dropped once the chunk holding the last runs)."""
-        lo, hi = r.num_computed, r.num_computed + n
-        frames: dict[int, list[int]] = {}
-        if r.embeds is not None:
-            where, codes = r.embeds
-            a, b = np.searchsorted(where, [lo, hi])
-            frames = dict(zip(where[a:b].tolist(), codes[a:b].tolist()))
-            if b == len(where):
-                r.embeds = None
-        if not frames:
-            step.text(r.prompt[lo:hi])
-            return
-        for pos in range(lo, hi):
-            if pos in frames:
-                step.frame(frames[pos])
-            else:
-                step.text([r.prompt[pos]])
-
-    # -- the step ----------------------------------------------------------------------
-
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        rows, sampled, sample_rows = [], [], []
-        step = _StepRows()
-        for e in plan.entries:
-            r, n = e.request, e.rows
-            rows.append(AttnRows(e.pages[self.label.name], r.kv.labels[self.label.name].first_page,
-                                 r.num_computed, n, e.decode))
-            if e.decode:
-                step.frame(r.inputs["last_frame"])
-            else:
-                self._prompt_rows(r, n, step)
-            step.positions.extend(range(r.num_computed, r.num_computed + n))
-            if r.num_computed + n == r.tokens_len:
-                sampled.append(e)
-                sample_rows.append(step.t - 1)
-        meta = self._metadata({self.label.name: rows})[self.label.name]
-
-        def long(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        with torch.inference_mode():
-            hidden = self.model.backbone(long(step.text_ids), long(step.text_rows),
-                                         long(step.frames).view(-1, self.spec.num_codebooks), long(step.frame_rows),
-                                         long(step.positions), self.layer_caches, meta)
-            made = self._frames(self.model.code_logits(hidden[long(sample_rows)]), sampled) if sampled else []
-        tokens = {id(e): tok for e, tok in zip(sampled, made)}
-        return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]
+    def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
+        return self._frames(self.model.code_logits(hidden), entries)
 
     def _frames(self, logits: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame from its logits [B, num_codebooks, codebook_size]:

@@ -5,29 +5,33 @@ A request that asks for speech (its metadata's "voice", set by the spec from the
 route's `audio.voice`) declares every label up front (shared/specs/qwen3_omni.py): the
 thinker's, the talker's (its prompt rows, then a row a frame on `frame_loop`) and the code
 predictor's scratch rows. It runs in two stages:
-- the thinker decodes as any request; its text goes out as it comes. Its end (EOS, a stop
-  token, max_tokens) does not end the request: `next_stage` moves the finish_reason onto
-  the request's `Stage` and clears it on the output ("the text ended, the request goes
-  on"), so the api keeps listening;
-- the talker: its first step writes its prompt rows (built from the thinker's finished
-  sequence by `talker_prompt`), each later step one frame row (the scheduler reserves and
-  commits them on the stage's labels, `Stage.labels`, and counts `frame_loop`); every
-  step but the first makes a frame (the code predictor on the "code" scratch rows,
-  reserved by `step_scratch`, given back after the step). Talker steps of several requests
-  run batched (`TalkerStep`), beside the thinker's steps of others in the same engine step.
+- the thinker decodes as any request; its text goes out as it comes. At its first token
+  `open_stage` opens the talker beside it (`Request.stage`): from then on a step may hold
+  both the request's thinker row and its talker rows. Its end (EOS, a stop token,
+  max_tokens) does not end the request while the talker runs: `next_stage` moves the
+  finish_reason onto the `Stage` and clears it on the output ("the text ended, the
+  request goes on"), so the api keeps listening;
+- the talker: its first step writes its prompt rows (built by `talker_prompt` from the
+  text so far), each later step one frame row and reads one more text row, so it waits
+  (`Stage.ready`) until the thinker has made that token (`text_lead`, `known_text_rows`:
+  rows past the text's end are `tts_eos` then `tts_pad`, known once the thinker ends).
+  The scheduler reserves and commits its rows on the stage's labels (`Stage.labels`,
+  `PlanEntry.stage`) and counts `frame_loop`; every step but the first makes a frame
+  (the code predictor on the "code" scratch rows, reserved by `step_scratch`, given back
+  after the step). Talker steps of several requests run batched (`TalkerStep`), beside
+  thinker steps in the same engine step;
 - sound: each output's new frames go to the request's `Code2WavStream` in the codec thread
   (`CodecThread`), `CHUNK_FRAMES` at a time, the rest at the end; the output carries the
   samples (float32, 24 kHz) and no token ids (the codes are not text).
-The request ends when the talker samples `codec_eos` or its frame loop reaches its cap; its
-last output carries the thinker's finish_reason.
+The request ends when both stages have: the talker at `codec_eos` or its frame loop's cap,
+the thinker as any text; its last output carries the thinker's finish_reason. Once the
+talker runs, text outputs wait in the codec thread behind the sound emitted before them,
+so the api gets every output in emission order.
 
 Image and audio prompts: the talker reads the thinker's hidden states at their rows (layer
 `accept_hidden_layer`, `HiddenTap` around the prefill chunks holding them), kept on the
 request; those rows are not keyed in the prefix cache for a speech request (the spec), so
 they are always computed.
-
-Not yet: the talker starting while the thinker still decodes (DESIGN.md "Stages" allows
-it; here it starts after).
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ from services.gpu_worker.modeling.speech.qwen3_omni_talker import PREFIX, Qwen3O
 from services.gpu_worker.modeling.vision.qwen3_omni import HiddenTap
 from services.gpu_worker.request import Request, Stage
 from services.gpu_worker.runners.omni import OmniRunner
-from services.gpu_worker.runners.omni_talker import TalkerPrompt, TalkerRun, TalkerSettings, TalkerStep, talker_prompt
+from services.gpu_worker.runners.omni_talker import (
+    TalkerPrompt,
+    TalkerRun,
+    TalkerSettings,
+    TalkerStep,
+    known_text_rows,
+    talker_prompt,
+    text_lead,
+)
 from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output
 from shared.specs.qwen3_omni import CODE_LABEL, FRAME_LOOP, TALKER_LABEL, TALKER_OPENING_ROWS, user_rows
@@ -94,16 +106,33 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
 
     # -- the stages --------------------------------------------------------------------
 
+    def open_stage(self, request: Request) -> None:
+        """A speech request's talker opens at the thinker's first token; its prompt reads
+        the assistant turn's first tokens, and each later step one more (`Stage.lead`)."""
+        if request.stage is None and request.output and request.metadata.get("voice") is not None:
+            request.stage = Stage(self.talker_labels, FRAME_LOOP, self._talker_rows(request), earlier_done=False,
+                                  lead=text_lead(request.prompt, self.settings))
+
     def next_stage(self, request: Request, output: Output, at_caps: bool) -> bool:
-        """A request that asked for speech goes on to its talker when its text ends."""
+        """A speech request goes on to its talker when its text ends (the talker opened
+        already, or opens now), unless the talker ended first."""
         if request.metadata.get("voice") is None:
             return False
-        s = self.settings
-        rows = len(user_rows(request.prompt, s.im_start, s.user)) + TALKER_OPENING_ROWS
         assert output.finish_reason is not None
-        request.stage = Stage(self.talker_labels, FRAME_LOOP, rows, output.finish_reason, at_caps)
+        stage = request.stage
+        if stage is None:
+            request.stage = Stage(self.talker_labels, FRAME_LOOP, self._talker_rows(request), output.finish_reason,
+                                  at_caps)
+        elif stage.done:
+            return False
+        else:
+            stage.finish, stage.at_caps, stage.earlier_done = output.finish_reason, at_caps, True
         output.finish_reason = None
         return True
+
+    def _talker_rows(self, request: Request) -> int:
+        s = self.settings
+        return len(user_rows(request.prompt, s.im_start, s.user)) + TALKER_OPENING_ROWS
 
     def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
         """A speech request keeps its images' grids (the talker's positions) and the rows
@@ -153,44 +182,63 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
     def step_scratch(self, entry: PlanEntry) -> dict[str, int]:
         """A talker step after its first makes a frame: the code predictor's rows."""
         stage = entry.request.stage
-        return {CODE_LABEL: self.talker.groups} if stage is not None and stage.started else {}
+        return {CODE_LABEL: self.talker.groups} if entry.stage and stage is not None and stage.started else {}
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """The thinker's entries through its step, the talker's through `TalkerStep`."""
-        staged = [e for e in plan.entries if e.request.stage is not None]
+        staged = [e for e in plan.entries if e.stage]
         if not staged:
             return super().execute(plan)
-        text = [e for e in plan.entries if e.request.stage is None]
+        text = [e for e in plan.entries if not e.stage]
         made = iter(super().execute(StepPlan(text, plan.shape)) if text else [])
-        runs = [self._run(e.request) for e in staged]
         with torch.inference_mode():
+            runs = [self._run(e.request) for e in staged]
             codes = iter(self.stage_step(runs, [e.pages[TALKER_LABEL] for e in staged],
                                          [e.pages.get(CODE_LABEL, []) for e in staged]))
-        return [[next(codes)] if e.request.stage is not None else next(made) for e in plan.entries]
+        return [[next(codes)] if e.stage else next(made) for e in plan.entries]
 
     def _run(self, r: Request) -> TalkerRun:
-        """The request's talker state, its prompt built on its first step."""
+        """The request's talker state, its prompt built on its first step; the text rows of
+        what the thinker generated since its last step added."""
         stage = r.stage
         assert stage is not None
         if stage.state is None:
-            stage.state = TalkerRun(self._prompt(r))
-        return stage.state
+            stage.state = TalkerRun(self._prompt(r), closed=stage.earlier_done)
+            return stage.state
+        run = stage.state
+        if not run.closed:
+            eos = (r.output[-1],) if stage.finish == "stop" and r.output else ()
+            known = known_text_rows(len(r.prompt), r.output, run.p.text_from, stage.earlier_done, eos)
+            have = run.p.trailing.shape[0]
+            assert known >= have, (known, have)
+            new = (r.prompt + r.output)[run.p.text_from + have: run.p.text_from + known]
+            rows = None
+            if new:
+                embed = self.model.lm.model.embed_tokens
+                rows = self.talker.text_projection(embed(torch.tensor(new, device=self.device)))
+            run.extend(rows, stage.earlier_done)
+        return run
 
     def _prompt(self, r: Request) -> TalkerPrompt:
-        assert r.stage is not None
-        eos = (r.output[-1],) if r.stage.finish == "stop" and r.output else ()
-        with torch.inference_mode():
-            return talker_prompt(self.talker, self.settings, self.model.lm.model.embed_tokens, r.prompt + r.output,
-                                 len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos,
-                                 r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"))
+        stage = r.stage
+        assert stage is not None
+        eos = (r.output[-1],) if stage.finish == "stop" and r.output else ()
+        return talker_prompt(self.talker, self.settings, self.model.lm.model.embed_tokens, r.prompt + r.output,
+                             len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos,
+                             r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"), stage.earlier_done)
 
     def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
-        """A talker step's output: no token ids (its sound is added by `on_emit`); it ends
-        the request at `codec_eos` or the frame loop's cap, with the text's finish_reason."""
+        """A talker step's output: no token ids (its sound is added by `on_emit`). At
+        `codec_eos` or the frame loop's cap the talker ends: the request with it, with the
+        text's finish_reason, if the text has ended; else the request goes on with its text."""
         stage = request.stage
         assert stage is not None
         at_cap = request.iters.get(FRAME_LOOP, 0) >= request.caps.get(FRAME_LOOP, 0)
         ended = tokens[0] == self.settings.codec_eos or at_cap
+        if ended and not stage.earlier_done:
+            stage.done, stage.at_caps = True, at_cap
+            out = Output(request.request_id, [], None, len(request.prompt), len(request.output))
+            return Emitted(out, request.reply_to, False, False)
         out = Output(request.request_id, [], stage.finish if ended else None, len(request.prompt),
                      len(request.output))
         return Emitted(out, request.reply_to, ended, ended and at_cap and stage.at_caps)
@@ -198,15 +246,27 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
     # -- sound -------------------------------------------------------------------------
 
     def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
-        """A talker output waits in the codec thread for its frames' samples."""
-        if request.stage is None or output.token_ids or request.stage.state is None:
+        """Once the talker runs, every output waits in the codec thread: a talker output for
+        its frames' samples, a thinker output (text) behind the sound emitted before it, so
+        the api gets them in emission order."""
+        stage = request.stage
+        if stage is None or stage.state is None:
             return False
-        run = request.stage.state
+        if output.token_ids:
+            self.thread.submit(reply_to, output, _no_sound)
+            return True
+        run = stage.state
         frames, run.sent = run.frames[run.sent:], len(run.frames)
         if request.codec is None:
             request.codec = self.codec.stream(CHUNK_FRAMES)
-        self.thread.submit(reply_to, output, _sound, request.codec, frames, output.finish_reason is not None)
+        self.thread.submit(reply_to, output, _sound, request.codec, frames,
+                           output.finish_reason is not None or stage.done)
         return True
+
+
+def _no_sound() -> bytes:
+    """A text output's sound (none): it only keeps its place among the held outputs."""
+    return b""
 
 
 def _sound(stream: Code2WavStream, frames: list[list[int]], last: bool) -> bytes:

@@ -40,6 +40,10 @@ from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalke
 from shared.specs.qwen3_omni import user_rows
 from shared.specs.vision_lm import mrope_positions
 
+#: the assistant turn's tokens the talker's prompt takes (`<|im_start|>`, the role, its
+#: newline, then one more); its text rows project the tokens after them
+TEXT_FROM = 4
+
 #: transformers' `generate` defaults for the talker
 REPETITION_PENALTY = 1.05
 SUPPRESSED_TAIL = 1024
@@ -85,6 +89,8 @@ class TalkerPrompt:
     rows: torch.Tensor  # [P, hidden]: the talker's prompt rows
     trailing: torch.Tensor  # [L, hidden]: the text row each step adds, in order
     pad: torch.Tensor  # [hidden]: the text row of every step past `trailing`
+    eos: torch.Tensor  # [hidden]: the text row after the last generated token's
+    text_from: int  # the sequence index of the token `trailing[0]` projects
     positions: torch.Tensor  # [3, P]: the prompt rows' M-RoPE positions
     offset: int  # a later row r is at r + offset in all three streams
 
@@ -92,6 +98,32 @@ class TalkerPrompt:
 def user_positions(ids: list[int], s: TalkerSettings) -> list[int]:
     """The prompt positions of every user turn's tokens (transformers' `user_mask`)."""
     return user_rows(ids, s.im_start, s.user)
+
+
+def text_end(generated: list[int], thinker_eos: tuple[int, ...]) -> int:
+    """The text row that is `tts_eos` (pads after it), as transformers places it: at the
+    first generated EOS's index, or at the generated length (its comment: "entry j holds
+    generated token j + 1"; where the prompt holds part of the assistant turn, as a
+    template's empty think block, the rows that index are shifted by it, and the talker
+    reads that many fewer of the text's last tokens: the reference's own behaviour)."""
+    return next((i for i, t in enumerate(generated) if t in thinker_eos), len(generated))
+
+
+def text_lead(prompt: list[int], s: TalkerSettings) -> int:
+    """Generated tokens the talker's prompt step waits for (`Stage.lead`; its step k waits
+    for k more). Text row j projects token `assistant start + TEXT_FROM + j`, and while
+    the text goes on, rows before the generated length are never the end marker: row j
+    is known once both are past it."""
+    return max(0, assistant_start(prompt, s) + TEXT_FROM - len(prompt))
+
+
+def known_text_rows(prompt_len: int, generated: list[int], text_from: int, ended: bool,
+                    thinker_eos: tuple[int, ...]) -> int:
+    """How many text rows are known: while the thinker decodes, those `text_lead` says;
+    once it ended, every row up to the end marker (which `TalkerRun.extend` adds)."""
+    if ended:
+        return text_end(generated, thinker_eos)
+    return min(len(generated), prompt_len + len(generated) - text_from)
 
 
 def assistant_start(ids: list[int], s: TalkerSettings) -> int:
@@ -105,9 +137,11 @@ def assistant_start(ids: list[int], s: TalkerSettings) -> int:
 def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[torch.Tensor], torch.Tensor],
                   sequence: list[int], prompt_len: int, speaker: int, thinker_eos: tuple[int, ...],
                   mm_hidden: torch.Tensor | None = None,
-                  grids: list[tuple[int, int, int]] | None = None) -> TalkerPrompt:
+                  grids: list[tuple[int, int, int]] | None = None, ended: bool = True) -> TalkerPrompt:
     """The talker's prompt rows and text rows for the thinker's `sequence` (its prompt's
-    `prompt_len` ids, then what it generated); `embed`: the thinker's input embeddings;
+    `prompt_len` ids, then what it generated: all of it, or, `ended` False, what it has
+    generated so far, at least one token: the text rows then stop before the end, and
+    `TalkerRun.extend` adds the rest as it comes); `embed`: the thinker's input embeddings;
     `mm_hidden` [prompt rows, thinker hidden]: its hidden states at `accept_hidden_layer`,
     read only at image and audio rows of user turns; `grids`: the prompt's images' (t, h, w)."""
     dev = model.codec_head.weight.device
@@ -125,19 +159,22 @@ def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[to
     if text:
         user_rows[text] = model.text_projection(embeds[[users[j] for j in text]])
     a = assistant_start(prompt, s)
-    said = model.text_projection(embeds[a:])
+    said = model.text_projection(embeds[a:])  # (said[:TEXT_FROM] open the talker's prompt)
     codec = model.codec_embeds(torch.tensor([*s.codec_prefix[:3], speaker, *s.codec_prefix[3:]], device=dev))
     opening = torch.cat([said[:3], pad.expand(4, -1), bos[None], said[3:4]])
     opening = opening + torch.cat([torch.zeros(3, codec.shape[1], device=dev, dtype=codec.dtype), codec])
-    trailing = torch.cat([said[4:], eos[None]])
     generated = sequence[prompt_len:]
-    first_eos = next((i for i, t in enumerate(generated) if t in thinker_eos), len(generated))
-    if first_eos < len(trailing):
-        trailing[first_eos] = eos
-        trailing[first_eos + 1:] = pad
+    if ended:
+        trailing = torch.cat([said[TEXT_FROM:], eos[None]])
+        end = text_end(generated, thinker_eos)
+        if end < len(trailing):
+            trailing[end] = eos
+            trailing[end + 1:] = pad
+    else:
+        trailing = said[TEXT_FROM:][:len(generated)]
     ids = [prompt[p] for p in users] + [s.tts_ids[2]] * opening.shape[0]
     positions, offset = mrope_positions(ids, s.multimodal[1], list(grids or []), s.merge)
-    return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad,
+    return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad, eos, a + TEXT_FROM,
                         torch.from_numpy(positions).to(dev), int(offset))
 
 
@@ -145,8 +182,10 @@ class TalkerRun:
     """One request's talker stage: its prompt, the first codes sampled so far, the frames
     made, and the talker's last hidden state (what the next frame's code predictor reads)."""
 
-    def __init__(self, prompt: TalkerPrompt) -> None:
+    def __init__(self, prompt: TalkerPrompt, closed: bool = True) -> None:
         self.p = prompt
+        #: the text rows are all there (the thinker ended, `tts_eos` after its last)
+        self.closed = closed
         self.rows = 0  # talker rows in KV
         self.history: list[int] = []  # first codes sampled
         self.frames: list[list[int]] = []
@@ -156,6 +195,15 @@ class TalkerRun:
     @property
     def started(self) -> bool:
         return self.rows > 0
+
+    def extend(self, text_rows: torch.Tensor | None, ended: bool) -> None:
+        """Add the text rows of tokens the thinker generated since (`text_rows` [n, hidden],
+        their `text_projection`s), and `tts_eos` once it `ended`."""
+        parts = [self.p.trailing] + ([text_rows] if text_rows is not None else [])
+        if ended:
+            parts.append(self.p.eos[None])
+            self.closed = True
+        self.p.trailing = torch.cat(parts)
 
     def next_rows(self, frame_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this step's talker input rows, their positions [3, n]): the prompt, or the last

@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from services.api.chat import plan_chat
 from services.api.chat_request import check_model, parse_chat
+from services.api.dialects.openai import images, videos
 from services.api.dialects.openai.chat_audio import speech_out
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
@@ -45,7 +46,7 @@ def _model_card(state: ApiState) -> ModelCard:
     if settings.audio_placeholder:
         inputs.append("audio")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
-               "act": ["actions"], "rollout": ["embedding"]}.get(settings.task, ["score"])
+               "act": ["actions"], "rollout": ["embedding"], "image": ["image", "video"]}.get(settings.task, ["score"])
     if settings.voices and settings.task == "generate":  # an omni model's talker: speech out on chat
         outputs = ["text", "audio"]
     defaults = msgspec.structs.asdict(settings.generation_defaults)
@@ -53,7 +54,8 @@ def _model_card(state: ApiState) -> ModelCard:
                      image_placeholder=settings.image_placeholder or None,
                      audio_placeholder=settings.audio_placeholder or None,
                      default_sampling={k: v for k, v in defaults.items() if v is not None} or None,
-                     parameters=settings.parameters or None, active_parameters=settings.active_parameters or None)
+                     parameters=settings.parameters or None, active_parameters=settings.active_parameters or None,
+                     task=settings.task)
 
 
 async def list_models(request: Request) -> Response:
@@ -121,6 +123,11 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
                                                       _firsts(choices)), choices)
 
 
+async def image_generations(request: Request) -> Response | EventStream:
+    """POST /v1/images/generations."""
+    return await serve(request, images.accept, "/v1/images/generations")
+
+
 async def completions(request: Request) -> Response | EventStream:
     """POST /v1/completions."""
     return await serve(request, _accept_completion, "/v1/completions")
@@ -138,11 +145,19 @@ ROUTES: list[BaseRoute] = [
     Route("/v1/models/{model:path}", guard(get_model), methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/images/generations", image_generations, methods=["POST"]),
+    Route("/v1/videos", guard(videos.create), methods=["POST"]),
+    Route("/v1/videos/{video_id}", guard(videos.retrieve), methods=["GET"]),
+    Route("/v1/videos/{video_id}", guard(videos.delete), methods=["DELETE"]),
+    Route("/v1/videos/{video_id}/content", guard(videos.content), methods=["GET"]),
 ]
 #: its routes' declared shapes, published in `/openapi.json`
 SHAPES: dict[tuple[str, str], Shape] = {
     ("/v1/completions", "post"): Shape(CompletionRequest, Completion),
     ("/v1/chat/completions", "post"): Shape(ChatCompletionRequest, ChatCompletion),
+    ("/v1/images/generations", "post"): Shape(images.ImageGenerationRequest, images.ImagesResponse),
+    ("/v1/videos", "post"): Shape(videos.VideoCreateRequest, videos.VideoJob),
+    ("/v1/videos/{video_id}", "get"): Shape(response=videos.VideoJob),
     ("/v1/models", "get"): Shape(response=ModelList),
     ("/v1/models/{model}", "get"): Shape(response=ModelCard),
 }

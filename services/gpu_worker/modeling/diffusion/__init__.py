@@ -1,0 +1,1 @@
+"""Diffusion models (Cosmos 3): a text-conditioned denoising transformer and its VAE."""

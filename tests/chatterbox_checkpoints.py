@@ -1,0 +1,137 @@
+"""A tiny random Chatterbox checkpoint laid out as the Hub ships ResembleAI/chatterbox
+(t3_cfg.safetensors, s3gen.safetensors, ve.safetensors, tokenizer.json, conds.pt), and the
+`chatterbox-tts` package's answers for it.
+
+The package hard-codes its sizes (T3's Llama_520M, the Perceiver, S3Gen's constructors,
+S3TokenizerV2's ModelConfig), so the checkpoint adds a config.json the Hub's has not: the
+shrunk sizes, by section ("t3", "s3gen", "s3tokenizer"). tests/chatterbox_reference.py
+patches the package's constants from it; mstar reads the same file (absent: the package's
+sizes).
+
+The reference pins torch 2.6 / transformers 5.2 / gradio and more, so it runs in a venv of its
+own: `reference_python()` builds it once per pin set under ~/.cache/mstar-peers/ (a venv with
+--system-site-packages whose .pth puts this interpreter's site-packages after its own: torch,
+transformers, diffusers, einops, safetensors, tokenizers come from here; chatterbox-tts,
+conformer and s3tokenizer are installed --no-deps). First build ~5-10 s (three small wheels
+from PyPI), then nothing. tests/chatterbox_reference.py is what runs there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PINS = ("chatterbox-tts==0.1.7", "conformer==0.3.2", "s3tokenizer==0.3.0")
+VENV = Path.home() / ".cache" / "mstar-peers" / ("chatterbox-venv-" + "-".join(p.replace("==", "") for p in PINS))
+SCRIPT = Path(__file__).with_name("chatterbox_reference.py")
+
+#: the package's special text tokens (tokenizers/tokenizer.py) at the ids its T3Config uses
+SPECIALS = {"[STOP]": 0, "[UNK]": 1, "[SPACE]": 2, "[PAD]": 3, "[SEP]": 4, "[CLS]": 5, "[MASK]": 6,
+            "[START]": 255}
+MERGES = (("t", "h"), ("th", "e"), ("i", "n"), ("e", "r"), ("o", "u"), ("a", "n"))
+
+TINY = {
+    "t3": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16,
+           "perceiver": {"pre_attention_query_token": 32, "pre_attention_query_size": 64, "embedding_dim": 64,
+                         "num_attn_heads": 4}},
+    "s3gen": {"UpsampleConformerEncoder": {"num_blocks": 1, "linear_units": 64, "attention_heads": 2},
+              "ConditionalDecoder": {"channels": [32], "n_blocks": 1, "num_mid_blocks": 1, "num_heads": 2,
+                                     "attention_head_dim": 16},
+              "HiFTGenerator": {"base_channels": 32},
+              "ConvRNNF0Predictor": {"cond_channels": 32},
+              "CAMPPlus": {"init_channels": 16, "growth_rate": 8}},
+    "s3tokenizer": {"n_audio_state": 64, "n_audio_head": 2, "n_audio_layer": 1},
+}
+
+
+def reference_python() -> Path:
+    """The reference venv's python, built (once, under a lock) when missing."""
+    python = VENV / "bin" / "python"
+    marker = VENV / ".complete"
+    if marker.is_file():
+        return python
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(VENV.parent / (VENV.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return python
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(VENV)],
+                       check=True)
+        ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
+        theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     check=True, capture_output=True, text=True).stdout.strip())
+        theirs.mkdir(parents=True, exist_ok=True)
+        (theirs / "zz_mstar_venv.pth").write_text("\n".join(ours) + "\n")  # after the venv's own packages
+        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "--no-deps", *PINS], check=True)
+        marker.touch()
+    return python
+
+
+def _tokenizer_json() -> dict:
+    """A BPE tokenizer.json as the package's EnTokenizer reads it: characters and a few
+    merges, the specials as added tokens ("[SPACE]" stands for a space: the package replaces
+    spaces before encoding)."""
+    chars = [chr(c) for c in range(33, 127) if chr(c) not in "[]"]
+    vocab = dict(SPECIALS)
+    free = iter(i for i in range(len(SPECIALS), 704) if i not in SPECIALS.values())
+    for piece in chars + [a + b for a, b in MERGES]:
+        vocab[piece] = next(free)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for t, i in SPECIALS.items()]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+            "model": {"type": "BPE", "dropout": None, "unk_token": "[UNK]", "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "vocab": vocab, "merges": [f"{a} {b}" for a, b in MERGES]}}
+
+
+def chatterbox_configs(folder: Path) -> Path:
+    """The tiny checkpoint's config.json and tokenizer.json in `folder`; its weights come
+    with the first `chatterbox_reference` (or `make_chatterbox_checkpoint`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY, indent=1))
+    (folder / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+    return folder
+
+
+def make_chatterbox_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """The tiny checkpoint in `folder` (made once: a folder holding conds.pt is reused)."""
+    if (folder / "conds.pt").is_file():
+        return folder
+    chatterbox_configs(folder)
+    _run("weights", str(folder), str(seed))
+    return folder
+
+
+def _run(*args: str, timeout: float = 600) -> None:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "TQDM_DISABLE": "1"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(reference_python()), str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=SCRIPT.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tests/chatterbox_reference.py {args[0]} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def chatterbox_reference(folder: Path, cases: list[dict], work: Path, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """The package's answers for each case (see tests/chatterbox_reference.py): "tokens" (T3's
+    speech tokens), "s3_tokens" (what S3Gen decoded), "logits" (the first step's [cond,
+    uncond]) and "wave" (24 kHz float32). A folder of `chatterbox_configs` only gets its
+    weights (from `seed`) in the same run."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "cases.json").write_text(json.dumps(cases))
+    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed))
+    with np.load(work / "out.npz") as out:
+        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng")
+                 if f"{k}_{i}" in out} for i in range(len(cases))]

@@ -1,0 +1,88 @@
+"""Cosmos 3 on the real engine in process (no services): four requests in one step (an
+image under CFG, one without, a negative prompt with the second sample of its seed, a
+5-frame video), each equal to the diffusers pipeline's frames for the same seed, steps,
+guidance and size; pages back to zero. tests/e2e/test_image_gen.py does it through the
+services."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.gpu_worker.build import build_engine
+from services.gpu_worker.kv_manager import KVManager
+from services.gpu_worker.weights import build_model
+from shared.frames import NewRequest, SamplingParams, pack_tensors
+from shared.model_source import ModelSource
+from shared.specs.base import PromptRequest
+from tests.cosmos_checkpoints import load_pipeline, make_cosmos3, reference_frames, to_uint8
+
+CASES = [dict(prompt="a red fox", height=32, width=32, num_frames=1, guidance_scale=6.0, negative_prompt=None, seed=3,
+              sample=0),
+         dict(prompt="a red fox", height=32, width=48, num_frames=1, guidance_scale=1.0, negative_prompt=None, seed=4,
+              sample=0),
+         dict(prompt="the quick dog", height=32, width=32, num_frames=1, guidance_scale=4.0, negative_prompt="blurry",
+              seed=3, sample=1),
+         dict(prompt="a video", height=32, width=32, num_frames=5, guidance_scale=6.0, negative_prompt=None, seed=7,
+              sample=0)]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cosmos_dir(tmp_path_factory):
+    return make_cosmos3(tmp_path_factory.mktemp("cosmos3") / "tiny-cosmos3")
+
+
+def _request(spec, tok, case: dict) -> PromptRequest:
+    """What the data worker hands the spec: both prompts' ids, the options."""
+    cond, uncond = spec.prompt_texts(case["prompt"], case["negative_prompt"], case["height"], case["width"],
+                                     case["num_frames"])
+    ci = tok.encode(cond, add_special_tokens=False).ids + spec.suffix_ids
+    ui = tok.encode(uncond, add_special_tokens=False).ids + spec.suffix_ids
+    options = {k: case[k] for k in ("height", "width", "num_frames", "guidance_scale", "seed", "sample")}
+    return PromptRequest(ci + ui, options={**options, "cond_rows": len(ci), "num_inference_steps": STEPS})
+
+
+def test_engine_equals_pipeline(cosmos_dir):
+    src = ModelSource(str(cosmos_dir))
+    spec = src.spec(16)
+    pools = spec.paged_pools(64)
+    model = build_model(src, spec, torch.float32)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=4096,
+                       max_seq_len=spec.max_seq_len)
+    caps = spec.clamp_caps(spec.get_loop_caps(1))
+    for i, case in enumerate(CASES):
+        ppo = spec.process_prompt(_request(spec, src.tokenizer.tokenizer, case))
+        refs, _ = pack_tensors(ppo.new_input_tensors)
+        rows = len(ppo.new_input_tensors["input_ids"])
+        eng.add(NewRequest(f"r{i}", "", refs, SamplingParams(), "", rows, 1, ppo.kv_layout, caps,
+                           spec.kv_configs(ppo.kv_layout, caps, pools)), ppo.new_input_tensors)
+    got: dict[str, bytes] = {}
+    steps = 0
+    while eng.has_work:
+        steps += 1
+        for _, out in eng.step().outputs:
+            if out.pooled:
+                got[out.request_id] = out.pooled
+    assert steps == 1 and kv.used_pages() == 0  # every request's loop ran in the one step that took them
+    assert eng.runner.denoise_steps == STEPS * len(CASES)
+    pipe = load_pipeline(cosmos_dir)
+    firsts = []
+    for i, case in enumerate(CASES):
+        ref = reference_frames(pipe, case["prompt"], height=case["height"], width=case["width"],
+                               num_frames=case["num_frames"], seed=case["seed"], steps=STEPS,
+                               guidance_scale=case["guidance_scale"], negative_prompt=case["negative_prompt"],
+                               n=case["sample"] + 1)[-1]
+        if case["num_frames"] == 1:  # an image's float32; a video's uint8, rounded as numpy_to_pil
+            mine = np.frombuffer(got[f"r{i}"], dtype="<f4").reshape(ref.shape)
+            assert np.abs(mine - ref).max() < 1e-4, i
+            mine = to_uint8(mine)
+        else:
+            mine = np.frombuffer(got[f"r{i}"], dtype=np.uint8).reshape(ref.shape)
+        assert np.abs(mine.astype(int) - to_uint8(ref)).max() <= 1, i
+        firsts.append(mine[0, :32, :32])
+    assert not np.array_equal(firsts[0], firsts[2])  # the prompt and the noise reach the pixels
