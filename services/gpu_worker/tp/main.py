@@ -50,6 +50,7 @@ def join(d: Deployment, place, argv: list[str]):
     first = place.rank == place.node_ranks[0]
     if first:
         refuse_unservable(d)  # before any rank loads a weight
+        share_cores(place.per_node)
     children = start_local_ranks(place, argv) if first else []
     try:
         from services.gpu_worker.build import pick_device
@@ -61,6 +62,17 @@ def join(d: Deployment, place, argv: list[str]):
         raise
     group.children = children
     return group
+
+
+def share_cores(ranks: int) -> None:
+    """This host's ranks split its cores (a one-rank worker's defaults, each divided by the
+    ranks here), unless MSTAR_TORCH_THREADS / MSTAR_COMPUTE_THREADS say; the ranks this one
+    starts inherit the settings."""
+    from shared.cgroup import available_cpus
+
+    cores = available_cpus()
+    os.environ.setdefault("MSTAR_TORCH_THREADS", str(max(1, (cores - 1) // ranks)))
+    os.environ.setdefault("MSTAR_COMPUTE_THREADS", str(max(1, cores // ranks)))
 
 
 def follow(d: Deployment, group) -> int:
