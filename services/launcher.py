@@ -75,7 +75,8 @@ class Child:
         return None if self.proc is None else self.proc.poll()
 
 
-def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: int, api_flags: list[str]) -> list[Child]:
+def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: int, api_flags: list[str],
+                  master_port: int = 0) -> list[Child]:
     """The command line of every service, with ipc addresses in one run folder."""
     py = [sys.executable, "-m"]
     addr = {n: f"ipc://{os.path.join(run_dir, n)}.sock"
@@ -86,10 +87,12 @@ def plan_children(d: Deployment, run_dir: str, host: str, port: int, workers: in
         "--conductor-addr", addr["conductor"], "--conductor-control-addr", addr["conductor-control"],
     ])]
     for i in range(workers):
+        # a tensor-parallel group each: its own port where one is given (else each picks a free one)
+        group_port = ["--master-port", str(master_port + i)] if master_port else []
         children.append(Child(f"gpu_worker-{i}", [
             *py, "services.gpu_worker", *dflags, "--worker-id", f"worker-{i}",
             "--bind-addr", f"ipc://{os.path.join(run_dir, f'gpu-worker-{i}')}.sock",
-            "--conductor-addr", addr["conductor"],
+            "--conductor-addr", addr["conductor"], *group_port,
         ]))
     children.append(Child("data_worker", [
         *py, "services.data_worker", *dflags,
@@ -346,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "larger is a 413 (env MSTAR_MAX_BODY_BYTES; default 1 MiB, 64 MiB for a model that "
                             "takes images)")
     _add_media_flags(serve)
+    _add_group_flags(serve)
     serve.add_argument("--start-timeout", type=float, default=float(os.environ.get("MSTAR_START_TIMEOUT") or 900),
                        help="seconds to wait for /ready (env MSTAR_START_TIMEOUT; default 900)")
     add_logging_flags(serve)
@@ -390,6 +394,31 @@ def _add_media_flags(serve: argparse.ArgumentParser) -> None:
                        help="most images one request may carry (env MSTAR_MAX_IMAGES_PER_REQUEST; default 16)")
     serve.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",
                        help="seconds one http(s) image fetch may take (env MSTAR_MEDIA_FETCH_TIMEOUT_S; default 10)")
+
+
+def _add_group_flags(serve: argparse.ArgumentParser) -> None:
+    """Where a --tensor-parallel-size group's ranks meet (the gpu worker's flags,
+    services/gpu_worker/__main__.py); one host needs none. Reach the workers by environment,
+    --master-port as a port per worker (the next worker's group the next port)."""
+    env = os.environ.get
+    serve.add_argument("--master-addr", default=None,
+                       help="host of each tensor-parallel group's rank 0 (env MSTAR_MASTER_ADDR; default 127.0.0.1)")
+    serve.add_argument("--master-port", type=int, default=int(env("MSTAR_MASTER_PORT") or 0),
+                       help="TCP port the first worker's group meets on, the next worker's the next port "
+                            "(env MSTAR_MASTER_PORT; default: a free port per group, one host only)")
+    serve.add_argument("--nnodes", type=int, default=None,
+                       help="hosts a tensor-parallel group spreads over; the others run "
+                            "`python -m services.gpu_worker --node-rank K` (env MSTAR_NNODES; default 1)")
+    serve.add_argument("--node-rank", type=int, default=None,
+                       help="this host's index among --nnodes (env MSTAR_NODE_RANK; default 0: rank 0 here)")
+
+
+def _group_env(args: argparse.Namespace) -> None:
+    for value, env in ((args.master_addr, "MSTAR_MASTER_ADDR"), (args.nnodes, "MSTAR_NNODES"),
+                       (args.node_rank, "MSTAR_NODE_RANK")):
+        if value is not None:
+            os.environ[env] = str(value)
+    os.environ.pop("MSTAR_MASTER_PORT", None)  # each worker gets its own by flag
 
 
 def media_flags(args: argparse.Namespace) -> list[str]:
@@ -461,6 +490,10 @@ def _check(d: Deployment, chat_template: str | None) -> str | None:
 
     try:
         validate_deployment(d.model, d.page_size, d.max_seq_len, d.task)
+        if d.tensor_parallel_size > 1:  # a model the ranks cannot share, named before any starts
+            from services.gpu_worker.tp.main import refuse_unservable
+
+            refuse_unservable(d)
         if chat_template:  # imported only then: the api's modules are ~0.1 s of every start
             from services.api.chat_template import read_template_file
 
@@ -572,10 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     api_flags = _api_flags(args, chat_template)
+    _group_env(args)
     if models:
         children = plan_fleet(d, run_dir, args.host, args.port, args.workers, api_flags, models, args.models_max)
     else:
-        children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags)
+        children = plan_children(d, run_dir, args.host, args.port, args.workers, api_flags, args.master_port)
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

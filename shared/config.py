@@ -133,6 +133,8 @@ def _quantized_gguf_on_cpu(model: str) -> bool:
 #: most draft tokens one step verifies, and the longest n-gram prompt lookup matches
 MAX_SPECULATIVE_K = 16
 MAX_SPECULATIVE_NGRAM = 8
+#: most tensor-parallel ranks of one gpu worker
+MAX_TENSOR_PARALLEL = 64
 
 
 class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -178,6 +180,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: what the model serves: "auto" (its checkpoint says: a sentence-transformers folder
     #: embeds, a classifier scores, else it generates) or one asked for (vLLM's --task)
     task: str = "auto"
+    #: gpu worker ranks one model is sharded over (tensor parallelism over torch.distributed:
+    #: gloo on the CPU, NCCL on CUDA); every rank holds its share of each layer's heads
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -205,6 +210,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"itl_target_ms must be in [0, 60000], got {self.itl_target_ms}")
         if not 0 <= self.queue_timeout_s <= 86_400:
             raise ValueError(f"queue_timeout_s must be in [0, 86400], got {self.queue_timeout_s}")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL}], "
+                             f"got {self.tensor_parallel_size}")
         if not 0 <= self.speculative_k <= MAX_SPECULATIVE_K:
             raise ValueError(f"speculative_k must be in [0, {MAX_SPECULATIVE_K}], got {self.speculative_k}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= MAX_SPECULATIVE_NGRAM:
@@ -257,6 +265,10 @@ DEPLOYMENT_HELP: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "task": ("what the model serves: auto (what the checkpoint is: a sentence-transformers folder serves "
              "/v1/embeddings, a sequence classifier /v1/score and /v1/rerank, anything else generates), or embed to "
              "serve a decoder LM's last-token embeddings (vLLM's --task embed)", TASKS),
+    "tensor_parallel_size": ("rank processes one gpu worker's model is sharded over (vLLM's flag): each loads its "
+                             "share of the attention heads, MLP columns and vocabulary and they step in lockstep "
+                             "from rank 0's plan, all-reducing over torch.distributed (gloo on the CPU, NCCL on "
+                             "CUDA); dense decoder LMs only (docs/tensor_parallel.md)", None),
 }
 
 DEPLOYMENT_ENV = "MSTAR_DEPLOYMENT"

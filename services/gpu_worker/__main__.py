@@ -34,8 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address the conductor connects to, when the bind address is not reachable as-is; "
                              "'auto': the bind's port at this host's IP (for scaled containers) "
                              "(env MSTAR_WORKER_ADVERTISE_ADDR; default: the bind address)")
+    add_tp_flags(parser)
     add_logging_flags(parser)
     return parser
+
+
+def add_tp_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the ranks of a `--tensor-parallel-size` group meet, as torch.distributed's
+    launchers name it (one host needs none of these)."""
+    env = os.environ.get
+    parser.add_argument("--master-addr", default=env("MSTAR_MASTER_ADDR") or "127.0.0.1",
+                        help="host of the group's rank 0, which every rank reaches (env MSTAR_MASTER_ADDR; "
+                             "default 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, default=int(env("MSTAR_MASTER_PORT") or 0),
+                        help="TCP port the group meets on at --master-addr (env MSTAR_MASTER_PORT; default: a free "
+                             "port, one host only)")
+    parser.add_argument("--nnodes", type=int, default=int(env("MSTAR_NNODES") or 1),
+                        help="hosts the group's ranks spread over, each running tensor_parallel_size / nnodes "
+                             "(env MSTAR_NNODES; default 1)")
+    parser.add_argument("--node-rank", type=int, default=int(env("MSTAR_NODE_RANK") or 0),
+                        help="this host's index among --nnodes: 0 runs rank 0, the worker the conductor knows; "
+                             "the others run only ranks that follow it (env MSTAR_NODE_RANK; default 0)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,14 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     bind = args.bind_addr or os.environ.get("MSTAR_WORKER_ADDR") or env_address(f"gpu_worker_{args.worker_id}")
 
     addrs = resolve_addresses(args, ["conductor"])
+    d = deployment_from_args(args)
+    group = None
     try:
+        if d.tensor_parallel_size > 1:  # the other ranks start first: their imports overlap this one's
+            from services.gpu_worker.tp import main as tp_main
+
+            group = tp_main.join(d, tp_main.placement(args, d), argv if argv is not None else sys.argv[1:])
+            if group.rank != 0:  # a rank that follows rank 0's plans; it never talks to the conductor
+                return tp_main.follow(d, group)
         from services.gpu_worker.worker import GpuWorker
 
-        worker = GpuWorker(deployment_from_args(args), bind, advertised(bind, args.advertise_addr), addrs["conductor"],
-                           args.worker_id)
+        worker = GpuWorker(d, bind, advertised(bind, args.advertise_addr), addrs["conductor"], args.worker_id, group)
     except (DeploymentError, FileNotFoundError, ValueError, NotImplementedError) as exc:
         log.error("cannot start: %s", exc)
         print(f"gpu_worker: cannot start: {exc}", file=sys.stderr)
+        if group is not None:
+            group.close_children()
         return 2
     log.info("ready at %s", bind)
     worker.serve()

@@ -45,6 +45,8 @@ from services.gpu_worker.runners.vision import VisionRunner
 from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
+from services.gpu_worker.tp.group import TpGroup
+from services.gpu_worker.tp.runner import TpRunner
 from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
 from shared.config import Deployment, kv_dtype
 from shared.frames import NewRequest, SamplingParams, pack_tensors
@@ -97,12 +99,13 @@ class Speculation:
 def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *, eos_ids: list[int],
                  max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
                  speculation: Speculation = Speculation(), itl_target_s: float = 0.0,
-                 guides: Guides | None = None) -> Engine:
+                 guides: Guides | None = None, group: TpGroup | None = None) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
     if spec.engine == "omni_thinker" and getattr(spec, "speaks", False):
         runner_cls = OmniSpeechRunner  # the thinker's runner, and its talker stage
     refuse_runner_gaps(spec, runner_cls.SPEC)
-    runner = runner_cls(model, spec, kv, caches, planner)
+    runner = (TpRunner(model, spec, kv, caches, planner, group=group) if group is not None
+              else runner_cls(model, spec, kv, caches, planner))
     k = speculation.k
     # A windowed label releases pages behind its window as rows commit; draft rows past
     # the commit could straddle one page more than its footprint, so no drafts there.
@@ -146,6 +149,8 @@ class Assembled:
     model: ModelBase
     kv: KVManager
     engine: Engine
+    #: the tensor-parallel group this rank belongs to (None: one process)
+    group: TpGroup | None = None
 
 
 def pick_device() -> torch.device:
@@ -157,12 +162,17 @@ def pick_device() -> torch.device:
     return torch.device(want)
 
 
-def assemble(d: Deployment) -> Assembled:
-    """Load the model, size and allocate the pools, build and warm up the engine."""
+def assemble(d: Deployment, group: TpGroup | None = None) -> Assembled:
+    """Load the model, size and allocate the pools, build and warm up the engine. A
+    tensor-parallel rank (`group`) loads its shard and allocates its heads' share of the
+    same pages; only rank 0 warms up (the others run its warm-up's forwards in lockstep)."""
     source = ModelSource(d.model)
     spec = source.spec(d.page_size, d.max_seq_len, kv_dtype(d), d.task)
     spec.validate()
     device = pick_device()
+    if group is not None and spec.engine != "decoder":
+        raise DeploymentError(f"--tensor-parallel-size {group.size}: tensor parallelism shards decoder LMs; this "
+                              f"model's engine is {spec.engine!r}, which it does not split")
     if kv_dtype(d) == "int8" and device.type != "cpu":
         raise DeploymentError(f"kv_cache_dtype int8 is the CPU path's (its C kernels); the worker runs on {device}, "
                               "whose FlashInfer / torch path takes float pages: use --kv-cache-dtype auto or bfloat16")
@@ -172,15 +182,21 @@ def assemble(d: Deployment) -> Assembled:
     min_pages = pages_for(spec.max_seq_len, d.page_size)
     # a state pool: a slot per request that may run at once, as many again for prefix snapshots
     spec.with_state_slots(2 * d.max_num_seqs)
-    pools = spec.paged_pools(size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size),
-                                       min_pages, device))
+    num_pages = size_pool(d.num_kv_pages, d.kv_memory_fraction, spec.bytes_per_page(d.page_size), min_pages, device)
+    if group is not None:  # every rank the same pages (each measured its own memory)
+        num_pages = group.min_int(num_pages)
+    pools = spec.paged_pools(num_pages)
     dtype, quantized = weight_dtype(d.dtype, source, device)
     t0 = time.time()
-    model = build_model(source, spec, dtype, device, quantized)
+    model = build_model(source, spec, dtype, device, quantized) if group is None else _build_shard(
+        source, spec, dtype, device, group)
     prompt_path(model, d.prefill_dtype)
     cache_dtype = TORCH_DTYPES[kv_dtype(d)]
+    # a rank's pages hold its KV heads (the conductor counts the pages, the same on every rank)
+    rank_kv = None if group is None else int(model.config.num_key_value_heads)  # type: ignore[union-attr,arg-type]
     caches = {name: state_cache(p.num_layers, p.num_pages, p.state_floats, device) if p.is_state
-              else kv_cache(p.num_layers, p.num_pages, p.page_size, p.kv_heads, p.head_dim, cache_dtype, device)
+              else kv_cache(p.num_layers, p.num_pages, p.page_size, rank_kv or p.kv_heads, p.head_dim, cache_dtype,
+                            device)
               for name, p in pools.items()}
     planner = None
     if device.type == "cuda" and spec.engine in TEXT_STEPS and flashinfer_available():
@@ -192,12 +208,26 @@ def assemble(d: Deployment) -> Assembled:
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
                           itl_target_s=d.itl_target_ms / 1000,
                           guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), spec.vocab_size,
-                                        source.eos_token_ids))
+                                        source.eos_token_ids), group=group)
     log.info("model loaded in %.1fs%s; pools %s", time.time() - t0, describe_parameters(spec),
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
-    parts = Assembled(source, spec, pools, model, kv, engine)
-    warm_up(parts, d)
+    parts = Assembled(source, spec, pools, model, kv, engine, group)
+    if group is None or group.rank == 0:
+        warm_up(parts, d)
     return parts
+
+
+def _build_shard(source: ModelSource, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 group: TpGroup) -> ModelBase:
+    """A tensor-parallel rank's model (tp/load.py), its C GEMMs on the threads a one-rank
+    worker's get."""
+    from services.gpu_worker.layers import quant
+    from services.gpu_worker.tp.load import build_shard
+
+    model = build_shard(source, spec, dtype, device, group)
+    if device.type == "cpu":
+        quant.set_threads(quant.default_threads())
+    return model
 
 
 def warm_up(parts: Assembled, d: Deployment) -> None:

@@ -36,6 +36,7 @@ from services.gpu_worker.sampler import make_generator
 from services.gpu_worker.scheduler import Scheduler
 from services.gpu_worker.speculative import NgramProposer
 from services.gpu_worker.step_types import OVERRUN, Failure, Finished, PlanEntry, StepResult, error_frame
+from services.gpu_worker.tp.group import GroupLost
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest
 
@@ -58,6 +59,10 @@ def device_lost(exc: BaseException) -> bool:
     text = str(exc)
     return ("CUDA error" in text or "cudaError" in text or "CUDA" in type(exc).__name__
             or type(exc).__name__ == "AcceleratorError") and any(e in text for e in STICKY_CUDA_ERRORS)
+
+
+#: what a request in flight is told when a tensor-parallel rank of its worker dies (a 503)
+GROUP_LOST = "a tensor-parallel rank of the worker failed; the worker group is restarting"
 
 
 class DeviceLost(Exception):
@@ -160,6 +165,9 @@ class Engine:
                 self._fail(failure, res)
             sampled = self.runner.execute(plan) if plan.entries else []
             self.scheduler.drop_step_scratch(plan)  # scratch: released after its step
+        except GroupLost as exc:  # a tensor-parallel rank is gone: the group cannot step again
+            log.critical("%s; failing every request and exiting so the group restarts", exc)
+            raise DeviceLost(exc, self.fail_all(ErrorKind.WORKER_FAILED, GROUP_LOST)) from exc
         except Exception as exc:
             error_id = new_error_id()
             log.exception("step failed (error_id=%s); failing its %d requests", error_id, len(plan.entries))

@@ -19,9 +19,10 @@ import torch
 import zmq
 
 from services.gpu_worker.build import assemble
-from services.gpu_worker.engine import DeviceLost
+from services.gpu_worker.engine import GROUP_LOST, DeviceLost
 from services.gpu_worker.liveness import Liveness
 from services.gpu_worker.step_types import Finished, StepResult, error_frame
+from services.gpu_worker.tp.group import GroupLost, TpGroup
 from shared import curve
 from shared.cgroup import available_cpus
 from shared.config import Deployment
@@ -112,7 +113,8 @@ def kernel_class(device: torch.device) -> str:
 
 
 class GpuWorker:
-    def __init__(self, d: Deployment, bind_addr: str, advertise_addr: str, conductor_addr: str, worker_id: str) -> None:
+    def __init__(self, d: Deployment, bind_addr: str, advertise_addr: str, conductor_addr: str, worker_id: str,
+                 group: TpGroup | None = None) -> None:
         self.d = d
         self.worker_id = worker_id
         self.bind_addr = bind_addr
@@ -121,8 +123,10 @@ class GpuWorker:
         # core too, and oversubscribing a small machine costs far more than one thread. The
         # cores are the ones the affinity mask and the container's CPU quota allow.
         torch.set_num_threads(int(os.environ.get("MSTAR_TORCH_THREADS") or max(1, available_cpus() - 1)))
-        parts = assemble(d)
+        parts = assemble(d, group)
         self.spec, self.pools, self.kv, self.engine = parts.spec, parts.pools, parts.kv, parts.engine
+        #: this worker's tensor-parallel group, as its rank 0 (None: one process)
+        self.group = group
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -233,7 +237,7 @@ class GpuWorker:
         except DeviceLost as lost:
             # The device cannot run another step: fail what the step held, then exit so the
             # supervisor starts a fresh process (every later step would fail the same way).
-            log.critical("the device is unusable (%s); failing every request and exiting", lost.cause)
+            log.critical("the worker cannot step again (%s); failing every request and exiting", lost.cause)
             self._send_results(lost.result)
             self.exit_code, self.running = 1, False
             return
@@ -283,10 +287,35 @@ class GpuWorker:
                 self._to_conductor(ready)  # for a conductor that just (re)started, with fresh stats
                 self._stats(force=True)
                 last_beat = now
+                if self.group is not None and not self.engine.has_work:
+                    self._group_beat()
+            if self.group is not None and self.running and self.group.dead_child() is not None:
+                self._group_lost(GroupLost(f"tensor-parallel rank exited with code {self.group.dead_child()}"))
         self.shutdown()
+
+    def _group_beat(self) -> None:
+        """Idle: a heartbeat through the tensor-parallel group (it finds a rank on another
+        host gone before a request does)."""
+        try:
+            self.engine.runner.beat()  # type: ignore[attr-defined]
+        except GroupLost as exc:
+            self._group_lost(exc)
+
+    def _group_lost(self, exc: GroupLost) -> None:
+        """A rank died: fail what this worker holds (503) and exit non-zero, so the
+        supervisor restarts the group."""
+        log.critical("%s; failing every request and exiting so the group restarts", exc)
+        self._send_results(self.engine.fail_all(ErrorKind.WORKER_FAILED, GROUP_LOST))
+        self.exit_code, self.running = 1, False
 
     def shutdown(self) -> None:
         self._send_results(self.engine.fail_all(ErrorKind.WORKER_FAILED, "the worker is shutting down"))
+        if self.group is not None:
+            if self.exit_code == 0:  # a clean stop: the other ranks exit too (else they die with the group)
+                self.engine.runner.stop()  # type: ignore[attr-defined]
+                self.group.close()
+            else:
+                self.group.close_children()
         self._stats(force=True)
         self.liveness.stop()
         for sock in self.replies.values():

@@ -288,7 +288,7 @@ class ModelRunner:
             cache = next(iter(self.caches.values()))[0]
             cfg = self.spec.config
             for name, m in metas.items():
-                self.planner.plan(name, m, num_qo_heads=cfg.num_attention_heads, num_kv_heads=cache.shape[3],
+                self.planner.plan(name, m, num_qo_heads=self.attention_shape()[0], num_kv_heads=cache.shape[3],
                                   head_dim=cache.shape[4], page_size=cache.shape[2], window=self.windows[name],
                                   dtype=cache.dtype, sm_scale=cfg.attn_scale, softcap=cfg.attn_softcap)
         return metas
