@@ -71,20 +71,20 @@ class _MoE(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight * 3), ("o", _QWeight), ("gate_up", _QWeight * 2),
                 ("down", _QWeight), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("ln3", _ptr), ("ln4", _ptr),
-                ("step", _i64), ("moe", _ptr), ("sinks", _ptr)]
+                ("step", _i64), ("moe", _ptr), ("sinks", _ptr), ("gdn", _ptr), ("rotary", _i64)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
                 ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("gelu", _i64),
-                ("n_experts", _i64), ("top_k", _i64)]
+                ("n_experts", _i64), ("top_k", _i64), ("extra", _i64)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("cos", _ptr), ("sin_signed", _ptr), ("slot_pages", _ptr), ("slot_offsets", _ptr),
                 ("pages", _ptr), ("width", _i64), ("qrow", _ptr), ("entry", _ptr), ("lo", _ptr), ("hi", _ptr),
                 ("n_query", _i64), ("max_keys", _i64), ("positions", _ptr), ("chunks", _ptr), ("chunk_pages", _ptr),
-                ("n_chunks", _i64), ("window", _i64)]
+                ("n_chunks", _i64), ("window", _i64), ("states", _ptr), ("n_states", _i64)]
 
 
 class _Ends(ctypes.Structure):
@@ -96,6 +96,8 @@ class _Ends(ctypes.Structure):
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
+#: the step structs a call takes: one per kind, and a hybrid's linear layers' (the last)
+STEPS = len(KINDS) + 1
 #: the most rows of a step with prompt chunks `run_step` takes (its workspace grows with the
 #: rows; a longer chunk's Python is a small part of its time, and the modules slice its MLP)
 MAX_CHUNK_ROWS = 256
@@ -211,7 +213,10 @@ class CpuDecodeStack:
         self._caches: list[torch.Tensor] | None = None  # the KV tensors the structs point at
         self._refused: list[torch.Tensor] | None = None  # KV tensors it does not take
         self._work = torch.empty(0)
-        self._steps = (_Step * len(KINDS))()
+        self._steps = (_Step * STEPS)()
+        #: the widest input of any of the layers' GEMMs (the quantized GEMMs' scratch), where a
+        #: subclass's layers have one wider than the hidden size, the MLP's and the attention's
+        self.max_k = 0
         #: the embedding, final norm and head as `run_step`'s struct (None: it declines),
         #: the tensors its pointers are into, and the RoPE modules whose tables it reads whole
         self._ends: _Ends | None = None
@@ -301,15 +306,18 @@ class CpuDecodeStack:
             self._plain_prompts = all(m.wide is None and m.prompt_bytes == 2 for m in self._quants)
         return self._plain_prompts
 
-    def _take_ends(self, model) -> None:
+    def _take_ends(self, model, rotaries: dict | None = None) -> None:
         """`run_step`'s embedding, final norm and head, where each is one the C side runs
         as the modules do: a float32 or quantized embedding (a form `mstar_qrows` takes), the
         model's RMSNorm in float32 with the layers' eps, a quantized or C-kernel float32
         head, and plain RoPE (one position a row). Otherwise `run_step` declines."""
-        cfg, lib, s = model.config, self.lib, self.shape
+        cfg, lib, s = getattr(model.config, "attention", model.config), self.lib, self.shape
         embed, norm, head = model.model.embed_tokens, model.model.norm, model.head
-        rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
-        if (any(type(r) is not Rotary for r in rotaries.values()) or not isinstance(norm, RMSNorm)
+        if rotaries is None:  # (a subclass passes its own: RoPE modules whose one-position rows are Rotary's)
+            rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
+            if any(type(r) is not Rotary for r in rotaries.values()):
+                return
+        if (not isinstance(norm, RMSNorm)
                 or norm.eps != cfg.rms_norm_eps or not _plain_f32(norm.weight)):
             return
         keep: list[torch.Tensor] = [norm.weight]
@@ -537,5 +545,5 @@ class CpuDecodeStack:
         if self._work.numel() < need:
             self._work = torch.empty(max(need, 2 * self._work.numel()))
         work = self._work.data_ptr()
-        qscratch = quant._scratch(lib, t, max(s.hidden, s.inter, s.hq * s.d))
+        qscratch = quant._scratch(lib, t, max(s.hidden, s.inter, s.hq * s.d, self.max_k))
         return work, qscratch, work + 4 * floats
