@@ -3,11 +3,13 @@ kernels/decode_stack.c) gives bitwise the torch modules' result: the same logits
 and state slots (conv window and recurrent matrix), on a float32 checkpoint (gemm.c's packed
 GEMMs) and on the Q8_0 file llama.cpp's converter writes of it, for decode steps of one and
 several requests (a fresh slot beside continued ones), and steps with prompt chunks beside
-decode rows; Qwen3.5-MoE (a shared expert the stack does not take) runs the modules. The
-decoder families' tests are tests/unit/test_cpu_stack.py's."""
+decode rows; and the hybrid mixtures of experts (Qwen3.5-MoE: every layer sparse; Qwen3-Next:
+a dense layer, top-k weights not renormalized), their gated shared expert in the C stack's
+mixture block. The decoder families' tests are tests/unit/test_cpu_stack.py's."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -18,6 +20,7 @@ from services.gpu_worker.attention import BUILDERS, AttnRows, KernelBuilder, bui
 from services.gpu_worker.kv_memory import kv_cache, state_cache
 from services.gpu_worker.layers import quant
 from services.gpu_worker.layers.delta_rule import StateBatch
+from services.gpu_worker.modeling.decoder.cpu_stack import _MoE
 from services.gpu_worker.modeling.hybrid.cpu_stack import state_host
 from tests.checkpoints import make_checkpoint
 
@@ -57,7 +60,8 @@ def _converted(root):
     return _one_thread_load(str(_convert(ckpt, root / "q8.gguf")), "auto")  # (--no-mtp: the bench file's way)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5-float32", "qwen3_5-q8_0"])
+@pytest.fixture(scope="module", params=["qwen3_5-float32", "qwen3_5-q8_0", "qwen3_5_moe-float32",
+                                        "qwen3_next-float32"])
 def model(request, tmp_path_factory):
     arch, _, variant = request.param.partition("-")
     root = tmp_path_factory.mktemp(f"hstack-{request.param}")
@@ -128,6 +132,9 @@ def _prefill_one(m, caches, r, ids):
 def test_the_stack_applies_to_qwen3_5_on_the_c_gemms(model):
     assert model.cpu_stack is not None and model.cpu_stack._ends is not None
     assert {"linear_attention", "full_attention"} == set(model.cpu_stack.kinds)
+    if model.config.attention.has_experts:  # the mixtures with their shared expert, in the C block
+        moes = [lay.moe for lay in model.cpu_stack.layers if lay.moe]
+        assert moes and all(ctypes.cast(p, ctypes.POINTER(_MoE)).contents.shared_inter > 0 for p in moes)
 
 
 @pytest.mark.parametrize("lens", [[5], [17, 40, 3]])
@@ -158,8 +165,3 @@ def test_whole_steps_with_prompt_chunks_and_a_fresh_slot_are_bitwise_the_modules
     want = _forward(model, b, ids, pos, rows, sample)
     assert got is not None and torch.equal(got, want)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_a_hybrid_mixture_with_a_shared_expert_runs_the_modules(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "moe", "qwen3_5_moe")
-    assert _one_thread_load(str(ckpt), "float32").cpu_stack is None

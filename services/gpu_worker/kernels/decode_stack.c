@@ -76,6 +76,7 @@ void mstar_rope_partial(float *x, int64_t x_stride, int64_t rows, int64_t heads,
                         const float *cos, const float *sin_signed, int64_t tab_stride);
 void mstar_sigmoid_gate(float *o, int64_t rows, int64_t heads, int64_t d, const float *g, int64_t g_stride,
                         int64_t g_head);
+void mstar_sigmoid(const float *x, int64_t n, float *out);
 void mstar_gdn_gates(const float *b, const float *a, int64_t stride, int64_t rows, int64_t heads,
                      const float *dt_bias, const float *neg_a, float *beta, float *g);
 int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
@@ -114,6 +115,11 @@ typedef struct {
     float alpha, limit;
     MstarQWeight router;
     const MstarQWeight *gate_up, *down;
+    /* a shared expert every row takes (Qwen3.5-MoE, Qwen3-Next; shared_down.w NULL: none):
+     * its MLP (gate/up as the dense MLP's, up to 2 parts; width shared_inter) times
+     * sigmoid(shared_gate(h)) [t, 1], added after the routed experts (shared_expert_add) */
+    int64_t shared_inter;
+    MstarQWeight shared_gate_up[2], shared_down, shared_gate;
 } MstarMoE;
 
 /* A Gated DeltaNet layer (modeling/hybrid/qwen3_5.py GatedDeltaNet) in place of the
@@ -219,6 +225,14 @@ __attribute__((optimize("fp-contract=off"))) static void add_weighted(float *out
     }
 }
 
+/* out [t, hidden] += sg[r] * y[r] per row (SparseMoE.forward's `out + sigmoid(gate(x)) *
+ * shared(x)`, sg the sigmoid: the product rounded, then added). */
+__attribute__((optimize("fp-contract=off"))) static void shared_expert_add(float *out, int64_t hid, int64_t t,
+                                                                           const float *sg, const float *y) {
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t i = 0; i < hid; i++) out[r * hid + i] = out[r * hid + i] + sg[r] * y[r * hid + i];
+}
+
 static void add_into(float *x, const float *o, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
@@ -267,6 +281,9 @@ static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, i
     return qgemm_ld(w, x, m, out, w->n, threads, qscratch);
 }
 
+static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t m, float *out, int threads,
+                       void *qscratch);
+
 /* A mixture-of-experts block on h [t, hidden] into out [t, hidden] (zeroed here), as
  * layers/moe.py computes it: the router, mstar_moe_route, then for each expert in ascending
  * order its rows (by top-k place, then row) gathered, its two GEMMs, and each row's weighted
@@ -305,6 +322,17 @@ static int moe_block(const MstarStackShape *s, const MstarMoE *m, const float *h
         if (qgemm(m->down + e, act, cnt, y, threads, qscratch)) return -1;
         add_weighted(out, hid, rows, pw, y, cnt);
     }
+    if (!m->shared_down.w) return 0;
+    if (m->shared_gate_up[0].form == GEMM_F32_SILU) {
+        if (qgemm(m->shared_gate_up, h, t, act, threads, qscratch)) return -1;
+    } else {
+        if (qgemm_parts(m->shared_gate_up, 2, h, t, gu, threads, qscratch)) return -1;
+        mstar_silu_mul(gu, 2 * m->shared_inter, m->shared_inter, act, t);
+    }
+    if (qgemm(&m->shared_down, act, t, y, threads, qscratch) || qgemm(&m->shared_gate, h, t, logits, threads, qscratch))
+        return -1;
+    mstar_sigmoid(logits, t, logits); /* (the kernel SparseMoE._shared_scale calls) */
+    shared_expert_add(out, hid, t, logits, y);
     return 0;
 }
 

@@ -128,3 +128,9 @@ void mstar_gdn_gates(const float *b, const float *a, int64_t stride, int64_t row
             g[r * heads + h] = neg_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
         }
 }
+
+/* out = sigmoid(x) = 1 / (1 + exp(-x)) over n values (out may be x): a mixture's shared-expert
+ * gate, in SparseMoE and the decode stack alike. */
+void mstar_sigmoid(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + exp_poly(-x[i]));
+}

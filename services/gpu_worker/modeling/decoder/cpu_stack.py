@@ -65,7 +65,9 @@ class _QWeight(ctypes.Structure):
 
 class _MoE(ctypes.Structure):
     _fields_ = [("n_experts", _i64), ("top_k", _i64), ("inter", _i64), ("route", _i64), ("clamped", _i64),
-                ("alpha", _f32), ("limit", _f32), ("router", _QWeight), ("gate_up", _ptr), ("down", _ptr)]
+                ("alpha", _f32), ("limit", _f32), ("router", _QWeight), ("gate_up", _ptr), ("down", _ptr),
+                ("shared_inter", _i64), ("shared_gate_up", _QWeight * 2), ("shared_down", _QWeight),
+                ("shared_gate", _QWeight)]
 
 
 class _Layer(ctypes.Structure):
@@ -129,13 +131,14 @@ def _qweight(layer) -> _QWeight | None:
 
 def _moe(mlp: ExpertMixture) -> tuple[_MoE, list] | None:
     """A mixture-of-experts block as the C stack's struct (and the arrays its pointers are
-    into), where the stack computes it as the module does: Qwen3-MoE's or Mixtral's (no
-    shared expert) or gpt-oss's, its router a C GEMM, its experts packed (`pack`) or kept
-    quantized (`keep_quantized`), the C routing (`kernel_route`: at most
-    MAX_KERNEL_EXPERTS); None otherwise."""
+    into), where the stack computes it as the module does: Qwen3-MoE's or Mixtral's, a
+    hybrid's with its gated shared expert (Qwen3.5-MoE, Qwen3-Next: `_shared`) or gpt-oss's,
+    its router a C GEMM, its experts packed (`pack`) or kept quantized (`keep_quantized`),
+    the C routing (`kernel_route`: at most MAX_KERNEL_EXPERTS); None otherwise."""
     oss = isinstance(mlp, GptOssMoE)
     router = _qweight(mlp.router if oss else mlp.gate)
-    if not (oss or (type(mlp) is SparseMoE and mlp.shared_expert is None)) or router is None or not (
+    shared = None if oss or type(mlp) is not SparseMoE else _shared(mlp)
+    if not (oss or shared is not None) or router is None or not (
             1 <= mlp.top_k <= mlp.num_experts <= MAX_KERNEL_EXPERTS):
         return None
     n = mlp.num_experts
@@ -153,8 +156,22 @@ def _moe(mlp: ExpertMixture) -> tuple[_MoE, list] | None:
     route = TOPK_SOFTMAX if oss else SOFTMAX_TOPK_NORM if mlp.norm_topk_prob else SOFTMAX_TOPK
     alpha, limit = (mlp.alpha, mlp.limit) if oss else (0.0, 0.0)
     struct = _MoE(n, mlp.top_k, mlp.inter, route, int(oss), alpha, limit, router, ctypes.addressof(gu),
-                  ctypes.addressof(dn))
+                  ctypes.addressof(dn), *(shared or ()))
     return struct, [gu, dn]
+
+
+def _shared(mlp: SparseMoE) -> tuple | None:
+    """A `SparseMoE`'s shared expert as `_MoE`'s last fields (its width, gate/up parts, down
+    and gate GEMMs; all empty where it has none), or None where some GEMM is not a C kernel's."""
+    if mlp.shared_expert is None:
+        return 0, (_QWeight * 2)(), _QWeight(), _QWeight()
+    dense = mlp.shared_expert
+    gate_up = dense.gate_up_silu if dense.gate_up_silu is not None else dense.gate_up_proj
+    parts, down = _gemm_parts(gate_up, 2), _qweight(getattr(dense, "down_proj", None))
+    gate = _qweight(mlp.shared_expert_gate)
+    if any(p is None for p in parts) or down is None or gate is None or gate.n != 1:
+        return None
+    return down.k, (_QWeight * 2)(*cast("list[_QWeight]", parts)), down, gate
 
 
 def _packed_experts(mlp: ExpertMixture) -> tuple[list[_QWeight | None], list[_QWeight | None]]:
@@ -287,8 +304,9 @@ class CpuDecodeStack:
             layers.append(_Layer(ptrs[0], ptrs[1], (_QWeight * 3)(*g[:3]), g[3], (_QWeight * 2)(*g[4:6]), g[6], None,
                                  *ptrs[2:], KINDS.index(kind), None if moe is None else ctypes.addressof(moe),
                                  None if sinks is None else sinks.data_ptr()))
+        shared = max((m.shared_inter for m in keep if isinstance(m, _MoE)), default=0)
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0), 0, 0,
+                       max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0, shared), 0, 0,
                        cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"),
                        cfg.num_experts if cfg.has_experts else 0, cfg.num_experts_per_tok if cfg.has_experts else 0)
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}

@@ -38,6 +38,7 @@ from services.gpu_worker.modeling.decoder.cpu_stack import (
     _gemm_parts,
     _Layer,
     _library,
+    _MoE,
     _moe,
     _plain_f32,
     _QWeight,
@@ -134,7 +135,8 @@ class HybridDecodeStack(CpuDecodeStack):
         if built is None:
             return None
         layers, norms, keep, kinds = built
-        inter = max(a.intermediate_size, a.moe_intermediate_size if a.has_experts else 0)
+        shared = max((m.shared_inter for m in keep if isinstance(m, _MoE)), default=0)
+        inter = max(a.intermediate_size, a.moe_intermediate_size if a.has_experts else 0, shared)
         vd = cfg.value_dim
         width = max((g.width for g in keep if isinstance(g, _Gdn)), default=0)
         hq, hkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
