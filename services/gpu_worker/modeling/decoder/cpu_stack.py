@@ -18,7 +18,8 @@ kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32 in gemm.c's pane
 activations, float32, bfloat16 or int8 KV pages, and a step whose every row is a decode
 query row of each label (no prefill chunk). Anything else (a prefill, a float16 pool, Gemma
 2's soft-caps) takes the modules' path. A hybrid's Gated DeltaNet and gated attention layers
-are modeling/hybrid/cpu_stack.py's subclass (the layer structs here carry them). `MSTAR_CPU_STACK=0` turns it off (to compare).
+are modeling/hybrid/cpu_stack.py's subclass (the layer structs here carry them).
+`MSTAR_CPU_STACK=0` turns it off (to compare).
 On Gemma 3 270M (18 layers) the modules' path cost ~9 ms of a ~22 ms decode step.
 
 The runner's steps go further (`run_step`): the embedding, the final norm and the head run
