@@ -257,6 +257,12 @@ def _declare(lib: ctypes.CDLL) -> None:
                                       i64, ptr, i64, ptr]
     lib.mstar_gated_rms_norm.restype = None
     lib.mstar_gated_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
+    lib.mstar_rope_partial.restype = lib.mstar_sigmoid_gate.restype = lib.mstar_gdn_gates.restype = None
+    lib.mstar_rope_partial.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64]
+    lib.mstar_sigmoid_gate.argtypes = [ptr, i64, i64, i64, ptr, i64, i64]
+    lib.mstar_gdn_gates.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+    lib.mstar_sigmoid.restype = None
+    lib.mstar_sigmoid.argtypes = [ptr, i64, ptr]
     lib.mstar_pool_threads.restype = ctypes.c_int
     lib.mstar_pool_threads.argtypes = []
     lib.mstar_pool_set_threads.restype = lib.mstar_pool_stats.restype = None

@@ -64,6 +64,21 @@ int mstar_paged_decode_sinks(int64_t kind, const float *q, int64_t q_stride, con
                              int64_t width, const int64_t *qrow, const int64_t *entry, const int64_t *lo,
                              const int64_t *hi, int64_t n_rows, int64_t hq, int64_t hkv, int64_t d, int64_t page_size,
                              float scale, float *out, float *scratch, int64_t max_keys, const float *sinks);
+int mstar_causal_conv(const float *x, int64_t x_stride, int64_t c, float *state, int64_t slot_stride, int64_t k,
+                      const float *weight, const int64_t *meta, int64_t b, float *out);
+int mstar_gated_delta(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                      int64_t v_stride, const float *g, int64_t g_stride, const float *beta, int64_t beta_stride,
+                      int64_t hk, int64_t hv, int64_t dk, int64_t dv, float *state, int64_t slot_stride,
+                      const int64_t *meta, int64_t b, float *out);
+void mstar_gated_rms_norm(const float *x, int64_t x_stride, const float *z, int64_t z_stride, const float *w,
+                          float eps, float *out, int64_t rows, int64_t dim);
+void mstar_rope_partial(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t head_stride, int64_t rot,
+                        const float *cos, const float *sin_signed, int64_t tab_stride);
+void mstar_sigmoid_gate(float *o, int64_t rows, int64_t heads, int64_t d, const float *g, int64_t g_stride,
+                        int64_t g_head);
+void mstar_sigmoid(const float *x, int64_t n, float *out);
+void mstar_gdn_gates(const float *b, const float *a, int64_t stride, int64_t rows, int64_t heads,
+                     const float *dt_bias, const float *neg_a, float *beta, float *g);
 int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
                                   const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
                                   int64_t d, int64_t page_size, int64_t window, float scale, float *out,
@@ -100,7 +115,25 @@ typedef struct {
     float alpha, limit;
     MstarQWeight router;
     const MstarQWeight *gate_up, *down;
+    /* a shared expert every row takes (Qwen3.5-MoE, Qwen3-Next; shared_down.w NULL: none):
+     * its MLP (gate/up as the dense MLP's, up to 2 parts; width shared_inter) times
+     * sigmoid(shared_gate(h)) [t, 1], added after the routed experts (shared_expert_add) */
+    int64_t shared_inter;
+    MstarQWeight shared_gate_up[2], shared_down, shared_gate;
 } MstarMoE;
+
+/* A Gated DeltaNet layer (modeling/hybrid/qwen3_5.py GatedDeltaNet) in place of the
+ * attention: in_proj (qkv | z | b | a columns, z, b and a from z_at, b_at, a_at of its
+ * `width` columns; up to 4 parts as QuantParts), the causal conv over each request's window
+ * (mstar_causal_conv), the gates (mstar_gdn_gates), the gated delta rule on the recurrent
+ * state (mstar_gated_delta), the gated RMSNorm per value head, out_proj. The layer's `cache`
+ * is its state pool [slots, slot_stride]: each slot the conv window [K-1, conv_dim], then
+ * the state [hv, dk, dv]; the step's `states` say which slot each request's rows use. */
+typedef struct {
+    int64_t hk, hv, dk, dv, conv_k, conv_dim, z_at, b_at, a_at, width, slot_stride;
+    MstarQWeight in_proj[4], out;
+    const float *conv_w, *dt_bias, *neg_a, *norm_w;
+} MstarGdn;
 
 typedef struct {
     const float *ln1, *ln2;
@@ -113,6 +146,11 @@ typedef struct {
     int64_t step;
     const MstarMoE *moe; /* NULL: the dense MLP (gate_up, down) */
     const float *sinks;  /* gpt-oss's attention sinks [hq], or NULL */
+    const MstarGdn *gdn; /* a linear-attention layer (its mixer in place of the attention), or NULL */
+    /* Qwen3.5's gated attention (GatedAttention): q_proj writes q and an output gate per head
+     * ([q_h | gate_h]), q and k normed per head, RoPE on the first `rotary` of each head, the
+     * output times sigmoid(gate) before o; 0: a plain layer */
+    int64_t rotary;
 } MstarLayer;
 
 /* The shapes every layer shares; kv_kind: the pages' type, 0 float32, 1 bfloat16, 2 int8
@@ -124,6 +162,7 @@ typedef struct {
     int64_t gelu; /* the MLP's activation: gelu_tanh (Gemma), else silu */
     int64_t n_experts, top_k; /* the widest mixture of experts' (0 where no layer has one); inter is the
                                * widest MLP's or expert's */
+    int64_t extra;            /* floats per row a hybrid's layers need beyond these (0 elsewhere) */
 } MstarStackShape;
 
 /* The step: T rows of one label, its decode query rows (the metadata's decode_query columns
@@ -144,6 +183,8 @@ typedef struct {
     const int64_t *positions;
     const int64_t *chunks, *chunk_pages;
     int64_t n_chunks, window;
+    const int64_t *states; /* a linear layers' step: per request (first row, end row, slot, fresh) [n_states, 4] */
+    int64_t n_states;
 } MstarDecodeStep;
 
 /* What a whole decode forward adds around the layers (mstar_decode_model): the token
@@ -170,7 +211,7 @@ int64_t mstar_stack_workspace(const MstarStackShape *s, int64_t rows) {
      * after a float of slack to align them), the router's logits, each row's k weights, an
      * expert's rows' weights, its gathered rows and their outputs */
     const int64_t moe = s->n_experts ? 1 + rows * (2 * s->top_k + 2 + s->n_experts + s->top_k + 1 + 2 * s->hidden) : 0;
-    return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter) + moe;
+    return rows * (s->hidden + nqkv + s->hq * s->d + s->hidden + 2 * s->inter + s->inter + s->extra) + moe;
 }
 
 /* out [t, hidden] += weight * y for one expert's rows (`rows` [n] of out, y [n, hidden]): the
@@ -184,6 +225,14 @@ __attribute__((optimize("fp-contract=off"))) static void add_weighted(float *out
     }
 }
 
+/* out [t, hidden] += sg[r] * y[r] per row (SparseMoE.forward's `out + sigmoid(gate(x)) *
+ * shared(x)`, sg the sigmoid: the product rounded, then added). */
+__attribute__((optimize("fp-contract=off"))) static void shared_expert_add(float *out, int64_t hid, int64_t t,
+                                                                           const float *sg, const float *y) {
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t i = 0; i < hid; i++) out[r * hid + i] = out[r * hid + i] + sg[r] * y[r * hid + i];
+}
+
 static void add_into(float *x, const float *o, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) x[i] = o[i] + x[i];
@@ -192,9 +241,9 @@ static void add_into(float *x, const float *o, int64_t n) {
 /* One layer's attention: the decode query rows in one kernel call, which splits the rows and
  * their key partitions over the pool's threads itself (the same bits on any count); then each
  * prompt chunk through the prefill kernel, as attention.py's `_prefill_kernel` calls it. */
-static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, const void *cache,
-                     const float *sinks, float *out, float *scratch) {
-    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d, hd = s->hq * s->d;
+static int attention(const MstarStackShape *s, const MstarDecodeStep *st, const float *qkv, int64_t nqkv,
+                     const void *cache, const float *sinks, float *out, float *scratch) {
+    const int64_t hd = s->hq * s->d;
     for (int64_t c = 0; c < st->n_chunks; c++) {
         const int64_t *ch = st->chunks + 5 * c;
         if (mstar_prefill_attention_sinks(qkv + ch[0] * nqkv, nqkv, cache, s->kv_kind, st->chunk_pages + ch[3],
@@ -231,6 +280,9 @@ static int qgemm_ld(const MstarQWeight *w, const float *x, int64_t m, float *out
 static int qgemm(const MstarQWeight *w, const float *x, int64_t m, float *out, int threads, void *qscratch) {
     return qgemm_ld(w, x, m, out, w->n, threads, qscratch);
 }
+
+static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t m, float *out, int threads,
+                       void *qscratch);
 
 /* A mixture-of-experts block on h [t, hidden] into out [t, hidden] (zeroed here), as
  * layers/moe.py computes it: the router, mstar_moe_route, then for each expert in ascending
@@ -270,6 +322,17 @@ static int moe_block(const MstarStackShape *s, const MstarMoE *m, const float *h
         if (qgemm(m->down + e, act, cnt, y, threads, qscratch)) return -1;
         add_weighted(out, hid, rows, pw, y, cnt);
     }
+    if (!m->shared_down.w) return 0;
+    if (m->shared_gate_up[0].form == GEMM_F32_SILU) {
+        if (qgemm(m->shared_gate_up, h, t, act, threads, qscratch)) return -1;
+    } else {
+        if (qgemm_parts(m->shared_gate_up, 2, h, t, gu, threads, qscratch)) return -1;
+        mstar_silu_mul(gu, 2 * m->shared_inter, m->shared_inter, act, t);
+    }
+    if (qgemm(&m->shared_down, act, t, y, threads, qscratch) || qgemm(&m->shared_gate, h, t, logits, threads, qscratch))
+        return -1;
+    mstar_sigmoid(logits, t, logits); /* (the kernel SparseMoE._shared_scale calls) */
+    shared_expert_add(out, hid, t, logits, y);
     return 0;
 }
 
@@ -285,46 +348,137 @@ static int qgemm_parts(const MstarQWeight *w, int parts, const float *x, int64_t
     return 0;
 }
 
+/* The step's K/V rows (k, v rows `stride` apart) into the layer's pages, by the pages' type. */
+static void write_kv(const MstarStackShape *s, const MstarLayer *L, const MstarDecodeStep *st, const float *k,
+                     const float *v, int64_t stride, int64_t t) {
+    if (s->kv_kind == 2)
+        mstar_write_kv_i8((int8_t *)L->cache, k, stride, v, stride, st->slot_pages, st->slot_offsets, t,
+                          s->hkv * s->d, s->d, s->page_size);
+    else if (s->kv_kind == 1)
+        mstar_write_kv_bf16((uint16_t *)L->cache, k, stride, v, stride, st->slot_pages, st->slot_offsets, t,
+                            s->hkv * s->d, s->page_size);
+    else
+        mstar_write_kv((float *)L->cache, k, stride, v, stride, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
+                       s->page_size);
+}
+
+/* A plain layer's attention on h [t, hidden] into o [t, hidden]: the q/k/v GEMM, q/k norms
+ * (Gemma 3, Qwen3), RoPE, the K/V rows into their pages, the attention, the o GEMM. Returns
+ * 0, -1 (the q/k/v GEMM), -2 (a chunk the prefill kernel refused), -3 (the attention), -4
+ * (the o GEMM). */
+static int plain_attention(const MstarStackShape *s, const MstarLayer *L, const MstarDecodeStep *st, const float *h,
+                           int64_t t, float *qkv, float *attn, float *o, float *ascratch, int threads,
+                           void *qscratch) {
+    const int64_t nqkv = (s->hq + 2 * s->hkv) * s->d;
+    if (qgemm_parts(L->qkv, 3, h, t, qkv, threads, qscratch)) return -1;
+    if (L->q_norm) {
+        mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
+        mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
+    }
+    if (st->positions)
+        for (int64_t r = 0; r < t; r++)
+            mstar_rope(qkv + r * nqkv, nqkv, 1, s->hq + s->hkv, s->d, st->cos + st->positions[r] * s->d,
+                       st->sin_signed + st->positions[r] * s->d, s->d);
+    else
+        mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
+    write_kv(s, L, st, qkv + s->hq * s->d, qkv + (s->hq + s->hkv) * s->d, nqkv, t);
+    const int rc = attention(s, st, qkv, nqkv, L->cache, L->sinks, attn, ascratch);
+    if (rc) return rc == -2 ? -2 : -3;
+    return qgemm(&L->o, attn, t, o, threads, qscratch) ? -4 : 0;
+}
+
+/* Qwen3.5's gated attention (modeling/hybrid/qwen3_5.py GatedAttention, on the C kernels)
+ * on h into o: the q(+gate)/k/v GEMM into w [t, 2 hq d + 2 hkv d], q copied out of it into
+ * w's next [t, hq d] and RMS-normed per head (the modules' q_norm on q's contiguous copy: the
+ * same per-row kernel), k normed in place, RoPE on the first `rotary` of each head, the K/V
+ * rows, the attention, times sigmoid(gate), the o GEMM. Codes as plain_attention's. */
+static int gated_attention(const MstarStackShape *s, const MstarLayer *L, const MstarDecodeStep *st,
+                           const float *h, int64_t t, float *attn, float *o, float *w, float *ascratch, int threads,
+                           void *qscratch) {
+    const int64_t d = s->d, hq = s->hq, hkv = s->hkv, nqg = 2 * (hq + hkv) * d, rot = L->rotary;
+    float *qg = w, *q = w + t * nqg, *k = qg + 2 * hq * d;
+    if (qgemm_parts(L->qkv, 3, h, t, qg, threads, qscratch)) return -1;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t hh = 0; hh < hq; hh++)
+            for (int64_t i = 0; i < d; i++) q[(r * hq + hh) * d + i] = qg[r * nqg + hh * 2 * d + i];
+    mstar_head_norm(q, hq * d, t, hq, d, L->q_norm, s->eps);
+    mstar_head_norm(k, nqg, t, hkv, d, L->k_norm, s->eps);
+    for (int64_t r = 0; r < t; r++) {
+        const int64_t p = st->positions ? st->positions[r] : r;
+        const float *c = st->cos + p * rot, *sn = st->sin_signed + p * rot;
+        mstar_rope_partial(q + r * hq * d, hq * d, 1, hq, d, rot, c, sn, rot);
+        mstar_rope_partial(k + r * nqg, nqg, 1, hkv, d, rot, c, sn, rot);
+    }
+    write_kv(s, L, st, k, k + hkv * d, nqg, t);
+    const int rc = attention(s, st, q, hq * d, L->cache, NULL, attn, ascratch);
+    if (rc) return rc == -2 ? -2 : -3;
+    mstar_sigmoid_gate(attn, t, hq, d, qg + d, nqg, 2 * d);
+    return qgemm(&L->o, attn, t, o, threads, qscratch) ? -4 : 0;
+}
+
+/* A Gated DeltaNet layer (MstarGdn) on h into o, its state slots updated in place; w: its
+ * workspace (in_proj's output, the conv's, beta, g, the rule's output, the normed rows).
+ * Codes: -1 (in_proj), -4 (out_proj), -5 (the conv or the rule refusing its shape). */
+static int gdn_mixer(const MstarGdn *G, const MstarStackShape *s, float *pool, const MstarDecodeStep *st,
+                     const float *h, int64_t t, float *o, float *w, int threads, void *qscratch) {
+    const int64_t c = G->conv_dim, kd = G->hk * G->dk, vd = G->hv * G->dv, win = (G->conv_k - 1) * c;
+    float *ip = w, *mixed = ip + t * G->width, *beta = mixed + t * c, *g = beta + t * G->hv, *core = g + t * G->hv;
+    float *normed = core + t * vd;
+    if (qgemm_parts(G->in_proj, 4, h, t, ip, threads, qscratch)) return -1;
+    if (mstar_causal_conv(ip, G->width, c, pool, G->slot_stride, G->conv_k, G->conv_w, st->states, st->n_states,
+                          mixed))
+        return -5;
+    mstar_gdn_gates(ip + G->b_at, ip + G->a_at, G->width, t, G->hv, G->dt_bias, G->neg_a, beta, g);
+    if (mstar_gated_delta(mixed, c, mixed + kd, c, mixed + 2 * kd, c, g, G->hv, beta, G->hv, G->hk, G->hv, G->dk,
+                          G->dv, pool + win, G->slot_stride, st->states, st->n_states, core))
+        return -5;
+    for (int64_t r = 0; r < t; r++)
+        mstar_gated_rms_norm(core + r * vd, G->dv, ip + r * G->width + G->z_at, G->dv, G->norm_w, s->eps,
+                             normed + r * vd, G->hv, G->dv);
+    return qgemm(&G->out, normed, t, o, threads, qscratch) ? -4 : 0;
+}
+
+/* The layer's MLP (dense or a mixture) on h into o. Returns 0 or -1. */
+static int mlp_block(const MstarStackShape *s, const MstarLayer *L, const float *h, int64_t t, float *o, float *gu,
+                     float *act, float *mw, int threads, void *qscratch) {
+    if (L->moe) return moe_block(s, L->moe, h, t, o, gu, act, mw, threads, qscratch);
+    if (L->gate_up[0].form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
+        if (qgemm(L->gate_up, h, t, act, threads, qscratch)) return -1;
+    } else {
+        if (qgemm_parts(L->gate_up, 2, h, t, gu, threads, qscratch)) return -1;
+        if (s->gelu)
+            mstar_gelu_mul(gu, 2 * s->inter, s->inter, act, t);
+        else
+            mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
+    }
+    return qgemm(&L->down, act, t, o, threads, qscratch) ? -2 : 0;
+}
+
 /* x [rows, hidden] in place through every layer; steps[layer's step] its metadata. Returns 0,
  * or the first kernel's error code (a GEMM's -1 as -10 - layer * 8 - which, the decode
- * attention's as -20000 - layer, a prompt chunk's as -30000 - layer). The modules' order
+ * attention's as -20000 - layer, a prompt chunk's as -30000 - layer, a linear layer's conv
+ * or rule refusing its shape as -14 - layer * 8). The modules' order
  * (modeling/decoder_lm.py): a Llama layer is x += attn(norm1(x)); x += mlp(norm2(x)); a
  * Gemma 3 layer x += norm2(attn(norm1(x))); x += norm4(mlp(norm3(x))), with q and k
- * normalised per head before RoPE. */
+ * normalised per head before RoPE; a hybrid's (modeling/hybrid/qwen3_5.py HybridLayer)
+ * x += mixer(norm1(x)); x += mlp(norm2(x)), its mixer a Gated DeltaNet or gated attention. */
 int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const MstarDecodeStep *steps, float *x,
                        float *work, void *qscratch, float *ascratch, int threads) {
     const int64_t t = steps[0].rows, hid = s->hidden, nqkv = (s->hq + 2 * s->hkv) * s->d;
     float *h = work, *qkv = h + t * hid, *attn = qkv + t * nqkv, *o = attn + t * s->hq * s->d;
-    float *gu = o + t * hid, *act = gu + t * 2 * s->inter, *mw = act + t * s->inter;
+    float *gu = o + t * hid, *act = gu + t * 2 * s->inter, *xw = act + t * s->inter, *mw = xw + t * s->extra;
     for (int64_t l = 0; l < s->n_layers; l++) {
         const MstarLayer *L = layers + l;
         const MstarDecodeStep *st = steps + L->step;
         mstar_rms_norm(x, hid, L->ln1, s->eps, h, t, hid);
-        if (qgemm_parts(L->qkv, 3, h, t, qkv, threads, qscratch)) return (int)(-10 - l * 8);
-        if (L->q_norm) {
-            mstar_head_norm(qkv, nqkv, t, s->hq, s->d, L->q_norm, s->eps);
-            mstar_head_norm(qkv + s->hq * s->d, nqkv, t, s->hkv, s->d, L->k_norm, s->eps);
-        }
-        if (st->positions)
-            for (int64_t r = 0; r < t; r++)
-                mstar_rope(qkv + r * nqkv, nqkv, 1, s->hq + s->hkv, s->d, st->cos + st->positions[r] * s->d,
-                           st->sin_signed + st->positions[r] * s->d, s->d);
-        else
-            mstar_rope(qkv, nqkv, t, s->hq + s->hkv, s->d, st->cos, st->sin_signed, s->d);
-        const float *k = qkv + s->hq * s->d, *v = qkv + (s->hq + s->hkv) * s->d;
-        if (s->kv_kind == 2)
-            mstar_write_kv_i8((int8_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
-                              s->hkv * s->d, s->d, s->page_size);
-        else if (s->kv_kind == 1)
-            mstar_write_kv_bf16((uint16_t *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t,
-                                s->hkv * s->d, s->page_size);
-        else
-            mstar_write_kv((float *)L->cache, k, nqkv, v, nqkv, st->slot_pages, st->slot_offsets, t, s->hkv * s->d,
-                           s->page_size);
-        const int rc = attention(s, st, qkv, L->cache, L->sinks, attn, ascratch);
+        const int rc = L->gdn ? gdn_mixer(L->gdn, s, (float *)L->cache, st, h, t, o, xw, threads, qscratch)
+                       : L->rotary ? gated_attention(s, L, st, h, t, attn, o, xw, ascratch, threads, qscratch)
+                                   : plain_attention(s, L, st, h, t, qkv, attn, o, ascratch, threads, qscratch);
+        if (rc == -1) return (int)(-10 - l * 8);
         if (rc == -2) return (int)(-30000 - l); /* a chunk the prefill kernel refused: nothing is lost */
-        if (rc) return (int)(-20000 - l);
-        if (qgemm(&L->o, attn, t, o, threads, qscratch)) return (int)(-11 - l * 8);
+        if (rc == -3) return (int)(-20000 - l);
+        if (rc == -4) return (int)(-11 - l * 8);
+        if (rc == -5) return (int)(-14 - l * 8);
         if (L->ln3) {
             mstar_rms_norm(o, hid, L->ln2, s->eps, h, t, hid);
             add_into(x, h, t * hid);
@@ -333,21 +487,8 @@ int mstar_decode_stack(const MstarStackShape *s, const MstarLayer *layers, const
             add_into(x, o, t * hid);
             mstar_rms_norm(x, hid, L->ln2, s->eps, h, t, hid);
         }
-        if (L->moe) {
-            if (moe_block(s, L->moe, h, t, o, gu, act, mw, threads, qscratch)) return (int)(-12 - l * 8);
-            add_into(x, o, t * hid);
-            continue;
-        }
-        if (L->gate_up[0].form == GEMM_F32_SILU) { /* silu * up in the GEMM's epilogue, as KernelGateUpSilu */
-            if (qgemm(L->gate_up, h, t, act, threads, qscratch)) return (int)(-12 - l * 8);
-        } else {
-            if (qgemm_parts(L->gate_up, 2, h, t, gu, threads, qscratch)) return (int)(-12 - l * 8);
-            if (s->gelu)
-                mstar_gelu_mul(gu, 2 * s->inter, s->inter, act, t);
-            else
-                mstar_silu_mul(gu, 2 * s->inter, s->inter, act, t);
-        }
-        if (qgemm(&L->down, act, t, o, threads, qscratch)) return (int)(-13 - l * 8);
+        const int mrc = mlp_block(s, L, h, t, o, gu, act, mw, threads, qscratch);
+        if (mrc) return (int)(mrc == -1 ? -12 - l * 8 : -13 - l * 8);
         if (L->ln4) {
             mstar_rms_norm(o, hid, L->ln4, s->eps, h, t, hid);
             add_into(x, h, t * hid);

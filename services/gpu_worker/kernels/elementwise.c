@@ -85,3 +85,52 @@ void mstar_clamped_swiglu(const float *restrict gu, int64_t gu_stride, int64_t i
         }
     }
 }
+
+/* RoPE on the first `rot` values of each head (Qwen3.5's partial RoPE; the rest of the head
+ * kept), heads `head_stride` apart: mstar_rope's arithmetic per head, tables [rows, rot]
+ * (row stride tab_stride). The modules' GatedAttention and the decode stack both call it. */
+void mstar_rope_partial(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t head_stride, int64_t rot,
+                        const float *cos, const float *sin_signed, int64_t tab_stride) {
+    for (int64_t h = 0; h < heads; h++)
+        mstar_rope(x + h * head_stride, x_stride, rows, 1, rot, cos, sin_signed, tab_stride);
+}
+
+/* o[r, h * d + i] *= sigmoid(g[r * g_stride + h * g_head + i]) over `heads` heads of d values
+ * (Qwen3.5's attention output gate; the gate's heads lie between q's in q_proj's output),
+ * sigmoid(z) = 1 / (1 + exp(-z)), row by row (a row's bits never depend on its batch). */
+void mstar_sigmoid_gate(float *o, int64_t rows, int64_t heads, int64_t d, const float *g, int64_t g_stride,
+                        int64_t g_head) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *restrict oh = o + (r * heads + h) * d;
+            const float *restrict gh = g + r * g_stride + h * g_head;
+            float e[256];
+            for (int64_t i0 = 0; i0 < d; i0 += 256) {
+                const int64_t n = d - i0 < 256 ? d - i0 : 256;
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) e[i] = exp_poly(-gh[i0 + i]);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) oh[i0 + i] = oh[i0 + i] * (1.0f / (1.0f + e[i]));
+            }
+        }
+}
+
+/* Gated DeltaNet's per-head gates from in_proj's b and a columns (rows `stride` apart):
+ * beta = sigmoid(b), g = neg_a * softplus(a + dt_bias) (softplus(x) = log1p(exp(x)), x past 20
+ * as is: torch's threshold), into beta and g [rows, heads]. libm's expf / log1pf, scalar:
+ * the modules' GatedDeltaNet and the decode stack both call this. */
+void mstar_gdn_gates(const float *b, const float *a, int64_t stride, int64_t rows, int64_t heads,
+                     const float *dt_bias, const float *neg_a, float *beta, float *g) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float bv = b[r * stride + h], x = a[r * stride + h] + dt_bias[h];
+            beta[r * heads + h] = 1.0f / (1.0f + expf(-bv));
+            g[r * heads + h] = neg_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+        }
+}
+
+/* out = sigmoid(x) = 1 / (1 + exp(-x)) over n values (out may be x): a mixture's shared-expert
+ * gate, in SparseMoE and the decode stack alike. */
+void mstar_sigmoid(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + exp_poly(-x[i]));
+}

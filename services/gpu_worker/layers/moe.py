@@ -225,7 +225,16 @@ class SparseMoE(ExpertMixture):
         vectors of a tensor and a scalar op over the tail, whose bits differ, so a row's value
         would depend on how many rows share the step: packed (the batch-invariant path), each
         value is spread over a row of 64 (whole pairs of vectors up to AVX-512) and taken back
-        from column 0. Unpacked, transformers' own call on [T, 1], bit for bit."""
+        from column 0. Unpacked, transformers' own call on [T, 1], bit for bit. Where the experts
+        are the C kernels' (packed or kept quantized) and the kernels are built, their sigmoid
+        (`mstar_sigmoid`): the one the C decode stack runs, so both agree bitwise."""
+        if self.gate_up_packed is None and self.quant is None:
+            return torch.sigmoid(g)
+        lib = cpu_kernels.library()
+        if lib is not None and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu":
+            out = torch.empty_like(g)  # the C kernel the decode stack calls (each value on its own)
+            lib.mstar_sigmoid(g.data_ptr(), g.numel(), out.data_ptr())
+            return out
         if self.gate_up_packed is None:
             return torch.sigmoid(g)
         return torch.sigmoid(g.expand(-1, 64).contiguous())[:, :1]

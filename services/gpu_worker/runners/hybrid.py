@@ -9,8 +9,13 @@ computes: a freshly taken slot holds a finished request's state, never cleared b
 
 from __future__ import annotations
 
-from services.gpu_worker.attention import AttnMetadata, AttnRows, cpu_backend
+from typing import cast
+
+import numpy as np
+
+from services.gpu_worker.attention import AttnMetadata, AttnRows, HostStep, KernelBuilder, cpu_backend
 from services.gpu_worker.layers.delta_rule import StateBatch
+from services.gpu_worker.modeling.hybrid.cpu_stack import StateHost, state_host
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 
@@ -43,6 +48,19 @@ class HybridRunner(ModelRunner):
                                  for name, page in kv.restores.items()])
                 self.kv.end_restores(kv.request_id)
         return super().execute(plan)
+
+    def _run_on_host(self, rows: dict[str, list], ids: list[int], positions: list[int],
+                     sample_rows: list[int]) -> np.ndarray | None:
+        """The decoder's whole step in the C stack's one call (modeling/hybrid/cpu_stack.py),
+        the state label's rows as the linear layers' `StateHost` (what `state_batch` says)."""
+        stack, builder = self.host_stack, self.builder
+        assert stack is not None and isinstance(builder, KernelBuilder)
+        states = self._state_labels()
+        host: dict[str, HostStep | StateHost | None] = {
+            name: state_host(r) if name in states else builder.host(r, self.page_sizes[name], self.windows[name])
+            for name, r in rows.items()}
+        metas = cast("list[HostStep | None]", [host[name] for name in self.spec.layer_labels])  # (and StateHosts)
+        return stack.run_step(ids, positions, sample_rows, metas, self.layer_caches)
 
     def _metadata(self, rows: dict[str, list]) -> dict[str, AttnMetadata]:
         states = self._state_labels()

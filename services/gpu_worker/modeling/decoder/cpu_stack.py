@@ -17,7 +17,9 @@ where their GGUF types' forms do not concatenate): `QuantLinear` (GGUF weights
 kept quantized) or `KernelLinear` / `KernelGateUpSilu` (float32 in gemm.c's panels), float32
 activations, float32, bfloat16 or int8 KV pages, and a step whose every row is a decode
 query row of each label (no prefill chunk). Anything else (a prefill, a float16 pool, Gemma
-2's soft-caps) takes the modules' path. `MSTAR_CPU_STACK=0` turns it off (to compare).
+2's soft-caps) takes the modules' path. A hybrid's Gated DeltaNet and gated attention layers
+are modeling/hybrid/cpu_stack.py's subclass (the layer structs here carry them).
+`MSTAR_CPU_STACK=0` turns it off (to compare).
 On Gemma 3 270M (18 layers) the modules' path cost ~9 ms of a ~22 ms decode step.
 
 The runner's steps go further (`run_step`): the embedding, the final norm and the head run
@@ -65,26 +67,28 @@ class _QWeight(ctypes.Structure):
 
 class _MoE(ctypes.Structure):
     _fields_ = [("n_experts", _i64), ("top_k", _i64), ("inter", _i64), ("route", _i64), ("clamped", _i64),
-                ("alpha", _f32), ("limit", _f32), ("router", _QWeight), ("gate_up", _ptr), ("down", _ptr)]
+                ("alpha", _f32), ("limit", _f32), ("router", _QWeight), ("gate_up", _ptr), ("down", _ptr),
+                ("shared_inter", _i64), ("shared_gate_up", _QWeight * 2), ("shared_down", _QWeight),
+                ("shared_gate", _QWeight)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _ptr), ("ln2", _ptr), ("qkv", _QWeight * 3), ("o", _QWeight), ("gate_up", _QWeight * 2),
                 ("down", _QWeight), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("ln3", _ptr), ("ln4", _ptr),
-                ("step", _i64), ("moe", _ptr), ("sinks", _ptr)]
+                ("step", _i64), ("moe", _ptr), ("sinks", _ptr), ("gdn", _ptr), ("rotary", _i64)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64),
                 ("page_size", _i64), ("kv_kind", _i64), ("eps", _f32), ("scale", _f32), ("gelu", _i64),
-                ("n_experts", _i64), ("top_k", _i64)]
+                ("n_experts", _i64), ("top_k", _i64), ("extra", _i64)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("cos", _ptr), ("sin_signed", _ptr), ("slot_pages", _ptr), ("slot_offsets", _ptr),
                 ("pages", _ptr), ("width", _i64), ("qrow", _ptr), ("entry", _ptr), ("lo", _ptr), ("hi", _ptr),
                 ("n_query", _i64), ("max_keys", _i64), ("positions", _ptr), ("chunks", _ptr), ("chunk_pages", _ptr),
-                ("n_chunks", _i64), ("window", _i64)]
+                ("n_chunks", _i64), ("window", _i64), ("states", _ptr), ("n_states", _i64)]
 
 
 class _Ends(ctypes.Structure):
@@ -96,6 +100,8 @@ class _Ends(ctypes.Structure):
 GEMM_F32, GEMM_F32_SILU = 32, 33
 #: the layer kinds a stack step serves, in the order of its steps
 KINDS = (FULL, SLIDING)
+#: the step structs a call takes: one per kind, and a hybrid's linear layers' (the last)
+STEPS = len(KINDS) + 1
 #: the most rows of a step with prompt chunks `run_step` takes (its workspace grows with the
 #: rows; a longer chunk's Python is a small part of its time, and the modules slice its MLP)
 MAX_CHUNK_ROWS = 256
@@ -127,13 +133,14 @@ def _qweight(layer) -> _QWeight | None:
 
 def _moe(mlp: ExpertMixture) -> tuple[_MoE, list] | None:
     """A mixture-of-experts block as the C stack's struct (and the arrays its pointers are
-    into), where the stack computes it as the module does: Qwen3-MoE's or Mixtral's (no
-    shared expert) or gpt-oss's, its router a C GEMM, its experts packed (`pack`) or kept
-    quantized (`keep_quantized`), the C routing (`kernel_route`: at most
-    MAX_KERNEL_EXPERTS); None otherwise."""
+    into), where the stack computes it as the module does: Qwen3-MoE's or Mixtral's, a
+    hybrid's with its gated shared expert (Qwen3.5-MoE, Qwen3-Next: `_shared`) or gpt-oss's,
+    its router a C GEMM, its experts packed (`pack`) or kept quantized (`keep_quantized`),
+    the C routing (`kernel_route`: at most MAX_KERNEL_EXPERTS); None otherwise."""
     oss = isinstance(mlp, GptOssMoE)
     router = _qweight(mlp.router if oss else mlp.gate)
-    if not (oss or (type(mlp) is SparseMoE and mlp.shared_expert is None)) or router is None or not (
+    shared = None if oss or type(mlp) is not SparseMoE else _shared(mlp)
+    if not (oss or shared is not None) or router is None or not (
             1 <= mlp.top_k <= mlp.num_experts <= MAX_KERNEL_EXPERTS):
         return None
     n = mlp.num_experts
@@ -151,8 +158,22 @@ def _moe(mlp: ExpertMixture) -> tuple[_MoE, list] | None:
     route = TOPK_SOFTMAX if oss else SOFTMAX_TOPK_NORM if mlp.norm_topk_prob else SOFTMAX_TOPK
     alpha, limit = (mlp.alpha, mlp.limit) if oss else (0.0, 0.0)
     struct = _MoE(n, mlp.top_k, mlp.inter, route, int(oss), alpha, limit, router, ctypes.addressof(gu),
-                  ctypes.addressof(dn))
+                  ctypes.addressof(dn), *(shared or ()))
     return struct, [gu, dn]
+
+
+def _shared(mlp: SparseMoE) -> tuple | None:
+    """A `SparseMoE`'s shared expert as `_MoE`'s last fields (its width, gate/up parts, down
+    and gate GEMMs; all empty where it has none), or None where some GEMM is not a C kernel's."""
+    if mlp.shared_expert is None:
+        return 0, (_QWeight * 2)(), _QWeight(), _QWeight()
+    dense = mlp.shared_expert
+    gate_up = dense.gate_up_silu if dense.gate_up_silu is not None else dense.gate_up_proj
+    parts, down = _gemm_parts(gate_up, 2), _qweight(getattr(dense, "down_proj", None))
+    gate = _qweight(mlp.shared_expert_gate)
+    if any(p is None for p in parts) or down is None or gate is None or gate.n != 1:
+        return None
+    return down.k, (_QWeight * 2)(*cast("list[_QWeight]", parts)), down, gate
 
 
 def _packed_experts(mlp: ExpertMixture) -> tuple[list[_QWeight | None], list[_QWeight | None]]:
@@ -211,7 +232,10 @@ class CpuDecodeStack:
         self._caches: list[torch.Tensor] | None = None  # the KV tensors the structs point at
         self._refused: list[torch.Tensor] | None = None  # KV tensors it does not take
         self._work = torch.empty(0)
-        self._steps = (_Step * len(KINDS))()
+        self._steps = (_Step * STEPS)()
+        #: the widest input of any of the layers' GEMMs (the quantized GEMMs' scratch), where a
+        #: subclass's layers have one wider than the hidden size, the MLP's and the attention's
+        self.max_k = 0
         #: the embedding, final norm and head as `run_step`'s struct (None: it declines),
         #: the tensors its pointers are into, and the RoPE modules whose tables it reads whole
         self._ends: _Ends | None = None
@@ -282,8 +306,9 @@ class CpuDecodeStack:
             layers.append(_Layer(ptrs[0], ptrs[1], (_QWeight * 3)(*g[:3]), g[3], (_QWeight * 2)(*g[4:6]), g[6], None,
                                  *ptrs[2:], KINDS.index(kind), None if moe is None else ctypes.addressof(moe),
                                  None if sinks is None else sinks.data_ptr()))
+        shared = max((m.shared_inter for m in keep if isinstance(m, _MoE)), default=0)
         shape = _Shape(len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0), 0, 0,
+                       max(cfg.intermediate_size, cfg.moe_intermediate_size if cfg.has_experts else 0, shared), 0, 0,
                        cfg.rms_norm_eps, cfg.attn_scale, int(cfg.hidden_act != "silu"),
                        cfg.num_experts if cfg.has_experts else 0, cfg.num_experts_per_tok if cfg.has_experts else 0)
         rope_of = {k: r for k, r in zip(cfg.layer_types, model.layer_rope, strict=True)}
@@ -301,15 +326,18 @@ class CpuDecodeStack:
             self._plain_prompts = all(m.wide is None and m.prompt_bytes == 2 for m in self._quants)
         return self._plain_prompts
 
-    def _take_ends(self, model) -> None:
+    def _take_ends(self, model, rotaries: dict | None = None) -> None:
         """`run_step`'s embedding, final norm and head, where each is one the C side runs
         as the modules do: a float32 or quantized embedding (a form `mstar_qrows` takes), the
         model's RMSNorm in float32 with the layers' eps, a quantized or C-kernel float32
         head, and plain RoPE (one position a row). Otherwise `run_step` declines."""
-        cfg, lib, s = model.config, self.lib, self.shape
+        cfg, lib, s = getattr(model.config, "attention", model.config), self.lib, self.shape
         embed, norm, head = model.model.embed_tokens, model.model.norm, model.head
-        rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
-        if (any(type(r) is not Rotary for r in rotaries.values()) or not isinstance(norm, RMSNorm)
+        if rotaries is None:  # (a subclass passes its own: RoPE modules whose one-position rows are Rotary's)
+            rotaries = {key: model.rotaries[key] for key in set(self._rope_of.values())}
+            if any(type(r) is not Rotary for r in rotaries.values()):
+                return
+        if (not isinstance(norm, RMSNorm)
                 or norm.eps != cfg.rms_norm_eps or not _plain_f32(norm.weight)):
             return
         keep: list[torch.Tensor] = [norm.weight]
@@ -537,5 +565,5 @@ class CpuDecodeStack:
         if self._work.numel() < need:
             self._work = torch.empty(max(need, 2 * self._work.numel()))
         work = self._work.data_ptr()
-        qscratch = quant._scratch(lib, t, max(s.hidden, s.inter, s.hq * s.d))
+        qscratch = quant._scratch(lib, t, max(s.hidden, s.inter, s.hq * s.d, self.max_k))
         return work, qscratch, work + 4 * floats

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata, paged_attention, write_kv
-from services.gpu_worker.layers import delta_rule
+from services.gpu_worker.layers import delta_rule, fused
 from services.gpu_worker.layers.delta_rule import StateBatch
 from services.gpu_worker.layers.interleaved_mrope import InterleavedMRotary
 from services.gpu_worker.layers.linear import KernelHead, PackedHead, make_head, pack_linears
@@ -29,6 +29,7 @@ from services.gpu_worker.layers.quant import TILE, QuantEmbedding, QuantLinear
 from services.gpu_worker.layers.rope import apply_rope
 from services.gpu_worker.modeling.base import DecoderModel
 from services.gpu_worker.modeling.decoder.lm import MLP, RowEmbeds, _concat_linears
+from services.gpu_worker.modeling.hybrid.cpu_stack import HybridDecodeStack
 from shared.hybrid_config import LINEAR, HybridConfig, read_hybrid_config
 
 #: a layer's metadata: paged attention's, or the linear layers' state batch
@@ -77,11 +78,14 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.contiguous().view(t, self.kv_heads, self.head_dim))
         v = v.view(t, self.kv_heads, self.head_dim)
         r = self.rotary_dim
-        q = torch.cat((apply_rope(q[..., :r], *rope), q[..., r:]), dim=-1)
-        k = torch.cat((apply_rope(k[..., :r], *rope), k[..., r:]), dim=-1)
+        if not fused.rope_partial_((q, k), *rope, r):  # in place by the C kernel (the decode stack's), else torch's
+            q = torch.cat((apply_rope(q[..., :r], *rope), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :r], *rope), k[..., r:]), dim=-1)
         write_kv(cache, k, v, meta)
         o = paged_attention(q, cache, meta, self.scale, None).reshape(t, self.heads * self.head_dim)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+        if fused.sigmoid_gate_(o, qg, self.heads, self.head_dim) is None:
+            o = o * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
 
 
 class GatedDeltaNet(nn.Module):
@@ -138,9 +142,9 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._projections(x)
         mixed = delta_rule.causal_conv(qkv, conv_state, self.conv1d.weight.view(cfg.conv_dim, -1), batch)
         q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        beta = b.float().sigmoid()
         neg_a = self._neg_a if self._neg_a is not None else -self.A_log.float().exp()
-        g = neg_a * F.softplus(a.float() + self.dt_bias)
+        gates = fused.gdn_gates(b, a, self.dt_bias, neg_a)  # the C kernel the decode stack calls
+        beta, g = gates if gates is not None else (b.float().sigmoid(), neg_a * F.softplus(a.float() + self.dt_bias))
         o = delta_rule.gated_delta(q.reshape(t, cfg.key_heads, cfg.key_head_dim),
                                    k.reshape(t, cfg.key_heads, cfg.key_head_dim),
                                    v.reshape(t, cfg.value_heads, cfg.value_head_dim), g, beta, recurrent, batch)
@@ -278,6 +282,16 @@ class Qwen35LM(DecoderModel):
             pack_linears(self.model.layers)
             if not self.tied:
                 del self.lm_head
+        if self.model.norm.weight.device.type == "cpu":
+            self.cpu_stack = HybridDecodeStack.build(self)
+
+    #: the whole decode step in one C call (modeling/hybrid/cpu_stack.py), or None: the modules
+    cpu_stack: Any = None
+
+    @property
+    def step_stack(self) -> Any:
+        """The C stack the runner hands whole steps to (`CpuDecodeStack.run_step`), or None."""
+        return self.cpu_stack
 
     def prepare_mlp(self, mlp: nn.Module) -> None:
         """One GEMM for the MLP's gate and up (a family with experts packs those too)."""
