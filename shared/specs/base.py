@@ -627,3 +627,53 @@ class InStepLoopSpec(ModelSpec):
 
     def bytes_per_page(self, page_size: int) -> int:
         return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
+
+
+class FrameDepthSpec(ModelSpec):
+    """A speech model that makes a frame a step: a backbone row on `pool`, then a depth
+    decoder's inner loop over the frame's codebooks on scratch rows of `depth_pool` (CSM's
+    depth decoder, Qwen3-TTS's code predictor). Its pools, loops and caps: `max_tokens`
+    counts frames, and each frame runs the whole codebook loop."""
+
+    #: the frame loop and the codebook loop (set by the subclass), the labels' pools
+    decode_loop: str
+    codebook_loop: str
+    pool: str
+    depth_pool: str
+    num_codebooks: int
+    config: Any  # the backbone's ModelConfig
+    depth_config: Any  # the depth decoder's
+    dtype: str
+    page_size: int
+    max_seq_len: int
+    _labels: tuple[KVLabel, ...]
+
+    @property
+    def depth_rows(self) -> int:
+        """Rows one frame's depth decode writes: the backbone's hidden state and codes 0 to
+        `num_codebooks - 2` (the last code is sampled, never fed back)."""
+        return self.num_codebooks
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        return self._labels
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        b, d = self.config, self.depth_config
+        return {
+            self.pool: PagedKVConfig(self.pool, b.num_hidden_layers, b.num_key_value_heads, b.head_dim, self.dtype,
+                                     self.page_size, num_pages, self.max_seq_len),
+            self.depth_pool: PagedKVConfig(self.depth_pool, d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
+                                           self.dtype, self.page_size, num_pages, self.max_seq_len),
+        }
+
+    def graph_loops(self) -> dict[str, int]:
+        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
+        return {self.decode_loop: self.max_seq_len - 1, self.codebook_loop: self.num_codebooks - 1}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {self.decode_loop: max(1, max_tokens - 1), self.codebook_loop: self.num_codebooks - 1}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
+                   for c in (self.config, self.depth_config))

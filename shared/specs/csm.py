@@ -50,9 +50,9 @@ import numpy as np
 
 from shared.audio import decode_audio
 from shared.frames import ContextTurn
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
-from shared.specs.base import MetaValue, ModelSpec, PreparedAudio, PromptError, PromptRequest, added_tokens
+from shared.specs.base import FrameDepthSpec, MetaValue, PreparedAudio, PromptError, PromptRequest, added_tokens
 
 ARCHITECTURE = "CsmForConditionalGeneration"
 #: the speakers a request may name (`voice`), as the prompt's `[N]` prefix
@@ -79,7 +79,7 @@ def mimi_frame(codec: Mapping[str, Any]) -> tuple[int, int]:
     return rate, math.prod(int(r) for r in codec.get("upsampling_ratios") or (8, 6, 5, 4)) * 2
 
 
-class CsmSpec(ModelSpec):
+class CsmSpec(FrameDepthSpec):
     task = "speech"
     engine = "csm_decoder"
     decode_loop = "frame_loop"
@@ -238,42 +238,9 @@ class CsmSpec(ModelSpec):
                              f"the prompt's audio placeholders (id {self.audio_token_id}) do not match the "
                              "context's audio", "context audio(s)")
 
-    @property
-    def depth_rows(self) -> int:
-        """Rows one frame's depth decode writes: the backbone's hidden state and codes 0 to
-        `num_codebooks - 2` (the last code is sampled, never fed back)."""
-        return self.num_codebooks
-
-    # -- KV and loops -----------------------------------------------------------------------
-
-    @property
-    def kv_labels(self) -> tuple[KVLabel, ...]:
-        return self._labels
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        b, d = self.config, self.depth_config
-        return {
-            self.pool: PagedKVConfig(self.pool, b.num_hidden_layers, b.num_key_value_heads, b.head_dim, self.dtype,
-                                     self.page_size, num_pages, self.max_seq_len),
-            self.depth_pool: PagedKVConfig(self.depth_pool, d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
-                                           self.dtype, self.page_size, num_pages, self.max_seq_len),
-        }
-
-    def graph_loops(self) -> dict[str, int]:
-        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
-        return {self.decode_loop: self.max_seq_len - 1, self.codebook_loop: self.num_codebooks - 1}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        """`max_tokens` counts frames (12.5 a second); each frame runs the whole codebook loop."""
-        return {self.decode_loop: max(1, max_tokens - 1), self.codebook_loop: self.num_codebooks - 1}
-
     def frames_for(self, seconds: float) -> int:
         """Frames of `seconds` of sound (at least one)."""
         return max(1, math.ceil(seconds * self.frame_rate))
-
-    def bytes_per_page(self, page_size: int) -> int:
-        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
-                   for c in (self.config, self.depth_config))
 
 
 def encoded_frames(samples: int, samples_per_frame: int) -> int:

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
-from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
+from shared.specs.base import FrameDepthSpec, MetaValue, PromptError, PromptRequest
 
 ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
 #: the config fields of a stack that are a Qwen3's
@@ -62,7 +62,7 @@ def qwen3_config(raw: Mapping[str, Any]) -> ModelConfig:
                               "tie_word_embeddings": False, **fields})
 
 
-class Qwen3TTSSpec(ModelSpec):
+class Qwen3TTSSpec(FrameDepthSpec):
     task = "speech"
     engine = "qwen3_tts"
     decode_loop = "frame_loop"
@@ -216,35 +216,3 @@ class Qwen3TTSSpec(ModelSpec):
         meta: dict[str, MetaValue] = {"prompt_len": len(rows), "voice": voice}
         return ProcessPromptOutput({"input_ids": np.asarray(rows, dtype=np.int64)}, layouts, meta)
 
-    @property
-    def depth_rows(self) -> int:
-        """Rows one frame's code predictor writes: the talker's hidden state and codes 0 to
-        `num_codebooks - 2` (the last code is sampled, never fed back)."""
-        return self.num_codebooks
-
-    # -- KV and loops -----------------------------------------------------------------------
-
-    @property
-    def kv_labels(self) -> tuple[KVLabel, ...]:
-        return self._labels
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        b, d = self.config, self.depth_config
-        return {
-            self.pool: PagedKVConfig(self.pool, b.num_hidden_layers, b.num_key_value_heads, b.head_dim, self.dtype,
-                                     self.page_size, num_pages, self.max_seq_len),
-            self.depth_pool: PagedKVConfig(self.depth_pool, d.num_hidden_layers, d.num_key_value_heads, d.head_dim,
-                                           self.dtype, self.page_size, num_pages, self.max_seq_len),
-        }
-
-    def graph_loops(self) -> dict[str, int]:
-        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
-        return {self.decode_loop: self.max_seq_len - 1, self.codebook_loop: self.num_codebooks - 1}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        """`max_tokens` counts frames; each frame runs the whole codebook loop."""
-        return {self.decode_loop: max(1, max_tokens - 1), self.codebook_loop: self.num_codebooks - 1}
-
-    def bytes_per_page(self, page_size: int) -> int:
-        return sum(c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
-                   for c in (self.config, self.depth_config))
