@@ -40,6 +40,7 @@ OTHER = {
     "itl_target_ms": 12.5,
     "queue_timeout_s": 7.5,
     "task": "embed",
+    "tensor_parallel_size": 2,
 }
 SERVICES = ("conductor", "gpu_worker", "data_worker")
 
