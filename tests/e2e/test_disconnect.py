@@ -24,7 +24,6 @@ import websockets
 
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 FREED_WITHIN_S = 1.0
-SERVERS = ["llama_server", "slow_server"]
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +37,6 @@ def slow_server(tmp_path_factory):
                          "--page-size", "4").start()
     yield server
     server.stop()
-
-
-@pytest.fixture(params=SERVERS)
-def server(request):
-    return request.getfixturevalue(request.param)
 
 
 def aborts(server) -> float:
@@ -127,7 +121,11 @@ def test_sse_client_disconnect_mid_stream(slow_server, path, body):
     assert aborts(server) == before + 2
 
 
-async def test_websocket_close_mid_stream(server):
+async def test_websocket_close_mid_stream(slow_server):
+    """Two streams on one socket, gone without a closing handshake once each has sent a
+    delta. On the slow llama only, as the others: on the tiny one a 400-token request can
+    end before the second's first delta is read (a fresh-clone CI saw it)."""
+    server = slow_server
     before = aborts(server)
     url = server.url.replace("http://", "ws://") + "/generate/ws"
     ws = await websockets.connect(url)
@@ -143,7 +141,8 @@ async def test_websocket_close_mid_stream(server):
     assert aborts(server) == before + 2
 
 
-async def test_websocket_clean_close_mid_stream(server):
+async def test_websocket_clean_close_mid_stream(slow_server):
+    server = slow_server
     before = aborts(server)
     url = server.url.replace("http://", "ws://") + "/generate/ws"
     async with websockets.connect(url) as ws:
