@@ -1,10 +1,12 @@
 """Several models behind one `mstar serve --models-dir` (issue 57, llama-server's router
-mode): a tiny text model, a tiny embedding model and a tiny Whisper from one folder.
+mode): a tiny text model, a tiny embedding model and a tiny Whisper from one folder, and
+the text model again as a .gguf file beside them (named by its stem).
 
-- three models, all loaded: interleaved concurrent requests each equal their own model's
+- those four, all loaded: interleaved concurrent requests each equal their own model's
   reference (transformers' greedy tokens, its normalized last hidden state, its greedy
-  Whisper tokens); `/v1/models` lists every model with its task; an unknown model is a 404
-  `model_not_found`; pages back to zero, every process gone at the end;
+  Whisper tokens; the GGUF file's tokens, over `/generate/ws?model=`, its folder's
+  transformers tokens); `/v1/models` lists every model with its task; an unknown model is a 404
+  `model_not_found` (a WebSocket's handshake too); pages back to zero, every process gone at the end;
 - two models under `--models-max 1`: interleaved concurrent requests swap the models under
   load (the least recently used one's gpu worker stops) and none is lost; `POST
   /models/unload` and `/models/load` as llama-server's router.
@@ -22,10 +24,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import websockets
+import websockets.sync.client
 
 from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
 from tests.reference import hf_greedy
-from tests.servers import MstarServer
+from tests.servers import MstarServer, ws_generate
 from tests.whisper_checkpoints import make_whisper_checkpoint, sine_sweep, wav_bytes
 
 torch = pytest.importorskip("torch")
@@ -59,6 +64,7 @@ def make_embedder(folder: Path) -> Path:
 def models_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     make_checkpoint(root / "chat", "llama")
+    write_gguf(root / "chat", root / "chat-gguf.gguf", "llama", "gpt2")  # the same weights, as a GGUF file
     make_embedder(root / "embed")
     make_whisper_checkpoint(root / "whisper")
     (root / "notes.txt").write_text("not a model")  # skipped
@@ -141,11 +147,16 @@ def check_all(url: str, refs: dict, kinds: tuple[str, ...], rounds: int = 1) -> 
                 jobs.append(("embed", i))
             if "whisper" in kinds and i == 0:
                 jobs.append(("whisper", 0))
+            if "gguf" in kinds and i == 0:  # every prompt at once over one socket
+                jobs.append(("gguf", 0))
 
     def run(job):
         kind, i = job
         if kind == "text":
             return complete(url, i)
+        if kind == "gguf":
+            return [d["token_ids"] for d in ws_generate(url, "chat-gguf", [
+                {"input_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS])]
         return embed(url, i) if kind == "embed" else transcribe(url, refs["clip"])
 
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -153,9 +164,10 @@ def check_all(url: str, refs: dict, kinds: tuple[str, ...], rounds: int = 1) -> 
     for (kind, i), got in zip(jobs, results):
         if kind == "embed":
             np.testing.assert_allclose(got, refs["embed"][i], rtol=1e-5, atol=1e-6)
-        else:
-            want = refs["text"][i] if kind == "text" else refs["whisper"]
-            assert got == want, (kind, i)
+        elif kind == "text":
+            assert got == refs["text"][i], (kind, i)
+        else:  # the GGUF file's tokens for every prompt: its folder's; Whisper's for its one clip
+            assert got == (refs["text"] if kind == "gguf" else refs["whisper"]), (kind, i)
 
 
 def models(url: str) -> dict[str, dict]:
@@ -175,14 +187,15 @@ def gpu_workers(srv: MstarServer) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_three_models_interleaved_equal_their_references(servers, refs):
+def test_every_model_interleaved_equals_its_reference(servers, refs):
     three, _ = servers
-    check_all(three.url, refs, ("text", "embed", "whisper"))
+    check_all(three.url, refs, ("text", "embed", "whisper", "gguf"))
     assert three.wait_pages_free() == 0
     # metrics per model: each series carries its model's name
     assert three.metric("mstar_requests_total", '{model_name="embed",status="ok"}') == len(EMBED_INPUTS)
     assert three.metric("mstar_requests_total", '{model_name="chat",status="ok"}') == len(PROMPTS)
-    for name in ("chat", "embed", "whisper"):
+    assert three.metric("mstar_requests_total", '{model_name="chat-gguf",status="ok"}') == len(PROMPTS)
+    for name in ("chat", "chat-gguf", "embed", "whisper"):
         assert three.metric("mstar_kv_pages_total", f'{{model_name="{name}"}}') > 0
         assert three.metric("mstar_ready_workers", f'{{model_name="{name}"}}') == 1
 
@@ -190,7 +203,8 @@ def test_three_models_interleaved_equal_their_references(servers, refs):
 def test_v1_models_lists_every_model_with_its_task(servers):
     three, _ = servers
     cards = httpx.get(three.url + "/v1/models", timeout=10).json()["data"]
-    assert {c["id"]: c["task"] for c in cards} == {"chat": "generate", "embed": "embed", "whisper": "generate"}
+    assert {c["id"]: c["task"] for c in cards} == {"chat": "generate", "chat-gguf": "generate", "embed": "embed",
+                                                    "whisper": "generate"}
     assert httpx.get(three.url + "/v1/models/embed", timeout=10).json()["task"] == "embed"
     # by name, the text model's completions are /generate's (the default model's) text
     r = httpx.post(three.url + "/v1/completions", json={"model": "chat", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
@@ -199,7 +213,7 @@ def test_v1_models_lists_every_model_with_its_task(servers):
                                                   "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == g.json()["text"]
     assert {n: m["status"]["value"] for n, m in models(three.url).items()} == {
-        "chat": "loaded", "embed": "loaded", "whisper": "loaded"}
+        "chat": "loaded", "chat-gguf": "loaded", "embed": "loaded", "whisper": "loaded"}
 
 
 def test_unknown_model_is_404_model_not_found(servers):
@@ -211,8 +225,12 @@ def test_unknown_model_is_404_model_not_found(servers):
         assert r.status_code == 404, r.text
         err = r.json()["error"]
         assert err["code"] == "model_not_found" and err["param"] == "model"
-        assert "`chat`, `embed`, `whisper`" in err["message"]
+        assert "`chat`, `chat-gguf`, `embed`, `whisper`" in err["message"]
     assert httpx.get(three.url + "/v1/models/nope", timeout=10).status_code == 404
+    with pytest.raises(websockets.InvalidStatus) as info:  # the handshake is refused the same way
+        websockets.sync.client.connect(three.url.replace("http://", "ws://") + "/generate/ws?model=nope")
+    assert info.value.response.status_code == 404
+    assert json.loads(info.value.response.body)["error"]["code"] == "model_not_found"
     # a route of another task is the model's own 400, naming its task
     r = httpx.post(three.url + "/v1/embeddings", json={"model": "chat", "input": "hi"}, timeout=30)
     assert r.status_code == 400 and "generate" in r.json()["error"]["message"]
@@ -249,7 +267,7 @@ def test_load_and_unload_as_llama_server(servers, refs):
 def test_processes_cleaned_up(servers):
     three, _ = servers
     kids = three.children()
-    assert len(kids) == 1 + 3 + 3 + 1  # conductor, a data worker and a gpu worker per model, api
+    assert len(kids) == 1 + 4 + 4 + 1  # conductor, a data worker and a gpu worker per model, api
     three.stop()
     for pid in kids:
         with pytest.raises(ProcessLookupError):
