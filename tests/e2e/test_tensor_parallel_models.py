@@ -5,9 +5,9 @@ global layers, Phi-3 with its packed q/k/v and gate/up projections cut into the 
 pieces): one server start, each model's gpu worker a group of two gloo ranks.
 
 All the models' requests at once (4 a model, over one `/generate/ws?model=` socket each),
-prompts prefilled in 16-row chunks (the smallest --max-batch-tokens): greedy tokens equal transformers' (float32) on each
-model's own checkpoint; every rank's log line says it holds about half its model's weights;
-pages back to zero under the layout debug checks."""
+prompts prefilled in 16-row chunks (the smallest --max-batch-tokens): greedy tokens equal
+transformers' (float32) on each model's own checkpoint; every rank's log line says it holds
+about half its model's weights; pages back to zero under the layout debug checks."""
 
 from __future__ import annotations
 
