@@ -1,15 +1,15 @@
 """Several models behind one `mstar serve --models-dir` (issue 57, llama-server's router
-mode): a tiny text model, a tiny embedding model and a tiny Whisper from one folder, and
-the text model again as a .gguf file beside them (named by its stem).
+mode): a tiny text model, a tiny embedding model and a tiny Whisper from one folder.
 
-- those four, all loaded: interleaved concurrent requests each equal their own model's
+- three models, all loaded: interleaved concurrent requests each equal their own model's
   reference (transformers' greedy tokens, its normalized last hidden state, its greedy
-  Whisper tokens; the GGUF file's tokens, over `/generate/ws?model=`, its folder's
-  transformers tokens); `/v1/models` lists every model with its task; an unknown model is a 404
+  Whisper tokens); `/v1/models` lists every model with its task; an unknown model is a 404
   `model_not_found` (a WebSocket's handshake too); pages back to zero, every process gone at the end;
-- two models under `--models-max 1`: interleaved concurrent requests swap the models under
-  load (the least recently used one's gpu worker stops) and none is lost; `POST
-  /models/unload` and `/models/load` as llama-server's router.
+- two models under `--models-max 1`, the text model there as a .gguf file (named by its
+  stem; the same weights, written as llama.cpp's converter writes them): interleaved
+  concurrent requests swap the models under load (the least recently used one's gpu worker
+  stops) and none is lost, the GGUF file's greedy tokens equal to transformers' on the
+  folder it was written from; `POST /models/unload` and `/models/load` as llama-server's router.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import websockets.sync.client
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 from tests.reference import hf_greedy
-from tests.servers import MstarServer, ws_generate
+from tests.servers import MstarServer
 from tests.whisper_checkpoints import make_whisper_checkpoint, sine_sweep, wav_bytes
 
 torch = pytest.importorskip("torch")
@@ -64,7 +64,6 @@ def make_embedder(folder: Path) -> Path:
 def models_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     make_checkpoint(root / "chat", "llama")
-    write_gguf(root / "chat", root / "chat-gguf.gguf", "llama", "gpt2")  # the same weights, as a GGUF file
     make_embedder(root / "embed")
     make_whisper_checkpoint(root / "whisper")
     (root / "notes.txt").write_text("not a model")  # skipped
@@ -73,10 +72,10 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair_dir(models_dir, tmp_path_factory) -> Path:
-    """The text and the embedding model alone (links into the same folders)."""
+    """The text model as a GGUF file and the embedding model (a link to its folder)."""
     root = tmp_path_factory.mktemp("pair")
-    for name in ("chat", "embed"):
-        (root / name).symlink_to(models_dir / name)
+    write_gguf(models_dir / "chat", root / "chat-gguf.gguf", "llama", "gpt2")
+    (root / "embed").symlink_to(models_dir / "embed")
     return root
 
 
@@ -114,7 +113,8 @@ def refs(models_dir) -> dict:
 
 
 def complete(url: str, i: int) -> list[int]:
-    """/generate names no model: the default one (the first by name, `chat`)."""
+    """/generate names no model: the default one (the first by name: `chat`, or the pair's
+    `chat-gguf`)."""
     r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
                                             "ignore_eos": True}, timeout=180)
     assert r.status_code == 200, r.text
@@ -147,16 +147,11 @@ def check_all(url: str, refs: dict, kinds: tuple[str, ...], rounds: int = 1) -> 
                 jobs.append(("embed", i))
             if "whisper" in kinds and i == 0:
                 jobs.append(("whisper", 0))
-            if "gguf" in kinds and i == 0:  # every prompt at once over one socket
-                jobs.append(("gguf", 0))
 
     def run(job):
         kind, i = job
         if kind == "text":
             return complete(url, i)
-        if kind == "gguf":
-            return [d["token_ids"] for d in ws_generate(url, "chat-gguf", [
-                {"input_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS])]
         return embed(url, i) if kind == "embed" else transcribe(url, refs["clip"])
 
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -164,10 +159,9 @@ def check_all(url: str, refs: dict, kinds: tuple[str, ...], rounds: int = 1) -> 
     for (kind, i), got in zip(jobs, results):
         if kind == "embed":
             np.testing.assert_allclose(got, refs["embed"][i], rtol=1e-5, atol=1e-6)
-        elif kind == "text":
-            assert got == refs["text"][i], (kind, i)
-        else:  # the GGUF file's tokens for every prompt: its folder's; Whisper's for its one clip
-            assert got == (refs["text"] if kind == "gguf" else refs["whisper"]), (kind, i)
+        else:
+            want = refs["text"][i] if kind == "text" else refs["whisper"]
+            assert got == want, (kind, i)
 
 
 def models(url: str) -> dict[str, dict]:
@@ -187,15 +181,14 @@ def gpu_workers(srv: MstarServer) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_every_model_interleaved_equals_its_reference(servers, refs):
+def test_three_models_interleaved_equal_their_references(servers, refs):
     three, _ = servers
-    check_all(three.url, refs, ("text", "embed", "whisper", "gguf"))
+    check_all(three.url, refs, ("text", "embed", "whisper"))
     assert three.wait_pages_free() == 0
     # metrics per model: each series carries its model's name
     assert three.metric("mstar_requests_total", '{model_name="embed",status="ok"}') == len(EMBED_INPUTS)
     assert three.metric("mstar_requests_total", '{model_name="chat",status="ok"}') == len(PROMPTS)
-    assert three.metric("mstar_requests_total", '{model_name="chat-gguf",status="ok"}') == len(PROMPTS)
-    for name in ("chat", "chat-gguf", "embed", "whisper"):
+    for name in ("chat", "embed", "whisper"):
         assert three.metric("mstar_kv_pages_total", f'{{model_name="{name}"}}') > 0
         assert three.metric("mstar_ready_workers", f'{{model_name="{name}"}}') == 1
 
@@ -203,8 +196,7 @@ def test_every_model_interleaved_equals_its_reference(servers, refs):
 def test_v1_models_lists_every_model_with_its_task(servers):
     three, _ = servers
     cards = httpx.get(three.url + "/v1/models", timeout=10).json()["data"]
-    assert {c["id"]: c["task"] for c in cards} == {"chat": "generate", "chat-gguf": "generate", "embed": "embed",
-                                                    "whisper": "generate"}
+    assert {c["id"]: c["task"] for c in cards} == {"chat": "generate", "embed": "embed", "whisper": "generate"}
     assert httpx.get(three.url + "/v1/models/embed", timeout=10).json()["task"] == "embed"
     # by name, the text model's completions are /generate's (the default model's) text
     r = httpx.post(three.url + "/v1/completions", json={"model": "chat", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
@@ -213,7 +205,7 @@ def test_v1_models_lists_every_model_with_its_task(servers):
                                                   "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == g.json()["text"]
     assert {n: m["status"]["value"] for n, m in models(three.url).items()} == {
-        "chat": "loaded", "chat-gguf": "loaded", "embed": "loaded", "whisper": "loaded"}
+        "chat": "loaded", "embed": "loaded", "whisper": "loaded"}
 
 
 def test_unknown_model_is_404_model_not_found(servers):
@@ -225,7 +217,7 @@ def test_unknown_model_is_404_model_not_found(servers):
         assert r.status_code == 404, r.text
         err = r.json()["error"]
         assert err["code"] == "model_not_found" and err["param"] == "model"
-        assert "`chat`, `chat-gguf`, `embed`, `whisper`" in err["message"]
+        assert "`chat`, `embed`, `whisper`" in err["message"]
     assert httpx.get(three.url + "/v1/models/nope", timeout=10).status_code == 404
     with pytest.raises(websockets.InvalidStatus) as info:  # the handshake is refused the same way
         websockets.sync.client.connect(three.url.replace("http://", "ws://") + "/generate/ws?model=nope")
@@ -238,8 +230,9 @@ def test_unknown_model_is_404_model_not_found(servers):
 
 def test_models_max_one_swaps_under_load_losing_nothing(servers, refs):
     _, one = servers
-    check_all(one.url, refs, ("text", "embed"))
+    check_all(one.url, refs, ("text", "embed"))  # the text requests: the GGUF file's (the default model)
     states = {n: m["status"]["value"] for n, m in models(one.url).items()}
+    assert sorted(states) == ["chat-gguf", "embed"]
     assert sorted(states.values()) == ["loaded", "unloaded"], states
     log = one.log()
     assert "stopping (model" in log and "starting (model" in log
@@ -250,7 +243,7 @@ def test_models_max_one_swaps_under_load_losing_nothing(servers, refs):
 def test_load_and_unload_as_llama_server(servers, refs):
     _, one = servers
     loaded = next(n for n, m in models(one.url).items() if m["status"]["value"] == "loaded")
-    other = next(n for n in ("chat", "embed") if n != loaded)
+    other = next(n for n in ("chat-gguf", "embed") if n != loaded)
     r = httpx.post(one.url + "/models/load", json={"model": other}, timeout=30)
     assert r.status_code == 200 and r.json() == {"success": True}
     wait_status(one.url, other, "loaded")
@@ -267,7 +260,7 @@ def test_load_and_unload_as_llama_server(servers, refs):
 def test_processes_cleaned_up(servers):
     three, _ = servers
     kids = three.children()
-    assert len(kids) == 1 + 4 + 4 + 1  # conductor, a data worker and a gpu worker per model, api
+    assert len(kids) == 1 + 3 + 3 + 1  # conductor, a data worker and a gpu worker per model, api
     three.stop()
     for pid in kids:
         with pytest.raises(ProcessLookupError):
