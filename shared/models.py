@@ -84,10 +84,11 @@ def add_models_flags(parser: argparse.ArgumentParser, models_max: bool = False) 
                         help="several models behind one deployment: a JSON list of {name, model, data_worker_addr, "
                              f"api_addr}} as `mstar serve` hands it (env {MODELS_ENV}; default: none, the one "
                              "model of --model)")
-    if models_max:  # meaningful under `mstar serve`, which starts and stops the workers by it
+    if models_max:  # meaningful where a supervisor (`mstar serve`) starts and stops the workers by it
         parser.add_argument("--models-max", type=int, default=int(os.environ.get(MODELS_MAX_ENV) or 0),
-                            help="most models wanted loaded at once, as `mstar serve --models-max` hands it (the "
-                                 "launcher starts and stops the workers by it) "
+                            help="most models wanted loaded at once, as `mstar serve --models-max` hands it (its "
+                                 "launcher, or another supervisor, starts and stops each model's gpu workers by "
+                                 "GET /models' `wanted`: docs/deploy.md) "
                                  f"(env {MODELS_MAX_ENV}; default 0: every model)")
 
 

@@ -246,3 +246,23 @@ def assert_clean(srv: MstarServer) -> None:
     assert srv.metric("mstar_kv_footprint_overruns_total") == 0
     log = srv.log()
     assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
+
+def ws_generate(url: str, model: str, bodies: list[dict], timeout: float = 120.0) -> list[dict]:
+    """Every body as a `/generate` frame over one `/generate/ws?model=<model>` socket, all
+    live at once (`stream` false): each one's done frame, in the bodies' order. The
+    WebSocket is the /generate route that names its model (several models served), so a
+    test gets each model's token ids."""
+    import json
+
+    from websockets.sync.client import connect
+
+    with connect(url.replace("http://", "ws://", 1) + f"/generate/ws?model={model}") as ws:
+        for i, body in enumerate(bodies):
+            ws.send(json.dumps({"type": "generate", "id": str(i), "stream": False, **body}))
+        done: dict[str, dict] = {}
+        while len(done) < len(bodies):
+            frame = json.loads(ws.recv(timeout))
+            assert frame["type"] == "done", frame
+            done[frame["id"]] = frame
+    return [done[str(i)] for i in range(len(bodies))]

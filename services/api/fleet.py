@@ -8,7 +8,8 @@ in front of them:
   form's `model` field, a WebSocket's `?model=` query; where a route has none (`/generate`)
   or names none, to the default model (the first). A name no model has is a 404
   `model_not_found` listing the served names (Anthropic's error shape on `/v1/messages`,
-  OpenAI's elsewhere); a body that does not parse goes to the default app, whose 400 says why;
+  OpenAI's elsewhere; a WebSocket's handshake is refused with it, as a missing API key's
+  is); a body that does not parse goes to the default app, whose 400 says why;
 - its own routes: `GET /v1/models[/{model}]` (every model's card, each as its app gives
   it: with its task), llama-server's `GET /models`, `POST /models/load` and
   `/models/unload` (`{"model": name}`: the conductor loads or drains it, `ModelCommand`),
@@ -32,9 +33,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from services.api.auth import WS_POLICY_VIOLATION
 from services.api.backend import Backend
 from services.api.chat_request import SERVED, check_model
 from services.api.errors import ApiError, invalid
+from services.api.events import encode
 from services.api.forms import is_form, parse_form
 from services.api.metrics import CONTENT_TYPE
 from services.api.serving import guard, json_response
@@ -43,6 +46,8 @@ from shared.frames import ClusterStatus, ModelCommand, StatusQuery
 
 log = logging.getLogger("mstar.api")
 
+#: the most bytes a WebSocket close frame's reason may have (RFC 6455: 125 less the code's 2)
+WS_REASON_BYTES = 123
 #: the router's own paths; every other path is a model's
 OWN_PATHS = ("/v1/models", "/models", "/models/load", "/models/unload", "/ready", "/metrics")
 
@@ -88,7 +93,10 @@ class ModelRouter:
             return
         if scope["type"] == "websocket":
             name = parse_qs(scope.get("query_string", b"").decode()).get("model", [None])[0]
-            await self.apps.get(name or self.default, self.apps[self.default])(scope, receive, send)
+            if name is not None and name not in self.apps:
+                await _refuse_handshake(scope, receive, send, self._not_found_error(name))
+                return
+            await self.apps[name or self.default](scope, receive, send)
             return
         if path.startswith("/v1/responses/"):  # a stored response lives in its model's app
             await self._first_found(scope, receive, send)
@@ -104,17 +112,22 @@ class ModelRouter:
         app = self.apps.get(name if isinstance(name, str) else self.default, self.apps[self.default])
         await app(scope, _replay(chunks, more, receive), send)
 
-    def _not_found(self, scope: Scope, name: str) -> Response:
-        """404 `model_not_found` naming every served model, in the route's dialect
-        (Anthropic's shape on /v1/messages, OpenAI's elsewhere)."""
+    def _not_found_error(self, name: str) -> ApiError:
+        """The 404 `model_not_found` of a name no model has, naming every served model."""
         try:
             check_model(name, self.default)
         except ApiError as err:
-            if scope.get("path", "").startswith("/v1/messages"):
-                body = {"type": "error", "error": {"type": "not_found_error", "message": f"model: {err.message}"}}
-                return json_response(body, err.status)
-            return json_response(err.body(), err.status)
+            return err
         raise AssertionError("check_model passed an unknown name")
+
+    def _not_found(self, scope: Scope, name: str) -> Response:
+        """404 `model_not_found` naming every served model, in the route's dialect
+        (Anthropic's shape on /v1/messages, OpenAI's elsewhere)."""
+        err = self._not_found_error(name)
+        if scope.get("path", "").startswith("/v1/messages"):
+            body = {"type": "error", "error": {"type": "not_found_error", "message": f"model: {err.message}"}}
+            return json_response(body, err.status)
+        return json_response(err.body(), err.status)
 
     async def _first_found(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The answer of the first app that does not answer 404 (the last app's 404 else):
@@ -286,6 +299,25 @@ async def asgi_get(app: Starlette, path: str) -> tuple[int, bytes]:
 
     await app(scope, receive, send)
     return got["status"], b"".join(got["body"])
+
+
+async def _refuse_handshake(scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
+    """Refuse a WebSocket handshake as the api key check does (services/api/auth.py): the
+    error's status and its JSON body where the server offers the ASGI
+    `websocket.http.response` extension (uvicorn does), else a close with 1008 (policy
+    violation, which servers answer the handshake with a 403), its reason the message cut
+    to the 123 bytes a close frame allows."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = encode(err.body())
+        await send({"type": "websocket.http.response.start", "status": err.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    reason = err.message.encode()[:WS_REASON_BYTES].decode(errors="ignore")
+    await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": reason})
 
 
 def _holder(held: list[Message]) -> Send:

@@ -87,6 +87,10 @@ class Fleet:
         router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         log.info("serving %d models (%s), at most %s loaded", len(self.order), ", ".join(self.order),
                  self.models_max)
+        if self.models_max < len(self.order):
+            log.info("--models-max %s: a supervisor stops and starts each model's gpu workers by GET /models' "
+                     "`wanted` (mstar serve's launcher does; under compose or Kubernetes, something must: "
+                     "docs/deploy.md)", self.models_max)
         try:
             duties = [t for c in self.conductors.values() for t in c.background()]
             await asyncio.gather(self._intake(pull), self._control(router), self._reconcile_loop(), *duties)

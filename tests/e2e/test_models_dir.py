@@ -4,10 +4,12 @@ mode): a tiny text model, a tiny embedding model and a tiny Whisper from one fol
 - three models, all loaded: interleaved concurrent requests each equal their own model's
   reference (transformers' greedy tokens, its normalized last hidden state, its greedy
   Whisper tokens); `/v1/models` lists every model with its task; an unknown model is a 404
-  `model_not_found`; pages back to zero, every process gone at the end;
-- two models under `--models-max 1`: interleaved concurrent requests swap the models under
-  load (the least recently used one's gpu worker stops) and none is lost; `POST
-  /models/unload` and `/models/load` as llama-server's router.
+  `model_not_found` (a WebSocket's handshake too); pages back to zero, every process gone at the end;
+- two models under `--models-max 1`, the text model there as a .gguf file (named by its
+  stem; the same weights, written as llama.cpp's converter writes them): interleaved
+  concurrent requests swap the models under load (the least recently used one's gpu worker
+  stops) and none is lost, the GGUF file's greedy tokens equal to transformers' on the
+  folder it was written from; `POST /models/unload` and `/models/load` as llama-server's router.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import websockets
+import websockets.sync.client
 
 from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
 from tests.reference import hf_greedy
 from tests.servers import MstarServer
 from tests.whisper_checkpoints import make_whisper_checkpoint, sine_sweep, wav_bytes
@@ -67,10 +72,10 @@ def models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair_dir(models_dir, tmp_path_factory) -> Path:
-    """The text and the embedding model alone (links into the same folders)."""
+    """The text model as a GGUF file and the embedding model (a link to its folder)."""
     root = tmp_path_factory.mktemp("pair")
-    for name in ("chat", "embed"):
-        (root / name).symlink_to(models_dir / name)
+    write_gguf(models_dir / "chat", root / "chat-gguf.gguf", "llama", "gpt2")
+    (root / "embed").symlink_to(models_dir / "embed")
     return root
 
 
@@ -108,7 +113,8 @@ def refs(models_dir) -> dict:
 
 
 def complete(url: str, i: int) -> list[int]:
-    """/generate names no model: the default one (the first by name, `chat`)."""
+    """/generate names no model: the default one (the first by name: `chat`, or the pair's
+    `chat-gguf`)."""
     r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
                                             "ignore_eos": True}, timeout=180)
     assert r.status_code == 200, r.text
@@ -213,6 +219,10 @@ def test_unknown_model_is_404_model_not_found(servers):
         assert err["code"] == "model_not_found" and err["param"] == "model"
         assert "`chat`, `embed`, `whisper`" in err["message"]
     assert httpx.get(three.url + "/v1/models/nope", timeout=10).status_code == 404
+    with pytest.raises(websockets.InvalidStatus) as info:  # the handshake is refused the same way
+        websockets.sync.client.connect(three.url.replace("http://", "ws://") + "/generate/ws?model=nope")
+    assert info.value.response.status_code == 404
+    assert json.loads(info.value.response.body)["error"]["code"] == "model_not_found"
     # a route of another task is the model's own 400, naming its task
     r = httpx.post(three.url + "/v1/embeddings", json={"model": "chat", "input": "hi"}, timeout=30)
     assert r.status_code == 400 and "generate" in r.json()["error"]["message"]
@@ -220,8 +230,9 @@ def test_unknown_model_is_404_model_not_found(servers):
 
 def test_models_max_one_swaps_under_load_losing_nothing(servers, refs):
     _, one = servers
-    check_all(one.url, refs, ("text", "embed"))
+    check_all(one.url, refs, ("text", "embed"))  # the text requests: the GGUF file's (the default model)
     states = {n: m["status"]["value"] for n, m in models(one.url).items()}
+    assert sorted(states) == ["chat-gguf", "embed"]
     assert sorted(states.values()) == ["loaded", "unloaded"], states
     log = one.log()
     assert "stopping (model" in log and "starting (model" in log
@@ -232,7 +243,7 @@ def test_models_max_one_swaps_under_load_losing_nothing(servers, refs):
 def test_load_and_unload_as_llama_server(servers, refs):
     _, one = servers
     loaded = next(n for n, m in models(one.url).items() if m["status"]["value"] == "loaded")
-    other = next(n for n in ("chat", "embed") if n != loaded)
+    other = next(n for n in ("chat-gguf", "embed") if n != loaded)
     r = httpx.post(one.url + "/models/load", json={"model": other}, timeout=30)
     assert r.status_code == 200 and r.json() == {"success": True}
     wait_status(one.url, other, "loaded")

@@ -148,7 +148,7 @@ def test_a_busy_model_cannot_starve_an_older_request():
 def _router():
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
 
     from services.api.fleet import ModelRouter
 
@@ -161,7 +161,13 @@ def _router():
             found = request.path_params["rid"] == f"resp-{name}"
             return JSONResponse({"app": name}, 200 if found else 404)
 
-        return Starlette(routes=[Route("/v1/chat/completions", echo, methods=["POST"]),
+        async def socket(ws):
+            await ws.accept()
+            await ws.send_json({"app": name})
+            await ws.close()
+
+        return Starlette(routes=[WebSocketRoute("/generate/ws", socket),
+                                 Route("/v1/chat/completions", echo, methods=["POST"]),
                                  Route("/v1/audio/transcriptions", echo, methods=["POST"]),
                                  Route("/generate", echo, methods=["POST"]),
                                  Route("/v1/responses/{rid}", stored, methods=["GET"])])
@@ -189,6 +195,38 @@ def test_the_router_hands_each_request_to_its_models_app():
     assert client.get("/v1/responses/resp-b").json() == {"app": "b"}  # asked of each app in turn
     assert client.get("/v1/responses/resp-none").status_code == 404
 
+
+def test_a_websocket_goes_to_its_query_models_app_and_an_unknown_one_is_refused():
+    """`?model=` picks the app; none named is the default's; an unknown name refuses the
+    handshake with the HTTP routes' 404 `model_not_found` (a close with 1008 where the
+    server cannot answer a handshake with a response)."""
+    import asyncio
+
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    router = _router()
+    client = TestClient(router)
+    for query, app in (("?model=b", "b"), ("", "a"), ("?model=", "a")):
+        with client.websocket_connect("/generate/ws" + query) as ws:
+            assert ws.receive_json() == {"app": app}
+    with pytest.raises(WebSocketDenialResponse) as info, client.websocket_connect("/generate/ws?model=zz"):
+        pass
+    assert info.value.status_code == 404
+    err = info.value.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "`a`, `b`" in err["message"]
+
+    sent = []
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/generate/ws", "query_string": b"model=" + b"z" * 200, "headers": []}
+    asyncio.run(router(scope, receive, send))
+    assert [(m["type"], m["code"]) for m in sent] == [("websocket.close", 1008)]
+    assert sent[0]["reason"].startswith("The model `zzz") and len(sent[0]["reason"].encode()) <= 123
 
 
 def test_the_api_assembles_one_app_per_model_behind_one_key(tmp_path):
