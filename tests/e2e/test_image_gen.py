@@ -6,8 +6,9 @@ guidance and size: uint8 within 1 (the PNG's pixels; the `npy` float image withi
 two sizes, CFG on and off, a negative prompt, n = 2 (the pipeline's calls one after
 another on one generator); a 5-frame video's frames (`?variant=frames`) equal the
 pipeline's and its MP4 decodes (PyAV) to frames close to them; 4 requests at once give
-the pixels one at a time gives; bad input is a 400 naming the field, a job refused after
-it started says why; pages back to zero under MSTAR_KV_DEBUG_ASSERTS=1.
+the pixels one at a time gives; a 1-step image ends while a 100-step video runs, whose
+job's progress moves between 0 and 100 (one iteration a worker step); bad input is a 400
+naming the field, a job refused after it started says why; pages back to zero under MSTAR_KV_DEBUG_ASSERTS=1.
 """
 
 from __future__ import annotations
@@ -151,6 +152,32 @@ def test_video_frames_and_mp4(setup):
     # H.264 4:2:0 keeps luma at full resolution (chroma at half): the frames' luma, near lossless at crf 10
     luma = np.array([0.299, 0.587, 0.114])
     assert np.abs(decoded @ luma - frames @ luma).mean() < 2.5
+
+
+def test_short_image_ends_while_a_long_video_runs(setup):
+    """The loop runs one iteration a worker step: a 1-step image sent just after a 100-step
+    video has started ends while the video still runs (it does not wait for the video's
+    loop), and the video job's `progress` moves through values between 0 and 100."""
+    srv, _ = setup
+    r = httpx.post(srv.url + "/v1/videos", json={**VIDEO, "seed": 11, "num_inference_steps": 100}, timeout=30)
+    assert r.status_code == 200, r.text
+    video_id = r.json()["id"]
+    r = httpx.post(srv.url + "/v1/images/generations",
+                   json={**_body("wide_no_cfg"), "num_inference_steps": 1, "seed": 12}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{srv.url}/v1/videos/{video_id}").json()
+        seen.append((job["status"], job["progress"]))
+        if job["status"] != "in_progress":
+            break
+        time.sleep(0.01)
+    assert seen[0][0] == "in_progress" and seen[0][1] < 100, seen[:3]  # the image ended first
+    assert seen[-1] == ("completed", 100), seen[-3:]
+    middle = {p for status, p in seen if status == "in_progress" and 0 < p < 100}
+    assert len(middle) >= 2, seen  # the progress moved with the iterations
+    assert [p for _, p in seen] == sorted(p for _, p in seen)  # never backwards
 
 
 def test_bad_input_and_failed_job(setup):
