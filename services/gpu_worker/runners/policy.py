@@ -82,9 +82,12 @@ class PolicyRunner(LoopStepsRunner):
         dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         states = self.model.embed_state(torch.stack([e.request.inputs["state"] for e in entries]).to(self.device,
                                                                                                        dtype))
-        return [LoopState(int(e.request.caps.get(self.spec.flow_loop, 0)),
-                          Flow(e.request.inputs["noise"].to(self.device), states[i:i + 1], n, e.pages[label]))
-                for i, (e, n) in enumerate(zip(entries, lengths))]
+        loops = [LoopState(int(e.request.caps.get(self.spec.flow_loop, 0)),
+                           Flow(e.request.inputs["noise"].to(self.device), states[i:i + 1], n, e.pages[label]))
+                 for i, (e, n) in enumerate(zip(entries, lengths))]
+        for e in entries:
+            e.request.inputs.clear()  # in its pages and its flow now, not kept for the loop's steps
+        return loops
 
     def iterate(self, reqs: list[Request]) -> None:
         """One Euler step of each request's flow from t = 1 (the noise) to t = 0, each at its

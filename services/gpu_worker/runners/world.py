@@ -83,7 +83,8 @@ class WorldRunner(LoopStepsRunner):
         out = []
         for e in entries:
             r = e.request
-            rollout = Rollout(self._clip(r.inputs["clip_key"], r.inputs["pixel_values"]), e.pages[self.spec.label_name])
+            rollout = Rollout(self._clip(r.inputs["clip_key"], r.inputs.pop("pixel_values")),
+                              e.pages[self.spec.label_name])
             out.append(LoopState(min(r.inputs["steps"], int(r.caps.get(self.spec.rollout_loop, 0))), rollout))
         return out
 
