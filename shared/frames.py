@@ -193,6 +193,10 @@ class Output(msgspec.Struct, **HOT):
     #: a speech request's sound its tokens made final: float32 little-endian samples at
     #: the model's rate (a chunk per output; they join into the clip)
     audio: bytes = b""
+    #: an in-step loop's iterations done and in all (a denoising loop's steps: a video
+    #: job's progress), on the outputs its iterations send before its result
+    steps_done: int = 0
+    steps_total: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):

@@ -81,6 +81,9 @@ class Generation:
         self._audio: list[bytes] = []  # a speech request's chunks so far
         self._pending_audio = b""  # the latest output's chunk, for the next delta
         self._first_audio_at = 0.0
+        #: an in-step loop's iterations done and in all, as its outputs last said (a video
+        #: job's progress); (0, 0) until one says
+        self.steps: tuple[int, int] = (0, 0)
 
     @property
     def _token_ids(self) -> list[int]:
@@ -179,6 +182,8 @@ class Generation:
         return delta
 
     def _output_arrived(self, item: Output) -> None:
+        if item.steps_total:
+            self.steps = (item.steps_done, item.steps_total)
         if item.pooled:
             self._pooled = item.pooled
         if item.audio:

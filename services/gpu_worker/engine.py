@@ -35,7 +35,16 @@ from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.sampler import make_generator
 from services.gpu_worker.scheduler import Scheduler
 from services.gpu_worker.speculative import NgramProposer
-from services.gpu_worker.step_types import OVERRUN, Failure, Finished, PlanEntry, StepResult, error_frame
+from services.gpu_worker.step_types import (
+    OVERRUN,
+    Failure,
+    Finished,
+    Kept,
+    PlanEntry,
+    StepPlan,
+    StepResult,
+    error_frame,
+)
 from services.gpu_worker.tp.group import GroupLost
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest
@@ -187,16 +196,27 @@ class Engine:
         copies = self.scheduler.take_copies()
         if copies:  # now, while every source page is still its request's
             self.runner.copy_pages(copies)
-        for entry, k in zip(plan.entries, kept):
-            if id(entry.request) in gone or not (k.tokens or entry.request.pooled is not None):
-                continue
-            emitted = self._emit(entry, k.tokens)
-            if not self.runner.on_emit(entry.request, emitted.reply_to, emitted.output):
-                res.outputs.append((emitted.reply_to, emitted.output))
-            if emitted.ended:
-                self._finish(entry.request, emitted.ran_to_caps, "ok", res)
+        self._emit_all(plan, kept, gone, res)
         self.scheduler.observe(plan, time.perf_counter() - t0)  # the step-cost model learns its time
         return res
+
+    def _emit_all(self, plan: StepPlan, kept: list[Kept], gone: set[int], res: StepResult) -> None:
+        """Each entry's output (ending the requests it ends); an entry that made no token
+        and no result sends nothing, but an in-step loop's iteration its progress, where
+        the runner reports it (a video job's `progress`)."""
+        for entry, k in zip(plan.entries, kept):
+            req = entry.request
+            if id(req) in gone:
+                continue
+            if not (k.tokens or req.pooled is not None):
+                if req.loop is not None and self.runner.reports_progress:
+                    res.outputs.append((req.reply_to, self.outputs.progress(req)))
+                continue
+            emitted = self._emit(entry, k.tokens)
+            if not self.runner.on_emit(req, emitted.reply_to, emitted.output):
+                res.outputs.append((emitted.reply_to, emitted.output))
+            if emitted.ended:
+                self._finish(req, emitted.ran_to_caps, "ok", res)
 
     def _emit(self, entry: PlanEntry, tokens: list[int]):
         """The step's output of `entry`: a later stage's is the runner's (`emit_stage`). The

@@ -46,12 +46,21 @@ class OutputProcessor:
         self.accepted_tokens += accepted
         return Kept(accepted + 1, toks[: accepted + 1])
 
+    def progress(self, req: Request) -> Output:
+        """An in-step loop's progress after an iteration (no token, no result yet): its
+        iterations done and in all."""
+        assert req.loop is not None
+        return Output(req.request_id, [], None, len(req.prompt), 0, steps_done=req.loop.done,
+                      steps_total=req.loop.total)
+
     def emit(self, req: Request, toks: list[int]) -> Emitted:
         """Append the step's tokens (several after a verify step) as one Output; the first
         stop condition met ends the request and drops what follows. A pooling request's
         result is its one output, which ends it."""
         if req.pooled is not None:
             out = Output(req.request_id, [], "stop", len(req.prompt), 0, req.cached_tokens, pooled=req.pooled)
+            if req.loop is not None:
+                out.steps_done = out.steps_total = req.loop.total
             return Emitted(out, req.reply_to, True, True)
         finish = None
         sp = req.sampling

@@ -55,6 +55,23 @@ class Stage:
 
 
 @dataclass
+class LoopState:
+    """A request's in-step loop between worker steps (a denoising or flow-matching loop,
+    DESIGN.md §3 "Denoising loops"): the runner sets it in the step that runs the request's
+    prompt, then runs one iteration of it a step until `done` reaches `total` (never past
+    the loop's cap) and the request's result is made. `state` is the runner's (latents, a
+    multistep scheduler's history...), carried as is from one step to the next."""
+
+    total: int
+    state: Any = None
+    done: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+
+@dataclass
 class Request:
     request_id: str
     reply_to: str
@@ -101,6 +118,9 @@ class Request:
     codec: Any = None
     #: the stage a request runs after its first (None: its first, the only one for most models)
     stage: Stage | None = None
+    #: its in-step loop once its prompt ran (None before, and for every model without one):
+    #: the scheduler plans one iteration a step, writing no KV row (`PlanEntry.loop`)
+    loop: LoopState | None = None
 
     @property
     def tokens_len(self) -> int:

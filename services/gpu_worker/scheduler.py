@@ -30,6 +30,13 @@ their number, and the next step prefills at the full budget. The target
 changes only when rows run, never what they compute: each row sees the same keys whatever
 chunk it came in, so every request gets the same tokens.
 
+A model whose loop runs inside the step (a denoising or flow-matching loop, DESIGN.md §3
+"Denoising loops") runs its prompt in the step that takes it, and then one iteration of
+its loop a step (`Request.loop`, `PlanEntry.loop`): such an entry writes no row and
+commits none (its K/V were written by its prompt's step, read-only since), so a long loop
+shares the worker with the requests that arrive while it runs, and requests at different
+iterations share a step (the runner batches their forwards where the model allows).
+
 A prompt chunk never ends inside a bidirectional block (`Span.bidirectional`: Gemma 3's
 image tokens, which attend to each other both ways): it stops before a block that does not
 fit, and a block that does not fit even a step of its own runs whole as the step's first
@@ -251,7 +258,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         ready = [r for r in self.running if r.ready]
         plan = StepPlan()
-        budget = self._plan_decodes([r for r in ready if r.decoding], plan)
+        budget = self._plan_decodes([r for r in ready if r.decoding and r.loop is None], plan)
+        # an in-step loop's next iteration: no row, so no budget (after the decode rows, before the prompts)
+        plan.entries += [PlanEntry(r, 0, True, loop=True) for r in ready if r.loop is not None]
         seconds, floor = self._prefill_allowance(plan)
         logit_rows = self.limits.max_logit_rows or self.limits.max_batch_tokens
         first = True  # no prompt chunk in the plan yet

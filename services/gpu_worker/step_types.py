@@ -38,6 +38,8 @@ class PlanEntry:
     scratch: list[str] = field(default_factory=list)
     #: the step of the request's later stage (`Request.stage`), not of its first
     stage: bool = False
+    #: one iteration of the request's in-step loop (`Request.loop`): no row written (`rows` 0)
+    loop: bool = False
 
 
 @dataclass

@@ -593,9 +593,11 @@ def _magnitude(n: int) -> str:
 
 
 class InStepLoopSpec(ModelSpec):
-    """A model whose one loop runs inside the step that takes the request, over one paged
-    pool (a robot policy's flow-matching steps, a world model's rollout): no step loop, the
-    loop's graph bound and cap both `loop_cap`, the pool `pool` of the model's layers."""
+    """A model whose one loop runs in the runner, not as decode steps, over one paged pool
+    (a robot policy's flow-matching steps, a world model's rollout, a diffusion model's
+    denoising): no step loop (an iteration writes no row), one iteration a worker step from
+    the step that runs the prompt (services/gpu_worker/runners/loop_steps.py); the loop's
+    graph bound and cap both `loop_cap`, the pool `pool` of the model's layers."""
 
     #: the loop's name, and the pool's (set by the subclass)
     in_step_loop: str
@@ -613,7 +615,7 @@ class InStepLoopSpec(ModelSpec):
 
     @property
     def step_loops(self) -> tuple[str, ...]:
-        return ()  # the loop runs inside the step (the runner's)
+        return ()  # the loop is the runner's (an iteration a worker step, no row), not a decode step's
 
     def graph_loops(self) -> dict[str, int]:
         return {self.in_step_loop: self.loop_cap}

@@ -13,8 +13,9 @@ request. The transformer's text pathway is causal and never reads the latents, s
 layer's text K/V are the same at every step: the worker writes them into these pages
 once and every step reads them. The latents' rows (frames x patches) are recomputed each
 step and never written: no growth, no scratch; the footprint is the text's rows. The
-loop `denoise_loop` (cap: `MAX_STEPS`, the loop's max_iters too) runs inside the step
-that takes the request (runners/diffusion.py), for `num_inference_steps` of it.
+loop `denoise_loop` (cap: `MAX_STEPS`, the loop's max_iters too) runs one iteration a
+worker step from the step that takes the request (runners/diffusion.py,
+runners/loop_steps.py), for `num_inference_steps` of it.
 
 The tensors the worker takes: `input_ids` (the conditional ids, then the unconditional
 ones), `gen` (int64: seed, sample, steps, height, width, num_frames, conditional rows,
@@ -123,7 +124,7 @@ class Cosmos3Spec(InStepLoopSpec):
 
     @property
     def loop_cap(self) -> int:
-        return MAX_STEPS  # (the loop runs inside the step that takes the request (runners/diffusion.py))
+        return MAX_STEPS  # (the loop runs an iteration a worker step, none a row: runners/loop_steps.py)
 
     # -- a request -------------------------------------------------------------------
 

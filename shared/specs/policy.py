@@ -127,7 +127,7 @@ class PolicySpec(InStepLoopSpec):
 
     @property
     def loop_cap(self) -> int:
-        return self.steps  # (the flow loop runs inside the step that computes the prefix (runners/policy.py))
+        return self.steps  # (the flow loop runs a step a worker step after the prefix's: runners/loop_steps.py)
 
     # -- a request -------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ class WorldSpec(InStepLoopSpec):
 
     @property
     def loop_cap(self) -> int:
-        return self.max_frames  # (the rollout runs inside the step that takes the request (runners/world.py))
+        return self.max_frames  # (the rollout runs a step a worker step: runners/loop_steps.py)
 
     # -- a request -------------------------------------------------------------------
 

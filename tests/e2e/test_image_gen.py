@@ -6,8 +6,9 @@ guidance and size: uint8 within 1 (the PNG's pixels; the `npy` float image withi
 two sizes, CFG on and off, a negative prompt, n = 2 (the pipeline's calls one after
 another on one generator); a 5-frame video's frames (`?variant=frames`) equal the
 pipeline's and its MP4 decodes (PyAV) to frames close to them; 4 requests at once give
-the pixels one at a time gives; bad input is a 400 naming the field, a job refused after
-it started says why; pages back to zero under MSTAR_KV_DEBUG_ASSERTS=1.
+the pixels one at a time gives; a 100-step video job's progress moves between 0 and 100
+(one iteration a worker step) while an image is served beside it; bad input is a 400
+naming the field, a job refused after it started says why; pages back to zero under MSTAR_KV_DEBUG_ASSERTS=1.
 """
 
 from __future__ import annotations
@@ -151,6 +152,42 @@ def test_video_frames_and_mp4(setup):
     # H.264 4:2:0 keeps luma at full resolution (chroma at half): the frames' luma, near lossless at crf 10
     luma = np.array([0.299, 0.587, 0.114])
     assert np.abs(decoded @ luma - frames @ luma).mean() < 2.5
+
+
+def test_video_progress_moves_beside_an_image(setup):
+    """The loop runs one iteration a worker step: while a 100-step video runs, its job's
+    `progress` moves through values between 0 and 100 (never back), and a 1-step image sent
+    meanwhile is served beside it. (That the image ends before the video, in the step after
+    it arrives, is tests/unit/test_cosmos3_engine.py's: counted in steps, not timed.)"""
+    srv, _ = setup
+
+    async def run() -> tuple[list[tuple[str, int]], httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            r = await c.post("/v1/videos", json={**VIDEO, "size": "64x64", "num_frames": 9, "seed": 11,
+                                                 "num_inference_steps": 100})
+            assert r.status_code == 200, r.text
+            video_id = r.json()["id"]
+
+            async def poll() -> list[tuple[str, int]]:
+                seen: list[tuple[str, int]] = []
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    job = (await c.get(f"/v1/videos/{video_id}")).json()
+                    seen.append((job["status"], job["progress"]))
+                    if job["status"] != "in_progress":
+                        break
+                    await asyncio.sleep(0.005)
+                return seen
+
+            image = c.post("/v1/images/generations", json={**_body("wide_no_cfg"), "num_inference_steps": 1})
+            seen, reply = await asyncio.gather(poll(), image)
+            return seen, reply
+
+    seen, reply = asyncio.run(run())
+    assert reply.status_code == 200 and len(reply.json()["data"]) == 1, reply.text
+    assert seen[-1] == ("completed", 100), seen[-3:]
+    assert any(status == "in_progress" and 0 < p < 100 for status, p in seen), seen  # it moved with the iterations
+    assert [p for _, p in seen] == sorted(p for _, p in seen)  # never backwards
 
 
 def test_bad_input_and_failed_job(setup):

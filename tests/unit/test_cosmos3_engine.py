@@ -2,7 +2,13 @@
 image under CFG, one without, a negative prompt with the second sample of its seed, a
 5-frame video), each equal to the diffusers pipeline's frames for the same seed, steps,
 guidance and size; pages back to zero. tests/e2e/test_image_gen.py does it through the
-services."""
+services.
+
+The loop runs one iteration a worker step (runners/loop_steps.py): a 1-step image that
+arrives while a 6-step one runs ends first, in the next step (it does not wait for the
+long loop), while the long one's progress outputs count its iterations one a step; the
+long one's pixels are the same as when it runs alone (its UniPC history carried exactly
+across steps, whoever shares them); an abort between iterations frees its pages."""
 
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ def test_engine_equals_pipeline(cosmos_dir):
         for _, out in eng.step().outputs:
             if out.pooled:
                 got[out.request_id] = out.pooled
-    assert steps == 1 and kv.used_pages() == 0  # every request's loop ran in the one step that took them
+    assert steps == STEPS and kv.used_pages() == 0  # a step per iteration, every request's in one
     assert eng.runner.denoise_steps == STEPS * len(CASES)
     pipe = load_pipeline(cosmos_dir)
     firsts = []
@@ -86,3 +92,76 @@ def test_engine_equals_pipeline(cosmos_dir):
         assert np.abs(mine.astype(int) - to_uint8(ref)).max() <= 1, i
         firsts.append(mine[0, :32, :32])
     assert not np.array_equal(firsts[0], firsts[2])  # the prompt and the noise reach the pixels
+
+
+LONG, SHORT = 6, 1
+
+
+@pytest.fixture(scope="module")
+def engine(cosmos_dir):
+    src = ModelSource(str(cosmos_dir))
+    spec = src.spec(16)
+    pools = spec.paged_pools(64)
+    model = build_model(src, spec, torch.float32)
+    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
+              for n, p in pools.items()}
+    kv = KVManager(pools, spec.kv_labels)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=4096,
+                       max_seq_len=spec.max_seq_len)
+    return eng, spec, src.tokenizer.tokenizer, pools
+
+
+def _add(engine, request_id: str, prompt: str, steps: int, seed: int) -> None:
+    eng, spec, tok, pools = engine
+    cond, uncond = spec.prompt_texts(prompt, None, 32, 32, 1)
+    ci = tok.encode(cond, add_special_tokens=False).ids + spec.suffix_ids
+    ui = tok.encode(uncond, add_special_tokens=False).ids + spec.suffix_ids
+    options = dict(height=32, width=32, num_frames=1, guidance_scale=5.0, seed=seed, sample=0, cond_rows=len(ci),
+                   num_inference_steps=steps)
+    ppo = spec.process_prompt(PromptRequest(ci + ui, options=options))
+    caps = spec.clamp_caps(spec.get_loop_caps(1))
+    refs, _ = pack_tensors(ppo.new_input_tensors)
+    eng.add(NewRequest(request_id, "", refs, SamplingParams(), "", len(ppo.new_input_tensors["input_ids"]), 1,
+                       ppo.kv_layout, caps, spec.kv_configs(ppo.kv_layout, caps, pools)), ppo.new_input_tensors)
+
+
+def _step(eng, log: list[tuple[int, str, int, int]], results: dict[str, bytes], n: int) -> None:
+    """Step `n` times: each output as (step, request, steps done, of), results by request."""
+    for _ in range(n):
+        for _, out in eng.step().outputs:
+            log.append((eng.runner.denoise_steps, out.request_id, out.steps_done, out.steps_total))
+            if out.pooled:
+                results[out.request_id] = out.pooled
+
+
+def test_short_request_ends_while_long_one_runs(engine):
+    eng, kv = engine[0], engine[0].kv
+    alone: dict[str, bytes] = {}
+    _add(engine, "alone", "a red fox", LONG, 3)
+    _step(eng, [], alone, LONG)
+    assert not eng.has_work and "alone" in alone and kv.used_pages() == 0  # one iteration a step
+
+    log: list[tuple[int, str, int, int]] = []
+    got: dict[str, bytes] = {}
+    _add(engine, "long", "a red fox", LONG, 3)
+    _step(eng, log, got, 3)
+    _add(engine, "short", "a blue cat", SHORT, 4)
+    _step(eng, log, got, 1)  # the short one's prompt and its one iteration, beside the long one's 4th
+    assert "short" in got and "long" not in got and eng.running[0].request_id == "long"
+    while eng.has_work:
+        _step(eng, log, got, 1)
+    long = [(done, total) for _, rid, done, total in log if rid == "long"]
+    assert long == [(i, LONG) for i in range(1, LONG + 1)]  # progress a step, the last with the frames
+    assert [(d, t) for _, rid, d, t in log if rid == "short"] == [(SHORT, SHORT)]
+    mine = np.frombuffer(got["long"], dtype="<f4")
+    assert np.abs(mine - np.frombuffer(alone["alone"], dtype="<f4")).max() < 1e-5
+    assert kv.used_pages() == 0 and eng.runner.denoise_steps == 2 * LONG + SHORT
+
+
+def test_abort_between_iterations_frees_its_pages(engine):
+    eng, kv = engine[0], engine[0].kv
+    _add(engine, "gone", "a red fox", LONG, 5)
+    _step(eng, [], {}, 2)
+    assert kv.used_pages() > 0 and eng.running[0].loop.done == 2
+    assert eng.abort("gone") is not None
+    assert not eng.has_work and kv.used_pages() == 0

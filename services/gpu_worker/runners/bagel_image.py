@@ -1,21 +1,21 @@
 """The runner of BAGEL's text-to-image (`shared.specs.bagel_image`): a request's context
-into its pages, then its denoising loop, in the step that takes it (DESIGN.md section 3,
-"Denoising loops"), as the Cosmos 3 runner does (runners/diffusion.py, whose page helpers
-it shares).
+into its pages in the step that takes it, then its denoising loop one iteration a step
+(runners/loop_steps.py; DESIGN.md section 3, "Denoising loops"), as the Cosmos 3 runner
+does (runners/diffusion.py, whose page helpers it shares).
 
 The step that takes a request runs its context `<|im_start|>text<|im_end|>` through the
 LLM's understanding weights once and writes every layer's K/V into the request's pages;
 the loop then reads them back (read-only) for the full and the no-image branches at every
 step, and the no-text branch reads an empty context. The reference keeps one `NaiveCache`
 per branch and rebuilds the merged K/V (context + query) in every step and branch; here
-the context is computed once and held in paged KV. Every request of the step runs its loop
-in lockstep with the others: each iteration is one forward over every live request's
+the context is computed once and held in paged KV. Every live request runs an iteration
+a step, each at its own: a step's iterations are one forward over every live request's
 branches (projections and MLPs over all their rows at once, attention within each
 branch): the GEMMs' row counts change their rounding, so an image is its reference's
-within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h * w, 64)` on
-a CPU generator seeded with the request's seed, after `sample` earlier draws of the same
-shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`); the
-route's PNG rounds x * 255 where the reference's PIL image truncates it.
+within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h * w, 64)`
+on a CPU generator seeded with the request's seed, after `sample` earlier draws of the
+same shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`);
+the route's PNG rounds x * 255 where the reference's PIL image truncates it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, denoise
+from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, denoise_step
+from services.gpu_worker.request import LoopState, Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.diffusion import DiffusionRunner
-from services.gpu_worker.step_types import StepPlan
+from services.gpu_worker.runners.loop_steps import iteration, state
+from services.gpu_worker.step_types import PlanEntry
 from shared.specs.cosmos3 import GEN_FIELDS
 
 
@@ -50,19 +52,20 @@ class BagelImageRunner(DiffusionRunner):
             raise ValueError(f"a BAGEL image request's {len(prompt)} rows are not its context's {gen['cond_rows']}")
         return prompt, gen
 
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        """Every entry's context into its pages, then its loop, then its image."""
+    def start(self, entries: list[PlanEntry]) -> list[LoopState]:
+        """Each entry's context into its pages; its loop: its job's steps (never past its cap)."""
         label = self.spec.label_name
-        for e in plan.entries:
-            if e.request.num_computed != 0 or e.rows != len(e.request.prompt):
-                raise RuntimeError(f"image request {e.request.request_id} was scheduled in part: it runs whole")
-        with torch.inference_mode():
-            jobs = [self._image_job(e.request, e.pages[label]) for e in plan.entries]
-            self.denoise_steps += denoise(self.model, jobs, self.tags)
-            for e, job in zip(plan.entries, jobs):
-                image = self.model.pixels(job.x, job.height, job.width)[None]
-                e.request.pooled = image.float().cpu().numpy().astype("<f4").tobytes()
-        return [[] for _ in plan.entries]
+        jobs = [self._image_job(e.request, e.pages[label]) for e in entries]
+        return [LoopState(len(job.times), job) for job in jobs]
+
+    def iterate(self, reqs: list[Request]) -> None:
+        denoise_step(self.model, [(state(r), iteration(r)) for r in reqs], self.tags)
+        self.denoise_steps += len(reqs)
+
+    def result(self, req: Request) -> bytes:
+        job = state(req)
+        image = self.model.pixels(job.x, job.height, job.width)[None]
+        return image.float().cpu().numpy().astype("<f4").tobytes()
 
     def _image_job(self, r: Any, pages: list[int]) -> Job:
         """Its context's K/V into its pages, read back (read-only from here on); its noise."""

@@ -193,6 +193,9 @@ class ModelRunner:
         request; only runners whose `next_stage` starts one are asked."""
         raise NotImplementedError
 
+    #: an in-step loop's iterations send their progress (`Request.loop`: a video job's)
+    reports_progress = False
+
     @property
     def holding(self) -> bool:
         """Outputs are held (their sound still being made)."""

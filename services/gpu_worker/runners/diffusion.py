@@ -1,18 +1,20 @@
 """The runner of text-to-image/video diffusion models (Cosmos 3): a request's prompts into
-paged KV, then its denoising loop, in the step that takes it (the policy runner's shape:
-DESIGN.md section 3, "Denoising loops").
+paged KV in the step that takes it, then its denoising loop, one iteration a step
+(runners/loop_steps.py; DESIGN.md section 3, "Denoising loops").
 
 A request's rows are its conditional prompt's and, under classifier-free guidance, its
 unconditional prompt's (two row sets of one label, `Cosmos3Spec.process_prompt`). The step
 that takes it runs the text pathway once per row set and writes every layer's text K/V
 into the request's pages; then the `denoise_loop` (the request's `num_inference_steps`,
-never past its cap) runs over every request of the step together: each iteration is one
-forward of the latents' patch rows of every live row set (a request under CFG has two:
-the same latents at the two prompts' positions), each reading its prompt's K/V gathered
-once from the pages, read-only; then each request's guidance (uncond + g * (cond -
-uncond), float32) and its own UniPC scheduler step (modeling/diffusion/unipc.py, one per
-request: its multistep history is the request's). The reference recomputes the whole text
-pathway in every step and branch; here it runs once per request.
+never past its cap) runs one iteration a step over every live request together, each at
+its own iteration: one forward of the latents' patch rows of every live row set (a request
+under CFG has two: the same latents at the two prompts' positions), each reading its
+prompt's K/V gathered once from the pages, read-only, and its own timestep; then each
+request's guidance (uncond + g * (cond - uncond), float32) and its own UniPC scheduler
+step (modeling/diffusion/unipc.py, one per request: its multistep history is the
+request's, carried on it from step to step). The reference recomputes the whole text
+pathway in every step and branch; here it runs once per request. Each iteration sends the
+request's progress (a video job's `progress`).
 
 The noise is drawn here, where torch is: the pipeline's `randn_tensor(shape, generator)`
 for a CPU generator seeded with the request's seed, after `sample` earlier draws of the
@@ -20,11 +22,6 @@ same shape (the j-th of n samples is the pipeline's j-th call on one generator).
 decoded frames go back as bytes on the request (`Request.pooled`: [F, H, W, 3]; float32
 for an image, uint8 for a video: `frame_bytes`).
 `denoise_steps` counts the iterations run (every request's), for /metrics.
-
-The loop inside one worker step is the policy runner's shape; its costs: a request that
-arrives meanwhile waits for the whole loop, and a loop past the step watchdog
-(`MSTAR_STEP_WATCHDOG_S`) is taken for a hang. One iteration per worker step, requests
-joining between iterations, would lift both.
 """
 
 from __future__ import annotations
@@ -37,8 +34,9 @@ import numpy as np
 import torch
 
 from services.gpu_worker.modeling.diffusion.unipc import UniPC, check_config
-from services.gpu_worker.runners.base import ModelRunner
-from services.gpu_worker.step_types import StepPlan
+from services.gpu_worker.request import LoopState, Request
+from services.gpu_worker.runners.loop_steps import LoopStepsRunner, iteration, state
+from services.gpu_worker.step_types import PlanEntry
 from shared.specs.base import DeploymentError, DiffusionRunnerSpec
 from shared.specs.cosmos3 import GEN_FIELDS
 
@@ -65,8 +63,9 @@ def frame_bytes(frames: torch.Tensor, num_frames: int) -> bytes:
     return (frames * 255).round().to(torch.uint8).cpu().numpy().tobytes()
 
 
-class DiffusionRunner(ModelRunner):
+class DiffusionRunner(LoopStepsRunner):
     SPEC = DiffusionRunnerSpec
+    reports_progress = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -101,20 +100,18 @@ class DiffusionRunner(ModelRunner):
                              f"({gen['cond_rows']} conditional rows, CFG {'on' if gen['cfg'] else 'off'})")
         return prompt, gen
 
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        """Every entry's prompts into its pages, then their loops together, then each decoded."""
-        for e in plan.entries:
-            r = e.request
-            if r.num_computed != 0 or e.rows != len(r.prompt):
-                raise RuntimeError(f"diffusion request {r.request_id} was scheduled in part: it runs whole")
+    def start(self, entries: list[PlanEntry]) -> list[LoopState]:
+        """Each entry's prompts into its pages; its loop: its steps, never past its cap."""
         label = self.spec.label_name
-        with torch.inference_mode():
-            jobs = [self._job(e.request, e.pages[label]) for e in plan.entries]
-            self._loop(jobs, [int(e.request.caps.get(self.spec.denoise_loop, 0)) for e in plan.entries])
-            for e, job in zip(plan.entries, jobs):
-                frames = self.model.decode(job.latents)
-                e.request.pooled = frame_bytes(frames, job.gen["num_frames"])
-        return [[] for _ in plan.entries]
+        out = []
+        for e in entries:
+            job = self._job(e.request, e.pages[label])
+            out.append(LoopState(min(job.gen["steps"], int(e.request.caps.get(self.spec.denoise_loop, 0))), job))
+        return out
+
+    def result(self, req: Request) -> bytes:
+        job = state(req)
+        return frame_bytes(self.model.decode(job.latents), job.gen["num_frames"])
 
     # -- a request's set-up ---------------------------------------------------------
 
@@ -163,38 +160,34 @@ class DiffusionRunner(ModelRunner):
 
     # -- the loop ----------------------------------------------------------------------
 
-    def _loop(self, jobs: list[Job], caps: list[int]) -> None:
-        """Each request's steps (its `steps`, never past its cap), every live one in one forward."""
-        limits = [min(j.gen["steps"], cap) for j, cap in zip(jobs, caps)]
-        for step in range(max(limits, default=0)):
-            live = [i for i, n in enumerate(limits) if step < n]
-            tokens, times, ropes, sets, text = [], [], [], [], []
-            at = 0
-            for i in live:
-                job = jobs[i]
-                patches = self._patchify(job.latents)
-                t = job.scheduler.timesteps[step]
-                for rope, kv in zip(job.ropes, job.text):
-                    tokens.append(patches)
-                    times.append(torch.full((patches.shape[0],), t.item(), device=self.device))
-                    ropes.append(rope)
-                    sets.append((at, patches.shape[0]))
-                    text.append(kv)
-                    at += patches.shape[0]
-            v = self.model.velocity(torch.cat(tokens), torch.cat(times), ropes, sets, text).float()
-            s = 0
-            for i in live:
-                job = jobs[i]
-                first, rows = sets[s]
-                cond = self._unpatchify(v[first:first + rows], job.latents.shape)
-                if job.gen["cfg"]:
-                    first, rows = sets[s + 1]
-                    uncond = self._unpatchify(v[first:first + rows], job.latents.shape)
-                    cond = uncond + job.gen["guidance"] * (cond - uncond)
-                s += len(job.ropes)
-                job.latents = job.scheduler.step(cond.unsqueeze(0), job.latents.unsqueeze(0)).squeeze(0)
-            self.denoise_steps += len(live)
-        log.debug("diffusion step: %d request(s), %s steps", len(jobs), limits)
+    def iterate(self, reqs: list[Request]) -> None:
+        """One iteration of each request (its own timestep), every live row set in one forward."""
+        jobs = [(state(r), iteration(r)) for r in reqs]
+        tokens, times, ropes, sets, text = [], [], [], [], []
+        at = 0
+        for job, step in jobs:
+            patches = self._patchify(job.latents)
+            t = job.scheduler.timesteps[step]
+            for rope, kv in zip(job.ropes, job.text):
+                tokens.append(patches)
+                times.append(torch.full((patches.shape[0],), t.item(), device=self.device))
+                ropes.append(rope)
+                sets.append((at, patches.shape[0]))
+                text.append(kv)
+                at += patches.shape[0]
+        v = self.model.velocity(torch.cat(tokens), torch.cat(times), ropes, sets, text).float()
+        s = 0
+        for job, _ in jobs:
+            first, rows = sets[s]
+            cond = self._unpatchify(v[first:first + rows], job.latents.shape)
+            if job.gen["cfg"]:
+                first, rows = sets[s + 1]
+                uncond = self._unpatchify(v[first:first + rows], job.latents.shape)
+                cond = uncond + job.gen["guidance"] * (cond - uncond)
+            s += len(job.ropes)
+            job.latents = job.scheduler.step(cond.unsqueeze(0), job.latents.unsqueeze(0)).squeeze(0)
+        self.denoise_steps += len(jobs)
+        log.debug("diffusion step: %d request(s) at iterations %s", len(jobs), [step for _, step in jobs])
 
     def _patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """[1, C, T, h, w] -> patch rows [T * h/p * w/p, p * p * C] (`_patchify_and_pack_latents`)."""

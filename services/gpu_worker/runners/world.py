@@ -1,31 +1,35 @@
-"""The runner of world models (V-JEPA 2-AC): a request's rollout, in the step that takes it.
+"""The runner of world models (V-JEPA 2-AC): a request's rollout, one step of it a worker
+step (runners/loop_steps.py).
 
 A rollout request (`WorldSpec.process_prompt`) brings its context clip's pixels, its
-actions and states (frames + steps - 1 rows each) and its steps. Its clip is encoded once
-per content key (`clip_key`, the frames' bytes and preprocessing hashed by the data
+actions and states (frames + steps - 1 rows each) and its steps. Its clip is encoded
+once per content key (`clip_key`, the frames' bytes and preprocessing hashed by the data
 worker): the tokens stay in a small LRU cache here, so many rollouts from one clip (a
 planner's candidates), in one step or across requests, encode it once; each encode is
-logged ("world encoder: clip ... encoded") so it can be counted. Then the rollouts of every
-request of the step go step by step together: at step k a request predicts from its
+logged ("world encoder: clip ... encoded") so it can be counted. Then each worker step
+runs one rollout step of every live request: at its step k a request predicts from its
 frames so far (the context's, then the k predicted), and rollouts at the same frame run
-as one batch of the predictor; the last frame's tokens of its output are the step's
-prediction. The predictor is frame-block causal, so a frame's K/V never change once
-computed: each frame's rows (its action, state and patch tokens) are written once into
-the request's pages of the frames label, and each step after the first computes only the
-newest frame's rows, reading the earlier ones' K/V from the pages. The predictions
-go back as float32 bytes on the request (`Request.pooled`: steps x tokens x embed).
+as one batch of the predictor (requests that arrived at different times included); the
+last frame's tokens of its output are the step's prediction. The predictor is frame-
+block causal, so a frame's K/V never change once computed: each frame's rows (its
+action, state and patch tokens) are written once into the request's pages of the frames
+label, and each step after the first computes only the newest frame's rows, reading the
+earlier ones' K/V from the pages. The predictions go back as float32 bytes on the
+request (`Request.pooled`: steps x tokens x embed).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from services.gpu_worker.runners.base import ModelRunner
-from services.gpu_worker.step_types import StepPlan
+from services.gpu_worker.request import LoopState, Request
+from services.gpu_worker.runners.loop_steps import LoopStepsRunner, state
+from services.gpu_worker.step_types import PlanEntry
 from shared.specs.base import WorldRunnerSpec
 
 log = logging.getLogger("mstar.world_runner")
@@ -34,7 +38,19 @@ log = logging.getLogger("mstar.world_runner")
 CLIPS_KEPT = 32
 
 
-class WorldRunner(ModelRunner):
+@dataclass
+class Rollout:
+    """A request's rollout between steps: its frames not yet through the predictor (the
+    context's, then the newest predicted), the frames whose K/V are in its pages, its
+    predictions so far, its pages."""
+
+    new: torch.Tensor
+    pages: list[int]
+    fed: int = 0
+    out: list[torch.Tensor] = field(default_factory=list)
+
+
+class WorldRunner(LoopStepsRunner):
     SPEC = WorldRunnerSpec
 
     def __init__(self, *args, **kwargs) -> None:
@@ -61,19 +77,20 @@ class WorldRunner(ModelRunner):
         inputs["clip_key"] = bytes(np.asarray(tensors["clip_key"], dtype=np.uint8)).hex()
         return prompt, inputs
 
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        """Every entry's rollout, the steps of all of them together."""
-        for e in plan.entries:
+    def start(self, entries: list[PlanEntry]) -> list[LoopState]:
+        """Each entry's context clip's tokens (encoded once per clip); its rollout: its
+        steps, never past its cap."""
+        out = []
+        for e in entries:
             r = e.request
-            if r.num_computed != 0 or e.rows != len(r.prompt):
-                raise RuntimeError(f"rollout request {r.request_id} was scheduled in part: its rollout runs whole")
-        reqs = [e.request for e in plan.entries]
-        with torch.inference_mode():
-            context = [self._clip(r.inputs["clip_key"], r.inputs["pixel_values"]) for r in reqs]
-            out = self._rollout(reqs, context, [e.pages[self.spec.label_name] for e in plan.entries])
-        for r, steps in zip(reqs, out):
-            r.pooled = torch.stack(steps).float().cpu().numpy().astype("<f4").tobytes()
-        return [[] for _ in reqs]
+            rollout = Rollout(self._clip(r.inputs["clip_key"], r.inputs.pop("pixel_values")),
+                              e.pages[self.spec.label_name])
+            out.append(LoopState(min(r.inputs["steps"], int(r.caps.get(self.spec.rollout_loop, 0))), rollout))
+        return out
+
+    def result(self, req: Request) -> bytes:
+        rollout: Rollout = state(req)
+        return torch.stack(rollout.out).float().cpu().numpy().astype("<f4").tobytes()
 
     def _clip(self, key: str, pixels: torch.Tensor) -> torch.Tensor:
         """The clip's tokens [frames, tokens, embed]: from the cache, else encoded (logged)."""
@@ -91,33 +108,28 @@ class WorldRunner(ModelRunner):
             self.clips.popitem(last=False)
         return tokens
 
-    def _rollout(self, reqs: list, context: list[torch.Tensor], pages: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Each request's predicted frames. Its first pass runs the predictor over its context
+    def iterate(self, reqs: list[Request]) -> None:
+        """One rollout step of each request. Its first runs the predictor over its context
         frames; each later one over its newest frame alone, reading the earlier frames' K/V
-        from its pages (written by the passes before). Requests at the same frame with as
+        from its pages (written by the steps before). Requests at the same frame with as
         many new frames run as one batch."""
-        new = [c for c in context]  # each request's frames not yet through the predictor
-        fed = [0] * len(reqs)  # frames whose K/V are in the pages
-        out: list[list[torch.Tensor]] = [[] for _ in reqs]
-        caps = [min(r.inputs["steps"], int(r.caps.get(self.spec.rollout_loop, 0))) for r in reqs]
-        for step in range(max(caps, default=0)):
-            groups: dict[tuple[int, int], list[int]] = {}
-            for i, cap in enumerate(caps):
-                if step < cap:
-                    groups.setdefault((fed[i], new[i].shape[0]), []).append(i)
-            for (start, t), members in groups.items():
-                z = torch.stack([new[i] for i in members])
-                acts = torch.stack([reqs[i].inputs["actions"][start:start + t] for i in members]).to(z)
-                states = torch.stack([reqs[i].inputs["states"][start:start + t] for i in members]).to(z)
-                past = self._read([pages[i] for i in members], start) if start else None
-                pred, kv = self.model.predict(z, acts, states, start, past)
-                self._write([pages[i] for i in members], start, kv)
-                for j, i in enumerate(members):
-                    out[i].append(pred[j, -1])
-                    new[i], fed[i] = pred[j, -1:], start + t
-            log.debug("world step %d: %d rollout(s) in %d batch(es)", step, sum(map(len, groups.values())),
-                      len(groups))
-        return out
+        rollouts: list[Rollout] = [state(r) for r in reqs]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, ro in enumerate(rollouts):
+            groups.setdefault((ro.fed, ro.new.shape[0]), []).append(i)
+        for (start, t), members in groups.items():
+            z = torch.stack([rollouts[i].new for i in members])
+            acts = torch.stack([reqs[i].inputs["actions"][start:start + t] for i in members]).to(z)
+            states = torch.stack([reqs[i].inputs["states"][start:start + t] for i in members]).to(z)
+            pages = [rollouts[i].pages for i in members]
+            past = self._read(pages, start) if start else None
+            pred, kv = self.model.predict(z, acts, states, start, past)
+            self._write(pages, start, kv)
+            for j, i in enumerate(members):
+                ro = rollouts[i]
+                ro.out.append(pred[j, -1])
+                ro.new, ro.fed = pred[j, -1:], start + t
+        log.debug("world step: %d rollout(s) in %d batch(es)", len(reqs), len(groups))
 
     def _slots(self, pages: list[int], first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) of each of rows [first, first + rows) of a request's frames label."""

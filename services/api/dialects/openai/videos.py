@@ -14,8 +14,10 @@ worker's or the worker's refusal) is `status: "failed"` with `error: {code, mess
 
 Jobs live in the api process (`VideoJobs`): at most `MAX_JOBS`, each kept `TTL_S` seconds
 after it ends (then 404); when every slot holds a running job a new one is a 429. The
-job's `progress` is its steps done over its steps, as far as the api sees them (the
-engine runs a request's loop inside one step: 0 until the frames arrive, then 100).
+job's `progress` is its denoising steps done over its steps, in percent: the worker runs
+the loop one iteration a worker step and each sends the request's progress
+(`Output.steps_done`), so it moves with the iterations; it is 100 only once the frames
+have arrived.
 """
 
 from __future__ import annotations
@@ -197,10 +199,21 @@ async def _run(gen: Any, entry: Entry, jobs: VideoJobs, shape: tuple[int, int, i
     jobs.ended(entry)
 
 
+def _progress(entry: Entry) -> VideoJob:
+    """The job, its progress as its outputs last said while it runs (below 100 until its
+    frames are here)."""
+    job = entry.job
+    if job.status == "in_progress" and entry.gen is not None:
+        done, total = entry.gen.steps
+        if total:
+            job.progress = min(99, 100 * done // total)
+    return job
+
+
 async def retrieve(request: Request) -> Response:
     """GET /v1/videos/{video_id}."""
     try:
-        return json_response(jobs_of(request).get(request.path_params["video_id"]).job)
+        return json_response(_progress(jobs_of(request).get(request.path_params["video_id"])))
     except ApiError as err:
         return json_response(err.body(), err.status)
 

@@ -362,14 +362,20 @@ def denoise(model: BagelGenerator, jobs: list[Job], tags: torch.Tensor) -> int:
     done = 0
     for step in range(max((len(j.times) for j in jobs), default=0)):
         live = [j for j in jobs if step < len(j.times)]
-        queries = [j.queries(step, tags) for j in live]
-        v = model.velocities([q for qs in queries for q in qs])
-        at = 0
-        for job, qs in zip(live, queries):
-            job.advance(step, v[at:at + len(qs)])
-            at += len(qs)
+        denoise_step(model, [(j, step) for j in live], tags)
         done += len(live)
     return done
+
+
+def denoise_step(model: BagelGenerator, jobs: list[tuple[Job, int]], tags: torch.Tensor) -> None:
+    """One iteration of each job, at its own step (`(job, step)`): one forward over every
+    job's branches (the worker's runner runs a loop one iteration a worker step)."""
+    queries = [j.queries(step, tags) for j, step in jobs]
+    v = model.velocities([q for qs in queries for q in qs])
+    at = 0
+    for (job, step), qs in zip(jobs, queries):
+        job.advance(step, v[at:at + len(qs)])
+        at += len(qs)
 
 
 def text_to_image(model: BagelGenerator, prompt_ids: torch.Tensor, tags: torch.Tensor, height: int, width: int,
