@@ -120,6 +120,11 @@ def speech(args) -> Path:
         from bench.speech_csm import speech_csm
 
         return speech_csm(args)
+    if getattr(args, "family", "orpheus") != "orpheus":
+        from bench.speech_families import speech_family
+
+        return speech_family(args)
+    args.frames, args.concurrency = args.frames or 24, args.concurrency or 8
     out = results_dir(args.out)
     folder = Path(args.model) if args.model else ensure_checkpoint()
     max_tokens = 7 * args.frames

@@ -98,6 +98,7 @@ class Reference:
 
 
 def speech_csm(args) -> Path:
+    args.frames, args.concurrency = args.frames or 24, args.concurrency or 8
     out = results_dir(args.out)
     folder = Path(args.model) if args.model else ensure_checkpoint()
     ref = Reference(folder)
