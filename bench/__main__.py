@@ -141,7 +141,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                             "bench/speech_families.py's (their packages' one-at-a-time generation as the reference)")
         p.add_argument("--frames", type=int, default=0,
                        help="frames a request speaks (Orpheus: 7 tokens, 2048 samples each; CSM: 1920 samples; "
-                            "Qwen3-Omni: text tokens); 0: the family's default (24; Qwen3-Omni 12)")
+                            "Qwen3-Omni: text tokens); 0: the family's default (24; Higgs 48; Qwen3-Omni 12)")
         p.add_argument("--concurrency", "-c", type=int, default=0, help="0: the family's (8; Qwen3-Omni 4)")
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--serve-arg", action="append", default=[])

@@ -2,7 +2,7 @@
 the speech families whose reference is a package's one-at-a-time generation.
 
 Each family's bench checkpoint is random and made as its tests make it (tests/*_checkpoints.py,
-their tiny configs; Higgs' backbone a little wider), once, under the bench cache. Every
+their tiny configs; Higgs' backbone a little wider and its EOS not lifted), once, under the bench cache. Every
 request speaks the same sentence (Qwen3-Omni: answers one chat turn, text then speech),
 greedy where the reference can be (Chatterbox: its sampling defaults, seeded), for
 `--frames` frames (Higgs: frames including its BOS and delay frames; Chatterbox: speech
@@ -64,6 +64,7 @@ class Family:
     serve_args: tuple[str, ...] = ("--num-kv-pages", "512", "--page-size", "16", "--max-seq-len", "512")
     concurrency: int = 8
     frames: int = 24  # --frames' default
+    version: str = "v1"  # of the cached checkpoint: a new one when `make` changes
     env: Callable[[Path], dict[str, str]] = field(default=lambda folder: {})
 
 
@@ -171,10 +172,17 @@ class OmniReference(Reference):
 
 
 def _make_higgs(path: Path) -> None:
+    """The tests' Higgs, wider, and without their lifted EOS column (which ends a clip within
+    a few frames: a bench request should speak all its frames)."""
+    from tests import higgs_checkpoints
     from tests.higgs_checkpoints import make_higgs_checkpoint, make_higgs_codec
 
     make_higgs_codec(hub_cache_folder_of(path))
-    make_higgs_checkpoint(path, generation={"do_sample": False}, **HIGGS_SHAPE)
+    lift, higgs_checkpoints.EOS_LIFT = higgs_checkpoints.EOS_LIFT, 1.0
+    try:
+        make_higgs_checkpoint(path, generation={"do_sample": False}, **HIGGS_SHAPE)
+    finally:
+        higgs_checkpoints.EOS_LIFT = lift
 
 
 def hub_cache_folder_of(path: Path) -> Path:
@@ -215,7 +223,7 @@ def _venv(family: str) -> Callable[[Path, int], Reference]:
 #: Chatterbox: the package's sampling defaults (mstar's for the family) and a seed
 FAMILIES = {
     "higgs": Family("random Higgs Audio v2 4x256 + the tests' tiny codec (24 kHz, 960 samples a frame)",
-                    "transformers", _make_higgs, HiggsReference,
+                    "transformers", _make_higgs, HiggsReference, frames=48, version="v2",
                     env=lambda folder: {"HF_HUB_CACHE": str(folder / "hub")}),
     "qwen3_tts": Family("random Qwen3-TTS CustomVoice (the tests' tiny talker + 12 Hz codec shrunk to 48 "
                         "samples a frame)", "qwen-tts", _make_qwen3_tts, _venv("qwen3_tts")),
@@ -231,7 +239,7 @@ def ensure_checkpoint(family: str, root: Path | None = None) -> Path:
     """The family's bench checkpoint, made once under the bench cache (a folder renamed
     into place when whole)."""
     root = root or cache_dir()
-    path = root / f"{family}-speech-bench-v1"
+    path = root / f"{family}-speech-bench-{FAMILIES[family].version}"
     if (path / ".complete").exists():
         return path
     tmp = root / f".{path.name}.{os.getpid()}"
