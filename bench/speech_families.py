@@ -1,5 +1,6 @@
-"""`python -m bench speech --family higgs|qwen3_tts|chatterbox|qwen3_omni`: one driver for
-the speech families whose reference is a package's one-at-a-time generation.
+"""`python -m bench speech --family F`: one driver for every speech family, each against its
+reference package's one-at-a-time generation (Orpheus and CSM: bench/speech.py and
+bench/speech_csm.py hold their checkpoints and references; the others' are here).
 
 Each family's bench checkpoint is random and made as its tests make it (tests/*_checkpoints.py,
 their tiny configs; Higgs' backbone a little wider and its EOS not lifted), once, under the bench cache. Every
@@ -43,7 +44,7 @@ from bench.checkpoints import cache_dir
 from bench.report import results_dir
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
-from bench.speech_client import TEXT, mstar_one, omni_one
+from bench.speech_client import GREEDY, TEXT, mstar_one, omni_one
 
 RATE = 24000  # every family here speaks at 24 kHz
 #: Qwen3-Omni's chat turn (tests/e2e/test_omni_speech.py's)
@@ -58,8 +59,10 @@ class Family:
 
     title: str
     reference_name: str
-    make: Callable[[Path], None]  # the checkpoint into a fresh folder
+    make: Callable[[Path], None] | None  # the checkpoint into a fresh folder (None: `checkpoint`)
     reference: Callable[[Path, int], Reference]
+    #: the cached checkpoint, for the families whose module keeps its own (Orpheus, CSM)
+    checkpoint: Callable[[], Path] | None = None
     body: Callable[[int], dict] = lambda frames: {"max_tokens": frames, "temperature": 0}
     serve_args: tuple[str, ...] = ("--num-kv-pages", "512", "--page-size", "16", "--max-seq-len", "512")
     concurrency: int = 8
@@ -220,8 +223,38 @@ def _venv(family: str) -> Callable[[Path, int], Reference]:
     return make
 
 
-#: Chatterbox: the package's sampling defaults (mstar's for the family) and a seed
+def _orpheus_checkpoint() -> Path:
+    from bench.speech import ensure_checkpoint as orpheus
+
+    return orpheus()
+
+
+def _orpheus_reference(folder: Path, frames: int) -> Reference:
+    from bench.speech import OrpheusReference
+
+    return OrpheusReference(folder, 7 * frames)
+
+
+def _csm_checkpoint() -> Path:
+    from bench.speech_csm import ensure_checkpoint as csm
+
+    return csm()
+
+
+def _csm_reference(folder: Path, frames: int) -> Reference:
+    from bench.speech_csm import CsmReference
+
+    return CsmReference(folder, frames)
+
+
+#: Orpheus: 7 tokens a frame, no penalties (the reference is plain greedy under the code
+#: constraint); Chatterbox: the package's sampling defaults (mstar's for the family) and a seed
 FAMILIES = {
+    "orpheus": Family("random Orpheus-shaped 8x512 + SNAC 24 kHz's shape", "transformers", None,
+                      _orpheus_reference, checkpoint=_orpheus_checkpoint, serve_args=(),
+                      body=lambda frames: {"max_tokens": 7 * frames, **GREEDY}),
+    "csm": Family("random CSM 8x512, depth 4x256, 32 codebooks + Mimi's shape", "transformers", None,
+                  _csm_reference, checkpoint=_csm_checkpoint, serve_args=()),
     "higgs": Family("random Higgs Audio v2 4x256 + the tests' tiny codec (24 kHz, 960 samples a frame)",
                     "transformers", _make_higgs, HiggsReference, frames=48, version="v2",
                     env=lambda folder: {"HF_HUB_CACHE": str(folder / "hub")}),
@@ -244,7 +277,9 @@ def ensure_checkpoint(family: str, root: Path | None = None) -> Path:
         return path
     tmp = root / f".{path.name}.{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    FAMILIES[family].make(tmp)
+    make = FAMILIES[family].make
+    assert make is not None, family
+    make(tmp)
     (tmp / ".complete").touch()
     try:
         tmp.rename(path)
@@ -280,7 +315,7 @@ def speech_family(args) -> Path:
     fam = FAMILIES[family]
     out = results_dir(args.out)
     concurrency, frames = args.concurrency or fam.concurrency, args.frames or fam.frames
-    folder = Path(args.model) if args.model else ensure_checkpoint(family)
+    folder = Path(args.model) if args.model else fam.checkpoint() if fam.checkpoint else ensure_checkpoint(family)
     ref = fam.reference(folder, frames)
     print("starting mstar serve ...", file=sys.stderr)
     server = MstarServer(str(folder), out / "logs" / "mstar.log", [*fam.serve_args, *args.serve_arg],
