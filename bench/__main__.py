@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     elif mode == "vision":
         from bench.vision import vision as run_mode
     elif mode == "speech":
-        from bench.speech import speech as run_mode
+        from bench.speech_families import speech_family as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:

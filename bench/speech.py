@@ -1,6 +1,6 @@
 """`python -m bench speech`: text to speech, mstar against transformers' `generate`: the
 Orpheus checkpoint and reference (bench/speech_families.py, the driver of every family's
-run, times them; `speech` dispatches on `--family`).
+run, times them).
 
 The bench checkpoint is a random Orpheus-shaped Llama (the text bench checkpoint's shape:
 8 layers, hidden 512) with the real 24 kHz SNAC codec's shape (random weights; its
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.checkpoints import cache_dir
 from bench.speech_client import TEXT
-from bench.speech_families import Reference
+from bench.speech_timing import Reference
 
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
 #: hubertsiuzdak/snac_24khz's config
@@ -95,9 +95,3 @@ class OrpheusReference(Reference):
             audio = self.snac.decode([torch.from_numpy(f)[None] for f in frames])
         return {"wall": time.perf_counter() - t0, "audio_s": audio.shape[-1] / 24000}
 
-
-def speech(args) -> Path:
-    """Every family through bench/speech_families.py's driver (Orpheus by default)."""
-    from bench.speech_families import speech_family
-
-    return speech_family(args)

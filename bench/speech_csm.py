@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.checkpoints import cache_dir
 from bench.speech_client import TEXT
-from bench.speech_families import Reference
+from bench.speech_timing import Reference
 
 BACKBONE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=2)

@@ -45,6 +45,7 @@ from bench.report import results_dir
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 from bench.speech_client import GREEDY, TEXT, mstar_one, omni_one
+from bench.speech_timing import Reference
 
 RATE = 24000  # every family here speaks at 24 kHz
 #: Qwen3-Omni's chat turn (tests/e2e/test_omni_speech.py's)
@@ -69,27 +70,6 @@ class Family:
     frames: int = 24  # --frames' default
     version: str = "v1"  # of the cached checkpoint: a new one when `make` changes
     env: Callable[[Path], dict[str, str]] = field(default=lambda folder: {})
-
-
-class Reference:
-    """One request at a time; `many(k)` is k of them ({"wall", "audio_s"[, "text_s"]})."""
-
-    def one(self) -> dict:
-        raise NotImplementedError
-
-    def warm(self) -> None:
-        self.one()
-
-    def many(self, k: int) -> list[dict]:
-        return [self.one() for _ in range(k)]
-
-    def round(self, concurrency: int) -> dict:
-        first, *rest = self.many(1 + concurrency)
-        out = {"ttfa_s": first["wall"], "rtf_c1": first["wall"] / first["audio_s"],
-               "rtf_cN": sum(r["wall"] for r in rest) / sum(r["audio_s"] for r in rest), "audio_s": first["audio_s"]}
-        if "text_s" in first:
-            out["text_s"] = first["text_s"]
-        return out
 
 
 class VenvReference(Reference):
