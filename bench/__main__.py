@@ -14,9 +14,10 @@ Modes (the first argument; none means `run`):
   embeddings  sentences/s of /v1/embeddings against sentence-transformers' encode (batch 1, 32,
             256, and concurrent single-sentence clients), same model, one run
   speech    text to speech on a random Orpheus-shaped checkpoint with SNAC 24 kHz's shape
-            (--family csm: a random CSM with Mimi's shape): time to first audio and real-time
-            factor at c1 and c8, against transformers' generate + the codec's decode one
-            request at a time
+            (--family csm: a random CSM with Mimi's shape; higgs, qwen3_tts, chatterbox,
+            qwen3_omni: the tests' random checkpoints): time to first audio and real-time
+            factor at c1 and c8 (Qwen3-Omni: c4, and the whole text's time), against the
+            reference package's generate + its codec's decode one request at a time
   vision    a one-image chat on a random Qwen2.5-VL (or --family smolvlm) bench checkpoint: TTFT, decode tok/s at c1
             and c8, against transformers' generate (processor included), one run
   vllm-bench  vLLM's own client (`vllm bench serve`) against mstar and the vLLM CPU peer in
@@ -134,11 +135,14 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         p.add_argument("--out", default=None)
     elif mode == "speech":
         p.add_argument("--model", default="", help="'' (default): the family's random bench checkpoint, made once")
-        p.add_argument("--family", default="orpheus", choices=("orpheus", "csm"),
-                       help="orpheus (Llama + SNAC, default) or csm (backbone + depth decoder + Mimi)")
-        p.add_argument("--frames", type=int, default=24,
-                       help="frames a request speaks (Orpheus: 7 tokens, 2048 samples each; CSM: 1920 samples)")
-        p.add_argument("--concurrency", "-c", type=int, default=8)
+        p.add_argument("--family", default="orpheus",
+                       choices=("orpheus", "csm", "higgs", "qwen3_tts", "chatterbox", "qwen3_omni"),
+                       help="orpheus (Llama + SNAC, default), csm (backbone + depth decoder + Mimi), or one of "
+                            "bench/speech_families.py's (their packages' one-at-a-time generation as the reference)")
+        p.add_argument("--frames", type=int, default=0,
+                       help="frames a request speaks (Orpheus: 7 tokens, 2048 samples each; CSM: 1920 samples; "
+                            "Qwen3-Omni: text tokens); 0: the family's default (24; Higgs 48; Qwen3-Omni 12)")
+        p.add_argument("--concurrency", "-c", type=int, default=0, help="0: the family's (8; Qwen3-Omni 4)")
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--serve-arg", action="append", default=[])
         p.add_argument("--out", default=None)
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     elif mode == "vision":
         from bench.vision import vision as run_mode
     elif mode == "speech":
-        from bench.speech import speech as run_mode
+        from bench.speech_families import speech_family as run_mode
     elif mode == "vllm-bench":
         from bench.vllm_bench import vllm_bench as run_mode
     else:

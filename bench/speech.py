@@ -1,4 +1,6 @@
-"""`python -m bench speech`: text to speech, mstar against transformers' `generate`.
+"""`python -m bench speech`: text to speech, mstar against transformers' `generate`: the
+Orpheus checkpoint and reference (bench/speech_families.py, the driver of every family's
+run, times them).
 
 The bench checkpoint is a random Orpheus-shaped Llama (the text bench checkpoint's shape:
 8 layers, hidden 512) with the real 24 kHz SNAC codec's shape (random weights; its
@@ -18,19 +20,13 @@ Figures, rounds alternating the two systems (medians, spreads, per-round ratios)
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.checkpoints import cache_dir
-from bench.report import results_dir
-from bench.server import MstarServer
-from bench.side_by_side import Figure, report
-from bench.speech_client import TEXT, mstar_one
+from bench.speech_client import TEXT
+from bench.speech_timing import Reference
 
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
 #: hubertsiuzdak/snac_24khz's config
@@ -56,20 +52,10 @@ def ensure_checkpoint(root: Path | None = None) -> Path:
     return path
 
 
-async def mstar_round(url: str, max_tokens: int, concurrency: int) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        ttfa, wall, size = await mstar_one(client, max_tokens)
-        t0 = time.perf_counter()
-        many = await asyncio.gather(*(mstar_one(client, max_tokens) for _ in range(concurrency)))
-        wall_n = time.perf_counter() - t0
-    seconds = size / 2 / 24000
-    return {"ttfa_s": ttfa, "rtf_c1": wall / seconds, "rtf_cN": wall_n / (sum(m[2] for m in many) / 2 / 24000)}
-
-
-class Reference:
+class OrpheusReference(Reference):
     """transformers' generate under the code constraint, then SNAC's decode (snac package)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, max_tokens: int) -> None:
         import json
 
         import torch
@@ -85,13 +71,14 @@ class Reference:
         self.snac.load_state_dict(torch.load(folder / "snac" / "pytorch_model.bin", weights_only=True))
         self.snac.eval()
         self.prompt = self.codes.prompt_ids(self.tok(f"tara: {TEXT}")["input_ids"])
+        self.max_tokens = max_tokens
 
-    def one(self, max_tokens: int) -> tuple[float, float]:
-        """(seconds to the sound, audio seconds) of one request."""
+    def one(self) -> dict:
+        """{"wall": seconds to the sound, "audio_s"} of one request."""
         import torch
         import transformers
 
-        codes, n = self.codes, len(self.prompt)
+        codes, n, max_tokens = self.codes, len(self.prompt), self.max_tokens
 
         class Slots(transformers.LogitsProcessor):
             def __call__(self, input_ids, scores):
@@ -106,38 +93,5 @@ class Reference:
                                       logits_processor=[Slots()], eos_token_id=None, pad_token_id=0)
             frames = codes.frames(codes.codes(out[0, n:].tolist()))
             audio = self.snac.decode([torch.from_numpy(f)[None] for f in frames])
-        return time.perf_counter() - t0, audio.shape[-1] / 24000
+        return {"wall": time.perf_counter() - t0, "audio_s": audio.shape[-1] / 24000}
 
-    def round(self, max_tokens: int, concurrency: int) -> dict:
-        ttfa, seconds = self.one(max_tokens)
-        t0 = time.perf_counter()
-        total = sum(self.one(max_tokens)[1] for _ in range(concurrency))
-        return {"ttfa_s": ttfa, "rtf_c1": ttfa / seconds, "rtf_cN": (time.perf_counter() - t0) / total}
-
-
-def speech(args) -> Path:
-    if getattr(args, "family", "orpheus") == "csm":
-        from bench.speech_csm import speech_csm
-
-        return speech_csm(args)
-    out = results_dir(args.out)
-    folder = Path(args.model) if args.model else ensure_checkpoint()
-    max_tokens = 7 * args.frames
-    ref = Reference(folder)
-    print("starting mstar serve ...", file=sys.stderr)
-    server = MstarServer(str(folder), out / "logs" / "mstar.log", list(args.serve_arg)).start()
-    runs: dict[str, list[dict]] = {"mstar": [], "transformers": []}
-    try:
-        asyncio.run(mstar_round(server.url, 14, 2))  # warm
-        ref.one(14)
-        for r in range(args.rounds):
-            runs["mstar"].append(asyncio.run(mstar_round(server.url, max_tokens, args.concurrency)))
-            runs["transformers"].append(ref.round(max_tokens, args.concurrency))
-            print(f"round {r + 1}: {runs}", file=sys.stderr)
-    finally:
-        server.stop()
-    figures = [Figure("time to first audio (ms)", "ttfa_s", 1e3), Figure("real-time factor, c1", "rtf_c1"),
-               Figure(f"real-time factor, c{args.concurrency}", "rtf_cN")]
-    title = f"random Orpheus-shaped 8x512 + SNAC 24 kHz's shape, {args.frames} frames (lower is better)"
-    return report(out, runs, figures, "transformers", title,
-                  {"mode": "speech", "args": vars(args), "model": str(folder)})

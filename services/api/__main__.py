@@ -364,7 +364,8 @@ def speech_settings(spec) -> dict[str, object]:
     return {"sample_rate": spec.sample_rate, "speech_defaults": dict(spec.speech_defaults),
             "audio_frame_rate": spec.audio_frame_rate, "audio_frame_tokens": spec.audio_frame_tokens,
             "audio_extra_tokens": spec.audio_extra_tokens,
-            "speech_instructions": bool(getattr(spec, "takes_instructions", False))}
+            "speech_instructions": bool(getattr(spec, "takes_instructions", False)),
+            "speech_extensions": tuple(spec.speech_extensions)}
 
 
 def max_model_len(source: ModelSource, d: Deployment) -> int:

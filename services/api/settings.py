@@ -62,6 +62,8 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     audio_extra_tokens: int = 0
     #: a speech model that takes `instructions` (Qwen3-TTS' style instructions)
     speech_instructions: bool = False
+    #: the speech extension fields the served family reads (`ModelSpec.speech_extensions`)
+    speech_extensions: tuple[str, ...] = ()
     #: the longest prompt + output the deployment serves (its max_seq_len as the conductor
     #: computes it), shown as `max_model_len` by /v1/models and /tokenize; 0: not known
     max_model_len: int = 0

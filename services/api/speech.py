@@ -18,6 +18,9 @@
 - `context` (CSM's voice continuation, an extension): the conversation's earlier turns,
   oldest first, each `{"speaker", "text", "audio"}` (audio: a base64 WAV or FLAC file, or
   absent); the model hears them and speaks `input` as the next turn.
+- A family's own fields (`exaggeration`, `cfg_weight`: Chatterbox's) are refused (400
+  naming the field and the family that reads it) for a model of another family, which
+  would otherwise ignore them without a word.
 - Sampling: the model's own defaults (`ModelSpec.speech_defaults`: Orpheus' temperature
   0.6, top_p 0.8, repetition_penalty 1.3; CSM's temperature 0.9, top_k 50), which a body
   may set (vLLM-style extra fields), with `seed` and `max_tokens` (Orpheus: audio tokens,
@@ -55,6 +58,9 @@ from shared.frames import SamplingParams
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/opus"}
 REFUSED_FORMATS = ("aac",)
+#: the per-family extension fields of `SpeechRequest`, each with the family that reads it
+#: (a served family's `ModelSpec.speech_extensions` says which it takes)
+EXTENSION_FAMILIES = {"exaggeration": "Chatterbox", "cfg_weight": "Chatterbox"}
 #: soundfile's (format, subtype) of each format it encodes
 SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 
@@ -71,6 +77,22 @@ def check_speech(req: SpeechRequest, instructions: bool = False) -> str:
     if req.stream_format == "audio" and fmt in SOUNDFILE:
         raise invalid("stream_format", f"{fmt} cannot be streamed as it is made; use pcm or wav, or stream_format sse")
     return fmt
+
+
+def extension_options(req: SpeechRequest, settings: ApiSettings) -> dict[str, float]:
+    """The body's family extension fields, as options (the family's spec checks their
+    values); one the served family does not read is refused, naming the family that does,
+    rather than silently ignored."""
+    out: dict[str, float] = {}
+    for name, family in EXTENSION_FAMILIES.items():
+        value = getattr(req, name)
+        if value is None:
+            continue
+        if name not in settings.speech_extensions:
+            raise invalid(name, f"{name} is a {family} extension; the served model ({settings.model_name}) "
+                                f"does not use it")
+        out[name] = value
+    return out
 
 
 def model_defaults(settings: ApiSettings) -> dict[str, float]:
@@ -172,9 +194,7 @@ def _accept_speech(obj: dict[str, Any], state: ApiState) -> Prepared:
     check_model(req.model, settings.model_name)
     fmt = check_speech(req, settings.speech_instructions)
     options: dict[str, int | str | float | bool] = {} if req.voice is None else {"voice": req.voice}
-    for name in ("exaggeration", "cfg_weight"):  # Chatterbox's extensions; its spec checks them
-        if getattr(req, name) is not None:
-            options[name] = getattr(req, name)
+    options.update(extension_options(req, settings))
     if req.instructions:
         options["instructions"] = req.instructions
     params = GenerateParams(request_id=f"speech-{new_request_id()[4:]}",

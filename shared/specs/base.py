@@ -177,6 +177,9 @@ class ModelSpec(ABC):
     audio_extra_tokens: int = 0
     #: a speech model's own sampling defaults (`/v1/audio/speech` bodies may override them)
     speech_defaults: tuple[tuple[str, float], ...] = ()
+    #: the `/v1/audio/speech` extension fields the family reads (Chatterbox: exaggeration,
+    #: cfg_weight); the route refuses the others' fields rather than ignore them
+    speech_extensions: tuple[str, ...] = ()
 
     def warmup_request(self, n: int) -> PromptRequest:
         """The worker's warm-up request (`n` prompt ids): a text prompt of ordinary ids, or

@@ -107,6 +107,7 @@ class ChatterboxSpec(ModelSpec):
     metadata_keys = frozenset({"prompt_len", "voice", "exaggeration", "cfg_weight"})
     #: the package's `ChatterboxTTS.generate` defaults
     speech_defaults = (("temperature", 0.8), ("repetition_penalty", 1.2), ("min_p", 0.05), ("top_p", 1.0))
+    speech_extensions = ("exaggeration", "cfg_weight")
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:

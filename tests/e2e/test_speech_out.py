@@ -161,6 +161,19 @@ async def test_speech_refusals_name_the_field(server, body, param, message):
         assert message in r.json()["error"]["message"]
 
 
+async def test_another_familys_extension_is_refused_naming_it(server):
+    """Orpheus reads neither of Chatterbox's fields: each is a 400 naming it and Chatterbox
+    (silently ignoring it would speak as if it were honoured)."""
+    name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        for field in ("exaggeration", "cfg_weight"):
+            r = await client.post("/v1/audio/speech", json={"input": "x", field: 0.5})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["param"], error["message"]) == (
+                field, f"{field} is a Chatterbox extension; the served model ({name}) does not use it")
+
+
 def test_the_openai_client_speaks(folder, server):
     clip, streamed = openai_speech(server.url, "tara", TEXTS[1], {**GREEDY, "max_tokens": MAX_TOKENS})
     assert clip == streamed and len(clip) > 0
