@@ -29,7 +29,7 @@ from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, den
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.diffusion import DiffusionRunner
 from services.gpu_worker.step_types import StepPlan
-from shared.specs.cosmos3 import GEN_FIELDS
+from shared.specs.image_gen import GEN_FIELDS
 
 
 class BagelImageRunner(DiffusionRunner):

@@ -40,7 +40,7 @@ from services.gpu_worker.modeling.diffusion.unipc import UniPC, check_config
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import StepPlan
 from shared.specs.base import DeploymentError, DiffusionRunnerSpec
-from shared.specs.cosmos3 import GEN_FIELDS
+from shared.specs.image_gen import GEN_FIELDS
 
 log = logging.getLogger("mstar.diffusion_runner")
 
