@@ -32,7 +32,7 @@ import numpy as np
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.bagel import bagel_text_config
 from shared.specs.base import PromptError, PromptRequest
-from shared.specs.image_gen import ImageGenSpec, int_option
+from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
 
 MAX_STEPS = 100
 #: pixels per latent row (the autoencoder's 8 x its 2 x 2 patch), the largest side (64 rows)
@@ -99,9 +99,7 @@ class BagelImageSpec(ImageGenSpec):
         if steps < 2 or steps > MAX_STEPS:
             raise PromptError("num_inference_steps", f"num_inference_steps must be from 2 to {MAX_STEPS} (BAGEL's "
                                                      f"timesteps include both ends), got {steps}")
-        guidance = o.get("guidance_scale", 4.0)
-        if not isinstance(guidance, int | float) or isinstance(guidance, bool) or not np.isfinite(guidance):
-            raise PromptError("guidance_scale", "guidance_scale must be a finite number")
+        guidance = guidance_option(o, 4.0)
         height, width = int_option(o, "height", 1024), int_option(o, "width", 1024)
         self.check_size(width, height, int_option(o, "num_frames", 1))
         gen = [int_option(o, "seed", 0), int_option(o, "sample", 0), steps, height, width, 1, len(ids),

@@ -35,7 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import DeploymentError, PromptError, PromptRequest
-from shared.specs.image_gen import ImageGenSpec, int_option
+from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
 
 ARCHITECTURES = ("Cosmos3OmniPipeline",)
 #: the most denoising steps a request may ask (the loop's graph bound)
@@ -159,9 +159,7 @@ class Cosmos3Spec(ImageGenSpec):
         if steps < 1 or steps > MAX_STEPS:
             raise PromptError("num_inference_steps", f"num_inference_steps must be from 1 to {MAX_STEPS}, "
                                                      f"got {steps}")
-        guidance = o.get("guidance_scale", 6.0)
-        if not isinstance(guidance, int | float) or isinstance(guidance, bool) or not np.isfinite(guidance):
-            raise PromptError("guidance_scale", "guidance_scale must be a finite number")
+        guidance = guidance_option(o, 6.0)
         height, width = int_option(o, "height", 720), int_option(o, "width", 1280)
         frames = int_option(o, "num_frames", 1)
         self.check_size(width, height, frames)

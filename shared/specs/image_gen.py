@@ -11,6 +11,7 @@ step that takes the request. The tensor `gen` carries `GEN_FIELDS` in order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,14 @@ def int_option(options: Mapping[str, Any], name: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise PromptError(name, f"{name} must be an integer")
     return value
+
+
+def guidance_option(options: Mapping[str, Any], default: float) -> float:
+    """Option `guidance_scale` (`default` when absent); a PromptError naming it unless finite."""
+    value = options.get("guidance_scale", default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise PromptError("guidance_scale", "guidance_scale must be a finite number")
+    return float(value)
 
 
 class ImageGenSpec(InStepLoopSpec):

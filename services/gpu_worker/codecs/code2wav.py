@@ -71,17 +71,23 @@ class Code2WavSettings:
         self.sample_rate = 24000
 
 
-def load_code2wav_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The `code2wav.*` tensors of the folder's safetensors, prefix stripped, as float32."""
+def load_prefixed(folder: Path, prefix: str, what: str) -> dict[str, torch.Tensor]:
+    """The `prefix*` tensors of the folder's safetensors, prefix stripped, as float32 (the
+    others are not read); a ValueError naming `what` when there are none."""
     out: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.startswith(PREFIX):
-                    out[key[len(PREFIX):]] = f.get_tensor(key).float()
+                if key.startswith(prefix):
+                    out[key[len(prefix):]] = f.get_tensor(key).float()
     if not out:
-        raise ValueError(f"{folder}: no Code2Wav weights (code2wav.*) in its safetensors")
+        raise ValueError(f"{folder}: no {what} ({prefix}*) in its safetensors")
     return out
+
+
+def load_code2wav_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The `code2wav.*` tensors of the folder's safetensors, prefix stripped, as float32."""
+    return load_prefixed(folder, PREFIX, "Code2Wav weights")
 
 
 class Code2WavCodec:

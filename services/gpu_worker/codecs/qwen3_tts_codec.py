@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from services.gpu_worker.codecs.code2wav import (
     Code2WavCodec,
     Code2WavSettings,
     _causal_conv,
     decode_tail,
+    load_prefixed,
 )
 
 FOLDER = "speech_tokenizer"
@@ -44,15 +44,7 @@ CLUSTER_EPS = 1e-5
 def load_codec_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The decoder's tensors (`decoder.*`) of the codec folder's safetensors, prefix
     stripped, as float32 (the encoder's are not read)."""
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.startswith(PREFIX):
-                    out[key[len(PREFIX):]] = f.get_tensor(key).float()
-    if not out:
-        raise ValueError(f"{folder}: no codec decoder weights (decoder.*) in its safetensors")
-    return out
+    return load_prefixed(folder, PREFIX, "codec decoder weights")
 
 
 def codec_config(folder: Path) -> dict[str, Any]:
