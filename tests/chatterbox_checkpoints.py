@@ -9,28 +9,25 @@ patches the package's constants from it; mstar reads the same file (absent: the 
 sizes).
 
 The reference pins torch 2.6 / transformers 5.2 / gradio and more, so it runs in a venv of its
-own: `reference_python()` builds it once per pin set under ~/.cache/mstar-peers/ (a venv with
---system-site-packages whose .pth puts this interpreter's site-packages after its own: torch,
-transformers, diffusers, einops, safetensors, tokenizers come from here; chatterbox-tts,
+own: `reference_python()` builds it once per pin set (tests/reference_venv.py: torch,
+transformers, diffusers, einops, safetensors, tokenizers come from mstar's venv; chatterbox-tts,
 conformer and s3tokenizer are installed --no-deps). First build ~5-10 s (three small wheels
 from PyPI), then nothing. tests/chatterbox_reference.py is what runs there.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
-import site
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests import reference_venv
+
 PINS = ("chatterbox-tts==0.1.7", "conformer==0.3.2", "s3tokenizer==0.3.0")
-VENV = Path.home() / ".cache" / "mstar-peers" / ("chatterbox-venv-" + "-".join(p.replace("==", "") for p in PINS))
+VENV = reference_venv.venv_path("chatterbox-venv", PINS)
 SCRIPT = Path(__file__).with_name("chatterbox_reference.py")
 
 #: the package's special text tokens (tokenizers/tokenizer.py) at the ids its T3Config uses
@@ -54,28 +51,8 @@ TINY = {
 
 
 def reference_python() -> Path:
-    """The reference venv's python, built (once, under a lock) when missing."""
-    python = VENV / "bin" / "python"
-    marker = VENV / ".complete"
-    if marker.is_file():
-        return python
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(VENV.parent / (VENV.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.is_file():
-            return python
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(VENV)],
-                       check=True)
-        ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
-        theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                     check=True, capture_output=True, text=True).stdout.strip())
-        theirs.mkdir(parents=True, exist_ok=True)
-        (theirs / "zz_mstar_venv.pth").write_text("\n".join(ours) + "\n")  # after the venv's own packages
-        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, "--no-deps", *PINS], check=True)
-        marker.touch()
-    return python
+    """The reference venv's python, built once when missing (tests/reference_venv.py)."""
+    return reference_venv.reference_python(VENV, [["--no-deps", *PINS]])
 
 
 def _tokenizer_json() -> dict:

@@ -31,6 +31,23 @@ def llama_server(llama_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def slow_server(tmp_path_factory):
+    """A wider and deeper random Llama (hidden 512, 8 layers) whose 400 tokens take seconds on
+    a CPU, where the tiny one makes them in well under one: for tests that need a request
+    still running when they look (tests/e2e/test_disconnect.py, test_api_limits.py). Its
+    2048 positions and pool of 2048 rows let one request hold the whole pool."""
+    from tests.servers import MstarServer
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("slow") / "slow-llama", "llama", hidden_size=512,
+                           intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           max_position_embeddings=2048)
+    server = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "slow.log", "--num-kv-pages", "512",
+                         "--page-size", "4").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def qwen2_server(qwen2_ckpt, tmp_path_factory):
     from tests.servers import MstarServer
 

@@ -4,9 +4,8 @@ merges.txt + tokenizer_config.json and no tokenizer.json, model.safetensors, and
 codec in speech_tokenizer/), and the `qwen-tts` package's answers for it.
 
 The reference pins transformers 4.57.3 (mstar's venv has 5.x), so it runs in a venv of its
-own: `reference_python()` builds it once per pin set under ~/.cache/mstar-peers/ (a venv
-with --system-site-packages whose .pth puts this interpreter's site-packages after its
-own: torch, numpy, safetensors, soundfile come from here; qwen-tts 0.1.1 is installed
+own: `reference_python()` builds it once per pin set (tests/reference_venv.py: torch,
+numpy, safetensors, soundfile come from mstar's venv; qwen-tts 0.1.1 is installed
 --no-deps, its torchaudio / librosa / sox / onnxruntime stubbed by the script, and
 transformers 4.57.3 with its own small deps shadows the 5.x). First build ~10-30 s (two
 pip installs from PyPI), then nothing. tests/qwen3_tts_reference.py is what runs there;
@@ -15,20 +14,19 @@ its answers are kept beside the venv, keyed by every byte they depend on.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import site
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests import reference_venv
+
 PINS = ("qwen-tts==0.1.1", "transformers==4.57.3")
-VENV = Path.home() / ".cache" / "mstar-peers" / ("qwen-tts-venv-" + "-".join(p.replace("==", "") for p in PINS))
+VENV = reference_venv.venv_path("qwen-tts-venv", PINS)
 SCRIPT = Path(__file__).with_name("qwen3_tts_reference.py")
 #: the package's answers, by `_answers_key`
 ANSWERS = VENV.parent / "qwen-tts-answers"
@@ -51,39 +49,9 @@ TEXT_VOCAB = 300
 
 
 def reference_python() -> Path:
-    """The reference venv's python, built (once, under a lock) when missing; its .pth
-    points at this interpreter's site-packages (CI's venv is not the one that built it)."""
-    python = VENV / "bin" / "python"
-    marker = VENV / ".complete"
-    if marker.is_file():
-        _point_at_us(python)
-        return python
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(VENV.parent / (VENV.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.is_file():
-            return python
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(VENV)],
-                       check=True)
-        _point_at_us(python)
-        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, "--no-deps", PINS[0]], check=True)
-        subprocess.run([*pip, PINS[1], "einops"], check=True)  # einops: the 25 Hz codec's import
-        marker.touch()
-    return python
-
-
-def _point_at_us(python: Path) -> None:
-    """The venv's .pth: this interpreter's site-packages, after the venv's own packages."""
-    ours = [p for p in site.getsitepackages() if p.endswith("site-packages")]
-    theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 check=True, capture_output=True, text=True).stdout.strip())
-    theirs.mkdir(parents=True, exist_ok=True)
-    pth = theirs / "zz_mstar_venv.pth"
-    text = "\n".join(ours) + "\n"
-    if not pth.is_file() or pth.read_text() != text:
-        pth.write_text(text)
+    """The reference venv's python, built once when missing (tests/reference_venv.py): qwen-tts
+    --no-deps, then transformers 4.57.3 with its deps and einops (the 25 Hz codec's import)."""
+    return reference_venv.reference_python(VENV, [["--no-deps", PINS[0]], [PINS[1], "einops"]])
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -344,11 +344,11 @@ def _default_body_limit(spec: ModelSpec) -> int:
 
 def image_settings(spec: ModelSpec) -> dict[str, object]:
     """What the image and video routes check before queueing: an image model's sizes, frames and steps."""
-    from shared.specs.cosmos3 import MAX_FRAMES, MAX_SIDE, Cosmos3Spec
+    from shared.specs.image_gen import ImageGenSpec
 
-    if not isinstance(spec, Cosmos3Spec):
+    if not isinstance(spec, ImageGenSpec):
         return {}
-    return {"image_limits": (spec.spatial, spec.temporal, MAX_SIDE, MAX_FRAMES, spec.loop_cap)}
+    return {"image_limits": (spec.spatial, spec.temporal, spec.max_side, spec.max_frames, spec.loop_cap)}
 
 
 def policy_settings(spec: ModelSpec) -> dict[str, object]:

@@ -240,7 +240,57 @@ def pick_worker(options: list[tuple[WorkerState, dict[str, int], int]]) -> tuple
     return w, need
 
 
-class Conductor:
+class ConductorSockets:
+    """The conductor process's two sockets, as one model's `Conductor` and the `Fleet` of
+    several serve them: frames on the PULL socket go to `_on`, each control query on the
+    ROUTER socket is answered with `_reply`'s status."""
+
+    addrs: dict[str, str]
+    ctx: zmq.asyncio.Context
+    pushers: Pushers
+    codec: FrameCodec
+    ctl_codec: FrameCodec
+
+    async def serve(self, duties: list) -> None:
+        """Bind both sockets and run them beside `duties` (coroutines) until cancelled."""
+        pull = bind_pull(self.ctx, self.addrs["conductor"])
+        router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
+        try:
+            await asyncio.gather(self._intake(pull), self._control(router), *duties)
+        finally:
+            pull.close(0)
+            router.close(0)
+            self.pushers.close()
+            cleanup_ipc(self.addrs["conductor"])
+            cleanup_ipc(self.addrs["conductor_control"])
+
+    async def _intake(self, pull: zmq.Socket) -> None:
+        async with aclosing(recv_frames(pull, self.codec, "conductor intake")) as frames:
+            async for msg, bufs in frames:
+                try:
+                    await self._on(msg, bufs)
+                except Exception:
+                    log.exception("error handling %s (dropped)", type(msg).__name__)
+
+    async def _control(self, router: zmq.asyncio.Socket) -> None:
+        while True:
+            ident, *frames = await router.recv_multipart()
+            try:
+                query, _ = self.ctl_codec.decode(frames)
+            except Exception as exc:
+                log.error("bad control frame: %s", exc)
+                continue
+            reply = await self._reply(query)
+            await router.send_multipart([ident, self.codec.encode(reply)[0]])
+
+    async def _on(self, msg, bufs: list) -> None:
+        raise NotImplementedError
+
+    async def _reply(self, query) -> ClusterStatus:
+        raise NotImplementedError
+
+
+class Conductor(ConductorSockets):
     def __init__(self, d: Deployment, spec: ModelSpec, addrs: dict[str, str],
                  fingerprint: Fingerprint | None = None, pushers: Pushers | None = None,
                  ctx: zmq.asyncio.Context | None = None) -> None:
@@ -271,16 +321,7 @@ class Conductor:
         self._picks = 0
 
     async def run(self) -> None:
-        pull = bind_pull(self.ctx, self.addrs["conductor"])
-        router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
-        try:
-            await asyncio.gather(self._intake(pull), self._control(router), *self.background())
-        finally:
-            pull.close(0)
-            router.close(0)
-            self.pushers.close()
-            cleanup_ipc(self.addrs["conductor"])
-            cleanup_ipc(self.addrs["conductor_control"])
+        await self.serve(self.background())
 
     def background(self) -> list:
         """The periodic duties beside the sockets: heartbeats watched, the queue expired."""
@@ -303,23 +344,8 @@ class Conductor:
 
     # -- sockets -------------------------------------------------------------------------
 
-    async def _intake(self, pull: zmq.Socket) -> None:
-        async with aclosing(recv_frames(pull, self.codec, "conductor intake")) as frames:
-            async for msg, bufs in frames:
-                try:
-                    await self._on(msg, bufs)
-                except Exception:
-                    log.exception("error handling %s (dropped)", type(msg).__name__)
-
-    async def _control(self, router: zmq.asyncio.Socket) -> None:
-        while True:
-            ident, *frames = await router.recv_multipart()
-            try:
-                self.ctl_codec.decode(frames)
-            except Exception as exc:
-                log.error("bad control frame: %s", exc)
-                continue
-            await router.send_multipart([ident, self.codec.encode(self.status())[0]])
+    async def _reply(self, query: StatusQuery) -> ClusterStatus:
+        return self.status()
 
     def status(self) -> ClusterStatus:
         stats = [w.stats for w in self.workers.values() if w.stats is not None]

@@ -26,13 +26,12 @@ import asyncio
 import logging
 import math
 import time
-from contextlib import aclosing
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from services.conductor.conductor import Conductor
+from services.conductor.conductor import Conductor, ConductorSockets
 from shared.config import Deployment
 from shared.errors import ErrorKind
 from shared.frames import (
@@ -54,14 +53,14 @@ from shared.frames import (
 )
 from shared.models import ServedModel
 from shared.specs.base import ModelSpec
-from shared.zmq_utils import Pushers, bind, bind_pull, cleanup_ipc, recv_frames
+from shared.zmq_utils import Pushers
 
 log = logging.getLogger("mstar.conductor")
 
 RECONCILE_S = 0.25
 
 
-class Fleet:
+class Fleet(ConductorSockets):
     def __init__(self, d: Deployment, models: list[tuple[ServedModel, ModelSpec, Fingerprint]],
                  addrs: dict[str, str], models_max: int = 0) -> None:
         self.addrs = addrs
@@ -83,47 +82,19 @@ class Fleet:
         self.retired: set[str] = set()  # incarnations of workers of an unloaded model
 
     async def run(self) -> None:
-        pull = bind_pull(self.ctx, self.addrs["conductor"])
-        router = bind(self.ctx, zmq.ROUTER, self.addrs["conductor_control"])
         log.info("serving %d models (%s), at most %s loaded", len(self.order), ", ".join(self.order),
                  self.models_max)
         if self.models_max < len(self.order):
             log.info("--models-max %s: a supervisor stops and starts each model's gpu workers by GET /models' "
                      "`wanted` (mstar serve's launcher does; under compose or Kubernetes, something must: "
                      "docs/deploy.md)", self.models_max)
-        try:
-            duties = [t for c in self.conductors.values() for t in c.background()]
-            await asyncio.gather(self._intake(pull), self._control(router), self._reconcile_loop(), *duties)
-        finally:
-            pull.close(0)
-            router.close(0)
-            self.pushers.close()
-            cleanup_ipc(self.addrs["conductor"])
-            cleanup_ipc(self.addrs["conductor_control"])
+        duties = [t for c in self.conductors.values() for t in c.background()]
+        await self.serve([self._reconcile_loop(), *duties])
 
-    # -- sockets ---------------------------------------------------------------------------
-
-    async def _intake(self, pull: zmq.Socket) -> None:
-        async with aclosing(recv_frames(pull, self.codec, "conductor intake")) as frames:
-            async for msg, bufs in frames:
-                try:
-                    await self._on(msg, bufs)
-                except Exception:
-                    log.exception("error handling %s (dropped)", type(msg).__name__)
-
-    async def _control(self, router: zmq.asyncio.Socket) -> None:
-        while True:
-            ident, *frames = await router.recv_multipart()
-            try:
-                query, _ = self.ctl_codec.decode(frames)
-            except Exception as exc:
-                log.error("bad control frame: %s", exc)
-                continue
-            if isinstance(query, ModelCommand):
-                reply = await self.command(query)
-            else:
-                reply = self.status(query.model)
-            await router.send_multipart([ident, self.codec.encode(reply)[0]])
+    async def _reply(self, query: StatusQuery | ModelCommand) -> ClusterStatus:
+        if isinstance(query, ModelCommand):
+            return await self.command(query)
+        return self.status(query.model)
 
     # -- frames ----------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from shared.specs.base import (
     PromptError,
     PromptRequest,
 )
-from shared.specs.cosmos3 import Cosmos3Spec
+from shared.specs.image_gen import ImageGenSpec
 from shared.specs.policy import PolicySpec
 from shared.specs.world import WorldSpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
@@ -132,7 +132,7 @@ class DataWorker:
             return self.prepare_policy(req, self.spec)
         if isinstance(self.spec, WorldSpec):
             return self.prepare_world(req, self.spec)
-        if isinstance(self.spec, Cosmos3Spec):
+        if isinstance(self.spec, ImageGenSpec):
             return self.prepare_diffusion(req, self.spec)
         if self.spec.takes_audio != (req.audio is not None):
             if req.audio is None:
@@ -221,7 +221,7 @@ class DataWorker:
         ids = [int(t) for t in ppo.new_input_tensors["input_ids"]]
         return ids, ppo, engine_metadata(options, ppo.metadata, spec.metadata_keys)
 
-    def prepare_diffusion(self, req: GenerateRequest, spec: Cosmos3Spec):
+    def prepare_diffusion(self, req: GenerateRequest, spec: ImageGenSpec):
         """An image or video to generate: the prompt and the negative prompt (option
         `negative_prompt`) each rendered as the pipeline renders it (its templates and chat
         template) and tokenized, then the pipeline's two closing ids; the conditional ids

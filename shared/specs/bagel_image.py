@@ -17,8 +17,8 @@ A negative prompt has no place in BAGEL's guidance (its "no text" branch is the 
 context) and is refused. Sizes are multiples of 16 px (8x the autoencoder, 2 x 2 latent
 patches) up to 1024 (its 64 x 64 latent position table).
 
-It is a `Cosmos3Spec` only so the image route and the data worker take it as they take
-Cosmos 3 (they dispatch on that class); nothing of Cosmos 3's own is used.
+It is an `ImageGenSpec` (shared/specs/image_gen.py), as Cosmos 3's spec is: the image route
+and the data worker take both alike.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import numpy as np
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.bagel import bagel_text_config
 from shared.specs.base import PromptError, PromptRequest
-from shared.specs.cosmos3 import Cosmos3Spec, _int_option
+from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
 
 MAX_STEPS = 100
 #: pixels per latent row (the autoencoder's 8 x its 2 x 2 patch), the largest side (64 rows)
 SPATIAL, MAX_SIDE = 16, 1024
 
 
-class BagelImageSpec(Cosmos3Spec):
+class BagelImageSpec(ImageGenSpec):
     engine = "bagel_diffusion"
-    task = "image"
+    max_side, max_frames = MAX_SIDE, 1
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -95,16 +95,14 @@ class BagelImageSpec(Cosmos3Spec):
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         o = request.options
         ids = request.token_ids
-        steps = _int_option(o, "num_inference_steps", 50)
+        steps = int_option(o, "num_inference_steps", 50)
         if steps < 2 or steps > MAX_STEPS:
             raise PromptError("num_inference_steps", f"num_inference_steps must be from 2 to {MAX_STEPS} (BAGEL's "
                                                      f"timesteps include both ends), got {steps}")
-        guidance = o.get("guidance_scale", 4.0)
-        if not isinstance(guidance, int | float) or isinstance(guidance, bool) or not np.isfinite(guidance):
-            raise PromptError("guidance_scale", "guidance_scale must be a finite number")
-        height, width = _int_option(o, "height", 1024), _int_option(o, "width", 1024)
-        self.check_size(width, height, _int_option(o, "num_frames", 1))
-        gen = [_int_option(o, "seed", 0), _int_option(o, "sample", 0), steps, height, width, 1, len(ids),
+        guidance = guidance_option(o, 4.0)
+        height, width = int_option(o, "height", 1024), int_option(o, "width", 1024)
+        self.check_size(width, height, int_option(o, "num_frames", 1))
+        gen = [int_option(o, "seed", 0), int_option(o, "sample", 0), steps, height, width, 1, len(ids),
                int(float(guidance) > 1.0)]
         tensors = {"input_ids": np.asarray(ids, dtype=np.int32), "gen": np.asarray(gen, dtype=np.int64),
                    "guidance": np.asarray([float(guidance)], dtype=np.float64)}

@@ -634,6 +634,41 @@ class InStepLoopSpec(ModelSpec):
         return self.num_layers * 2 * page_size * self.kv_heads * kv_head_bytes(self.dtype, self.head_dim)
 
 
+class FrameLoopSpec(ModelSpec):
+    """A speech model that makes a frame (or a speech token) a step on one pool of its
+    decoder's layers (Higgs Audio, Chatterbox's T3): its labels, its pool, its one loop.
+    `max_tokens` counts frames; the prompt's step makes the first."""
+
+    #: the frame loop (set by the subclass), the labels' pool
+    decode_loop: str
+    pool: str
+    config: Any  # the decoder's ModelConfig
+    dtype: str
+    page_size: int
+    max_seq_len: int
+    _labels: tuple[KVLabel, ...]
+
+    @property
+    def kv_labels(self) -> tuple[KVLabel, ...]:
+        return self._labels
+
+    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
+        c = self.config
+        return {self.pool: PagedKVConfig(self.pool, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                         self.dtype, self.page_size, num_pages, self.max_seq_len)}
+
+    def graph_loops(self) -> dict[str, int]:
+        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
+        return {self.decode_loop: self.max_seq_len - 1}
+
+    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
+        return {self.decode_loop: max(1, max_tokens - 1)}
+
+    def bytes_per_page(self, page_size: int) -> int:
+        c = self.config
+        return c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
+
+
 class FrameDepthSpec(ModelSpec):
     """A speech model that makes a frame a step: a backbone row on `pool`, then a depth
     decoder's inner loop over the frame's codebooks on scratch rows of `depth_pool` (CSM's

@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
+from shared.specs.base import FrameLoopSpec, MetaValue, PromptError, PromptRequest
 from shared.specs.csm import llama_config
 
 ARCHITECTURE = "ChatterboxTTS"
@@ -98,7 +98,7 @@ def punc_norm(text: str) -> str:
     return text
 
 
-class ChatterboxSpec(ModelSpec):
+class ChatterboxSpec(FrameLoopSpec):
     task = "speech"
     engine = "chatterbox_decoder"
     decode_loop = "frame_loop"
@@ -190,24 +190,3 @@ class ChatterboxSpec(ModelSpec):
         tensors = {"input_ids": np.asarray(ids, dtype=np.int32),
                    "guidance": np.asarray([exaggeration, cfg_weight], dtype=np.float32)}
         return ProcessPromptOutput(tensors, layouts, meta)
-
-    # -- KV and loops -----------------------------------------------------------------------
-
-    @property
-    def kv_labels(self) -> tuple[KVLabel, ...]:
-        return self._labels
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        c = self.config
-        return {self.pool: PagedKVConfig(self.pool, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                         self.dtype, self.page_size, num_pages, self.max_seq_len)}
-
-    def graph_loops(self) -> dict[str, int]:
-        return {self.decode_loop: self.max_seq_len - 1}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        return {self.decode_loop: max(1, max_tokens - 1)}
-
-    def bytes_per_page(self, page_size: int) -> int:
-        c = self.config
-        return c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)

@@ -35,7 +35,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
-from shared.specs.base import DeploymentError, InStepLoopSpec, PromptError, PromptRequest
+from shared.specs.base import DeploymentError, PromptError, PromptRequest
+from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
 
 ARCHITECTURES = ("Cosmos3OmniPipeline",)
 #: the most denoising steps a request may ask (the loop's graph bound)
@@ -45,26 +46,14 @@ MAX_SIDE = 2048
 MAX_FRAMES = 189
 SYSTEM_IMAGE = "You are a helpful assistant who will generate images from a give prompt."
 SYSTEM_VIDEO = "You are a helpful assistant who will generate videos from a give prompt."
-#: the tensor `gen`'s fields, in order
-GEN_FIELDS = ("seed", "sample", "steps", "height", "width", "num_frames", "cond_rows", "cfg")
 
 
-def _int_option(options: Mapping[str, Any], name: str, default: int) -> int:
-    value = options.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise PromptError(name, f"{name} must be an integer")
-    return value
-
-
-class Cosmos3Spec(InStepLoopSpec):
-    """The text label, the denoising loop, the pipeline's prompt templates and sizes."""
+class Cosmos3Spec(ImageGenSpec):
+    """The text label, the denoising loop (`ImageGenSpec`), the pipeline's prompt templates
+    and sizes."""
 
     engine = "diffusion"
-    task = "image"
-    whole_prompts = True
-    pool = "kv"
-    label_name = "text"
-    denoise_loop = in_step_loop = "denoise_loop"
+    max_side, max_frames = MAX_SIDE, MAX_FRAMES
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -119,10 +108,6 @@ class Cosmos3Spec(InStepLoopSpec):
         return self
 
     @property
-    def kv_labels(self) -> tuple[KVLabel, ...]:
-        return (self._label,)
-
-    @property
     def loop_cap(self) -> int:
         return MAX_STEPS  # (the loop runs an iteration a worker step, none a row: runners/loop_steps.py)
 
@@ -170,20 +155,18 @@ class Cosmos3Spec(InStepLoopSpec):
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         o = request.options
         ids = request.token_ids
-        cond_rows = _int_option(o, "cond_rows", len(ids))
-        steps = _int_option(o, "num_inference_steps", 35)
+        cond_rows = int_option(o, "cond_rows", len(ids))
+        steps = int_option(o, "num_inference_steps", 35)
         if steps < 1 or steps > MAX_STEPS:
             raise PromptError("num_inference_steps", f"num_inference_steps must be from 1 to {MAX_STEPS}, "
                                                      f"got {steps}")
-        guidance = o.get("guidance_scale", 6.0)
-        if not isinstance(guidance, int | float) or isinstance(guidance, bool) or not np.isfinite(guidance):
-            raise PromptError("guidance_scale", "guidance_scale must be a finite number")
-        height, width = _int_option(o, "height", 720), _int_option(o, "width", 1280)
-        frames = _int_option(o, "num_frames", 1)
+        guidance = guidance_option(o, 6.0)
+        height, width = int_option(o, "height", 720), int_option(o, "width", 1280)
+        frames = int_option(o, "num_frames", 1)
         self.check_size(width, height, frames)
         cfg = float(guidance) != 1.0
         rows = ids if cfg else ids[:cond_rows]
-        gen = [_int_option(o, "seed", 0), _int_option(o, "sample", 0), steps, height, width, frames, cond_rows,
+        gen = [int_option(o, "seed", 0), int_option(o, "sample", 0), steps, height, width, frames, cond_rows,
                int(cfg)]
         tensors = {"input_ids": np.asarray(rows, dtype=np.int32), "gen": np.asarray(gen, dtype=np.int64),
                    "guidance": np.asarray([float(guidance)], dtype=np.float64)}

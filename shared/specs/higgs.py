@@ -62,11 +62,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from shared.audio import decode_audio
 from shared.frames import ContextTurn
 from shared.hub import resolve_model
-from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
+from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import (
     DeploymentError,
+    FrameLoopSpec,
     MetaValue,
-    ModelSpec,
     PreparedAudio,
     PromptError,
     PromptRequest,
@@ -97,7 +97,7 @@ def codec_frame(codec: Mapping[str, Any]) -> tuple[int, int]:
     return int(codec.get("sample_rate", 24000)), hop
 
 
-class HiggsSpec(ModelSpec):
+class HiggsSpec(FrameLoopSpec):
     task = "speech"
     engine = "higgs_decoder"
     decode_loop = "frame_loop"
@@ -106,6 +106,8 @@ class HiggsSpec(ModelSpec):
     metadata_keys = frozenset({"prompt_len", "voice"})
     #: Boson's generation defaults where generation_config.json says nothing
     speech_defaults = (("temperature", 1.0), ("top_k", 50), ("top_p", 0.95))
+    # `max_tokens` counts frames (FrameLoopSpec): the BOS frame and the delay's 7 included, so
+    # n frames make n - 8 of sound (`max_audio_seconds` adds the 8: `audio_extra_tokens`)
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -274,30 +276,6 @@ class HiggsSpec(ModelSpec):
         return context_spans(ids, {self.audio_token_id, self.audio_delay_token_id},
                              [(self.clip_rows(a.frames), a.key) for a in context],
                              "the prompt's audio placeholders do not match the context's clips", "clip(s)")
-
-    # -- KV and loops -----------------------------------------------------------------------
-
-    @property
-    def kv_labels(self) -> tuple[KVLabel, ...]:
-        return self._labels
-
-    def paged_pools(self, num_pages: int) -> dict[str, PagedKVConfig]:
-        c = self.config
-        return {self.pool: PagedKVConfig(self.pool, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                         self.dtype, self.page_size, num_pages, self.max_seq_len)}
-
-    def graph_loops(self) -> dict[str, int]:
-        # the prompt's step makes the first frame, so at most max_seq_len - 1 more
-        return {self.decode_loop: self.max_seq_len - 1}
-
-    def get_loop_caps(self, max_tokens: int, prompt_len: int | None = None) -> dict[str, int]:
-        """`max_tokens` counts frames (the BOS frame and the delay's 7 included: n frames
-        make n - 8 of sound; `max_audio_seconds` adds the 8, `audio_extra_tokens`)."""
-        return {self.decode_loop: max(1, max_tokens - 1)}
-
-    def bytes_per_page(self, page_size: int) -> int:
-        c = self.config
-        return c.num_hidden_layers * 2 * page_size * c.num_key_value_heads * kv_head_bytes(self.dtype, c.head_dim)
 
 
 def _system(voice: str) -> dict[str, Any]:

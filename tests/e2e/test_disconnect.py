@@ -5,10 +5,11 @@ Each request asks for 400 tokens with ignore_eos and the client leaves right aft
 first events; `mstar_requests_total{status="abort"}` shows it left before the request
 finished (the api counts a disconnect as abort, a finished request as ok).
 
-Every test but the JSON and SSE ones runs twice: on `llama_server`, and on `slow_server`, a wider and deeper random
-Llama whose 400 tokens take seconds on a CPU. The tiny llama makes 400 tokens in well under
-a second, so there pages would be free within a second even without an abort; on the slow
-one, free within a second means the workers really stopped.
+Every test but the JSON and SSE ones runs twice: on `llama_server`, and on `slow_server`
+(tests/conftest.py), a wider and deeper random Llama whose 400 tokens take seconds on a CPU.
+The tiny llama makes 400 tokens in well under a second, so there pages would be free within
+a second even without an abort; on the slow one, free within a second means the workers
+really stopped.
 """
 
 from __future__ import annotations
@@ -24,19 +25,6 @@ import websockets
 
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 FREED_WITHIN_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def slow_server(tmp_path_factory):
-    from tests.checkpoints import make_checkpoint
-    from tests.servers import MstarServer
-
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("slow") / "slow-llama", "llama", hidden_size=512,
-                           intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
-    server = MstarServer(str(ckpt), tmp_path_factory.mktemp("logs") / "slow.log", "--num-kv-pages", "512",
-                         "--page-size", "4").start()
-    yield server
-    server.stop()
 
 
 def aborts(server) -> float:

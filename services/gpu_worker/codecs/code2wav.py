@@ -28,7 +28,7 @@ left_context` frames a push, and `min_frames` pushes' worth may be gathered firs
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ PREFIX = "code2wav."
 #: transformers' `generate` decodes in chunks of 300 frames with 25 frames of left context
 CHUNK_SIZE, LEFT_CONTEXT = 300, 25
 SNAKE_EPS = 1e-9
+#: a transposed conv of the decoder: (x, weights, name, stride) -> x upsampled
+ConvT = Callable[[torch.Tensor, Mapping[str, torch.Tensor], str, int], torch.Tensor]
 
 
 class Code2WavSettings:
@@ -69,33 +71,44 @@ class Code2WavSettings:
         self.sample_rate = 24000
 
 
-def load_code2wav_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The `code2wav.*` tensors of the folder's safetensors, prefix stripped, as float32."""
+def load_prefixed(folder: Path, prefix: str, what: str) -> dict[str, torch.Tensor]:
+    """The `prefix*` tensors of the folder's safetensors, prefix stripped, as float32 (the
+    others are not read); a ValueError naming `what` when there are none."""
     out: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.startswith(PREFIX):
-                    out[key[len(PREFIX):]] = f.get_tensor(key).float()
+                if key.startswith(prefix):
+                    out[key[len(prefix):]] = f.get_tensor(key).float()
     if not out:
-        raise ValueError(f"{folder}: no Code2Wav weights (code2wav.*) in its safetensors")
+        raise ValueError(f"{folder}: no {what} ({prefix}*) in its safetensors")
     return out
+
+
+def load_code2wav_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The `code2wav.*` tensors of the folder's safetensors, prefix stripped, as float32."""
+    return load_prefixed(folder, PREFIX, "Code2Wav weights")
 
 
 class Code2WavCodec:
     """Code2Wav's weights and its decode; `stream()` makes one request's `Code2WavStream`."""
 
     def __init__(self, folder: str | Path, config: Mapping[str, Any], device: torch.device | str = "cpu") -> None:
-        self.s = Code2WavSettings(config)
-        self.device = torch.device(device)
-        self.w = {k: v.to(self.device) for k, v in load_code2wav_weights(Path(folder)).items()}
-        self.codebook_size = self.s.codebook_size
-        self.quantizers = self.s.quantizers
+        self._load(Code2WavSettings(config), load_code2wav_weights(Path(folder)), device)
         self.sample_rate = self.s.sample_rate
-        self.samples_per_frame = self.s.samples_per_frame
-        half = self.s.head_dim // 2
-        self.inv_freq = 1.0 / (self.s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
-                                                / self.s.head_dim)).to(self.device)
+
+    def _load(self, settings: Code2WavSettings, weights: Mapping[str, torch.Tensor],
+              device: torch.device | str) -> None:
+        """Settings, weights (moved to `device`) and RoPE frequencies: what every codec over
+        Code2Wav's arithmetic holds (Qwen3-TTS' reads them from another folder)."""
+        self.s, self.device = settings, torch.device(device)
+        self.w = {k: v.to(self.device) for k, v in weights.items()}
+        self.codebook_size = settings.codebook_size
+        self.quantizers = settings.quantizers
+        self.samples_per_frame = settings.samples_per_frame
+        half = settings.head_dim // 2
+        self.inv_freq = 1.0 / (settings.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
+                                                  / settings.head_dim)).to(self.device)
 
     def stream(self, min_frames: int = 1) -> Code2WavStream:
         return Code2WavStream(self, min_frames)
@@ -118,21 +131,7 @@ class Code2WavCodec:
         idx = torch.from_numpy(codes.T.copy()).to(self.device)  # [Q, n]
         offset = (torch.arange(s.quantizers, device=self.device) * s.codebook_size)[:, None]
         x = F.embedding(idx + offset, w["code_embedding.weight"]).mean(0)[None]  # [1, n, hidden]
-        x = self._transformer(x).transpose(1, 2)
-        for i, ratio in enumerate(s.ratios):
-            x = _conv_t(x, w, f"upsample.{i}.0.conv", ratio)
-            x = self._convnext(x, f"upsample.{i}.1.")
-        x = _causal_conv(x, w, "decoder.0.conv")
-        for i, rate in enumerate(s.rates, start=1):
-            x = _snake(x, w, f"decoder.{i}.block.0.")
-            x = _conv_t(x, w, f"decoder.{i}.block.1.conv", rate)
-            for j, dilation in enumerate((1, 3, 9), start=2):
-                p = f"decoder.{i}.block.{j}."
-                h = _causal_conv(_snake(x, w, p + "act1."), w, p + "conv1.conv", dilation)
-                x = x + _causal_conv(_snake(h, w, p + "act2."), w, p + "conv2.conv")
-        n = len(s.rates) + 1
-        x = _causal_conv(_snake(x, w, f"decoder.{n}."), w, f"decoder.{n + 1}.conv")
-        return x.clamp(-1, 1).reshape(-1)
+        return decode_tail(self._transformer(x).transpose(1, 2), w, s, _conv_t)
 
     def _transformer(self, x: torch.Tensor) -> torch.Tensor:
         """[1, n, hidden] through the pre-transformer: causal attention over the last
@@ -166,15 +165,6 @@ class Code2WavCodec:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.head_dim ** -0.5)
         return F.linear(o.transpose(1, 2).reshape(1, n, -1), w[p + "o_proj.weight"])
-
-    def _convnext(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """ConvNeXt block: causal depthwise conv, LayerNorm, MLP (GELU), gamma, residual."""
-        w = self.w
-        h = _causal_conv(x, w, p + "dwconv.conv", groups=x.shape[1]).transpose(1, 2)
-        h = F.layer_norm(h, (h.shape[-1],), w[p + "norm.weight"], w[p + "norm.bias"], 1e-6)
-        h = F.linear(F.gelu(F.linear(h, w[p + "pwconv1.weight"], w[p + "pwconv1.bias"])),
-                     w[p + "pwconv2.weight"], w[p + "pwconv2.bias"])
-        return x + (w[p + "gamma"] * h).transpose(1, 2)
 
 
 class Code2WavStream:
@@ -213,6 +203,36 @@ class Code2WavStream:
                 break
             self.chunk_start, self.sent = end, 0
         return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+def decode_tail(x: torch.Tensor, w: Mapping[str, torch.Tensor], s: Code2WavSettings, conv_t: ConvT) -> torch.Tensor:
+    """The transformer's output [1, hidden, n] -> samples [m]: upsample (transposed conv +
+    ConvNeXt, per ratio), decoder (causal conv; per rate SnakeBeta, transposed conv, three
+    residual units), SnakeBeta, causal conv, clamp to [-1, 1]. `conv_t` is the transposed
+    conv: Code2Wav's trims both ends (`_conv_t`), Qwen3-TTS' codec the right only."""
+    for i, ratio in enumerate(s.ratios):
+        x = conv_t(x, w, f"upsample.{i}.0.conv", ratio)
+        x = _convnext(x, w, f"upsample.{i}.1.")
+    x = _causal_conv(x, w, "decoder.0.conv")
+    for i, rate in enumerate(s.rates, start=1):
+        x = _snake(x, w, f"decoder.{i}.block.0.")
+        x = conv_t(x, w, f"decoder.{i}.block.1.conv", rate)
+        for j, dilation in enumerate((1, 3, 9), start=2):
+            p = f"decoder.{i}.block.{j}."
+            h = _causal_conv(_snake(x, w, p + "act1."), w, p + "conv1.conv", dilation)
+            x = x + _causal_conv(_snake(h, w, p + "act2."), w, p + "conv2.conv")
+    n = len(s.rates) + 1
+    x = _causal_conv(_snake(x, w, f"decoder.{n}."), w, f"decoder.{n + 1}.conv")
+    return x.clamp(-1, 1).reshape(-1)
+
+
+def _convnext(x: torch.Tensor, w: Mapping[str, torch.Tensor], p: str) -> torch.Tensor:
+    """ConvNeXt block: causal depthwise conv, LayerNorm, MLP (GELU), gamma, residual."""
+    h = _causal_conv(x, w, p + "dwconv.conv", groups=x.shape[1]).transpose(1, 2)
+    h = F.layer_norm(h, (h.shape[-1],), w[p + "norm.weight"], w[p + "norm.bias"], 1e-6)
+    h = F.linear(F.gelu(F.linear(h, w[p + "pwconv1.weight"], w[p + "pwconv1.bias"])),
+                 w[p + "pwconv2.weight"], w[p + "pwconv2.bias"])
+    return x + (w[p + "gamma"] * h).transpose(1, 2)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

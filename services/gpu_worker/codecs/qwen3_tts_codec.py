@@ -20,7 +20,6 @@ final (codecs/code2wav.py).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from services.gpu_worker.codecs.code2wav import (
     Code2WavCodec,
     Code2WavSettings,
     _causal_conv,
-    _snake,
+    decode_tail,
+    load_prefixed,
 )
 
 FOLDER = "speech_tokenizer"
@@ -45,15 +44,7 @@ CLUSTER_EPS = 1e-5
 def load_codec_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The decoder's tensors (`decoder.*`) of the codec folder's safetensors, prefix
     stripped, as float32 (the encoder's are not read)."""
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.startswith(PREFIX):
-                    out[key[len(PREFIX):]] = f.get_tensor(key).float()
-    if not out:
-        raise ValueError(f"{folder}: no codec decoder weights (decoder.*) in its safetensors")
-    return out
+    return load_prefixed(folder, PREFIX, "codec decoder weights")
 
 
 def codec_config(folder: Path) -> dict[str, Any]:
@@ -73,19 +64,11 @@ class Qwen3TTSCodec(Code2WavCodec):
         folder = Path(folder)
         cfg = dict(config) if config is not None else codec_config(folder)
         dec = dict(cfg.get("decoder_config") or {})
-        self.s = Code2WavSettings(dec)
-        self.device = torch.device(device)
-        self.w = {k: v.to(self.device) for k, v in load_codec_weights(folder / FOLDER).items()}
-        self.codebook_size = self.s.codebook_size
-        self.quantizers = self.s.quantizers
+        self._load(Code2WavSettings(dec), load_codec_weights(folder / FOLDER), device)
         self.sample_rate = int(cfg.get("output_sample_rate", 24000))
-        self.samples_per_frame = math.prod(self.s.rates + self.s.ratios)
         if int(cfg.get("decode_upsample_rate", self.samples_per_frame)) != self.samples_per_frame:
             raise ValueError(f"the codec's decode_upsample_rate {cfg.get('decode_upsample_rate')} is not its "
                              f"rates' product {self.samples_per_frame}")
-        half = self.s.head_dim // 2
-        self.inv_freq = 1.0 / (self.s.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float()
-                                                / self.s.head_dim)).to(self.device)
         #: each codebook's table: codebook 0 the first quantizer's, the others the rest's
         self.tables = [self._table("quantizer.rvq_first.vq.layers.0.")] + [
             self._table(f"quantizer.rvq_rest.vq.layers.{i}.") for i in range(self.quantizers - 1)]
@@ -111,20 +94,7 @@ class Qwen3TTSCodec(Code2WavCodec):
         x = F.linear(x, w["pre_transformer.input_proj.weight"], w["pre_transformer.input_proj.bias"])
         x = self._transformer(x)
         x = F.linear(x, w["pre_transformer.output_proj.weight"], w["pre_transformer.output_proj.bias"]).transpose(1, 2)
-        for i, ratio in enumerate(s.ratios):
-            x = _conv_t_causal(x, w, f"upsample.{i}.0.conv", ratio)
-            x = self._convnext(x, f"upsample.{i}.1.")
-        x = _causal_conv(x, w, "decoder.0.conv")
-        for i, rate in enumerate(s.rates, start=1):
-            x = _snake(x, w, f"decoder.{i}.block.0.")
-            x = _conv_t_causal(x, w, f"decoder.{i}.block.1.conv", rate)
-            for j, dilation in enumerate((1, 3, 9), start=2):
-                p = f"decoder.{i}.block.{j}."
-                h = _causal_conv(_snake(x, w, p + "act1."), w, p + "conv1.conv", dilation)
-                x = x + _causal_conv(_snake(h, w, p + "act2."), w, p + "conv2.conv")
-        n = len(s.rates) + 1
-        x = _causal_conv(_snake(x, w, f"decoder.{n}."), w, f"decoder.{n + 1}.conv")
-        return x.clamp(-1, 1).reshape(-1)
+        return decode_tail(x, w, s, _conv_t_causal)
 
 
 def _conv_t_causal(x: torch.Tensor, w: Mapping[str, torch.Tensor], name: str, stride: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.diffusion import DiffusionRunner
 from services.gpu_worker.runners.loop_steps import iteration, state
 from services.gpu_worker.step_types import PlanEntry
-from shared.specs.cosmos3 import GEN_FIELDS
+from shared.specs.image_gen import GEN_FIELDS
 
 
 class BagelImageRunner(DiffusionRunner):

@@ -165,14 +165,26 @@ class CsmRunner(HeldSound, FrameBackboneRunner):
         others from the depth decoder; kept on the request, returned as its token."""
         reqs = [e.request for e in entries]
         logits = self._codes_only(self.model.first_code_logits(hidden))
-        codes = [torch.tensor(sample(logits, [Row(r.sampling, r.generator, (), r.output) for r in reqs])[0])]
+        frame = self._frames(hidden, logits, entries, [self._depth_params(r) for r in reqs])
+        out = []
+        for f in frame:
+            stop = all(c == self.spec.codebook_eos for c in f[:-1])
+            out.append(self.spec.eos_frame_token if stop else f[0])
+        return out
+
+    def _frames(self, hidden: torch.Tensor, first_logits: torch.Tensor, entries: list[PlanEntry],
+                depth_rows: list[Row]) -> list[list[int]]:
+        """Each sampling entry's frame: its first code sampled from `first_logits` with the
+        request's own sampling, the others by the depth decoder's loop (`num_codebooks - 1`
+        steps batched over the entries, sampled with `depth_rows`); kept on the request
+        (`last_frame`, `new_frames`). CSM's and Qwen3-TTS' (whose code predictor is this loop)."""
+        reqs = [e.request for e in entries]
+        codes = [torch.tensor(sample(first_logits, [Row(r.sampling, r.generator, (), r.output) for r in reqs])[0])]
         steps = {r.caps.get(self.spec.codebook_loop, 0) for r in reqs}
         if steps != {self.spec.num_codebooks - 1}:  # a frame needs every codebook
             raise ValueError(f"codebook_loop caps {sorted(steps)}; a frame takes {self.spec.num_codebooks - 1}")
         pages = [e.pages[self.depth_label.name] for e in entries]
-        depth_rows = [self._depth_params(r) for r in reqs]
         b = len(reqs)
-        head_rows = torch.arange(b, device=self.device)
         for k in range(self.spec.num_codebooks - 1):
             if k == 0:  # the backbone's hidden state and the first code, at positions 0 and 1
                 pairs = torch.stack([hidden, self.model.code_embeds(codes[0].to(self.device), 0)], dim=1)
@@ -184,16 +196,17 @@ class CsmRunner(HeldSound, FrameBackboneRunner):
             meta = self.builder.build([AttnRows(p, 0, cached, new, k > 0) for p in pages],
                                       self.page_sizes[self.depth_label.name])
             pos = torch.arange(cached, cached + new, device=self.device).repeat(b)
-            logits = self._codes_only(self.model.depth(inputs, pos, self.depth_caches, meta, head_rows, k))
+            logits = self._depth_logits(self.model.depth(inputs, pos, self.depth_caches, meta, head_rows, k))
             codes.append(torch.tensor(sample(logits, depth_rows)[0]))
         frame = torch.stack(codes, dim=1).tolist()
-        out = []
         for r, f in zip(reqs, frame):
             r.inputs["last_frame"] = f
             r.inputs.setdefault("new_frames", []).append(f)
-            stop = all(c == self.spec.codebook_eos for c in f[:-1])
-            out.append(self.spec.eos_frame_token if stop else f[0])
-        return out
+        return frame
+
+    def _depth_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A depth step's logits as sampled: CSM's depth heads reach past the codebook."""
+        return self._codes_only(logits)
 
     def _codes_only(self, logits: torch.Tensor) -> torch.Tensor:
         """Ids past the codec's codebook never sampled (it cannot decode them)."""

@@ -38,7 +38,7 @@ from services.gpu_worker.request import LoopState, Request
 from services.gpu_worker.runners.loop_steps import LoopStepsRunner, iteration, state
 from services.gpu_worker.step_types import PlanEntry
 from shared.specs.base import DeploymentError, DiffusionRunnerSpec
-from shared.specs.cosmos3 import GEN_FIELDS
+from shared.specs.image_gen import GEN_FIELDS
 
 log = logging.getLogger("mstar.diffusion_runner")
 

@@ -31,14 +31,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.gpu_worker.attention import AttnRows
 from services.gpu_worker.codec_thread import CodecThread, sound_bytes
 from services.gpu_worker.codecs.code2wav import Code2WavStream
 from services.gpu_worker.codecs.qwen3_tts_codec import Qwen3TTSCodec
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.csm import CsmRunner
-from services.gpu_worker.sampler import Row, sample
+from services.gpu_worker.sampler import Row
 from services.gpu_worker.step_types import Failure, PlanEntry
 from shared.frames import Output, SamplingParams
 from shared.specs.base import Qwen3TTSRunnerSpec
@@ -81,32 +80,13 @@ class Qwen3TTSRunner(CsmRunner):
         from the code predictor; kept on the request, returned as its token."""
         reqs = [e.request for e in entries]
         logits = self._first_code_rules(self.model.first_code_logits(hidden), reqs)
-        codes = [torch.tensor(sample(logits, [Row(r.sampling, r.generator, (), r.output) for r in reqs])[0])]
-        steps = {r.caps.get(self.spec.codebook_loop, 0) for r in reqs}
-        if steps != {self.spec.num_codebooks - 1}:  # a frame needs every codebook
-            raise ValueError(f"codebook_loop caps {sorted(steps)}; a frame takes {self.spec.num_codebooks - 1}")
-        pages = [e.pages[self.depth_label.name] for e in entries]
         rows = [Row(SamplingParams(temperature=0.0) if r.sampling.greedy else self.subtalker, r.generator)
                 for r in reqs]
-        b = len(reqs)
-        for k in range(self.spec.num_codebooks - 1):
-            if k == 0:  # the talker's hidden state and the first code, at positions 0 and 1
-                pairs = torch.stack([hidden, self.model.code_embeds(codes[0].to(self.device), 0)], dim=1)
-                inputs, new, head_rows = pairs.reshape(2 * b, -1), 2, torch.arange(1, 2 * b, 2, device=self.device)
-            else:
-                inputs, new = self.model.code_embeds(codes[k].to(self.device), k), 1
-                head_rows = torch.arange(b, device=self.device)
-            cached = 0 if k == 0 else k + 1
-            meta = self.builder.build([AttnRows(p, 0, cached, new, k > 0) for p in pages],
-                                      self.page_sizes[self.depth_label.name])
-            pos = torch.arange(cached, cached + new, device=self.device).repeat(b)
-            logits = self.model.depth(inputs, pos, self.depth_caches, meta, head_rows, k)
-            codes.append(torch.tensor(sample(logits, rows)[0]))
-        frame = torch.stack(codes, dim=1).tolist()
-        for r, f in zip(reqs, frame):
-            r.inputs["last_frame"] = f
-            r.inputs.setdefault("new_frames", []).append(f)
-        return [f[0] for f in frame]
+        return [f[0] for f in self._frames(hidden, logits, entries, rows)]
+
+    def _depth_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The code predictor's logits sampled as the package samples them (nothing masked)."""
+        return logits
 
     def _first_code_rules(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The package's suppressions: control ids (but codec_eos), and codec_eos itself

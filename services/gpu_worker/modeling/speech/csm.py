@@ -36,8 +36,9 @@ AUDIO_TABLE = "depth_decoder.model.embed_tokens.weight"
 BACKBONE_TABLE = "backbone_model.embed_tokens.embed_audio_tokens.weight"
 
 
-class _Stack(nn.Module):
-    """A Llama stack's layers and final norm (HF's `layers.N.*`, `norm.weight`)."""
+class Stack(nn.Module):
+    """A decoder stack's layers and final norm (HF's `layers.N.*`, `norm.weight`): CSM's two,
+    Qwen3-TTS' and Qwen3-Omni's talkers and code predictors."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -50,7 +51,7 @@ class _Stack(nn.Module):
         return self.norm(x)
 
 
-class _DepthModel(_Stack):
+class _DepthModel(Stack):
     def __init__(self, cfg: ModelConfig, table_rows: int, backbone_hidden: int) -> None:
         super().__init__(cfg)
         self.embed_tokens = nn.Embedding(table_rows, backbone_hidden)
@@ -79,7 +80,7 @@ class CsmModel(SpeechCodesModel):
         self.depth_cfg = llama_config(config.get("depth_decoder_config") or {}, self.vocab)
         hidden = self.cfg.hidden_size
         self.embed_text_tokens = nn.Embedding(int(config["text_vocab_size"]), hidden)
-        self.backbone_model = _Stack(self.cfg)
+        self.backbone_model = Stack(self.cfg)
         self.lm_head = nn.Linear(hidden, self.vocab, bias=False)
         self.depth_decoder = _Depth(self.depth_cfg, self.num_codebooks, self.vocab, hidden)
         self.rotary = Rotary(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings)

@@ -19,7 +19,7 @@ stacks' `model.*` load into `DecoderLayer`s and `RMSNorm`s, as the decoder famil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import msgspec
@@ -31,7 +31,8 @@ from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.layers.interleaved_mrope import InterleavedMRotary
 from services.gpu_worker.layers.moe import SparseMoE, stack_experts
 from services.gpu_worker.layers.rope import Rotary
-from services.gpu_worker.modeling.decoder.lm import MLP, DecoderLayer, RMSNorm
+from services.gpu_worker.modeling.decoder.lm import MLP, DecoderLayer
+from services.gpu_worker.modeling.speech.csm import Stack
 from shared.model_config import ModelConfig, read_model_config
 from shared.specs.qwen3_omni import omni_text_config
 
@@ -53,7 +54,8 @@ def talker_configs(config: Mapping[str, Any]) -> tuple[ModelConfig, tuple[int, .
 
 
 class ResizeMLP(nn.Module):
-    """Linear, SiLU, Linear (transformers' `Qwen3OmniMoeTalkerResizeMLP`)."""
+    """Linear, SiLU, Linear (transformers' `Qwen3OmniMoeTalkerResizeMLP`, the `qwen-tts`
+    package's `Qwen3TTSTalkerResizeMLP`)."""
 
     def __init__(self, width: int, inter: int, out: int) -> None:
         super().__init__()
@@ -64,40 +66,46 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class _Stack(nn.Module):
-    """A decoder stack's layers and final norm (HF's `layers.N.*`, `norm.weight`)."""
-
-    def __init__(self, cfg: ModelConfig, shared: ModelConfig | None = None) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        if shared is not None:  # the talker: every layer sparse, with a shared expert
-            for layer in cast("list[DecoderLayer]", list(self.layers)):
-                layer.mlp = SparseMoE(cfg, MLP(shared))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def run(self, x: torch.Tensor, rope, caches: list[torch.Tensor], meta: AttnMetadata) -> torch.Tensor:
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope, cache, meta)
-        return self.norm(x)
-
-
-class _TalkerModel(_Stack):
+class _TalkerModel(Stack):
     def __init__(self, cfg: ModelConfig, shared: ModelConfig) -> None:
-        super().__init__(cfg, shared)
+        super().__init__(cfg)
+        for layer in cast("list[DecoderLayer]", list(self.layers)):  # every layer sparse, with a shared expert
+            layer.mlp = SparseMoE(cfg, MLP(shared))
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 
-class _PredictorModel(_Stack):
-    def __init__(self, cfg: ModelConfig, groups: int) -> None:
+class _PredictorModel(Stack):
+    def __init__(self, cfg: ModelConfig, groups: int, talker_hidden: int) -> None:
         super().__init__(cfg)
-        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(groups - 1))
+        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, talker_hidden) for _ in range(groups - 1))
 
 
-class _Predictor(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: int) -> None:
+class CodePredictor(nn.Module):
+    """The code predictor's stack, its tables (code k >= 1, at the talker's width) and heads
+    (code k + 1); `small_to_mtp_projection` maps the talker's width to its own (Qwen3-TTS'
+    where they differ; an identity, with no weights, where they do not)."""
+
+    def __init__(self, cfg: ModelConfig, groups: int, talker_hidden: int | None = None) -> None:
         super().__init__()
-        self.model = _PredictorModel(cfg, groups)
+        talker_hidden = cfg.hidden_size if talker_hidden is None else talker_hidden
+        self.model = _PredictorModel(cfg, groups, talker_hidden)
         self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(groups - 1))
+        self.small_to_mtp_projection: nn.Module = (
+            nn.Linear(talker_hidden, cfg.hidden_size) if cfg.hidden_size != talker_hidden else nn.Identity())
+
+
+def load_talker_weights(model: nn.Module, state: Mapping[str, torch.Tensor], name: str,
+                        stack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+    """`model`'s weights: the checkpoint's `talker.*` tensors, prefix stripped (`stack`
+    regroups them first, e.g. the experts'); rotary buffers neither read nor missed. A
+    ValueError naming `name` when the names do not match."""
+    own = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX) and "rotary_emb" not in k}
+    if stack is not None:
+        own = stack(own)
+    missing, unexpected = model.load_state_dict(own, strict=False, assign=True)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 class Qwen3OmniTalker(nn.Module):
@@ -114,20 +122,14 @@ class Qwen3OmniTalker(nn.Module):
         self.codec_head = nn.Linear(hidden, self.cfg.vocab_size, bias=False)
         self.text_projection = ResizeMLP(thinker_hidden, self.cfg.intermediate_size, hidden)
         self.hidden_projection = ResizeMLP(thinker_hidden, self.cfg.intermediate_size, hidden)
-        self.code_predictor = _Predictor(self.predictor_cfg, self.groups)
+        self.code_predictor = CodePredictor(self.predictor_cfg, self.groups)
         self.rotary = InterleavedMRotary(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings, section)
         self.predictor_rotary = Rotary(self.predictor_cfg.rope, self.predictor_cfg.head_dim,
                                        self.predictor_cfg.max_position_embeddings)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """The checkpoint's `talker.*` tensors (others ignored)."""
-        own = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX) and "rotary_emb" not in k}
-        own = stack_experts(own, self.cfg.num_experts)
-        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
-        missing = [k for k in missing if "rotary" not in k]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match Qwen3-Omni's talker: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        load_talker_weights(self, state, "Qwen3-Omni's talker", lambda own: stack_experts(own, self.cfg.num_experts))
 
     def reset_buffers(self) -> None:
         self.rotary.reset_buffers()

@@ -23,51 +23,22 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention import AttnMetadata
 from services.gpu_worker.layers.rope import Rotary
 from services.gpu_worker.modeling.base import SpeechCodesModel
 from services.gpu_worker.modeling.decoder.lm import MLP, DecoderLayer
-from services.gpu_worker.modeling.speech.csm import _Stack
+from services.gpu_worker.modeling.speech.csm import Stack
+from services.gpu_worker.modeling.speech.qwen3_omni_talker import CodePredictor, ResizeMLP, load_talker_weights
 from shared.specs.qwen3_tts import qwen3_config
 
-PREFIX = "talker."
 
-
-class _ResizeMLP(nn.Module):
-    """Linear, SiLU, Linear with biases (the package's `Qwen3TTSTalkerResizeMLP`)."""
-
-    def __init__(self, width: int, inter: int, out: int) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(width, inter)
-        self.linear_fc2 = nn.Linear(inter, out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
-
-
-class _TalkerModel(_Stack):
+class _TalkerModel(Stack):
     def __init__(self, cfg, text_vocab: int, text_hidden: int) -> None:
         super().__init__(cfg)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.text_embedding = nn.Embedding(text_vocab, text_hidden)
-
-
-class _PredictorModel(_Stack):
-    def __init__(self, cfg, groups: int, talker_hidden: int) -> None:
-        super().__init__(cfg)
-        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, talker_hidden) for _ in range(groups - 1))
-
-
-class _Predictor(nn.Module):
-    def __init__(self, cfg, groups: int, talker_hidden: int) -> None:
-        super().__init__()
-        self.model = _PredictorModel(cfg, groups, talker_hidden)
-        self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(groups - 1))
-        self.small_to_mtp_projection: nn.Module = (
-            nn.Linear(talker_hidden, cfg.hidden_size) if cfg.hidden_size != talker_hidden else nn.Identity())
 
 
 class Qwen3TTSModel(SpeechCodesModel):
@@ -85,20 +56,15 @@ class Qwen3TTSModel(SpeechCodesModel):
         if t.get("hidden_act", "silu") != "silu":
             raise ValueError("only Qwen3-TTS' SiLU text projection is implemented")
         self.model = _TalkerModel(self.cfg, self.text_vocab, text_hidden)
-        self.text_projection = _ResizeMLP(text_hidden, text_hidden, hidden)
+        self.text_projection = ResizeMLP(text_hidden, text_hidden, hidden)
         self.codec_head = nn.Linear(hidden, self.cfg.vocab_size, bias=False)
-        self.code_predictor = _Predictor(self.depth_cfg, self.groups, hidden)
+        self.code_predictor = CodePredictor(self.depth_cfg, self.groups, hidden)
         self.rotary = Rotary(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings)
         self.depth_rotary = Rotary(self.depth_cfg.rope, self.depth_cfg.head_dim, self.depth_cfg.max_position_embeddings)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """The checkpoint's `talker.*` tensors (the speaker encoder's, if any, are not read)."""
-        own = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX) and "rotary_emb" not in k}
-        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
-        missing = [k for k in missing if "rotary" not in k]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match Qwen3-TTS' talker: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        load_talker_weights(self, state, "Qwen3-TTS' talker")
 
     def reset_buffers(self) -> None:
         self.rotary.reset_buffers()
