@@ -269,13 +269,14 @@ def _autoencoder(path: Path, seed: int) -> None:
     save_file({k: v.contiguous() for k, v in ae.state_dict().items()}, str(path / "ae.safetensors"))
 
 
-def make_bagel_checkpoint(path: Path, seed: int = 0) -> Path:
-    """Write the tiny BAGEL folder at `path` (module docstring); returns `path`."""
+def make_bagel_checkpoint(path: Path, seed: int = 0, llm_shape: dict[str, Any] | None = None) -> Path:
+    """Write the tiny BAGEL folder at `path` (module docstring; the LLM's sizes overridden by
+    `llm_shape`: the bench's wider one); returns `path`."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(path)
-    llm = dict(TINY_LLM, vocab_size=tok.get_vocab_size())
+    llm = dict(TINY_LLM, **(llm_shape or {}), vocab_size=tok.get_vocab_size())
     (path / "llm_config.json").write_text(json.dumps(llm))
     (path / "vit_config.json").write_text(json.dumps(TINY_VIT))
     (path / "config.json").write_text(json.dumps({

@@ -44,8 +44,9 @@ def _stub_missing() -> None:
         sys.modules["einops"] = mod
 
 
-def reference_models(seed: int):
-    """The package's encoder (RoPE video ViT, as V-JEPA 2-AC's) and AC predictor, random."""
+def reference_models(seed: int, encoder: dict | None = None, predictor: dict | None = None):
+    """The package's encoder (RoPE video ViT, as V-JEPA 2-AC's) and AC predictor, random;
+    of ENCODER's and PREDICTOR's shape unless others are given (the bench's)."""
     import torch
     from torch import nn
 
@@ -54,29 +55,31 @@ def reference_models(seed: int):
     from vjepa2.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(seed)
-    enc = {k: v for k, v in ENCODER.items()}
-    encoder = VisionTransformer(num_frames=2, qkv_bias=True, norm_layer=partial(nn.LayerNorm, eps=1e-6), **enc)
-    pred = dict(PREDICTOR)
+    enc = dict(encoder or ENCODER)
+    vit = VisionTransformer(num_frames=2, qkv_bias=True, norm_layer=partial(nn.LayerNorm, eps=1e-6), **enc)
+    pred = dict(predictor or PREDICTOR)
     width = pred.pop("predictor_embed_dim")
     pred.pop("mlp_ratio")  # vit_ac_predictor sets 4
-    predictor = vit_ac_predictor(img_size=(IMG, IMG), patch_size=PATCH, tubelet_size=2, embed_dim=EMBED,
-                                 predictor_embed_dim=width, **pred)
+    ac = vit_ac_predictor(img_size=(enc["img_size"], enc["img_size"]), patch_size=enc["patch_size"],
+                          tubelet_size=enc["tubelet_size"], embed_dim=enc["embed_dim"], predictor_embed_dim=width,
+                          **pred)
     with torch.no_grad():  # non-trivial norms and biases (the init sets them to 1 and 0)
-        for m in [*encoder.modules(), *predictor.modules()]:
+        for m in [*vit.modules(), *ac.modules()]:
             if isinstance(m, (nn.LayerNorm, nn.Linear, nn.Conv3d)) and m.bias is not None:
                 m.bias.normal_(0, 0.02)
             if isinstance(m, nn.LayerNorm):
                 m.weight.normal_(1, 0.1)
-    return encoder.eval(), predictor.eval()
+    return vit.eval(), ac.eval()
 
 
-def make_world_checkpoint(folder: Path, seed: int) -> Path:
+def make_world_checkpoint(folder: Path, seed: int, encoder_config: dict | None = None,
+                          predictor_config: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
-    encoder, predictor = reference_models(seed)
+    encoder, predictor = reference_models(seed, encoder_config, predictor_config)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["VJEPA2ACWorldModel"], "model_type": "vjepa2_ac", "encoder": ENCODER,
-              "predictor": PREDICTOR}
+    config = {"architectures": ["VJEPA2ACWorldModel"], "model_type": "vjepa2_ac",
+              "encoder": encoder_config or ENCODER, "predictor": predictor_config or PREDICTOR}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     state = {f"encoder.{k}": v.contiguous() for k, v in encoder.state_dict().items()}
     state |= {f"predictor.{k}": v.contiguous() for k, v in predictor.state_dict().items()}
@@ -96,15 +99,22 @@ def pixels(frames: list[np.ndarray]):
 def reference_rollout(seed: int, frames: list[np.ndarray], actions: np.ndarray, states: np.ndarray,
                       steps: int) -> np.ndarray:
     """Meta's autoregressive rollout: [steps, tokens, embed] (each step's predicted frame)."""
+    return rollout(*reference_models(seed), frames, actions, states, steps)
+
+
+def rollout(encoder, predictor, frames: list[np.ndarray], actions: np.ndarray, states: np.ndarray,
+            steps: int) -> np.ndarray:
+    """`reference_rollout` with the models given (built once: the bench calls it many times);
+    each step runs the predictor over every frame so far, as Meta's loop does."""
     import torch
     import torch.nn.functional as F
 
-    encoder, predictor = reference_models(seed)
     with torch.no_grad():
         c = pixels(frames)[None].permute(0, 2, 1, 3, 4)  # [B, C, T, H, W]
         # forward_target: each frame its own tubelet (the frame twice), layer-normed
         c = c.permute(0, 2, 1, 3, 4).flatten(0, 1).unsqueeze(2).repeat(1, 1, 2, 1, 1)
         h = encoder(c)
+        tokens = h.size(1)
         h = h.view(1, len(frames), -1, h.size(-1)).flatten(1, 2)
         z = F.layer_norm(h, (h.size(-1),))
         a = torch.from_numpy(actions)[None]
@@ -113,7 +123,7 @@ def reference_rollout(seed: int, frames: list[np.ndarray], actions: np.ndarray, 
         for k in range(steps):
             t = len(frames) + k
             nxt = predictor(z, a[:, :t], s[:, :t])
-            nxt = F.layer_norm(nxt, (nxt.size(-1),))[:, -TOKENS:]
+            nxt = F.layer_norm(nxt, (nxt.size(-1),))[:, -tokens:]
             z = torch.cat([z, nxt], dim=1)
             out.append(nxt[0].numpy())
     return np.stack(out)

@@ -96,3 +96,21 @@ def test_policy_bench_quick(tmp_path):
         (run,) = data["runs"][system]
         assert len(run["c1_all_s"]) == 2 and len(run["c16_all_s"]) == 16
         assert run["c1_actions_s"] > 0 and run["c16_actions_s"] > 0 and run["c16_ttft_s"] > 0
+
+
+def test_world_bench_quick(tmp_path):
+    """`python -m bench.world --quick`: the tests' tiny V-JEPA 2-AC through /v1/world/rollout
+    against the reference's one-at-a-time rollout; every figure there for both, the clip
+    cache's pair for mstar, the PNG written."""
+    out = tmp_path / "world"
+    argv = [sys.executable, "-m", "bench.world", "--quick", "--out", str(out)]
+    env = {**service_env(), "MSTAR_BENCH_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "c16 steps/s" in proc.stdout and "8 rollouts of one clip (s)" in proc.stdout
+    assert (out / "plot.png").stat().st_size > 1000
+    data = json.loads((out / "results.json").read_text())
+    assert data["mode"] == "world" and data["clip_cache"]["mstar_8_rollouts_8_clips_s"] > 0
+    for system in ("mstar", "reference"):
+        (run,) = data["runs"][system]
+        assert all(run[k] > 0 for k in ("c1_s", "c1_steps_s", "c4_steps_s", "c16_steps_s", "one_clip_8_s"))

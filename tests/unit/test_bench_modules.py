@@ -1,0 +1,17 @@
+"""The request benches import and parse their flags (their runs are e2e: tests/e2e/test_bench.py
+runs `bench.world --quick`; `bench.image_gen` runs take minutes, so only their parsing here)."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def test_request_benches_import_and_parse():
+    for name in ("bench.rounds", "bench.world", "bench.image_gen", "bench.policy"):
+        importlib.import_module(name)
+    from bench import image_gen, world
+
+    args = image_gen.parser().parse_args(["--family", "bagel", "--quick"])
+    assert args.family == "bagel" and image_gen.FAMILIES["bagel"][2] == "bagel2"
+    assert world.parser().parse_args(["--quick", "--rounds", "1"]).rounds == 1
+    assert [f.key for f in world.FIGURES][-1] == "one_clip_8_s"
