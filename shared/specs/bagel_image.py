@@ -42,6 +42,8 @@ SPATIAL, MAX_SIDE = 16, 1024
 class BagelImageSpec(Cosmos3Spec):
     engine = "bagel_diffusion"
     task = "image"
+    #: BAGEL edits (its inferencer's `[image, text]`); the route takes it, the engine not yet
+    edits_images = True
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:

@@ -275,3 +275,42 @@ async def test_image_refusals_name_the_field(image_server):
             r = await client.post("/v1/images/generations", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert srv.wait_pages_free() == 0
+
+
+# -- POST /v1/images/edits -------------------------------------------------------------------
+
+
+async def _edit(client: httpx.AsyncClient, fields: dict, files: list[tuple[str, bytes]]) -> httpx.Response:
+    """The route's multipart form as OpenAI's client sends it (files as `image` parts)."""
+    parts = [(name, (f"{i}.png", data, "image/png")) for i, (name, data) in enumerate(files)]
+    return await client.post("/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=parts or None)
+
+
+async def test_edit_refusals_name_the_field(servers):
+    """A model that does not edit (the understanding server: text out) is a 400 naming the
+    model and the route; on the image server a body that is not a form, no image, bytes that
+    are not an image, two images, a mask, a bad size: 400 naming the field. An edit that
+    passes every check is a 400 naming `image` that says the edit is not yet on the engine."""
+    und, gen, _ = servers
+    body = {"prompt": "Make it blue.", "num_inference_steps": 2}
+    image = IMAGES["red"]
+    async with httpx.AsyncClient(base_url=und.url, timeout=60) as client:
+        name = (await client.get("/v1/models")).json()["data"][0]["id"]
+        r = await _edit(client, body, [("image", image)])
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "model", r.text
+    assert name in err["message"] and "/v1/images/edits" in err["message"]
+    cases = [(body, [], "image"), (body, [("image", b"not an image")], "image"),
+             (body, [("image", image), ("image[]", image)], "image"), (body, [("image", image), ("mask", image)], "mask"),
+             ({**body, "size": "40x40"}, [("image", image)], "size"), ({**body, "n": 9}, [("image", image)], "n"),
+             ({**body, "image_guidance_scale": -1}, [("image[]", image)], "image_guidance_scale")]
+    async with httpx.AsyncClient(base_url=gen.url, timeout=60) as client:
+        as_json = await client.post("/v1/images/edits", json=body)
+        got = [await _edit(client, fields, files) for fields, files, _ in cases]
+        pending = await _edit(client, body, [("image[]", image)])
+    assert as_json.status_code == 400 and as_json.json()["error"]["param"] == "image", as_json.text
+    for (fields, files, param), r in zip(cases, got):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, [n for n, _ in files], r.text)
+    assert pending.status_code == 400 and pending.json()["error"]["param"] == "image", pending.text
+    assert "not yet served" in pending.json()["error"]["message"]
+    assert gen.wait_pages_free() == 0 and und.wait_pages_free() == 0
