@@ -349,7 +349,7 @@ def image_settings(spec: ModelSpec) -> dict[str, object]:
     if not isinstance(spec, Cosmos3Spec):
         return {}
     return {"image_limits": (spec.spatial, spec.temporal, MAX_SIDE, MAX_FRAMES, spec.loop_cap),
-            "image_edits": bool(getattr(spec, "edits_images", False))}
+            "image_edit_resize": tuple(getattr(spec, "edit_resize", ()))}
 
 
 def policy_settings(spec: ModelSpec) -> dict[str, object]:

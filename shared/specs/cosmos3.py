@@ -65,8 +65,9 @@ class Cosmos3Spec(InStepLoopSpec):
     pool = "kv"
     label_name = "text"
     denoise_loop = in_step_loop = "denoise_loop"
-    #: whether it edits images (`POST /v1/images/edits`): Cosmos 3 makes them from text only
-    edits_images = False
+    #: the resize an image to edit takes (`POST /v1/images/edits`; max side, min side,
+    #: stride): empty, Cosmos 3 makes images from text only
+    edit_resize: tuple[int, ...] = ()
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:

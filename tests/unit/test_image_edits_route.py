@@ -18,10 +18,11 @@ def _form(*parts: tuple[str, bytes]) -> tuple[bytes, str]:
     return body, f"multipart/form-data; boundary={BOUNDARY}"
 
 
-@pytest.mark.parametrize("task,edits,ok", [("image", False, False), ("generate", False, False), ("image", True, True)])
-def test_only_a_model_that_edits_is_served(task: str, edits: bool, ok: bool) -> None:
+@pytest.mark.parametrize("task,edits,ok", [("image", (), False), ("generate", (), False),
+                                           ("image", (1024, 512, 16), True)])
+def test_only_a_model_that_edits_is_served(task: str, edits: tuple[int, ...], ok: bool) -> None:
     settings = ApiSettings(model_name="cosmos3-tiny", api_addr="a", advertise_addr="a", data_worker_addr="d",
-                           conductor_addr="c", control_addr="c", task=task, image_edits=edits)
+                           conductor_addr="c", control_addr="c", task=task, image_edit_resize=edits)
     req = ImageEditRequest(prompt="x")
     if ok:
         check_edits(req, settings)

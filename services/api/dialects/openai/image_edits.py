@@ -8,16 +8,17 @@ the official client sends a list), `prompt`, `n`, `size`, `response_format` (b64
 `cfg_img_scale`: the pull toward the input image). Reply as the generations route's
 (`images.ImagesResponse`), from the same code (`images.images_prepared`).
 
+The edit's size is the input image's after the model's resize (BAGEL's VAE transform:
+`settings.image_edit_resize`), as the reference makes it; `size` may be "auto" or that
+size. Each of the `n` images is its own engine request, sample j of the seed, with the
+image's file on it (`GenerateParams.images`): the data worker makes its pixels (the
+spec's `prepare_image`), the worker its context (`modeling/vision/bagel_edit.py`).
+
 Refusals, each a 400 naming the field before anything is queued: a model that does not
 edit (Cosmos 3, a text model) names the model and this route (`model`); a body that is
 not a form, no image part, more than one image, a part Pillow cannot read as an image
-(`image`); a `mask` (BAGEL edits by its prompt alone: `mask`); and what the generations
-route refuses (`size`, `n`, `num_inference_steps`, ...).
-
-The edit itself is not yet on the engine: the input image's ViT rows and autoencoder
-latents in each guidance branch's context (full, no text, no image) are the part left
-(the encoder is `modeling/vision/flux_ae.FluxEncoder`), so a request that passes every
-check above is answered with a 400 naming `image` that says so, rather than queued.
+(`image`); a `mask` (BAGEL edits by its prompt alone: `mask`); a size other than the
+edit's (`size`); and what the generations route refuses (`n`, `num_inference_steps`, ...).
 """
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ from __future__ import annotations
 import io
 from typing import Annotated, Any
 
+import msgspec
 from msgspec import Meta
 
-from services.api.dialects.openai.images import ImageGenerationRequest, check_served, engine_options, parse_size
+from services.api.dialects.openai.images import (
+    ImageGenerationRequest,
+    check_served,
+    engine_options,
+    images_prepared,
+    sample_choices,
+)
 from services.api.errors import invalid
 from services.api.forms import is_form, parse_form
 from services.api.serving import Prepared
@@ -71,7 +79,7 @@ def decode(body: bytes, content_type: str | None) -> EditForm:
 
 def check_edits(req: ImageEditRequest, settings: ApiSettings) -> None:
     """An image model that edits, the one the body names (else 400 naming `model`)."""
-    if settings.task != "image" or not settings.image_edits:
+    if settings.task != "image" or not settings.image_edit_resize:
         raise invalid("model", f"the served model {settings.model_name!r} does not edit images: {ROUTE} is for "
                                f"models that edit (BAGEL); it is a {settings.task!r} model")
     check_served(req, settings)
@@ -94,14 +102,27 @@ def read_image(images: list[bytes]) -> Any:
     return image.convert("RGB")
 
 
+def edit_size(image: Any, settings: ApiSettings, size: str) -> tuple[int, int]:
+    """(width, height) of the edit: the input's after the model's resize; a 400 naming
+    `size` for another."""
+    from shared.vision.bagel import Resize
+
+    width, height = Resize(*settings.image_edit_resize).size(*image.size)
+    if size not in ("auto", f"{width}x{height}"):
+        raise invalid("size", f"size must be \"auto\" or {width}x{height}: an edit is the size of its input image "
+                              f"after the model's resize, got {size}")
+    return width, height
+
+
 def accept(form: EditForm, state: ApiState) -> Prepared:
     settings = state.settings
     req = load(form.fields, ImageEditRequest)
     check_edits(req, settings)
-    read_image(form.images)
-    if req.size != "auto":
-        parse_size(req.size, settings)
-    engine_options(req, settings, 0, 0, 1)  # the steps' cap, as the generations route checks it
-    raise invalid("image", f"editing images with {settings.model_name!r} is not yet served: the input image's rows "
-                           f"in the guidance branches' contexts are not on the engine yet (the route, its checks "
-                           f"and the autoencoder's encoder are)")
+    width, height = edit_size(read_image(form.images), settings, req.size)
+    options = engine_options(req, settings, width, height, 1)
+    if req.image_guidance_scale is not None:
+        options["image_guidance_scale"] = float(req.image_guidance_scale)
+    image = form.images[0]
+    choices = [c._replace(params=msgspec.structs.replace(c.params, images=(image,)))
+               for c in sample_choices(req.prompt, options, req.n, req.request_id)]
+    return images_prepared(req, choices, width, height)
