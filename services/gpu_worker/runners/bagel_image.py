@@ -16,6 +16,12 @@ within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h *
 on a CPU generator seeded with the request's seed, after `sample` earlier draws of the
 same shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`);
 the route's PNG rounds x * 255 where the reference's PIL image truncates it.
+
+An edit (tensors "vae_pixels", "vit_patches", "edit_text": `BagelImageSpec._edit_rows`)
+builds its three branches' contexts (`modeling/vision/bagel_edit.py`) in the step that
+takes it, writes the full one and then the text-alone one into its pages and reads them
+back, the "no text" branch reading the full one's image rows (its prefix); its noise is
+the encoder's Gaussian draw and then the latents', the reference's order.
 """
 
 from __future__ import annotations
