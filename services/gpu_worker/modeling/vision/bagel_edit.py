@@ -35,7 +35,8 @@ def _cat(*kvs: KV) -> KV:
 def latents(model: BagelGenerator, pixels: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The image [3, H, W] in [-1, 1] -> its sampled latents as rows [h * w, 2 * 2 * C]
     (`forward_cache_update_vae`'s patchify, "chpwq->hwpqc")."""
-    z = model.vae_encoder.encode(pixels[None].float(), noise).to(model.dtype_())[0]
+    weights = model.vae_encoder.encoder.conv_in.weight
+    z = model.vae_encoder.encode(pixels[None].to(weights.device, weights.dtype), noise).to(model.dtype_())[0]
     c, p = model.latent_channels, LATENT_PATCH
     h, w = z.shape[1] // p, z.shape[2] // p
     return torch.einsum("chpwq->hwpqc", z.reshape(c, h, p, w, p)).reshape(h * w, p * p * c)

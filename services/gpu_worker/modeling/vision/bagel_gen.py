@@ -113,6 +113,7 @@ class MotAttention(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # Qwen2's rotary embedding returns them in x's dtype
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
@@ -217,7 +218,8 @@ class TimestepEmbedder(nn.Module):
         half = self.freq // 2
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
-        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+        first: Any = self.mlp[0]  # the sinusoids in float32, the MLP in its weights' dtype (bf16 without autocast)
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(first.weight.dtype))
 
 
 class BagelGenerator(ModelBase):
@@ -277,7 +279,8 @@ class BagelGenerator(ModelBase):
         dev = x.device
         ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
         times = torch.full((len(x),), t, device=dev)
-        rows = self.vae2llm(x) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
+        # the latents may be float32 (the Euler steps' dt is): into the weights' dtype, as autocast does
+        rows = self.vae2llm(x.to(self.dtype_())) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
         gen = torch.ones(len(rows) + 2, dtype=torch.bool, device=dev)
         gen[0] = gen[-1] = False
         return torch.cat((tags[:1], rows, tags[1:])), gen, torch.full((len(rows) + 2,), position, device=dev)
@@ -304,7 +307,7 @@ class BagelGenerator(ModelBase):
         """Latents [h * w, 2 * 2 * C] -> the image float [H, W, 3] in [0, 1]."""
         h, w, p, c = height // self.downsample, width // self.downsample, LATENT_PATCH, self.latent_channels
         z = torch.einsum("nhwpqc->nchpwq", x.reshape(1, h, w, p, p, c)).reshape(1, c, h * p, w * p)
-        return (self.ae.decode(z) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0)
+        return (self.ae.decode(z.to(self.dtype_())) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0)
 
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The image uint8 [H, W, 3] as the reference's PIL image (x 255, truncated)."""
