@@ -338,7 +338,8 @@ def _default_body_limit(spec: ModelSpec) -> int:
     """The largest body by default: larger for a model whose requests carry images or audio (base64)."""
     from services.api.settings import DEFAULT_MAX_BODY_BYTES, VISION_MAX_BODY_BYTES
 
-    big = spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0] or spec.world_shape[0]
+    big = (spec.image_placeholder or spec.audio_placeholder or spec.action_shape[0] or spec.world_shape[0]
+           or bool(getattr(spec, "edit_resize", ())))  # an image model that edits: the upload
     return VISION_MAX_BODY_BYTES if big else DEFAULT_MAX_BODY_BYTES
 
 
@@ -348,7 +349,8 @@ def image_settings(spec: ModelSpec) -> dict[str, object]:
 
     if not isinstance(spec, ImageGenSpec):
         return {}
-    return {"image_limits": (spec.spatial, spec.temporal, spec.max_side, spec.max_frames, spec.loop_cap)}
+    return {"image_limits": (spec.spatial, spec.temporal, spec.max_side, spec.max_frames, spec.loop_cap),
+            "image_edit_resize": tuple(spec.edit_resize)}
 
 
 def policy_settings(spec: ModelSpec) -> dict[str, object]:

@@ -12,7 +12,10 @@ returns, so a form field and a JSON field are checked one way:
   read as JSON (`request_id=123` is the string "123");
 - an empty value is the same as an absent field (JSON's null);
 - only `stop` may repeat (`-F stop=a -F stop=b` is `["a", "b"]`); any other field given
-  twice is a 400.
+  twice is a 400;
+- a route whose files have other names (`/v1/images/edits`: `image`, `image[]`, `mask`)
+  names them (`file_fields`): their parts are kept as bytes, in order, each name's list
+  in `Form.files`, and may repeat.
 
 The body is read whole first (`serving.read_body`, so the api's body limit and its 413
 hold for forms too) and parsed in memory: no temporary files, no thread pool.
@@ -45,6 +48,7 @@ logging.getLogger("python_multipart").setLevel(logging.ERROR)
 class Form(NamedTuple):
     fields: dict[str, Any]  # typed as a JSON body would be (see the module docstring)
     file: bytes | None  # the `file` part's bytes; None when the form has no such part
+    files: dict[str, list[bytes]]  # the parts of the route's `file_fields`, by name
 
 
 def media_type(content_type: str | None) -> str:
@@ -135,19 +139,25 @@ def typed_value(name: str, value: str) -> Any:
         return value
 
 
-def parse_form(body: bytes, content_type: str | None) -> Form:
-    """Read a multipart/form-data body; raises ApiError (400) for anything malformed."""
+def parse_form(body: bytes, content_type: str | None, file_fields: frozenset[str] = frozenset()) -> Form:
+    """Read a multipart/form-data body; raises ApiError (400) for anything malformed.
+    `file_fields`: the names of parts kept as bytes besides `file` (module docstring)."""
     if not is_form(content_type):
         got = media_type(content_type) or "none"
+        name = min(file_fields) if file_fields else FILE_FIELD
         raise ApiError(ErrorKind.INVALID,
-                       f"the body must be {FORM_TYPE} with a {FILE_FIELD!r} part (Content-Type: {got})", FILE_FIELD)
+                       f"the body must be {FORM_TYPE} with a {name!r} part (Content-Type: {got})", name)
     _, options = parse_options_header(content_type or "")
     boundary = options.get(b"boundary")
     if not boundary:
         raise ApiError(ErrorKind.INVALID, f"the {FORM_TYPE} Content-Type has no boundary")
     file: bytes | None = None
     texts: dict[str, list[str]] = {}
+    files: dict[str, list[bytes]] = {}
     for name, data in _parts(body, boundary):
+        if name in file_fields:
+            files.setdefault(name, []).append(data)
+            continue
         if name == FILE_FIELD:
             if file is not None:
                 raise ApiError(ErrorKind.INVALID, f"the form has more than one {FILE_FIELD!r} part; send one file",
@@ -168,5 +178,5 @@ def parse_form(body: bytes, content_type: str | None) -> Form:
             fields[name] = items
         else:
             fields[name] = items[0]
-    return Form(fields, file)
+    return Form(fields, file, files)
 

@@ -74,6 +74,10 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: an image/video model's limits (the spec's): pixels per latent patch, frames per
     #: latent frame, the largest side, the most frames, the most denoising steps
     image_limits: tuple[int, int, int, int, int] = (16, 4, 2048, 189, 100)
+    #: an image model that edits images (`POST /v1/images/edits`: BAGEL; not Cosmos 3): the
+    #: resize its input image takes, which is the edit's size (max side, min side, stride;
+    #: `shared.vision.bagel.Resize`); empty: it does not edit
+    image_edit_resize: tuple[int, ...] = ()
     #: a robot policy's camera names (LeRobot's `input_features`, in order; empty: it takes
     #: any) and its state's length (0: not known): the openpi WebSocket maps onto them
     policy_cameras: tuple[str, ...] = ()

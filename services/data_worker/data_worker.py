@@ -236,12 +236,13 @@ class DataWorker:
             spec.check_size(width, height, frames)
             texts = spec.prompt_texts(req.prompt or "", negative if isinstance(negative, str) else None, height,
                                       width, frames)
+            images = tuple(spec.prepare_image(data) for data in req.images)  # an edit's input image
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         cond, uncond = (self.tok.tokenizer.encode(t, add_special_tokens=False).ids + spec.suffix_ids for t in texts)
         options["cond_rows"] = len(cond)
         try:
-            ppo = spec.process_prompt(PromptRequest(cond + uncond, None, options))
+            ppo = spec.process_prompt(PromptRequest(cond + uncond, None, options, images))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         ids = [int(t) for t in ppo.new_input_tensors["input_ids"]]

@@ -17,6 +17,16 @@ A negative prompt has no place in BAGEL's guidance (its "no text" branch is the 
 context) and is refused. Sizes are multiples of 16 px (8x the autoencoder, 2 x 2 latent
 patches) up to 1024 (its 64 x 64 latent position table).
 
+An edit (`POST /v1/images/edits`: the inferencer's `[image, text]`) carries its input image
+(`prepare_image`: the autoencoder's pixels and the ViT's patches, `EditImage`). Its rows
+are its three branches' contexts (`modeling/vision/bagel_edit.py`) in the one label: the
+full context (the image's latent block, its ViT block, the text), then the text alone
+(the "no image" branch's, from position 0); the "no text" branch reads the full one's
+first two blocks. Its size is the input's after the VAE transform's resize
+(`edit_resize`); `image_guidance_scale` is the inferencer's `cfg_img_scale` (1.5 unless
+told). Sample j of a seed is the j-th edit's draws of one generator (the encoder's noise,
+then the latents').
+
 It is an `ImageGenSpec` (shared/specs/image_gen.py), as Cosmos 3's spec is: the image route
 and the data worker take both alike.
 """
@@ -24,6 +34,7 @@ and the data worker take both alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -31,10 +42,21 @@ import numpy as np
 
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.bagel import bagel_text_config
-from shared.specs.base import PromptError, PromptRequest
+from shared.specs.base import PreparedImage, PromptError, PromptRequest
 from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
+from shared.vision.bagel import BagelImages
 
 MAX_STEPS = 100
+#: the inferencer's `cfg_img_scale`
+IMAGE_GUIDANCE = 1.5
+
+
+@dataclass(frozen=True)
+class EditImage(PreparedImage):
+    """An edit's input image: `pixels` the autoencoder's float32 [3, H, W] in [-1, 1],
+    `patches` the ViT's float32 [h, w, 14 * 14 * 3]."""
+
+    patches: np.ndarray
 #: pixels per latent row (the autoencoder's 8 x its 2 x 2 patch), the largest side (64 rows)
 SPATIAL, MAX_SIDE = 16, 1024
 
@@ -42,6 +64,8 @@ SPATIAL, MAX_SIDE = 16, 1024
 class BagelImageSpec(ImageGenSpec):
     engine = "bagel_diffusion"
     max_side, max_frames = MAX_SIDE, 1
+    #: an edit's input image's resize (the VAE transform's: max side, min side, stride)
+    edit_resize = (BagelImages.vae.max_size, BagelImages.vae.min_size, BagelImages.vae.stride)
 
     def __init__(self, config: Mapping[str, Any], *, page_size: int, max_seq_len: int = 0,
                  dtype: str = "float32") -> None:
@@ -92,6 +116,37 @@ class BagelImageSpec(ImageGenSpec):
                                                  "branch is the context without the text)")
         return f"<|im_start|>{prompt}<|im_end|>", ""
 
+    def prepare_image(self, data: bytes) -> PreparedImage:
+        """An edit's input image file -> its pixels and patches (`EditImage`)."""
+        import io
+
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except Exception as exc:
+            raise PromptError("image", f"the image to edit is not an image Pillow reads: {exc}") from None
+        images = BagelImages()
+        return EditImage(images.vae_pixels(image), "", "", images.preprocess(image))
+
+    def _edit_rows(self, ids: list[int], image: PreparedImage, height: int, width: int) -> tuple[list[int], dict]:
+        """An edit's rows (module docstring) and its tensors; a `size` other than its image's
+        is refused."""
+        if not isinstance(image, EditImage):
+            raise PromptError("image", "an edit's image must come through prepare_image")
+        if image.pixels.shape[1:] != (height, width):
+            raise PromptError("size", f"an edit is its image's size {image.pixels.shape[2]}x{image.pixels.shape[1]}, "
+                                      f"got {width}x{height}")
+        latent = (height // SPATIAL) * (width // SPATIAL)
+        vit = image.patches.shape[0] * image.patches.shape[1]
+        start, end = self.tags
+        rows = [start] + [start] * latent + [end, start] + [start] * vit + [end] + ids + ids
+        tensors = {"vae_pixels": np.asarray(image.pixels, dtype=np.float32),
+                   "vit_patches": np.asarray(image.patches, dtype=np.float32),
+                   "edit_text": np.asarray([len(ids)], dtype=np.int64)}
+        return rows, tensors
+
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         o = request.options
         ids = request.token_ids
@@ -102,10 +157,18 @@ class BagelImageSpec(ImageGenSpec):
         guidance = guidance_option(o, 4.0)
         height, width = int_option(o, "height", 1024), int_option(o, "width", 1024)
         self.check_size(width, height, int_option(o, "num_frames", 1))
+        image_guidance = o.get("image_guidance_scale", IMAGE_GUIDANCE)
+        if not isinstance(image_guidance, int | float) or isinstance(image_guidance, bool):
+            raise PromptError("image_guidance_scale", "image_guidance_scale must be a number")
+        extra: dict[str, np.ndarray] = {}
+        if len(request.images) > 1:
+            raise PromptError("image", f"BAGEL edits one image at a time, got {len(request.images)}")
+        if request.images:
+            ids, extra = self._edit_rows(ids, request.images[0], height, width)
         gen = [int_option(o, "seed", 0), int_option(o, "sample", 0), steps, height, width, 1, len(ids),
                int(float(guidance) > 1.0)]
         tensors = {"input_ids": np.asarray(ids, dtype=np.int32), "gen": np.asarray(gen, dtype=np.int64),
-                   "guidance": np.asarray([float(guidance)], dtype=np.float64)}
+                   "guidance": np.asarray([float(guidance), float(image_guidance)], dtype=np.float64), **extra}
         layout = LabelLayout(spans=(Span.rows(len(ids)),))
         return ProcessPromptOutput(tensors, {self.label_name: layout}, {"prompt_len": len(ids)})
 

@@ -53,6 +53,9 @@ class ImageGenSpec(InStepLoopSpec):
     #: the largest side in pixels and the most frames the model makes
     max_side: int
     max_frames: int
+    #: the resize an image to edit takes (`POST /v1/images/edits`; max side, min side,
+    #: stride): empty where the model makes images from text only
+    edit_resize: tuple[int, ...] = ()
     #: the ids the data worker appends to each tokenized prompt text
     suffix_ids: list[int]
     _label: KVLabel

@@ -88,6 +88,14 @@ class BagelImages:
         # [H, W, C] -> [h, p, w, q, C] -> [h, w, p, q, C]: patchify's "chpwq->hwpqc"
         return np.ascontiguousarray(x.reshape(h, p, w, p, 3).transpose(0, 2, 1, 3, 4).reshape(h, w, p * p * 3))
 
+    def vae_pixels(self, image: Any) -> np.ndarray:
+        """An image to edit -> the autoencoder's input float32 [3, H, W] in [-1, 1]: the VAE
+        transform's resize, `ToTensor` and `Normalize(0.5, 0.5)` (the inferencer's
+        `prepare_vae_images`); H x W is also the edit's output size."""
+        pixels = np.asarray(self.vae(_to_rgb(image)), dtype=np.uint8)
+        x = (pixels.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
+        return np.ascontiguousarray(x.transpose(2, 0, 1))
+
     def prompt(self, patches: np.ndarray) -> str:
         """The text for one image: a placeholder per patch."""
         return self.image_token * (patches.shape[0] * patches.shape[1])

@@ -10,6 +10,9 @@ rows whose image blocks attend both ways. The server's step budget (1024 rows) i
 than every image block here, so each block runs whole as its step's first chunk while the
 text around it is chunked; it runs with `MSTAR_KV_DEBUG_ASSERTS=1` and every page comes back.
 
+Edits: `POST /v1/images/edits` on the image server against `interleave_inference([image,
+text])` (float32, the PNG within 1), one alone and two at once; its refusals.
+
 Text to image: a second server (`--task image`) behind `POST /v1/images/generations`, against
 the inferencer's `interleave_inference([text])` with the same global seed: guidance on and
 off, two sizes, n = 2, all at once; the PNG within 1, the npy float image truncated within 1.
@@ -88,12 +91,13 @@ def servers(folder, tmp_path_factory):
     und = MstarServer(str(folder), logs / "bagel.log", "--num-kv-pages", "640", "--page-size", "16",
                       "--max-batch-tokens", "1024", "--enable-prompt-tokens-details",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
-    gen = MstarServer(str(folder), logs / "bagel-image.log", "--task", "image", "--num-kv-pages", "64",
+    gen = MstarServer(str(folder), logs / "bagel-image.log", "--task", "image", "--num-kv-pages", "512",
                       "--page-size", "16", env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
     try:
         for items in (*CASES.values(), OTHER):
             reference(folder, items)
         refs = {name: reference_images(folder, body, n) for name, (body, n) in GEN.items()}
+        refs.update({name: [reference_edit(folder, body)] for name, body in EDITS.items()})
         yield und.wait_ready(), gen.wait_ready(), refs
     finally:
         und.stop()
@@ -275,3 +279,95 @@ async def test_image_refusals_name_the_field(image_server):
             r = await client.post("/v1/images/generations", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert srv.wait_pages_free() == 0
+
+
+# -- POST /v1/images/edits -------------------------------------------------------------------
+
+
+async def _edit(client: httpx.AsyncClient, fields: dict, files: list[tuple[str, bytes]]) -> httpx.Response:
+    """The route's multipart form as OpenAI's client sends it (files as `image` parts)."""
+    parts = [(name, (f"{i}.png", data, "image/png")) for i, (name, data) in enumerate(files)]
+    return await client.post("/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=parts or None)
+
+
+#: name -> the edit route's fields and the image it edits (each 512 x 512 or so after
+#: BAGEL's resize: ~1000 latent rows and ~1400 ViT rows in the context)
+EDITS = {"edit": {"prompt": "Make it blue.", "num_inference_steps": 3, "guidance_scale": 3.0,
+                  "image_guidance_scale": 2.0, "seed": 7, "image": "square"},
+         "other": {"prompt": "Paint a green boat on it.", "num_inference_steps": 2, "guidance_scale": 2.0,
+                   "seed": 3, "image": "square2"}}
+IMAGES.update(square=png(20, 20, 4, (255, 0, 0)), square2=png(16, 16, 5, (0, 0, 255)))
+
+
+def reference_edit(folder: Path, body: dict) -> np.ndarray:
+    """The inferencer's edit of the body's image (`interleave_inference([image, prompt])`)
+    with the global generator seeded with `seed` (its encoder's noise, then the latents')."""
+    import torch
+    from bagel2.inferencer import InterleaveInferencer
+    from PIL import Image
+
+    ref = _reference(folder)
+    inf = InterleaveInferencer(ref["model"], ref["vae"], ref["tokenizer"], ref["vae_transform"],
+                               ref["vit_transform"], ref["ids"])
+    torch.manual_seed(body["seed"])
+    return np.asarray(inf.interleave_inference(
+        [Image.open(io.BytesIO(IMAGES[body["image"]])), body["prompt"]], num_timesteps=body["num_inference_steps"],
+        cfg_text_scale=body["guidance_scale"], cfg_img_scale=body.get("image_guidance_scale", 1.5))[-1])
+
+
+async def _edit(client: httpx.AsyncClient, fields: dict, files: list[tuple[str, bytes]]) -> httpx.Response:
+    """The route's multipart form as OpenAI's client sends it (files as `image` parts)."""
+    parts = [(name, (f"{i}.png", data, "image/png")) for i, (name, data) in enumerate(files)]
+    return await client.post("/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=parts or None)
+
+
+async def _edit_of(client: httpx.AsyncClient, name: str, part: str = "image") -> np.ndarray:
+    body = {k: v for k, v in EDITS[name].items() if k != "image"}
+    r = await _edit(client, body, [(part, IMAGES[EDITS[name]["image"]])])
+    assert r.status_code == 200, (name, r.text)
+    data = r.json()["data"]
+    assert len(data) == 1
+    return _pixels(data[0]["b64_json"])
+
+
+async def test_edits_equal_the_reference(image_server):
+    """An edit alone, then two at once (their iterations in one forward): each PNG within 1
+    of the inferencer's edit (float32; it truncates x * 255, the route's PNG rounds), the
+    input's size after BAGEL's resize; pages back to zero."""
+    srv, refs = image_server
+    async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
+        alone = await _edit_of(client, "edit")
+        both = await asyncio.gather(_edit_of(client, "edit", "image[]"), _edit_of(client, "other"))
+    for name, mine in (("edit", alone), ("edit", both[0]), ("other", both[1])):
+        want = refs[name][0]
+        assert mine.shape == want.shape and np.abs(mine.astype(int) - want.astype(int)).max() <= 1, name
+    assert not np.array_equal(refs["edit"][0], refs["other"][0])
+    assert_clean(srv)
+
+
+async def test_edit_refusals_name_the_field(servers):
+    """A model that does not edit (the understanding server: text out) is a 400 naming the
+    model and the route; on the image server a body that is not a form, no image, bytes that
+    are not an image, two images, a mask, a size other than the edit's: 400 naming the field."""
+    und, gen, _ = servers
+    body = {"prompt": "Make it blue.", "num_inference_steps": 2}
+    image = IMAGES["red"]
+    async with httpx.AsyncClient(base_url=und.url, timeout=60) as client:
+        name = (await client.get("/v1/models")).json()["data"][0]["id"]
+        r = await _edit(client, body, [("image", image)])
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "model", r.text
+    assert name in err["message"] and "/v1/images/edits" in err["message"]
+    cases = [(body, [], "image"), (body, [("image", b"not an image")], "image"),
+             (body, [("image", image), ("image[]", image)], "image"),
+             (body, [("image", image), ("mask", image)], "mask"),
+             ({**body, "size": "512x512"}, [("image", image)], "size"), ({**body, "n": 9}, [("image", image)], "n"),
+             ({**body, "image_guidance_scale": -1}, [("image[]", image)], "image_guidance_scale")]
+    async with httpx.AsyncClient(base_url=gen.url, timeout=60) as client:
+        as_json = await client.post("/v1/images/edits", json=body)
+        got = [await _edit(client, fields, files) for fields, files, _ in cases]
+    assert as_json.status_code == 400 and as_json.json()["error"]["param"] == "image", as_json.text
+    for (fields, files, param), r in zip(cases, got):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, [n for n, _ in files], r.text)
+    assert "608x512" in got[4].json()["error"]["message"]
+    assert gen.wait_pages_free() == 0 and und.wait_pages_free() == 0

@@ -61,6 +61,14 @@ def setup(tmp_path_factory):
         srv.stop()
 
 
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def _png_pixels(b64: str) -> np.ndarray:
     from PIL import Image
 
@@ -205,6 +213,11 @@ def test_bad_input_and_failed_job(setup):
         r = httpx.post(srv.url + route, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert httpx.get(srv.url + "/v1/videos/video_nope").status_code == 404
+    # Cosmos 3 makes images from text only: the edit route names it and the route
+    edit = httpx.post(srv.url + "/v1/images/edits", data={"prompt": "x"},
+                      files=[("image", ("a.png", _png(), "image/png"))])
+    assert edit.status_code == 400 and edit.json()["error"]["param"] == "model", edit.text
+    assert "tiny-cosmos3" in edit.json()["error"]["message"] and "/v1/images/edits" in edit.json()["error"]["message"]
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     # a prompt past the pool's 1024 rows is the conductor's refusal, after the job started

@@ -16,6 +16,12 @@ within 1 (uint8), not bit for bit. The noise is the reference's `torch.randn(h *
 on a CPU generator seeded with the request's seed, after `sample` earlier draws of the
 same shape. The image goes back as float32 [1, H, W, 3] in [0, 1] (`Request.pooled`);
 the route's PNG rounds x * 255 where the reference's PIL image truncates it.
+
+An edit (tensors "vae_pixels", "vit_patches", "edit_text": `BagelImageSpec._edit_rows`)
+builds its three branches' contexts (`modeling/vision/bagel_edit.py`) in the step that
+takes it, writes the full one and then the text-alone one into its pages and reads them
+back, the "no text" branch reading the full one's image rows (its prefix); its noise is
+the encoder's Gaussian draw and then the latents', the reference's order.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.gpu_worker.modeling.vision.bagel_edit import edit_job
 from services.gpu_worker.modeling.vision.bagel_gen import LATENT_PATCH, Job, denoise_step
 from services.gpu_worker.request import LoopState, Request
 from services.gpu_worker.runners.base import ModelRunner
@@ -47,7 +54,12 @@ class BagelImageRunner(DiffusionRunner):
             if name not in tensors:
                 raise ValueError(f"a BAGEL image request needs tensor {name!r}")
         gen: dict[str, Any] = dict(zip(GEN_FIELDS, (int(v) for v in tensors["gen"].reshape(-1))))
-        gen["guidance"] = float(tensors["guidance"].reshape(-1)[0])
+        scales = tensors["guidance"].reshape(-1)
+        gen["guidance"], gen["image_guidance"] = float(scales[0]), float(scales[-1])
+        if "vae_pixels" in tensors:  # an edit: its input image (`BagelImageSpec._edit_rows`)
+            gen["edit"] = (torch.from_numpy(np.array(tensors["vae_pixels"], dtype=np.float32)),
+                           torch.from_numpy(np.array(tensors["vit_patches"], dtype=np.float32)),
+                           int(tensors["edit_text"].reshape(-1)[0]))
         if not prompt or len(prompt) != gen["cond_rows"]:
             raise ValueError(f"a BAGEL image request's {len(prompt)} rows are not its context's {gen['cond_rows']}")
         return prompt, gen
@@ -70,11 +82,43 @@ class BagelImageRunner(DiffusionRunner):
     def _image_job(self, r: Any, pages: list[int]) -> Job:
         """Its context's K/V into its pages, read back (read-only from here on); its noise."""
         gen = r.inputs
+        steps = min(gen["steps"], int(r.caps.get(self.spec.denoise_loop, 0)) + 1)
+        if "edit" in gen:
+            return self._edit_job(r, pages, steps)
         ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
         self._write(pages, 0, self.model.context(ids))
-        steps = min(gen["steps"], int(r.caps.get(self.spec.denoise_loop, 0)) + 1)
         return Job(self._read(pages, 0, len(r.prompt)), len(r.prompt), gen["height"], gen["width"],
-                   self._noise(gen), steps=steps, text_scale=gen["guidance"])
+                   self._noise(gen), steps=steps, text_scale=gen["guidance"], img_scale=gen["image_guidance"])
+
+    def _edit_job(self, r: Any, pages: list[int], steps: int) -> Job:
+        """An edit's three contexts (`bagel_edit`) into its pages (the full one, then the
+        text alone), read back: the "no text" branch reads the full one's image rows."""
+        gen = r.inputs
+        pixels, patches, text = gen["edit"]
+        ids = torch.tensor(r.prompt[-text:], dtype=torch.long, device=self.device)
+        enc_noise, noise = self._edit_noise(gen)
+        job = edit_job(self.model, pixels.to(self.device), enc_noise, patches.to(self.device), ids, self.tags, noise,
+                       steps=steps, text_scale=gen["guidance"], img_scale=gen["image_guidance"])
+        image = job.n - text
+        self._write(pages, 0, job.full)
+        assert job.noimg is not None
+        self._write(pages, job.n, job.noimg[0])
+        job.full, job.notext = self._read(pages, 0, job.n), (self._read(pages, 0, image), job.notext[1])
+        job.noimg = (self._read(pages, job.n, text), job.noimg[1])
+        return job
+
+    def _edit_noise(self, gen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the encoder's Gaussian noise [1, C, H / 8, W / 8], the latents' [h * w, 2 * 2 * C]):
+        the reference's draws in its order, after `sample` earlier edits' draws."""
+        down, c = self.model.downsample, self.model.latent_channels
+        enc = (1, c, gen["height"] * LATENT_PATCH // down, gen["width"] * LATENT_PATCH // down)
+        shape = ((gen["height"] // down) * (gen["width"] // down), LATENT_PATCH**2 * c)
+        generator = torch.Generator("cpu").manual_seed(gen["seed"])
+        for _ in range(gen["sample"]):
+            torch.randn(enc, generator=generator)
+            torch.randn(shape, generator=generator)
+        enc_noise = torch.randn(enc, generator=generator).to(self.device)
+        return enc_noise, torch.randn(shape, generator=generator).to(self.device, self.model.dtype_())
 
     def _noise(self, gen: dict[str, Any]) -> torch.Tensor:
         """[h * w, 2 * 2 * C]: the reference's draw, after `sample` earlier ones."""

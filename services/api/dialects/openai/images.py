@@ -166,13 +166,9 @@ def npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def accept(obj: dict, state: ApiState) -> Prepared:
-    settings = state.settings
-    req = load(obj, ImageGenerationRequest)
-    check_served(req, settings)
-    width, height = parse_size(req.size, settings)
-    options = engine_options(req, settings, width, height, 1)
-    choices = sample_choices(req.prompt, options, req.n, req.request_id)
+def images_prepared(req: ImageGenerationRequest, choices: list[Choice], width: int, height: int) -> Prepared:
+    """The engine requests of an image route (generations, edits) and the reply their
+    images make: each PNG (or .npy), in order."""
 
     def answer(dones: list[DoneEvent], rid: str, created: int) -> msgspec.Struct:
         data = []
@@ -183,3 +179,12 @@ def accept(obj: dict, state: ApiState) -> Prepared:
         return ImagesResponse(created, data, req.output_format, f"{width}x{height}")
 
     return prepared(choices, answer, "image")
+
+
+def accept(obj: dict, state: ApiState) -> Prepared:
+    settings = state.settings
+    req = load(obj, ImageGenerationRequest)
+    check_served(req, settings)
+    width, height = parse_size(req.size, settings)
+    options = engine_options(req, settings, width, height, 1)
+    return images_prepared(req, sample_choices(req.prompt, options, req.n, req.request_id), width, height)

@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from services.api.chat import plan_chat
 from services.api.chat_request import check_model, parse_chat
-from services.api.dialects.openai import images, videos
+from services.api.dialects.openai import image_edits, images, videos
 from services.api.dialects.openai.chat_audio import speech_out
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatCompletion, ChatReply, Completion, CompletionReply, ManyReply
@@ -128,6 +128,11 @@ async def image_generations(request: Request) -> Response | EventStream:
     return await serve(request, images.accept, "/v1/images/generations")
 
 
+async def image_edits_route(request: Request) -> Response | EventStream:
+    """POST /v1/images/edits (a form: `image_edits.decode`)."""
+    return await serve(request, image_edits.accept, image_edits.ROUTE, decode=image_edits.decode)
+
+
 async def completions(request: Request) -> Response | EventStream:
     """POST /v1/completions."""
     return await serve(request, _accept_completion, "/v1/completions")
@@ -146,6 +151,7 @@ ROUTES: list[BaseRoute] = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/images/generations", image_generations, methods=["POST"]),
+    Route(image_edits.ROUTE, image_edits_route, methods=["POST"]),
     Route("/v1/videos", guard(videos.create), methods=["POST"]),
     Route("/v1/videos/{video_id}", guard(videos.retrieve), methods=["GET"]),
     Route("/v1/videos/{video_id}", guard(videos.delete), methods=["DELETE"]),
@@ -156,6 +162,7 @@ SHAPES: dict[tuple[str, str], Shape] = {
     ("/v1/completions", "post"): Shape(CompletionRequest, Completion),
     ("/v1/chat/completions", "post"): Shape(ChatCompletionRequest, ChatCompletion),
     ("/v1/images/generations", "post"): Shape(images.ImageGenerationRequest, images.ImagesResponse),
+    (image_edits.ROUTE, "post"): Shape(response=images.ImagesResponse, form=image_edits.ImageEditRequest),
     ("/v1/videos", "post"): Shape(videos.VideoCreateRequest, videos.VideoJob),
     ("/v1/videos/{video_id}", "get"): Shape(response=videos.VideoJob),
     ("/v1/models", "get"): Shape(response=ModelList),

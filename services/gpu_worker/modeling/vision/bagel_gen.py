@@ -113,6 +113,7 @@ class MotAttention(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # Qwen2's rotary embedding returns them in x's dtype
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
@@ -217,18 +218,17 @@ class TimestepEmbedder(nn.Module):
         half = self.freq // 2
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
-        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+        first: Any = self.mlp[0]  # the sinusoids in float32, the MLP in its weights' dtype (bf16 without autocast)
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(first.weight.dtype))
 
 
 class BagelGenerator(ModelBase):
     """The generation half of a BAGEL checkpoint (module docstring); `load_weights` takes the
     folder's tensors (ema.safetensors and ae.safetensors together) and keeps its parts'."""
 
-    #: the understanding-only parts and the autoencoder's encoder are not read
-    skip_prefixes = ("vit_model.", "connector.", "vit_pos_embed.", "encoder.")
-
     def __init__(self, config: Mapping[str, Any]) -> None:
-        from services.gpu_worker.modeling.vision.flux_ae import FluxDecoder
+        from services.gpu_worker.modeling.vision.bagel import BagelConnector, BagelPosEmbed, BagelVit
+        from services.gpu_worker.modeling.vision.flux_ae import FluxDecoder, FluxEncoder
 
         super().__init__()
         llm, ae = config["llm_config"], config["vae_config"]
@@ -241,12 +241,24 @@ class BagelGenerator(ModelBase):
         self.latent_pos_embed = _Table(MAX_LATENT_SIZE**2, hidden)
         self.ae = FluxDecoder(ae)
         self.downsample = int(ae["downsample"]) * LATENT_PATCH
+        # an edit's input image: its ViT rows (understanding) and its autoencoder latents
+        self.vae_encoder = FluxEncoder(ae)
+        self.vit = BagelVit(config["vit_config"])
+        self.connector = BagelConnector(int(config["vit_config"]["hidden_size"]), hidden)
+        self.vit_pos_embed = BagelPosEmbed(hidden)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Its tensors by name (ae's `decoder.*` as `ae.decoder.*`); the understanding-only
-        parts (ViT, connector, head) and the encoder are not its."""
-        skip = ("vit_model.", "connector.", "vit_pos_embed.", "encoder.", "language_model.lm_head.")
-        mine = {("ae." + k if k.startswith("decoder.") else k): v for k, v in state.items() if not k.startswith(skip)}
+        """Its tensors by name (ae's `decoder.*` as `ae.decoder.*`, `encoder.*` as
+        `vae_encoder.encoder.*`, the ViT's `vit_model.vision_model.*` as `vit.*`); the text
+        head is not its (no text out)."""
+        renames = (("decoder.", "ae.decoder."), ("encoder.", "vae_encoder.encoder."),
+                   ("vit_model.vision_model.", "vit."))
+        mine = {}
+        for k, v in state.items():
+            if k.startswith("language_model.lm_head."):
+                continue
+            old = next((a for a, _ in renames if k.startswith(a)), None)
+            mine[k if old is None else dict(renames)[old] + k[len(old):]] = v
         self.load_state_dict(mine, strict=True)
 
     def dtype_(self) -> torch.dtype:
@@ -259,23 +271,33 @@ class BagelGenerator(ModelBase):
         positions = torch.arange(len(ids), device=ids.device)
         return lm.run(lm.model.embed_tokens(ids), gen, positions, [(0, len(ids))], [None], causal=True)[1]
 
+    def latent_block(self, x: torch.Tensor, t: float, tags: torch.Tensor, h: int, w: int,
+                     position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An image block of latents `x` [h * w, patch dim] at time `t` between the tags
+        (embedded [2, hidden]): (its rows' inputs, which rows are latent, their positions).
+        A query's latents are noisy; an edit's input image is its clean latents at t = 0."""
+        dev = x.device
+        ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
+        times = torch.full((len(x),), t, device=dev)
+        # the latents may be float32 (the Euler steps' dt is): into the weights' dtype, as autocast does
+        rows = self.vae2llm(x.to(self.dtype_())) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
+        gen = torch.ones(len(rows) + 2, dtype=torch.bool, device=dev)
+        gen[0] = gen[-1] = False
+        return torch.cat((tags[:1], rows, tags[1:])), gen, torch.full((len(rows) + 2,), position, device=dev)
+
     def velocities(self, queries: list[Query]) -> list[torch.Tensor]:
         """Each query's velocity for its latents [h * w, patch dim], all in one pass (each
         query's rows attend to its own context and to each other only)."""
         seqs, gens, positions, sets, at = [], [], [], [], 0
         tags = self.language_model.model.embed_tokens(queries[0].tags)
         for q in queries:
-            dev, h, w = q.x.device, q.height // self.downsample, q.width // self.downsample
-            ids = (torch.arange(h, device=dev)[:, None] * MAX_LATENT_SIZE + torch.arange(w, device=dev)).reshape(-1)
-            times = torch.full((len(q.x),), q.t, device=dev)
-            rows = self.vae2llm(q.x) + self.time_embedder(times) + self.latent_pos_embed.pos_embed[ids]
-            seqs.append(torch.cat((tags[:1], rows, tags[1:])))
-            gen = torch.ones(len(rows) + 2, dtype=torch.bool, device=dev)
-            gen[0] = gen[-1] = False
+            seq, gen, pos = self.latent_block(q.x, q.t, tags, q.height // self.downsample,
+                                              q.width // self.downsample, q.position)
+            seqs.append(seq)
             gens.append(gen)
-            positions.append(torch.full((len(rows) + 2,), q.position, device=dev))
-            sets.append((at, len(rows) + 2))
-            at += len(rows) + 2
+            positions.append(pos)
+            sets.append((at, len(seq)))
+            at += len(seq)
         out, _ = self.language_model.run(torch.cat(seqs), torch.cat(gens), torch.cat(positions), sets,
                                          [q.past for q in queries], causal=False)
         v = self.llm2vae(out)
@@ -285,7 +307,7 @@ class BagelGenerator(ModelBase):
         """Latents [h * w, 2 * 2 * C] -> the image float [H, W, 3] in [0, 1]."""
         h, w, p, c = height // self.downsample, width // self.downsample, LATENT_PATCH, self.latent_channels
         z = torch.einsum("nhwpqc->nchpwq", x.reshape(1, h, w, p, p, c)).reshape(1, c, h * p, w * p)
-        return (self.ae.decode(z) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0)
+        return (self.ae.decode(z.to(self.dtype_())) * 0.5 + 0.5).clamp(0, 1)[0].permute(1, 2, 0)
 
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The image uint8 [H, W, 3] as the reference's PIL image (x 255, truncated)."""
@@ -335,18 +357,25 @@ class Job:
     renorm_min: float = 0.0
     renorm_type: str = "global"
     times: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: the full branch's query position (None: `n`, text-to-image's context rows) and the
+    #: other branches' contexts and positions: text-to-image's by default (no text: empty;
+    #: no image: the full one); an edit's (`bagel_edit`): its image alone, its text alone
+    position: int | None = None
+    notext: tuple[KV | None, int] = (None, 0)
+    noimg: tuple[KV, int] | None = None
 
     def __post_init__(self) -> None:
         self.times = list(zip(*timesteps(self.steps, self.shift)))
 
     def queries(self, step: int, tags: torch.Tensor) -> list[Query]:
         """This step's branches: the full one, then (inside the interval) no text, no image."""
-        t = self.times[step][0]
-        out = [Query(self.x, float(t), tags, self.height, self.width, self.full, self.n)]
+        t, size = float(self.times[step][0]), (self.height, self.width)
+        full = (self.full, self.n if self.position is None else self.position)
+        out = [Query(self.x, t, tags, *size, *full)]
         if self.interval[0] < t <= self.interval[1] and self.text_scale > 1.0:
-            out.append(Query(self.x, float(t), tags, self.height, self.width, None, 0))
+            out.append(Query(self.x, t, tags, *size, *self.notext))
             if self.img_scale > 1.0:
-                out.append(Query(self.x, float(t), tags, self.height, self.width, self.full, self.n))
+                out.append(Query(self.x, t, tags, *size, *(self.noimg or full)))
         return out
 
     def advance(self, step: int, v: list[torch.Tensor]) -> None:
