@@ -289,3 +289,24 @@ def qwen3_tts_speaker_reference(folder: Path, waves: list[np.ndarray], work: Pat
         tmp.replace(cached)
     with np.load(cached) as out:
         return [(out[f"mel_{i}"], out[f"emb_{i}"]) for i in range(len(waves))]
+
+
+def qwen3_tts_clone_reference(folder: Path, cases: list[dict], waves: list[np.ndarray], work: Path
+                              ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """qwen-tts' greedy `generate_voice_clone(x_vector_only_mode=True, non_streaming_mode=True)`
+    (codes [frames, groups], waveform) for each case {"text", "clip" (an index into `waves`,
+    24 kHz), "max_new_tokens"} on the Base checkpoint in `folder`; kept in ANSWERS."""
+    clips = hashlib.sha256(b"".join(w.astype(np.float32).tobytes() for w in waves)).hexdigest()
+    cached = ANSWERS / f"clone-{_answers_key(folder, [*cases, LIBROSA_PIN, clips])}.npz"
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "cases.json").write_text(json.dumps(cases))
+        np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
+        _run("clone", str(folder), str(work / "cases.json"), str(work / "waves.npz"), str(work / "out.npz"),
+             librosa=True)
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(work / "out.npz", tmp)
+        tmp.replace(cached)
+    with np.load(cached) as out:
+        return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]

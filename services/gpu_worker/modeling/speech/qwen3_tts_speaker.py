@@ -200,7 +200,7 @@ class SpeakerEncoder(nn.Module):
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """The checkpoint's `speaker_encoder.*` tensors."""
         own = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
-        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)  # built on the meta device
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match Qwen3-TTS' speaker encoder: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
