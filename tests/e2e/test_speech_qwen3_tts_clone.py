@@ -7,7 +7,8 @@ same folder and clips.
 - the clip is one `context` turn `{"audio": base64 WAV}` (the engine's cloning field, as
   CSM's and Higgs'; no text: x-vector mode); two clips, three texts, batched on
   `/v1/audio/speech`: each the package's pcm within 1e-3 of full scale; the same clip again
-  (its speaker row from the prefix cache) gives the same clip;
+  (its speaker row from the prefix cache) gives the same clip; `/generate` with the clip:
+  the package's first codes as tokens and its float waveform within 1e-3;
 - refusals: `voice` on a Base checkpoint, no clip, a clip with text (ICL: not served yet);
 - debug asserts on, pages back to 0.
 """
@@ -29,6 +30,7 @@ from tests.servers import MstarServer
 pytestmark = pytest.mark.timeout(600)
 
 FRAMES = 12
+EOS = 72  # the checkpoint's codec_eos_token_id
 CASES = ((0, "Hello world!"), (0, "The quick brown fox."), (1, "Hello world!"))
 
 
@@ -90,12 +92,19 @@ async def test_cloned_voices_equal_the_package(server, reference):
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         got = await asyncio.gather(*(speech(client, text, context=[{"audio": clips[clip]}]) for clip, text in CASES))
         again = await speech(client, CASES[0][1], context=[{"audio": clips[0]}])
+        generated = await client.post("/generate", json={"prompt": CASES[2][1], "context": [{"audio": clips[1]}],
+                                                         "temperature": 0})
     for (clip, text), r, (codes, wave) in zip(CASES, got, reference):
         assert r.status_code == 200, r.text
         samples, want = np.frombuffer(r.content, "<i2"), pcm(wave)
         assert len(samples) == len(want) > 0, (clip, text, len(codes))
         assert np.abs(samples.astype(int) - want).max() <= 33  # 1e-3 of full scale
     assert again.content == got[0].content
+    assert generated.status_code == 200, generated.text
+    firsts = [int(c) for c in reference[2][0][:, 0]]
+    assert generated.json()["token_ids"] == (firsts if len(firsts) == FRAMES else [*firsts, EOS])
+    audio = np.frombuffer(base64.b64decode(generated.json()["audio"]), "<f4")
+    np.testing.assert_allclose(audio, reference[2][1], atol=1e-3, rtol=0)
     assert not np.array_equal(reference[0][0], reference[2][0])  # the clip is the voice (same text)
     _clean(server)
 
