@@ -14,11 +14,13 @@ its answers are kept beside the venv, keyed by every byte they depend on.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +48,37 @@ MERGES = (*(("assistant"[:i], "assistant"[i]) for i in range(1, 9)), ("u", "s"),
 SPECIALS = {t: 256 + len(MERGES) + i for i, t in enumerate(
     ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>"))}
 TEXT_VOCAB = 300
+#: a Base checkpoint's speaker encoder, shrunk (128 mels: the package's front end is fixed)
+SPEAKER_ENCODER = {"mel_dim": 128, "enc_dim": 32, "enc_channels": [16, 16, 16, 16, 48],
+                   "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
+                   "enc_attention_channels": 8, "enc_res2net_scale": 4, "enc_se_channels": 8, "sample_rate": 24000}
+#: the package's speaker encoder reads librosa's mel filters: real librosa for the reference,
+#: installed beside its venv (--target) and put last on its path
+LIBROSA_PIN = "librosa==0.11.0"
+LIBROSA = VENV.parent / ("librosa-" + LIBROSA_PIN.split("==")[1])
 
 
 def reference_python() -> Path:
     """The reference venv's python, built once when missing (tests/reference_venv.py): qwen-tts
     --no-deps, then transformers 4.57.3 with its deps and einops (the 25 Hz codec's import)."""
     return reference_venv.reference_python(VENV, [["--no-deps", PINS[0]], [PINS[1], "einops"]])
+
+
+def librosa_path() -> Path:
+    """LIBROSA, installed (once, under a lock) when missing: the reference's mel filters."""
+    marker = LIBROSA / ".complete"
+    if marker.is_file():
+        return LIBROSA
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(VENV.parent / (LIBROSA.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.is_file():
+            shutil.rmtree(LIBROSA, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
+                            str(LIBROSA), LIBROSA_PIN], check=True, capture_output=True)
+            marker.touch()
+    return LIBROSA
+
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -84,7 +111,10 @@ def _tokenizer_files(folder: Path) -> None:
         "processor_class": "Qwen3TTSProcessor", "extra_special_tokens": {}}))
 
 
-def _config() -> dict:
+def _config(model_type: str = "custom_voice") -> dict:
+    """The talker's config; a Base checkpoint ("base") has no speakers and a speaker encoder
+    (ECAPA, shrunk: its x-vector is the talker's width)."""
+    base = model_type == "base"
     talker = {
         "vocab_size": CODEBOOK + 1024, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
@@ -92,20 +122,20 @@ def _config() -> dict:
         "rope_scaling": {"interleaved": True, "mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
         "attention_bias": False, "num_code_groups": GROUPS, "text_hidden_size": 24, "text_vocab_size": TEXT_VOCAB,
         "codec_eos_token_id": 72, "codec_think_id": 73, "codec_nothink_id": 74, "codec_think_bos_id": 75,
-        "codec_think_eos_id": 76, "codec_pad_id": 70, "codec_bos_id": 71, "spk_id": SPEAKERS,
-        "spk_is_dialect": DIALECTS, "codec_language_id": LANGUAGES, "position_id_per_seconds": 13,
+        "codec_think_eos_id": 76, "codec_pad_id": 70, "codec_bos_id": 71, "spk_id": {} if base else SPEAKERS,
+        "spk_is_dialect": {} if base else DIALECTS, "codec_language_id": LANGUAGES, "position_id_per_seconds": 13,
         "code_predictor_config": {
             "vocab_size": CODEBOOK, "hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
             "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000, "num_code_groups": GROUPS,
             "attention_bias": False, "use_sliding_window": False}}
     return {"architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
-            "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_size": "1b7", "tts_model_type": "custom_voice",
+            "tokenizer_type": "qwen3_tts_tokenizer_12hz", "tts_model_size": "1b7", "tts_model_type": model_type,
             "im_start_token_id": SPECIALS["<|im_start|>"], "im_end_token_id": SPECIALS["<|im_end|>"],
             "tts_pad_token_id": SPECIALS["<|tts_pad|>"], "tts_bos_token_id": SPECIALS["<|tts_bos|>"],
             "tts_eos_token_id": SPECIALS["<|tts_eos|>"], "assistant_token_id": 0, "talker_config": talker,
-            "speaker_encoder_config": {"enc_dim": 32, "sample_rate": 24000}, "torch_dtype": "float32",
-            "transformers_version": "4.57.3"}
+            "speaker_encoder_config": SPEAKER_ENCODER if base else {"enc_dim": 32, "sample_rate": 24000},
+            "torch_dtype": "float32", "transformers_version": "4.57.3"}
 
 
 def _codec_config() -> dict:
@@ -128,12 +158,14 @@ def _codec_config() -> dict:
             "decoder_config": decoder, "transformers_version": "4.57.3"}
 
 
-def make_qwen3_tts_checkpoint(folder: Path, generation: dict | None = None, seed: int = 0) -> Path:
-    """The tiny CustomVoice checkpoint in `folder` (3 speakers, one a dialect's); its
-    generation_config.json the Hub's, updated by `generation`."""
+def make_qwen3_tts_checkpoint(folder: Path, generation: dict | None = None, seed: int = 0,
+                              model_type: str = "custom_voice") -> Path:
+    """The tiny CustomVoice checkpoint in `folder` (3 speakers, one a dialect's), or a Base
+    one (`model_type` "base": no speakers, a speaker encoder); its generation_config.json
+    the Hub's, updated by `generation`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "speech_tokenizer").mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(_config(), indent=1))
+    (folder / "config.json").write_text(json.dumps(_config(model_type), indent=1))
     gen = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
            "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0, "subtalker_top_k": 50,
            "max_new_tokens": 8192, **(generation or {})}
@@ -170,9 +202,12 @@ def _weights(folder: Path, seed: int) -> None:
         shutil.copyfile(kept / f, folder / f)
 
 
-def _run(*args: str, timeout: float = 600) -> None:
+def _run(*args: str, timeout: float = 600, librosa: bool = False) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)
+    env.pop("MSTAR_LIBROSA", None)
+    if librosa:
+        env["MSTAR_LIBROSA"] = str(librosa_path())
     proc = subprocess.run([str(reference_python()), str(SCRIPT), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=SCRIPT.parent)
     if proc.returncode != 0:
@@ -198,6 +233,48 @@ def qwen3_tts_reference(folder: Path, cases: list[dict], work: Path) -> list[tup
         work.mkdir(parents=True, exist_ok=True)
         (work / "cases.json").write_text(json.dumps(cases))
         _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(work / "out.npz", tmp)
+        tmp.replace(cached)
+    with np.load(cached) as out:
+        return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]
+
+
+def qwen3_tts_speaker_reference(folder: Path, waves: list[np.ndarray], work: Path
+                                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The package's (log mel [frames, 128], x-vector [enc_dim]) of each 24 kHz clip: its
+    `mel_spectrogram` with `extract_speaker_embedding`'s settings (librosa's real mel
+    filters) and `extract_speaker_embedding` itself, on the Base checkpoint in `folder`.
+    Kept in ANSWERS under a key of the checkpoint, the clips and librosa's pin."""
+    key = _answers_key(folder, [LIBROSA_PIN, hashlib.sha256(b"".join(w.astype(np.float32).tobytes()
+                                                                       for w in waves)).hexdigest()])
+    cached = ANSWERS / f"speaker-{key}.npz"
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
+        _run("speaker", str(folder), str(work / "waves.npz"), str(work / "speaker.npz"), librosa=True)
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(work / "speaker.npz", tmp)
+        tmp.replace(cached)
+    with np.load(cached) as out:
+        return [(out[f"mel_{i}"], out[f"emb_{i}"]) for i in range(len(waves))]
+
+
+def qwen3_tts_clone_reference(folder: Path, cases: list[dict], waves: list[np.ndarray], work: Path
+                              ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """qwen-tts' greedy `generate_voice_clone(x_vector_only_mode=True, non_streaming_mode=True)`
+    (codes [frames, groups], waveform) for each case {"text", "clip" (an index into `waves`,
+    24 kHz), "max_new_tokens"} on the Base checkpoint in `folder`; kept in ANSWERS."""
+    clips = hashlib.sha256(b"".join(w.astype(np.float32).tobytes() for w in waves)).hexdigest()
+    cached = ANSWERS / f"clone-{_answers_key(folder, [*cases, LIBROSA_PIN, clips])}.npz"
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "cases.json").write_text(json.dumps(cases))
+        np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
+        _run("clone", str(folder), str(work / "cases.json"), str(work / "waves.npz"), str(work / "out.npz"),
+             librosa=True)
         ANSWERS.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         shutil.copyfile(work / "out.npz", tmp)

@@ -11,6 +11,12 @@ own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4
         as one batch (the package's left-padded batch: its `generate` runs a nested
         `generate` a frame, so one batch costs what one case does): each case's codes
         [frames, groups] and the codec's waveform, as `codes_i` and `wave_i` in OUT.npz
+    python qwen3_tts_reference.py speaker FOLDER WAVES.npz OUT.npz
+        a Base checkpoint's speaker encoder: each 24 kHz clip's log mel and x-vector
+        (`mel_i`, `emb_i`), with librosa's real mel filters (MSTAR_LIBROSA)
+    python qwen3_tts_reference.py clone FOLDER CASES.json WAVES.npz OUT.npz
+        a Base checkpoint's `generate_voice_clone` (x-vector mode, non-streaming text,
+        greedy) of each case {"text", "clip", "max_new_tokens"}: `codes_i`, `wave_i`
 
 The modules that do not load against the CPU torch here (torchaudio, and librosa, sox,
 onnxruntime that only the 25 Hz codec, the speaker encoder and audio loading use) are
@@ -36,12 +42,20 @@ def _stub(name: str, **attrs) -> types.ModuleType:
 
 
 def _stub_audio_packages() -> None:
+    """The stubs; librosa is the real one where MSTAR_LIBROSA names its folder (the
+    speaker encoder's mel filters), put last on the path."""
+    import os
+
     def unused(*_a, **_k):
         raise RuntimeError("stubbed in tests/qwen3_tts_reference.py")
 
-    _stub("librosa", load=unused, resample=unused)
-    _stub("librosa.filters", mel=unused)
-    sys.modules["librosa"].filters = sys.modules["librosa.filters"]  # type: ignore[attr-defined]
+    if os.environ.get("MSTAR_LIBROSA"):
+        sys.path.append(os.environ["MSTAR_LIBROSA"])
+        import librosa.filters  # noqa: F401
+    else:
+        _stub("librosa", load=unused, resample=unused)
+        _stub("librosa.filters", mel=unused)
+        sys.modules["librosa"].filters = sys.modules["librosa.filters"]  # type: ignore[attr-defined]
     torchaudio = _stub("torchaudio")
     compliance = _stub("torchaudio.compliance")
     kaldi = _stub("torchaudio.compliance.kaldi", fbank=unused)
@@ -138,10 +152,67 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
     np.savez(out, **result)
 
 
+def speaker(folder: Path, waves_path: Path, out: Path) -> None:
+    """The package's log mel (`mel_spectrogram` as `extract_speaker_embedding` calls it)
+    and x-vector (`extract_speaker_embedding`) of each clip in WAVES.npz."""
+    import numpy as np
+    import torch
+    from qwen_tts import Qwen3TTSModel
+    from qwen_tts.core.models.modeling_qwen3_tts import mel_spectrogram
+
+    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").model
+    result = {}
+    with np.load(waves_path) as waves:
+        for i in range(len(waves.files)):
+            wave = waves[f"wave_{i}"]
+            mel = mel_spectrogram(torch.from_numpy(wave).unsqueeze(0), n_fft=1024, num_mels=128, sampling_rate=24000,
+                                  hop_size=256, win_size=1024, fmin=0, fmax=12000).transpose(1, 2)
+            result[f"mel_{i}"] = mel[0].numpy()
+            result[f"emb_{i}"] = model.extract_speaker_embedding(wave, 24000).float().numpy()
+    np.savez(out, **result)
+
+
+def clone(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
+    """`Qwen3TTSModel.generate_voice_clone(x_vector_only_mode=True, non_streaming_mode=True)`
+    greedy, the cases {"text", "clip", "max_new_tokens"} (clip: an index into WAVES.npz,
+    24 kHz) as one batch: each case's waveform (`wave_i`), and its codes (`codes_i`: the
+    same `generate` call on the same voice-clone prompt)."""
+    import numpy as np
+    import torch
+    from qwen_tts import Qwen3TTSModel
+    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
+
+    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    cases = json.loads(cases_path.read_text())
+    with np.load(waves_path) as w:
+        clips = [(w[f"wave_{c['clip']}"], 24000) for c in cases]
+    greedy = {"do_sample": False, "subtalker_dosample": False, "max_new_tokens": cases[0]["max_new_tokens"]}
+    texts = [c["text"] for c in cases]
+    # `create_voice_clone_prompt`'s items for x-vector mode, less the codec encoding it runs
+    # and then drops (ref_code None): the tiny codec's encoder cannot run (no downsampler)
+    items = [VoiceClonePromptItem(ref_code=None, ref_spk_embedding=model.model.extract_speaker_embedding(w, sr),
+                                  x_vector_only_mode=True, icl_mode=False, ref_text=None) for w, sr in clips]
+    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items, non_streaming_mode=True,
+                                         **greedy)
+    codes, _ = model.model.generate(
+        input_ids=model._tokenize_texts([model._build_assistant_text(t) for t in texts]), ref_ids=[None] * len(texts),
+        voice_clone_prompt=model._prompt_items_to_voice_clone_prompt(items), languages=["Auto"] * len(texts),
+        non_streaming_mode=True, **model._merge_generate_kwargs(**greedy))
+    result = {}
+    for i, (c, wav) in enumerate(zip(codes, wavs)):
+        result[f"codes_{i}"] = c.cpu().numpy()
+        result[f"wave_{i}"] = np.asarray(wav, dtype=np.float32)
+    np.savez(out, **result)
+
+
 if __name__ == "__main__":
     _stub_audio_packages()
     if sys.argv[1] == "weights":
         weights(Path(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "speaker":
+        speaker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    elif sys.argv[1] == "clone":
+        clone(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
     elif sys.argv[1] == "generate":
         generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
     else:

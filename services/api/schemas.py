@@ -191,9 +191,10 @@ class ContextTurn(Body):
     """One earlier turn of a conversation a speech model continues (CSM's voice
     continuation): the model hears the turns, then speaks the request's text."""
 
-    speaker: Annotated[str, Meta(min_length=1, description="who spoke: one of the model's voices (/v1/models), "
-                                                           "as `voice`")]
-    text: Annotated[str, Meta(min_length=1, max_length=4096, description="what the speaker said")]
+    speaker: Annotated[str, Meta(description="who spoke: one of the model's voices (/v1/models), as `voice` "
+                                             "(CSM's; a model that clones the clip's voice reads none)")] = ""
+    text: Annotated[str, Meta(max_length=4096, description="what the speaker said (absent: a Qwen3-TTS Base "
+                                                           "checkpoint's reference clip alone, x-vector mode)")] = ""
     audio: Annotated[str, Meta(min_length=1, description="the turn's sound: a WAV or FLAC file, base64 (a data: URL "
                                                          "too); other rates than the model's are resampled; "
                                                          "absent: the text alone")] | None = None
@@ -202,7 +203,7 @@ class ContextTurn(Body):
 #: a speech model's earlier turns, oldest first
 Context = Annotated[list[ContextTurn], Meta(min_length=1, max_length=64, description=(
     "speech models that continue a conversation (CSM): its earlier turns, oldest first; the request's text is "
-    "the next turn"))]
+    "the next turn. Voice cloning (Higgs, Qwen3-TTS Base): the reference clip"))]
 
 
 class GenerateRequest(ConstrainedFields):

@@ -447,7 +447,9 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
 def context_turns(turns: list[ContextTurn] | None) -> tuple[ContextFrame, ...]:
     """The body's context turns as the data worker takes them: each audio's file bytes
     from its base64 (a `data:` URL's payload too); a 400 naming `context[i].audio` for
-    text that is not base64."""
+    text that is not base64, `context[i].text` for a turn with neither (a turn may be a
+    clip alone: a Qwen3-TTS Base checkpoint's reference; each family's spec says what its
+    turns need)."""
     out = []
     for i, turn in enumerate(turns or ()):
         audio = None
@@ -460,6 +462,8 @@ def context_turns(turns: list[ContextTurn] | None) -> tuple[ContextFrame, ...]:
                                                      "bytes, base64-encoded)") from None
             if not audio:
                 raise invalid(f"context[{i}].audio", f"context[{i}].audio is empty")
+        if not turn.text and audio is None:
+            raise invalid(f"context[{i}].text", f"context[{i}] has neither text nor audio")
         out.append(ContextFrame(turn.speaker, turn.text, audio))
     return tuple(out)
 

@@ -26,7 +26,18 @@ The tokenizer is vocab.json + merges.txt (shared/bpe_files.py). A text holding t
 tokenizer's special tokens is refused: the prompt's parts are found by them.
 
 Voices are the checkpoint's speakers (`talker_config.spk_id`, lower case); the language is
-the package's "Auto" (a dialect speaker's dialect, as the package does). Sampling:
+the package's "Auto" (a dialect speaker's dialect, as the package does).
+
+Base checkpoints (`tts_model_type` "base") have no speakers: the voice is a reference clip,
+sent as one `context` turn (CSM's and Higgs' cloning field) `{"audio": base64 WAV/FLAC}`
+without text: the package's `x_vector_only_mode` (its `generate_voice_clone` with
+`non_streaming_mode=True`, the prompt layout above). The speaker row is the clip's x-vector
+(the speaker encoder, run by the runner at admission:
+services/gpu_worker/modeling/speech/qwen3_tts_speaker.py) plus the projected `tts_pad`: a
+rows span of one row keyed by the clip's bytes; its id in `input_ids` is a placeholder
+(`tts_pad` alone), its position `clip_row`, the clip's samples (24 kHz) `context_audio`.
+A clip with text (the package's ICL mode) is not served yet; `voice` on a Base checkpoint
+and `context` on a CustomVoice one are refused by name. Sampling:
 generation_config.json's (`do_sample`, `temperature`, `top_k`, `top_p`,
 `repetition_penalty` over the first codes generated) for the first code; its `subtalker_*`
 for the others (greedy for a request sent with temperature 0).
@@ -34,16 +45,19 @@ for the others (greedy for a request sent with temperature 0).
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shared.audio import decode_audio
+from shared.frames import ContextTurn
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
-from shared.specs.base import FrameDepthSpec, MetaValue, PromptError, PromptRequest
+from shared.specs.base import FrameDepthSpec, MetaValue, PreparedAudio, PromptError, PromptRequest
 
 ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
 #: the config fields of a stack that are a Qwen3's
@@ -53,6 +67,10 @@ QWEN3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 #: the package's hard defaults where generation_config.json says nothing
 SUBTALKER_DEFAULTS = {"subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50,
                       "subtalker_top_p": 1.0}
+#: the speaker encoder's rate (the package's `extract_speaker_embedding` takes 24 kHz only)
+CLIP_RATE = 24000
+#: the longest reference clip read, in seconds
+MAX_CLIP_SECONDS = 60.0
 
 
 def qwen3_config(raw: Mapping[str, Any]) -> ModelConfig:
@@ -104,9 +122,12 @@ class Qwen3TTSSpec(FrameDepthSpec):
         self.tts_eos = int(config.get("tts_eos_token_id", 151673))
         #: the 0.6B CustomVoice checkpoints take no instructions (the package drops them)
         self.takes_instructions = str(config.get("tts_model_size") or "") not in ("0b6", "")
-        if config.get("tts_model_type", "custom_voice") != "custom_voice" or not self.voices:
-            raise ValueError(f"only Qwen3-TTS CustomVoice checkpoints (named speakers) are served; this one is "
-                             f"{config.get('tts_model_type')!r}")
+        kind = config.get("tts_model_type", "custom_voice")
+        #: a Base checkpoint: the voice is a reference clip (its x-vector), never a name
+        self.clones = kind == "base"
+        if kind not in ("custom_voice", "base") or (not self.clones and not self.voices):
+            raise ValueError(f"only Qwen3-TTS CustomVoice (named speakers) and Base (a reference clip) checkpoints "
+                             f"are served; this one is {kind!r}")
         self.page_size = page_size
         self.dtype = dtype
         ctx = self.config.max_position_embeddings
@@ -149,12 +170,19 @@ class Qwen3TTSSpec(FrameDepthSpec):
             special = next((s for s in self.special_texts if s in value), None)
             if special is not None:
                 raise PromptError(name, f"{name} holds the model's special token {special!r}")
+        if instructions and self.clones:
+            raise PromptError("instructions", "a Qwen3-TTS Base checkpoint takes no instructions")
         if instructions and not self.takes_instructions:
             raise PromptError("instructions", "this Qwen3-TTS checkpoint (0.6B) takes no instructions")
         user = f"<|im_start|>user\n{instructions}<|im_end|>\n" if instructions else ""
         return f"{user}<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
     def _voice(self, options: Mapping[str, MetaValue]) -> str:
+        if self.clones:
+            if options.get("voice"):
+                raise PromptError("voice", "this Qwen3-TTS Base checkpoint has no named speakers: its voice is a "
+                                           "reference clip, sent as a context turn ({\"audio\": ...})")
+            return ""
         voice = str(options.get("voice") or self.default_voice).lower()
         if voice not in self.speakers:
             raise PromptError("voice", f"voice {options.get('voice')!r} is not one of this model's speakers: "
@@ -162,13 +190,42 @@ class Qwen3TTSSpec(FrameDepthSpec):
         return voice
 
     def warmup_request(self, n: int) -> PromptRequest:
-        """A prompt of the package's shape: the assistant turn around `n` ordinary ids."""
-        return PromptRequest([self.im_start, 1, 2, *range(3, 3 + max(1, n - 8)), self.im_end, 2, self.im_start, 1, 2])
+        """A prompt of the package's shape: the assistant turn around `n` ordinary ids (and
+        for a Base checkpoint a second of silence as the reference clip)."""
+        ids = [self.im_start, 1, 2, *range(3, 3 + max(1, n - 8)), self.im_end, 2, self.im_start, 1, 2]
+        clip = (PreparedAudio(np.zeros(CLIP_RATE, dtype=np.float32), 1, "qwen3-tts-warmup"),) if self.clones else ()
+        return PromptRequest(ids, context=clip)
+
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """A Base checkpoint's reference clip: one turn, audio only (x-vector mode), decoded
+        at 24 kHz and keyed by its bytes; it adds no text to the prompt."""
+        if not self.clones:
+            raise PromptError("context", "this Qwen3-TTS CustomVoice checkpoint speaks its named speakers (voice); "
+                                         "a reference clip is for a Base checkpoint")
+        if len(turns) != 1:
+            raise PromptError("context", f"a Qwen3-TTS Base checkpoint takes one reference clip; got {len(turns)}")
+        turn = turns[0]
+        if turn.text:
+            raise PromptError("context[0].text", "the reference clip's transcript (the package's ICL mode) is not "
+                                                 "served yet: send the clip alone (x-vector mode)")
+        if turn.audio is None:
+            raise PromptError("context[0].audio", "the reference clip needs audio")
+        try:
+            samples = decode_audio(turn.audio, CLIP_RATE, MAX_CLIP_SECONDS, limit="a reference clip holds")
+        except ValueError as exc:
+            raise PromptError("context[0].audio", str(exc)) from exc
+        key = hashlib.sha256(f"qwen3-tts-xvector:{CLIP_RATE}".encode() + b"\0" + turn.audio).hexdigest()
+        return (PreparedAudio(samples, 1, key, "context[0].audio"),), ""
 
     def codec_prefix(self, voice: str) -> list[int]:
         """The codec ids of the prompt's tag rows: think / language (a dialect speaker's) or
-        nothink, the speaker, codec_pad, codec_bos (the package's `codec_input_embedding`)."""
+        nothink, the speaker, codec_pad, codec_bos (the package's `codec_input_embedding`).
+        A Base checkpoint's speaker is its clip's x-vector: `codec_pad` stands in its place
+        here (`prompt_rows` writes the row as `tts_pad` alone; the runner adds the x-vector)."""
         c = self.codec_ids
+        if self.clones:
+            return [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"], c["codec_pad_id"],
+                    c["codec_pad_id"], c["codec_bos_id"]]
         dialect = self.dialects.get(voice)
         if dialect:
             tags = [c["codec_think_id"], c["codec_think_bos_id"], self.languages[str(dialect).lower()],
@@ -195,8 +252,10 @@ class Qwen3TTSSpec(FrameDepthSpec):
         codec = self.codec_prefix(voice)
         pad, bos = self.codec_ids["codec_pad_id"], self.codec_ids["codec_bos_id"]
         tags = [self.tts_pad] * (len(codec) - 2) + [self.tts_bos]
-        return ([self.row_id(t) for t in instruct + said[:3]]
-                + [self.row_id(t, c) for t, c in zip(tags, codec[:-1])]
+        heads = [self.row_id(t, c) for t, c in zip(tags, codec[:-1])]
+        if self.clones:  # the speaker row: `tts_pad` alone here, plus the x-vector in the runner
+            heads[-2] = self.row_id(self.tts_pad)
+        return ([self.row_id(t) for t in instruct + said[:3]] + heads
                 + [self.row_id(t, pad) for t in [*said[3:-5], self.tts_eos]]
                 + [self.row_id(self.tts_pad, bos)])
 
@@ -209,10 +268,26 @@ class Qwen3TTSSpec(FrameDepthSpec):
         if any(not 0 <= t < self.text_vocab for t in request.token_ids):
             raise PromptError("input_ids", f"the prompt's ids must be text ids, below {self.text_vocab}")
         rows = self.prompt_rows(list(request.token_ids), voice, bool(request.options.get("instructions")))
+        tensors = {"input_ids": np.asarray(rows, dtype=np.int64)}
+        spans: tuple[Span, ...] = (Span.ids(rows),)
+        if self.clones:
+            if len(request.context) != 1:
+                raise PromptError("context", "a Qwen3-TTS Base checkpoint clones the voice of a reference clip: "
+                                             "send one context turn {\"audio\": base64 WAV}")
+            at = self.clip_row(list(request.token_ids), bool(request.options.get("instructions")))
+            spans = (Span.ids(rows[:at]), Span.rows(1, request.context[0].key), Span.ids(rows[at + 1:]))
+            tensors["context_audio"] = np.asarray(request.context[0].samples, dtype=np.float32)
+            tensors["clip_row"] = np.asarray([at], dtype=np.int64)
         layouts = {
-            self.backbone_label: LabelLayout(spans=(Span.ids(rows),), growth={self.decode_loop: 1}),
+            self.backbone_label: LabelLayout(spans=spans, growth={self.decode_loop: 1}),
             self.depth_label: LabelLayout(spans=(), scratch=self.depth_rows),
         }
         meta: dict[str, MetaValue] = {"prompt_len": len(rows), "voice": voice}
-        return ProcessPromptOutput({"input_ids": np.asarray(rows, dtype=np.int64)}, layouts, meta)
+        return ProcessPromptOutput(tensors, layouts, meta)
+
+    def clip_row(self, ids: list[int], instructed: bool) -> int:
+        """The speaker row's place in a Base checkpoint's prompt: after the instructions,
+        the assistant's first 3 ids and the 3 tag rows."""
+        split = [i for i, t in enumerate(ids) if t == self.im_start][1] if instructed else 0
+        return split + 3 + 3
 

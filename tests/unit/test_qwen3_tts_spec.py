@@ -107,3 +107,22 @@ def test_ids_past_the_text_vocabulary_are_refused(spec):
 
 def test_warmup_prompt_is_accepted(spec):
     assert spec.process_prompt(spec.warmup_request(16)).metadata["prompt_len"] > 8
+
+
+def test_clips_and_names_go_to_their_checkpoints(spec):
+    """A CustomVoice checkpoint given a reference clip, a Base one given a speaker's name or
+    instructions: 400s naming the field (the e2e test sends the clip itself)."""
+    from shared.frames import ContextTurn
+
+    with pytest.raises(PromptError) as err:
+        spec.prepare_context([ContextTurn("", "", b"RIFF")])
+    assert err.value.param == "context"
+    base = Qwen3TTSSpec(_config("base"), page_size=16)
+    assert base.clones and base.voices == ()
+    for options, param in (({"voice": "vivian"}, "voice"), ({"instructions": "Softly."}, "instructions")):
+        with pytest.raises(PromptError) as err:
+            base.prompt_text("Hi.", options)
+        assert err.value.param == param
+    with pytest.raises(PromptError) as err:
+        base.prepare_context([ContextTurn("", "", None)])
+    assert err.value.param == "context[0].audio"

@@ -24,6 +24,9 @@ class StepRows:
         self.frames: list[list[int]] = []
         self.frame_rows: list[int] = []
         self.positions: list[int] = []
+        #: vectors added to prompt rows (Qwen3-TTS' x-vectors), and their rows
+        self.vectors: list[torch.Tensor] = []
+        self.vector_rows: list[int] = []
         self.t = 0
 
     def text(self, tokens: list[int]) -> None:
@@ -68,10 +71,11 @@ class FrameBackboneRunner(ModelRunner):
         def long(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        extra = {"vectors": torch.stack(step.vectors), "vector_rows": long(step.vector_rows)} if step.vectors else {}
         with torch.inference_mode():
             hidden = self.model.backbone(long(step.text_ids), long(step.text_rows),
                                          long(step.frames).view(-1, self.spec.num_codebooks), long(step.frame_rows),
-                                         long(step.positions), self.layer_caches, meta)
+                                         long(step.positions), self.layer_caches, meta, **extra)
             made = self._sample_frames(hidden[long(sample_rows)], sampled) if sampled else []
         tokens = {id(e): tok for e, tok in zip(sampled, made)}
         return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]

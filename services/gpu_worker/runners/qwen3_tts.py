@@ -16,6 +16,9 @@ What differs from CSM's:
   `subtalker_*` sampling (greedy where `subtalker_dosample` is false or the request is);
 - a frame whose first code is `codec_eos` ends the request and makes no sound (the
   package cuts its codes there);
+- a Base checkpoint's reference clip: at admission (`prepare`) the speaker encoder makes
+  its x-vector (unless the prefix cache holds its row), added to the speaker row of the
+  prompt chunk that holds it (`_prompt_rows`);
 - sound: each output's new frames go to the request's codec stream (Code2Wav's, over the
   12 Hz decoder: codecs/qwen3_tts_codec.py) in the codec thread, `CHUNK_FRAMES` frames'
   samples at a time (the rest with the request's last output).
@@ -37,6 +40,7 @@ from services.gpu_worker.codecs.qwen3_tts_codec import Qwen3TTSCodec
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.runners.csm import CsmRunner
+from services.gpu_worker.runners.frame_rows import StepRows
 from services.gpu_worker.sampler import Row
 from services.gpu_worker.step_types import Failure, PlanEntry
 from shared.frames import Output, SamplingParams
@@ -57,6 +61,7 @@ class Qwen3TTSRunner(CsmRunner):
         self.backbone_label, self.depth_label = spec.label(spec.backbone_label), spec.label(spec.depth_label)
         ModelRunner.__init__(self, model, spec, kv, caches, planner)
         self.depth_caches = caches[self.depth_label.pool]
+        self.needs_prepare = model.speaker_encoder is not None  # a Base checkpoint's clips
         self.tts_codec = Qwen3TTSCodec(spec.codec_path, spec.codec_config)
         codec = self.tts_codec
         if codec.quantizers != spec.num_codebooks or codec.codebook_size != spec.codebook_vocab:
@@ -70,10 +75,40 @@ class Qwen3TTSRunner(CsmRunner):
                                         top_p=float(sub["subtalker_top_p"]))
 
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
-        return ModelRunner.make_request(self, tensors)
+        """`tensors`: "input_ids", and a Base checkpoint's reference clip ("context_audio",
+        24 kHz) with its speaker row's place ("clip_row")."""
+        prompt, _ = ModelRunner.make_request(self, tensors)
+        if "context_audio" not in tensors:
+            return prompt, {}
+        return prompt, {"clip": np.asarray(tensors["context_audio"], dtype=np.float32).reshape(-1),
+                        "clip_row": int(np.asarray(tensors["clip_row"]).reshape(-1)[0])}
 
     def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
-        return []
+        """The x-vector of each newly admitted request's reference clip (kept on `embeds` as
+        (its row, the vector)), unless the prefix cache holds that row."""
+        failures = []
+        for r in admitted:
+            if "clip" not in r.inputs or r.inputs["clip_row"] < r.num_computed:
+                continue
+            if self.model.speaker_encoder is None:
+                failures.append(Failure(r, "the model has no speaker encoder: reference clips cannot be read"))
+                continue
+            try:
+                r.embeds = (r.inputs["clip_row"], self.model.speaker_encoder.embed(r.inputs.pop("clip")))
+            except Exception as exc:
+                failures.append(Failure(r, "internal error in the speaker encoder", exc))
+        return failures
+
+    def _prompt_rows(self, r: Request, n: int, step: StepRows) -> None:
+        """A prompt chunk's rows (ids); the chunk that holds a clip's speaker row adds its x-vector there."""
+        lo, hi = r.num_computed, r.num_computed + n
+        start = step.t
+        step.text(r.prompt[lo:hi])
+        if r.embeds is not None and lo <= r.embeds[0] < hi:
+            at, vector = r.embeds
+            step.vectors.append(vector.to(self.device))
+            step.vector_rows.append(start + at - lo)
+            r.embeds = None
 
     def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the talker's `hidden`, the others

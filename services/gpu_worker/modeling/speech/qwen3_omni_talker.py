@@ -95,15 +95,17 @@ class CodePredictor(nn.Module):
 
 
 def load_talker_weights(model: nn.Module, state: Mapping[str, torch.Tensor], name: str,
-                        stack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+                        stack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                        loaded_apart: str = "") -> None:
     """`model`'s weights: the checkpoint's `talker.*` tensors, prefix stripped (`stack`
-    regroups them first, e.g. the experts'); rotary buffers neither read nor missed. A
-    ValueError naming `name` when the names do not match."""
+    regroups them first, e.g. the experts'); rotary buffers neither read nor missed, nor a
+    submodule under `loaded_apart` (one that loads its own weights). A ValueError naming
+    `name` when the names do not match."""
     own = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX) and "rotary_emb" not in k}
     if stack is not None:
         own = stack(own)
     missing, unexpected = model.load_state_dict(own, strict=False, assign=True)
-    missing = [k for k in missing if "rotary" not in k]
+    missing = [k for k in missing if "rotary" not in k and not (loaded_apart and k.startswith(loaded_apart))]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
 

@@ -31,6 +31,8 @@ from services.gpu_worker.modeling.base import SpeechCodesModel
 from services.gpu_worker.modeling.decoder.lm import MLP, DecoderLayer
 from services.gpu_worker.modeling.speech.csm import Stack
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import CodePredictor, ResizeMLP, load_talker_weights
+from services.gpu_worker.modeling.speech.qwen3_tts_speaker import PREFIX as SPEAKER_PREFIX
+from services.gpu_worker.modeling.speech.qwen3_tts_speaker import SpeakerEncoder
 from shared.specs.qwen3_tts import qwen3_config
 
 
@@ -61,10 +63,15 @@ class Qwen3TTSModel(SpeechCodesModel):
         self.code_predictor = CodePredictor(self.depth_cfg, self.groups, hidden)
         self.rotary = Rotary(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings)
         self.depth_rotary = Rotary(self.depth_cfg.rope, self.depth_cfg.head_dim, self.depth_cfg.max_position_embeddings)
+        #: a Base checkpoint's: a reference clip -> the x-vector that is its speaker row
+        self.speaker_encoder = (SpeakerEncoder(config.get("speaker_encoder_config"))
+                                if config.get("tts_model_type") == "base" else None)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """The checkpoint's `talker.*` tensors (the speaker encoder's, if any, are not read)."""
-        load_talker_weights(self, state, "Qwen3-TTS' talker")
+        """The checkpoint's `talker.*` tensors, and a Base checkpoint's `speaker_encoder.*`."""
+        if self.speaker_encoder is not None:
+            self.speaker_encoder.load_weights({k: v.float() for k, v in state.items() if k.startswith(SPEAKER_PREFIX)})
+        load_talker_weights(self, state, "Qwen3-TTS' talker", loaded_apart=SPEAKER_PREFIX)
 
     def reset_buffers(self) -> None:
         self.rotary.reset_buffers()
@@ -101,9 +108,12 @@ class Qwen3TTSModel(SpeechCodesModel):
 
     def backbone(self, text_ids: torch.Tensor, text_rows: torch.Tensor, frames: torch.Tensor,
                  frame_rows: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
-                 meta: AttnMetadata) -> torch.Tensor:
+                 meta: AttnMetadata, vectors: torch.Tensor | None = None,
+                 vector_rows: torch.Tensor | None = None) -> torch.Tensor:
         """A step's rows (prompt rows at `text_rows`, frame rows at `frame_rows`) through the
-        talker; every row's hidden state after the final norm [T, hidden]."""
+        talker; every row's hidden state after the final norm [T, hidden]. `vectors` are
+        added at `vector_rows` (prompt rows): a Base checkpoint's x-vectors, each on its
+        speaker row (`tts_pad` alone), as the package sums `tts_pad_embed + speaker_embed`."""
         table = self.model.codec_embedding.weight
         t = text_rows.numel() + frame_rows.numel()
         x = torch.empty(t, self.cfg.hidden_size, dtype=table.dtype, device=table.device)
@@ -111,6 +121,8 @@ class Qwen3TTSModel(SpeechCodesModel):
             x[text_rows] = self.prompt_embeds(text_ids)
         if frame_rows.numel():
             x[frame_rows] = self.frame_embeds(frames)
+        if vectors is not None and vector_rows is not None:
+            x[vector_rows] = x[vector_rows] + vectors.to(x.dtype)
         return self.model.run(x, self.rotary.tables(positions, x.dtype), caches, meta)
 
     def first_code_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""Qwen3-TTS Base checkpoints through the real services: a voice cloned from a reference
+clip (x-vector mode), a tiny random Base checkpoint laid out as the Hub ships one
+(tests/qwen3_tts_checkpoints.py), against the `qwen-tts` package's
+`generate_voice_clone(x_vector_only_mode=True, non_streaming_mode=True)` run greedy on the
+same folder and clips.
+
+- the clip is one `context` turn `{"audio": base64 WAV}` (the engine's cloning field, as
+  CSM's and Higgs'; no text: x-vector mode); two clips, three texts, batched on
+  `/v1/audio/speech`: each the package's pcm within 1e-3 of full scale; the same clip again
+  (its speaker row from the prefix cache) gives the same clip; `/generate` with the clip:
+  the package's first codes as tokens and its float waveform within 1e-3;
+- refusals: `voice` on a Base checkpoint, no clip, a clip with text (ICL: not served yet);
+- debug asserts on, pages back to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.qwen3_tts_checkpoints import make_qwen3_tts_checkpoint, qwen3_tts_clone_reference
+from tests.servers import MstarServer
+
+pytestmark = pytest.mark.timeout(600)
+
+FRAMES = 12
+EOS = 72  # the checkpoint's codec_eos_token_id
+CASES = ((0, "Hello world!"), (0, "The quick brown fox."), (1, "Hello world!"))
+
+
+def _clips() -> list[np.ndarray]:
+    """Two reference clips at 24 kHz (a chord with noise, 1 s; noise, 0.6 s) as a float WAV
+    holds them."""
+    rng = np.random.default_rng(5)
+    t = np.arange(24000) / 24000
+    chord = 0.3 * np.sin(2 * np.pi * 180 * t) + 0.2 * np.sin(2 * np.pi * 990 * t) + 0.05 * rng.standard_normal(len(t))
+    return [chord.astype(np.float32), (0.3 * rng.standard_normal(14400)).astype(np.float32)]
+
+
+def _wav(samples: np.ndarray) -> str:
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, 24000, format="WAV", subtype="FLOAT")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3_tts_base") / "ckpt"
+    return make_qwen3_tts_checkpoint(folder, {"do_sample": False, "subtalker_dosample": False,
+                                              "max_new_tokens": FRAMES}, model_type="base")
+
+
+@pytest.fixture(scope="module")
+def reference(root, tmp_path_factory):
+    asks = [{"text": text, "clip": clip, "max_new_tokens": FRAMES + 1} for clip, text in CASES]
+    return qwen3_tts_clone_reference(root, asks, _clips(), tmp_path_factory.mktemp("qwen3_tts_clone_ref"))
+
+
+@pytest.fixture(scope="module")
+def server(root, tmp_path_factory):
+    srv = MstarServer(str(root), tmp_path_factory.mktemp("logs") / "qwen3_tts_clone.log", "--num-kv-pages", "64",
+                      "--page-size", "16", "--max-seq-len", "256", "--max-batch-tokens", "24",
+                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    yield srv
+    srv.stop()
+
+
+def pcm(samples: np.ndarray) -> np.ndarray:
+    return np.frombuffer((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes(), "<i2")
+
+
+async def speech(client: httpx.AsyncClient, text: str, **body) -> httpx.Response:
+    return await client.post("/v1/audio/speech", json={"input": text, "response_format": "pcm", **body})
+
+
+def _clean(server: MstarServer) -> None:
+    assert server.wait_pages_free() == 0
+    log = server.log()
+    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
+
+async def test_cloned_voices_equal_the_package(server, reference):
+    clips = [_wav(c) for c in _clips()]
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(speech(client, text, context=[{"audio": clips[clip]}]) for clip, text in CASES))
+        again = await speech(client, CASES[0][1], context=[{"audio": clips[0]}])
+        generated = await client.post("/generate", json={"prompt": CASES[2][1], "context": [{"audio": clips[1]}],
+                                                         "temperature": 0})
+    for (clip, text), r, (codes, wave) in zip(CASES, got, reference):
+        assert r.status_code == 200, r.text
+        samples, want = np.frombuffer(r.content, "<i2"), pcm(wave)
+        assert len(samples) == len(want) > 0, (clip, text, len(codes))
+        assert np.abs(samples.astype(int) - want).max() <= 33  # 1e-3 of full scale
+    assert again.content == got[0].content
+    assert generated.status_code == 200, generated.text
+    firsts = [int(c) for c in reference[2][0][:, 0]]
+    assert generated.json()["token_ids"] == (firsts if len(firsts) == FRAMES else [*firsts, EOS])
+    audio = np.frombuffer(base64.b64decode(generated.json()["audio"]), "<f4")
+    np.testing.assert_allclose(audio, reference[2][1], atol=1e-3, rtol=0)
+    assert not np.array_equal(reference[0][0], reference[2][0])  # the clip is the voice (same text)
+    _clean(server)
+
+
+async def test_refusals_name_the_field(server):
+    clip = _wav(_clips()[1])
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        named = await speech(client, "Hi.", voice="vivian", context=[{"audio": clip}])
+        none = await speech(client, "Hi.")
+        icl = await speech(client, "Hi.", context=[{"audio": clip, "text": "What the clip says."}])
+    assert named.status_code == 400 and named.json()["error"]["param"] == "voice", named.text
+    assert none.status_code == 400 and none.json()["error"]["param"] == "context", none.text
+    assert icl.status_code == 400 and icl.json()["error"]["param"] == "context[0].text", icl.text
+    _clean(server)
