@@ -3,6 +3,12 @@
 a time (what its examples do), and what keeping the text's K/V saves per denoising step;
 `--family bagel`: BAGEL (`--task image`) against ByteDance's own inferencer (`bagel2`'s
 `InterleaveInferencer.interleave_inference([prompt])`, one image at a time, as its app).
+`--frames N` (N > 1, Cosmos 3): videos of N frames instead, mstar through OpenAI's video
+job API (`POST /v1/videos` with `num_frames`, `size`, `num_inference_steps`, `seed`; poll
+`GET /v1/videos/{id}` every 20 ms until it is completed; `GET .../content`, the MP4: the
+request's time ends there), the pipeline with `num_frames=N` one video at a time, its frames
+rounded as diffusers' `numpy_to_pil` and encoded by the server's own encoder
+(`videos.mp4`: PyAV, H.264): both sides' times include the encoding.
 
 The checkpoint: a random pipeline in the diffusers layout of a CPU-affordable shape
 (transformer 4 x 256, 4 heads, 2 KV heads of 64; the tests' tiny Wan VAE), made once and
@@ -13,7 +19,7 @@ VAE cut down) with its LLM widened to 4 x 256 (4 heads, 2 KV heads of 64; BAGEL-
 1.5, which has no image to drop here). Random weights: speed only (the tests check the pixels).
 
 Figures, rounds alternating the two systems (medians, per-round ratios):
-- c1 s/image: images one after another (request to PNG);
+- c1 s/image: images one after another (request to PNG; `--frames`: s/video, request to MP4);
 - c4 s/image: bursts of 4 requests at once (mstar batches their steps in one forward;
   diffusers serves them one after another), the burst's wall time over its images.
 Both run torch on the same threads (`--threads`, default the worker's: CPUs - 1): two
@@ -30,6 +36,7 @@ would redo without them.
     python -m bench.image_gen                       # two rounds on the bench shape
     python -m bench.image_gen --quick --out /tmp/ig # a smoke run
     python -m bench.image_gen --family bagel        # BAGEL, two rounds
+    python -m bench.image_gen --frames 5            # 5-frame videos, two rounds
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any
 
 from bench.checkpoints import cache_dir
 from bench.report import results_dir
-from bench.rounds import Timings, alternate, http_round, serial_round
+from bench.rounds import Timings, alternate, http_round, serial_round, video_job
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 
@@ -84,8 +91,9 @@ def ensure_checkpoint(quick: bool, family: str = "cosmos3") -> Path:
 
 
 def body(args: Any, seed: int) -> dict:
+    extra = {"num_frames": args.frames} if args.frames > 1 else {}
     return {"prompt": PROMPT, "size": args.size, "seed": seed, "num_inference_steps": args.steps,
-            "guidance_scale": args.guidance}
+            "guidance_scale": args.guidance, **extra}
 
 
 def bodies(args: Any, c1: int, bursts: int) -> tuple[list[dict], list[list[dict]]]:
@@ -98,7 +106,8 @@ def per_image(t: Timings) -> dict:
 
 
 class Reference:
-    """diffusers: the pipeline, one image at a time, PNG out (as a server would send it)."""
+    """diffusers: the pipeline, one image at a time, PNG out (as a server would send it);
+    `--frames` > 1: one video at a time, MP4 out by the server's encoder."""
 
     def __init__(self, folder: Path, args: Any) -> None:
         from tests.cosmos_checkpoints import load_pipeline
@@ -111,11 +120,18 @@ class Reference:
 
         import torch
 
-        image = self.pipe(PROMPT, num_frames=1, height=self.height, width=self.width,
+        frames = self.args.frames
+        video = self.pipe(PROMPT, num_frames=frames, height=self.height, width=self.width,
                           num_inference_steps=self.args.steps, guidance_scale=request["guidance_scale"],
                           generator=torch.Generator("cpu").manual_seed(request["seed"]),
-                          enable_safety_check=False).video[0]
-        image.save(io.BytesIO(), format="PNG")
+                          output_type="pil" if frames == 1 else "np", enable_safety_check=False).video
+        if frames == 1:
+            video[0].save(io.BytesIO(), format="PNG")
+            return
+        from services.api.dialects.openai.images import to_uint8
+        from services.api.dialects.openai.videos import mp4
+
+        mp4(to_uint8(video))  # [F, H, W, 3] floats in [0, 1]
 
 
 class BagelReference:
@@ -203,7 +219,9 @@ def text_kv_saving(folder: Path, ref: Reference, repeats: int = 5) -> dict:
             "saved_share_of_step": text_s / (text_s + ours_s)}
 
 
-FIGURES = [Figure("c1 s/image", "c1_s"), Figure(f"c{BURST} s/image", "c4_s")]
+def figures(frames: int) -> list[Figure]:
+    unit = "image" if frames == 1 else "video"
+    return [Figure(f"c1 s/{unit}", "c1_s"), Figure(f"c{BURST} s/{unit}", "c4_s")]
 
 
 def image_gen(args: Any) -> Path:
@@ -218,7 +236,7 @@ def image_gen(args: Any) -> Path:
     server = MstarServer(str(folder), out / "logs" / "mstar.log", [*serve, *args.serve_arg],
                          env={"MSTAR_TORCH_THREADS": str(args.threads)}).start()
     ref = (BagelReference if args.family == "bagel" else Reference)(folder, args)
-    route = "/v1/images/generations"
+    route = "/v1/images/generations" if args.frames == 1 else video_job
     try:
         warm = bodies(args, 1, 1)
         http_round(server.url, route, *warm)
@@ -233,8 +251,9 @@ def image_gen(args: Any) -> Path:
     saving = ref.text_pass() if isinstance(ref, BagelReference) else text_kv_saving(folder, ref)
     print("text K/V kept, per step and branch: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                             for k, v in saving.items()))
-    title = f"random {args.family} {folder.name}, {args.size}, {args.steps} steps, CFG {args.guidance}"
-    return report(out, runs, FIGURES, reference_name, title,
+    frames = f", {args.frames} frames" if args.frames > 1 else ""
+    title = f"random {args.family} {folder.name}, {args.size}{frames}, {args.steps} steps, CFG {args.guidance}"
+    return report(out, runs, figures(args.frames), reference_name, title,
                   {"mode": "image_gen", "args": vars(args), "model": str(folder), "text_kv": saving})
 
 
@@ -249,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bursts", type=int, default=None, help=f"bursts of {BURST} a round (default 2; --quick: 1)")
     p.add_argument("--size", default=None, help="WxH, multiples of 16 (default 64x64; BAGEL 128x128)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--frames", type=int, default=1,
+                   help="frames a sample: 1 images (default), N > 1 videos through /v1/videos (Cosmos 3 only)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default 6; BAGEL 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the worker and of the reference (default: the worker's, CPUs - 1)")
@@ -259,7 +280,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.frames < 1 or (args.frames > 1 and args.family != "cosmos3"):
+        p.error("--frames: at least 1, and above 1 (video) for --family cosmos3 only")
     if args.threads is None:
         from shared.cgroup import available_cpus
 

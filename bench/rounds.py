@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import httpx
@@ -22,29 +22,58 @@ class Timings(NamedTuple):
     burst_wall: float
 
 
-async def _post(client: httpx.AsyncClient, route: str, body: dict, t0: float) -> float:
-    r = await client.post(route, json=body)
+#: one request to its whole answer: (client, body) -> None, raising on an error status
+Send = Callable[[httpx.AsyncClient, dict], Awaitable[None]]
+POLL_S = 0.02  # a video job's poll period: small beside a job's seconds
+
+
+def _ok(r: httpx.Response) -> httpx.Response:
     if r.status_code != 200:
-        raise RuntimeError(f"{route} answered {r.status_code}: {r.text[:300]}")
+        raise RuntimeError(f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:300]}")
+    return r
+
+
+def post_to(route: str) -> Send:
+    """A plain request: one POST, its answer the whole result."""
+    async def send(client: httpx.AsyncClient, body: dict) -> None:
+        _ok(await client.post(route, json=body))
+    return send
+
+
+async def video_job(client: httpx.AsyncClient, body: dict) -> None:
+    """OpenAI's video job API: `POST /v1/videos`, `GET /v1/videos/{id}` until it ends, then
+    its MP4 from `/content` (the job's result is the file, so its wall time ends there)."""
+    job = _ok(await client.post("/v1/videos", json=body)).json()
+    while job["status"] in ("queued", "in_progress"):
+        await asyncio.sleep(POLL_S)
+        job = _ok(await client.get(f"/v1/videos/{job['id']}")).json()
+    if job["status"] != "completed":
+        raise RuntimeError(f"video job {job['id']} {job['status']}: {job.get('error')}")
+    _ok(await client.get(f"/v1/videos/{job['id']}/content"))
+
+
+async def _timed(send: Send, client: httpx.AsyncClient, body: dict, t0: float) -> float:
+    await send(client, body)
     return time.perf_counter() - t0
 
 
-async def _http(url: str, route: str, c1: list[dict], bursts: list[list[dict]]) -> Timings:
+async def _http(url: str, send: Send, c1: list[dict], bursts: list[list[dict]]) -> Timings:
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         start = time.perf_counter()
-        one = [await _post(client, route, b, time.perf_counter()) for b in c1]
+        one = [await _timed(send, client, b, time.perf_counter()) for b in c1]
         c1_wall = time.perf_counter() - start
         burst: list[float] = []
         start = time.perf_counter()
         for group in bursts:
             t0 = time.perf_counter()
-            burst += await asyncio.gather(*(_post(client, route, b, t0) for b in group))
+            burst += await asyncio.gather(*(_timed(send, client, b, t0) for b in group))
         return Timings(one, c1_wall, burst, time.perf_counter() - start)
 
 
-def http_round(url: str, route: str, c1: list[dict], bursts: list[list[dict]]) -> Timings:
-    """mstar: the c1 bodies one after another, then each burst's bodies at once."""
-    return asyncio.run(_http(url, route, c1, bursts))
+def http_round(url: str, route: str | Send, c1: list[dict], bursts: list[list[dict]]) -> Timings:
+    """mstar: the c1 bodies one after another, then each burst's bodies at once; `route` a
+    path to POST to, or a `Send` (`video_job`) for requests that take more than one call."""
+    return asyncio.run(_http(url, post_to(route) if isinstance(route, str) else route, c1, bursts))
 
 
 def serial_round(one: Callable[[dict], Any], c1: list[dict], bursts: list[list[dict]]) -> Timings:

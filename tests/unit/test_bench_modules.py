@@ -15,3 +15,16 @@ def test_request_benches_import_and_parse():
     assert args.family == "bagel" and image_gen.FAMILIES["bagel"][2] == "bagel2"
     assert world.parser().parse_args(["--quick", "--rounds", "1"]).rounds == 1
     assert [f.key for f in world.FIGURES][-1] == "one_clip_8_s"
+
+
+def test_image_gen_frames_flag():
+    """`--frames N` videos for Cosmos 3 only; 1 (images) by default."""
+    import pytest
+
+    from bench import image_gen
+
+    assert image_gen.parser().parse_args([]).frames == 1
+    assert image_gen.parser().parse_args(["--frames", "5"]).frames == 5
+    assert [f.name for f in image_gen.figures(5)] == ["c1 s/video", f"c{image_gen.BURST} s/video"]
+    with pytest.raises(SystemExit):
+        image_gen.main(["--family", "bagel", "--frames", "5"])
