@@ -3,7 +3,8 @@
 checkout's so that both see the same machine load (issue 49).
 
 Per start: launch (`Popen`) to the first 200 from `/ready`, when each service logged its
-first line and the gpu worker its `ready` (seconds after launch: the timeline), and one
+first line and the gpu worker its `ready` (seconds after launch: the timeline), the CPU
+seconds each process had used at ready (what a start costs a machine of few cores), and one
 second after ready each process's RSS and PSS (/proc/PID/status VmRSS,
 /proc/PID/smaps_rollup Pss; the tree's sum of each, as bench/server.py measures them: RSS
 counts shared pages once per process, PSS splits them). The load average is printed with
@@ -62,11 +63,29 @@ def timeline(log: str, launched: float) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """CPU time (user + system) each process has used so far, by its `-m` module: at ready,
+    what its start cost, which the machine's load inflates far less than the wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = argv[2].decode() if len(argv) > 2 and argv[1] == b"-m" else argv[0].decode()
+        out[name] = round((int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
+
+
 def one_start(repo: Path, log_path: Path, extra: list[str]) -> dict:
     load = os.getloadavg()[0]
     server = CheckoutServer(repo, log_path, extra)
     server.start()
     try:
+        cpu = cpu_seconds(server.pids())
         time.sleep(1.0)
         mem = server.memory()
     finally:
@@ -74,11 +93,12 @@ def one_start(repo: Path, log_path: Path, extra: list[str]) -> dict:
     per = {p["cmd"].split(" -m ")[-1].split()[0]: {"rss_mib": round(p["rss_mib"], 1), "pss_mib": round(p["pss_mib"], 1)}
            for p in mem["per_process"]}
     return {"startup_s": server.startup_s, "load": load, "rss_mib": mem["rss_mib"], "pss_mib": mem["pss_mib"],
-            "per_process": per, "timeline": timeline(server.log_tail(1 << 20), server.launched)}
+            "cpu_s": sum(cpu.values()), "cpu_s_per_process": cpu, "per_process": per,
+            "timeline": timeline(server.log_tail(1 << 20), server.launched)}
 
 
 def summary(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in ("startup_s", "rss_mib", "pss_mib", "load")}
+    return {k: statistics.median(r[k] for r in runs) for k in ("startup_s", "rss_mib", "pss_mib", "load", "cpu_s")}
 
 
 def main() -> None:
@@ -97,11 +117,12 @@ def main() -> None:
             runs[name].append(r)
             procs = ", ".join(f"{k} {v['rss_mib']:.0f}/{v['pss_mib']:.0f}" for k, v in r["per_process"].items())
             print(f"{name} {i}: start-up {r['startup_s']:.2f} s (load {r['load']:.1f}); RSS {r['rss_mib']:.0f} MiB, "
-                  f"PSS {r['pss_mib']:.0f} MiB [{procs}]; {r['timeline']}", flush=True)
+                  f"PSS {r['pss_mib']:.0f} MiB [{procs}]; CPU s at ready {r['cpu_s_per_process']}; "
+                  f"{r['timeline']}", flush=True)
     for name in repos:
         s = summary(runs[name])
-        print(f"{name} ({repos[name]}): median start-up {s['startup_s']:.2f} s, idle RSS {s['rss_mib']:.0f} MiB, "
-              f"PSS {s['pss_mib']:.0f} MiB over {args.n} starts, median load {s['load']:.1f}")
+        print(f"{name} ({repos[name]}): median start-up {s['startup_s']:.2f} s, CPU {s['cpu_s']:.2f} s, idle RSS "
+              f"{s['rss_mib']:.0f} MiB, PSS {s['pss_mib']:.0f} MiB over {args.n} starts, median load {s['load']:.1f}")
     write_json(out_dir / "results.json", {"repos": {k: str(v) for k, v in repos.items()}, "runs": runs,
                                           "summary": {k: summary(v) for k, v in runs.items()}})
     print("results in", out_dir)
