@@ -22,11 +22,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 
 import msgspec
@@ -54,6 +55,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 1.0) -> tuple[int, bytes]:
+    """GET `url` (plain http, the launcher's own api on this host): (status, body). An
+    HTTP/1.0 request on a socket, read to the server's close: urllib would bring ssl,
+    http.client and email, ~8 MiB of a process that only supervises (issue 49)."""
+    parts = urllib.parse.urlsplit(url)
+    lines = [f"GET {parts.path or '/'} HTTP/1.0", f"Host: {parts.netloc}",
+             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    chunks = []
+    with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout) as conn:
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        while data := conn.recv(65536):
+            chunks.append(data)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 @dataclass
@@ -272,8 +289,10 @@ class Launcher:
         self._polled = time.monotonic()
         headers = {"Authorization": f"Bearer {os.environ['MSTAR_API_KEY']}"} if os.environ.get("MSTAR_API_KEY") else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(self.models_url, headers=headers), timeout=1) as resp:
-                listed = json.loads(resp.read())["data"]
+            status, body = http_get(self.models_url, headers)
+            if status != 200:
+                return
+            listed = json.loads(body)["data"]
         except (OSError, ValueError, KeyError):
             return  # the api or the conductor restarts: keep what runs
         wanted = {m["id"]: bool(m.get("wanted")) for m in listed if "wanted" in m}
@@ -292,10 +311,9 @@ class Launcher:
                 say(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above", "ERROR")
                 return 1
             try:
-                with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return None
-            except OSError:
+                if http_get(self.ready_url)[0] == 200:
+                    return None
+            except (OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 say(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", "ERROR")
