@@ -131,6 +131,8 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        #: the folder the server runs from (another checkout's, bench/startup.py)
+        self.cwd = REPO
         self.startup_s = float("nan")
         self.model = ""
 
@@ -138,7 +140,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = t0 + timeout
         with httpx.Client(base_url=self.url, timeout=5.0) as client:

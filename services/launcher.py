@@ -4,7 +4,10 @@ Before any child starts, the launcher runs the conductor's deployment check in-p
 (`validate_deployment`: the model resolves, a Hub id is in the local cache, the
 architecture is supported) and reads a `--chat-template` file: a refusal is one line,
 `mstar: deployment refused: <why>`, and exit code 2, with no worker loading weights.
-Then: the conductor first, the gpu worker(s), the data worker and the api. `serve` returns only when stopped:
+The services start while that check runs, each behind a start gate (shared/start_gate.py):
+they do their imports (the gpu worker's torch, most of a start) and wait for the verdict,
+leaving silently on a refusal. The conductor first, the gpu worker(s), the data worker and
+the api. `serve` returns only when stopped:
 SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period), and a
 child that dies at start makes the launcher stop the rest and exit non-zero with that
 child's error (its stderr is the launcher's). Children get PR_SET_PDEATHSIG, so even a
@@ -19,11 +22,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +37,7 @@ from shared.generation_config import FLAG_HELP as GENERATION_FLAG_HELP
 from shared.logs import add_logging_flags
 from shared.memory import release_free_heap
 from shared.models import MODELS_MAX_ENV, ServedModel, check_names, encode_models, models_in_dir
+from shared.start_gate import GATE_ENV, GO
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # per stage of shutdown: the api drains first, then the rest stop
@@ -52,6 +57,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 1.0) -> tuple[int, bytes]:
+    """GET `url` (plain http, the launcher's own api on this host): (status, body). An
+    HTTP/1.0 request on a socket, read to the server's close: urllib would bring ssl,
+    http.client and email, ~8 MiB of a process that only supervises (issue 49)."""
+    parts = urllib.parse.urlsplit(url)
+    lines = [f"GET {parts.path or '/'} HTTP/1.0", f"Host: {parts.netloc}",
+             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    chunks = []
+    with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout) as conn:
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        while data := conn.recv(65536):
+            chunks.append(data)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
 @dataclass
 class Child:
     name: str
@@ -66,8 +87,9 @@ class Child:
     #: when it was asked to stop because its model was unloaded (None: it was not)
     retiring: float | None = None
 
-    def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    def start(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
+        self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                     pass_fds=pass_fds)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -151,18 +173,60 @@ class Launcher:
         #: several models: which are wanted loaded, polled from the api's GET /models
         self.models_url = ready_url.rsplit("/", 1)[0] + "/models" if any(c.model for c in children) else None
         self._polled = 0.0
+        #: the write end of the start gate while the deployment check runs (None: open)
+        self._gate: int | None = None
 
     def _on_signal(self, signum, _frame) -> None:
         self.stopping = True
 
-    def run(self) -> int:
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ, MSTAR_RUN_DIR=self.run_dir)
+
+    def start_gated(self) -> None:
+        """Start every wanted child behind the start gate (shared/start_gate.py): each does
+        its imports, then waits for `open_gate` (or leaves at `refuse`)."""
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        env = dict(os.environ, MSTAR_RUN_DIR=self.run_dir)
+        read, self._gate = os.pipe()
+        env = dict(self._env(), **{GATE_ENV: str(read)})
         try:
             for child in self.children:
                 if child.wanted:
-                    child.start(env)
+                    child.start(env, pass_fds=(read,))
+        finally:
+            os.close(read)
+
+    def open_gate(self) -> None:
+        """The deployment passed: one go byte per gated child (a pipe holds far more)."""
+        if self._gate is not None:
+            os.write(self._gate, GO * sum(c.proc is not None for c in self.children))
+            os.close(self._gate)
+            self._gate = None
+
+    def refuse(self) -> None:
+        """The deployment was refused: the gated children have only imported, so they are
+        killed outright (silently: no output of theirs follows the launcher's one line)."""
+        for child in self.children:
+            if child.proc is not None and child.poll() is None:
+                child.proc.kill()
+        for child in self.children:
+            if child.proc is not None:
+                child.proc.wait()
+        if self._gate is not None:
+            os.close(self._gate)
+            self._gate = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def run(self) -> int:
+        """Supervise until stopped; the children started (behind the gate, then opened)
+        unless `start_gated` ran, in which case they are running already."""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        env = self._env()
+        try:
+            if not any(c.proc is not None for c in self.children):
+                self.start_gated()
+            self.open_gate()
             code = self._wait_ready()
             if code is not None:
                 return code
@@ -225,8 +289,10 @@ class Launcher:
         self._polled = time.monotonic()
         headers = {"Authorization": f"Bearer {os.environ['MSTAR_API_KEY']}"} if os.environ.get("MSTAR_API_KEY") else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(self.models_url, headers=headers), timeout=1) as resp:
-                listed = json.loads(resp.read())["data"]
+            status, body = http_get(self.models_url, headers)
+            if status != 200:
+                return
+            listed = json.loads(body)["data"]
         except (OSError, ValueError, KeyError):
             return  # the api or the conductor restarts: keep what runs
         wanted = {m["id"]: bool(m.get("wanted")) for m in listed if "wanted" in m}
@@ -245,10 +311,9 @@ class Launcher:
                 say(f"mstar: {dead.name} failed to start (exit code {dead.poll()}); see its error above", "ERROR")
                 return 1
             try:
-                with urllib.request.urlopen(self.ready_url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return None
-            except OSError:
+                if http_get(self.ready_url)[0] == 200:
+                    return None
+            except (OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 say(f"mstar: not ready after {self.start_timeout:.0f}s; stopping", "ERROR")
@@ -545,10 +610,9 @@ def _log_env(args: argparse.Namespace) -> None:
         os.environ["MSTAR_ACCESS_LOG"] = "1" if args.access_log else "0"
 
 
-def _refusal(args: argparse.Namespace, d: Deployment,
-             chat_template: str | None) -> tuple[Deployment, list[ServedModel], str | None]:
-    """(the deployment, the models when several are served, why it is refused or None):
-    one model is checked as always; several each by the same check, before any child."""
+def _resolve(args: argparse.Namespace, d: Deployment) -> tuple[Deployment, list[ServedModel], str | None]:
+    """(the deployment, the models when several are served, why it is refused or None) from
+    the flags alone, without reading a model: what must hold before any child starts."""
     try:
         models = served_models(args) if args.command == "serve" else []
     except ValueError as exc:
@@ -557,19 +621,25 @@ def _refusal(args: argparse.Namespace, d: Deployment,
         d = msgspec.structs.replace(d, model=models[0].model)
         if args.served_model_name is None:
             args.served_model_name = models[0].name
-    if len(models) <= 1:
-        refused = preflight(d, chat_template)
-        named = getattr(args, "served_model_name", None)
-        if refused is None and named is not None and not named.strip():
-            refused = "--served-model-name must be non-empty"
-        return d, [], refused
-    if args.served_model_name is not None:
+        models = []
+    named = getattr(args, "served_model_name", None)
+    if not models and named is not None and not named.strip():
+        return d, [], "--served-model-name must be non-empty"
+    if models and named is not None:
         return d, models, "--served-model-name names one model; several are served (each named by its folder or file)"
+    return d, models, None
+
+
+def _refusal(d: Deployment, models: list[ServedModel], chat_template: str | None) -> str | None:
+    """Why the deployment check refuses it, or None: one model is checked as always;
+    several each by the same check."""
+    if not models:
+        return preflight(d, chat_template)
     for m in models:
         refused = preflight(msgspec.structs.replace(d, model=m.model), chat_template)
         if refused is not None:
-            return d, models, f"model {m.name}: {refused}"
-    return d, models, None
+            return f"model {m.name}: {refused}"
+    return None
 
 
 def _api_flags(args: argparse.Namespace, chat_template: str | None) -> list[str]:
@@ -595,14 +665,31 @@ def main(argv: list[str] | None = None) -> int:
     _log_env(args)
     d = deployment_from_args(args)  # MODEL / --model, else --deployment, else MSTAR_MODEL
     chat_template = os.path.abspath(os.path.expanduser(args.chat_template)) if args.chat_template else None
-    d, models, refused = _refusal(args, d, chat_template)
+    d, models, refused = _resolve(args, d)
     if args.command == "check":
+        refused = refused or _refusal(d, models, chat_template)
         say(f"mstar: deployment refused: {refused}" if refused else f"mstar: deployment ok: {d.model or 'default'}",
             "ERROR" if refused else "INFO")
         return 2 if refused else 0
     if refused is not None:
         say(f"mstar: deployment refused: {refused}", "ERROR")
         return 2
+    launcher = _plan(args, d, models, chat_template)
+    launcher.start_gated()  # the children import (torch: most of a start) while the check runs
+    try:
+        refused = _refusal(d, models, chat_template)
+    except BaseException:
+        launcher.refuse()
+        raise
+    if refused is not None:
+        launcher.refuse()
+        say(f"mstar: deployment refused: {refused}", "ERROR")
+        return 2
+    return launcher.run()
+
+
+def _plan(args: argparse.Namespace, d: Deployment, models: list[ServedModel], chat_template: str | None) -> Launcher:
+    """The launcher and its children's command lines (nothing started yet)."""
     run_dir = tempfile.mkdtemp(prefix="mstar-")
     api_flags = _api_flags(args, chat_template)
     _group_env(args)
@@ -613,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key:
         os.environ["MSTAR_API_KEY"] = args.api_key
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout).run()
+    return Launcher(children, f"http://{host}:{args.port}/ready", run_dir, args.start_timeout)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.pages import ceil_div
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: containers libsndfile reports for the formats we accept
 ACCEPTED_FORMATS = frozenset({"WAV", "WAVEX", "RF64", "FLAC"})

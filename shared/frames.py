@@ -8,10 +8,12 @@ which the receive helpers log with the peer and drop.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
+
+if TYPE_CHECKING:  # numpy is imported where tensors go by: the api of a text model never needs it (~25 MiB)
+    import numpy as np
 
 from shared.errors import ErrorKind
 from shared.layout import KVReqConfig, LabelLayout, PagedKVConfig
@@ -377,6 +379,8 @@ class FrameCodec:
         header = self._enc.encode(msg)
         if not tensors:
             return [header]
+        import numpy as np
+
         return [header, *(np.ascontiguousarray(t).data for t in tensors)]
 
     def decode(self, frames: list) -> tuple[Any, list[memoryview]]:
@@ -386,6 +390,8 @@ class FrameCodec:
 
 def pack_tensors(named: dict[str, Any]) -> tuple[dict[str, TensorRef], list[np.ndarray]]:
     """Turn named tensors into refs + buffers for `FrameCodec.encode`."""
+    import numpy as np
+
     refs: dict[str, TensorRef] = {}
     bufs: list[np.ndarray] = []
     for name, t in named.items():
@@ -398,6 +404,8 @@ def pack_tensors(named: dict[str, Any]) -> tuple[dict[str, TensorRef], list[np.n
 
 def unpack_tensors(refs: dict[str, TensorRef], buffers: list[memoryview]) -> dict[str, np.ndarray]:
     """Views over the received frames; raises ValueError on a ref that does not fit."""
+    import numpy as np
+
     out: dict[str, np.ndarray] = {}
     for name, ref in refs.items():
         if not 1 <= ref.index <= len(buffers):

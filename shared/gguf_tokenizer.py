@@ -26,9 +26,8 @@ that module re-exports `load_gguf_tokenizer`, `GGUFTokenizerInfo` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
 from tokenizers import (
     AddedToken,
     Regex,
@@ -39,6 +38,9 @@ from tokenizers import (
     pre_tokenizers,
     processors,
 )
+
+if TYPE_CHECKING:  # the reader is the caller's (shared.gguf_source): importing gguf costs numpy (~0.2 s)
+    import gguf
 
 __all__ = [
     "PRE_TOKENIZERS",

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from shared import start_gate
 from shared.config import (
     add_address_flags,
     add_deployment_flags,
@@ -179,6 +180,7 @@ def media_settings(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_gate.wait("uvicorn", "services.api.server", "services.api.app")
     args = build_parser().parse_args(argv)
 
     log = setup_logging("api", args.log_level, args.log_format)

@@ -14,10 +14,9 @@ field (`observation.images.<camera>`, `observation.state`, `noise`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,7 +32,13 @@ from services.api.settings import ApiSettings
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, load, new_request_id
+from shared.deferred import deferred
 from shared.frames import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 
 def floats(req: ActionRequest) -> tuple[dict[str, list[float]], dict[str, int | str | float | bool]]:

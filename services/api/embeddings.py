@@ -17,10 +17,9 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,7 +32,13 @@ from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, load, new_request_id
+from shared.deferred import deferred
 from shared.frames import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: a pooling route's reply from its requests' done events (in input order), its id and time
 Answer = Callable[[list[DoneEvent], str, int], msgspec.Struct]

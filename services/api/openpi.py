@@ -30,10 +30,9 @@ import asyncio
 import contextlib
 import io
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from starlette.websockets import WebSocket
 
 from services.api.actions import prepare
@@ -47,6 +46,12 @@ from services.api.schemas import ActionRequest, ActionResponse
 from services.api.serving import api_state
 from services.api.state import ApiState, task_refusal
 from services.api.validation import load
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 INTERNAL_ERROR = 1011
 

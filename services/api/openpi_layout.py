@@ -32,11 +32,15 @@ that names none takes the cameras in the order sent.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from services.api.errors import invalid
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 PROMPT_KEYS = ("prompt", "task")
 STATE_KEYS = ("observation/state", "state", "observation.state")

@@ -10,10 +10,9 @@ is one engine request, batched with every other request's in the worker's steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -37,6 +36,12 @@ from services.api.serving import Prepared, serve
 from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import load
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 
 def pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:

@@ -37,10 +37,9 @@ import base64
 import io
 import math
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -54,7 +53,13 @@ from services.api.state import ApiState, task_refusal
 from services.api.streaming import EventStream
 from services.api.validation import GenerateParams, context_turns, load, new_request_id
 from shared.audio import to_pcm16
+from shared.deferred import deferred
 from shared.frames import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/opus"}
 REFUSED_FORMATS = ("aac",)

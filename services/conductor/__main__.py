@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared import start_gate
 from shared.config import (
     add_address_flags,
     add_deployment_flags,
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_gate.wait("shared.aio", "services.conductor.conductor")
     args = build_parser().parse_args(argv)
     log = setup_logging("conductor", args.log_level, args.log_format)
     d = deployment_from_args(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared import start_gate
 from shared.aio import run_service
 from shared.config import (
     add_address_flags,
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_gate.wait("services.data_worker.data_worker")
     args = build_parser().parse_args(argv)
     log = setup_logging("data_worker", args.log_level, args.log_format)
     d = deployment_from_args(args)

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from shared import start_gate
 from shared.config import (
     add_address_flags,
     add_deployment_flags,
@@ -58,6 +59,7 @@ def add_tp_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_gate.wait("services.gpu_worker.worker")  # torch: most of a start, overlapping the launcher's check
     args = build_parser().parse_args(argv)
     log = setup_logging(f"gpu_worker:{args.worker_id}", args.log_level, args.log_format)
     bind = args.bind_addr or os.environ.get("MSTAR_WORKER_ADDR") or env_address(f"gpu_worker_{args.worker_id}")

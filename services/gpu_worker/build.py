@@ -20,7 +20,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.flashinfer_backend import FlashInferPlanner, flashinfer_available
 from services.gpu_worker.guided import Guides
 from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.kv_memory import kv_cache, size_pool, state_cache
+from services.gpu_worker.kv_memory import kv_cache, release_pools, size_pool, state_cache
 from services.gpu_worker.modeling.base import ModelBase
 from services.gpu_worker.outputs import OutputProcessor
 from services.gpu_worker.runners.bagel import BagelRunner
@@ -214,6 +214,8 @@ def assemble(d: Deployment, group: TpGroup | None = None) -> Assembled:
     parts = Assembled(source, spec, pools, model, kv, engine, group)
     if group is None or group.rank == 0:
         warm_up(parts, d)
+    if group is None:  # every page is free again: the warm-up's resident memory goes back (issue 49)
+        log.debug("KV pools: %.0f MB of warm-up pages given back", release_pools(caches) / 1e6)
     return parts
 
 

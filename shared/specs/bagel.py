@@ -25,14 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import PromptError, PromptRequest
 from shared.specs.vision_lm import VisionLMSpec
 from shared.vision.bagel import BagelImages
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 BAGEL_ARCHITECTURES = ("BagelForConditionalGeneration",)
 #: the tokens of an image block, as BAGEL's `add_special_tokens` names them

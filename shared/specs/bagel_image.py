@@ -36,15 +36,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.bagel import bagel_text_config
 from shared.specs.base import PreparedImage, PromptError, PromptRequest
 from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
 from shared.vision.bagel import BagelImages
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 MAX_STEPS = 100
 #: the inferencer's `cfg_img_scale`

@@ -40,13 +40,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import FrameLoopSpec, MetaValue, PromptError, PromptRequest
 from shared.specs.csm import llama_config
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURE = "ChatterboxTTS"
 #: the files of the Hub's folder that say "Chatterbox" (it has no config.json)

@@ -28,15 +28,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import DeploymentError, PromptError, PromptRequest
 from shared.specs.image_gen import ImageGenSpec, guidance_option, int_option
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURES = ("Cosmos3OmniPipeline",)
 #: the most denoising steps a request may ask (the loop's graph bound)

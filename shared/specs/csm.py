@@ -44,15 +44,19 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from shared.audio import decode_audio
+from shared.deferred import deferred
 from shared.frames import ContextTurn
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.model_config import ModelConfig, read_model_config
 from shared.specs.base import FrameDepthSpec, MetaValue, PreparedAudio, PromptError, PromptRequest, added_tokens
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURE = "CsmForConditionalGeneration"
 #: the speakers a request may name (`voice`), as the prompt's `[N]` prefix

@@ -17,13 +17,17 @@ the gpu worker runs it with `services.gpu_worker.modeling.decoder.lm.DecoderLM`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.model_config import FULL, SLIDING, ModelConfig, parameter_counts, read_model_config
 from shared.specs.base import ModelSpec, PromptError, PromptRequest
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 
 class DecoderLMSpec(ModelSpec):

@@ -53,13 +53,13 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.audio import decode_audio
+from shared.deferred import deferred
 from shared.frames import ContextTurn
 from shared.hub import resolve_model
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
@@ -73,6 +73,11 @@ from shared.specs.base import (
     added_tokens,
 )
 from shared.specs.csm import _token_str, context_spans, llama_config
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURE = "HiggsAudioV2ForConditionalGeneration"
 DEFAULT_VOICE = "default"

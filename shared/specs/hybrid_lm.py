@@ -19,15 +19,19 @@ kind is not "decoder"): a rejected draft would have advanced the recurrent state
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.hybrid_config import LINEAR, HybridConfig, hybrid_parameter_counts, read_hybrid_config
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span
 from shared.model_config import FULL
 from shared.specs.base import PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: state slots a spec declares before the deployment sizes them (`with_state_slots`)
 DEFAULT_STATE_SLOTS = 1

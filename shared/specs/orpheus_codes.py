@@ -20,8 +20,15 @@ so a tiny test vocab and a tiny test codec work the same way as the real 3B mode
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
+
 
 #: audio tokens per SNAC frame (1 + 2 + 4 codes for the 24 kHz codec's three codebooks)
 CODES_PER_FRAME = 7

@@ -33,14 +33,18 @@ import hashlib
 import io
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import DeploymentError, InStepLoopSpec, PreparedImage, PromptError, PromptRequest
 from shared.vision.common import read_json
 from shared.vision.pi0 import Pi0Images
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 PI0_ARCHITECTURES = ("PI0ForConditionalGeneration",)
 PI05_ARCHITECTURES = ("PI05ForConditionalGeneration",)

@@ -18,12 +18,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.specs.base import DeploymentError, ModelSpec, PromptError, PromptRequest
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: config.json architectures this spec serves: an encoder's hidden states (embeddings),
 #: and a classifier head over its pooled first token (scores)

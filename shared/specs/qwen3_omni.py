@@ -36,16 +36,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Self
 
 from shared.audio import ACCEPTED_FORMATS, FeatureConfig, decode_audio, log_mel_features
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.specs.base import PreparedClip, PreparedImage, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec
 from shared.vision import common
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
 #: Qwen3OmniMoeThinkerConfig's defaults

@@ -28,16 +28,20 @@ import io
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import PreparedImage, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
 from shared.vision.gemma3 import Gemma3Images
 from shared.vision.idefics3 import Idefics3Images
 from shared.vision.qwen2_vl import Qwen2VLImages
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)

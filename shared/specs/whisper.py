@@ -47,13 +47,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from shared.audio import FeatureConfig, audio_features, log_mel_features
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
 from shared.pages import ceil_div, pages_for
 from shared.specs.base import MetaValue, ModelSpec, PromptError, PromptRequest, added_tokens
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 ARCHITECTURE = "WhisperForConditionalGeneration"
 _LANG_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")

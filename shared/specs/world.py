@@ -34,17 +34,21 @@ import hashlib
 import io
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import numpy as np
-
+from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
 from shared.specs.base import DeploymentError, InStepLoopSpec, PreparedImage, PromptError, PromptRequest
 
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
+
 WORLD_ARCHITECTURES = ("VJEPA2ACWorldModel",)
 #: ImageNet's statistics: V-JEPA 2's video transforms normalize with them
-MEAN = np.asarray([0.485, 0.456, 0.406], dtype=np.float32)
-STD = np.asarray([0.229, 0.224, 0.225], dtype=np.float32)
+MEAN = (0.485, 0.456, 0.406)  # as float32 where used (numpy is imported at first use)
+STD = (0.229, 0.224, 0.225)
 
 
 def _int(section: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
@@ -117,7 +121,8 @@ class WorldSpec(InStepLoopSpec):
         img = opened.convert("RGB")
         if img.size != (self.img_size, self.img_size):
             img = img.resize((self.img_size, self.img_size), Image.Resampling.BILINEAR)
-        pixels = (np.asarray(img, dtype=np.float32) / np.float32(255.0) - MEAN) / STD
+        mean, std = np.asarray(MEAN, dtype=np.float32), np.asarray(STD, dtype=np.float32)
+        pixels = (np.asarray(img, dtype=np.float32) / np.float32(255.0) - mean) / std
         key = hashlib.sha256(data).hexdigest()
         return PreparedImage(pixels.transpose(2, 0, 1)[None].astype(np.float32), "", key)
 

@@ -21,10 +21,16 @@ reference's `start_of_image` / `end_of_image` rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from PIL import Image
+
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: Pillow's bicubic filter (torchvision's InterpolationMode.BICUBIC on a PIL image)
 BICUBIC = 3

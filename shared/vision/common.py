@@ -14,10 +14,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 from PIL import Image
+
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: the image processor settings every one of these processors has under the same name
 COMMON_SETTINGS = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize")

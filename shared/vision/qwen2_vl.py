@@ -27,12 +27,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from PIL import Image
 
+from shared.deferred import deferred
 from shared.vision import common
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: transformers' PILImageResampling.BICUBIC, the image processor's default filter
 BICUBIC = 3

@@ -17,13 +17,17 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from services.api.errors import invalid
 from services.api.speech import wav_header
 from shared.audio import to_pcm16
+from shared.deferred import deferred
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 FORMATS = ("wav", "pcm16")
 #: how long OpenAI's reply says a clip is kept (this server keeps none: the field is its shape)

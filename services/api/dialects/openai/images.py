@@ -23,10 +23,9 @@ import base64
 import io
 import re
 import secrets
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
-import numpy as np
 from msgspec import Meta
 
 from services.api.chat_request import check_model
@@ -39,7 +38,13 @@ from services.api.serving import Prepared
 from services.api.settings import ApiSettings
 from services.api.state import ApiState, task_refusal
 from services.api.validation import GenerateParams, load, new_request_id
+from shared.deferred import deferred
 from shared.frames import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 #: images one request may ask for
 MAX_N = 4

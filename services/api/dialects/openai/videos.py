@@ -28,10 +28,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-import numpy as np
 from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
@@ -50,7 +49,13 @@ from services.api.errors import ApiError, HttpKind, invalid
 from services.api.forms import is_form, parse_form
 from services.api.serving import api_state, json_response, read_body
 from services.api.validation import decode_json_object, load
+from shared.deferred import deferred
 from shared.errors import ErrorKind
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = deferred("numpy")  # imported at first use (shared/deferred.py)
 
 log = logging.getLogger("mstar.api.videos")
 
