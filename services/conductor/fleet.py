@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from services.conductor.conductor import Conductor
+from shared import curve
 from shared.config import Deployment
 from shared.errors import ErrorKind
 from shared.frames import (
@@ -96,6 +97,7 @@ class Fleet:
             self.pushers.close()
             cleanup_ipc(self.addrs["conductor"])
             cleanup_ipc(self.addrs["conductor_control"])
+            curve.stop(self.ctx)  # else exit hangs on the ZAP handler's socket (a CURVE deployment)
 
     # -- sockets ---------------------------------------------------------------------------
 
