@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from shared import curve
 from shared.config import Deployment
 from shared.errors import SERVER_SIDE, ErrorKind, new_error_id
 from shared.fingerprint import mismatch
@@ -263,6 +264,7 @@ class ConductorSockets:
             self.pushers.close()
             cleanup_ipc(self.addrs["conductor"])
             cleanup_ipc(self.addrs["conductor_control"])
+            curve.stop(self.ctx)  # else exit hangs on the ZAP handler's socket (a CURVE deployment)
 
     async def _intake(self, pull: zmq.Socket) -> None:
         async with aclosing(recv_frames(pull, self.codec, "conductor intake")) as frames:

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from shared import curve
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
@@ -85,6 +86,7 @@ class DataWorker:
             pull.close(0)
             self.pushers.close()
             cleanup_ipc(self.addrs["data_worker"])
+            curve.stop(self.ctx)  # else exit hangs on the ZAP handler's socket (a CURVE deployment)
 
     def tokenize(self, req: GenerateRequest) -> tuple[list[int], int | None]:
         """(the request's token ids, where a text pair's second text starts, else None);

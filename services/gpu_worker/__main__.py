@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -91,5 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     return worker.exit_code
 
 
+def exit_now(code: int) -> None:
+    """End the process once `main` has closed everything it opened (the sockets, the ZMQ
+    context, a tensor-parallel group and its ranks): the log's handlers and stdio flushed,
+    then `os._exit`. The interpreter's own teardown of torch's module graph took ~0.7 s of
+    CPU at every stop and frees nothing the OS does not (an exception still exits as
+    Python does: with its traceback)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -59,6 +59,11 @@ ANNOUNCE_INTERVAL_S = 1.0
 GATHER_QUIET_S = 0.004
 #: ...or this long after the first arrival, whichever comes first
 GATHER_MAX_S = 0.025
+#: at shutdown, how long the last frames to the conductor (failed requests' pages, the
+#: final stats) may wait to be taken: a live conductor takes them in a few ms; when the
+#: whole deployment stops, the conductor is stopping too and nothing will take them, and
+#: the socket's running linger (1 s) held every stop for that whole second
+SHUTDOWN_LINGER_MS = 200
 
 
 class Gather:
@@ -321,7 +326,7 @@ class GpuWorker:
         for sock in self.replies.values():
             sock.close(0)
         self.pull.close(0)
-        self.conductor.close()
+        self.conductor.close(linger=SHUTDOWN_LINGER_MS)
         curve.stop(self.ctx)
         self.ctx.term()
         cleanup_ipc(self.bind_addr)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shared.gguf_source import find_default_gguf
+from tests.reference import hf_gguf_model
 from tests.servers import MstarServer
 
 MAX_SEQ_LEN = 2048
@@ -53,10 +54,7 @@ def f32_server(tmp_path_factory):
 def _hf_logprobs(ids: list[int]) -> torch.Tensor:
     """transformers' log-softmax over the GGUF file's (dequantized) weights: row q is the
     distribution of token q + 1."""
-    from transformers import AutoModelForCausalLM
-
-    path = find_default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = hf_gguf_model(find_default_gguf())
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)

@@ -13,6 +13,7 @@ import torch
 
 from shared.model_source import ModelSource
 from tests.engines import greedy_on
+from tests.reference import hf_gguf_model
 
 # ids of "<bos>The capital of France is" and of a run of plain tokens
 PROMPTS = [[2, 818, 5279, 529, 7001, 563], [2, *range(1000, 1040)]]
@@ -27,10 +28,7 @@ def gemma_file() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gemma_file) -> list[list[int]]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name,
-                                                           dtype=torch.float32).eval()
+    hf = hf_gguf_model(gemma_file)
     out = []
     with torch.no_grad():
         for ids in PROMPTS:
