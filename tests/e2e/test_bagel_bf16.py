@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.bagel_checkpoints import build_reference, make_bagel_checkpoint
+from tests.bagel_checkpoints import _float32_attention, build_reference, make_bagel_checkpoint
 from tests.servers import MstarServer, assert_clean
 
 #: uint8 pixels: max and mean abs diff allowed against the bf16 reference
@@ -53,10 +53,13 @@ def reference_image(folder: Path) -> np.ndarray:
                                ref["vit_transform"], ref["ids"])
     width, height = (int(s) for s in BODY["size"].split("x"))
     torch.manual_seed(BODY["seed"])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        image = inf.interleave_inference([BODY["prompt"]], image_shapes=(height, width),
-                                         num_timesteps=BODY["num_inference_steps"],
-                                         cfg_text_scale=BODY["guidance_scale"])[-1]
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            image = inf.interleave_inference([BODY["prompt"]], image_shapes=(height, width),
+                                             num_timesteps=BODY["num_inference_steps"],
+                                             cfg_text_scale=BODY["guidance_scale"])[-1]
+    finally:
+        _float32_attention()  # a float32 reference built earlier in this process sees float32 again
     return np.asarray(image)
 
 
