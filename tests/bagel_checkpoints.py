@@ -119,11 +119,18 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, ma
     return torch.cat(out)
 
 
-def _float32_attention() -> None:
+def _float32_attention(on: bool = True) -> None:
     """The reference's attention modules see a `torch` whose bfloat16 is float32, so their
-    casts before flash-attn keep float32 (the only change to its float32 arithmetic)."""
+    casts before flash-attn keep float32 (the only change to its float32 arithmetic); `on`
+    False gives them the real torch back (a bfloat16 reference after a float32 one in the
+    same process)."""
     import torch
     from bagel2.modeling.bagel import qwen2_navit, siglip_navit
+
+    if not on:
+        for mod in (qwen2_navit, siglip_navit):
+            mod.torch = torch  # type: ignore[attr-defined]
+        return
 
     class _Torch(types.ModuleType):
         bfloat16 = torch.float32
@@ -173,8 +180,7 @@ def build_reference(path: Path, dtype: str = "float32") -> dict[str, Any]:
     )
     from transformers import AutoTokenizer
 
-    if dtype == "float32":
-        _float32_attention()
+    _float32_attention(dtype == "float32")
     llm_config, vit_config = _configs(path)
     vae_config = AutoEncoderParams(**TINY_AE)
     vae_model = AutoEncoder(vae_config)
