@@ -608,6 +608,10 @@ def _log_env(args: argparse.Namespace) -> None:
             os.environ[env] = value
     if getattr(args, "access_log", None) is not None:
         os.environ["MSTAR_ACCESS_LOG"] = "1" if args.access_log else "0"
+    if os.environ.get("MSTAR_LOG_FORMAT", "").lower() == "json":
+        # a gated child imports its modules (tqdm among them, which reads TQDM_* once, at
+        # import) before its own setup_logging could turn progress bars off for JSON lines
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _resolve(args: argparse.Namespace, d: Deployment) -> tuple[Deployment, list[ServedModel], str | None]:

@@ -72,4 +72,5 @@ SET_PER_CONTAINER = {"MSTAR_RUN_DIR", "MSTAR_WORKER_ADDR", "MSTAR_WORKER_ID", "M
                      *(f"MSTAR_{n.upper()}_ADDR" for n in ADDRESS_NAMES),
                      "MSTAR_WORKERS", "MSTAR_START_TIMEOUT",  # `mstar serve`'s own: compose and k8s place workers
                      "MSTAR_MODELS_DIR", "MSTAR_MODELS_MAX",  # ... and start and stop a model's workers
-                     "MSTAR_TP_RANK"}  # a tensor-parallel rank's, set by the rank that starts it
+                     "MSTAR_TP_RANK",  # a tensor-parallel rank's, set by the rank that starts it
+                     "MSTAR_START_GATE"}  # the launcher's pipe to its children (shared/start_gate.py)
