@@ -22,15 +22,24 @@ def tiny_model(folder: Path, family: str = "llama"):
     return spec, build_model(src, spec, torch.float32)
 
 
-def tiny_engine(spec, model, num_pages: int, max_batch_tokens: int, target_s: float):
+def tiny_engine(spec, model, num_pages: int, max_batch_tokens: int, target_s: float = 0.0, max_num_seqs: int = 8):
     """(pools, KV manager, engine): a real engine on `num_pages` pages, with a time target."""
     pools = spec.paged_pools(num_pages)
     caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
               for n, p in pools.items()}
     kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=max_batch_tokens,
-                       max_seq_len=spec.max_seq_len, itl_target_s=target_s)
+    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=max_num_seqs,
+                       max_batch_tokens=max_batch_tokens, max_seq_len=spec.max_seq_len, itl_target_s=target_s)
     return pools, kv, eng
+
+
+def folder_engine(path: Path | str, max_batch_tokens: int, max_num_seqs: int = 8, quantized: bool = False):
+    """(source, spec, pools, KV manager, engine): a model file's (GGUF or folder) real engine
+    in process on 64 pages of 16 rows, float32 weights unless `quantized`."""
+    src = ModelSource(str(path))
+    spec = src.spec(16)
+    model = build_model(src, spec, torch.float32, quantized=quantized)
+    return (src, spec, *tiny_engine(spec, model, 64, max_batch_tokens, max_num_seqs=max_num_seqs))
 
 
 def greedy_on(path: Path | str, prompts: list[list[int]], max_tokens: int, quantized: bool = False) -> list[list[int]]:
@@ -40,15 +49,7 @@ def greedy_on(path: Path | str, prompts: list[list[int]], max_tokens: int, quant
     from shared.frames import NewRequest, SamplingParams, pack_tensors
     from shared.specs.base import PromptRequest
 
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32, quantized=quantized)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=max(4, len(prompts)), max_batch_tokens=256,
-                       max_seq_len=spec.max_seq_len)
+    _, spec, pools, kv, eng = folder_engine(path, 256, max(4, len(prompts)), quantized)
     caps = spec.clamp_caps(spec.get_loop_caps(max_tokens))
     for i, ids in enumerate(prompts):
         ppo = spec.process_prompt(PromptRequest(ids))

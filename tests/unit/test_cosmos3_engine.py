@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from services.gpu_worker.build import build_engine
-from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
-from shared.model_source import ModelSource
 from shared.specs.base import PromptRequest
 from tests.cosmos_checkpoints import load_pipeline, make_cosmos3, reference_frames, to_uint8
+from tests.engines import folder_engine
 
 CASES = [dict(prompt="a red fox", height=32, width=32, num_frames=1, guidance_scale=6.0, negative_prompt=None, seed=3,
               sample=0),
@@ -51,15 +47,7 @@ def _request(spec, tok, case: dict) -> PromptRequest:
 
 
 def test_engine_equals_pipeline(cosmos_dir):
-    src = ModelSource(str(cosmos_dir))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=4096,
-                       max_seq_len=spec.max_seq_len)
+    src, spec, pools, kv, eng = folder_engine(cosmos_dir, 4096)
     caps = spec.clamp_caps(spec.get_loop_caps(1))
     for i, case in enumerate(CASES):
         ppo = spec.process_prompt(_request(spec, src.tokenizer.tokenizer, case))
@@ -99,15 +87,7 @@ LONG, SHORT = 6, 1
 
 @pytest.fixture(scope="module")
 def engine(cosmos_dir):
-    src = ModelSource(str(cosmos_dir))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=4096,
-                       max_seq_len=spec.max_seq_len)
+    src, spec, pools, _, eng = folder_engine(cosmos_dir, 4096)
     return eng, spec, src.tokenizer.tokenizer, pools
 
 

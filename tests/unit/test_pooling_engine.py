@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.build import build_engine
-from services.gpu_worker.kv_manager import KVManager
-from services.gpu_worker.weights import build_model
 from shared.frames import NewRequest, SamplingParams, pack_tensors
 from shared.model_source import ModelSource
 from shared.specs.base import PromptRequest
+from tests.engines import folder_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,15 +30,7 @@ def checkpoint(path, arch: str):
 
 
 def run(path, prompts: list[tuple[list[int], int | None]], budget: int = 512):
-    src = ModelSource(str(path))
-    spec = src.spec(16)
-    pools = spec.paged_pools(64)
-    model = build_model(src, spec, torch.float32)
-    caches = {n: [torch.zeros(p.num_pages, 2, p.page_size, p.kv_heads, p.head_dim) for _ in range(p.num_layers)]
-              for n, p in pools.items()}
-    kv = KVManager(pools, spec.kv_labels)
-    eng = build_engine(model, spec, kv, caches, eos_ids=[], max_num_seqs=8, max_batch_tokens=budget,
-                       max_seq_len=spec.max_seq_len)
+    _, spec, pools, kv, eng = folder_engine(path, budget)
     for i, (ids, pair_start) in enumerate(prompts):
         ppo = spec.process_prompt(PromptRequest(ids, options={} if pair_start is None else {"pair_start": pair_start}))
         refs, _ = pack_tensors(ppo.new_input_tensors)
