@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -223,21 +224,37 @@ def _answers_key(folder: Path, cases: list[dict]) -> str:
     return h.hexdigest()[:32]
 
 
+def _answers(name: str, work: Path, make: Callable[[], Path]) -> Path:
+    """ANSWERS / `name`, made once: `make` runs the reference in `work` and returns the file
+    it wrote, copied in whole (a temporary name, then a rename: a concurrent test never
+    reads half a file)."""
+    cached = ANSWERS / name
+    if not cached.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        made = make()
+        ANSWERS.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(made, tmp)
+        tmp.replace(cached)
+    return cached
+
+
+def _digest(waves: list[np.ndarray]) -> str:
+    """The clips' content key (their float32 bytes)."""
+    return hashlib.sha256(b"".join(w.astype(np.float32).tobytes() for w in waves)).hexdigest()
+
+
 def qwen3_tts_reference(folder: Path, cases: list[dict], work: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     """qwen-tts' greedy (codes [frames, groups], waveform) for each case {"text", "speaker",
     "instruct" (optional), "max_new_tokens"}. Kept in ANSWERS under a key of everything
     they depend on (`_answers_key`): the package's `generate` runs a nested `generate` per
     frame, ~0.5 s a frame on a busy 2-core host."""
-    cached = ANSWERS / f"{_answers_key(folder, cases)}.npz"
-    if not cached.is_file():
-        work.mkdir(parents=True, exist_ok=True)
+    def make() -> Path:
         (work / "cases.json").write_text(json.dumps(cases))
         _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"))
-        ANSWERS.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(work / "out.npz", tmp)
-        tmp.replace(cached)
-    with np.load(cached) as out:
+        return work / "out.npz"
+
+    with np.load(_answers(f"{_answers_key(folder, cases)}.npz", work, make)) as out:
         return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]
 
 
@@ -247,18 +264,13 @@ def qwen3_tts_speaker_reference(folder: Path, waves: list[np.ndarray], work: Pat
     `mel_spectrogram` with `extract_speaker_embedding`'s settings (librosa's real mel
     filters) and `extract_speaker_embedding` itself, on the Base checkpoint in `folder`.
     Kept in ANSWERS under a key of the checkpoint, the clips and librosa's pin."""
-    key = _answers_key(folder, [LIBROSA_PIN, hashlib.sha256(b"".join(w.astype(np.float32).tobytes()
-                                                                       for w in waves)).hexdigest()])
-    cached = ANSWERS / f"speaker-{key}.npz"
-    if not cached.is_file():
-        work.mkdir(parents=True, exist_ok=True)
+    def make() -> Path:
         np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
         _run("speaker", str(folder), str(work / "waves.npz"), str(work / "speaker.npz"), librosa=True)
-        ANSWERS.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(work / "speaker.npz", tmp)
-        tmp.replace(cached)
-    with np.load(cached) as out:
+        return work / "speaker.npz"
+
+    key = _answers_key(folder, [LIBROSA_PIN, _digest(waves)])
+    with np.load(_answers(f"speaker-{key}.npz", work, make)) as out:
         return [(out[f"mel_{i}"], out[f"emb_{i}"]) for i in range(len(waves))]
 
 
@@ -267,17 +279,13 @@ def qwen3_tts_clone_reference(folder: Path, cases: list[dict], waves: list[np.nd
     """qwen-tts' greedy `generate_voice_clone(x_vector_only_mode=True, non_streaming_mode=True)`
     (codes [frames, groups], waveform) for each case {"text", "clip" (an index into `waves`,
     24 kHz), "max_new_tokens"} on the Base checkpoint in `folder`; kept in ANSWERS."""
-    clips = hashlib.sha256(b"".join(w.astype(np.float32).tobytes() for w in waves)).hexdigest()
-    cached = ANSWERS / f"clone-{_answers_key(folder, [*cases, LIBROSA_PIN, clips])}.npz"
-    if not cached.is_file():
-        work.mkdir(parents=True, exist_ok=True)
+    def make() -> Path:
         (work / "cases.json").write_text(json.dumps(cases))
         np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
         _run("clone", str(folder), str(work / "cases.json"), str(work / "waves.npz"), str(work / "out.npz"),
              librosa=True)
-        ANSWERS.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(work / "out.npz", tmp)
-        tmp.replace(cached)
-    with np.load(cached) as out:
+        return work / "out.npz"
+
+    key = _answers_key(folder, [*cases, LIBROSA_PIN, _digest(waves)])
+    with np.load(_answers(f"clone-{key}.npz", work, make)) as out:
         return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]
