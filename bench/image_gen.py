@@ -50,7 +50,7 @@ from typing import Any
 
 from bench.checkpoints import cache_dir
 from bench.report import results_dir
-from bench.rounds import Timings, alternate, http_round, serial_round, video_job
+from bench.rounds import Timings, alternate, fill_defaults, http_round, serial_round, video_job
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 
@@ -284,13 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.frames < 1 or (args.frames > 1 and args.family != "cosmos3"):
         p.error("--frames: at least 1, and above 1 (video) for --family cosmos3 only")
-    if args.threads is None:
-        from shared.cgroup import available_cpus
-
-        args.threads = max(1, available_cpus() - 1)
-    for name, full, quick in (("rounds", 2, 1), ("c1_images", 4, 2), ("bursts", 2, 1)):
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    fill_defaults(args, (("rounds", 2, 1), ("c1_images", 4, 2), ("bursts", 2, 1)), threads=True)
     size, guidance = FAMILIES[args.family][:2]
     args.size, args.guidance = args.size or size, args.guidance if args.guidance is not None else guidance
     image_gen(args)

@@ -43,6 +43,7 @@ import httpx
 
 from bench.checkpoints import cache_dir
 from bench.report import results_dir
+from bench.rounds import fill_defaults
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 
@@ -342,9 +343,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for name, full, quick in (("rounds", 2, 1), ("c1_requests", 6, 2), ("bursts", 2, 1)):
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    fill_defaults(args, (("rounds", 2, 1), ("c1_requests", 6, 2), ("bursts", 2, 1)))
     policy(args)
     return 0
 

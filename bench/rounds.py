@@ -105,3 +105,15 @@ def alternate(systems: dict[str, Callable[[], dict]], rounds: int, key: str) -> 
             runs[name].append(run())
         print(f"round {r + 1}: " + ", ".join(f"{k} {key} {v[-1][key]:.3f}" for k, v in runs.items()), file=sys.stderr)
     return runs
+
+
+def fill_defaults(args: Any, counts: tuple[tuple[str, int, int], ...], threads: bool = False) -> None:
+    """The flags left unset: each (name, full, quick) count by `--quick`, and (`threads`) the
+    torch threads both sides run on, the worker's default (CPUs - 1)."""
+    for name, full, quick in counts:
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if threads and args.threads is None:
+        from shared.cgroup import available_cpus
+
+        args.threads = max(1, available_cpus() - 1)

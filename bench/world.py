@@ -42,7 +42,7 @@ from typing import Any
 
 from bench.checkpoints import cache_dir
 from bench.report import results_dir
-from bench.rounds import Timings, alternate, http_round, serial_round
+from bench.rounds import Timings, alternate, fill_defaults, http_round, serial_round
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 
@@ -186,13 +186,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.threads is None:
-        from shared.cgroup import available_cpus
-
-        args.threads = max(1, available_cpus() - 1)
-    for name, full, quick in (("rounds", 2, 1), ("c1_requests", 4, 2)):
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    fill_defaults(args, (("rounds", 2, 1), ("c1_requests", 4, 2)), threads=True)
     world(args)
     return 0
 
