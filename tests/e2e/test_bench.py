@@ -80,17 +80,23 @@ def test_bench_spec_smoke(tmp_path):
     assert (out / "plot.png").stat().st_size > 1000
 
 
+def _quick_bench(module: str, tmp_path) -> tuple[str, dict]:
+    """`python -m MODULE --quick` with its own checkpoint cache: (its stdout, its results.json),
+    having asserted it exited 0 and wrote its PNG."""
+    out = tmp_path / module
+    env = {**service_env(), "MSTAR_BENCH_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "plot.png").stat().st_size > 1000
+    return proc.stdout, json.loads((out / "results.json").read_text())
+
+
 def test_policy_bench_quick(tmp_path):
     """`python -m bench.policy --quick`: a tiny Pi0.5 through /v1/actions against transformers'
     one-at-a-time `sample_actions`; the four figures there for both, the PNG written."""
-    out = tmp_path / "policy"
-    argv = [sys.executable, "-m", "bench.policy", "--quick", "--out", str(out)]
-    env = {**service_env(), "MSTAR_BENCH_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "c1 actions/s" in proc.stdout and "c16 TTFT (ms)" in proc.stdout
-    assert (out / "plot.png").stat().st_size > 1000
-    data = json.loads((out / "results.json").read_text())
+    stdout, data = _quick_bench("bench.policy", tmp_path)
+    assert "c1 actions/s" in stdout and "c16 TTFT (ms)" in stdout
     assert data["mode"] == "policy" and data["shape"]["chunk"] == 5
     for system in ("mstar", "transformers"):
         (run,) = data["runs"][system]
@@ -102,14 +108,8 @@ def test_world_bench_quick(tmp_path):
     """`python -m bench.world --quick`: the tests' tiny V-JEPA 2-AC through /v1/world/rollout
     against the reference's one-at-a-time rollout; every figure there for both, the clip
     cache's pair for mstar, the PNG written."""
-    out = tmp_path / "world"
-    argv = [sys.executable, "-m", "bench.world", "--quick", "--out", str(out)]
-    env = {**service_env(), "MSTAR_BENCH_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "c16 steps/s" in proc.stdout and "8 rollouts of one clip (s)" in proc.stdout
-    assert (out / "plot.png").stat().st_size > 1000
-    data = json.loads((out / "results.json").read_text())
+    stdout, data = _quick_bench("bench.world", tmp_path)
+    assert "c16 steps/s" in stdout and "8 rollouts of one clip (s)" in stdout
     assert data["mode"] == "world" and data["clip_cache"]["mstar_8_rollouts_8_clips_s"] > 0
     for system in ("mstar", "reference"):
         (run,) = data["runs"][system]
