@@ -710,9 +710,6 @@ static inline __attribute__((always_inline)) __m256i row_dot(const int form, con
     return _mm256_add_epi32(dot(form, wv, wa, x1, g0, g1, _mm256_set1_epi16(256)), dot(form, wv, wa, x2, g0, g1, one));
 }
 
-/* bytes of one expanded block: its 8 weight vectors, then sd0, sd1, sm (expand_tile) */
-#define XBLOCK (11 * 64)
-
 /* half c's 8 columns of rows [r0, r0 + mr) out (acc + bias, columns past n not written) */
 static inline __attribute__((always_inline)) void store_half(const __m256 *acc, int64_t r0, int mr, const float *bias,
                                                              float *out, int64_t ldc, int64_t n, int64_t t, int c) {
@@ -812,16 +809,9 @@ static inline __attribute__((always_inline)) void tile_rows(int form, const int8
     for (int64_t b = 0; b < kb; b++) {
         __m256i wv[8], wa[8];
         __m256 sd0, sd1, sm; /* the block's scales (per 16: two) and offsets, once for its rows */
-        if (xw) { /* the tile expanded beforehand (expand_tile): a prompt's row groups share it */
-            const uint8_t *e = xw + b * XBLOCK + 32 * c;
-            for (int g = 0; g < 8; g++) wv[g] = _mm256_load_si256((const __m256i *)(e + g * 64));
-            sd0 = _mm256_load_ps((const float *)(e + 512));
-            sd1 = _mm256_load_ps((const float *)(e + 576));
-            sm = _mm256_load_ps((const float *)(e + 640));
-        } else {
-            unpack_half(form, w, t, kb, b, c, wv);
-            block_scales(form, d, mn, t, b, kb, half, c, &sd0, &sd1, &sm);
-        }
+        (void)xw; /* (the wide path, gemm_wide, takes more rows than a group) */
+        unpack_half(form, w, t, kb, b, c, wv);
+        block_scales(form, d, mn, t, b, kb, half, c, &sd0, &sd1, &sm);
         if (signed_form(form))
             for (int g = 0; g < 8; g++) wa[g] = _mm256_sign_epi8(wv[g], wv[g]);
 #pragma GCC unroll 4
@@ -866,26 +856,174 @@ static inline __attribute__((always_inline)) void tile(int form, const int8_t *q
         tile_rows(form, q1s, q2s, dx, sx, corr, r0, mr, kp, w, d, mn, bias, out, ldc, n, t, xbytes, half, xw, c);
 }
 
-/* expand_tile of the AVX-512 path: forms 5 and 6 unpacked, the scales made, once a tile */
-static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
+/* The prompt path (a task's row block of more than MR rows: a prompt's GEMMs, a batch's decode
+ * step): vpmaddwd on weights widened to int16 once a tile (expand_wide, shared by the block's
+ * row groups) and x as int16, x16 = 256 q1 + q2 (|x16| <= 32639; xbytes 1: q1): one vpmaddwd
+ * makes a column's two products with both of x's bytes, where the byte path takes two
+ * vpmaddubsw (xbytes 2) and, on the signed forms (Q8_0, NL), two vpsignb and two vpmaddwd
+ * more. The integers are the same (the signed forms' bytes as q, form 6's as q - 32: the
+ * AVX-512 path's sums after its corr), and the float steps tile_rows', so the same bits.
+ * An expanded half tile: per block, 16 vectors of 8 columns x 2 values (value 2 kk, 2 kk + 1
+ * of column j in lane j), then sd0, sd1, sm (8 floats each). */
+#define XHALF (16 * 32 + 3 * 32)
+#define XWIDE (2 * XHALF) /* bytes of one expanded block (both halves) */
+#define WR 4              /* rows per wide row group */
+
+/* a vector of bytes (value 4 g + i of column j at byte 4 j + i) widened to int16 pairs:
+ * e0 values 4 g, 4 g + 1 of each column, e1 values 4 g + 2, 4 g + 3 (sgn: signed bytes) */
+static inline __attribute__((always_inline)) void widen_bytes(__m256i v, const int sgn, __m256i *e0, __m256i *e1) {
+    const __m256i lo = sgn ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_and_si256(v, _mm256_set1_epi16(0xFF));
+    const __m256i hi = sgn ? _mm256_srai_epi16(v, 8) : _mm256_srli_epi16(v, 8);
+    *e0 = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+    *e1 = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+}
+
+/* tile t's weights widened (widen_bytes of unpack_half's vectors; form 6 as q - 32) and its
+ * scales made (block_scales) into xw [kb][XWIDE], form and half constant */
+static inline __attribute__((always_inline)) void expand_wide_as(const struct qjob *j, const int form, const int half,
+                                                                 int64_t t, int64_t kb, uint8_t *xw) {
+    const __m256i thirty_two = _mm256_set1_epi16(32);
     for (int64_t b = 0; b < kb; b++)
         for (int c = 0; c < 2; c++) {
             __m256i wv[8];
             __m256 sc[3];
-            if (j->form == 5)
-                unpack_half(5, j->w, t, kb, b, c, wv);
-            else
-                unpack_half(6, j->w, t, kb, b, c, wv);
-            if (j->half == 2)
-                block_scales(j->form, j->d, j->mn, t, b, kb, 2, c, sc, sc + 1, sc + 2);
-            else if (j->half)
-                block_scales(j->form, j->d, j->mn, t, b, kb, 1, c, sc, sc + 1, sc + 2);
-            else
-                block_scales(j->form, j->d, j->mn, t, b, kb, 0, c, sc, sc + 1, sc + 2);
-            uint8_t *e = xw + b * XBLOCK + 32 * c;
-            for (int g = 0; g < 8; g++) _mm256_store_si256((__m256i *)(e + g * 64), wv[g]);
-            for (int i = 0; i < 3; i++) _mm256_store_ps((float *)(e + 512 + 64 * i), sc[i]);
+            unpack_half(form, j->w, t, kb, b, c, wv);
+            block_scales(form, j->d, j->mn, t, b, kb, half, c, sc, sc + 1, sc + 2);
+            uint8_t *e = xw + b * XWIDE + c * XHALF;
+            for (int g = 0; g < 8; g++) {
+                __m256i e0, e1;
+                widen_bytes(wv[g], signed_form(form), &e0, &e1);
+                if (form == 6) e0 = _mm256_sub_epi16(e0, thirty_two), e1 = _mm256_sub_epi16(e1, thirty_two);
+                _mm256_store_si256((__m256i *)(e + 64 * g), e0);
+                _mm256_store_si256((__m256i *)(e + 64 * g + 32), e1);
+            }
+            for (int i = 0; i < 3; i++) _mm256_store_ps((float *)(e + 512 + 32 * i), sc[i]);
         }
+}
+
+#define EXPAND_HALVES(form)                                                                                    \
+    if (j->half == 2) expand_wide_as(j, form, 2, t, kb, xw);                                                   \
+    else if (j->half) expand_wide_as(j, form, 1, t, kb, xw);                                                   \
+    else expand_wide_as(j, form, 0, t, kb, xw);
+
+static void expand_wide(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw) {
+    if (j->form == 4) { EXPAND_HALVES(4) }
+    else if (j->form == 5) { EXPAND_HALVES(5) }
+    else if (j->form == 6) { EXPAND_HALVES(6) }
+    else if (j->form == FORM_NL) { EXPAND_HALVES(FORM_NL) }
+    else if (j->form == FORM_MX) { EXPAND_HALVES(FORM_MX) }
+    else if (j->form == FORM_Q8S) { EXPAND_HALVES(FORM_Q8S) }
+    else { EXPAND_HALVES(8) }
+}
+
+/* rows [ra, rz) of x's bytes as int16 into x16 [rz - ra][kp]: 256 q1 + q2 (xbytes 1: q1) */
+static void widen_x(const struct qjob *j, int64_t ra, int64_t rz, int16_t *x16) {
+    for (int64_t r = ra; r < rz; r++)
+        for (int64_t k = 0; k < j->kp; k += 16) {
+            __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(j->q1s + r * j->kp + k)));
+            if (j->xbytes == 2)
+                v = _mm256_add_epi16(_mm256_slli_epi16(v, 8),
+                                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(j->q2s + r * j->kp + k))));
+            _mm256_storeu_si256((__m256i *)(x16 + (r - ra) * j->kp + k), v);
+        }
+}
+
+/* rows [r0, r0 + mr) of tile t (both halves) from its expanded weights xw, x16's rows from row
+ * xr: each x broadcast serves both halves, each weight vector the rows (2 weight and mr
+ * broadcast loads a 2 mr vpmaddwd); the float sums kept in acc (memory: the 16 registers hold
+ * the 2 mr integer sums). per_half: a scale per 16 values (forms 6, 8, 9: tile_rows' two
+ * steps a block) */
+static inline __attribute__((always_inline)) void tile_wide(const struct qjob *j, const int16_t *x16, int64_t xr,
+                                                            int64_t r0, const int mr, const uint8_t *xw, int64_t t,
+                                                            const int per_half) {
+    const int64_t kp = j->kp, kb = kp / 32;
+    float acc[WR][16] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *e = xw + b * XWIDE;
+        const int16_t *xb = x16 + xr * kp + 32 * b;
+        for (int h = 0; h < 1 + per_half; h++) {
+            __m256i p[WR][2];
+            for (int i = 0; i < WR; i++) p[i][0] = p[i][1] = _mm256_setzero_si256();
+            const int k0 = per_half ? 8 * h : 0, k1 = per_half ? 8 * h + 8 : 16;
+#pragma GCC unroll 16
+            for (int kk = k0; kk < k1; kk++) {
+                __m256i w0 = _mm256_load_si256((const __m256i *)(e + 32 * kk));
+                __m256i w1 = _mm256_load_si256((const __m256i *)(e + XHALF + 32 * kk));
+                __asm__("" : "+x"(w0), "+x"(w1)); /* loaded once for the rows */
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; i++) {
+                    int32_t xv;
+                    memcpy(&xv, xb + i * kp + 2 * kk, sizeof xv);
+                    const __m256i xq = _mm256_set1_epi32(xv);
+                    p[i][0] = _mm256_add_epi32(p[i][0], _mm256_madd_epi16(w0, xq));
+                    p[i][1] = _mm256_add_epi32(p[i][1], _mm256_madd_epi16(w1, xq));
+                    __asm__("" : "+x"(p[i][0]), "+x"(p[i][1])); /* in order, in registers (tile_row's note) */
+                }
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < mr; i++) {
+                const __m256 xs = _mm256_set1_ps(j->dx[(r0 + i) * kb + b]);
+                for (int c = 0; c < 2; c++) {
+                    const __m256 ds = _mm256_mul_ps(_mm256_load_ps((const float *)(e + c * XHALF + 512 + 32 * h)), xs);
+                    _mm256_store_ps(acc[i] + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i][c]), ds,
+                                                                    _mm256_load_ps(acc[i] + 8 * c)));
+                }
+            }
+        }
+        if (j->mn)
+#pragma GCC unroll 8
+            for (int i = 0; i < mr; i++) {
+                const __m256 sxv = _mm256_set1_ps(j->sx[(r0 + i) * kb + b]);
+                for (int c = 0; c < 2; c++)
+                    _mm256_store_ps(acc[i] + 8 * c, _mm256_fmadd_ps(_mm256_load_ps((const float *)(e + c * XHALF + 576)),
+                                                                    sxv, _mm256_load_ps(acc[i] + 8 * c)));
+            }
+    }
+    for (int c = 0; c < 2; c++) {
+        __m256 half[WR];
+        for (int i = 0; i < mr; i++) half[i] = _mm256_load_ps(acc[i] + 8 * c);
+        store_half(half, r0, mr, j->bias, j->out, j->ldc, j->n, t, c);
+    }
+}
+
+#define TILE_WIDE(per_half)                                                                                    \
+    switch (mr) {                                                                                              \
+    case 4: tile_wide(j, x16, r0 - ra, r0, 4, xw, t, per_half); break;                                         \
+    case 3: tile_wide(j, x16, r0 - ra, r0, 3, xw, t, per_half); break;                                         \
+    case 2: tile_wide(j, x16, r0 - ra, r0, 2, xw, t, per_half); break;                                         \
+    default: tile_wide(j, x16, r0 - ra, r0, 1, xw, t, per_half);                                               \
+    }
+
+/* a thread's buffers, grown as needed (64-byte aligned; kept for the thread's life): slot 0
+ * the expanded tile, 1 x16 */
+static uint8_t *wide_buffer(int slot, int64_t bytes) {
+    static __thread uint8_t *buf[2];
+    static __thread int64_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
+/* tiles [t0, t1) x rows [ra, rz) on the wide path; 0 where a buffer could not be had */
+static int gemm_wide(const struct qjob *j, int64_t t0, int64_t t1, int64_t ra, int64_t rz) {
+    const int64_t kb = j->kp / 32;
+    uint8_t *xw = wide_buffer(0, kb * XWIDE);
+    int16_t *x16 = (int16_t *)wide_buffer(1, (rz - ra) * j->kp * 2);
+    if (!xw || !x16) return 0;
+    widen_x(j, ra, rz, x16);
+    const int per_half = j->form == 6 || j->form == 8 || j->form == FORM_Q8S;
+    for (int64_t t = t0; t < t1; t++) {
+        expand_wide(j, t, kb, xw);
+        for (int64_t r0 = ra; r0 < rz; r0 += WR) {
+            const int mr = rz - r0 < WR ? (int)(rz - r0) : WR;
+            if (per_half) { TILE_WIDE(1) } else { TILE_WIDE(0) }
+        }
+    }
+    return 1;
 }
 #endif
 
@@ -918,6 +1056,7 @@ static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw
         if (j->xbytes == 1) { TILE_FORMS(1, 0) } else { TILE_FORMS(2, 0) }                                     \
     }
 
+#if QGEMM_AVX512
 /* a thread's expansion buffer, grown as needed (64-byte aligned; kept for the thread's life) */
 static uint8_t *expansion_buffer(int64_t bytes) {
     static __thread uint8_t *buf;
@@ -929,6 +1068,7 @@ static uint8_t *expansion_buffer(int64_t bytes) {
     }
     return buf;
 }
+#endif
 
 static void gemm_task(void *p, int task) {
     const struct qjob *j = (const struct qjob *)p;
@@ -942,10 +1082,17 @@ static void gemm_task(void *p, int task) {
     const int64_t t0 = task / j->nrb * j->ct, t1 = t0 + j->ct < j->tiles ? t0 + j->ct : j->tiles;
     const int64_t ra = task % j->nrb * j->rb, rz = ra + j->rb < j->m ? ra + j->rb : j->m;
     const int64_t kb = kp / 32;
+#if QGEMM_AVX2
+    (void)kb;
+    if (rz - ra > MR && gemm_wide(j, t0, t1, ra, rz)) return;
+    const uint8_t *xw = NULL;
+#else
     /* forms 5 and 6 under more than one row group: each tile expanded once, then its row groups */
     const uint8_t *xw = (j->form == 5 || j->form == 6) && rz - ra > MR ? expansion_buffer(kb * XBLOCK) : NULL;
+#endif
     /* a decode GEMV's one row group (more rows are compute-bound), on a nibble form */
     const int pf = j->m <= MR && j->form != 8 && j->form != FORM_Q8S;
+#if QGEMM_AVX512
     if (xw) {
         for (int64_t t = t0; t < t1; t++) {
             expand_tile(j, t, kb, (uint8_t *)xw);
@@ -956,6 +1103,7 @@ static void gemm_task(void *p, int task) {
         }
         return;
     }
+#endif
     /* column tiles in slices that stay in L1/L2 while every row group reads them */
     for (int64_t s0 = t0; s0 < t1; s0 += 8) {
         const int64_t s1 = s0 + 8 < t1 ? s0 + 8 : t1;
