@@ -19,10 +19,10 @@
  * them, and the softmax state (running max, sum, the scale of the output) is per lane: every
  * step of the online softmax is a vertical vector op. Per block of 64 keys: S^T [keys x
  * lanes] = K Q^T (a register tile of 8 keys x the lanes, broadcasting K; AVX2, with 16
- * registers: 4 keys x up to 3 vectors), the block's max and exp, then O^T [head_dim x lanes]
- * += V^T P^T (a tile of 8 head dims x the lanes, broadcasting V; AVX2 4), rescaled by
+ * registers: 8 keys x one vector), the block's max and exp, then O^T [head_dim x lanes]
+ * += V^T P^T (a tile of 8 head dims x the lanes, broadcasting V; AVX2 8 x one vector), rescaled by
  * exp(old max - new max) as it is loaded. float32 FMAs throughout (about 85% of the FMA peak
- * on a 2,048-row prompt; the AVX2 path takes ~2.4x the AVX-512 one's time at 512 rows on a
+ * on a 2,048-row prompt; the AVX2 path takes ~2.1x the AVX-512 one's time at 512 rows on a
  * Zen 5 core, whose AVX2 FMA rate is half its AVX-512 one): within float32 rounding of
  * torch's SDPA (tests/unit/test_prefill_attention.py). (bfloat16 dot products, with the
  * queries or the softmax weights rounded to bfloat16, were up to 1.8x faster but moved the
@@ -52,13 +52,19 @@
 #define BK 64              /* keys per block */
 #define LANES 48           /* the most query rows x heads a task holds: three vectors (AVX2: six) */
 #define NV_MAX (LANES / VL)
-#define TV 3               /* lane vectors per register tile */
 #if VL == 16
+#define TV 3               /* lane vectors per register tile */
 #define RK 8               /* keys per S tile: 8 x 3 accumulators */
 #define RD 8               /* head dims per O tile */
 #else
-#define RK 4               /* AVX2, 16 registers: 4 x 3 accumulators, 3 lane vectors, a broadcast */
-#define RD 4
+/* AVX2, 16 registers: tiles of 8 keys (head dims) x one lane vector, 8 FMA chains, a vector
+ * and 8 broadcasts loaded a step. The tile of 4 x 3 (12 chains) took all 16 registers, so
+ * gcc read the lane vectors from memory at every FMA (16 loads a 12 FMAs); alone on a Zen 5
+ * core (64 keys x 48 lanes x d 64, one thread) 4 x 3 ran at 95 GFLOP/s, 4 x 2 at 85, 8 x 1 at
+ * 115 (its FMA peak there ~131: 65 for 4 chains, latency-bound at one FMA a cycle). */
+#define TV 1
+#define RK 8
+#define RD 8
 #endif
 #define MAX_D 256          /* the stack buffers' bound (d * (2 * LANES) + BK * LANES floats) */
 #define PACK_KEYS 256      /* keys per packing task */
