@@ -521,7 +521,10 @@ static void expand_tile(const struct qjob *j, int64_t t, int64_t kb, uint8_t *xw
  * against the AVX-512 path in the same run; the machine's streaming read ~26 GB/s): a decode
  * GEMV reads Q4_1 at 26 GB/s (AVX-512: 28), Q4_K 28 (30), Q8_0 ~18 (~14, both noisy), Q6_K
  * ~19 (28: its two bit planes take ~8 operations a vector to put back, where AVX-512 masks them
- * in); a 512-row prompt GEMM runs at 0.3 (byte forms) to 0.6 (Q4) of the VNNI path's rate. */
+ * in). More rows than a group take the wide path below (gemm_wide: vpmaddwd on int16): on one
+ * Zen 5 core (CPU time, bench/qgemm_classes.py's layers) 16- and 512-row GEMMs of every form
+ * run at 145-170 GFLOP/s, 0.55-0.65 of the VNNI path's rate and about the core's AVX2 FMA
+ * peak (~131-169 as it clocks); the byte path took 55-70 (Q8_0, IQ4_NL) to 150 (Q4_1). */
 
 /* IQ4_NL's kvalues (ggml-common.h kvalues_iq4nl) as signed bytes, in each 16-byte lane for
  * vpshufb */
