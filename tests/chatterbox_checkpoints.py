@@ -27,6 +27,8 @@ import numpy as np
 from tests import reference_venv
 from tests.qwen3_tts_checkpoints import librosa_path
 
+#: a clip case's conditionals in the reference's answers
+CLIP_KEYS = ("speaker_emb", "t3_tokens", "prompt_token", "prompt_feat", "xvector")
 PINS = ("chatterbox-tts==0.1.7", "conformer==0.3.2", "s3tokenizer==0.3.0")
 VENV = reference_venv.venv_path("chatterbox-venv", PINS)
 SCRIPT = Path(__file__).with_name("chatterbox_reference.py")
@@ -116,8 +118,8 @@ def chatterbox_reference(folder: Path, cases: list[dict], work: Path, seed: int 
     _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed),
          librosa=any("clip" in c for c in cases))
     with np.load(work / "out.npz") as out:
-        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng")
-                 if f"{k}_{i}" in out} for i in range(len(cases))]
+        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng",
+                                              *CLIP_KEYS) if f"{k}_{i}" in out} for i in range(len(cases))]
 
 
 def speech_clip(seconds: float, seed: int, rate: int = 24000) -> np.ndarray:
@@ -141,13 +143,3 @@ def wav_bytes(samples: np.ndarray, rate: int = 24000) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
     return buf.getvalue()
-
-
-def clip_reference(folder: Path, clip: bytes, work: Path) -> dict[str, np.ndarray]:
-    """The package's `prepare_conditionals` of the WAV `clip` (tests/chatterbox_reference.py
-    `clip`): its conditionals and the features it made on the way."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "clip.wav").write_bytes(clip)
-    _run("clip", str(folder), str(work / "clip.wav"), str(work / "clip.npz"), librosa=True)
-    with np.load(work / "clip.npz") as out:
-        return dict(out)

@@ -8,14 +8,16 @@ transformers 5.2 and more; installed --no-deps, it runs on this venv's torch and
         s3gen.safetensors, ve.safetensors, and the built-in voice conds.pt
     python chatterbox_reference.py generate FOLDER CASES.json OUT.npz [SEED]
         `ChatterboxTTS.from_local(FOLDER).generate` for each case {"text", "seed", "max_new_tokens",
-        "temperature", "cfg_weight", "exaggeration", "repetition_penalty", "min_p", "top_p"}:
+        "temperature", "cfg_weight", "exaggeration", "repetition_penalty", "min_p", "top_p", "clip"}:
         T3's speech tokens (`tokens_i`, EOS included when it stopped), the conditional and
         unconditional logits of its first step (`logits_i` [2, vocab], for distribution checks)
         and the waveform (`wave_i`, 24 kHz float32), with the vocoder's input mel, the global
         RNG state before it and its output (`mel_i`, `rng_i`, `hift_i`); T3 runs `max_new_tokens` steps at most (the
         package's generate passes 1000: a random T3 seldom says EOS); the global RNG is seeded with the case's
         seed before T3 (S3Gen's flow-matching noise and HiFT's source continue it, as in the package);
-        a case with "wave": false skips S3Gen (an empty `wave_i`). With SEED, a folder
+        a case with "wave": false skips S3Gen (an empty `wave_i`); a case with "clip" (a WAV
+        path) is `generate(audio_prompt_path=clip)`, its conditionals kept (`speaker_emb_i`,
+        `t3_tokens_i`, `prompt_token_i`, `prompt_feat_i`, `xvector_i`). With SEED, a folder
         without weights gets them first (`weights`), in the same process: the package's
         imports cost seconds
 
@@ -23,9 +25,13 @@ The package's sizes are hard-coded (T3's `LLAMA_CONFIGS["Llama_520M"]`, the Perc
 defaults, S3Gen's constructor arguments, S3TokenizerV2's default ModelConfig): `shrink`
 patches them from config.json's "t3" / "s3gen" / "s3tokenizer" sections, as mstar reads them.
 
-Stubbed before the package is imported (nothing the default voice's path runs reaches them):
-torchaudio (resampling and Kaldi fbank of reference clips), librosa (mel filters of the S3
-tokenizer and voice encoder: clip inputs only; `filters.mel` returns zeros of its shape),
+Stubbed before the package is imported: torchaudio (no wheel loads against this torch): its
+`transforms.Resample` and `compliance.kaldi.fbank`, which a reference clip's path runs, are
+transcribed (`_resample`, `_fbank`); librosa is the real one where MSTAR_LIBROSA names its
+folder (a clip's cases: mel filters, stft, effects.trim), except `resample`, which is
+torchaudio's kernel there too (the package's librosa default, soxr, is a C library mstar does
+not port: mstar resamples a clip with torchaudio's kernel wherever the package resamples);
+without it a stub (`filters.mel` returns zeros of its shape: the default voice never reads them),
 onnx (s3tokenizer's weight converter), omegaconf (a type the flow's defaults name), perth
 (the watermarker: `apply_watermark` returns the waveform unchanged, so the reference's wave is
 S3Gen's own).
@@ -291,49 +297,16 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
         result[f"s3_tokens_{i}"] = seen["s3_tokens"].cpu().numpy()
         result[f"logits_{i}"] = seen["first"]
         result[f"wave_{i}"] = wav[0].cpu().numpy().astype(np.float32)
+        if case.get("clip"):  # the clip's conditionals (`prepare_conditionals`)
+            t3, gen = model.conds.t3, model.conds.gen
+            for key, value in (("speaker_emb", t3.speaker_emb), ("t3_tokens", t3.cond_prompt_speech_tokens),
+                               ("prompt_token", gen["prompt_token"]), ("prompt_feat", gen["prompt_feat"]),
+                               ("xvector", gen["embedding"])):
+                result[f"{key}_{i}"] = value.detach().cpu().numpy()
         if seen["wave"]:  # the vocoder's own input, RNG state and output (before the fade-in)
             result[f"mel_{i}"], result[f"rng_{i}"] = seen["mel"].cpu().numpy(), seen["rng"]
             result[f"hift_{i}"], result[f"flow_rng_{i}"] = seen["hift"].cpu().numpy(), seen["flow_rng"]
     np.savez(out, **result)
-
-
-def clip(folder: Path, clip_path: Path, out: Path) -> None:
-    """`ChatterboxTTS.prepare_conditionals(CLIP)`'s pieces: the voice encoder's speaker
-    embedding (`speaker_emb`), T3's prompt speech tokens (`t3_tokens`), S3Gen's prompt
-    tokens, mel and x-vector (`prompt_token`, `prompt_feat`, `xvector`), and the inputs the
-    package made on the way (`fbank`: CAMPPlus' Kaldi features of the 16 kHz clip; `mel16`:
-    the S3 tokenizer's log-mel; `ve_mel`: the voice encoder's mel of the trimmed clip)."""
-    import numpy as np
-    from chatterbox.models.s3gen import xvector
-    from chatterbox.models.voice_encoder import voice_encoder
-    from chatterbox.tts import ChatterboxTTS
-
-    model = ChatterboxTTS.from_local(folder, "cpu")
-    seen: dict = {}
-    extract, melspec = xvector.extract_feature, voice_encoder.melspectrogram
-    log_mel = model.s3gen.tokenizer.log_mel_spectrogram
-
-    def watch_extract(audio):
-        out = extract(audio)
-        seen["fbank"] = out[0][0].numpy()
-        return out
-
-    def watch_melspec(wav, hp, pad=True):
-        seen["ve_mel"] = mel = melspec(wav, hp, pad)
-        return mel
-
-    def watch_log_mel(audio, padding=0):
-        seen.setdefault("mel16", log_mel(audio, padding).numpy())
-        return log_mel(audio, padding)
-    xvector.extract_feature, voice_encoder.melspectrogram = watch_extract, watch_melspec
-    model.s3gen.tokenizer.log_mel_spectrogram = watch_log_mel
-    model.prepare_conditionals(str(clip_path), exaggeration=0.5)
-    t3, gen = model.conds.t3, model.conds.gen
-    answers = {"speaker_emb": t3.speaker_emb, "t3_tokens": t3.cond_prompt_speech_tokens, **{
-        k: gen[name] for k, name in (("prompt_token", "prompt_token"), ("prompt_feat", "prompt_feat"),
-                                      ("xvector", "embedding"))}}
-    np.savez(out, **{k: v.detach().numpy() for k, v in answers.items()},
-             **{k: np.asarray(v, dtype=np.float32) for k, v in seen.items()})
 
 
 def _watch_first_logits(model, seen: dict) -> None:
@@ -362,7 +335,5 @@ if __name__ == "__main__":
         if len(sys.argv) > 5 and not (Path(sys.argv[2]) / "conds.pt").is_file():
             weights(Path(sys.argv[2]), int(sys.argv[5]))
         generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    elif sys.argv[1] == "clip":
-        clip(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")
