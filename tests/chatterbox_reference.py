@@ -69,8 +69,8 @@ def _stub_packages() -> None:
     if os.environ.get("MSTAR_LIBROSA"):  # the real one (mel filters, stft, trim); resampling below
         sys.path.append(os.environ["MSTAR_LIBROSA"])
         import librosa
-        import librosa.effects  # noqa: F401
-        import librosa.filters  # noqa: F401
+        import librosa.effects
+        import librosa.filters
 
         def resample(y, *, orig_sr, target_sr, **_k):
             import torch

@@ -179,7 +179,8 @@ class ChatterboxSpec(FrameLoopSpec):
             raise PromptError("context", f"Chatterbox takes one reference clip; got {len(turns)} context turns")
         turn = turns[0]
         if turn.text:
-            raise PromptError("context[0].text", "Chatterbox's reference clip takes no transcript: send the audio alone")
+            raise PromptError("context[0].text", "Chatterbox's reference clip takes no transcript: "
+                                                 "send the audio alone")
         if turn.audio is None:
             raise PromptError("context[0].audio", "the reference clip needs audio")
         try:

@@ -90,7 +90,7 @@ class ChatterboxRunner(HeldSound, ModelRunner):
         if guidance is None or guidance.size != 2:
             raise ValueError("a Chatterbox request needs tensor 'guidance' [exaggeration, cfg_weight]")
         exaggeration, cfg_weight = (float(v) for v in guidance.reshape(-1))
-        inputs = {"exaggeration": exaggeration, "cfg_weight": cfg_weight}
+        inputs: dict[str, object] = {"exaggeration": exaggeration, "cfg_weight": cfg_weight}
         clip = tensors.get("context_audio")
         if clip is not None:
             if clip.ndim != 1 or clip.size == 0:

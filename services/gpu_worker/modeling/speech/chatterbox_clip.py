@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from services.gpu_worker.codecs.higgs_encoder import resample
@@ -123,10 +124,12 @@ class ChatterboxClip:
     def __init__(self, folder: Path) -> None:
         cfg_path = folder / "config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        s3gen = load_file(str(folder / "s3gen.safetensors"))
-        self.tokenizer = {k[len("tokenizer."):]: v.float() for k, v in s3gen.items() if k.startswith("tokenizer.")}
-        self.xvector = {k[len("speaker_encoder."):]: v.float() for k, v in s3gen.items()
-                        if k.startswith("speaker_encoder.")}
+        with safe_open(str(folder / "s3gen.safetensors"), framework="pt") as f:  # only the two encoders' tensors
+            names = list(f.keys())
+            self.tokenizer = {k[len("tokenizer."):]: f.get_tensor(k).float() for k in names
+                              if k.startswith("tokenizer.")}
+            self.xvector = {k[len("speaker_encoder."):]: f.get_tensor(k).float() for k in names
+                            if k.startswith("speaker_encoder.")}
         ve = {k: v.float() for k, v in load_file(str(folder / "ve.safetensors")).items()}
         self.ve, self.lstm = ve, enc.make_lstm(ve)
         state = self.tokenizer["encoder.conv2.weight"].shape[0]
