@@ -71,6 +71,9 @@ CLIP_RATE = 24000
 #: a reference clip's longest (the package reads 10 s for S3Gen, 6 s for T3's tokens and the
 #: whole clip for the voice encoder)
 MAX_CLIP_SECONDS = 30.0
+#: a reference clip's shortest: CAMPPlus' Kaldi frames (25 ms) and S3 tokens (40 ms) need a
+#: few; the package fails on less than a frame
+MIN_CLIP_SECONDS = 0.5
 #: the package's `Llama_520M` (t3/llama_configs.py), its Llama fields
 LLAMA_520M: dict[str, Any] = {
     "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 30, "num_attention_heads": 16,
@@ -187,6 +190,9 @@ class ChatterboxSpec(FrameLoopSpec):
             samples = decode_audio(turn.audio, CLIP_RATE, MAX_CLIP_SECONDS, limit="a reference clip holds")
         except ValueError as exc:
             raise PromptError("context[0].audio", str(exc)) from exc
+        if len(samples) < MIN_CLIP_SECONDS * CLIP_RATE:
+            raise PromptError("context[0].audio", f"the reference clip is {len(samples) / CLIP_RATE:.2f} s long; "
+                                                  f"Chatterbox needs at least {MIN_CLIP_SECONDS:g} s")
         key = hashlib.sha256(f"chatterbox-clip:{CLIP_RATE}".encode() + b"\0" + turn.audio).hexdigest()
         return (PreparedAudio(samples, 1, key, "context[0].audio"),), ""
 

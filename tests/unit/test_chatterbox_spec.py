@@ -80,15 +80,18 @@ def test_a_reference_clip_is_one_audio_turn(spec):
     from shared.frames import ContextTurn
 
     buf = io.BytesIO()
-    sf.write(buf, np.zeros(1600, dtype=np.float32), 16000, format="WAV")
+    sf.write(buf, np.zeros(8000, dtype=np.float32), 16000, format="WAV")
     audio = buf.getvalue()
     (clip,), text = spec.prepare_context([ContextTurn("0", "", audio)])
-    assert text == "" and len(clip.samples) == 2400 and clip.param == "context[0].audio"
+    assert text == "" and len(clip.samples) == 12000 and clip.param == "context[0].audio"
     out = spec.process_prompt(PromptRequest([5, 6], context=(clip,)))
-    assert out.metadata["voice"] == "clip" and out.new_input_tensors["context_audio"].shape == (2400,)
+    assert out.metadata["voice"] == "clip" and out.new_input_tensors["context_audio"].shape == (12000,)
+    short = io.BytesIO()
+    sf.write(short, np.zeros(1600, dtype=np.float32), 16000, format="WAV")
     for turns, param in (([ContextTurn("0", "", audio)] * 2, "context"),
                          ([ContextTurn("0", "hi", audio)], "context[0].text"),
                          ([ContextTurn("0", "")], "context[0].audio"),
+                         ([ContextTurn("0", "", short.getvalue())], "context[0].audio"),
                          ([ContextTurn("0", "", base64.b64encode(b"not audio"))], "context[0].audio")):
         with pytest.raises(PromptError) as err:
             spec.prepare_context(turns)
