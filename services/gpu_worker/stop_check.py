@@ -9,9 +9,10 @@ new thinker token with the same incremental detokenizer and matcher as the api
 (`shared.detokenize`, `shared.stop_strings`) and ends the thinker's stage at the token
 that completes the match (finish_reason "stop"), as transformers' `StopStringCriteria`
 does (a match that ends before a character the token leaves unfinished included: the text
-the detokenizer holds back is read too, `IncrementalDetokenizer.pending`); the talker then speaks every token up to and including that one (transformers'
+the detokenizer holds back is read too, `IncrementalDetokenizer.pending`); the talker then
+speaks every token up to and including that one (transformers'
 `generate(thinker_stop_strings=...)` feeds its talker the same sequence), and the api cuts
-the text before the match.
+the text before the match (it finds it at the latest when the request ends).
 """
 
 from __future__ import annotations
