@@ -232,7 +232,11 @@ async def test_bad_speech_options_are_400s(server):
              ({"modalities": ["audio"]}, "modalities"),
              ({"audio": None}, "audio"),
              ({"audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
-             ({"modalities": ["text"]}, "audio")]
+             ({"modalities": ["text"]}, "audio"),
+             ({"audio": {"voice": "ethan", "temperature": -0.5}}, "audio.temperature"),
+             ({"audio": {"voice": "ethan", "top_p": 0}}, "audio.top_p"),
+             ({"audio": {"voice": "ethan", "top_k": 1.5}}, "audio.top_k"),
+             ({"audio": {"voice": "ethan", "seed": 1}}, "audio")]
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         for change, param in cases:
             r = await client.post("/v1/chat/completions", json={**body("ethan"), **change})
@@ -285,4 +289,24 @@ async def test_stop_strings_end_the_text_and_its_speech(folder, server):
     assert base64.b64decode(choices[1]["message"]["audio"]["data"]) == pcm and stream == (want, pcm, "stop")
     assert_wave(base64.b64decode(choices[2]["message"]["audio"]["data"]), want_wave)
     assert pcm == base64.b64decode(choices[2]["message"]["audio"]["data"])[44:]  # the wav file's samples
+    assert_clean(server)
+
+
+async def test_sampled_speech_is_seeded(folder, server):
+    """`audio.temperature` samples the talker (and its code predictor): the same seed gives
+    the same clip byte for byte (two at once), another seed another clip, the greedy text
+    unchanged; a request that sets no temperature at all samples both stages, seeded alike."""
+    def request(seed: int, **audio) -> dict:
+        return body("ethan", "pcm16", seed=seed, audio={"voice": "ethan", "format": "pcm16", **audio})
+
+    free = {k: v for k, v in request(7).items() if k != "temperature"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=r) for r in (
+            request(7, temperature=0.9, top_k=20), request(7, temperature=0.9, top_k=20),
+            request(8, temperature=0.9, top_k=20), free, free)))
+    messages = [r.json()["choices"][0]["message"] for r in replies]
+    texts = [m["content"] for m in messages]
+    clips = [base64.b64decode(m["audio"]["data"]) for m in messages]
+    assert texts[:3] == [reference(folder, "ethan")[0]] * 3 and texts[3] == texts[4]
+    assert clips[0] == clips[1] and clips[0] != clips[2] and clips[3] == clips[4] and all(clips)
     assert_clean(server)

@@ -58,6 +58,7 @@ from services.gpu_worker.runners.omni_talker import (
     talker_prompt,
     text_lead,
 )
+from services.gpu_worker.runners.omni_talker_sampling import TalkerSampling
 from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output
 from shared.specs.qwen3_omni import CODE_LABEL, FRAME_LOOP, TALKER_LABEL, TALKER_OPENING_ROWS, user_rows
@@ -203,7 +204,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         stage = r.stage
         assert stage is not None
         if stage.state is None:
-            stage.state = TalkerRun(self._prompt(r), closed=stage.earlier_done)
+            stage.state = TalkerRun(self._prompt(r), closed=stage.earlier_done,
+                                    sampling=TalkerSampling.of(r.metadata, r.sampling.seed))
             return stage.state
         run = stage.state
         if not run.closed:
