@@ -13,13 +13,13 @@ from tokenizers import Tokenizer
 from services.api.audio_input import decode_audio_input
 from services.api.backend import Backend
 from services.api.chat_template import ChatTemplate
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.errors import invalid
 from services.api.generation import Generation
 from services.api.media import load_image
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.validation import GenerateParams, check_token_ids
+from shared.detokenize import IncrementalDetokenizer
 from shared.frames import GenerateRequest, SamplingParams
 
 

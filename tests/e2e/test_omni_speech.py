@@ -63,8 +63,10 @@ def messages(media: str = "", ours: bool = True) -> list[dict]:
 
 
 @cache
-def reference(folder: Path, voice: str, media: str = "") -> tuple[str, np.ndarray]:
-    """(transformers' text, its waveform) for `messages(media)` in `voice`."""
+def reference(folder: Path, voice: str, media: str = "", stop: tuple[str, ...] = (),
+              max_tokens: int = MAX_TOKENS) -> tuple[str, np.ndarray]:
+    """(transformers' text, its waveform) for `messages(media)` in `voice`; with `stop`, the
+    thinker ends at the token that completes one (`thinker_stop_strings`: the text holds it)."""
     import soundfile as sf
     import torch
     from PIL import Image
@@ -78,10 +80,12 @@ def reference(folder: Path, voice: str, media: str = "") -> tuple[str, np.ndarra
         kwargs["audio"] = [sf.read(io.BytesIO(AUDIO), dtype="float32")[0]]
     inputs = proc(text=text, return_tensors="pt", **kwargs)
     eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if stop:
+        kwargs.update(thinker_stop_strings=list(stop), thinker_tokenizer=proc.tokenizer)
     with torch.no_grad():
-        seq, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=MAX_TOKENS, thinker_do_sample=False,
+        seq, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
                                   talker_do_sample=False, return_audio=True,
-                                  talker_max_new_tokens=FRAMES_PER_TOKEN * MAX_TOKENS + 1, thinker_eos_token_id=eos)
+                                  talker_max_new_tokens=FRAMES_PER_TOKEN * max_tokens + 1, thinker_eos_token_id=eos)
     out = seq[0, inputs["input_ids"].shape[1]:].tolist()
     return proc.tokenizer.decode(out, skip_special_tokens=True), wav.reshape(-1).float().numpy()
 
@@ -139,6 +143,11 @@ def wave_of(wav: bytes) -> np.ndarray:
 def assert_speech(folder: Path, voice: str, text: str, wav: bytes, media: str = "") -> None:
     want_text, want_wave = reference(folder, voice, media)
     assert text == want_text
+    assert_wave(wav, want_wave)
+
+
+def assert_wave(wav: bytes, want_wave: np.ndarray) -> None:
+    """The clip `wav` (a wav file) is `want_wave` within 1e-3, of its length."""
     wave = wave_of(wav)
     assert wave.shape == want_wave.shape and len(wave) > 0
     np.testing.assert_allclose(wave, want_wave, atol=1e-3)
@@ -223,9 +232,81 @@ async def test_bad_speech_options_are_400s(server):
              ({"modalities": ["audio"]}, "modalities"),
              ({"audio": None}, "audio"),
              ({"audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
-             ({"modalities": ["text"]}, "audio")]
+             ({"modalities": ["text"]}, "audio"),
+             ({"audio": {"voice": "ethan", "temperature": -0.5}}, "audio.temperature"),
+             ({"audio": {"voice": "ethan", "top_p": 0}}, "audio.top_p"),
+             ({"audio": {"voice": "ethan", "top_k": 1.5}}, "audio.top_k"),
+             ({"audio": {"voice": "ethan", "seed": 1}}, "audio")]
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         for change, param in cases:
             r = await client.post("/v1/chat/completions", json={**body("ethan"), **change})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (change, r.text)
+    assert_clean(server)
+
+
+#: stop strings for the tiny checkpoint's greedy text "\ufffd\ufffd\ufffd\ufffd1n a": "n " ends
+#: inside its 7th token (" a"), so the text ends before a token's end and the talker
+#: speaks that token too (transformers' `thinker_stop_strings` ends the thinker there)
+STOP, STOP_TOKENS = ("zzz", "n "), 8
+
+
+async def stop_stream(client: httpx.AsyncClient, request: dict) -> tuple[str, bytes, str | None]:
+    """(the delta.content chunks joined, the pcm16 chunks joined, the finish_reason)."""
+    text, pcm, finish = [], [], None
+    async with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                assert finish is None, "a chunk after the finish_reason"
+                text.append(choice["delta"].get("content") or "")
+                if choice["delta"].get("audio"):
+                    pcm.append(base64.b64decode(choice["delta"]["audio"]["data"]))
+                finish = choice.get("finish_reason")
+    return "".join(text), b"".join(pcm), finish
+
+
+async def test_stop_strings_end_the_text_and_its_speech(folder, server):
+    """With `stop` and speech: the text ends before the first match and the voice is
+    transformers' for the thinker ended at the token completing it, twice at once and
+    streamed (byte for byte the same clip, no text past the match, finish_reason "stop");
+    `modalities: ["text"]` keeps the api's stop (the same text, "stop")."""
+    full, want_wave = reference(folder, "ethan", stop=STOP, max_tokens=STOP_TOKENS)
+    want = full[: full.find("n ")]
+    assert want and full.endswith("n a"), full  # the match ends inside the last token
+    request = body("ethan", "pcm16", max_tokens=STOP_TOKENS, stop=list(STOP))
+    text_only = {k: v for k, v in request.items() if k != "audio"} | {"modalities": ["text"]}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=request) for _ in range(2)))
+        stream = await stop_stream(client, request)
+        wav = await client.post("/v1/chat/completions", json={**request, "audio": {"voice": "ethan", "format": "wav"}})
+        plain = await client.post("/v1/chat/completions", json=text_only)
+    choices = [r.json()["choices"][0] for r in (*replies, wav, plain)]
+    assert [(c["message"]["content"], c["finish_reason"]) for c in choices] == [(want, "stop")] * 4
+    assert "audio" not in choices[3]["message"] or not choices[3]["message"]["audio"]
+    pcm = base64.b64decode(choices[0]["message"]["audio"]["data"])
+    assert base64.b64decode(choices[1]["message"]["audio"]["data"]) == pcm and stream == (want, pcm, "stop")
+    assert_wave(base64.b64decode(choices[2]["message"]["audio"]["data"]), want_wave)
+    assert pcm == base64.b64decode(choices[2]["message"]["audio"]["data"])[44:]  # the wav file's samples
+    assert_clean(server)
+
+
+async def test_sampled_speech_is_seeded(folder, server):
+    """`audio.temperature` samples the talker (and its code predictor): the same seed gives
+    the same clip byte for byte (two at once), another seed another clip, the greedy text
+    unchanged; a request that sets no temperature at all samples both stages, seeded alike."""
+    def request(seed: int, **audio) -> dict:
+        return body("ethan", "pcm16", seed=seed, audio={"voice": "ethan", "format": "pcm16", **audio})
+
+    free = {k: v for k, v in request(7).items() if k != "temperature"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=r) for r in (
+            request(7, temperature=0.9, top_k=20), request(7, temperature=0.9, top_k=20),
+            request(8, temperature=0.9, top_k=20), free, free)))
+    messages = [r.json()["choices"][0]["message"] for r in replies]
+    texts = [m["content"] for m in messages]
+    clips = [base64.b64decode(m["audio"]["data"]) for m in messages]
+    assert texts[:3] == [reference(folder, "ethan")[0]] * 3 and texts[3] == texts[4]
+    assert clips[0] == clips[1] and clips[0] != clips[2] and clips[3] == clips[4] and all(clips)
     assert_clean(server)

@@ -13,7 +13,6 @@ from starlette.testclient import TestClient
 from services.api.app import create_app
 from services.api.backend import RequestHandle
 from services.api.chat_request import parse_chat
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatReply, CompletionReply, usage_of
 from services.api.errors import ApiError
@@ -22,6 +21,7 @@ from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.state import task_refusal
+from shared.detokenize import IncrementalDetokenizer
 from shared.errors import ErrorKind
 from shared.frames import Output
 from shared.model_source import TokenizerBundle

@@ -103,9 +103,11 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
         speech = speech_out(obj, settings.voices, settings.sample_rate, settings.model_name)
     req, messages = parse_chat(obj, settings.model_name, vision=bool(settings.image_placeholder),
                                audio=bool(settings.audio_placeholder))
-    if speech is not None:
+    if speech is not None:  # the worker ends the thinker at a stop string: the talker speaks up to it
+        sampling = msgspec.structs.replace(req.params.sampling, stop=list(req.params.stop))
         req = msgspec.structs.replace(req, params=msgspec.structs.replace(
-            req.params, options={**req.params.options, "voice": speech.voice}))
+            req.params, options={**req.params.options, "voice": speech.voice,
+                                 **speech.options(req.params.sampling.greedy)}, sampling=sampling))
     plan = plan_chat(req, messages, state)
     req = plan.req
     created = int(time.time())
