@@ -77,6 +77,12 @@ CLIP_RATE = 24000
 MAX_CLIP_SECONDS = 60.0
 
 
+def encoded_frames(samples: int, codec: Mapping[str, Any]) -> int:
+    """The codec frames the package keeps of a clip of `samples` at 24 kHz (its
+    `Qwen3TTSTokenizerV2Model.encode`: ceil(samples / encode_downsample_rate))."""
+    return -(-samples // int(codec.get("encode_downsample_rate", 1920)))
+
+
 def qwen3_config(raw: Mapping[str, Any]) -> ModelConfig:
     """One of the two stacks as the Qwen3 it is (q/k norms, SiLU MLP)."""
     fields = {k: raw[k] for k in QWEN3_FIELDS if k in raw and raw[k] is not None}
