@@ -36,7 +36,14 @@ without text: the package's `x_vector_only_mode` (its `generate_voice_clone` wit
 services/gpu_worker/modeling/speech/qwen3_tts_speaker.py) plus the projected `tts_pad`: a
 rows span of one row keyed by the clip's bytes; its id in `input_ids` is a placeholder
 (`tts_pad` alone), its position `clip_row`, the clip's samples (24 kHz) `context_audio`.
-A clip with text (the package's ICL mode) is not served yet; `voice` on a Base checkpoint
+A clip with its transcript (`{"text", "audio"}`) is the package's ICL mode
+(`x_vector_only_mode=False`): the transcript's turn is tokenized before the request's (the
+package's `_build_ref_text`), its text ids become text rows over `codec_pad` before the
+text's, and the last `tts_pad` over `codec_bos` row is followed by the clip's codec frames
+(the 12 Hz encoder's, run by the runner at admission: codecs/qwen3_tts_encoder.py), each a
+frame row as a decoding request's (its codes' embeddings summed, plus the projected
+`tts_pad`): a rows span of `frames` rows keyed by the clip, after the ids; its size,
+ceil(samples / `encode_downsample_rate`), is `ref_frames`. `voice` on a Base checkpoint
 and `context` on a CustomVoice one are refused by name. Sampling:
 generation_config.json's (`do_sample`, `temperature`, `top_k`, `top_p`,
 `repetition_penalty` over the first codes generated) for the first code; its `subtalker_*`
