@@ -26,6 +26,9 @@ own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4
         "max_new_tokens"} as one batch: `wave_i`, `codes_i` (the new codes), `ref_i` (the
         clip's codes)
 
+A case may say `"non_streaming_mode": false` (the package's streaming text: one text token
+fed with each generated frame), the same for every case of a batch.
+
 The modules that do not load against the CPU torch here (torchaudio, and librosa, sox,
 onnxruntime that only the 25 Hz codec, the speaker encoder and audio loading use) are
 stubbed before the package is imported; nothing this script runs reaches them.
@@ -148,6 +151,16 @@ def weights(folder: Path, seed: int) -> None:
               metadata={"format": "pt"})
 
 
+def _non_streaming(cases: list[dict]) -> bool:
+    """The batch's text mode: the package's non-streaming text (all the text in the prompt)
+    unless the cases say `"non_streaming_mode": false` (one text token fed a step); one
+    `generate` call, so one mode for all."""
+    modes = {bool(c.get("non_streaming_mode", True)) for c in cases}
+    if len(modes) != 1:
+        raise SystemExit("the cases run as one batch: one non_streaming_mode")
+    return modes.pop()
+
+
 def generate(folder: Path, cases_path: Path, out: Path) -> None:
     import numpy as np
     import torch
@@ -162,7 +175,7 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
         instruct_ids=[model._tokenize_texts([model._build_instruct_text(c["instruct"])])[0]
                       if c.get("instruct") else None for c in cases],
         languages=[c.get("language", "Auto") for c in cases], speakers=[c["speaker"] for c in cases],
-        non_streaming_mode=True,
+        non_streaming_mode=_non_streaming(cases),
         **model._merge_generate_kwargs(do_sample=False, subtalker_dosample=False,
                                        max_new_tokens=cases[0]["max_new_tokens"]))
     wavs, rate = model.model.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
@@ -213,12 +226,13 @@ def clone(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
     # and then drops (ref_code None)
     items = [VoiceClonePromptItem(ref_code=None, ref_spk_embedding=model.model.extract_speaker_embedding(w, sr),
                                   x_vector_only_mode=True, icl_mode=False, ref_text=None) for w, sr in clips]
-    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items, non_streaming_mode=True,
+    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items,
+                                         non_streaming_mode=_non_streaming(cases),
                                          **greedy)
     codes, _ = model.model.generate(
         input_ids=model._tokenize_texts([model._build_assistant_text(t) for t in texts]), ref_ids=[None] * len(texts),
         voice_clone_prompt=model._prompt_items_to_voice_clone_prompt(items), languages=["Auto"] * len(texts),
-        non_streaming_mode=True, **model._merge_generate_kwargs(**greedy))
+        non_streaming_mode=_non_streaming(cases), **model._merge_generate_kwargs(**greedy))
     result = {}
     for i, (c, wav) in enumerate(zip(codes, wavs)):
         result[f"codes_{i}"] = c.cpu().numpy()
@@ -259,13 +273,14 @@ def icl(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
     texts = [c["text"] for c in cases]
     items = [model.create_voice_clone_prompt(ref_audio=clip, ref_text=c["ref_text"], x_vector_only_mode=False)[0]
              for clip, c in zip(clips, cases)]
-    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items, non_streaming_mode=True,
+    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items,
+                                         non_streaming_mode=_non_streaming(cases),
                                          **greedy)
     ref_ids = [model._tokenize_texts([model._build_ref_text(c["ref_text"])])[0] for c in cases]
     codes, _ = model.model.generate(
         input_ids=model._tokenize_texts([model._build_assistant_text(t) for t in texts]), ref_ids=ref_ids,
         voice_clone_prompt=model._prompt_items_to_voice_clone_prompt(items), languages=["Auto"] * len(texts),
-        non_streaming_mode=True, **model._merge_generate_kwargs(**greedy))
+        non_streaming_mode=_non_streaming(cases), **model._merge_generate_kwargs(**greedy))
     result = {}
     for i, (c, wav, item) in enumerate(zip(codes, wavs, items)):
         result[f"codes_{i}"] = c.cpu().numpy()

@@ -107,6 +107,8 @@ class Qwen3TTSSpec(FrameDepthSpec):
     pool = "kv"
     depth_pool = "code"
     metadata_keys = frozenset({"prompt_len", "voice"})
+    #: the package's `non_streaming_mode` (false: the text fed a token a frame)
+    speech_extensions = ("non_streaming_mode",)
     #: the package's hard defaults (its `_merge_generate_kwargs`), under generation_config.json
     speech_defaults = (("temperature", 0.9), ("top_k", 50), ("top_p", 1.0), ("repetition_penalty", 1.05))
 
@@ -265,10 +267,15 @@ class Qwen3TTSSpec(FrameDepthSpec):
         """One prompt row as one id: its text id, and its codec id folded in above the text vocabulary."""
         return text if codec is None else text + self.text_vocab * (codec + 1)
 
-    def prompt_rows(self, ids: list[int], voice: str, instructed: bool, icl: bool = False) -> list[int]:
-        """The prompt's rows (as `row_id`s) from its tokens (see the module docstring); in
-        ICL mode the tokens open with the transcript's turn, whose text rows go before the
-        request's, and the rows end before the clip's frame rows (`process_prompt` adds them)."""
+    def prompt_rows(self, ids: list[int], voice: str, instructed: bool, icl: bool = False, frames: int = 0,
+                    streaming: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """(the prompt's rows as `row_id`s but an ICL clip's `frames` frame rows, which
+        `process_prompt` adds last; the text id added to each of those; the text ids fed
+        one a generated frame) from its tokens (see the module docstring). In ICL mode the
+        tokens open with the transcript's turn, whose text goes before the request's. In
+        streaming mode (the package's `non_streaming_mode=False`) the text (and `tts_eos`)
+        is not in the prompt's text rows: its first id is on the `codec_bos` row, the next
+        ones on the clip's frame rows, the rest fed one a generated frame (then `tts_pad`)."""
         split = 0
         if instructed or icl:
             starts = [i for i, t in enumerate(ids) if t == self.im_start]
@@ -286,9 +293,13 @@ class Qwen3TTSSpec(FrameDepthSpec):
         if self.clones:  # the speaker row: `tts_pad` alone here, plus the x-vector in the runner
             heads[-2] = self.row_id(self.tts_pad)
         instruct, ref = ([], before[3:-2]) if icl else (before, [])
-        return ([self.row_id(t) for t in instruct + said[:3]] + heads
-                + [self.row_id(t, pad) for t in [*ref, *said[3:-5], self.tts_eos]]
-                + [self.row_id(self.tts_pad, bos)])
+        head = [self.row_id(t) for t in instruct + said[:3]] + heads
+        texts = [*ref, *said[3:-5], self.tts_eos]
+        if not streaming:
+            return head + [self.row_id(t, pad) for t in texts] + [self.row_id(self.tts_pad, bos)], \
+                [self.tts_pad] * frames, []
+        over = texts[: frames + 1] + [self.tts_pad] * (frames + 1 - len(texts))
+        return [*head, self.row_id(over[0], bos)], over[1:], texts[frames + 1:]
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
         """The talker's rows (ids spans: each row's id says all that makes it; a Base
@@ -302,14 +313,19 @@ class Qwen3TTSSpec(FrameDepthSpec):
             raise PromptError("context", "a Qwen3-TTS Base checkpoint clones the voice of a reference clip: "
                                          "send one context turn {\"audio\": base64 WAV} (and its \"text\")")
         clip = request.context[0] if self.clones else None
-        rows = self.prompt_rows(list(request.token_ids), voice, bool(request.options.get("instructions")),
-                                bool(clip and clip.frames))
+        frames = clip.frames if clip is not None else 0
+        streaming = request.options.get("non_streaming_mode", True) is False
+        rows, frame_texts, trailing = self.prompt_rows(list(request.token_ids), voice,
+                                                       bool(request.options.get("instructions")), frames > 0,
+                                                       frames, streaming)
         tensors = {"input_ids": np.asarray(rows, dtype=np.int64)}
         spans: tuple[Span, ...] = (Span.ids(rows),)
         if clip is not None:
-            spans = self.clip_spans(rows, clip, tensors)
+            spans = self.clip_spans(rows, clip, frame_texts, tensors)
             rows += [self.row_id(self.tts_pad)] * clip.frames
             tensors["input_ids"] = np.asarray(rows, dtype=np.int64)
+        if streaming:
+            tensors["trailing"] = np.asarray(trailing, dtype=np.int64)
         if clip is not None and clip.frames and len(rows) >= self.max_seq_len:
             raise PromptError("context[0].audio", f"the clip's {clip.frames} frames make the prompt {len(rows)} "
                                                   f"rows; the model takes {self.max_seq_len} (max_seq_len)")
@@ -320,20 +336,22 @@ class Qwen3TTSSpec(FrameDepthSpec):
         meta: dict[str, MetaValue] = {"prompt_len": len(rows), "voice": voice}
         return ProcessPromptOutput(tensors, layouts, meta)
 
-    def clip_spans(self, rows: list[int], clip: PreparedAudio, tensors: dict[str, np.ndarray]) -> tuple[Span, ...]:
+    def clip_spans(self, rows: list[int], clip: PreparedAudio, frame_texts: list[int],
+                   tensors: dict[str, np.ndarray]) -> tuple[Span, ...]:
         """A Base checkpoint's spans: the text rows, the speaker row (the clip's x-vector: a
         rows span keyed by the clip) and, in ICL mode, the clip's codec frames after the
-        last row (a rows span keyed by the clip and the codec). Its tensors: the clip's
-        samples ("context_audio"), the speaker row ("clip_row"), the frames ("ref_frames")."""
+        last row (a rows span keyed by the clip, the codec and the text ids on its rows).
+        Its tensors: the clip's samples ("context_audio"), the speaker row ("clip_row"),
+        the frames ("ref_frames") and their text ids ("frame_texts")."""
         at = self.clip_row()
         spans = [Span.ids(rows[:at]), Span.rows(1, clip.key), Span.ids(rows[at + 1:])]
         if clip.frames:
-            rate = self.codec_frame_samples
-            spans.append(Span.rows(clip.frames, hashlib.sha256(f"qwen3-tts-codes:{rate}:".encode()
-                                                               + clip.key.encode()).hexdigest()))
+            made = f"qwen3-tts-codes:{self.codec_frame_samples}:{clip.key}:{','.join(map(str, frame_texts))}"
+            spans.append(Span.rows(clip.frames, hashlib.sha256(made.encode()).hexdigest()))
         tensors["context_audio"] = np.asarray(clip.samples, dtype=np.float32)
         tensors["clip_row"] = np.asarray([at], dtype=np.int64)
         tensors["ref_frames"] = np.asarray([clip.frames], dtype=np.int64)
+        tensors["frame_texts"] = np.asarray(frame_texts, dtype=np.int64)
         return tuple(spans)
 
     def clip_row(self) -> int:

@@ -16,6 +16,8 @@ same folder and clips.
   samples; where the package's float cut is a sample short, its extra first sample is
   the one not compared), the same request again (from the prefix cache) the same bytes;
   `/generate`: the package's codes as tokens and its waveform within 1e-3;
+- the package's streaming text (`non_streaming_mode: false`) in both modes, batched, each
+  equal to the package's (`generate_voice_clone(non_streaming_mode=False)`);
 - refusals: `voice` on a Base checkpoint, no clip, a transcript holding a special token
   or without its clip;
 - debug asserts on, pages back to 0.
@@ -48,6 +50,12 @@ CASES = ((0, "Hello world!"), (0, "The quick brown fox."), (1, "Hello world!"))
 ICL_CASES = ((0, "the wind in the trees", "Hello world!"), (0, "the wind in the trees", "The quick brown fox."),
              (1, "our house is quiet.", "Hello world!"), (1, "our house is quiet.", "The quick brown fox."))
 SAMPLES_PER_FRAME = 48
+#: the package's streaming text (`non_streaming_mode: false`): ICL with a clip of fewer frames
+#: than the transcript and text have tokens (the rest fed a frame), and of more (all on its
+#: rows, then `tts_pad`); x-vector mode (the text's first token on `codec_bos`, the rest fed)
+STREAMED_ICL = ((2, "the wind in the trees and the rain on the roof", "The quick brown fox."),
+                (0, "our house is quiet.", "Hello world!"))
+STREAMED_XVECTOR = ((1, "The quick brown fox."),)
 
 
 def _clips() -> list[np.ndarray]:
@@ -60,10 +68,11 @@ def _clips() -> list[np.ndarray]:
 
 
 def _icl_clips() -> list[np.ndarray]:
-    """The ICL clips: 50 and 40 frames of the two clips (whole frames: the package encodes
-    one clip alone, as the server does, and a whole number of frames is the same batched)."""
+    """The ICL clips: 50 and 40 frames of the two clips, and the first's last 30 (whole
+    frames: the package encodes one clip alone, as the server does, and a whole number of
+    frames is the same batched)."""
     chord, noise = _clips()
-    return [chord[: 50 * SAMPLES_PER_FRAME], noise[: 40 * SAMPLES_PER_FRAME]]
+    return [chord[: 50 * SAMPLES_PER_FRAME], noise[: 40 * SAMPLES_PER_FRAME], chord[-30 * SAMPLES_PER_FRAME:]]
 
 
 def _wav(samples: np.ndarray) -> str:
@@ -92,6 +101,17 @@ def icl_reference(root, tmp_path_factory):
     asks = [{"text": text, "clip": clip, "ref_text": said, "max_new_tokens": FRAMES + 1}
             for clip, said, text in ICL_CASES]
     return qwen3_tts_icl_reference(root, asks, _icl_clips(), tmp_path_factory.mktemp("qwen3_tts_icl_ref"))
+
+
+@pytest.fixture(scope="module")
+def stream_reference(root, tmp_path_factory):
+    """The package's streaming-text answers: (ICL cases, x-vector cases)."""
+    icl = [{"text": text, "clip": clip, "ref_text": said, "max_new_tokens": FRAMES + 1, "non_streaming_mode": False}
+           for clip, said, text in STREAMED_ICL]
+    xvec = [{"text": text, "clip": clip, "max_new_tokens": FRAMES + 1, "non_streaming_mode": False}
+            for clip, text in STREAMED_XVECTOR]
+    return (qwen3_tts_icl_reference(root, icl, _icl_clips(), tmp_path_factory.mktemp("qwen3_tts_icl_stream_ref")),
+            qwen3_tts_clone_reference(root, xvec, _clips(), tmp_path_factory.mktemp("qwen3_tts_xvec_stream_ref")))
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +198,28 @@ async def test_icl_voices_equal_the_package(server, icl_reference):
     np.testing.assert_allclose(audio, _after_cut(wave, len(ref), len(codes)), atol=1e-3, rtol=0)
     assert [len(r) for _, _, r in icl_reference] == [50, 50, 40, 40]
     assert not np.array_equal(icl_reference[0][0], icl_reference[1][0])  # the text is spoken
+    _clean(server)
+
+
+async def test_streamed_text_equals_the_package(server, stream_reference):
+    """`non_streaming_mode: false` in ICL and x-vector mode, batched: each the package's pcm."""
+    icl_clips, clips = [_wav(c) for c in _icl_clips()], [_wav(c) for c in _clips()]
+    bodies = [(text, [{"text": said, "audio": icl_clips[clip]}]) for clip, said, text in STREAMED_ICL]
+    bodies += [(text, [{"audio": clips[clip]}]) for clip, text in STREAMED_XVECTOR]
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(speech(client, text, context=turn, non_streaming_mode=False)
+                                     for text, turn in bodies))
+    icl, xvec = stream_reference
+    for r, (codes, wave, ref) in zip(got, icl):
+        assert r.status_code == 200, r.text
+        want = pcm(_after_cut(wave, len(ref), len(codes)))
+        samples = np.frombuffer(r.content, "<i2")
+        assert len(samples) == len(want) == len(codes) * SAMPLES_PER_FRAME > 0
+        assert np.abs(samples.astype(int) - want).max() <= 33
+    r, (codes, wave) = got[-1], xvec[0]
+    assert r.status_code == 200, r.text
+    samples = np.frombuffer(r.content, "<i2")
+    assert len(samples) == len(wave) > 0 and np.abs(samples.astype(int) - pcm(wave)).max() <= 33
     _clean(server)
 
 

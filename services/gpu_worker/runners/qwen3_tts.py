@@ -76,7 +76,7 @@ class Qwen3TTSRunner(CsmRunner):
         self.backbone_label, self.depth_label = spec.label(spec.backbone_label), spec.label(spec.depth_label)
         ModelRunner.__init__(self, model, spec, kv, caches, planner)
         self.depth_caches = caches[self.depth_label.pool]
-        self.needs_prepare = model.speaker_encoder is not None  # a Base checkpoint's clips
+        self.needs_prepare = True  # a Base checkpoint's clips; the streamed text (`text_feed`)
         self.tts_codec = Qwen3TTSCodec(spec.codec_path, spec.codec_config)
         codec = self.tts_codec
         if codec.quantizers != spec.num_codebooks or codec.codebook_size != spec.codebook_vocab:
@@ -101,16 +101,23 @@ class Qwen3TTSRunner(CsmRunner):
         24 kHz) with its speaker row's place ("clip_row") and its frames in ICL mode
         ("ref_frames": the prompt's last rows; 0 in x-vector mode)."""
         prompt, _ = ModelRunner.make_request(self, tensors)
+        feed = {"trailing": [int(t) for t in tensors["trailing"].reshape(-1)]} if "trailing" in tensors else {}
         if "context_audio" not in tensors:
-            return prompt, {}
+            return prompt, feed
         frames = int(np.asarray(tensors.get("ref_frames", [0])).reshape(-1)[0])
-        return prompt, {"clip": np.asarray(tensors["context_audio"], dtype=np.float32).reshape(-1),
-                        "clip_row": int(np.asarray(tensors["clip_row"]).reshape(-1)[0]), "ref_frames": frames}
+        texts = np.asarray(tensors.get("frame_texts", np.full(frames, self.spec.tts_pad)), dtype=np.int64)
+        texts = texts.reshape(-1)
+        if len(texts) != frames:
+            raise ValueError(f"frame_texts holds {len(texts)} ids for {frames} clip frames")
+        return prompt, {**feed, "clip": np.asarray(tensors["context_audio"], dtype=np.float32).reshape(-1),
+                        "clip_row": int(np.asarray(tensors["clip_row"]).reshape(-1)[0]), "ref_frames": frames,
+                        "frame_texts": texts}
 
     def prepare(self, admitted: list[Request], pages: dict[str, dict[str, list[int]]]) -> list[Failure]:
         """Each newly admitted request's reference clip (`_clip_rows`)."""
         failures = []
         for r in admitted:
+            r.text_feed = tuple(r.inputs.get("trailing", ()))
             if "clip" not in r.inputs:
                 continue
             try:
@@ -136,7 +143,7 @@ class Qwen3TTSRunner(CsmRunner):
             if codes.shape != (frames, self.spec.num_codebooks):
                 raise ValueError(f"the encoder made {codes.shape} codes of a clip whose prompt holds {frames} frames")
             r.codec = PrimedStream(self.tts_codec.stream(CHUNK_FRAMES), codes, self.tts_codec.samples_per_frame)
-        held = ClipRows(r.inputs["clip_row"], None, len(r.prompt) - frames)
+        held = ClipRows(r.inputs["clip_row"], None, len(r.prompt) - frames, r.inputs["frame_texts"])
         if held.row >= r.num_computed:
             if self.model.speaker_encoder is None:
                 raise _NoEncoder("the model has no speaker encoder: reference clips cannot be read")
@@ -157,13 +164,19 @@ class Qwen3TTSRunner(CsmRunner):
         if lo < min(hi, held.first_frame):
             step.text(r.prompt[lo:min(hi, held.first_frame)])
         for pos in range(max(lo, held.first_frame), hi):
-            step.frame(codes[pos - held.first_frame].tolist())
+            step.frame(codes[pos - held.first_frame].tolist(), int(held.texts[pos - held.first_frame]))
         if held.vector is not None and lo <= held.row < hi:
             step.vectors.append(held.vector.to(self.device))
             step.vector_rows.append(start + held.row - lo)
             held.vector = None
         if held.vector is None and hi >= len(r.prompt):
             r.embeds = None
+
+    def _decode_text(self, r: Request) -> int:
+        """The text id a decode row adds: the streamed text's next (the row of the request's
+        k-th frame takes the k-th), then `tts_pad` (always, in non-streaming mode)."""
+        k = len(r.output) - 1
+        return r.text_feed[k] if k < len(r.text_feed) else self.spec.tts_pad
 
     def _sample_frames(self, hidden: torch.Tensor, entries: list[PlanEntry]) -> list[int]:
         """Each sampling entry's frame: its first code from the talker's `hidden`, the others
@@ -220,11 +233,13 @@ class Qwen3TTSRunner(CsmRunner):
 class ClipRows:
     """A Base checkpoint's clip rows until the prefill reads them: the speaker row and its
     x-vector (None once read, or when the prefix cache holds it), the first frame row (an
-    ICL clip's; the prompt's length in x-vector mode)."""
+    ICL clip's; the prompt's length in x-vector mode) and their text ids."""
 
     row: int
     vector: torch.Tensor | None
     first_frame: int
+    #: the text id each frame row adds (`tts_pad`, or the streamed text's)
+    texts: np.ndarray
 
 
 class _NoEncoder(Exception):
