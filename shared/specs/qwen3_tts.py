@@ -43,7 +43,13 @@ text's, and the last `tts_pad` over `codec_bos` row is followed by the clip's co
 (the 12 Hz encoder's, run by the runner at admission: codecs/qwen3_tts_encoder.py), each a
 frame row as a decoding request's (its codes' embeddings summed, plus the projected
 `tts_pad`): a rows span of `frames` rows keyed by the clip, after the ids; its size,
-ceil(samples / `encode_downsample_rate`), is `ref_frames`. `voice` on a Base checkpoint
+ceil(samples / `encode_downsample_rate`), is `ref_frames`.
+
+Streaming text (the `/v1/audio/speech` extension `non_streaming_mode: false`, the package's
+`non_streaming_mode=False`): the text rows and `tts_eos` leave the prompt; its first id is
+on the `codec_bos` row, an ICL clip's frame rows carry the next ones (`frame_texts`, in the
+frames' key; `tts_pad` past the text), and the rest (`trailing`) are fed one a generated
+frame by the runner (then `tts_pad`). `voice` on a Base checkpoint
 and `context` on a CustomVoice one are refused by name. Sampling:
 generation_config.json's (`do_sample`, `temperature`, `top_k`, `top_p`,
 `repetition_penalty` over the first codes generated) for the first code; its `subtalker_*`

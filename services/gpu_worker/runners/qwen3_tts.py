@@ -5,7 +5,8 @@ that samples in it.
 What differs from CSM's:
 - rows: a prompt chunk's rows are the spec's `row_id`s (projected text plus codec
   embeddings), a decoding request's row its previous frame (summed code embeddings plus the
-  projected `tts_pad`), both through the model's `backbone`;
+  projected `tts_pad`, or in streaming-text mode the text's next id: `text_feed`, set at
+  admission), both through the model's `backbone`;
 - the codebook loop inside the step (the "code" label's rows are scratch, as CSM's depth
   rows): the talker's last hidden state and the first code start the code predictor,
   `num_codebooks - 1` steps batched over the requests that sample;
