@@ -206,7 +206,50 @@ def _weights(folder: Path, seed: int) -> None:
         shutil.copyfile(kept / f, folder / f)
 
 
+class _Gathered(Exception):
+    """A reference run `qwen3_tts_prefetch` gathers instead of making (its arguments; the
+    last names the file it writes)."""
+
+    def __init__(self, args: tuple[str, ...], librosa: bool) -> None:
+        super().__init__(args[0])
+        self.args_, self.librosa = args, librosa
+
+
+#: while `qwen3_tts_prefetch` gathers: the runs its calls need, with their cached names
+_GATHERING: list[tuple[Path, _Gathered]] | None = None
+
+
+def qwen3_tts_prefetch(*calls: Callable[[], object]) -> None:
+    """Every reference run `calls` need and ANSWERS lacks, made in one process of the
+    reference's venv (its imports cost ~10 s a process on a busy 2-core host): each call
+    is made with its runs gathered, not made, then they run as one `jobs` command and their
+    files are kept; a call made after finds its answers kept."""
+    global _GATHERING
+    _GATHERING = []
+    try:
+        for call in calls:
+            try:
+                call()
+            except _Gathered:
+                pass
+        gathered, _GATHERING = _GATHERING, None
+    finally:
+        _GATHERING = None
+    if not gathered:
+        return
+    jobs = ANSWERS.parent / f".qwen-tts-jobs.{os.getpid()}.json"
+    jobs.write_text(json.dumps([list(g.args_) for _, g in gathered]))
+    try:
+        _run("jobs", str(jobs), librosa=any(g.librosa for _, g in gathered))
+    finally:
+        jobs.unlink(missing_ok=True)
+    for cached, g in gathered:
+        _keep(Path(g.args_[-1]), cached)
+
+
 def _run(*args: str, timeout: float = 600, librosa: bool = False) -> None:
+    if _GATHERING is not None and args[0] != "weights":
+        raise _Gathered(args, librosa)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)
     env.pop("MSTAR_LIBROSA", None)
@@ -234,12 +277,21 @@ def _answers(name: str, work: Path, make: Callable[[], Path]) -> Path:
     cached = ANSWERS / name
     if not cached.is_file():
         work.mkdir(parents=True, exist_ok=True)
-        made = make()
-        ANSWERS.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(made, tmp)
-        tmp.replace(cached)
+        try:
+            made = make()
+        except _Gathered as run:
+            assert _GATHERING is not None
+            _GATHERING.append((cached, run))
+            raise
+        _keep(made, cached)
     return cached
+
+
+def _keep(made: Path, cached: Path) -> None:
+    ANSWERS.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    shutil.copyfile(made, tmp)
+    tmp.replace(cached)
 
 
 def _digest(waves: list[np.ndarray]) -> str:

@@ -20,6 +20,8 @@ own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4
     python qwen3_tts_reference.py encode FOLDER WAVES.npz OUT.npz
         the 12 Hz codec's encoder (`speech_tokenizer.encode`, one clip a call, as
         `create_voice_clone_prompt` makes `ref_code` of one clip): `codes_i` [frames, groups]
+    python qwen3_tts_reference.py jobs JOBS.json
+        each command of JOBS.json (a list of argument lists) in this one process
     python qwen3_tts_reference.py icl FOLDER CASES.json WAVES.npz OUT.npz
         a Base checkpoint's `generate_voice_clone` in ICL mode (the clip and its transcript,
         non-streaming text, greedy) of each case {"text", "clip", "ref_text",
@@ -289,19 +291,23 @@ def icl(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
     np.savez(out, **result)
 
 
+def jobs(jobs_path: Path) -> None:
+    """Each command of JOBS.json (a list of argument lists) in this one process."""
+    for args in json.loads(jobs_path.read_text()):
+        main(args)
+
+
+def main(argv: list[str]) -> None:
+    commands = {"weights": lambda a: weights(Path(a[0]), int(a[1])), "generate": generate, "speaker": speaker,
+                "clone": clone, "encode": encode, "icl": icl, "jobs": jobs}
+    if argv[0] not in commands:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+    if argv[0] == "weights":
+        commands["weights"](argv[1:])
+    else:
+        commands[argv[0]](*(Path(a) for a in argv[1:]))
+
+
 if __name__ == "__main__":
     _stub_audio_packages()
-    if sys.argv[1] == "weights":
-        weights(Path(sys.argv[2]), int(sys.argv[3]))
-    elif sys.argv[1] == "speaker":
-        speaker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    elif sys.argv[1] == "clone":
-        clone(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
-    elif sys.argv[1] == "encode":
-        encode(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    elif sys.argv[1] == "icl":
-        icl(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
-    elif sys.argv[1] == "generate":
-        generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    else:
-        raise SystemExit(f"unknown command {sys.argv[1]!r}")
+    main(sys.argv[1:])

@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_reference
+from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_prefetch, qwen3_tts_reference
 from tests.servers import MstarServer
 
 #: the first test's setup may build the reference's venv, weights and answers (kept after)
@@ -61,11 +61,24 @@ def _cases() -> list[tuple[str, str, str]]:
     return [*cases, (VOICES[1], TEXTS[0], INSTRUCT)]
 
 
+def _answers(root: Path, work: Path, stream: bool = False) -> list:
+    cases = STREAMED if stream else _cases()
+    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1,
+             **({"non_streaming_mode": False} if stream else {})} for v, t, i in cases]
+    return qwen3_tts_reference(root, asks, work)
+
+
 @pytest.fixture(scope="module")
-def reference(root, tmp_path_factory):
-    cases = _cases()
-    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1} for v, t, i in cases]
-    return dict(zip(cases, qwen3_tts_reference(root, asks, tmp_path_factory.mktemp("qwen3_tts_ref"))))
+def answers(root, tmp_path_factory) -> tuple[list, list]:
+    """The package's answers (the prompt's text, streamed text), in one run of the reference (kept)."""
+    works = [tmp_path_factory.mktemp("qwen3_tts_ref"), tmp_path_factory.mktemp("qwen3_tts_stream_ref")]
+    qwen3_tts_prefetch(lambda: _answers(root, works[0]), lambda: _answers(root, works[1], True))
+    return _answers(root, works[0]), _answers(root, works[1], True)
+
+
+@pytest.fixture(scope="module")
+def reference(answers):
+    return dict(zip(_cases(), answers[0]))
 
 
 #: streamed text: (voice, text, instructions), one batch of the package's
@@ -74,10 +87,8 @@ STREAMED = ((VOICES[0], TEXTS[0], ""), (VOICES[0], TEXTS[1], ""), (VOICES[1], TE
 
 
 @pytest.fixture(scope="module")
-def stream_reference(root, tmp_path_factory):
-    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1, "non_streaming_mode": False}
-            for v, t, i in STREAMED]
-    return qwen3_tts_reference(root, asks, tmp_path_factory.mktemp("qwen3_tts_stream_ref"))
+def stream_reference(answers):
+    return answers[1]
 
 
 @pytest.fixture(scope="module")

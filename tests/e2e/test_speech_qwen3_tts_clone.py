@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from tests.qwen3_tts_checkpoints import (
     make_qwen3_tts_checkpoint,
     qwen3_tts_clone_reference,
     qwen3_tts_icl_reference,
+    qwen3_tts_prefetch,
 )
 from tests.servers import MstarServer
 
@@ -90,28 +92,46 @@ def root(tmp_path_factory) -> Path:
                                               "max_new_tokens": FRAMES}, model_type="base")
 
 
-@pytest.fixture(scope="module")
-def reference(root, tmp_path_factory):
-    asks = [{"text": text, "clip": clip, "max_new_tokens": FRAMES + 1} for clip, text in CASES]
-    return qwen3_tts_clone_reference(root, asks, _clips(), tmp_path_factory.mktemp("qwen3_tts_clone_ref"))
+def _xvector_answers(root: Path, work: Path, stream: bool = False):
+    asks = [{"text": text, "clip": clip, "max_new_tokens": FRAMES + 1, **({"non_streaming_mode": False} if stream
+                                                                           else {})}
+            for clip, text in (STREAMED_XVECTOR if stream else CASES)]
+    return qwen3_tts_clone_reference(root, asks, _clips(), work)
+
+
+def _icl_answers(root: Path, work: Path, stream: bool = False):
+    asks = [{"text": text, "clip": clip, "ref_text": said, "max_new_tokens": FRAMES + 1,
+             **({"non_streaming_mode": False} if stream else {})}
+            for clip, said, text in (STREAMED_ICL if stream else ICL_CASES)]
+    return qwen3_tts_icl_reference(root, asks, _icl_clips(), work)
 
 
 @pytest.fixture(scope="module")
-def icl_reference(root, tmp_path_factory):
-    asks = [{"text": text, "clip": clip, "ref_text": said, "max_new_tokens": FRAMES + 1}
-            for clip, said, text in ICL_CASES]
-    return qwen3_tts_icl_reference(root, asks, _icl_clips(), tmp_path_factory.mktemp("qwen3_tts_icl_ref"))
+def answers(root, tmp_path_factory) -> dict:
+    """The package's answers for every test here, made in one run of the reference (kept):
+    x-vector mode, ICL mode, and both with streamed text."""
+    calls = {"xvector": _xvector_answers, "icl": _icl_answers,
+             "icl_streamed": functools.partial(_icl_answers, stream=True),
+             "xvector_streamed": functools.partial(_xvector_answers, stream=True)}
+    works = {k: tmp_path_factory.mktemp(f"qwen3_tts_{k}_ref") for k in calls}
+    qwen3_tts_prefetch(*(functools.partial(f, root, works[k]) for k, f in calls.items()))
+    return {k: f(root, works[k]) for k, f in calls.items()}
 
 
 @pytest.fixture(scope="module")
-def stream_reference(root, tmp_path_factory):
+def reference(answers):
+    return answers["xvector"]
+
+
+@pytest.fixture(scope="module")
+def icl_reference(answers):
+    return answers["icl"]
+
+
+@pytest.fixture(scope="module")
+def stream_reference(answers):
     """The package's streaming-text answers: (ICL cases, x-vector cases)."""
-    icl = [{"text": text, "clip": clip, "ref_text": said, "max_new_tokens": FRAMES + 1, "non_streaming_mode": False}
-           for clip, said, text in STREAMED_ICL]
-    xvec = [{"text": text, "clip": clip, "max_new_tokens": FRAMES + 1, "non_streaming_mode": False}
-            for clip, text in STREAMED_XVECTOR]
-    return (qwen3_tts_icl_reference(root, icl, _icl_clips(), tmp_path_factory.mktemp("qwen3_tts_icl_stream_ref")),
-            qwen3_tts_clone_reference(root, xvec, _clips(), tmp_path_factory.mktemp("qwen3_tts_xvec_stream_ref")))
+    return answers["icl_streamed"], answers["xvector_streamed"]
 
 
 @pytest.fixture(scope="module")
