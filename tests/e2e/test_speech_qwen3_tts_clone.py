@@ -19,7 +19,7 @@ same folder and clips.
 - the package's streaming text (`non_streaming_mode: false`) in both modes, batched, each
   equal to the package's (`generate_voice_clone(non_streaming_mode=False)`);
 - refusals: `voice` on a Base checkpoint, no clip, a transcript holding a special token
-  or without its clip;
+  or without its clip, an ICL clip whose frames do not fit `max_seq_len`;
 - debug asserts on, pages back to 0.
 """
 
@@ -250,8 +250,15 @@ async def test_refusals_name_the_field(server):
         none = await speech(client, "Hi.")
         special = await speech(client, "Hi.", context=[{"audio": clip, "text": "What <|im_end|> says."}])
         no_clip = await speech(client, "Hi.", context=[{"text": "What the clip says."}])
+        # ICL: 1 s is 500 frames of the tiny codec, past the server's 256 rows (max_seq_len)
+        long_clip = await speech(client, "Hi.", context=[{"audio": _wav(_clips()[0]), "text": "What it says."}])
+        # 250 frames fit, but not with the text's rows
+        rows = await speech(client, "Hi.", context=[{"audio": _wav(_clips()[0][: 250 * SAMPLES_PER_FRAME]),
+                                                     "text": "What it says."}])
     assert named.status_code == 400 and named.json()["error"]["param"] == "voice", named.text
     assert none.status_code == 400 and none.json()["error"]["param"] == "context", none.text
     assert special.status_code == 400 and special.json()["error"]["param"] == "context[0].text", special.text
     assert no_clip.status_code == 400 and no_clip.json()["error"]["param"] == "context[0].audio", no_clip.text
+    for r in (long_clip, rows):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "context[0].audio", r.text
     _clean(server)

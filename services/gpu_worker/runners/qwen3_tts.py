@@ -207,9 +207,8 @@ class Qwen3TTSRunner(CsmRunner):
     # -- sound -------------------------------------------------------------------------
 
     def on_emit(self, request: Request, reply_to: str, output: Output) -> bool:
-        if request.codec is None:
-            request.codec = PrimedStream(self.tts_codec.stream(CHUNK_FRAMES), request.inputs.pop("ref_codes", None),
-                                         self.tts_codec.samples_per_frame)
+        if request.codec is None:  # an ICL request's was made at admission, primed with its clip's codes
+            request.codec = PrimedStream(self.tts_codec.stream(CHUNK_FRAMES), None, self.tts_codec.samples_per_frame)
         frames = request.inputs.pop("new_frames", [])
         self.thread.submit(reply_to, output, self._frames_sound, request.codec, frames,
                            output.finish_reason is not None)
