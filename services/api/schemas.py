@@ -700,6 +700,9 @@ class SpeechRequest(Body):
         "Chatterbox: the emotion exaggeration of its voice (0 to 2; the package's 0.5 when absent)"))] | None = None
     cfg_weight: Annotated[float, Meta(description=(
         "Chatterbox: the classifier-free guidance weight (0 to 2; the package's 0.5 when absent)"))] | None = None
+    non_streaming_mode: Annotated[bool, Meta(description=(
+        "Qwen3-TTS: false feeds the text one token a frame (the package's streaming text); true or absent puts "
+        "it all in the prompt (its non-streaming mode)"))] | None = None
 
 
 class Route(NamedTuple):

@@ -119,6 +119,8 @@ class Request:
     embeds: tuple[Any, torch.Tensor] | None = None
     #: a speech request's codec state (its `SnacStream`), dropped with the request
     codec: Any = None
+    #: text ids its decode rows add, one a row in order (Qwen3-TTS' streamed text)
+    text_feed: tuple[int, ...] = ()
     #: the stage a request runs after its first (None: its first, the only one for most models)
     stage: Stage | None = None
     #: its in-step loop once its prompt ran (None before, and for every model without one):

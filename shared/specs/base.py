@@ -436,7 +436,7 @@ class ChatterboxRunnerSpec(DecoderRunnerSpec, Protocol):
 
 class Qwen3TTSRunnerSpec(DecoderRunnerSpec, Protocol):
     """The Qwen3-TTS runner's (runners/qwen3_tts.py): CSM's labels and codebooks, the
-    frame that ends a request, the sub-talker's sampling, the codec's folder."""
+    frame that ends a request, the sub-talker's sampling, the codec's folder, `tts_pad`."""
 
     backbone_label: str
     depth_label: str
@@ -451,6 +451,8 @@ class Qwen3TTSRunnerSpec(DecoderRunnerSpec, Protocol):
     subtalker: Any
     codec_path: Any
     codec_config: Any
+    #: the text id a frame row adds when no text is streamed
+    tts_pad: int
 
 
 @runtime_checkable

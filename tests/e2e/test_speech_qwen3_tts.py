@@ -10,6 +10,9 @@ tokenizer.json, the 12 Hz codec in speech_tokenizer/), against the `qwen-tts` pa
 - `/v1/audio/speech`: a second voice (4 inputs, one with instructions: the package's user
   turn) batched, each equal to the package's pcm within 1e-3 of full scale; a request alone
   equals the same request among others; streamed (raw and SSE) chunks join to the whole;
+- the package's streaming text (`non_streaming_mode: false`, a text token fed with each
+  frame): two voices, texts longer and shorter than the clip, one with instructions,
+  batched, each the package's pcm within 1e-3 (`generate(non_streaming_mode=False)`);
 - a sampled request: the same seed, the same clip;
 - refusals: an unknown voice (400 naming `voice` and listing the speakers), the model's
   special tokens in the text;
@@ -31,7 +34,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_reference
+from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_prefetch, qwen3_tts_reference
 from tests.servers import MstarServer
 
 #: the first test's setup may build the reference's venv, weights and answers (kept after)
@@ -58,11 +61,34 @@ def _cases() -> list[tuple[str, str, str]]:
     return [*cases, (VOICES[1], TEXTS[0], INSTRUCT)]
 
 
+def _answers(root: Path, work: Path, stream: bool = False) -> list:
+    cases = STREAMED if stream else _cases()
+    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1,
+             **({"non_streaming_mode": False} if stream else {})} for v, t, i in cases]
+    return qwen3_tts_reference(root, asks, work)
+
+
 @pytest.fixture(scope="module")
-def reference(root, tmp_path_factory):
-    cases = _cases()
-    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1} for v, t, i in cases]
-    return dict(zip(cases, qwen3_tts_reference(root, asks, tmp_path_factory.mktemp("qwen3_tts_ref"))))
+def answers(root, tmp_path_factory) -> tuple[list, list]:
+    """The package's answers (the prompt's text, streamed text), in one run of the reference (kept)."""
+    works = [tmp_path_factory.mktemp("qwen3_tts_ref"), tmp_path_factory.mktemp("qwen3_tts_stream_ref")]
+    qwen3_tts_prefetch(lambda: _answers(root, works[0]), lambda: _answers(root, works[1], True))
+    return _answers(root, works[0]), _answers(root, works[1], True)
+
+
+@pytest.fixture(scope="module")
+def reference(answers):
+    return dict(zip(_cases(), answers[0]))
+
+
+#: streamed text: (voice, text, instructions), one batch of the package's
+STREAMED = ((VOICES[0], TEXTS[0], ""), (VOICES[0], TEXTS[1], ""), (VOICES[1], TEXTS[1], ""),
+            (VOICES[1], TEXTS[0], INSTRUCT))
+
+
+@pytest.fixture(scope="module")
+def stream_reference(answers):
+    return answers[1]
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +188,19 @@ async def test_streams_join_to_the_whole(server, reference):
     assert len(reference[(VOICES[1], text, "")][0]) > 5 and len(short.content) == 2 * 5 * 48
     assert np.abs(np.frombuffer(short.content, "<i2").astype(int) - head).max() <= 1
     assert server.metric("mstar_time_to_first_audio_seconds_count") >= 4
+    _clean(server)
+
+
+async def test_streamed_text_equals_the_package(server, stream_reference, reference):
+    """`non_streaming_mode: false`: the text fed a token a frame, batched, as the package."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(speech(client, v, t, non_streaming_mode=False,
+                                            **({"instructions": i} if i else {})) for v, t, i in STREAMED))
+    for case, r, (_, wave) in zip(STREAMED, got, stream_reference):
+        assert r.status_code == 200, (case, r.text)
+        assert_pcm(r.content, wave)
+    streamed, whole = stream_reference[1][0], reference[(VOICES[0], TEXTS[1], "")][0]
+    assert not np.array_equal(streamed[: len(whole)], whole[: len(streamed)])  # the mode changes the codes
     _clean(server)
 
 
