@@ -375,3 +375,12 @@ def qwen3_tts_icl_reference(folder: Path, cases: list[dict], waves: list[np.ndar
     key = _answers_key(folder, [*cases, LIBROSA_PIN, _digest(waves)])
     with np.load(_answers(f"icl-{key}.npz", work, make)) as out:
         return [(out[f"codes_{i}"], out[f"wave_{i}"], out[f"ref_{i}"]) for i in range(len(cases))]
+
+
+def qwen3_tts_server(root: Path, log: Path):
+    """A started server for a Qwen3-TTS test module: the tiny checkpoint at `root`, a pool
+    small enough that the tests' batches share it, and the KV debug checks on."""
+    from tests.servers import MstarServer
+
+    return MstarServer(str(root), log, "--num-kv-pages", "64", "--page-size", "16", "--max-seq-len", "256",
+                       "--max-batch-tokens", "24", env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()

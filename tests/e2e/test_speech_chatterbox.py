@@ -108,12 +108,6 @@ def reference(stack) -> list[dict]:
     return stack[1]
 
 
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
-
-
 async def _generate(client: httpx.AsyncClient, i: int) -> httpx.Response:
     return await client.post("/generate", json={"prompt": TEXTS[i], "seed": 10 + i, "max_tokens": TOKENS,
                                                 **DEFAULTS})
@@ -137,7 +131,7 @@ async def test_tokens_equal_the_package_seeded(server, reference):
         np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
     assert alone.json()["token_ids"] == together[0].json()["token_ids"]
     assert alone.json()["audio"] == together[0].json()["audio"]
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_speech_route_extensions_and_refusals(server, reference):
@@ -165,7 +159,7 @@ async def test_speech_route_extensions_and_refusals(server, reference):
     for r, param in zip(bad, ("exaggeration", "cfg_weight", "voice")):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
-    _clean(server)
+    server.assert_clean()
 
 
 def test_s3gen_halves_equal_the_package(folder, reference):
@@ -237,4 +231,4 @@ async def test_clip_voice_equals_the_package(server, reference):
     pcm = np.frombuffer(twice[0].content, "<i2")
     assert len(pcm) == len(want) and np.abs(pcm.astype(int) - want).max() <= 33
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "context[0].audio", bad.text
-    _clean(server)
+    server.assert_clean()

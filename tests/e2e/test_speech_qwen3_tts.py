@@ -34,8 +34,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_prefetch, qwen3_tts_reference
-from tests.servers import MstarServer
+from tests.qwen3_tts_checkpoints import (
+    SPEAKERS,
+    make_qwen3_tts_checkpoint,
+    qwen3_tts_prefetch,
+    qwen3_tts_reference,
+    qwen3_tts_server,
+)
 
 #: the first test's setup may build the reference's venv, weights and answers (kept after)
 pytestmark = pytest.mark.timeout(600)
@@ -93,9 +98,7 @@ def stream_reference(answers):
 
 @pytest.fixture(scope="module")
 def server(root, tmp_path_factory):
-    srv = MstarServer(str(root), tmp_path_factory.mktemp("logs") / "qwen3_tts.log", "--num-kv-pages", "64",
-                      "--page-size", "16", "--max-seq-len", "256", "--max-batch-tokens", "24",
-                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    srv = qwen3_tts_server(root, tmp_path_factory.mktemp("logs") / "qwen3_tts.log")
     yield srv
     srv.stop()
 
@@ -118,12 +121,6 @@ def assert_pcm(got: bytes, wave: np.ndarray) -> None:
     assert np.abs(samples.astype(int) - want).max() <= 33  # 1e-3 of full scale
 
 
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
-
-
 async def speech(client: httpx.AsyncClient, voice: str, text: str, **body) -> httpx.Response:
     return await client.post("/v1/audio/speech", json={"input": text, "voice": voice, "response_format": "pcm",
                                                        **body})
@@ -143,7 +140,7 @@ async def test_codes_and_audio_equal_the_package(server, reference):
         audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
         assert audio.shape == wave.shape and len(wave) > 0
         np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_second_voice_and_instructions_batched(server, reference):
@@ -161,7 +158,7 @@ async def test_second_voice_and_instructions_batched(server, reference):
     assert not np.array_equal(plain[: len(instructed)], instructed[: len(plain)])  # instructions change the codes
     default = reference[(VOICES[0], TEXTS[0], "")][0]
     assert not np.array_equal(plain[: len(default)], default[: len(plain)])  # so do voices
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_streams_join_to_the_whole(server, reference):
@@ -188,7 +185,7 @@ async def test_streams_join_to_the_whole(server, reference):
     assert len(reference[(VOICES[1], text, "")][0]) > 5 and len(short.content) == 2 * 5 * 48
     assert np.abs(np.frombuffer(short.content, "<i2").astype(int) - head).max() <= 1
     assert server.metric("mstar_time_to_first_audio_seconds_count") >= 4
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_streamed_text_equals_the_package(server, stream_reference, reference):
@@ -201,7 +198,7 @@ async def test_streamed_text_equals_the_package(server, stream_reference, refere
         assert_pcm(r.content, wave)
     streamed, whole = stream_reference[1][0], reference[(VOICES[0], TEXTS[1], "")][0]
     assert not np.array_equal(streamed[: len(whole)], whole[: len(streamed)])  # the mode changes the codes
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_sampled_requests_are_seeded(server):
@@ -214,7 +211,7 @@ async def test_sampled_requests_are_seeded(server):
         assert r.status_code == 200, r.text
         assert len(r.content) % (2 * 48) == 0 and len(r.content) > 0
     assert got[0].content == got[1].content
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_refusals_name_the_field(server):
@@ -227,4 +224,4 @@ async def test_refusals_name_the_field(server):
     assert error["param"] == "voice" and all(s in error["message"] for s in SPEAKERS)
     assert special.status_code == 400 and special.json()["error"]["param"] == "input"
     assert bad_instr.status_code == 400 and bad_instr.json()["error"]["param"] == "instructions"
-    _clean(server)
+    server.assert_clean()

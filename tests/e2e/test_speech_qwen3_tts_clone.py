@@ -40,8 +40,8 @@ from tests.qwen3_tts_checkpoints import (
     qwen3_tts_clone_reference,
     qwen3_tts_icl_reference,
     qwen3_tts_prefetch,
+    qwen3_tts_server,
 )
-from tests.servers import MstarServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -136,9 +136,7 @@ def stream_reference(answers):
 
 @pytest.fixture(scope="module")
 def server(root, tmp_path_factory):
-    srv = MstarServer(str(root), tmp_path_factory.mktemp("logs") / "qwen3_tts_clone.log", "--num-kv-pages", "64",
-                      "--page-size", "16", "--max-seq-len", "256", "--max-batch-tokens", "24",
-                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    srv = qwen3_tts_server(root, tmp_path_factory.mktemp("logs") / "qwen3_tts_clone.log")
     yield srv
     srv.stop()
 
@@ -149,12 +147,6 @@ def pcm(samples: np.ndarray) -> np.ndarray:
 
 async def speech(client: httpx.AsyncClient, text: str, **body) -> httpx.Response:
     return await client.post("/v1/audio/speech", json={"input": text, "response_format": "pcm", **body})
-
-
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
 
 
 async def test_cloned_voices_equal_the_package(server, reference):
@@ -176,7 +168,7 @@ async def test_cloned_voices_equal_the_package(server, reference):
     audio = np.frombuffer(base64.b64decode(generated.json()["audio"]), "<f4")
     np.testing.assert_allclose(audio, reference[2][1], atol=1e-3, rtol=0)
     assert not np.array_equal(reference[0][0], reference[2][0])  # the clip is the voice (same text)
-    _clean(server)
+    server.assert_clean()
 
 
 def _package_cut(ref: int, new: int) -> int:
@@ -218,7 +210,7 @@ async def test_icl_voices_equal_the_package(server, icl_reference):
     np.testing.assert_allclose(audio, _after_cut(wave, len(ref), len(codes)), atol=1e-3, rtol=0)
     assert [len(r) for _, _, r in icl_reference] == [50, 50, 40, 40]
     assert not np.array_equal(icl_reference[0][0], icl_reference[1][0])  # the text is spoken
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_streamed_text_equals_the_package(server, stream_reference):
@@ -240,7 +232,7 @@ async def test_streamed_text_equals_the_package(server, stream_reference):
     assert r.status_code == 200, r.text
     samples = np.frombuffer(r.content, "<i2")
     assert len(samples) == len(wave) > 0 and np.abs(samples.astype(int) - pcm(wave)).max() <= 33
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_refusals_name_the_field(server):
@@ -261,4 +253,4 @@ async def test_refusals_name_the_field(server):
     assert no_clip.status_code == 400 and no_clip.json()["error"]["param"] == "context[0].audio", no_clip.text
     for r in (long_clip, rows):
         assert r.status_code == 400 and r.json()["error"]["param"] == "context[0].audio", r.text
-    _clean(server)
+    server.assert_clean()
