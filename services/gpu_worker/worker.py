@@ -23,7 +23,7 @@ from services.gpu_worker.engine import GROUP_LOST, DeviceLost
 from services.gpu_worker.liveness import Liveness
 from services.gpu_worker.step_types import Finished, StepResult, error_frame
 from services.gpu_worker.tp.group import GroupLost, TpGroup
-from shared import curve
+from shared import curve, trace
 from shared.cgroup import available_cpus
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
@@ -177,6 +177,9 @@ class GpuWorker:
         for dest, out in res.outputs:
             if dest:
                 by_dest.setdefault(dest, []).append(out)
+        if trace.enabled():
+            for _, out in res.outputs:
+                trace.stamp(out.request_id, "gpu.send")
         for dest, outs in by_dest.items():
             self._reply(dest).send_multipart(self.out_codec.encode(StepOutputs(outs)), copy=False)
         for dest, err in res.errors:
@@ -196,9 +199,11 @@ class GpuWorker:
             log.error("protocol error from conductor: %s (frame dropped)", exc)
             return
         if isinstance(msg, NewRequest):
+            trace.stamp(msg.request_id, "gpu.recv")
             self.gather.arrived(idle=not self.engine.running, rows=msg.prompt_len)
             try:
                 self.engine.add(msg, unpack_tensors(msg.input_tensors, bufs))
+                trace.stamp(msg.request_id, "gpu.added")
             except Exception as exc:
                 error_id = new_error_id()
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
@@ -236,6 +241,9 @@ class GpuWorker:
         return f"{len(running)} running request(s) {running[:16]}, {len(self.engine.waiting)} waiting"
 
     def _step(self) -> None:
+        if trace.enabled():
+            for r in self.engine.running + list(self.engine.waiting):
+                trace.stamp(r.request_id, "gpu.step")
         self.liveness.step_began()
         try:
             res = self.engine.step()
