@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared import curve
+from shared import curve, trace
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
@@ -302,6 +302,7 @@ class DataWorker:
         return self.spec.prepare_context(req.context)
 
     async def _handle(self, req: GenerateRequest) -> None:
+        trace.stamp(req.request_id, "dw.recv")
         try:
             ids, ppo, metadata = self.prepare(req)
         except _ClientError as exc:
@@ -314,6 +315,7 @@ class DataWorker:
                                                 error_id=error_id))
             return
         try:
+            trace.stamp(req.request_id, "dw.prepared")
             refs, bufs = pack_tensors(ppo.new_input_tensors)
             prompt_len = int(ppo.metadata.get("prompt_len", len(ids)))
             msg = NewRequest(
@@ -327,6 +329,7 @@ class DataWorker:
             await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error",
                                                 error_id=error_id))
             return
+        trace.stamp(req.request_id, "dw.send")
         await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))
         self.recent[req.request_id] = msg.without_layouts()
         while len(self.recent) > KEEP_RECENT:
