@@ -311,6 +311,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
         api_key=api_key or None,
         takes_audio=takes_audio,
         image_placeholder=spec.image_placeholder, audio_placeholder=spec.audio_placeholder,
+        video_placeholder=spec.video_placeholder,
         voices=tuple(getattr(spec, "voices", ())),
         **speech_settings(spec),  # type: ignore[arg-type]
         audio_language=default_language(source) if takes_audio else None,
