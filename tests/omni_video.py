@@ -68,8 +68,6 @@ def decoded(data: bytes) -> tuple[np.ndarray, float]:
 def _video_module() -> Any:
     """transformers' qwen2_vl video processing module, imported with a placeholder
     torchvision (its functions used here need none)."""
-    import transformers.image_processing_utils  # noqa: F401  (their backends read as without torchvision)
-    import transformers.video_processing_utils  # noqa: F401
 
     names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
              "torchvision.transforms.v2.functional"]

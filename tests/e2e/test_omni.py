@@ -29,6 +29,10 @@ pytest.importorskip("soundfile")
 MAX_TOKENS = 8
 
 
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def png(width: int, height: int, seed: int) -> bytes:
     from PIL import Image
 
@@ -70,7 +74,7 @@ def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
         if not ours:
             return {"type": kind if kind in ("image", "video") else "audio"}
         if kind == "video":
-            return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()}}
+            return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(VIDEO)}}
         if kind == "image":
             url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
             return {"type": "image_url", "image_url": {"url": url}}
