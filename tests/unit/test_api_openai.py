@@ -228,8 +228,7 @@ def test_models_routes(client: TestClient) -> None:
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
                                     "output_modalities", "image_placeholder", "audio_placeholder", "video_placeholder",
-                                     "default_sampling",
-                                    "parameters", "active_parameters", "task"}
+                                    "default_sampling", "parameters", "active_parameters", "task"}
     card = body["data"][0]
     assert card["task"] == "generate"
     assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])
