@@ -122,7 +122,7 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         self.image_token_id = int(thinker.get("image_token_id", IMAGE_TOKEN_ID))
         self.audio_token_id = int(thinker.get("audio_token_id", AUDIO_TOKEN_ID))
         self.video_token_id = int(thinker.get("video_token_id", VIDEO_TOKEN_ID))
-        self.position_id_per_seconds = float(thinker.get("position_id_per_seconds", 13))
+        self.position_id_per_seconds = float(thinker.get("position_id_per_seconds", 25))
         self.videos: OmniVideos | None = None
         self.n_window = int(audio.get("n_window", 50))
         self.features = FeatureConfig(feature_size=int(audio.get("num_mel_bins", 128)), chunk_length=300)
@@ -262,11 +262,9 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         spans = audio_spans(out.kv_layout["text"].spans, ids, self.audio_token_id, request.clips, self.n_window)
         layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.thinker_labels}
         voice = request.options.get("voice")
-        if voice is not None and request.videos:
-            raise PromptError("modalities", "speech out with video inputs is not served yet: ask for text only")
         if voice is not None:
             layouts.update(self._speech_layouts(str(voice), ids))
-            if request.images or request.clips:  # the talker reads the thinker's rows of them
+            if request.images or request.clips or request.videos:  # the talker reads the thinker's rows of them
                 unkeyed = tuple(Span.rows(sp.length) if sp.key else sp for sp in spans)
                 layouts.update({lab.name: LabelLayout(spans=unkeyed, growth={self.decode_loop: 1})
                                 for lab in self.thinker_labels})
@@ -286,14 +284,19 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         ids = request.token_ids
         if not request.videos and self.video_token_id not in ids:
             return Qwen25VLSpec.process_prompt(self, PromptRequest(ids, None, request.options, request.images))
-        media, scales = vision_order(ids, self.image_token_id, self.video_token_id, request.images, request.videos)
+        media, kinds = vision_order(ids, self.image_token_id, self.video_token_id, request.images, request.videos)
+        scales = [v.t_scale for v in request.videos]
+        steps = [scales.pop(0) if video else 1 for video in kinds]
         as_images = [self.image_token_id if t == self.video_token_id else t for t in ids]
         out = Qwen25VLSpec.process_prompt(self, PromptRequest(as_images, None, request.options, tuple(media)))
         tensors = dict(out.new_input_tensors)
         tensors["input_ids"] = np.asarray(ids, dtype=np.int32)
         grids = [(int(t), int(h), int(w)) for t, h, w in tensors["image_grid_thw"]]
-        positions, delta = mrope_positions(as_images, self.image_token_id, grids, self.merge_size, scales)
+        positions, delta = mrope_positions(as_images, self.image_token_id, grids, self.merge_size, steps)
         tensors["mrope_positions"] = positions
+        if self.videos is not None:  # seconds a temporal patch spans (an image: moot), for the talker's positions
+            spans = self.videos.settings.seconds_per_grid
+            tensors["video_seconds"] = np.asarray([spans if video else 1.0 for video in kinds], dtype=np.float64)
         return ProcessPromptOutput(tensors, out.kv_layout, {**out.metadata, "mrope_delta": delta})
 
     def _speech_layouts(self, voice: str, ids: list[int]) -> dict[str, LabelLayout]:

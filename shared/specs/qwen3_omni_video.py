@@ -73,14 +73,14 @@ class OmniVideos:
 
 
 def vision_order(ids: Sequence[int], image_id: int, video_id: int, images: Sequence[PreparedImage],
-                 videos: Sequence[PreparedVideo]) -> tuple[list[PreparedImage], list[int]]:
+                 videos: Sequence[PreparedVideo]) -> tuple[list[PreparedImage], list[bool]]:
     """(the images and videos as `PreparedImage`s in the order the prompt's runs of image and
-    video tokens hold them, each one's temporal step: 1 for an image). `PromptError` where
-    the runs do not match the media's token counts."""
-    queues = {image_id: [(img, 1) for img in images],
-              video_id: [(PreparedImage(v.pixels, v.text, v.key), v.t_scale) for v in videos]}
+    video tokens hold them, whether each is a video). `PromptError` where the runs do not
+    match the media's token counts."""
+    queues = {image_id: [(img, False) for img in images],
+              video_id: [(PreparedImage(v.pixels, v.text, v.key), True) for v in videos]}
     out: list[PreparedImage] = []
-    scales: list[int] = []
+    kinds: list[bool] = []
     arr = np.asarray(ids, dtype=np.int64)
     i = 0
     while i < len(arr):
@@ -96,14 +96,14 @@ def vision_order(ids: Sequence[int], image_id: int, video_id: int, images: Seque
             if not queues[tok]:
                 kind = "image" if tok == image_id else "video"
                 raise PromptError("prompt", f"the prompt holds more {kind} tokens than its {kind}s make")
-            media, scale = queues[tok].pop(0)
+            media, video = queues[tok].pop(0)
             rows = int(np.prod(media.pixels.shape[:3]))
             if rows > left:
                 raise PromptError("prompt", f"a medium's {rows} tokens are not one run")
             out.append(media)
-            scales.append(scale)
+            kinds.append(video)
             left -= rows
         i = end
     if any(queues.values()):
         raise PromptError("prompt", "the prompt holds fewer image or video tokens than its media make")
-    return out, scales
+    return out, kinds

@@ -55,6 +55,9 @@ class OmniRunner(MropeVisionRunner):
         if len(where) != rows or width != int(counts.sum()):
             raise ValueError(f"the prompt holds {len(where)} audio tokens and {width} feature frames; its clips' "
                              f"frames {counts.tolist()} make {rows} rows and {int(counts.sum())} frames")
+        seconds = tensors.get("video_seconds")
+        if seconds is not None:  # the talker's positions of the prompt's videos (omni_speech.py)
+            inputs["video_seconds"] = [float(v) for v in np.asarray(seconds).reshape(-1)]
         if features is not None and rows:
             inputs.update(features=torch.from_numpy(np.array(features, dtype=np.float32)), frames=counts,
                           audio_where=where)
