@@ -6,7 +6,8 @@ rather than a failure in the data worker.
 Checked: the data URL (`data:video/<type>;base64,...`: this server fetches no video URLs),
 the size (`MAX_VIDEO_BYTES`, from the base64 length before decoding), and the container
 PyAV opens: a video stream whose frames are at most `MAX_FRAME_PIXELS` pixels, at most
-`MAX_DECODED_FRAMES` frames, and at least one frame that decodes. The data worker decodes
+`MAX_DECODED_FRAMES` frames, at least `MIN_FRAMES` where the stream declares its count, and
+a first frame that decodes. The data worker decodes
 every frame, samples and preprocesses them (`shared.specs.qwen3_omni_video`).
 """
 
@@ -22,6 +23,8 @@ from services.api.errors import invalid
 MAX_VIDEO_BYTES = 64 << 20
 #: video inputs a request
 MAX_VIDEOS = 4
+#: frames a video needs at least (a temporal patch of the Qwen vision towers)
+MIN_FRAMES = 2
 
 
 def decode_video_input(url: str, param: str) -> bytes:
@@ -60,6 +63,9 @@ def check_video(raw: bytes, param: str) -> None:
                 raise invalid(param, f"{param}'s frames are {pixels} pixels; the limit is {MAX_FRAME_PIXELS}")
             if stream.frames > MAX_DECODED_FRAMES:
                 raise invalid(param, f"{param} has {stream.frames} frames; the limit is {MAX_DECODED_FRAMES}")
+            if 0 < stream.frames < MIN_FRAMES:
+                raise invalid(param, f"{param} has {stream.frames} frame(s); a video needs at least {MIN_FRAMES} "
+                                     "(one temporal patch)")
             next(container.decode(stream))
     except (av.error.FFmpegError, StopIteration, UnicodeDecodeError) as exc:
         raise invalid(param, f"{param} is not a video this server decodes; send an MP4 (or WebM, MKV)") from exc

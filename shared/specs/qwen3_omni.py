@@ -216,7 +216,8 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         """Each video's sampled frames as patches (`shared.specs.qwen3_omni_video`)."""
         if self.videos is None:
             raise PromptError("videos", "the model folder has no image processor settings (preprocessor_config.json)")
-        return tuple(self.videos.prepare(data, f"videos[{i}]", self.merge_size) for i, data in enumerate(files))
+        return tuple(self.videos.prepare(data, f"videos[{i}]", self.merge_size, self.max_seq_len)
+                     for i, data in enumerate(files))
 
     def prepare_image(self, data: bytes) -> PreparedImage:
         if self.images is None:

@@ -10,8 +10,9 @@ seconds apart, `t_scale` = that times `position_id_per_seconds` positions (trans
 `get_rope_index`: `arange(t) * second_per_grid * position_id_per_seconds`).
 
 Limits: a frame of at most `MAX_FRAME_PIXELS` pixels before resizing, `MAX_DECODED_FRAMES`
-frames decoded, at least one temporal patch of frames (the processor's `max_frames` 768
-bounds the sampled ones).
+frames in the stream, at least one temporal patch of frames (the processor's `max_frames`
+768 bounds the sampled ones), and no more video tokens than the deployment's max_seq_len
+(checked before any frame is decoded, so a long video costs no memory).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from shared.deferred import deferred
 from shared.specs.base import PreparedImage, PreparedVideo, PromptError
 from shared.vision.qwen2_vl import Qwen2VLImages
-from shared.vision.qwen_video import VideoSettings, decode_video, preprocess_frames, sample_indices
+from shared.vision.qwen_video import VideoSettings, load_frames, preprocess_frames
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,12 +59,12 @@ class OmniVideos:
                              f"{step} positions apart; mstar's positions are whole numbers")
         return cls(settings, int(step))
 
-    def prepare(self, data: bytes, param: str, merge: int) -> PreparedVideo:
+    def prepare(self, data: bytes, param: str, merge: int, max_tokens: int) -> PreparedVideo:
         """One video file -> its patches [t, h / merge, w / merge, merge^2, D], text, key;
-        `PromptError` on `param` for a file this cannot use."""
+        `PromptError` on `param` for a file this cannot use or whose tokens alone pass
+        `max_tokens`."""
         try:
-            frames, fps = decode_video(data, MAX_FRAME_PIXELS)
-            picked = frames[sample_indices(len(frames), fps, self.settings)]
+            picked, _ = load_frames(data, self.settings, MAX_FRAME_PIXELS, max_tokens)
             patches, (t, h, w) = preprocess_frames(picked, self.settings)
         except ValueError as exc:
             raise PromptError(param, f"{param}: {exc}") from exc

@@ -3,8 +3,8 @@ a grid, as transformers' `Qwen2VLVideoProcessor` makes them for `Qwen3OmniMoePro
 
 The data worker runs this (numpy, Pillow and PyAV only; no torch, no transformers):
 
-1. `decode_video`: every frame of the file's first video stream as RGB uint8 [N, H, W, 3]
-   and the stream's frame rate (PyAV; what transformers' "pyav" backend reads);
+1. `load_frames`: the file's first video stream, its declared frame count and average rate
+   (PyAV; what transformers' "pyav" backend reads), only the sampled frames kept as RGB uint8;
 2. `sample_indices`: the video processor's `sample_frames` with `fps` (2 frames a second, the
    rate qwen-omni-utils and vLLM sample Qwen-Omni videos at), `min_frames` 4, `max_frames`
    768, rounded down to whole temporal patches: `arange(0, N, N / n)` truncated (float32);
@@ -74,10 +74,15 @@ class VideoSettings:
         return f"qwen-video/1:{self}"
 
 
-def decode_video(data: bytes, max_pixels: int, max_frames: int = MAX_DECODED_FRAMES) -> tuple[np.ndarray, float]:
-    """(frames RGB uint8 [N, H, W, 3], the stream's frames a second). ValueError for a file
-    PyAV cannot read, one without a video stream or frames, frames over `max_pixels`, or
-    more than `max_frames` frames."""
+def load_frames(data: bytes, settings: VideoSettings, max_pixels: int,
+                max_tokens: int) -> tuple[np.ndarray, float]:
+    """(the sampled frames RGB uint8 [n, H, W, 3], the stream's frames a second), as
+    transformers' PyAV loader reads them: the stream's declared frame count (counted from
+    its packets where it declares none) and average rate give the indices
+    (`sample_indices`), and only those frames are kept while decoding. ValueError for a
+    file PyAV cannot read, one without a video stream, frames over `max_pixels`, more than
+    `MAX_DECODED_FRAMES` frames, more than `max_tokens` tokens, or fewer frames than it
+    declares."""
     import av
 
     try:
@@ -85,21 +90,43 @@ def decode_video(data: bytes, max_pixels: int, max_frames: int = MAX_DECODED_FRA
             if not container.streams.video:
                 raise ValueError("the file has no video stream")
             stream = container.streams.video[0]
+            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
-            frames: list[np.ndarray] = []
-            for frame in container.decode(stream):
-                if frame.width * frame.height > max_pixels:
-                    raise ValueError(f"its frames are {frame.width}x{frame.height} pixels; the limit is {max_pixels}")
-                if len(frames) == max_frames:
-                    raise ValueError(f"it has more than {max_frames} frames")
-                frames.append(frame.to_ndarray(format="rgb24"))
+            if not rate or not total:
+                raise ValueError("its video stream has no frame rate or no frames")
+            height, width = stream.codec_context.height, stream.codec_context.width
+            _check_bounds(total, height, width, settings, max_pixels, max_tokens, float(rate))
+            keep = sample_indices(total, float(rate), settings).tolist()
+            wanted, frames = set(keep), {}
+            for i, frame in enumerate(container.decode(stream)):
+                if i > keep[-1]:
+                    break
+                if i in wanted:
+                    frames[i] = frame.to_ndarray(format="rgb24")
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
         raise ValueError(f"it is not a video PyAV decodes ({type(exc).__name__})") from exc
-    if not frames:
-        raise ValueError("its video stream has no frames")
-    if not rate:
-        raise ValueError("its video stream has no frame rate")
-    return np.stack(frames), float(rate)
+    if len(frames) < len(wanted):
+        raise ValueError(f"its stream declares {total} frames but fewer decode")
+    return np.stack([frames[i] for i in keep]), float(rate)
+
+
+def _check_bounds(total: int, height: int, width: int, settings: VideoSettings, max_pixels: int,
+                  max_tokens: int, fps: float) -> None:
+    """ValueError for frames over `max_pixels`, more than MAX_DECODED_FRAMES frames, or a
+    video whose sampled, resized frames make more than `max_tokens` tokens."""
+    if height * width > max_pixels:
+        raise ValueError(f"its frames are {width}x{height} pixels; the limit is {max_pixels}")
+    if total > MAX_DECODED_FRAMES:
+        raise ValueError(f"it has {total} frames; the limit is {MAX_DECODED_FRAMES}")
+    block = settings.patch_size * settings.merge_size
+    h, w = smart_resize(height, width, block, settings.min_pixels, settings.max_pixels)
+    n = len(sample_indices(total, fps, settings))
+    tokens = -(-n // settings.temporal_patch_size) * (h // block) * (w // block)
+    if tokens > max_tokens:
+        raise ValueError(f"its {n} sampled frames make {tokens} video tokens; the limit is {max_tokens} "
+                         "(the deployment's max_seq_len)")
 
 
 def sample_indices(total: int, source_fps: float, settings: VideoSettings) -> np.ndarray:

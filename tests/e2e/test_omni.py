@@ -268,8 +268,9 @@ async def test_video_chat_equals_transformers(folder, server):
 
 
 async def test_bad_videos_are_400s(server):
-    """A video_url part that is not a video, one whose frames are over the size limit, and
-    (on /generate) a one-frame video, shorter than a temporal patch: 400s naming the field."""
+    """A video_url part that is not a video, one whose frames are over the size limit, one
+    not a data URL, and (on /generate) a one-frame video, shorter than a temporal patch:
+    400s naming the field."""
     from tests.omni_video import shapes_video
 
     def url(data: bytes) -> str:

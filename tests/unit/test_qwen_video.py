@@ -1,7 +1,7 @@
 """Qwen3-Omni's video preprocessing (shared/vision/qwen_video.py) against transformers'
 `Qwen2VLVideoProcessor` pieces (tests/omni_video.py: its `sample_frames` and `patchify`,
 the torch backend's fused normalize): the sampled frame indices for many lengths and
-rates, and the patches of a clip bit for bit; a file that is not a video is a ValueError."""
+rates, and the patches of a clip bit for bit; the refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from shared.vision.qwen_video import VideoSettings, decode_video, sample_indices
+from shared.vision.qwen_video import VideoSettings, load_frames, sample_indices
 from tests.omni_video import _video_module, mp4_bytes, reference_video, shapes_video
 
 
@@ -29,15 +29,22 @@ def test_patches_equal_the_processors() -> None:
     from shared.vision.qwen_video import preprocess_frames
 
     data = mp4_bytes(shapes_video(frames=5, seed=9))
-    frames, fps = decode_video(data, 1 << 30)
-    patches, grid = preprocess_frames(frames[sample_indices(len(frames), fps, VideoSettings())], VideoSettings())
+    frames, _ = load_frames(data, VideoSettings(), 1 << 30, 1 << 20)
+    patches, grid = preprocess_frames(frames, VideoSettings())
     ref = reference_video(data)
     assert list(grid) == ref["video_grid_thw"][0].tolist()
     assert np.array_equal(patches, ref["pixel_values_videos"].numpy())
 
 
-def test_not_a_video_is_refused() -> None:
+def test_refusals() -> None:
+    """Not a video; frames over the pixel limit; more tokens than allowed (checked before
+    decoding); fewer frames than a temporal patch."""
     with pytest.raises(ValueError, match="not a video"):
-        decode_video(b"RIFF....WAVEfmt " * 8, 1 << 30)
+        load_frames(b"RIFF....WAVEfmt " * 8, VideoSettings(), 1 << 30, 1 << 20)
+    data = mp4_bytes(shapes_video(frames=5, seed=9))
+    with pytest.raises(ValueError, match="pixels; the limit is 1000"):
+        load_frames(data, VideoSettings(), 1000, 1 << 20)
+    with pytest.raises(ValueError, match="make 264 video tokens; the limit is 100"):
+        load_frames(data, VideoSettings(), 1 << 30, 100)
     with pytest.raises(ValueError, match="at least 2"):
         sample_indices(1, 30.0, VideoSettings())
