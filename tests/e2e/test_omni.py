@@ -270,7 +270,7 @@ async def test_video_chat_equals_transformers(folder, server):
 async def test_bad_videos_are_400s(server):
     """A video_url part that is not a video, one whose frames are over the size limit, one
     not a data URL, and (on /generate) a one-frame video, shorter than a temporal patch:
-    400s naming the field."""
+    400s naming the field; /tokenize, which counts no video rows, says so naming the part."""
     from tests.omni_video import shapes_video
 
     def url(data: bytes) -> str:
@@ -282,6 +282,8 @@ async def test_bad_videos_are_400s(server):
             "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": bad}}]}],
             "max_tokens": 2}) for bad in (url(b"not a video at all" * 16), url(huge), "https://example.com/a.mp4")]
+        tokenize = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": url(VIDEO)}}]}]})
         short = await client.post("/generate", json={
             "prompt": "<|vision_start|><|video_pad|><|vision_end|>hi", "max_tokens": 2,
             "videos": [url(mp4_bytes(shapes_video(frames=1)))]})
@@ -290,4 +292,6 @@ async def test_bad_videos_are_400s(server):
         assert r.json()["error"]["param"] == "messages[0].content[1].video_url.url", r.text
     assert "pixels" in chats[1].json()["error"]["message"]
     assert short.status_code == 400 and short.json()["error"]["param"] == "videos[0]", short.text
+    assert tokenize.status_code == 400, tokenize.text  # /tokenize counts no video rows: it says so
+    assert tokenize.json()["error"]["param"] == "messages[0].content[1].video_url.url"
     assert_clean(server)
