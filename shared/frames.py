@@ -125,6 +125,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Omni models: each audio input's file as the api decoded and checked it, in prompt
     # order; the prompt holds the model's audio placeholder once per input.
     audios: list[bytes] = []
+    # Omni models: each video input's file as the api decoded and checked it, in prompt
+    # order; the prompt holds the model's video placeholder once per input.
+    videos: list[bytes] = []
     # Speech models that continue a conversation (CSM): its earlier turns, oldest first;
     # the prompt is the turn to speak.
     context: list[ContextTurn] = []

@@ -6,7 +6,7 @@ two voices, the text equals transformers' greedy text and the waveform transform
 1e-3 and of the same length (its talker_max_new_tokens the frame loop's cap + 1: the cap
 counts frames after the talker's prompt step); alone and both at once; streamed, the
 `delta.content` chunks join to the text and the `delta.audio` chunks (base64 pcm16) to the
-unstreamed clip. An image prompt and an audio prompt too. Every KV page back to zero
+unstreamed clip. An image prompt, an audio prompt and a video prompt too. Every KV page back to zero
 under the layout debug checks. Bad speech options are 400s naming the field."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 from shared.specs.qwen3_omni import FRAMES_PER_TOKEN
 from tests.e2e.test_omni import png
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
+from tests.omni_video import mp4_bytes, reference_video, shapes_video
 from tests.servers import MstarServer, assert_clean
 
 pytest.importorskip("soundfile")
@@ -47,11 +48,13 @@ def _hf(folder: Path):
     return model, omni_processor(folder)
 
 
-#: an image and an audio clip, each before the user's text (their parts as we send them)
-IMAGE, AUDIO = png(96, 64, 1), wav_bytes(tone(1.3, seed=1))
+#: an image, an audio clip and a video (tests/omni_video.py), each before the user's text (their parts as we send them)
+IMAGE, AUDIO, VIDEO = png(96, 64, 1), wav_bytes(tone(1.3, seed=1)), mp4_bytes(shapes_video())
 MEDIA = {"image": {"type": "image_url",
                    "image_url": {"url": "data:image/png;base64," + base64.b64encode(IMAGE).decode()}},
-         "audio": {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}}}
+         "audio": {"type": "input_audio", "input_audio": {"data": base64.b64encode(AUDIO).decode(), "format": "wav"}},
+         "video": {"type": "video_url",
+                   "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()}}}
 
 
 def messages(media: str = "", ours: bool = True) -> list[dict]:
@@ -78,7 +81,16 @@ def reference(folder: Path, voice: str, media: str = "", stop: tuple[str, ...] =
         kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
     if media == "audio":
         kwargs["audio"] = [sf.read(io.BytesIO(AUDIO), dtype="float32")[0]]
-    inputs = proc(text=text, return_tensors="pt", **kwargs)
+    inputs = proc(text=text.replace("<|video_pad|>", "<tts_pad>"), return_tensors="pt", **kwargs)
+    if media == "video":  # the processor's expansion of the video processor's grid (as in test_omni.py)
+        video = reference_video(VIDEO)
+        t, h, w = video["video_grid_thw"][0].tolist()
+        ids = inputs["input_ids"][0].tolist()
+        at = ids.index(proc.tokenizer.convert_tokens_to_ids("<tts_pad>"))
+        ids[at : at + 1] = [proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")] * (t * h * w // 4)
+        inputs["input_ids"] = torch.tensor([ids])
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs.update(video)
     eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
     if stop:
         kwargs.update(thinker_stop_strings=list(stop), thinker_tokenizer=proc.tokenizer)
@@ -201,11 +213,12 @@ async def test_the_talker_speaks_while_the_thinker_writes(server):
     assert_clean(server)
 
 
-async def test_image_and_audio_prompts(folder, server):
-    """An image prompt and an audio prompt (the talker reads the thinker's hidden states at
-    their rows), at once: transformers' text and waveform. (An image and a clip together has
+async def test_image_audio_and_video_prompts(folder, server):
+    """An image prompt, an audio prompt and a video prompt (the talker reads the thinker's
+    hidden states at their rows; a video's talker positions step by its own
+    position_id_per_seconds), at once: transformers' text and waveform. (An image and a clip together has
     no reference: transformers' talker cannot place them.)"""
-    cases = (("ethan", "image"), ("chelsie", "audio"))
+    cases = (("ethan", "image"), ("chelsie", "audio"), ("chelsie", "video"))
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         replies = await asyncio.gather(*(chat(client, voice, media=media) for voice, media in cases))
     for (voice, media), (text, wav, _) in zip(cases, replies):

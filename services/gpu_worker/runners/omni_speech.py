@@ -143,6 +143,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
                 continue
             grids = r.inputs.get("grids")
             r.metadata["talker_grids"] = [] if grids is None else [tuple(int(v) for v in g) for g in grids]
+            if r.inputs.get("video_seconds") is not None:
+                r.metadata["talker_seconds"] = r.inputs["video_seconds"]
             mm = np.flatnonzero(np.isin(np.asarray(r.prompt), self.settings.multimodal))
             if len(mm):
                 r.metadata["talker_rows"] = mm
@@ -227,7 +229,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         eos = _ended_by(r)
         return talker_prompt(self.talker, self.settings, self.model.lm.model.embed_tokens, r.prompt + r.output,
                              len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos,
-                             r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"), stage.earlier_done)
+                             r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"), stage.earlier_done,
+                             r.metadata.get("talker_seconds"))
 
     def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
         """A talker step's output: no token ids (its sound is added by `on_emit`). At

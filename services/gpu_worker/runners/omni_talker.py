@@ -67,6 +67,19 @@ class TalkerSettings:
     multimodal: tuple[int, ...]  # audio, image, video placeholder ids
     accept_hidden_layer: int
     merge: int  # the vision tower's spatial merge
+    #: the talker's positions a second of video (`talker_config.position_id_per_seconds`)
+    position_id_per_seconds: float = 25.0
+
+    def video_steps(self, seconds: list[float] | None) -> list[int] | None:
+        """Each medium's step between temporal positions in the talker's `get_rope_index`
+        (seconds a temporal patch spans times its positions a second; 1 for an image,
+        whose one temporal patch makes it moot). ValueError where it is not whole."""
+        if seconds is None:
+            return None
+        steps = [sec * self.position_id_per_seconds for sec in seconds]
+        if any(step != int(step) for step in steps):
+            raise ValueError(f"video temporal steps {steps} are not whole positions")
+        return [int(step) for step in steps]
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TalkerSettings:
@@ -85,7 +98,8 @@ class TalkerSettings:
             multimodal=(int(th.get("audio_token_id", 151646)), int(th.get("image_token_id", 151655)),
                         int(th.get("video_token_id", 151656))),
             accept_hidden_layer=int(t.get("accept_hidden_layer", 18)),
-            merge=int((th.get("vision_config") or {}).get("spatial_merge_size", 2)))
+            merge=int((th.get("vision_config") or {}).get("spatial_merge_size", 2)),
+            position_id_per_seconds=float(t.get("position_id_per_seconds", 25)))
 
 
 @dataclass
@@ -141,13 +155,16 @@ def assistant_start(ids: list[int], s: TalkerSettings) -> int:
 def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[torch.Tensor], torch.Tensor],
                   sequence: list[int], prompt_len: int, speaker: int, thinker_eos: tuple[int, ...],
                   mm_hidden: torch.Tensor | None = None,
-                  grids: list[tuple[int, int, int]] | None = None, ended: bool = True) -> TalkerPrompt:
+                  grids: list[tuple[int, int, int]] | None = None, ended: bool = True,
+                  video_seconds: list[float] | None = None) -> TalkerPrompt:
     """The talker's prompt rows and text rows for the thinker's `sequence` (its prompt's
     `prompt_len` ids, then what it generated: all of it, or, `ended` False, what it has
     generated so far, at least one token: the text rows then stop before the end, and
     `TalkerRun.extend` adds the rest as it comes); `embed`: the thinker's input embeddings;
     `mm_hidden` [prompt rows, thinker hidden]: its hidden states at `accept_hidden_layer`,
-    read only at image and audio rows of user turns; `grids`: the prompt's images' (t, h, w)."""
+    read only at image and audio rows of user turns; `grids`: the prompt's images' and
+    videos' (t, h, w) in prompt order; `video_seconds`: the seconds each one's temporal
+    patch spans (where the prompt holds a video)."""
     dev = model.codec_head.weight.device
     prompt = sequence[:prompt_len]
     embeds = embed(torch.tensor(sequence, device=dev))
@@ -177,7 +194,8 @@ def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[to
     else:
         trailing = said[TEXT_FROM:][:len(generated)]
     ids = [prompt[p] for p in users] + [s.tts_ids[2]] * opening.shape[0]
-    positions, offset = mrope_positions(ids, s.multimodal[1], list(grids or []), s.merge)
+    positions, offset = mrope_positions(ids, s.multimodal[1:], list(grids or []), s.merge,
+                                        s.video_steps(video_seconds))
     return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad, eos, a + TEXT_FROM,
                         torch.from_numpy(positions).to(dev), int(offset))
 
