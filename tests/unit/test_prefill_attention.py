@@ -2,7 +2,8 @@
 torch's SDPA on the gathered pages: float32 and bfloat16 pages, GQA, chunks of 1, 17 and 300
 rows over a prefix already in the pages, pages in random order, sliding windows (with the
 pages behind the window released), an encoder's bidirectional chunks (every row sees every
-key), the same bits on 1 and 2 threads, and the chunks it must leave to torch (bidirectional blocks, soft-capping, the torch backend)."""
+key), the same bits on 1 and 2 threads, and the chunks it must leave to torch (bidirectional
+blocks, soft-capping, the torch backend)."""
 
 from __future__ import annotations
 
