@@ -88,15 +88,18 @@ def embeddings(args) -> Path:
     print("starting mstar serve ...", file=sys.stderr)
     server = MstarServer(model_dir, out / "logs" / "mstar.log", args.serve_arg).start()
     runs: dict[str, list[float]] = {}
+    cpu: dict[str, dict[str, float]] = {}  # per mstar level: CPU seconds by process, summed over rounds
     try:
         min_cos = check_parity(server.url, st, texts[:32])
         asyncio.run(mstar_rate(server.url, texts[:64], 32, 1))  # warm
         for r in range(args.rounds):
             for b in args.batch:
                 runs.setdefault(f"st b{b}", []).append(st_rate(st, texts, b))
-                runs.setdefault(f"mstar b{b}", []).append(asyncio.run(mstar_rate(server.url, texts, b, 1)))
+                runs.setdefault(f"mstar b{b}", []).append(cpu_rate(server, texts, b, 1,
+                                                                   cpu.setdefault(f"mstar b{b}", {})))
             for c in args.concurrency:
-                runs.setdefault(f"mstar 1x{c}", []).append(asyncio.run(mstar_rate(server.url, texts, 1, c)))
+                runs.setdefault(f"mstar 1x{c}", []).append(cpu_rate(server, texts, 1, c,
+                                                                    cpu.setdefault(f"mstar 1x{c}", {})))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f}/s" for k, v in runs.items()), file=sys.stderr)
     finally:
         server.stop()
@@ -111,12 +114,53 @@ def embeddings(args) -> Path:
     text += "\n\n" + table(["mstar / sentence-transformers", "median", "range"],
                            [[k, f"{v['median']:.2f}x", f"{v['min']:.2f}-{v['max']:.2f}x"] for k, v in ratios.items()])
     text += f"\n\nparity: min cosine over 32 sentences {min_cos:.7f}"
+    text += "\n\n" + cpu_table(cpu, args.rounds * len(texts))
     print(text)
     (out / "tables.md").write_text(text + "\n")
     write_json(out / "results.json", {"mode": "embeddings", "machine": machine(), "args": vars(args), "runs": runs,
-                                      "ratios": ratios, "min_cosine": min_cos, "model": model_dir})
+                                      "ratios": ratios, "min_cosine": min_cos, "model": model_dir, "cpu_s": cpu})
     _plot(out / "plot.png", runs, args)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _service(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return str(pid)
+    return next((a.removeprefix("services.") for a in argv if a.startswith("services.")), Path(argv[0]).name)
+
+
+def cpu_rate(server: MstarServer, texts: list[str], batch: int, concurrency: int, into: dict[str, float]) -> float:
+    """`mstar_rate`, and the CPU seconds each of the server's processes (and this client)
+    spent meanwhile added to `into`: where a batch's time goes (the gpu worker's forward,
+    the data worker's tokenizer, the api's JSON and base64), on a shared host too, where
+    wall times move with the load."""
+    pids = server.pids()
+    before, client = {p: cpu_seconds(p) for p in pids}, time.process_time()
+    rate = asyncio.run(mstar_rate(server.url, texts, batch, concurrency))
+    into["client (this process)"] = into.get("client (this process)", 0.0) + time.process_time() - client
+    for p in pids:
+        name = _service(p)
+        into[name] = into.get(name, 0.0) + cpu_seconds(p) - before[p]
+    return rate
+
+
+def cpu_table(cpu: dict[str, dict[str, float]], sentences: int) -> str:
+    """CPU milliseconds per sentence, by process, of each mstar level."""
+    names = sorted({n for by in cpu.values() for n in by})
+    rows = [[level, *(f"{by.get(n, 0.0) * 1e3 / sentences:.2f}" for n in names),
+             f"{sum(by.values()) * 1e3 / sentences:.2f}"] for level, by in cpu.items()]
+    return "CPU ms per sentence by process\n" + table(["mstar level", *names, "total"], rows)
 
 
 def _ratio(ours: list[float], theirs: list[float]) -> dict:

@@ -43,7 +43,7 @@ import httpx
 
 from bench.checkpoints import cache_dir
 from bench.report import results_dir
-from bench.rounds import fill_defaults
+from bench.rounds import alternate, fill_defaults
 from bench.server import MstarServer
 from bench.side_by_side import Figure, report
 
@@ -299,7 +299,6 @@ def policy(args) -> Path:
     ref = Reference(folder, shape, images, payload)
     print("starting mstar serve ...", file=sys.stderr)
     server = MstarServer(str(folder), out / "logs" / "mstar.log", list(args.serve_arg)).start()
-    runs: dict[str, list[dict]] = {"mstar": [], "transformers": []}
 
     def ours(c1_requests: int, bursts: int) -> dict:
         if args.client == "openpi":
@@ -309,13 +308,8 @@ def policy(args) -> Path:
     try:
         ours(1, 1)  # warm both (a burst: the batched path)
         ref.one()
-        for r in range(args.rounds):
-            systems = [("mstar", lambda: ours(args.c1_requests, args.bursts)),
-                       ("transformers", lambda: ref.round(args.c1_requests, args.bursts))]
-            for name, run in systems if r % 2 == 0 else systems[::-1]:
-                runs[name].append(run())
-            print(f"round {r + 1}: " + ", ".join(f"{k} c1 {v[-1]['c1_ttft_s'] * 1e3:.1f} ms" for k, v in runs.items()),
-                  file=sys.stderr)
+        runs = alternate({"mstar": lambda: ours(args.c1_requests, args.bursts),
+                          "transformers": lambda: ref.round(args.c1_requests, args.bursts)}, args.rounds, "c1_ttft_s")
     finally:
         server.stop()
     title = (f"random Pi0.5 {shape.name} (mstar over {args.client}), {len(CAMERAS)} cameras of "

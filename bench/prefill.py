@@ -19,12 +19,12 @@ import tempfile
 import time
 
 
-def _worker(model: str):
+def _worker(model: str, prefix_cache: bool = False):
     from services.gpu_worker.worker import GpuWorker
     from shared.config import Deployment
 
     run = tempfile.mkdtemp(prefix="mstar-prefill-")
-    d = Deployment(model=model, num_kv_pages=1024, max_seq_len=2048, prefix_cache=False)
+    d = Deployment(model=model, num_kv_pages=1024, max_seq_len=2048, prefix_cache=prefix_cache)
     return GpuWorker(d, f"ipc://{run}/w.sock", f"ipc://{run}/w.sock", f"ipc://{run}/c.sock", "prefill"), run
 
 
@@ -59,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=896)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--profile", choices=("torch", "cprofile"), default=None)
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="with the prefix cache on, as `mstar serve` runs by default (a hybrid's prompt then "
+                         "keeps state snapshots)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MSTAR_TORCH_THREADS", "1")
     import numpy as np
 
-    w, run = _worker(args.model)
+    w, run = _worker(args.model, args.prefix_cache)
     rng = np.random.default_rng(0)
     _prefill(w, rng, args.prompt_len, "warm")
     times = [_prefill(w, rng, args.prompt_len, f"r{i}") for i in range(args.runs)]

@@ -56,6 +56,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     #: an llguidance grammar the output must match (structured outputs; None: free text),
     #: compiled and checked by the api (services/api/structured.py)
     grammar: str | None = None
+    #: stop strings the gpu worker itself ends the request at (finish reason "stop", at the
+    #: token that completes the match): set by the api only where the worker must end a
+    #: stage there (speech out: the talker speaks the text up to the match); the api checks
+    #: every request's stop strings itself (services/gpu_worker/stop_check.py says why)
+    stop: list[str] = []
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +125,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", **HOT):
     # Omni models: each audio input's file as the api decoded and checked it, in prompt
     # order; the prompt holds the model's audio placeholder once per input.
     audios: list[bytes] = []
+    # Omni models: each video input's file as the api decoded and checked it, in prompt
+    # order; the prompt holds the model's video placeholder once per input.
+    videos: list[bytes] = []
     # Speech models that continue a conversation (CSM): its earlier turns, oldest first;
     # the prompt is the turn to speak.
     context: list[ContextTurn] = []

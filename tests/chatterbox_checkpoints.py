@@ -25,7 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from tests import reference_venv
+from tests.qwen3_tts_checkpoints import librosa_path
 
+#: a clip case's conditionals in the reference's answers
+CLIP_KEYS = ("speaker_emb", "t3_tokens", "prompt_token", "prompt_feat", "xvector")
 PINS = ("chatterbox-tts==0.1.7", "conformer==0.3.2", "s3tokenizer==0.3.0")
 VENV = reference_venv.venv_path("chatterbox-venv", PINS)
 SCRIPT = Path(__file__).with_name("chatterbox_reference.py")
@@ -46,7 +49,8 @@ TINY = {
               "HiFTGenerator": {"base_channels": 32},
               "ConvRNNF0Predictor": {"cond_channels": 32},
               "CAMPPlus": {"init_channels": 16, "growth_rate": 8}},
-    "s3tokenizer": {"n_audio_state": 64, "n_audio_head": 2, "n_audio_layer": 1},
+    # its rotary tables are 64 wide: one head of 64
+    "s3tokenizer": {"n_audio_state": 64, "n_audio_head": 1, "n_audio_layer": 1},
 }
 
 
@@ -91,10 +95,13 @@ def make_chatterbox_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def _run(*args: str, timeout: float = 600) -> None:
+def _run(*args: str, timeout: float = 600, librosa: bool = False) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "TQDM_DISABLE": "1"}
     env.pop("PYTHONPATH", None)
+    env.pop("MSTAR_LIBROSA", None)
+    if librosa:  # a reference clip's path: the real librosa (tests/chatterbox_reference.py)
+        env["MSTAR_LIBROSA"] = str(librosa_path())
     proc = subprocess.run([str(reference_python()), str(SCRIPT), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=SCRIPT.parent)
     if proc.returncode != 0:
@@ -108,7 +115,31 @@ def chatterbox_reference(folder: Path, cases: list[dict], work: Path, seed: int 
     weights (from `seed`) in the same run."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
-    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed))
+    _run("generate", str(folder), str(work / "cases.json"), str(work / "out.npz"), str(seed),
+         librosa=any("clip" in c for c in cases))
     with np.load(work / "out.npz") as out:
-        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng")
-                 if f"{k}_{i}" in out} for i in range(len(cases))]
+        return [{k: out[f"{k}_{i}"] for k in ("tokens", "s3_tokens", "logits", "wave", "mel", "rng", "hift", "flow_rng",
+                                              *CLIP_KEYS) if f"{k}_{i}" in out} for i in range(len(cases))]
+
+
+def speech_clip(seconds: float, seed: int, rate: int = 24000) -> np.ndarray:
+    """A speech-like reference clip: a gliding harmonic tone under a syllable envelope,
+    with a little noise and a quiet lead-in (the voice encoder trims silence)."""
+    gen = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 110 + 40 * (seed % 3) + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 6))
+    envelope = np.clip(np.sin(2 * np.pi * 3.1 * t), 0, None) * (t > 0.2)
+    return (0.3 * voice * envelope + 0.01 * gen.standard_normal(t.size)).astype(np.float32)
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 24000) -> bytes:
+    """16-bit PCM WAV of `samples` (what a client sends as a clip)."""
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()

@@ -17,14 +17,16 @@ import numpy as np
 
 from tests.checkpoints import make_tokenizer
 
-#: Qwen3-Omni's chat template reduced to what these tests send (user turns of text, image
-#: and audio parts): parts render as the release's tags, which the processor expands
+#: Qwen3-Omni's chat template reduced to what these tests send (user turns of text, image,
+#: video and audio parts): parts render as the release's tags, which the processor expands
 OMNI_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif content['type'] == 'audio' or 'audio' in content %}"
     "<|audio_start|><|audio_pad|><|audio_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"

@@ -140,7 +140,9 @@ def _config(model_type: str = "custom_voice") -> dict:
 
 
 def _codec_config() -> dict:
-    """The 12 Hz codec, shrunk: 4 codebooks of 64, 48 samples a frame (rates 4 x 3, ratios 2 x 2)."""
+    """The 12 Hz codec, shrunk: 4 codebooks of 64, 48 samples a frame (decoder: rates 4 x 3,
+    ratios 2 x 2; encoder: Mimi's, strides 2, 3, 4 to 1000 Hz, then its downsample (stride 2)
+    to 500 Hz as the real one's 25 -> 12.5 Hz, 8 quantizers of which the first 4 are kept)."""
     decoder = {"codebook_size": CODEBOOK, "hidden_size": 32, "latent_dim": 24, "codebook_dim": 16,
                "max_position_embeddings": 8000, "rope_theta": 10000, "num_attention_heads": 4,
                "num_key_value_heads": 4, "head_dim": 8, "attention_bias": False, "sliding_window": 8,
@@ -148,11 +150,12 @@ def _codec_config() -> dict:
                "rms_norm_eps": 1e-5, "num_hidden_layers": 2, "num_quantizers": GROUPS, "upsample_rates": [4, 3],
                "upsampling_ratios": [2, 2], "decoder_dim": 32, "attention_dropout": 0.0}
     encoder = {"audio_channels": 1, "codebook_dim": 16, "codebook_size": CODEBOOK, "hidden_size": 16,
-               "intermediate_size": 32, "num_filters": 4, "num_residual_layers": 1, "upsampling_ratios": [4, 3, 2, 2],
+               "intermediate_size": 32, "num_filters": 4, "num_residual_layers": 1, "upsampling_ratios": [4, 3, 2],
                "kernel_size": 3, "last_kernel_size": 3, "residual_kernel_size": 3, "dilation_growth_rate": 2,
-               "compress": 2, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-               "head_dim": 8, "sliding_window": 8, "num_quantizers": GROUPS, "num_semantic_quantizers": 1,
-               "frame_rate": 500.0, "sampling_rate": 24000, "use_causal_conv": True}
+               "compress": 2, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+               "head_dim": 8, "sliding_window": 8, "num_quantizers": 2 * GROUPS, "num_semantic_quantizers": 1,
+               "vector_quantization_hidden_dimension": 16, "upsample_groups": 16, "frame_rate": 500.0,
+               "sampling_rate": 24000, "use_causal_conv": True, "pad_mode": "constant", "hidden_act": "gelu"}
     return {"architectures": ["Qwen3TTSTokenizerV2Model"], "model_type": "qwen3_tts_tokenizer_12hz",
             "encoder_valid_num_quantizers": GROUPS, "input_sample_rate": 24000, "output_sample_rate": 24000,
             "decode_upsample_rate": 48, "encode_downsample_rate": 48, "encoder_config": encoder,
@@ -203,7 +206,50 @@ def _weights(folder: Path, seed: int) -> None:
         shutil.copyfile(kept / f, folder / f)
 
 
+class _Gathered(Exception):
+    """A reference run `qwen3_tts_prefetch` gathers instead of making (its arguments; the
+    last names the file it writes)."""
+
+    def __init__(self, args: tuple[str, ...], librosa: bool) -> None:
+        super().__init__(args[0])
+        self.args_, self.librosa = args, librosa
+
+
+#: while `qwen3_tts_prefetch` gathers: the runs its calls need, with their cached names
+_GATHERING: list[tuple[Path, _Gathered]] | None = None
+
+
+def qwen3_tts_prefetch(*calls: Callable[[], object]) -> None:
+    """Every reference run `calls` need and ANSWERS lacks, made in one process of the
+    reference's venv (its imports cost ~10 s a process on a busy 2-core host): each call
+    is made with its runs gathered, not made, then they run as one `jobs` command and their
+    files are kept; a call made after finds its answers kept."""
+    global _GATHERING
+    _GATHERING = []
+    try:
+        for call in calls:
+            try:
+                call()
+            except _Gathered:
+                pass
+        gathered, _GATHERING = _GATHERING, None
+    finally:
+        _GATHERING = None
+    if not gathered:
+        return
+    jobs = ANSWERS.parent / f".qwen-tts-jobs.{os.getpid()}.json"
+    jobs.write_text(json.dumps([list(g.args_) for _, g in gathered]))
+    try:
+        _run("jobs", str(jobs), librosa=any(g.librosa for _, g in gathered))
+    finally:
+        jobs.unlink(missing_ok=True)
+    for cached, g in gathered:
+        _keep(Path(g.args_[-1]), cached)
+
+
 def _run(*args: str, timeout: float = 600, librosa: bool = False) -> None:
+    if _GATHERING is not None and args[0] != "weights":
+        raise _Gathered(args, librosa)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)
     env.pop("MSTAR_LIBROSA", None)
@@ -231,12 +277,21 @@ def _answers(name: str, work: Path, make: Callable[[], Path]) -> Path:
     cached = ANSWERS / name
     if not cached.is_file():
         work.mkdir(parents=True, exist_ok=True)
-        made = make()
-        ANSWERS.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(made, tmp)
-        tmp.replace(cached)
+        try:
+            made = make()
+        except _Gathered as run:
+            assert _GATHERING is not None
+            _GATHERING.append((cached, run))
+            raise
+        _keep(made, cached)
     return cached
+
+
+def _keep(made: Path, cached: Path) -> None:
+    ANSWERS.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    shutil.copyfile(made, tmp)
+    tmp.replace(cached)
 
 
 def _digest(waves: list[np.ndarray]) -> str:
@@ -289,3 +344,43 @@ def qwen3_tts_clone_reference(folder: Path, cases: list[dict], waves: list[np.nd
     key = _answers_key(folder, [*cases, LIBROSA_PIN, _digest(waves)])
     with np.load(_answers(f"clone-{key}.npz", work, make)) as out:
         return [(out[f"codes_{i}"], out[f"wave_{i}"]) for i in range(len(cases))]
+
+
+def qwen3_tts_encode_reference(folder: Path, waves: list[np.ndarray], work: Path) -> list[np.ndarray]:
+    """The 12 Hz codec's codes [frames, groups] of each 24 kHz clip, encoded alone by the
+    package's `speech_tokenizer.encode` (the Base checkpoint's `ref_code`); kept in ANSWERS."""
+    def make() -> Path:
+        np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
+        _run("encode", str(folder), str(work / "waves.npz"), str(work / "codes.npz"))
+        return work / "codes.npz"
+
+    key = _answers_key(folder, [_digest(waves)])
+    with np.load(_answers(f"encode-{key}.npz", work, make)) as out:
+        return [out[f"codes_{i}"] for i in range(len(waves))]
+
+
+def qwen3_tts_icl_reference(folder: Path, cases: list[dict], waves: list[np.ndarray], work: Path
+                            ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """qwen-tts' greedy `generate_voice_clone(x_vector_only_mode=False, non_streaming_mode=True)`
+    (ICL: the clip and its transcript) for each case {"text", "clip" (an index into `waves`),
+    "ref_text", "max_new_tokens"} as one batch: (new codes [frames, groups], waveform, the
+    clip's codes); kept in ANSWERS."""
+    def make() -> Path:
+        (work / "cases.json").write_text(json.dumps(cases))
+        np.savez(work / "waves.npz", **{f"wave_{i}": w.astype(np.float32) for i, w in enumerate(waves)})
+        _run("icl", str(folder), str(work / "cases.json"), str(work / "waves.npz"), str(work / "out.npz"),
+             librosa=True)
+        return work / "out.npz"
+
+    key = _answers_key(folder, [*cases, LIBROSA_PIN, _digest(waves)])
+    with np.load(_answers(f"icl-{key}.npz", work, make)) as out:
+        return [(out[f"codes_{i}"], out[f"wave_{i}"], out[f"ref_{i}"]) for i in range(len(cases))]
+
+
+def qwen3_tts_server(root: Path, log: Path):
+    """A started server for a Qwen3-TTS test module: the tiny checkpoint at `root`, a pool
+    small enough that the tests' batches share it, and the KV debug checks on."""
+    from tests.servers import MstarServer
+
+    return MstarServer(str(root), log, "--num-kv-pages", "64", "--page-size", "16", "--max-seq-len", "256",
+                       "--max-batch-tokens", "24", env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()

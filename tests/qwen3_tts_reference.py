@@ -17,6 +17,19 @@ own venv (tests/qwen3_tts_checkpoints.py builds it: qwen-tts pins transformers 4
     python qwen3_tts_reference.py clone FOLDER CASES.json WAVES.npz OUT.npz
         a Base checkpoint's `generate_voice_clone` (x-vector mode, non-streaming text,
         greedy) of each case {"text", "clip", "max_new_tokens"}: `codes_i`, `wave_i`
+    python qwen3_tts_reference.py encode FOLDER WAVES.npz OUT.npz
+        the 12 Hz codec's encoder (`speech_tokenizer.encode`, one clip a call, as
+        `create_voice_clone_prompt` makes `ref_code` of one clip): `codes_i` [frames, groups]
+    python qwen3_tts_reference.py jobs JOBS.json
+        each command of JOBS.json (a list of argument lists) in this one process
+    python qwen3_tts_reference.py icl FOLDER CASES.json WAVES.npz OUT.npz
+        a Base checkpoint's `generate_voice_clone` in ICL mode (the clip and its transcript,
+        non-streaming text, greedy) of each case {"text", "clip", "ref_text",
+        "max_new_tokens"} as one batch: `wave_i`, `codes_i` (the new codes), `ref_i` (the
+        clip's codes)
+
+A case may say `"non_streaming_mode": false` (the package's streaming text: one text token
+fed with each generated frame), the same for every case of a batch.
 
 The modules that do not load against the CPU torch here (torchaudio, and librosa, sox,
 onnxruntime that only the 25 Hz codec, the speaker encoder and audio loading use) are
@@ -105,6 +118,18 @@ def _scale_wave(decoder, seed: int) -> None:
         last.bias.mul_(0.3 / float(hidden.std()))
 
 
+def _encoder_centroids(encoder, seed: int) -> None:
+    """The encoder's codebooks (buffers, which `_randomize` leaves at zero: every clip would
+    be code 0) drawn at its latents' scale (std ~1.5), so a clip's codes vary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in sorted(encoder.named_buffers()):
+            if name.endswith("codebook.embed_sum"):
+                buf.copy_(1.5 * torch.randn(buf.shape, generator=gen))
+
+
 def weights(folder: Path, seed: int) -> None:
     import torch
     from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
@@ -123,8 +148,19 @@ def weights(folder: Path, seed: int) -> None:
     codec = Qwen3TTSTokenizerV2Model(codec_cfg)
     _randomize(codec, seed + 1)
     _scale_wave(codec.decoder, seed)
+    _encoder_centroids(codec.encoder, seed + 2)
     save_file({k: v.contiguous() for k, v in codec.state_dict().items()}, str(codec_dir / "model.safetensors"),
               metadata={"format": "pt"})
+
+
+def _non_streaming(cases: list[dict]) -> bool:
+    """The batch's text mode: the package's non-streaming text (all the text in the prompt)
+    unless the cases say `"non_streaming_mode": false` (one text token fed a step); one
+    `generate` call, so one mode for all."""
+    modes = {bool(c.get("non_streaming_mode", True)) for c in cases}
+    if len(modes) != 1:
+        raise SystemExit("the cases run as one batch: one non_streaming_mode")
+    return modes.pop()
 
 
 def generate(folder: Path, cases_path: Path, out: Path) -> None:
@@ -141,7 +177,7 @@ def generate(folder: Path, cases_path: Path, out: Path) -> None:
         instruct_ids=[model._tokenize_texts([model._build_instruct_text(c["instruct"])])[0]
                       if c.get("instruct") else None for c in cases],
         languages=[c.get("language", "Auto") for c in cases], speakers=[c["speaker"] for c in cases],
-        non_streaming_mode=True,
+        non_streaming_mode=_non_streaming(cases),
         **model._merge_generate_kwargs(do_sample=False, subtalker_dosample=False,
                                        max_new_tokens=cases[0]["max_new_tokens"]))
     wavs, rate = model.model.speech_tokenizer.decode([{"audio_codes": c} for c in codes])
@@ -189,15 +225,16 @@ def clone(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
     greedy = {"do_sample": False, "subtalker_dosample": False, "max_new_tokens": cases[0]["max_new_tokens"]}
     texts = [c["text"] for c in cases]
     # `create_voice_clone_prompt`'s items for x-vector mode, less the codec encoding it runs
-    # and then drops (ref_code None): the tiny codec's encoder cannot run (no downsampler)
+    # and then drops (ref_code None)
     items = [VoiceClonePromptItem(ref_code=None, ref_spk_embedding=model.model.extract_speaker_embedding(w, sr),
                                   x_vector_only_mode=True, icl_mode=False, ref_text=None) for w, sr in clips]
-    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items, non_streaming_mode=True,
+    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items,
+                                         non_streaming_mode=_non_streaming(cases),
                                          **greedy)
     codes, _ = model.model.generate(
         input_ids=model._tokenize_texts([model._build_assistant_text(t) for t in texts]), ref_ids=[None] * len(texts),
         voice_clone_prompt=model._prompt_items_to_voice_clone_prompt(items), languages=["Auto"] * len(texts),
-        non_streaming_mode=True, **model._merge_generate_kwargs(**greedy))
+        non_streaming_mode=_non_streaming(cases), **model._merge_generate_kwargs(**greedy))
     result = {}
     for i, (c, wav) in enumerate(zip(codes, wavs)):
         result[f"codes_{i}"] = c.cpu().numpy()
@@ -205,15 +242,72 @@ def clone(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
     np.savez(out, **result)
 
 
+def encode(folder: Path, waves_path: Path, out: Path) -> None:
+    """`speech_tokenizer.encode` of each 24 kHz clip in WAVES.npz alone."""
+    import numpy as np
+    import torch
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    result = {}
+    with np.load(waves_path) as waves:
+        for i in range(len(waves.files)):
+            enc = model.model.speech_tokenizer.encode(waves[f"wave_{i}"], sr=24000)
+            result[f"codes_{i}"] = enc.audio_codes[0].cpu().numpy()
+    np.savez(out, **result)
+
+
+def icl(folder: Path, cases_path: Path, waves_path: Path, out: Path) -> None:
+    """`generate_voice_clone(x_vector_only_mode=False, non_streaming_mode=True)` greedy: each
+    case's prompt item made by `create_voice_clone_prompt` of its clip and transcript alone
+    (what `generate_voice_clone(ref_audio=clip, ref_text=...)` makes), the cases as one
+    batch; its waveform (the package's cut of the clip's part included), and its new codes
+    from the same `generate` call on the same prompt."""
+    import numpy as np
+    import torch
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    cases = json.loads(cases_path.read_text())
+    with np.load(waves_path) as w:
+        clips = [(w[f"wave_{c['clip']}"], 24000) for c in cases]
+    greedy = {"do_sample": False, "subtalker_dosample": False, "max_new_tokens": cases[0]["max_new_tokens"]}
+    texts = [c["text"] for c in cases]
+    items = [model.create_voice_clone_prompt(ref_audio=clip, ref_text=c["ref_text"], x_vector_only_mode=False)[0]
+             for clip, c in zip(clips, cases)]
+    wavs, _ = model.generate_voice_clone(texts, language="Auto", voice_clone_prompt=items,
+                                         non_streaming_mode=_non_streaming(cases),
+                                         **greedy)
+    ref_ids = [model._tokenize_texts([model._build_ref_text(c["ref_text"])])[0] for c in cases]
+    codes, _ = model.model.generate(
+        input_ids=model._tokenize_texts([model._build_assistant_text(t) for t in texts]), ref_ids=ref_ids,
+        voice_clone_prompt=model._prompt_items_to_voice_clone_prompt(items), languages=["Auto"] * len(texts),
+        non_streaming_mode=_non_streaming(cases), **model._merge_generate_kwargs(**greedy))
+    result = {}
+    for i, (c, wav, item) in enumerate(zip(codes, wavs, items)):
+        result[f"codes_{i}"] = c.cpu().numpy()
+        result[f"wave_{i}"] = np.asarray(wav, dtype=np.float32)
+        result[f"ref_{i}"] = item.ref_code.cpu().numpy()
+    np.savez(out, **result)
+
+
+def jobs(jobs_path: Path) -> None:
+    """Each command of JOBS.json (a list of argument lists) in this one process."""
+    for args in json.loads(jobs_path.read_text()):
+        main(args)
+
+
+def main(argv: list[str]) -> None:
+    commands = {"weights": lambda a: weights(Path(a[0]), int(a[1])), "generate": generate, "speaker": speaker,
+                "clone": clone, "encode": encode, "icl": icl, "jobs": jobs}
+    if argv[0] not in commands:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+    if argv[0] == "weights":
+        commands["weights"](argv[1:])
+    else:
+        commands[argv[0]](*(Path(a) for a in argv[1:]))
+
+
 if __name__ == "__main__":
     _stub_audio_packages()
-    if sys.argv[1] == "weights":
-        weights(Path(sys.argv[2]), int(sys.argv[3]))
-    elif sys.argv[1] == "speaker":
-        speaker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    elif sys.argv[1] == "clone":
-        clone(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
-    elif sys.argv[1] == "generate":
-        generate(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
-    else:
-        raise SystemExit(f"unknown command {sys.argv[1]!r}")
+    main(sys.argv[1:])

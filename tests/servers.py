@@ -128,6 +128,13 @@ class MstarServer:
                 return used
             time.sleep(0.1)
 
+    def assert_clean(self) -> None:
+        """Every page back (the debug-assert servers' check after a test), and no footprint
+        overrun, untight footprint or failed request in the log."""
+        assert self.wait_pages_free() == 0
+        log = self.log()
+        assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
+
     def stop(self) -> int | None:
         if self.proc is None:
             return None

@@ -323,7 +323,7 @@ def _load_settings(args: argparse.Namespace, addrs: dict[str, str],
                                                      source.path if source.kind == "hf" else None),
         task=spec.task,
         action_shape=spec.action_shape,
-        world_shape=spec.world_shape, **image_settings(spec),  # type: ignore[arg-type]
+        world_shape=spec.world_shape, video_placeholder=spec.video_placeholder, **image_settings(spec),  # type: ignore[arg-type]
         **policy_settings(spec),  # type: ignore[arg-type]
         dimensions=spec.dimensions,
         matryoshka=spec.matryoshka,

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from services.api.errors import ApiError
-from shared import curve
+from shared import curve, trace
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
@@ -219,6 +219,7 @@ class Backend:
         if self._to_data is None:
             self._to_data = self._socket(zmq.PUSH, self.data_worker_addr)
         try:
+            trace.stamp(req.request_id, "api.send")
             await self._to_data.send_multipart(self._codec.encode(req), copy=False)
         except BaseException:
             self._live.pop(req.request_id, None)
@@ -274,6 +275,7 @@ class Backend:
                 if out.finish_reason is not None:
                     del live[out.request_id]
                 self._pending.discard(out.request_id)
+                trace.stamp(out.request_id, "api.output")
                 handle.put(out)
         elif type(msg) is RequestError:
             self._pending.discard(msg.request_id)

@@ -49,6 +49,7 @@ from services.api.schemas import (
     ImageUrlPart,
     InputAudioPart,
     OpenAIFields,
+    VideoUrlPart,
 )
 from services.api.structured import parse_structured, validated
 from services.api.tools import Tools, parse_history_calls, parse_tools
@@ -56,6 +57,7 @@ from services.api.validation import (
     AudioRef,
     GenerateParams,
     ImageRef,
+    VideoRef,
     left_out,
     load,
     sampling_params,
@@ -118,15 +120,15 @@ def check_n(n: int, prompts: int = 1, best_of: int | None = None) -> int:
     return n
 
 
-def parse_messages(messages: list[ChatMessageParam], parts: bool = False,
-                   audios: list[AudioRef] | None = None) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+def parse_messages(messages: list[ChatMessageParam], parts: bool = False, audios: list[AudioRef] | None = None,
+                   videos: list[VideoRef] | None = None) -> tuple[list[dict[str, Any]], list[ImageRef]]:
     """(`messages` as plain dicts {role, content[, name, tool_calls, tool_call_id]} for the
     chat template, the image parts in prompt order). Text parts are joined with newlines
     (vLLM's "string" content format); with `parts` (a vision model, whose template walks a
     list) content is a list of parts, each image as `{"type": "image"}` as transformers'
     processors pass it. `audios` (an omni model's chat): its audio parts are appended there
     and go to the template as `{"type": "audio"}`; without it an audio part is a 400
-    naming the part."""
+    naming the part. `videos` likewise for `video_url` parts (`{"type": "video"}`)."""
     out: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     for i, msg in enumerate(messages):
@@ -138,7 +140,7 @@ def parse_messages(messages: list[ChatMessageParam], parts: bool = False,
                           f"{where}.tool_call_id must be the id of the call this result answers")
         if msg.content is None and msg.role != "assistant":
             raise invalid(f"{where}.content", f"{where}.content is required for a {msg.role} message")
-        entry: dict[str, Any] = {"role": msg.role, "content": _content(msg, where, parts, images, audios)}
+        entry: dict[str, Any] = {"role": msg.role, "content": _content(msg, where, parts, images, audios, videos)}
         if msg.name is not None:
             entry["name"] = msg.name
         if msg.tool_calls:
@@ -156,9 +158,10 @@ def parse_messages(messages: list[ChatMessageParam], parts: bool = False,
 
 
 def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageRef],
-             audios: list[AudioRef] | None = None) -> Any:
+             audios: list[AudioRef] | None = None, videos: list[VideoRef] | None = None) -> Any:
     """A message's content for the template; its image parts appended to `images`, its
-    audio parts to `audios` (a 400 naming the part where the model takes none)."""
+    audio parts to `audios`, its video parts to `videos` (a 400 naming the part where the
+    model takes none)."""
     if msg.content is None or isinstance(msg.content, str):
         return [{"type": "text", "text": msg.content}] if parts and msg.content is not None else msg.content
     listed: list[dict[str, Any]] = []
@@ -172,6 +175,12 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
                                                        "is an input_audio part")
             audios.append(AudioRef(part.input_audio.data, f"{where}.content[{j}].input_audio.data"))
             listed.append({"type": "audio"})
+        elif isinstance(part, VideoUrlPart):
+            if videos is None:
+                raise invalid(f"{where}.content[{j}]", f"the served model takes no video inputs: {where}.content[{j}] "
+                                                       "is a video_url part")
+            videos.append(VideoRef(part.video_url.url, f"{where}.content[{j}].video_url.url"))
+            listed.append({"type": "video"})
         else:
             listed.append({"type": "text", "text": part.text})
     if parts:
@@ -180,15 +189,16 @@ def _content(msg: ChatMessageParam, where: str, parts: bool, images: list[ImageR
 
 
 def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False,
-               audio: bool = False) -> tuple[ChatRequest, list[dict[str, Any]]]:
+               audio: bool = False, video: bool = False) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """Validate a `/v1/chat/completions` body (`schemas.ChatCompletionRequest`); the prompt
     is filled in by the caller from the rendered template (see `with_prompt`). `vision`:
     the served model takes images (content goes to its template as a list of parts);
-    `audio`: it takes audio inputs (`input_audio` parts) too."""
+    `audio`: it takes audio inputs (`input_audio` parts) too; `video`: `video_url` parts."""
     req = load(obj, ChatCompletionRequest)
     check_model(req.model, served)
     audios: list[AudioRef] | None = [] if audio else None
-    messages, images = parse_messages(req.messages, parts=vision or audio, audios=audios)
+    videos: list[VideoRef] | None = [] if video else None
+    messages, images = parse_messages(req.messages, parts=vision or audio, audios=audios, videos=videos)
     n = check_n(req.n or 1)
     new, old = req.max_completion_tokens, req.max_tokens  # OpenAI's current name, and its deprecated alias
     if new is not None and old is not None and new != old:
@@ -209,6 +219,7 @@ def parse_chat(obj: Mapping[str, Any], served: str, vision: bool = False,
         add_special_tokens=False,
         image_refs=tuple(images),
         audio_refs=tuple(audios or ()),
+        video_refs=tuple(videos or ()),
         defaulted=left_out(req),
     )
     tools = parse_tools(req)

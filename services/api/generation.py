@@ -8,7 +8,10 @@ Stop strings: text goes detokenizer -> `StopMatcher`, so no delta ever shows par
 stop string. At the first match the request is aborted upstream at once (its pages are
 freed while the client still reads), the text ends before the match, the finish reason
 is "stop", and `token_ids` / `completion_tokens` are the ids received up to then
-(including the one that completed the match, as vLLM reports them).
+(including the one that completed the match, as vLLM reports them). A request whose
+worker checks its stop strings too (`SamplingParams.stop`: speech out, whose talker goes on
+speaking the text up to the match) is not aborted: its text ends at the match the same
+way, and its sound comes on until the worker ends it ("stop").
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from services.api.backend import Aborted, RequestHandle
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.errors import from_request_error, internal_error
 from services.api.events import DeltaEvent, DoneEvent, Usage
 from services.api.metrics import ApiMetrics, status_label
-from services.api.stop import StopMatcher
+from shared.detokenize import IncrementalDetokenizer
 from shared.frames import Output, RequestError, SamplingParams, TokenLogprobs
+from shared.stop_strings import StopMatcher
 
 
 class Generation:
@@ -68,6 +71,8 @@ class Generation:
         self._metadata: dict[str, str] = {}  # what the engine reported of the run (Output.metadata)
         sampling = sampling or SamplingParams()
         self._stop_ids = frozenset(sampling.stop_token_ids)
+        #: the worker ends the request at a stop string itself: no abort at the match
+        self._worker_stops = bool(sampling.stop)
         self._eos_ids = eos_ids
         self._hidden: list[int] = []  # a stop token that ended it: counted, its text not shown (vLLM)
         self._eos: list[int] = []  # ... and an end-of-sequence token that did (no stop_reason)
@@ -230,7 +235,7 @@ class Generation:
                 self._output_arrived(item)
                 for ids, finish in _pieces(item, stop.active):
                     text = stop.push(self._push(ids, finish))
-                    if stop.matched is not None:
+                    if stop.matched is not None and not (self._worker_stops and finish is None):
                         if item.finish_reason is None:
                             handle.abort("stop")  # free its pages now, not at max_tokens
                         yield self._delta(text, list(ids))

@@ -226,6 +226,10 @@ class GenerateRequest(ConstrainedFields):
                       Meta(description="omni models: audio files, base64 (a data: URL too), one per audio "
                                        "placeholder in `prompt`, in order (`/v1/models` lists the model's "
                                        "placeholder)")] | None = None
+    videos: Annotated[list[Annotated[str, Meta(min_length=1)]],
+                      Meta(description="omni models: video files as data: URLs (data:video/mp4;base64,...), one "
+                                       "per video placeholder in `prompt`, in order (`/v1/models` lists the "
+                                       "model's placeholder)")] | None = None
     context: Context | None = None
 
 
@@ -341,7 +345,17 @@ class InputAudioPart(Body, tag_field="type", tag="input_audio"):
     input_audio: InputAudio
 
 
-ContentPart = TextPart | ImageUrlPart | InputAudioPart
+class VideoUrl(Body):
+    url: Annotated[str, Meta(min_length=1, description="the video file as a data: URL (data:video/mp4;base64,...)")]
+
+
+class VideoUrlPart(Body, tag_field="type", tag="video_url"):
+    """A video input, vLLM's part (omni models only: another model refuses it naming the part)."""
+
+    video_url: VideoUrl
+
+
+ContentPart = TextPart | ImageUrlPart | InputAudioPart | VideoUrlPart
 
 
 class CalledFunction(msgspec.Struct, kw_only=True):
@@ -494,6 +508,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "mstar"
     image_placeholder: str | None = None
     audio_placeholder: str | None = None
+    video_placeholder: str | None = None
     #: the sampling defaults in force where a request leaves a field out (the checkpoint's
     #: generation_config.json, `--generation-config`), `max_tokens` among them; null: none
     default_sampling: dict[str, float | int] | None = None
@@ -700,6 +715,9 @@ class SpeechRequest(Body):
         "Chatterbox: the emotion exaggeration of its voice (0 to 2; the package's 0.5 when absent)"))] | None = None
     cfg_weight: Annotated[float, Meta(description=(
         "Chatterbox: the classifier-free guidance weight (0 to 2; the package's 0.5 when absent)"))] | None = None
+    non_streaming_mode: Annotated[bool, Meta(description=(
+        "Qwen3-TTS: false feeds the text one token a frame (the package's streaming text); true or absent puts "
+        "it all in the prompt (its non-streaming mode)"))] | None = None
 
 
 class Route(NamedTuple):

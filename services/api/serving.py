@@ -28,6 +28,7 @@ from services.api.metrics import status_label
 from services.api.state import ApiState
 from services.api.streaming import EventStream, Reply, watch_disconnect
 from services.api.validation import GenerateParams, decode_json_object
+from shared import trace
 
 JSON = "application/json"
 
@@ -115,6 +116,7 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared | A
     `errors` writes a refusal in the route's dialect (OpenAI's shape unless told)."""
     started = time.perf_counter()
     arrival = time.time()
+    arrived_ms = time.monotonic() * 1e3
     state = api_state(request)
     gen: Generation | FanOut | None = None
     try:
@@ -124,6 +126,9 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared | A
             accepted = await accepted
         prepared = await with_images(accepted, state)
         params = prepared.params
+        if trace.enabled():
+            trace.stamp(params.request_id, "api.arrive", arrived_ms)
+            trace.stamp(params.request_id, "api.accepted")
         if prepared.choices:
             gen = await FanOut(prepared.choices, lambda c: state.start_generation(
                 c.params, client_id=c.params.request_id, started=started, arrival_time=arrival,
@@ -149,6 +154,7 @@ async def serve(request: Request, accept: Callable[[Any, ApiState], Prepared | A
         # Wait for the first event before answering, so a refusal from the conductor
         # (a length limit, a footprint too large for the pool) is a real HTTP status.
         first = await anext(events)
+        trace.stamp(gen.request_id, "api.first_event")
         handed_over = True
         return EventStream(gen, events, first, watcher, prepared.reply)
     except ApiError as err:

@@ -48,6 +48,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     #: an omni model's audio placeholder (its spec's; "" for a model that takes no audio
     #: inputs, which refuses an input_audio part with a 400 naming it)
     audio_placeholder: str = ""
+    #: an omni model's video placeholder ("" for a model that takes no video inputs, which
+    #: refuses a video_url part with a 400 naming it)
+    video_placeholder: str = ""
     #: a speech model's audio sample rate (its codec's; 0 for a model that makes no sound)
     sample_rate: int = 0
     #: an omni model's voices for speech out on the chat route (its spec's; empty: text only)

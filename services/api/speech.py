@@ -18,7 +18,8 @@
 - `context` (CSM's voice continuation, an extension): the conversation's earlier turns,
   oldest first, each `{"speaker", "text", "audio"}` (audio: a base64 WAV or FLAC file, or
   absent); the model hears them and speaks `input` as the next turn.
-- A family's own fields (`exaggeration`, `cfg_weight`: Chatterbox's) are refused (400
+- A family's own fields (`exaggeration`, `cfg_weight`: Chatterbox's; `non_streaming_mode`:
+  Qwen3-TTS') are refused (400
   naming the field and the family that reads it) for a model of another family, which
   would otherwise ignore them without a word.
 - Sampling: the model's own defaults (`ModelSpec.speech_defaults`: Orpheus' temperature
@@ -65,7 +66,7 @@ FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": 
 REFUSED_FORMATS = ("aac",)
 #: the per-family extension fields of `SpeechRequest`, each with the family that reads it
 #: (a served family's `ModelSpec.speech_extensions` says which it takes)
-EXTENSION_FAMILIES = {"exaggeration": "Chatterbox", "cfg_weight": "Chatterbox"}
+EXTENSION_FAMILIES = {"exaggeration": "Chatterbox", "cfg_weight": "Chatterbox", "non_streaming_mode": "Qwen3-TTS"}
 #: soundfile's (format, subtype) of each format it encodes
 SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 
@@ -84,11 +85,11 @@ def check_speech(req: SpeechRequest, instructions: bool = False) -> str:
     return fmt
 
 
-def extension_options(req: SpeechRequest, settings: ApiSettings) -> dict[str, float]:
+def extension_options(req: SpeechRequest, settings: ApiSettings) -> dict[str, float | bool]:
     """The body's family extension fields, as options (the family's spec checks their
     values); one the served family does not read is refused, naming the family that does,
     rather than silently ignored."""
-    out: dict[str, float] = {}
+    out: dict[str, float | bool] = {}
     for name, family in EXTENSION_FAMILIES.items():
         value = getattr(req, name)
         if value is None:

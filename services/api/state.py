@@ -13,13 +13,14 @@ from tokenizers import Tokenizer
 from services.api.audio_input import decode_audio_input
 from services.api.backend import Backend
 from services.api.chat_template import ChatTemplate
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.errors import invalid
 from services.api.generation import Generation
 from services.api.media import load_image
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.validation import GenerateParams, check_token_ids
+from services.api.video_input import MAX_VIDEOS, decode_video_input
+from shared.detokenize import IncrementalDetokenizer
 from shared.frames import GenerateRequest, SamplingParams
 
 
@@ -61,6 +62,7 @@ class ApiState:
         check_token_ids(params.sampling, self.tokenizer.get_vocab_size(with_added_tokens=True))
         images = await self.load_images(params)
         audios = await self.load_audios(params)
+        videos = await self.load_videos(params)
         sampling = self.with_model_defaults(params)
         defaults = self.settings.generation_defaults
         req = GenerateRequest(
@@ -79,6 +81,7 @@ class ApiState:
             options=dict(params.options),
             images=list(images),
             audios=list(audios),
+            videos=list(videos),
             context=list(params.context),
             cameras=list(params.cameras),
             floats=dict(params.floats),
@@ -123,6 +126,22 @@ class ApiState:
             raise invalid(refs[-1].param, f"{len(refs)} audio inputs in one request; the limit is "
                                           f"{policy.max_images_per_request}")
         return tuple(await asyncio.gather(*(asyncio.to_thread(decode_audio_input, r.data, r.param) for r in refs)))
+
+    async def load_videos(self, params: GenerateParams) -> tuple[bytes, ...]:
+        """The video inputs' files, decoded from their data URLs and checked
+        (`video_input.py`); a 400 naming the first that fails. A model that takes no video
+        inputs refuses any."""
+        refs = params.video_refs
+        if not refs:
+            return ()
+        if not self.settings.video_placeholder:
+            raise invalid(refs[0].param, f"the served model `{self.settings.model_name}` takes no video inputs")
+        if params.input_ids is not None:
+            raise invalid("input_ids", "video inputs need a text prompt holding the video placeholder "
+                                       f"{self.settings.video_placeholder!r}, not input_ids")
+        if len(refs) > MAX_VIDEOS:
+            raise invalid(refs[-1].param, f"{len(refs)} video inputs in one request; the limit is {MAX_VIDEOS}")
+        return tuple(await asyncio.gather(*(asyncio.to_thread(decode_video_input, r.url, r.param) for r in refs)))
 
     async def load_images(self, params: GenerateParams) -> tuple[bytes, ...]:
         """The files of the images the request names, fetched and checked (`media.py`), all

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, internal_error
 from services.api.events import DeltaEvent, DoneEvent, error_event, generate_event, response_from_done, sse_chunk
+from shared import trace
 
 log = logging.getLogger("mstar.api")
 
@@ -134,6 +135,7 @@ class EventStream:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             await self._body(send, reply.event(self.first))
+            trace.stamp(gen.request_id, "api.first_written")
             try:
                 async for event in self.events:
                     await self._body(send, reply.event(event))

@@ -38,7 +38,7 @@ from services.api.schemas import (
 )
 from services.api.serving import api_state, json_response, read_body
 from services.api.state import ApiState
-from services.api.validation import AudioRef, decode_json_object, load
+from services.api.validation import AudioRef, VideoRef, decode_json_object, load
 from shared.version import mstar_version
 
 
@@ -46,11 +46,12 @@ def _render_chat(req: TokenizeChatRequest, state: ApiState) -> str:
     """The chat prompt as `/v1/chat/completions` would send it (or its variants)."""
     audio = bool(state.settings.audio_placeholder)
     audios: list[AudioRef] | None = [] if audio else None
+    videos: list[VideoRef] | None = [] if state.settings.video_placeholder else None
     messages, images = parse_messages(req.messages, parts=bool(state.settings.image_placeholder) or audio,
-                                      audios=audios)
-    media = [*images, *(audios or ())]
+                                      audios=audios, videos=videos)
+    media = [*images, *(audios or ()), *(videos or ())]
     if media:
-        kind = "image" if images else "audio"
+        kind = "image" if images else "audio" if audios else "video"
         raise invalid(media[0].param, f"/tokenize counts no {kind} rows; send the chat to /v1/chat/completions "
                       "(its usage.prompt_tokens counts them)")
     add_generation_prompt = req.add_generation_prompt is not False

@@ -80,6 +80,15 @@ class AudioRef(msgspec.Struct, frozen=True):
     param: str
 
 
+class VideoRef(msgspec.Struct, frozen=True):
+    """A video input a request names (omni models): its URL (a base64 data URL), and the
+    field's path for a 400 (`messages[i].content[j].video_url.url`, `/generate`'s
+    `videos[i]`)."""
+
+    url: str
+    param: str
+
+
 class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     """A validated `/generate` request (also what WebSocket `generate` frames become)."""
 
@@ -104,6 +113,8 @@ class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
     images: tuple[bytes, ...] = ()
     #: omni models: the audio inputs the request names, in prompt order
     audio_refs: tuple[AudioRef, ...] = ()
+    #: omni models: the video inputs the request names, in prompt order
+    video_refs: tuple[VideoRef, ...] = ()
     #: speech models that continue a conversation (CSM): its earlier turns, audio decoded
     #: from base64 (the data worker decodes the files themselves)
     context: tuple[ContextFrame, ...] = ()
@@ -436,11 +447,12 @@ def generate_params(req: GenerateRequest) -> GenerateParams:
                                prompt_logprobs=req.prompt_logprobs)
     images = tuple(ImageRef(url, f"images[{i}]") for i, url in enumerate(req.images or ()))
     audios = tuple(AudioRef(data, f"audios[{i}]") for i, data in enumerate(req.audios or ()))
+    videos = tuple(VideoRef(url, f"videos[{i}]") for i, url in enumerate(req.videos or ()))
     if req.context and req.input_ids is not None:
         raise invalid("input_ids", "context turns need a text prompt (the turn to speak), not input_ids")
     return GenerateParams(request_id=req.request_id or new_request_id(), sampling=sampling, max_tokens=req.max_tokens,
                           prompt=req.prompt, input_ids=req.input_ids, stream=req.stream, stop=stop_strings(req.stop),
-                          image_refs=images, audio_refs=audios, context=context_turns(req.context),
+                          image_refs=images, audio_refs=audios, video_refs=videos, context=context_turns(req.context),
                           defaulted=left_out(req))
 
 

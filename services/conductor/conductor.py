@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import curve
+from shared import curve, trace
 from shared.config import Deployment
 from shared.errors import SERVER_SIDE, ErrorKind, new_error_id
 from shared.fingerprint import mismatch
@@ -374,6 +374,7 @@ class Conductor(ConductorSockets):
             self._heartbeat(msg)
 
     async def _new_request(self, req: NewRequest, bufs: list) -> None:
+        trace.stamp(req.request_id, "cond.recv")
         self._prune_tombstones()
         if req.request_id in self.tombstones:
             return  # the client left before the request got here
@@ -453,6 +454,7 @@ class Conductor(ConductorSockets):
                 w.promised[pool] = w.promised.get(pool, 0) + n
             w.requests[req.request_id] = (need, req.reply_to)
             self.placement[req.request_id] = w.worker_id
+            trace.stamp(req.request_id, "cond.send")
             await self.pushers.send(w.address, [self.codec.encode(req)[0], *bufs])
             await self.pushers.send(req.reply_to, self.codec.encode(Dispatched(req.request_id, w.worker_id)))
 

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared import curve
+from shared import curve, trace
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import (
     Abort,
@@ -42,6 +42,7 @@ from shared.specs.base import (
     PreparedAudio,
     PreparedClip,
     PreparedImage,
+    PreparedVideo,
     PromptError,
     PromptRequest,
 )
@@ -147,6 +148,9 @@ class DataWorker:
             clips, prompt = self.expand_audios(req)
             if clips:
                 req = msgspec.structs.replace(req, prompt=prompt)
+            videos, prompt = self.expand_videos(req)
+            if videos:
+                req = msgspec.structs.replace(req, prompt=prompt)
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         context: tuple[PreparedAudio, ...] = ()
@@ -173,7 +177,8 @@ class DataWorker:
         if pair_start is not None:
             options["pair_start"] = pair_start
         try:
-            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images, context, clips=clips))
+            ppo = self.spec.process_prompt(PromptRequest(ids, req.audio, options, images, context, clips=clips,
+                                                           videos=videos))
         except PromptError as exc:
             raise _ClientError(exc.param, str(exc)) from exc
         return ids, ppo, engine_metadata(options, ppo.metadata, self.spec.metadata_keys)
@@ -293,6 +298,24 @@ class DataWorker:
         clips = self.spec.prepare_audios(req.audios)
         return clips, parts[0] + "".join(c.text + part for c, part in zip(clips, parts[1:]))
 
+    def expand_videos(self, req: GenerateRequest) -> tuple[tuple[PreparedVideo, ...], str | None]:
+        """(the request's video inputs made into patches by the spec's `prepare_videos`; the
+        prompt with each one's tokens in place of its placeholder), as `expand_images`."""
+        placeholder = self.spec.video_placeholder
+        if not req.videos:
+            return (), req.prompt
+        if not placeholder:
+            raise PromptError("videos", "the served model does not take video inputs")
+        if req.prompt is None:
+            raise PromptError("input_ids", "video inputs need a text prompt (with the video placeholder), "
+                                           "not input_ids")
+        parts = req.prompt.split(placeholder)
+        if len(parts) - 1 != len(req.videos):
+            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} video placeholder(s) "
+                                        f"({placeholder!r}) for {len(req.videos)} video input(s)")
+        videos = self.spec.prepare_videos(req.videos)
+        return videos, parts[0] + "".join(v.text + part for v, part in zip(videos, parts[1:]))
+
     def expand_context(self, req: GenerateRequest) -> tuple[tuple[PreparedAudio, ...], str]:
         """(the request's context audio, decoded by the spec's `prepare_context`; the text
         of its earlier turns, each audio's placeholder expanded to its frames), so the
@@ -302,6 +325,7 @@ class DataWorker:
         return self.spec.prepare_context(req.context)
 
     async def _handle(self, req: GenerateRequest) -> None:
+        trace.stamp(req.request_id, "dw.recv")
         try:
             ids, ppo, metadata = self.prepare(req)
         except _ClientError as exc:
@@ -314,6 +338,7 @@ class DataWorker:
                                                 error_id=error_id))
             return
         try:
+            trace.stamp(req.request_id, "dw.prepared")
             refs, bufs = pack_tensors(ppo.new_input_tensors)
             prompt_len = int(ppo.metadata.get("prompt_len", len(ids)))
             msg = NewRequest(
@@ -327,6 +352,7 @@ class DataWorker:
             await self._error(req, RequestError(req.request_id, ErrorKind.INTERNAL, "internal error",
                                                 error_id=error_id))
             return
+        trace.stamp(req.request_id, "dw.send")
         await self.pushers.send(self.addrs["conductor"], self.codec.encode(msg, bufs))
         self.recent[req.request_id] = msg.without_layouts()
         while len(self.recent) > KEEP_RECENT:

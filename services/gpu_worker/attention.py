@@ -650,8 +650,8 @@ def _prefill_chunks(q: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata, sc
     h, d = cache.shape[-2], cache.shape[-1]
     keys, values = cache.select(1, 0), cache.select(1, 1)  # [P, ps, H, D] views
     for chunk in meta.prefills:
-        if softcap is None and chunk.causal and chunk.plain and _prefill_kernel(q, cache, chunk, meta.window, scale,
-                                                                                  out, sinks):
+        if softcap is None and (chunk.plain if chunk.causal else chunk.mask is None) and _prefill_kernel(
+                q, cache, chunk, meta.window if chunk.causal else -1, scale, out, sinks):
             continue
         k = _read_pages(keys.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
         v = _read_pages(values.index_select(0, chunk.pages).view(-1, h, d)[: chunk.kv_len], q.dtype)
@@ -684,8 +684,9 @@ def _prefill_function(lib: ctypes.CDLL, sinks: bool = False) -> Any | None:
 
 def _prefill_kernel(q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, window: int | None, scale: float,
                     out: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
-    """One plain causal chunk (`chunk.plain`: bottom-right causal under `window`, no blocks)
-    through the C prefill kernel, which reads its pages in place and splits the rows over the
+    """One plain causal chunk (`chunk.plain`: bottom-right causal under `window`, no blocks),
+    or a bidirectional one (an encoder's: `window` -1, every row sees every key), through the
+    C prefill kernel, which reads its pages in place and splits the rows over the
     kernels' thread pool (flash attention, float32 arithmetic: within float32 rounding of
     SDPA, and the same bits on any thread count). False, with nothing written, where it does
     not take the chunk: no kernel built, pages not float32 or bfloat16 in one CPU block,

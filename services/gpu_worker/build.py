@@ -45,6 +45,7 @@ from services.gpu_worker.runners.vision import VisionRunner
 from services.gpu_worker.runners.world import WorldRunner
 from services.gpu_worker.scheduler import Limits, Scheduler
 from services.gpu_worker.step_costs import calibrate_cached, calibration_groups
+from services.gpu_worker.stop_check import StopChecks
 from services.gpu_worker.tp.group import TpGroup
 from services.gpu_worker.tp.runner import TpRunner
 from services.gpu_worker.weights import build_model, prompt_path, weight_dtype
@@ -99,7 +100,8 @@ class Speculation:
 def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor]], *, eos_ids: list[int],
                  max_num_seqs: int, max_batch_tokens: int, max_seq_len: int, planner=None,
                  speculation: Speculation = Speculation(), itl_target_s: float = 0.0,
-                 guides: Guides | None = None, group: TpGroup | None = None) -> Engine:
+                 guides: Guides | None = None, group: TpGroup | None = None,
+                 stops: StopChecks | None = None) -> Engine:
     runner_cls, max_admissions = RUNNERS[spec.engine]
     if spec.engine == "omni_thinker" and getattr(spec, "speaks", False):
         runner_cls = OmniSpeechRunner  # the thinker's runner, and its talker stage
@@ -124,7 +126,7 @@ def build_engine(model, spec, kv: KVManager, caches: dict[str, list[torch.Tensor
     scheduler = Scheduler(kv, limits, spec.step_loops, k, spec.whole_prompts)
     outputs = OutputProcessor(spec.step_loops, eos_ids, max_seq_len)
     ngram = (speculation.ngram_max, speculation.ngram_min) if k else None
-    return Engine(kv, scheduler, runner, outputs, ngram, guides)
+    return Engine(kv, scheduler, runner, outputs, ngram, guides, stops)
 
 
 #: the float32 logits a step may hold for prompt logprobs (their log-softmax and the
@@ -208,7 +210,8 @@ def assemble(d: Deployment, group: TpGroup | None = None) -> Assembled:
                           speculation=Speculation(d.speculative_k, d.speculative_ngram_max, d.speculative_ngram_min),
                           itl_target_s=d.itl_target_ms / 1000,
                           guides=Guides(lambda: source.tokenizer.tokenizer.to_str(), spec.vocab_size,
-                                        source.eos_token_ids), group=group)
+                                        source.eos_token_ids), group=group,
+                          stops=StopChecks(lambda: source.tokenizer.tokenizer))
     log.info("model loaded in %.1fs%s; pools %s", time.time() - t0, describe_parameters(spec),
              {n: f"{p.num_pages} pages x {p.page_size} rows" for n, p in pools.items()})
     parts = Assembled(source, spec, pools, model, kv, engine, group)

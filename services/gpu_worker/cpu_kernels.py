@@ -248,6 +248,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mstar_qlinear_scratch.argtypes = [i64, i64]
     lib.mstar_qrows.restype = ctypes.c_int
     lib.mstar_qrows.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
+    lib.mstar_qgemm_set_head_prefetch.restype = None
+    lib.mstar_qgemm_set_head_prefetch.argtypes = [ctypes.c_int]
     lib.mstar_qlinear.restype = ctypes.c_int
     lib.mstar_qlinear.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
                                   ctypes.c_int, ptr]

@@ -45,6 +45,7 @@ from services.gpu_worker.step_types import (
     StepResult,
     error_frame,
 )
+from services.gpu_worker.stop_check import StopChecks
 from services.gpu_worker.tp.group import GroupLost
 from shared.errors import ErrorKind, new_error_id
 from shared.frames import NewRequest
@@ -85,7 +86,8 @@ class DeviceLost(Exception):
 
 class Engine:
     def __init__(self, kv: KVManager, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
-                 ngram: tuple[int, int] | None = None, guides: Guides | None = None) -> None:
+                 ngram: tuple[int, int] | None = None, guides: Guides | None = None,
+                 stops: StopChecks | None = None) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.runner = runner
@@ -94,6 +96,8 @@ class Engine:
         self.ngram = ngram
         #: grammar state for constrained requests, over the model's tokenizer (None: none known)
         self.guides = guides
+        #: stop strings the worker checks (`SamplingParams.stop`), over the same tokenizer
+        self.stops = stops
 
     # -- what the worker reads ---------------------------------------------------------
 
@@ -140,6 +144,10 @@ class Engine:
         elif self.ngram is not None and req.sampling.greedy:
             r.proposer = NgramProposer(*self.ngram)  # a constrained request does not speculate
         self._sampling_extras(r)
+        if req.sampling.stop:
+            if self.stops is None:
+                raise ValueError("this worker has no tokenizer for stop strings")
+            r.stop_check = self.stops.make(req.sampling.stop)
         self.scheduler.add(r)
 
     def _sampling_extras(self, r: Request) -> None:

@@ -69,6 +69,8 @@ class OutputProcessor:
             stop_token = (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids
             if stop_token and len(req.output) >= sp.min_tokens:
                 finish = "stop"
+            elif req.stop_check is not None and req.stop_check.push(tok):
+                finish = "stop"  # a stop string ends at this token (`SamplingParams.stop`)
             elif len(req.output) >= req.max_tokens or req.tokens_len >= self.max_seq_len:
                 finish = "length"
             if finish is not None:

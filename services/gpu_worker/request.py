@@ -15,6 +15,7 @@ import torch
 from services.gpu_worker.guided import Guide
 from services.gpu_worker.kv_manager import RequestKV
 from services.gpu_worker.speculative import NgramProposer
+from services.gpu_worker.stop_check import StopCheck
 from shared.frames import SamplingParams
 from shared.layout import KVLabel
 
@@ -98,6 +99,8 @@ class Request:
     proposer: NgramProposer | None = None
     #: the grammar state of a constrained request (structured outputs)
     guide: Guide | None = None
+    #: its stop strings, where the worker checks them (`SamplingParams.stop`)
+    stop_check: StopCheck | None = None
     #: `process_prompt`'s metadata (NewRequest.metadata), for the runner's hooks
     metadata: dict[str, Any] = field(default_factory=dict)
     #: what the run learned for the client (Whisper's detected language): sent once, on
@@ -116,6 +119,8 @@ class Request:
     embeds: tuple[Any, torch.Tensor] | None = None
     #: a speech request's codec state (its `SnacStream`), dropped with the request
     codec: Any = None
+    #: text ids its decode rows add, one a row in order (Qwen3-TTS' streamed text)
+    text_feed: tuple[int, ...] = ()
     #: the stage a request runs after its first (None: its first, the only one for most models)
     stage: Stage | None = None
     #: its in-step loop once its prompt ran (None before, and for every model without one):

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import uuid
+from collections import deque
 
 import msgspec
 import torch
@@ -23,7 +24,7 @@ from services.gpu_worker.engine import GROUP_LOST, DeviceLost
 from services.gpu_worker.liveness import Liveness
 from services.gpu_worker.step_types import Finished, StepResult, error_frame
 from services.gpu_worker.tp.group import GroupLost, TpGroup
-from shared import curve
+from shared import curve, trace
 from shared.cgroup import available_cpus
 from shared.config import Deployment
 from shared.errors import ErrorKind, new_error_id
@@ -59,6 +60,9 @@ ANNOUNCE_INTERVAL_S = 1.0
 GATHER_QUIET_S = 0.004
 #: ...or this long after the first arrival, whichever comes first
 GATHER_MAX_S = 0.025
+#: requests that ended this recently are a burst's likely senders (a closed loop's clients
+#: send again as their requests end): once as many have arrived, the gather ends
+RECENT_END_S = 0.1
 #: at shutdown, how long the last frames to the conductor (failed requests' pages, the
 #: final stats) may wait to be taken: a live conductor takes them in a few ms; when the
 #: whole deployment stops, the conductor is stopping too and nothing will take them, and
@@ -76,25 +80,50 @@ class Gather:
     the waves came apart). The cost is at most GATHER_MAX_S of TTFT, and only from idle.
     Once the prompts gathered fill a step's token budget the step starts at once: more
     would wait for a later step anyway, and a wave longer than one step is better spread
-    (at 64 concurrent, holding whole waves cost ~28% of the throughput)."""
+    (at 64 concurrent, holding whole waves cost ~28% of the throughput).
+
+    A burst is also over once as many requests have arrived as ended in the `RECENT_END_S`
+    before its first: a closed loop's clients send again as their requests end, so those
+    are who the burst can hold. A client that sends one request after another (bench.hybrid's
+    896-token TTFT, a c1 load) then starts at once instead of paying GATHER_QUIET_S each
+    time; a wave of 16 that ended together is still waited for whole. No request ended
+    lately (a cold start): the burst's size is unknown, and the quiet and the cap decide."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.first: float | None = None
         self.last = 0.0
         self.rows = 0  # prompt rows arrived since the last step
+        self.ends: deque[float] = deque()  # when requests ended, the last RECENT_END_S of them
+        self.expected = 0  # requests the burst being gathered is expected to hold (0: unknown)
+        self.arrivals = 0  # requests arrived since the last step
+        self.complete = False  # the expected burst has arrived: no new gather until the step
+
+    def ended(self, n: int) -> None:
+        """`n` requests ended (their clients may send again at once)."""
+        now = time.monotonic()
+        self.ends.extend([now] * n)
+        while self.ends and self.ends[0] < now - RECENT_END_S:
+            self.ends.popleft()
 
     def arrived(self, idle: bool, rows: int) -> None:
         now = time.monotonic()
-        if idle and self.first is None and self.rows < self.budget:
+        if idle and self.first is None and self.rows < self.budget and not self.complete:
             self.first = now
+            while self.ends and self.ends[0] < now - RECENT_END_S:
+                self.ends.popleft()
+            self.expected = len(self.ends)
         self.last = now
         self.rows += rows
+        self.arrivals += 1
         if self.rows >= self.budget:
             self.first = None
+        elif self.first is not None and 0 < self.expected <= self.arrivals:
+            self.first, self.complete = None, True
 
     def stepped(self) -> None:
-        self.rows = 0
+        self.rows = self.arrivals = 0
+        self.complete = False
 
     def wait_s(self) -> float:
         """Seconds the step should still wait (0: step now)."""
@@ -177,6 +206,9 @@ class GpuWorker:
         for dest, out in res.outputs:
             if dest:
                 by_dest.setdefault(dest, []).append(out)
+        if trace.enabled():
+            for _, out in res.outputs:
+                trace.stamp(out.request_id, "gpu.send")
         for dest, outs in by_dest.items():
             self._reply(dest).send_multipart(self.out_codec.encode(StepOutputs(outs)), copy=False)
         for dest, err in res.errors:
@@ -184,6 +216,8 @@ class GpuWorker:
                 self._reply(dest).send_multipart(self.out_codec.encode(err), copy=False)
         for rid, pages, status in res.finished:
             self._to_conductor(RequestFinished(self.worker_id, rid, pages, status))
+        if res.finished:
+            self.gather.ended(len(res.finished))
         if res.finished:
             # pages were released: report now, not at the next tick, so /metrics agrees with
             # the replies a client already holds (peaks of requests shorter than a tick included)
@@ -196,9 +230,11 @@ class GpuWorker:
             log.error("protocol error from conductor: %s (frame dropped)", exc)
             return
         if isinstance(msg, NewRequest):
+            trace.stamp(msg.request_id, "gpu.recv")
             self.gather.arrived(idle=not self.engine.running, rows=msg.prompt_len)
             try:
                 self.engine.add(msg, unpack_tensors(msg.input_tensors, bufs))
+                trace.stamp(msg.request_id, "gpu.added")
             except Exception as exc:
                 error_id = new_error_id()
                 log.error("request %s refused at ingest (error_id=%s): %s", msg.request_id, error_id, exc)
@@ -236,6 +272,9 @@ class GpuWorker:
         return f"{len(running)} running request(s) {running[:16]}, {len(self.engine.waiting)} waiting"
 
     def _step(self) -> None:
+        if trace.enabled():
+            for r in self.engine.running + list(self.engine.waiting):
+                trace.stamp(r.request_id, "gpu.step")
         self.liveness.step_began()
         try:
             res = self.engine.step()

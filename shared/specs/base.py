@@ -77,6 +77,21 @@ class PreparedClip:
 
 
 @dataclass(frozen=True)
+class PreparedVideo:
+    """One video input of a request (an omni model's `video_url` part), made by its spec
+    (`ModelSpec.prepare_videos`) in the data worker: the sampled frames' patches shaped as
+    an image's for Qwen2.5-VL ([t, h / merge, w / merge, merge^2, patch dim]: one entry a
+    video token), the text that replaces its placeholder (one video token a merged block of
+    a temporal patch), the position step between temporal patches (`t_scale`: seconds a
+    patch spans times the model's positions a second), and a content key."""
+
+    pixels: np.ndarray
+    text: str
+    key: str
+    t_scale: int
+
+
+@dataclass(frozen=True)
 class PreparedAudio:
     """One context turn's audio, decoded by its spec (`ModelSpec.prepare_context`) in the
     data worker: mono float32 samples at the model's codec rate, the frames its codec's
@@ -110,6 +125,8 @@ class PromptRequest:
     cameras: tuple[str, ...] = ()
     #: audio inputs of an omni model, their placeholders already expanded in the ids
     clips: tuple[PreparedClip, ...] = ()
+    #: video inputs of an omni model, their placeholders already expanded in the ids
+    videos: tuple[PreparedVideo, ...] = ()
 
 
 class ModelSpec(ABC):
@@ -145,6 +162,9 @@ class ModelSpec(ABC):
     #: what a prompt holds where an audio input goes ("" for a model that takes none: an
     #: omni model's `<|audio_pad|>`), replaced by each clip's `PreparedClip.text`
     audio_placeholder: str = ""
+    #: what a prompt holds where a video input goes ("" for a model that takes none: an
+    #: omni model's `<|video_pad|>`), replaced by each video's `PreparedVideo.text`
+    video_placeholder: str = ""
     #: the loop that emits one token per iteration (its cap bounds max_tokens)
     decode_loop: str = "decode_loop"
     #: the `metadata` keys `process_prompt` sets itself: a client's option of the same name
@@ -199,6 +219,12 @@ class ModelSpec(ABC):
         feature extractor pads them to the longest); `PromptError` on "audios[i]" for a file
         it cannot use. Only for models with an `audio_placeholder`."""
         raise PromptError("audios", "the served model does not take audio inputs")
+
+    def prepare_videos(self, files: Sequence[bytes]) -> tuple[PreparedVideo, ...]:
+        """Video inputs (the files' bytes) made into the model's patches as its processor
+        does; `PromptError` on "videos[i]" for a file it cannot use. Only for models with a
+        `video_placeholder`."""
+        raise PromptError("videos", "the served model does not take video inputs")
 
     def warmup_ids(self, n: int) -> list[int]:
         """A text prompt of `n` ordinary ids for the worker's warm-up request: 1, 2, ...
@@ -436,7 +462,7 @@ class ChatterboxRunnerSpec(DecoderRunnerSpec, Protocol):
 
 class Qwen3TTSRunnerSpec(DecoderRunnerSpec, Protocol):
     """The Qwen3-TTS runner's (runners/qwen3_tts.py): CSM's labels and codebooks, the
-    frame that ends a request, the sub-talker's sampling, the codec's folder."""
+    frame that ends a request, the sub-talker's sampling, the codec's folder, `tts_pad`."""
 
     backbone_label: str
     depth_label: str
@@ -451,6 +477,8 @@ class Qwen3TTSRunnerSpec(DecoderRunnerSpec, Protocol):
     subtalker: Any
     codec_path: Any
     codec_config: Any
+    #: the text id a frame row adds when no text is streamed
+    tts_pad: int
 
 
 @runtime_checkable

@@ -29,22 +29,31 @@ a token (`frame_loop`), never shared by the prefix cache (the prefix rows are th
 and `exaggeration`'s, not ids'). The token EOS (6562) ends the request and is sent.
 
 Request extensions (`/v1/audio/speech`, as options): `exaggeration` (0..2, default 0.5) and
-`cfg_weight` (0..2, default 0.5); `voice` "default" is the folder's conds.pt (the only one:
-voice cloning from a clip is not served yet). `max_tokens` counts speech tokens (25 a
+`cfg_weight` (0..2, default 0.5); `voice` "default" is the folder's conds.pt (the only name).
+
+A reference clip (one `context` turn `{"audio": base64 WAV/FLAC}`, CSM's and Qwen3-TTS'
+field) is the voice instead, as the package's `generate(audio_prompt_path=...)`: decoded at
+24 kHz here (at most `MAX_CLIP_SECONDS`), sent as tensor `context_audio`; the gpu worker
+makes its conditionals at admission (modeling/speech/chatterbox_clip.py): T3's speaker
+embedding and prompt speech tokens, S3Gen's prompt tokens, mel and x-vector. The prompt's
+rows are the same (the Perceiver makes 32 rows of any clip). `max_tokens` counts speech tokens (25 a
 second; the package's generate allows 1000). Sampling defaults are the package's
 `generate`'s: temperature 0.8, repetition_penalty 1.2, min_p 0.05, top_p 1.0.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared.audio import decode_audio
 from shared.deferred import deferred
+from shared.frames import ContextTurn
 from shared.layout import KVLabel, LabelLayout, ProcessPromptOutput, Span
-from shared.specs.base import FrameLoopSpec, MetaValue, PromptError, PromptRequest
+from shared.specs.base import FrameLoopSpec, MetaValue, PreparedAudio, PromptError, PromptRequest
 from shared.specs.csm import llama_config
 
 if TYPE_CHECKING:
@@ -56,6 +65,15 @@ ARCHITECTURE = "ChatterboxTTS"
 #: the files of the Hub's folder that say "Chatterbox" (it has no config.json)
 MARKERS = ("t3_cfg.safetensors", "conds.pt")
 DEFAULT_VOICE = "default"
+#: the voice of a request with a reference clip (its `voice` metadata)
+CLIP_VOICE = "clip"
+CLIP_RATE = 24000
+#: a reference clip's longest (the package reads 10 s for S3Gen, 6 s for T3's tokens and the
+#: whole clip for the voice encoder)
+MAX_CLIP_SECONDS = 30.0
+#: a reference clip's shortest: CAMPPlus' Kaldi frames (25 ms) and S3 tokens (40 ms) need a
+#: few; the package fails on less than a frame
+MIN_CLIP_SECONDS = 0.5
 #: the package's `Llama_520M` (t3/llama_configs.py), its Llama fields
 LLAMA_520M: dict[str, Any] = {
     "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 30, "num_attention_heads": 16,
@@ -157,6 +175,27 @@ class ChatterboxSpec(FrameLoopSpec):
             raise PromptError("voice", f"voice {voice!r} is not one of this model's voices {list(self.voices)}")
         return voice
 
+    def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
+        """The reference clip: one turn, audio only, decoded at 24 kHz, keyed by its bytes;
+        it adds no text to the prompt."""
+        if len(turns) != 1:
+            raise PromptError("context", f"Chatterbox takes one reference clip; got {len(turns)} context turns")
+        turn = turns[0]
+        if turn.text:
+            raise PromptError("context[0].text", "Chatterbox's reference clip takes no transcript: "
+                                                 "send the audio alone")
+        if turn.audio is None:
+            raise PromptError("context[0].audio", "the reference clip needs audio")
+        try:
+            samples = decode_audio(turn.audio, CLIP_RATE, MAX_CLIP_SECONDS, limit="a reference clip holds")
+        except ValueError as exc:
+            raise PromptError("context[0].audio", str(exc)) from exc
+        if len(samples) < MIN_CLIP_SECONDS * CLIP_RATE:
+            raise PromptError("context[0].audio", f"the reference clip is {len(samples) / CLIP_RATE:.2f} s long; "
+                                                  f"Chatterbox needs at least {MIN_CLIP_SECONDS:g} s")
+        key = hashlib.sha256(f"chatterbox-clip:{CLIP_RATE}".encode() + b"\0" + turn.audio).hexdigest()
+        return (PreparedAudio(samples, 1, key, "context[0].audio"),), ""
+
     def extensions(self, options: Mapping[str, MetaValue]) -> tuple[float, float]:
         """(exaggeration, cfg_weight): the request's, else the package's defaults;
         `PromptError` naming the field for a value that is not a number in its range."""
@@ -175,8 +214,8 @@ class ChatterboxSpec(FrameLoopSpec):
         """Rows: the conditioning prefix, `[START] text [STOP]`, the start of speech twice."""
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")
-        if request.context:
-            raise PromptError("context", "voice cloning from a reference clip is not served for Chatterbox yet")
+        if len(request.context) > 1:
+            raise PromptError("context", "Chatterbox takes one reference clip")
         self._voice(request.options)
         exaggeration, cfg_weight = self.extensions(request.options)
         text = list(request.token_ids)
@@ -189,8 +228,10 @@ class ChatterboxSpec(FrameLoopSpec):
         ids = [0] * self.cond_rows + [self.start_text, *text, self.stop_text] + [self.bos, self.bos]
         spans = (Span("rows", len(ids)),)
         layouts = {name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for name in self.labels}
-        meta: dict[str, MetaValue] = {"prompt_len": len(ids), "voice": DEFAULT_VOICE,
+        meta: dict[str, MetaValue] = {"prompt_len": len(ids), "voice": CLIP_VOICE if request.context else DEFAULT_VOICE,
                                       "exaggeration": exaggeration, "cfg_weight": cfg_weight}
         tensors = {"input_ids": np.asarray(ids, dtype=np.int32),
                    "guidance": np.asarray([exaggeration, cfg_weight], dtype=np.float32)}
+        if request.context:
+            tensors["context_audio"] = np.asarray(request.context[0].samples, dtype=np.float32)
         return ProcessPromptOutput(tensors, layouts, meta)

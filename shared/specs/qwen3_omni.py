@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any, Self
 from shared.audio import ACCEPTED_FORMATS, FeatureConfig, decode_audio, log_mel_features
 from shared.deferred import deferred
 from shared.layout import KVLabel, LabelLayout, PagedKVConfig, ProcessPromptOutput, Span, kv_head_bytes
-from shared.specs.base import PreparedClip, PreparedImage, PromptError, PromptRequest
+from shared.specs.base import PreparedClip, PreparedImage, PreparedVideo, PromptError, PromptRequest
 from shared.specs.decoder_lm import DecoderLMSpec
-from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec
+from shared.specs.qwen3_omni_video import OmniVideos, vision_order
+from shared.specs.vision_lm import Qwen25VLSpec, VisionLMSpec, mrope_positions
 from shared.vision import common
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ else:
 
 ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
 #: Qwen3OmniMoeThinkerConfig's defaults
-IMAGE_TOKEN_ID, AUDIO_TOKEN_ID = 151_655, 151_646
+IMAGE_TOKEN_ID, AUDIO_TOKEN_ID, VIDEO_TOKEN_ID = 151_655, 151_646, 151_656
 AUDIO_TOKEN = "<|audio_pad|>"
 #: containers an audio input may come in (libsndfile's names)
 AUDIO_FORMATS = ACCEPTED_FORMATS | {"MP3", "OGG"}
@@ -120,6 +121,9 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         self.merge_size = int(vision.get("spatial_merge_size", 2))
         self.image_token_id = int(thinker.get("image_token_id", IMAGE_TOKEN_ID))
         self.audio_token_id = int(thinker.get("audio_token_id", AUDIO_TOKEN_ID))
+        self.video_token_id = int(thinker.get("video_token_id", VIDEO_TOKEN_ID))
+        self.position_id_per_seconds = float(thinker.get("position_id_per_seconds", 25))
+        self.videos: OmniVideos | None = None
         self.n_window = int(audio.get("n_window", 50))
         self.features = FeatureConfig(feature_size=int(audio.get("num_mel_bins", 128)), chunk_length=300)
         self.audio_placeholder = AUDIO_TOKEN
@@ -202,7 +206,18 @@ class Qwen3OmniSpec(Qwen25VLSpec):
                              "audio encoder's num_mel_bins")
         if not common.image_processor_config(folder, common.read_json(folder / "processor_config.json")):
             return self
-        return VisionLMSpec.load_folder(self, folder)
+        VisionLMSpec.load_folder(self, folder)
+        assert self.images is not None  # load_folder read them
+        self.videos = OmniVideos.from_images(self.images, self.position_id_per_seconds)
+        self.video_placeholder = self.videos.placeholder
+        return self
+
+    def prepare_videos(self, files: Sequence[bytes]) -> tuple[PreparedVideo, ...]:
+        """Each video's sampled frames as patches (`shared.specs.qwen3_omni_video`)."""
+        if self.videos is None:
+            raise PromptError("videos", "the model folder has no image processor settings (preprocessor_config.json)")
+        return tuple(self.videos.prepare(data, f"videos[{i}]", self.merge_size, self.max_seq_len)
+                     for i, data in enumerate(files))
 
     def prepare_image(self, data: bytes) -> PreparedImage:
         if self.images is None:
@@ -243,14 +258,14 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         if request.audio is not None:
             raise PromptError("file", "the served model takes audio as input_audio parts, not a file")
         ids = request.token_ids
-        out = Qwen25VLSpec.process_prompt(self, PromptRequest(ids, None, request.options, request.images))
+        out = self._vision_prompt(request)
         tensors = dict(out.new_input_tensors)
         spans = audio_spans(out.kv_layout["text"].spans, ids, self.audio_token_id, request.clips, self.n_window)
         layouts = {lab.name: LabelLayout(spans=spans, growth={self.decode_loop: 1}) for lab in self.thinker_labels}
         voice = request.options.get("voice")
         if voice is not None:
             layouts.update(self._speech_layouts(str(voice), ids))
-            if request.images or request.clips:  # the talker reads the thinker's rows of them
+            if request.images or request.clips or request.videos:  # the talker reads the thinker's rows of them
                 unkeyed = tuple(Span.rows(sp.length) if sp.key else sp for sp in spans)
                 layouts.update({lab.name: LabelLayout(spans=unkeyed, growth={self.decode_loop: 1})
                                 for lab in self.thinker_labels})
@@ -261,6 +276,29 @@ class Qwen3OmniSpec(Qwen25VLSpec):
         if voice is not None:
             metadata["voice"] = str(voice).lower()
         return ProcessPromptOutput(tensors, layouts, metadata)
+
+    def _vision_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
+        """Qwen2.5-VL's prompt (spans, positions, pixels) over the images and videos in
+        prompt order: a video is an image of t temporal patches whose positions step by its
+        `t_scale` (transformers' `get_rope_index` for a video); "input_ids" keeps the video
+        tokens, the pixels and "image_grid_thw" hold both kinds in prompt order."""
+        ids = request.token_ids
+        if not request.videos and self.video_token_id not in ids:
+            return Qwen25VLSpec.process_prompt(self, PromptRequest(ids, None, request.options, request.images))
+        media, kinds = vision_order(ids, self.image_token_id, self.video_token_id, request.images, request.videos)
+        scales = [v.t_scale for v in request.videos]
+        steps = [scales.pop(0) if video else 1 for video in kinds]
+        as_images = [self.image_token_id if t == self.video_token_id else t for t in ids]
+        out = Qwen25VLSpec.process_prompt(self, PromptRequest(as_images, None, request.options, tuple(media)))
+        tensors = dict(out.new_input_tensors)
+        tensors["input_ids"] = np.asarray(ids, dtype=np.int32)
+        grids = [(int(t), int(h), int(w)) for t, h, w in tensors["image_grid_thw"]]
+        positions, delta = mrope_positions(as_images, self.image_token_id, grids, self.merge_size, steps)
+        tensors["mrope_positions"] = positions
+        if self.videos is not None:  # seconds a temporal patch spans (an image: moot), for the talker's positions
+            spans = self.videos.settings.seconds_per_grid
+            tensors["video_seconds"] = np.asarray([spans if video else 1.0 for video in kinds], dtype=np.float64)
+        return ProcessPromptOutput(tensors, out.kv_layout, {**out.metadata, "mrope_delta": delta})
 
     def _speech_layouts(self, voice: str, ids: list[int]) -> dict[str, LabelLayout]:
         """A request that asks for speech (option "voice"): the talker's rows (its prompt:

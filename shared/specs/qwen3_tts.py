@@ -36,7 +36,20 @@ without text: the package's `x_vector_only_mode` (its `generate_voice_clone` wit
 services/gpu_worker/modeling/speech/qwen3_tts_speaker.py) plus the projected `tts_pad`: a
 rows span of one row keyed by the clip's bytes; its id in `input_ids` is a placeholder
 (`tts_pad` alone), its position `clip_row`, the clip's samples (24 kHz) `context_audio`.
-A clip with text (the package's ICL mode) is not served yet; `voice` on a Base checkpoint
+A clip with its transcript (`{"text", "audio"}`) is the package's ICL mode
+(`x_vector_only_mode=False`): the transcript's turn is tokenized before the request's (the
+package's `_build_ref_text`), its text ids become text rows over `codec_pad` before the
+text's, and the last `tts_pad` over `codec_bos` row is followed by the clip's codec frames
+(the 12 Hz encoder's, run by the runner at admission: codecs/qwen3_tts_encoder.py), each a
+frame row as a decoding request's (its codes' embeddings summed, plus the projected
+`tts_pad`): a rows span of `frames` rows keyed by the clip, after the ids; its size,
+ceil(samples / `encode_downsample_rate`), is `ref_frames`.
+
+Streaming text (the `/v1/audio/speech` extension `non_streaming_mode: false`, the package's
+`non_streaming_mode=False`): the text rows and `tts_eos` leave the prompt; its first id is
+on the `codec_bos` row, an ICL clip's frame rows carry the next ones (`frame_texts`, in the
+frames' key; `tts_pad` past the text), and the rest (`trailing`) are fed one a generated
+frame by the runner (then `tts_pad`). `voice` on a Base checkpoint
 and `context` on a CustomVoice one are refused by name. Sampling:
 generation_config.json's (`do_sample`, `temperature`, `top_k`, `top_p`,
 `repetition_penalty` over the first codes generated) for the first code; its `subtalker_*`
@@ -77,6 +90,12 @@ CLIP_RATE = 24000
 MAX_CLIP_SECONDS = 60.0
 
 
+def encoded_frames(samples: int, codec: Mapping[str, Any]) -> int:
+    """The codec frames the package keeps of a clip of `samples` at 24 kHz (its
+    `Qwen3TTSTokenizerV2Model.encode`: ceil(samples / encode_downsample_rate))."""
+    return -(-samples // int(codec.get("encode_downsample_rate", 1920)))
+
+
 def qwen3_config(raw: Mapping[str, Any]) -> ModelConfig:
     """One of the two stacks as the Qwen3 it is (q/k norms, SiLU MLP)."""
     fields = {k: raw[k] for k in QWEN3_FIELDS if k in raw and raw[k] is not None}
@@ -94,6 +113,8 @@ class Qwen3TTSSpec(FrameDepthSpec):
     pool = "kv"
     depth_pool = "code"
     metadata_keys = frozenset({"prompt_len", "voice"})
+    #: the package's `non_streaming_mode` (false: the text fed a token a frame)
+    speech_extensions = ("non_streaming_mode",)
     #: the package's hard defaults (its `_merge_generate_kwargs`), under generation_config.json
     speech_defaults = (("temperature", 0.9), ("top_k", 50), ("top_p", 1.0), ("repetition_penalty", 1.05))
 
@@ -197,29 +218,39 @@ class Qwen3TTSSpec(FrameDepthSpec):
         """A prompt of the package's shape: the assistant turn around `n` ordinary ids (and
         for a Base checkpoint a second of silence as the reference clip)."""
         ids = [self.im_start, 1, 2, *range(3, 3 + max(1, n - 8)), self.im_end, 2, self.im_start, 1, 2]
-        clip = (PreparedAudio(np.zeros(CLIP_RATE, dtype=np.float32), 1, "qwen3-tts-warmup"),) if self.clones else ()
+        clip = (PreparedAudio(np.zeros(CLIP_RATE, dtype=np.float32), 0, "qwen3-tts-warmup"),) if self.clones else ()
         return PromptRequest(ids, context=clip)
 
     def prepare_context(self, turns: Sequence[ContextTurn]) -> tuple[tuple[PreparedAudio, ...], str]:
-        """A Base checkpoint's reference clip: one turn, audio only (x-vector mode), decoded
-        at 24 kHz and keyed by its bytes; it adds no text to the prompt."""
+        """A Base checkpoint's reference clip: one turn, decoded at 24 kHz. Audio alone is
+        x-vector mode (no text added; `frames` 0); with its transcript, ICL mode: the
+        transcript's turn (`<|im_start|>assistant\n{text}<|im_end|>\n`, as the package's
+        `_build_ref_text`) goes before the request's own, and `frames` is the codec frames
+        the clip makes (rows of the prompt)."""
         if not self.clones:
             raise PromptError("context", "this Qwen3-TTS CustomVoice checkpoint speaks its named speakers (voice); "
                                          "a reference clip is for a Base checkpoint")
         if len(turns) != 1:
             raise PromptError("context", f"a Qwen3-TTS Base checkpoint takes one reference clip; got {len(turns)}")
         turn = turns[0]
-        if turn.text:
-            raise PromptError("context[0].text", "the reference clip's transcript (the package's ICL mode) is not "
-                                                 "served yet: send the clip alone (x-vector mode)")
+        special = next((s for s in self.special_texts if s in (turn.text or "")), None)
+        if special is not None:
+            raise PromptError("context[0].text", f"context[0].text holds the model's special token {special!r}")
         if turn.audio is None:
             raise PromptError("context[0].audio", "the reference clip needs audio")
+        most = MAX_CLIP_SECONDS
+        if turn.text:  # ICL: the clip's frames are prompt rows
+            most = min(most, self.max_seq_len * self.codec_frame_samples / CLIP_RATE)
         try:
-            samples = decode_audio(turn.audio, CLIP_RATE, MAX_CLIP_SECONDS, limit="a reference clip holds")
+            samples = decode_audio(turn.audio, CLIP_RATE, most, limit="a reference clip holds")
         except ValueError as exc:
             raise PromptError("context[0].audio", str(exc)) from exc
         key = hashlib.sha256(f"qwen3-tts-xvector:{CLIP_RATE}".encode() + b"\0" + turn.audio).hexdigest()
-        return (PreparedAudio(samples, 1, key, "context[0].audio"),), ""
+        if not turn.text:
+            return (PreparedAudio(samples, 0, key, "context[0].audio"),), ""
+        frames = encoded_frames(len(samples), self.codec_config)
+        return (PreparedAudio(samples, frames, key, "context[0].audio"),), \
+            f"<|im_start|>assistant\n{turn.text}<|im_end|>\n"
 
     def codec_prefix(self, voice: str) -> list[int]:
         """The codec ids of the prompt's tag rows: think / language (a dialect speaker's) or
@@ -242,15 +273,23 @@ class Qwen3TTSSpec(FrameDepthSpec):
         """One prompt row as one id: its text id, and its codec id folded in above the text vocabulary."""
         return text if codec is None else text + self.text_vocab * (codec + 1)
 
-    def prompt_rows(self, ids: list[int], voice: str, instructed: bool) -> list[int]:
-        """The prompt's rows (as `row_id`s) from its tokens (see the module docstring)."""
+    def prompt_rows(self, ids: list[int], voice: str, instructed: bool, icl: bool = False, frames: int = 0,
+                    streaming: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """(the prompt's rows as `row_id`s but an ICL clip's `frames` frame rows, which
+        `process_prompt` adds last; the text id added to each of those; the text ids fed
+        one a generated frame) from its tokens (see the module docstring). In ICL mode the
+        tokens open with the transcript's turn, whose text goes before the request's. In
+        streaming mode (the package's `non_streaming_mode=False`) the text (and `tts_eos`)
+        is not in the prompt's text rows: its first id is on the `codec_bos` row, the next
+        ones on the clip's frame rows, the rest fed one a generated frame (then `tts_pad`)."""
         split = 0
-        if instructed:
+        if instructed or icl:
             starts = [i for i, t in enumerate(ids) if t == self.im_start]
             if len(starts) < 3:
-                raise PromptError("instructions", "the prompt does not hold the instructions' turn")
+                field = "context[0].text" if icl else "instructions"
+                raise PromptError(field, f"the prompt does not hold the {field} turn")
             split = starts[1]
-        instruct, said = ids[:split], ids[split:]
+        before, said = ids[:split], ids[split:]
         if len(said) < 8 or said[0] != self.im_start:
             raise PromptError("input", "the prompt is not the assistant turn Qwen3-TTS speaks")
         codec = self.codec_prefix(voice)
@@ -259,29 +298,43 @@ class Qwen3TTSSpec(FrameDepthSpec):
         heads = [self.row_id(t, c) for t, c in zip(tags, codec[:-1])]
         if self.clones:  # the speaker row: `tts_pad` alone here, plus the x-vector in the runner
             heads[-2] = self.row_id(self.tts_pad)
-        return ([self.row_id(t) for t in instruct + said[:3]] + heads
-                + [self.row_id(t, pad) for t in [*said[3:-5], self.tts_eos]]
-                + [self.row_id(self.tts_pad, bos)])
+        instruct, ref = ([], before[3:-2]) if icl else (before, [])
+        head = [self.row_id(t) for t in instruct + said[:3]] + heads
+        texts = [*ref, *said[3:-5], self.tts_eos]
+        if not streaming:
+            return head + [self.row_id(t, pad) for t in texts] + [self.row_id(self.tts_pad, bos)], \
+                [self.tts_pad] * frames, []
+        over = texts[: frames + 1] + [self.tts_pad] * (frames + 1 - len(texts))
+        return [*head, self.row_id(over[0], bos)], over[1:], texts[frames + 1:]
 
     def process_prompt(self, request: PromptRequest) -> ProcessPromptOutput:
-        """The talker's rows (ids spans: each row's id says all that makes it), the code
-        predictor's scratch."""
+        """The talker's rows (ids spans: each row's id says all that makes it; a Base
+        checkpoint's clip rows, keyed by the clip: `clip_spans`), the code predictor's scratch."""
         if request.audio is not None:
             raise PromptError("file", "the served model does not take audio")
         voice = self._voice(request.options)
         if any(not 0 <= t < self.text_vocab for t in request.token_ids):
             raise PromptError("input_ids", f"the prompt's ids must be text ids, below {self.text_vocab}")
-        rows = self.prompt_rows(list(request.token_ids), voice, bool(request.options.get("instructions")))
+        if self.clones and len(request.context) != 1:
+            raise PromptError("context", "a Qwen3-TTS Base checkpoint clones the voice of a reference clip: "
+                                         "send one context turn {\"audio\": base64 WAV} (and its \"text\")")
+        clip = request.context[0] if self.clones else None
+        frames = clip.frames if clip is not None else 0
+        streaming = request.options.get("non_streaming_mode", True) is False
+        rows, frame_texts, trailing = self.prompt_rows(list(request.token_ids), voice,
+                                                       bool(request.options.get("instructions")), frames > 0,
+                                                       frames, streaming)
         tensors = {"input_ids": np.asarray(rows, dtype=np.int64)}
         spans: tuple[Span, ...] = (Span.ids(rows),)
-        if self.clones:
-            if len(request.context) != 1:
-                raise PromptError("context", "a Qwen3-TTS Base checkpoint clones the voice of a reference clip: "
-                                             "send one context turn {\"audio\": base64 WAV}")
-            at = self.clip_row(list(request.token_ids), bool(request.options.get("instructions")))
-            spans = (Span.ids(rows[:at]), Span.rows(1, request.context[0].key), Span.ids(rows[at + 1:]))
-            tensors["context_audio"] = np.asarray(request.context[0].samples, dtype=np.float32)
-            tensors["clip_row"] = np.asarray([at], dtype=np.int64)
+        if clip is not None:
+            spans = self.clip_spans(rows, clip, frame_texts, tensors)
+            rows += [self.row_id(self.tts_pad)] * clip.frames
+            tensors["input_ids"] = np.asarray(rows, dtype=np.int64)
+        if streaming:
+            tensors["trailing"] = np.asarray(trailing, dtype=np.int64)
+        if clip is not None and clip.frames and len(rows) >= self.max_seq_len:
+            raise PromptError("context[0].audio", f"the clip's {clip.frames} frames make the prompt {len(rows)} "
+                                                  f"rows; the model takes {self.max_seq_len} (max_seq_len)")
         layouts = {
             self.backbone_label: LabelLayout(spans=spans, growth={self.decode_loop: 1}),
             self.depth_label: LabelLayout(spans=(), scratch=self.depth_rows),
@@ -289,9 +342,31 @@ class Qwen3TTSSpec(FrameDepthSpec):
         meta: dict[str, MetaValue] = {"prompt_len": len(rows), "voice": voice}
         return ProcessPromptOutput(tensors, layouts, meta)
 
-    def clip_row(self, ids: list[int], instructed: bool) -> int:
-        """The speaker row's place in a Base checkpoint's prompt: after the instructions,
-        the assistant's first 3 ids and the 3 tag rows."""
-        split = [i for i, t in enumerate(ids) if t == self.im_start][1] if instructed else 0
-        return split + 3 + 3
+    def clip_spans(self, rows: list[int], clip: PreparedAudio, frame_texts: list[int],
+                   tensors: dict[str, np.ndarray]) -> tuple[Span, ...]:
+        """A Base checkpoint's spans: the text rows, the speaker row (the clip's x-vector: a
+        rows span keyed by the clip) and, in ICL mode, the clip's codec frames after the
+        last row (a rows span keyed by the clip, the codec and the text ids on its rows).
+        Its tensors: the clip's samples ("context_audio"), the speaker row ("clip_row"),
+        the frames ("ref_frames") and their text ids ("frame_texts")."""
+        at = self.clip_row()
+        spans = [Span.ids(rows[:at]), Span.rows(1, clip.key), Span.ids(rows[at + 1:])]
+        if clip.frames:
+            made = f"qwen3-tts-codes:{self.codec_frame_samples}:{clip.key}:{','.join(map(str, frame_texts))}"
+            spans.append(Span.rows(clip.frames, hashlib.sha256(made.encode()).hexdigest()))
+        tensors["context_audio"] = np.asarray(clip.samples, dtype=np.float32)
+        tensors["clip_row"] = np.asarray([at], dtype=np.int64)
+        tensors["ref_frames"] = np.asarray([clip.frames], dtype=np.int64)
+        tensors["frame_texts"] = np.asarray(frame_texts, dtype=np.int64)
+        return tuple(spans)
+
+    def clip_row(self) -> int:
+        """The speaker row's place in a Base checkpoint's prompt (which takes no
+        instructions): after the assistant's first 3 ids and the 3 tag rows."""
+        return 3 + 3
+
+    @property
+    def codec_frame_samples(self) -> int:
+        """Samples (24 kHz) a codec frame of the encoder takes (`encode_downsample_rate`)."""
+        return int(self.codec_config.get("encode_downsample_rate", 1920))
 

@@ -367,15 +367,17 @@ def image_grid(pixels: np.ndarray, merge: int) -> tuple[int, int, int]:
     return int(t), int(h) * merge, int(w) * merge
 
 
-def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
-                    merge: int) -> tuple[np.ndarray, int]:
+def mrope_positions(ids: list[int], image_token_id: int | tuple[int, ...], grids: list[tuple[int, int, int]],
+                    merge: int, t_scales: list[int] | None = None) -> tuple[np.ndarray, int]:
     """(positions int64 [3, len(ids)], decode offset) as transformers' `get_rope_index`
     gives them for still images: text rows (p, p, p) continuing; each image's rows the
     meshgrid of (p + t, p + h, p + w) over its merged grid, after which p advances by
     max(h, w); the offset is the largest position + 1 - len(ids). Each image's tokens
     must be one run (as the processor writes them); two images back to back are two
-    grids. `PromptError` otherwise."""
-    image_rows = np.asarray(ids, dtype=np.int64) == image_token_id
+    grids. `PromptError` otherwise. A video (Qwen3-Omni: `image_token_id` its image and
+    video token ids, `grids` both kinds in prompt order) spaces its temporal patches by its
+    `t_scales` entry (1 for a still image), and p advances past its largest position."""
+    image_rows = np.isin(np.asarray(ids, dtype=np.int64), np.atleast_1d(np.asarray(image_token_id, dtype=np.int64)))
     edges = np.flatnonzero(np.diff(image_rows.astype(np.int8))) + 1
     bounds = zip(np.concatenate(([0], edges)).tolist(), np.concatenate((edges, [len(ids)])).tolist())
     parts: list[np.ndarray] = []
@@ -395,8 +397,9 @@ def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, 
             if t * h * w > left:
                 raise PromptError("prompt", f"image {image}'s {t * h * w} image tokens are not one run")
             grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+            grid[0] *= 1 if t_scales is None else t_scales[image]
             parts.append(grid + pos)
-            pos, left, image = pos + max(h, w), left - t * h * w, image + 1
+            pos, left, image = pos + int(grid.max()) + 1, left - t * h * w, image + 1
     if not parts:
         return np.zeros((3, 0), dtype=np.int64), 0
     positions = np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.int64)

@@ -22,10 +22,15 @@ import numpy as np
 import pytest
 
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
+from tests.omni_video import mp4_bytes, reference_video, shapes_video
 from tests.servers import MstarServer, assert_clean
 
 pytest.importorskip("soundfile")
 MAX_TOKENS = 8
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -52,7 +57,11 @@ CASES = {
 }
 #: /generate's extra case: two clips of different lengths
 TWO_CLIPS = {"two clips": (("audio", "short"), "Which is longer?")}
-ALL = {**CASES, **TWO_CLIPS}
+#: a 1.5 s clip of moving shapes (6 frames at 4 fps: 4 sampled, 2 temporal patches of 11 x 12 rows)
+VIDEO = mp4_bytes(shapes_video())
+VIDEO_CASES = {"video": (("video",), "What happens in this video?"),
+               "video and image": (("video", "image"), "Compare them.")}
+ALL = {**CASES, **TWO_CLIPS, **VIDEO_CASES}
 
 
 def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
@@ -63,7 +72,9 @@ def content(media: tuple[str, ...], text: str, ours: bool) -> list[dict] | str:
 
     def part(kind: str) -> dict:
         if not ours:
-            return {"type": "image" if kind == "image" else "audio"}
+            return {"type": kind if kind in ("image", "video") else "audio"}
+        if kind == "video":
+            return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(VIDEO)}}
         if kind == "image":
             url = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
             return {"type": "image_url", "image_url": {"url": url}}
@@ -103,10 +114,21 @@ def reference(folder: Path, case: str, clip: bytes = AUDIO) -> tuple[list[int], 
     kwargs: dict = {}
     if "image" in media:
         kwargs["images"] = [Image.open(io.BytesIO(IMAGE)).convert("RGB")]
-    files = [clip if kind == "audio" else CLIPS[kind] for kind in media if kind != "image"]
+    files = [clip if kind == "audio" else CLIPS[kind] for kind in media if kind not in ("image", "video")]
     if files:
         kwargs["audio"] = [sf.read(io.BytesIO(f), dtype="float32")[0] for f in files]
-    inputs = proc(text=[rendered(folder, case)], return_tensors="pt", **kwargs)
+    # the video's run stands in as one <tts_pad> through the processor (which needs torchvision
+    # for videos), then becomes the processor's expansion of the video processor's grid
+    inputs = proc(text=[rendered(folder, case).replace("<|video_pad|>", "<tts_pad>")], return_tensors="pt", **kwargs)
+    if "video" in media:
+        video = reference_video(VIDEO)
+        t, h, w = video["video_grid_thw"][0].tolist()
+        ids = inputs["input_ids"][0].tolist()
+        at = ids.index(proc.tokenizer.convert_tokens_to_ids("<tts_pad>"))
+        ids[at : at + 1] = [proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")] * (t * h * w // 4)
+        inputs["input_ids"] = torch.tensor([ids])
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs.update(video)
     with torch.no_grad():
         out = thinker.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
@@ -157,8 +179,10 @@ async def test_generate_token_ids_equal_transformers(folder, server):
         out: dict = {}
         if "image" in kinds:
             out["images"] = ["data:image/png;base64," + base64.b64encode(IMAGE).decode()]
-        if any(k != "image" for k in kinds):
-            out["audios"] = [base64.b64encode(CLIPS[k]).decode() for k in kinds if k != "image"]
+        if any(k not in ("image", "video") for k in kinds):
+            out["audios"] = [base64.b64encode(CLIPS[k]).decode() for k in kinds if k not in ("image", "video")]
+        if "video" in kinds:
+            out["videos"] = ["data:video/mp4;base64," + base64.b64encode(VIDEO).decode()]
         return out
 
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
@@ -214,4 +238,60 @@ async def test_speech_options_and_bad_audio_are_400s(server):
     assert bad.json()["error"]["param"] == "messages[0].content[1].input_audio.data"
     assert {"text", "image", "audio"} <= set(card["input_modalities"])
     assert card["output_modalities"] == ["text", "audio"]
+    assert_clean(server)
+
+
+async def test_video_chat_equals_transformers(folder, server):
+    """`/v1/chat/completions` with a video_url part (alone, and beside an image), both at
+    once: the answer and prompt_tokens are transformers' thinker on the same decoded frames
+    (tests/omni_video.py), so the video's rows, deepstack and time-stepped positions are
+    transformers'; every page back to zero."""
+    tok = _hf(folder)[1].tokenizer
+
+    async def chat(client: httpx.AsyncClient, case: str) -> dict:
+        media, text = VIDEO_CASES[case]
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": content(media, text, ours=True)}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        bodies = await asyncio.gather(*(chat(client, case) for case in VIDEO_CASES))
+        card = (await client.get("/v1/models")).json()["data"][0]
+    for case, body in zip(VIDEO_CASES, bodies):
+        want, prompt_len = reference(folder, case)
+        assert body["usage"]["prompt_tokens"] == prompt_len, case
+        assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), case
+    assert "video" in card["input_modalities"] and card["video_placeholder"] == "<|video_pad|>"
+    assert_clean(server)
+
+
+async def test_bad_videos_are_400s(server):
+    """A video_url part that is not a video, one whose frames are over the size limit, one
+    not a data URL, and (on /generate) a one-frame video, shorter than a temporal patch:
+    400s naming the field; /tokenize, which counts no video rows, says so naming the part."""
+    from tests.omni_video import shapes_video
+
+    def url(data: bytes) -> str:
+        return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+    huge = mp4_bytes(np.zeros((1, 2176, 3872, 3), dtype=np.uint8), fps=1)  # over 3840 x 2160 pixels
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        chats = [await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": bad}}]}],
+            "max_tokens": 2}) for bad in (url(b"not a video at all" * 16), url(huge), "https://example.com/a.mp4")]
+        tokenize = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": url(VIDEO)}}]}]})
+        short = await client.post("/generate", json={
+            "prompt": "<|vision_start|><|video_pad|><|vision_end|>hi", "max_tokens": 2,
+            "videos": [url(mp4_bytes(shapes_video(frames=1)))]})
+    for r in chats:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0].content[1].video_url.url", r.text
+    assert "pixels" in chats[1].json()["error"]["message"]
+    assert short.status_code == 400 and short.json()["error"]["param"] == "videos[0]", short.text
+    assert tokenize.status_code == 400, tokenize.text  # /tokenize counts no video rows: it says so
+    assert tokenize.json()["error"]["param"] == "messages[0].content[1].video_url.url"
     assert_clean(server)

@@ -10,6 +10,13 @@ ships ResembleAI/chatterbox (tests/chatterbox_checkpoints.py), its reference the
 - the speech route (pcm whole, SSE) with its extensions `exaggeration` and `cfg_weight` and
   without: the package's waveforms with and without them; bad values are refused naming
   the field;
+- a reference clip (one `context` turn, 24 kHz WAV): the conditionals mstar makes of it
+  (modeling/speech/chatterbox_clip.py) equal the package's `prepare_conditionals` (speaker
+  embedding and prompt mel within 1e-5, x-vector within 1e-5 of its scale, S3 tokens
+  exact); through `/generate` two clips at once each equal the package's
+  `generate(audio_prompt_path=...)` under the same seed (tokens exact, waveform within
+  1e-3); the same clip twice through the speech route gives identical bytes; a clip that
+  is not audio is a 400 naming `context[0].audio`;
 - debug asserts on, pages back to 0.
 
 - sound: each sampled request's audio (S3Gen in the codec thread, its noise continuing the
@@ -31,7 +38,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.chatterbox_checkpoints import chatterbox_reference, make_chatterbox_checkpoint
+from tests.chatterbox_checkpoints import (
+    CLIP_KEYS,
+    chatterbox_reference,
+    make_chatterbox_checkpoint,
+    speech_clip,
+    wav_bytes,
+)
 from tests.servers import MstarServer
 
 TEXTS = ("Hello world!", "the quick brown fox jumps over the lazy dog", "Numbers like 12345...",
@@ -41,6 +54,10 @@ TOKENS = 24
 DEFAULTS = {"temperature": 0.8, "repetition_penalty": 1.2, "min_p": 0.05, "top_p": 1.0}
 #: (text, seed, exaggeration, cfg_weight) through the speech route
 EXTENDED = (TEXTS[1], 7, 1.2, 0.3)
+#: reference clips (24 kHz WAV: 3 s and 2.2 s) and the (clip, text, seed) cases cloned from them
+CLIPS = (wav_bytes(speech_clip(3.0, 1)), wav_bytes(speech_clip(2.2, 2)))
+CLONED = ((0, TEXTS[0], 21), (1, TEXTS[3], 22))
+FIRST_CLONED = 7  # the reference's index of CLONED[0]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +65,7 @@ def folder(tmp_path_factory) -> Path:
     return make_chatterbox_checkpoint(tmp_path_factory.mktemp("chatterbox") / "cb")
 
 
-def _cases() -> list[dict]:
+def _cases(work: Path) -> list[dict]:
     """The package's runs: S3Gen's only where a waveform is compared."""
     base = {"max_new_tokens": TOKENS, "wave": False, **DEFAULTS}
     cases = [{"text": t, "seed": 10 + i, **base, "wave": True} for i, t in enumerate(TEXTS)]
@@ -58,6 +75,11 @@ def _cases() -> list[dict]:
     cases.append({"text": text, "seed": seed, **base, "wave": True})
     # greedy: the package at temperature 1e-4 (min-p then keeps the top token alone); mstar at 0
     cases.append({"text": TEXTS[2], "seed": 3, **base, "temperature": 1e-4})
+    work.mkdir(parents=True, exist_ok=True)
+    for i, clip in enumerate(CLIPS):
+        (work / f"clip{i}.wav").write_bytes(clip)
+    cases += [{"text": text, "seed": seed, **base, "wave": True, "clip": str(work / f"clip{c}.wav")}
+              for c, text, seed in CLONED]
     return cases
 
 
@@ -68,7 +90,8 @@ def stack(folder, tmp_path_factory):
                       "--page-size", "16", "--max-seq-len", "160", "--max-batch-tokens", "64",
                       env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).launch()
     try:
-        reference = chatterbox_reference(folder, _cases(), tmp_path_factory.mktemp("chatterbox-ref"))
+        work = tmp_path_factory.mktemp("chatterbox-ref")
+        reference = chatterbox_reference(folder, _cases(work / "clips"), work)
         srv.wait_ready()
         yield srv, reference
     finally:
@@ -83,12 +106,6 @@ def server(stack) -> MstarServer:
 @pytest.fixture(scope="module")
 def reference(stack) -> list[dict]:
     return stack[1]
-
-
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
 
 
 async def _generate(client: httpx.AsyncClient, i: int) -> httpx.Response:
@@ -114,7 +131,7 @@ async def test_tokens_equal_the_package_seeded(server, reference):
         np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
     assert alone.json()["token_ids"] == together[0].json()["token_ids"]
     assert alone.json()["audio"] == together[0].json()["audio"]
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_speech_route_extensions_and_refusals(server, reference):
@@ -142,7 +159,7 @@ async def test_speech_route_extensions_and_refusals(server, reference):
     for r, param in zip(bad, ("exaggeration", "cfg_weight", "voice")):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
-    _clean(server)
+    server.assert_clean()
 
 
 def test_s3gen_halves_equal_the_package(folder, reference):
@@ -164,3 +181,54 @@ def test_s3gen_halves_equal_the_package(folder, reference):
     assert mel.shape == ref["mel"].shape and wave.shape == ref["hift"].shape and np.abs(ref["hift"]).max() > 0.01
     np.testing.assert_allclose(mel, ref["mel"], atol=1e-5, rtol=0)
     np.testing.assert_allclose(wave, ref["hift"], atol=1e-5, rtol=0)
+
+
+def test_clip_conditionals_equal_the_package(folder, reference):
+    """A clip's conditionals (resampling, voice encoder, S3 tokenizer, S3Gen's mel, CAMPPlus
+    over Kaldi fbank) as the package's `prepare_conditionals` makes them."""
+    from services.gpu_worker.modeling.speech.chatterbox_clip import ChatterboxClip
+    from shared.audio import decode_audio
+
+    clips = ChatterboxClip(folder)
+    for i, (c, _, _) in enumerate(CLONED):
+        ref = reference[FIRST_CLONED + i]
+        got = clips.encode(decode_audio(CLIPS[c], 24000))
+        for key in CLIP_KEYS:
+            mine, want = getattr(got, key).numpy(), ref[key]
+            assert mine.shape == want.shape, key
+            if key.endswith("token") or key.endswith("tokens"):
+                assert mine.tolist() == want.tolist(), key
+            else:
+                np.testing.assert_allclose(mine, want, atol=1e-5 * max(1.0, float(np.abs(want).max())), rtol=0,
+                                           err_msg=key)
+
+
+async def test_clip_voice_equals_the_package(server, reference):
+    """Two clips at once through /generate: the package's tokens and waveform under the
+    same seed; one clip twice through the speech route: the same bytes; a clip that is not
+    audio: 400 naming `context[0].audio`."""
+    def clip(c: int) -> list[dict]:
+        return [{"audio": base64.b64encode(CLIPS[c]).decode()}]
+
+    body = {"max_tokens": TOKENS, **DEFAULTS}
+    speech = {"input": CLONED[0][1], "seed": CLONED[0][2], "max_tokens": TOKENS, "response_format": "pcm",
+              "context": clip(CLONED[0][0])}
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(client.post("/generate", json={"prompt": text, "seed": seed, "context": clip(c),
+                                                                    **body}) for c, text, seed in CLONED))
+        twice = [await client.post("/v1/audio/speech", json=speech) for _ in range(2)]
+        bad = await client.post("/v1/audio/speech", json={**speech, "context": [
+            {"audio": base64.b64encode(b"not a sound file").decode()}]})
+    for i, r in enumerate(got):
+        ref = reference[FIRST_CLONED + i]
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == ref["tokens"].tolist()
+        audio = np.frombuffer(base64.b64decode(r.json()["audio"]), "<f4")
+        assert audio.shape == ref["wave"].shape and np.abs(ref["wave"]).max() > 0.01
+        np.testing.assert_allclose(audio, ref["wave"], atol=1e-3, rtol=0)
+    assert twice[0].status_code == 200 and twice[0].content == twice[1].content, twice[0].text
+    want = (np.clip(reference[FIRST_CLONED]["wave"], -1, 1) * 32767).round().astype("<i2")
+    pcm = np.frombuffer(twice[0].content, "<i2")
+    assert len(pcm) == len(want) and np.abs(pcm.astype(int) - want).max() <= 33
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "context[0].audio", bad.text
+    server.assert_clean()

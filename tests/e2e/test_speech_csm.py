@@ -77,12 +77,6 @@ def pcm(samples: np.ndarray) -> np.ndarray:
     return np.frombuffer((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes(), "<i2")
 
 
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
-
-
 def prompt_ids(folder: Path, speaker: str, text: str) -> list[int]:
     """The CSM processor's ids of a `[speaker]text` turn."""
     import transformers
@@ -109,7 +103,7 @@ async def test_frames_and_audio_equal_transformers(folder, server, reference):
         audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
         assert audio.shape == wave.shape
         np.testing.assert_allclose(audio, wave, atol=1e-4 * max(1.0, float(np.abs(wave).max())), rtol=0)
-    _clean(server)
+    server.assert_clean()
 
 
 async def speech(client: httpx.AsyncClient, **body) -> httpx.Response:
@@ -146,7 +140,7 @@ async def test_speech_route_formats_and_streams(server, reference):
         assert rate == 24000 and np.array_equal(samples, got)
     second = np.frombuffer(other.content, "<i2")
     assert np.abs(second.astype(int) - pcm(reference[("1", TEXTS[1])][1])).max() <= 1
-    _clean(server)
+    server.assert_clean()
     clips = server.metric("mstar_time_to_first_audio_seconds_count")
     assert clips >= 6 and server.metric("mstar_real_time_factor_count") == clips
     assert server.metric("mstar_audio_seconds_total") >= 6 * FRAMES * 1920 / 24000
@@ -185,7 +179,7 @@ async def test_frames_to_the_cap_and_aborts_free_both_labels(server):
                                                                    "stream_format": "audio", **GREEDY}) as r:
             async for _ in r.aiter_bytes():
                 break  # the first chunk, then the client goes away
-    _clean(server)
+    server.assert_clean()
 
 
 def test_the_openai_client_speaks(server):
@@ -255,7 +249,7 @@ async def test_context_turns_equal_transformers(server, reference, conversations
     assert len(got) == len(want) > 0 and np.abs(got.astype(int) - want).max() <= 1
     alone = reference[("0", conversations[0][3])][0]  # the same turn without its context
     assert not np.array_equal(frames[: len(alone)], alone[: len(frames)])
-    _clean(server)
+    server.assert_clean()
 
 
 def test_the_openai_client_takes_context(server, conversations, context_reference):
@@ -264,7 +258,7 @@ def test_the_openai_client_takes_context(server, conversations, context_referenc
     assert clip == streamed
     got = np.frombuffer(clip, "<i2")
     assert np.abs(got.astype(int) - pcm(context_reference[1][1])).max() <= 1
-    _clean(server)
+    server.assert_clean()
 
 
 def silence(frames: int) -> str:
@@ -295,7 +289,7 @@ async def test_context_refusals_name_the_field(server, context, param, message):
     if message:
         assert message in r.json()["error"]["message"]
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "input_ids"
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_small_special_ids_and_a_greedy_generation_config(tmp_path):
@@ -317,6 +311,6 @@ async def test_small_special_ids_and_a_greedy_generation_config(tmp_path):
         assert gen.json()["token_ids"] == tokens_of(frames, 64)
         got, want = np.frombuffer(r.content, "<i2"), pcm(wave)
         assert len(got) == len(want) and np.abs(got.astype(int) - want).max() <= 1
-        _clean(srv)
+        srv.assert_clean()
     finally:
         srv.stop()

@@ -87,12 +87,6 @@ def pcm(samples: np.ndarray) -> np.ndarray:
     return np.frombuffer((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes(), "<i2")
 
 
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
-
-
 async def test_frames_and_audio_equal_transformers(root, server, reference):
     """The default voice as text prompts with temperature 0 sent; the other voice as the
     template's ids with no sampling field (generation_config.json's greedy); and one cut by
@@ -118,7 +112,7 @@ max_tokens before it ends; all 9 at once."""
         np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
     # both ways a request ends: the delay's all-EOS frame, and max_tokens
     assert ends > 0 and got[-1].json()["token_ids"][-1] != EOS_TOKEN
-    _clean(server)
+    server.assert_clean()
 
 
 async def speech(client: httpx.AsyncClient, **body) -> httpx.Response:
@@ -152,7 +146,7 @@ async def test_speech_route_streams_and_voices(server, reference):
     assert rate == 24000 and np.array_equal(samples, got)
     second = np.frombuffer(other.content, "<i2")
     assert np.abs(second.astype(int) - pcm(reference[(VOICES[1], TEXTS[1])][1])).max() <= 33
-    _clean(server)
+    server.assert_clean()
     clips = server.metric("mstar_time_to_first_audio_seconds_count")
     assert clips >= 5 and server.metric("mstar_real_time_factor_count") == clips
     assert server.metric("mstar_audio_seconds_total") > 0
@@ -171,7 +165,7 @@ async def test_sampling_with_ras_and_refusals(server):
     for r in bad:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "voice"
-    _clean(server)
+    server.assert_clean()
 
 
 # -- voice cloning: a reference clip and its text as a context turn -------------------------
@@ -224,7 +218,7 @@ async def test_voice_cloning_equals_transformers(server, reference, clips, clone
     assert len(got) == len(want) > 0 and np.abs(got.astype(int) - want).max() <= 33
     alone = reference[(VOICES[0], clips[0][2])][0]  # the same text without the clip
     assert not np.array_equal(frames[: len(alone)], alone[: len(frames)])
-    _clean(server)
+    server.assert_clean()
 
 
 @pytest.mark.parametrize(("turn", "param"), [
@@ -237,4 +231,4 @@ async def test_clone_refusals_name_the_field(server, turn, param):
         r = await speech(client, context=[turn])
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    _clean(server)
+    server.assert_clean()

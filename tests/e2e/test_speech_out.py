@@ -162,16 +162,17 @@ async def test_speech_refusals_name_the_field(server, body, param, message):
 
 
 async def test_another_familys_extension_is_refused_naming_it(server):
-    """Orpheus reads neither of Chatterbox's fields: each is a 400 naming it and Chatterbox
-    (silently ignoring it would speak as if it were honoured)."""
+    """Orpheus reads neither Chatterbox's fields nor Qwen3-TTS' one: each is a 400 naming it
+    and its family (silently ignoring it would speak as if it were honoured)."""
     name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        for field in ("exaggeration", "cfg_weight"):
-            r = await client.post("/v1/audio/speech", json={"input": "x", field: 0.5})
+        for field, value, family in (("exaggeration", 0.5, "Chatterbox"), ("cfg_weight", 0.5, "Chatterbox"),
+                                     ("non_streaming_mode", False, "Qwen3-TTS")):
+            r = await client.post("/v1/audio/speech", json={"input": "x", field: value})
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert (error["param"], error["message"]) == (
-                field, f"{field} is a Chatterbox extension; the served model ({name}) does not use it")
+                field, f"{field} is a {family} extension; the served model ({name}) does not use it")
 
 
 def test_the_openai_client_speaks(folder, server):

@@ -10,6 +10,9 @@ tokenizer.json, the 12 Hz codec in speech_tokenizer/), against the `qwen-tts` pa
 - `/v1/audio/speech`: a second voice (4 inputs, one with instructions: the package's user
   turn) batched, each equal to the package's pcm within 1e-3 of full scale; a request alone
   equals the same request among others; streamed (raw and SSE) chunks join to the whole;
+- the package's streaming text (`non_streaming_mode: false`, a text token fed with each
+  frame): two voices, texts longer and shorter than the clip, one with instructions,
+  batched, each the package's pcm within 1e-3 (`generate(non_streaming_mode=False)`);
 - a sampled request: the same seed, the same clip;
 - refusals: an unknown voice (400 naming `voice` and listing the speakers), the model's
   special tokens in the text;
@@ -31,8 +34,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.qwen3_tts_checkpoints import SPEAKERS, make_qwen3_tts_checkpoint, qwen3_tts_reference
-from tests.servers import MstarServer
+from tests.qwen3_tts_checkpoints import (
+    SPEAKERS,
+    make_qwen3_tts_checkpoint,
+    qwen3_tts_prefetch,
+    qwen3_tts_reference,
+    qwen3_tts_server,
+)
 
 #: the first test's setup may build the reference's venv, weights and answers (kept after)
 pytestmark = pytest.mark.timeout(600)
@@ -58,18 +66,39 @@ def _cases() -> list[tuple[str, str, str]]:
     return [*cases, (VOICES[1], TEXTS[0], INSTRUCT)]
 
 
+def _answers(root: Path, work: Path, stream: bool = False) -> list:
+    cases = STREAMED if stream else _cases()
+    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1,
+             **({"non_streaming_mode": False} if stream else {})} for v, t, i in cases]
+    return qwen3_tts_reference(root, asks, work)
+
+
 @pytest.fixture(scope="module")
-def reference(root, tmp_path_factory):
-    cases = _cases()
-    asks = [{"text": t, "speaker": v, "instruct": i, "max_new_tokens": FRAMES + 1} for v, t, i in cases]
-    return dict(zip(cases, qwen3_tts_reference(root, asks, tmp_path_factory.mktemp("qwen3_tts_ref"))))
+def answers(root, tmp_path_factory) -> tuple[list, list]:
+    """The package's answers (the prompt's text, streamed text), in one run of the reference (kept)."""
+    works = [tmp_path_factory.mktemp("qwen3_tts_ref"), tmp_path_factory.mktemp("qwen3_tts_stream_ref")]
+    qwen3_tts_prefetch(lambda: _answers(root, works[0]), lambda: _answers(root, works[1], True))
+    return _answers(root, works[0]), _answers(root, works[1], True)
+
+
+@pytest.fixture(scope="module")
+def reference(answers):
+    return dict(zip(_cases(), answers[0]))
+
+
+#: streamed text: (voice, text, instructions), one batch of the package's
+STREAMED = ((VOICES[0], TEXTS[0], ""), (VOICES[0], TEXTS[1], ""), (VOICES[1], TEXTS[1], ""),
+            (VOICES[1], TEXTS[0], INSTRUCT))
+
+
+@pytest.fixture(scope="module")
+def stream_reference(answers):
+    return answers[1]
 
 
 @pytest.fixture(scope="module")
 def server(root, tmp_path_factory):
-    srv = MstarServer(str(root), tmp_path_factory.mktemp("logs") / "qwen3_tts.log", "--num-kv-pages", "64",
-                      "--page-size", "16", "--max-seq-len", "256", "--max-batch-tokens", "24",
-                      env={"MSTAR_KV_DEBUG_ASSERTS": "1"}).start()
+    srv = qwen3_tts_server(root, tmp_path_factory.mktemp("logs") / "qwen3_tts.log")
     yield srv
     srv.stop()
 
@@ -92,12 +121,6 @@ def assert_pcm(got: bytes, wave: np.ndarray) -> None:
     assert np.abs(samples.astype(int) - want).max() <= 33  # 1e-3 of full scale
 
 
-def _clean(server: MstarServer) -> None:
-    assert server.wait_pages_free() == 0
-    log = server.log()
-    assert "footprint overrun" not in log and "not tight" not in log and "failed (error_id=" not in log
-
-
 async def speech(client: httpx.AsyncClient, voice: str, text: str, **body) -> httpx.Response:
     return await client.post("/v1/audio/speech", json={"input": text, "voice": voice, "response_format": "pcm",
                                                        **body})
@@ -117,7 +140,7 @@ async def test_codes_and_audio_equal_the_package(server, reference):
         audio = np.frombuffer(base64.b64decode(body["audio"]), "<f4")
         assert audio.shape == wave.shape and len(wave) > 0
         np.testing.assert_allclose(audio, wave, atol=1e-3, rtol=0)
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_second_voice_and_instructions_batched(server, reference):
@@ -135,7 +158,7 @@ async def test_second_voice_and_instructions_batched(server, reference):
     assert not np.array_equal(plain[: len(instructed)], instructed[: len(plain)])  # instructions change the codes
     default = reference[(VOICES[0], TEXTS[0], "")][0]
     assert not np.array_equal(plain[: len(default)], default[: len(plain)])  # so do voices
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_streams_join_to_the_whole(server, reference):
@@ -162,7 +185,20 @@ async def test_streams_join_to_the_whole(server, reference):
     assert len(reference[(VOICES[1], text, "")][0]) > 5 and len(short.content) == 2 * 5 * 48
     assert np.abs(np.frombuffer(short.content, "<i2").astype(int) - head).max() <= 1
     assert server.metric("mstar_time_to_first_audio_seconds_count") >= 4
-    _clean(server)
+    server.assert_clean()
+
+
+async def test_streamed_text_equals_the_package(server, stream_reference, reference):
+    """`non_streaming_mode: false`: the text fed a token a frame, batched, as the package."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        got = await asyncio.gather(*(speech(client, v, t, non_streaming_mode=False,
+                                            **({"instructions": i} if i else {})) for v, t, i in STREAMED))
+    for case, r, (_, wave) in zip(STREAMED, got, stream_reference):
+        assert r.status_code == 200, (case, r.text)
+        assert_pcm(r.content, wave)
+    streamed, whole = stream_reference[1][0], reference[(VOICES[0], TEXTS[1], "")][0]
+    assert not np.array_equal(streamed[: len(whole)], whole[: len(streamed)])  # the mode changes the codes
+    server.assert_clean()
 
 
 async def test_sampled_requests_are_seeded(server):
@@ -175,7 +211,7 @@ async def test_sampled_requests_are_seeded(server):
         assert r.status_code == 200, r.text
         assert len(r.content) % (2 * 48) == 0 and len(r.content) > 0
     assert got[0].content == got[1].content
-    _clean(server)
+    server.assert_clean()
 
 
 async def test_refusals_name_the_field(server):
@@ -188,4 +224,4 @@ async def test_refusals_name_the_field(server):
     assert error["param"] == "voice" and all(s in error["message"] for s in SPEAKERS)
     assert special.status_code == 400 and special.json()["error"]["param"] == "input"
     assert bad_instr.status_code == 400 and bad_instr.json()["error"]["param"] == "instructions"
-    _clean(server)
+    server.assert_clean()

@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.api.detokenize import REPLACEMENT, IncrementalDetokenizer
+from shared.detokenize import REPLACEMENT, IncrementalDetokenizer
 
 CORPUS = [
     "Hello world! 你好，世界。今天天气很好。",

@@ -13,7 +13,6 @@ from starlette.testclient import TestClient
 from services.api.app import create_app
 from services.api.backend import RequestHandle
 from services.api.chat_request import parse_chat
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.dialects.openai.params import parse_completion
 from services.api.dialects.openai.reply import ChatReply, CompletionReply, usage_of
 from services.api.errors import ApiError
@@ -22,6 +21,7 @@ from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
 from services.api.settings import ApiSettings
 from services.api.state import task_refusal
+from shared.detokenize import IncrementalDetokenizer
 from shared.errors import ErrorKind
 from shared.frames import Output
 from shared.model_source import TokenizerBundle
@@ -172,9 +172,12 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
             "data": "AAAA", "format": "wav"}}]}]}, 400,
          "the served model takes no audio inputs: messages[0].content[0] is an input_audio part",
          "messages[0].content[0]"),
-        ("chat", {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}, 400,
-         'messages[0].content[0].type must be one of text, image_url, input_audio, got "video_url"',
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, 400,
+         'messages[0].content[0].type must be one of text, image_url, input_audio, video_url, got "file"',
          "messages[0].content[0].type"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+         400, "the served model takes no video inputs: messages[0].content[0] is a video_url part",
+         "messages[0].content[0]"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x",
                                                                                              "detail": "high"}}]}]},
          400, None, "messages[0].content[0].image_url.detail"),
@@ -224,8 +227,8 @@ def test_models_routes(client: TestClient) -> None:
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert set(body["data"][0]) == {"id", "object", "created", "owned_by", "max_model_len", "input_modalities",
-                                    "output_modalities", "image_placeholder", "audio_placeholder", "default_sampling",
-                                    "parameters", "active_parameters", "task"}
+                                    "output_modalities", "image_placeholder", "audio_placeholder", "video_placeholder",
+                                    "default_sampling", "parameters", "active_parameters", "task"}
     card = body["data"][0]
     assert card["task"] == "generate"
     assert (card["input_modalities"], card["output_modalities"]) == (["text"], ["text"])

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.api.stop import StopMatcher
+from shared.stop_strings import StopMatcher
 
 
 def run(chunks: list[str], stops: list[str]) -> tuple[list[str], str | None]:

@@ -16,10 +16,10 @@ from tokenizers import Tokenizer, processors
 from services.api.app import create_app
 from services.api.backend import RequestHandle
 from services.api.chat_template import ChatTemplate
-from services.api.detokenize import IncrementalDetokenizer
 from services.api.generation import Generation
 from services.api.metrics import ApiMetrics
 from services.api.stats_log import Snapshot, busy, stats_line
+from shared.detokenize import IncrementalDetokenizer
 from shared.frames import ClusterStatus, Output, PoolStats, WorkerStats
 from shared.model_source import TokenizerBundle
 from shared.version import mstar_version

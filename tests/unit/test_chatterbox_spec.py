@@ -66,3 +66,33 @@ def test_rows_on_both_labels(spec):
 def test_s3gen_takes_the_packages_tokens():
     assert valid_tokens([5, 6561, 7, 8, 6600, 9, 6562, 10]) == [7, 8, 9]
     assert valid_tokens([1, 2, 3]) == [1, 2, 3]
+
+
+def test_a_reference_clip_is_one_audio_turn(spec):
+    """A clip: decoded at 24 kHz and sent as `context_audio` (the voice "clip"); two turns,
+    a transcript, no audio, or bytes that are not audio are refused naming the field."""
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from shared.frames import ContextTurn
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(8000, dtype=np.float32), 16000, format="WAV")
+    audio = buf.getvalue()
+    (clip,), text = spec.prepare_context([ContextTurn("0", "", audio)])
+    assert text == "" and len(clip.samples) == 12000 and clip.param == "context[0].audio"
+    out = spec.process_prompt(PromptRequest([5, 6], context=(clip,)))
+    assert out.metadata["voice"] == "clip" and out.new_input_tensors["context_audio"].shape == (12000,)
+    short = io.BytesIO()
+    sf.write(short, np.zeros(1600, dtype=np.float32), 16000, format="WAV")
+    for turns, param in (([ContextTurn("0", "", audio)] * 2, "context"),
+                         ([ContextTurn("0", "hi", audio)], "context[0].text"),
+                         ([ContextTurn("0", "")], "context[0].audio"),
+                         ([ContextTurn("0", "", short.getvalue())], "context[0].audio"),
+                         ([ContextTurn("0", "", base64.b64encode(b"not audio"))], "context[0].audio")):
+        with pytest.raises(PromptError) as err:
+            spec.prepare_context(turns)
+        assert err.value.param == param

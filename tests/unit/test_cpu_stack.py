@@ -291,3 +291,38 @@ def test_a_long_prefill_runs_the_mlp_in_slices_with_the_same_bits(model, monkeyp
     assert torch.equal(sliced, whole)
     assert torch.equal(_forward(m, _caches(m, spec), ids, list(range(300)), rows, stack=False), whole)
     assert m.model.layers[0].mlp._rows_independent()
+
+
+def _in_pieces(m, caches, ids, positions, rows, sample_rows, monkeypatch):
+    """The runner's long-step path (`host_pieces`): the step in pieces of at most 8 rows,
+    one `run_step` each, their sampled rows' logits in order."""
+    import numpy as np
+
+    from services.gpu_worker.runners import base
+
+    monkeypatch.setattr(base, "MAX_CHUNK_ROWS", 8)
+    pieces = base.host_pieces({"kv": [AttnRows(*r) for r in rows]}, len(ids), sample_rows)
+    assert pieces is not None and len(pieces) > 2
+    out = []
+    for part, lo, hi, sampled in pieces:
+        got = _decode(m, caches, ids[lo:hi], positions[lo:hi], part["kv"], sampled)
+        assert got is not None
+        out.append(got.numpy())
+    return torch.from_numpy(np.concatenate(out))
+
+
+def test_a_step_longer_than_a_call_runs_in_pieces_with_the_same_bits(model, monkeypatch):
+    """Decode rows and two prompt chunks, cut into pieces (each chunk across two): the
+    same logits and pages as the modules' one forward of the whole step."""
+    m, spec = model
+    a, b = _prefilled(m, spec, [5, 17, 10]), _prefilled(m, spec, [5, 17, 10])
+    fresh = [(31 * j) % 90 + 3 for j in range(12)]
+    later = [(13 * j) % 90 + 3 for j in range(9)]
+    rows = [(list(range(8)), 0, 5, 1, True), (list(range(8, 16)), 0, 17, 1, True),
+            (list(range(16, 24)), 0, 10, 9, False), (list(range(24, 32)), 0, 0, 12, False)]
+    ids, pos = [7, 8, *later, *fresh], [5, 17, *range(10, 19), *range(12)]
+    sample = [0, 1, 10, 22]
+    got = _in_pieces(m, a, ids, pos, rows, sample, monkeypatch)
+    full = _forward(m, b, ids, pos, rows, stack=False)
+    assert torch.equal(got, full[sample])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

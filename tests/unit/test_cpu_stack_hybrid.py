@@ -165,3 +165,36 @@ def test_whole_steps_with_prompt_chunks_and_a_fresh_slot_are_bitwise_the_modules
     want = _forward(model, b, ids, pos, rows, sample)
     assert got is not None and torch.equal(got, want)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_step_longer_than_a_call_runs_in_pieces_with_the_same_bits(model, monkeypatch):
+    """The runner's long-step path (`host_pieces`, pieces of at most 8 rows here): a later
+    piece of a prompt continues the state its earlier piece left in the slot (a fresh
+    slot's first piece starts it at zero), the same logits, pages and states as the
+    modules' one forward of the whole step."""
+    import numpy as np
+
+    from services.gpu_worker.runners import base
+
+    monkeypatch.setattr(base, "MAX_CHUNK_ROWS", 8)
+    a, b = _prefilled(model, [5, 17, 10, 7]), _prefilled(model, [5, 17, 10, 7])
+    fresh = [(31 * j) % 90 + 3 for j in range(12)]
+    later = [(13 * j) % 90 + 3 for j in range(9)]
+    rows = [(list(range(8)), 0, 5, 1, True), (list(range(8, 16)), 0, 17, 1, True),
+            (list(range(16, 24)), 0, 10, 9, False), (list(range(24, 32)), 0, 0, 12, False)]
+    ids, pos = [7, 8, *later, *fresh], [5, 17, *range(10, 19), *range(12)]
+    sample = [0, 1, 10, 22]
+    pieces = base.host_pieces({"kv": [AttnRows(*r) for r in rows], "state": _state_rows(rows)}, len(ids), sample)
+    assert pieces is not None and len(pieces) == 3
+    kernel = BUILDERS["kernel"]
+    assert isinstance(kernel, KernelBuilder)
+    out = []
+    for part, lo, hi, sampled in pieces:
+        host, state = kernel.host(part["kv"], PAGE, None), state_host(part["state"])
+        metas = [state if layer.linear else host for layer in model.model.layers]
+        logits = model.cpu_stack.run_step(ids[lo:hi], pos[lo:hi], sampled, metas, a)
+        assert logits is not None
+        out.append(logits.copy())
+    want = _forward(model, b, ids, pos, rows, sample)
+    assert torch.equal(torch.from_numpy(np.concatenate(out)), want)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -18,6 +18,9 @@ from services.gpu_worker.codecs.code2wav import Code2WavCodec
 from services.gpu_worker.kv_memory import kv_cache
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
 from services.gpu_worker.runners.omni_talker import TalkerRun, TalkerSettings, TalkerStep, talker_prompt
+from services.gpu_worker.runners.omni_talker_sampling import TalkerSampling
+from services.gpu_worker.sampler import make_generator
+from shared.frames import SamplingParams
 from tests.omni_checkpoints import make_omni_checkpoint, omni_processor, tone, wav_bytes
 
 PAGE = 4
@@ -148,3 +151,95 @@ def test_batched_equals_transformers(ckpt, references):
     cases = [(CASES[i][0], references[i][0], at) for i, at in enumerate((0, 2, 0, 1))]
     for ours, (_, ref_codes, ref_wave) in zip(_talk(ckpt, cases), references):
         _check(ours, ref_codes, ref_wave)
+
+
+SAMPLED = dict(talker_do_sample=True, talker_temperature=0.7, talker_top_k=10, talker_top_p=0.8)
+
+
+def _sampled_reference(hf) -> tuple[dict, list[torch.Tensor], list[int]]:
+    """transformers' sampled run (SAMPLED, torch seed 0): the thinker's sequence (`_reference`'s
+    keys), and each draw's scores (the processed logits it drew from, -inf where dropped)
+    and code, in draw order: the first code, then from the second step on each step's
+    frame's code predictor codes and then its first code."""
+    model, proc = hf
+    inputs = _inputs(proc, ())
+    eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    talked, predicted, frames = [], [], {}
+    talker_generate, predictor_generate, decode = (model.talker.generate, model.talker.code_predictor.generate,
+                                                   model.code2wav.chunked_decode)
+
+    def talker(*args, **kwargs):
+        talked.append(talker_generate(*args, **kwargs, output_scores=True))
+        return talked[-1]
+
+    def predictor(*args, **kwargs):
+        out = predictor_generate(*args, **kwargs, output_scores=True)
+        predicted.append(out.scores)
+        return out
+
+    def capture(codes, **kwargs):
+        frames["codes"] = codes[0].T.tolist()
+        return decode(codes, **kwargs)
+
+    model.talker.generate, model.code2wav.chunked_decode = talker, capture
+    model.talker.code_predictor.generate = predictor
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            seq, _ = model.generate(**inputs, speaker="ethan", thinker_max_new_tokens=4, thinker_eos_token_id=eos,
+                                    thinker_do_sample=False, return_audio=True, talker_max_new_tokens=MAX_FRAMES + 1,
+                                    **SAMPLED)
+    finally:
+        del model.talker.generate, model.talker.code_predictor.generate, model.code2wav.chunked_decode
+    ref = dict(sequence=seq[0].tolist(), prompt_len=inputs["input_ids"].shape[1],
+               embed=model.thinker.get_input_embeddings(), eos=eos)
+    firsts = talked[0].sequences[0].tolist()
+    scores, codes = [talked[0].scores[0][0]], [firsts[0]]
+    for t in range(1, len(firsts)):
+        scores += [s[0] for s in predicted[t - 1]] + [talked[0].scores[t][0]]
+        codes += [*frames["codes"][t - 1][1:], firsts[t]]
+    return ref, [s.float() for s in scores], codes
+
+
+def _talk_sampled(ckpt, ref: dict, sampling: TalkerSampling, monkeypatch, forced: list[int] | None = None) -> list:
+    """Our talker's run of `ref` with `sampling`: every draw's (scores, code) in draw order,
+    where `forced` gives each draw's code (the reference's), else its own draw; until
+    `codec_eos` or MAX_FRAMES + 1 first codes."""
+    from services.gpu_worker.runners import omni_talker, omni_talker_sampling
+
+    model, s, step, _ = _stage(ckpt)
+    draws: list = []
+    draw = omni_talker_sampling.choose
+
+    def choose(scores, run_sampling):
+        code = forced[len(draws)] if forced is not None else draw(scores, run_sampling)
+        draws.append((scores, code))
+        return code
+
+    monkeypatch.setattr(omni_talker, "choose", choose)
+    monkeypatch.setattr(omni_talker_sampling, "choose", choose)
+    with torch.inference_mode():
+        run = TalkerRun(talker_prompt(model, s, ref["embed"], ref["sequence"], ref["prompt_len"], s.speakers["ethan"],
+                                      (ref["eos"],)), sampling=sampling)
+        while not run.history or (run.history[-1] != s.codec_eos and len(run.history) <= MAX_FRAMES):
+            step([run], [list(range(16))], [[0, 1]])
+    monkeypatch.undo()
+    return draws
+
+
+def test_sampled_codes_have_transformers_distributions(ckpt, hf, monkeypatch):
+    """Sampled (temperature 0.7, top_k 10, top_p 0.8; the code predictor with its own
+    warpers): taking the codes transformers drew, every draw's scores (the talker's first
+    codes' and the predictor's) equal transformers' within 1e-4, -inf where it drops; the
+    same seed draws the same codes, another seed others."""
+    ref, want_scores, want_codes = _sampled_reference(hf)
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=10)
+    draws = _talk_sampled(ckpt, ref, TalkerSampling(params, make_generator(1)), monkeypatch, want_codes)
+    assert [c for _, c in draws] == want_codes and len(want_codes) > 8
+    for (ours, _), want in zip(draws, want_scores):
+        kept = ~torch.isinf(want)
+        assert torch.equal(~torch.isinf(ours), kept) and kept.sum() > 1
+        np.testing.assert_allclose(ours[kept].numpy(), want[kept].numpy(), atol=1e-4, rtol=0)
+    runs = [[c for _, c in _talk_sampled(ckpt, ref, TalkerSampling(params, make_generator(seed)), monkeypatch)]
+            for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

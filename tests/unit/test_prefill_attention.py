@@ -1,8 +1,9 @@
 """The C prefill kernel (kernels/prefill_attention.c, `attention._prefill_kernel`) against
 torch's SDPA on the gathered pages: float32 and bfloat16 pages, GQA, chunks of 1, 17 and 300
 rows over a prefix already in the pages, pages in random order, sliding windows (with the
-pages behind the window released), the same bits on 1 and 2 threads, and the chunks it must
-leave to torch (bidirectional blocks, soft-capping, the torch backend)."""
+pages behind the window released), an encoder's bidirectional chunks (every row sees every
+key), the same bits on 1 and 2 threads, and the chunks it must leave to torch (bidirectional
+blocks, soft-capping, the torch backend)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,39 @@ def test_sliding_window(dtype, q_len, cached, window, taken):
     out = paged_attention(q, cache, meta, D**-0.5)
     assert taken == [True]
     torch.testing.assert_close(out, reference(q, k, v, window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "lens"), [(12, 12, [1, 9, 40]), (6, 2, [130, 17])])
+def test_bidirectional_chunks(dtype, hq, hkv, lens, taken):
+    """An encoder's step (`causal=False`: BERT's, the pooling runner's): several requests'
+    whole prompts, each row seeing every row of its own request, through the kernel (no
+    mask built), within float32 rounding of SDPA without a mask, the same bits on 1 and 2
+    threads."""
+    g = torch.Generator().manual_seed(2)
+    pool = sum(-(-n // PAGE) for n in lens) + 3
+    order = torch.randperm(pool, generator=g).tolist()
+    cache = torch.zeros(pool, 2, PAGE, hkv, D, dtype=dtype)
+    rows, kvs = [], []
+    for n in lens:
+        pages, order = order[: -(-n // PAGE)], order[-(-n // PAGE):]
+        k, v = torch.randn(n, hkv, D, generator=g) * 2, torch.randn(n, hkv, D, generator=g)
+        for r in range(n):
+            cache[pages[r // PAGE], 0, r % PAGE], cache[pages[r // PAGE], 1, r % PAGE] = k[r].to(dtype), v[r].to(dtype)
+        rows.append(AttnRows(pages, 0, 0, n, False))
+        kvs.append((k.to(dtype).float(), v.to(dtype).float()))
+    meta = attention.BUILDERS["kernel"].build(rows, PAGE, None, causal=False)
+    q = torch.randn(sum(lens), hq, D, generator=g) * 2
+    one = on_threads(1, lambda: paged_attention(q, cache, meta, D**-0.5))
+    two = on_threads(2, lambda: paged_attention(q, cache, meta, D**-0.5))
+    assert taken == [True] * (2 * len(lens)) and all(c.mask is None for c in meta.prefills)
+    assert torch.equal(one, two)
+    at = 0
+    for n, (k, v) in zip(lens, kvs):
+        ref = F.scaled_dot_product_attention(q[at : at + n].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             scale=D**-0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(one[at : at + n], ref, rtol=1e-5, atol=1e-5)
+        at += n
 
 
 def test_chunks_with_decode_rows(taken):

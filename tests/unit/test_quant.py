@@ -194,6 +194,28 @@ def test_threads_split_columns_without_changing_a_bit():
 
 
 @needs_kernel
+def test_an_lm_heads_prefetch_changes_no_bit():
+    """A byte-form GEMV as wide as an LM head (65,536 columns and more: Gemma 3's tied Q8_0
+    head) prefetches its weights ahead (qgemm.c's HEAD_TILES); the same bits without, and
+    the rounded-x GEMM's values."""
+    from services.gpu_worker import cpu_kernels
+
+    n, k = 65536 + 40, 64  # a ragged last tile
+    raw = random_blocks("Q8_0", n, k, seed=4)
+    layer = QuantLinear.from_gguf("Q8_0", raw, (n, k))
+    x, lib = torch.randn(1, k), cpu_kernels.library()
+    try:
+        lib.mstar_qgemm_set_head_prefetch(0)
+        off = layer(x)
+    finally:
+        lib.mstar_qgemm_set_head_prefetch(1)
+    on = layer(x)
+    assert torch.equal(on, off)
+    ref = (rounded(x).double() @ dequantized("Q8_0", raw, n, k).double().T).float()
+    assert torch.allclose(on, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_K", "Q6_K"])
 def test_a_row_is_the_same_bits_alone_and_among_a_prompts(qtype):
     """Forms 5 and 6 under a prompt's rows compute on each tile expanded once (weights to

@@ -60,14 +60,21 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, str
 class MimiEncoder:
     """The encoder's weights; `encode` is one clip at a time (as transformers' CSM calls it)."""
 
-    def __init__(self, folder: str | Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, folder: str | Path, config: Mapping[str, Any], device: torch.device | str = "cpu",
+                 weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`weights`: the encoder's tensors by Mimi's own names where the caller read them
+        (Qwen3-TTS' codec keeps them under another prefix); else CSM's `codec_model.*`."""
         self.s = MimiSettings(config)
-        self.w = _load(Path(folder), ENCODER_PARTS)
-        if "encoder.layers.0.conv.weight" not in self.w:
-            raise ValueError(f"{folder}: the codec has no encoder weights (codec_model.encoder.*)")
+        self.device = torch.device(device)
+        w = dict(weights) if weights is not None else _load(Path(folder), ENCODER_PARTS)
+        if "encoder.layers.0.conv.weight" not in w:
+            raise ValueError(f"{folder}: the codec has no encoder weights (encoder.layers.*)")
+        self.w = {k: v.to(self.device) for k, v in w.items()}
         self.tables = codebook_tables(self.w, self.s)
-        self.inv_freq = rope_inv_freq(self.s)
+        self.inv_freq = rope_inv_freq(self.s).to(self.device)
         self.seanet = self._seanet_plan()
+        #: the keys a query sees; Qwen3-TTS' package runs its encoder with none dropped
+        self.window = self.s.window
 
     def _seanet_plan(self) -> list[tuple]:
         """The SEANet encoder's layers in order: (kind, weight name, dilation or stride)."""
@@ -86,12 +93,12 @@ class MimiEncoder:
     def encode(self, samples: np.ndarray) -> np.ndarray:
         """Mono float32 samples at the codec's rate -> codes [frames, num_quantizers]."""
         with torch.inference_mode():
-            x = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)).view(1, 1, -1)
+            x = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)).view(1, 1, -1).to(self.device)
             for step in self.seanet:
                 x = self._seanet_step(step, x)
             x = self._transformer(x.transpose(1, 2)).transpose(1, 2)
             x = causal_conv(x, self.w["downsample.conv.weight"], None, stride=self.s.stride, mode="replicate")
-            return self._quantize(x[0].t()).numpy()
+            return self._quantize(x[0].t()).cpu().numpy()
 
     def _seanet_step(self, step: tuple, x: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -105,11 +112,11 @@ class MimiEncoder:
 
     def _transformer(self, x: torch.Tensor) -> torch.Tensor:
         """[1, T, hidden] through the encoder transformer: positions 0..T-1, each query
-        seeing the keys of the last `sliding_window` positions."""
+        seeing the keys of the last `window` positions."""
         s, w = self.s, self.w
-        pos = torch.arange(x.shape[1])
+        pos = torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_tables(self.inv_freq, pos)
-        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - s.window)
+        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - self.window)
 
         def attend(p: str, h: torch.Tensor) -> torch.Tensor:
             return attend_out(*project_qkv(h, w, s, p, cos, sin), mask, w, s, p)

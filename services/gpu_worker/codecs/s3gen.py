@@ -60,12 +60,14 @@ class S3Gen:
         self.voice = tuple(gen[k].to(device) for k in ("prompt_token", "prompt_feat", "embedding"))
         self.fade = trim_fade().to(device)
 
-    def decode(self, tokens: list[int], generator: torch.Generator) -> np.ndarray:
-        """Float32 samples of `tokens` (T3's, its end of speech included or not)."""
+    def decode(self, tokens: list[int], generator: torch.Generator,
+               voice: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> np.ndarray:
+        """Float32 samples of `tokens` (T3's, its end of speech included or not), in the
+        built-in voice or `voice` (a reference clip's prompt tokens, mel and x-vector)."""
         codes = valid_tokens(tokens)
         if not codes:
             return np.zeros(0, dtype=np.float32)
-        prompt_tokens, prompt_feat, xvector = self.voice
+        prompt_tokens, prompt_feat, xvector = (t.to(self.device) for t in voice) if voice is not None else self.voice
         with torch.inference_mode():
             ids = torch.tensor([codes], dtype=torch.long, device=self.device)
             mel = self.flow(ids, prompt_tokens, prompt_feat.float(), xvector.float(), generator)

@@ -8,7 +8,10 @@
  * bfloat16 is widened by a 16-bit shift, exactly; int8 pages hold each head's head_dim values
  * then its float32 scale, read as (float)q * scale, as paged_attention.c's decode reads them). Query head h * G + g uses KV head h. Causal, aligned bottom-right:
  * row i sees keys j <= kv_len - q_len + i, and with a sliding window W > 0 only those with
- * j > kv_len - q_len + i - W (transformers' convention, attention.py's `window_mask`).
+ * j > kv_len - q_len + i - W (transformers' convention, attention.py's `window_mask`). A
+ * window W < 0 means no causal order: every row sees every key (an encoder's
+ * attention; kv_len may then be below q_len). Per sequence and layer this ran the 32
+ * sentences of an all-MiniLM-L6-v2 batch ~4x faster than a gather of the pages and SDPA.
  *
  * The torch path gathers the pages into a contiguous copy and runs SDPA on one thread. Here
  * one job of the kernels' thread pool (pool.h) first copies each KV head's keys out of the
@@ -250,7 +253,7 @@ static void pack_queries(const Job *j, int64_t h, int64_t i0, int64_t lanes, int
     const int64_t d = j->d, g = j->g, off = j->kv_len - j->q_len;
     for (int64_t m = 0; m < w; m++) {
         const int64_t i = i0 + m / g;
-        hi[m] = m < lanes ? (int32_t)(off + i) : -1;
+        hi[m] = m < lanes ? (int32_t)(j->window < 0 ? j->kv_len - 1 : off + i) : -1;
         lo[m] = m < lanes && j->window > 0 && off + i - j->window + 1 > 0 ? (int32_t)(off + i - j->window + 1) : 0;
         const float *qm = j->q + i * j->q_stride + (h * g + m % g) * d;
         for (int64_t e = 0; e < d; e++) qt[e * w + m] = m < lanes ? qm[e] * j->scale : 0.f;
@@ -286,8 +289,9 @@ __attribute__((always_inline)) static inline void run_task(const Job *j, int64_t
         mx[v] = vset1(-INFINITY);
         sum[v] = vzero();
     }
-    const int64_t first = lo_a[0], last = off + i0 + rows - 1;    /* keys any lane sees */
-    const int64_t all_from = lo_a[lanes - 1], all_to = off + i0;  /* keys every lane sees: no mask */
+    const int64_t bidir = j->window < 0;
+    const int64_t first = lo_a[0], last = bidir ? j->kv_len - 1 : off + i0 + rows - 1; /* keys any lane sees */
+    const int64_t all_from = lo_a[lanes - 1], all_to = bidir ? last : off + i0; /* every lane sees: no mask */
     const float *kh = j->kp + h * j->kvp * d, *vh = j->vp + h * j->kvp * d;
     for (int64_t b0 = (first + j->base) / BK * BK - j->base; b0 <= last; b0 += BK) {
         const int64_t k0 = b0 > first ? b0 : first, k1 = b0 + BK <= last ? b0 + BK : last + 1, n = k1 - k0;
@@ -368,7 +372,7 @@ static void give_buffer(void *buf, int own) {
  * below passes, they do). mstar_prefill_attention is it without sinks, key_base 0.
  * Returns 0, or -1 for what it does not take (no AVX-512 or AVX2; head_dim not a multiple of 8 or
  * over 256; more than 48 query heads per KV head; query heads not a multiple of KV heads),
- * -2 for a chunk with more rows than keys or none, -3 when the packed K/V's memory could not
+ * -2 for a causal chunk with more rows than keys, or none, -3 when the packed K/V's memory could not
  * be had. */
 int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *cache, int64_t kind,
                                   const int64_t *pages, int64_t q_len, int64_t kv_len, int64_t hq, int64_t hkv,
@@ -378,7 +382,7 @@ int mstar_prefill_attention_sinks(const float *q, int64_t q_stride, const void *
     /* head_dim a multiple of 8 on either class (AVX2's O tile would take 4): the same shapes
      * run here whichever class was built */
     if (hkv <= 0 || hq % hkv || hq / hkv > LANES || d % 8 || d > MAX_D || d <= 0) return -1;
-    if (q_len <= 0 || kv_len < q_len) return -2;
+    if (q_len <= 0 || kv_len <= 0 || (window >= 0 && kv_len < q_len)) return -2;
     if (kind < 0 || kind > 2) return -1;
     const int64_t g = hq / hkv, bq = LANES / g < q_len ? LANES / g : q_len;
     Job j = {.q = q, .cache = (const char *)cache, .pages = pages, .out = out, .q_stride = q_stride,

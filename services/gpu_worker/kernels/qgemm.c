@@ -232,9 +232,16 @@ __attribute__((optimize("fp-contract=off"))) int mstar_qrows(int form, const uin
  * flight. Prefetching 3 KB ahead, non-temporal (the weights are read once a step: they need
  * not push the step's other data out of L3), took a GEMV to 25-33 GB/s and a Q4_K_M decode
  * step from 6.58 to 6.17 ms; the scales' streams prefetched as well, 3-7% off a decode step
- * more (SmolLM2's Q4_1, the Q4_K_M file). The byte forms ran 10% slower with it: they go
- * without. */
+ * more (SmolLM2's Q4_1, the Q4_K_M file). The byte forms ran 10% slower with it: their layer
+ * GEMVs go without. An LM head is another matter (HEAD_TILES output tiles or more: Gemma 3
+ * 270M's tied Q8_0 head, 262,144 x 640, 178 MB, ~72% of a decode step's bytes): prefetching it
+ * PREFETCH_AHEAD_BYTES ahead took the c1 step (the C stack's one call) 7-15% down at min, p25
+ * and median over 120-150 alternated steps in one process (2 Zen 4 cores, load average 8-10;
+ * 3 KB ahead gave about half of that, 12 KB the same as 6). mstar_qgemm_set_head_prefetch(0)
+ * turns it off (to compare: bench/head_prefetch.py). */
 #define PREFETCH_AHEAD 3072
+#define PREFETCH_AHEAD_BYTES 6144
+#define HEAD_TILES 4096 /* 65,536 output columns: no layer GEMV is this wide */
 
 /* One GEMM split into tasks for the pool (pool.h): a grid of column chunks (ct tiles) x row
  * blocks (rb rows, a multiple of MR), task = chunk * nrb + block. Whichever thread runs a task,
@@ -252,6 +259,7 @@ struct qjob {
     const float *bias;
     float *out;
     int64_t ct, rb, nrb, qrows;
+    int pf;
 };
 
 /* A decode GEMV's prefetches at block b of tile t: the weights PREFETCH_AHEAD bytes on, and
@@ -261,9 +269,10 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const int form,
                                                                  const void *d, const void *mn, int64_t t, int64_t b,
                                                                  int64_t kb) {
     const int groups = block_vectors(form), per16 = form == 6;
-    const char *ahead = (const char *)(w + (t * kb + b) * groups * 64) + PREFETCH_AHEAD;
+    const int64_t dist = groups == 8 ? PREFETCH_AHEAD_BYTES : PREFETCH_AHEAD;
+    const char *ahead = (const char *)(w + (t * kb + b) * groups * 64) + dist;
     for (int c = 0; c < groups * 64; c += 64) _mm_prefetch(ahead + c, _MM_HINT_NTA);
-    int64_t ta = t, ba = b + PREFETCH_AHEAD / (groups * 64); /* (no division: one costs a block's work) */
+    int64_t ta = t, ba = b + dist / (groups * 64); /* (constants: no division; one costs a block's work) */
     while (ba >= kb) ba -= kb, ta++;
     if (half == 2) { /* a blob per 8 blocks: at the first block of a super-block, the whole blob */
         if (b % 8) return;
@@ -1093,8 +1102,7 @@ static void gemm_task(void *p, int task) {
     /* forms 5 and 6 under more than one row group: each tile expanded once, then its row groups */
     const uint8_t *xw = (j->form == 5 || j->form == 6) && rz - ra > MR ? expansion_buffer(kb * XBLOCK) : NULL;
 #endif
-    /* a decode GEMV's one row group (more rows are compute-bound), on a nibble form */
-    const int pf = j->m <= MR && j->form != 8 && j->form != FORM_Q8S;
+    const int pf = j->pf; /* prefetch ahead (mstar_qlinear says when) */
 #if QGEMM_AVX512
     if (xw) {
         for (int64_t t = t0; t < t1; t++) {
@@ -1118,6 +1126,10 @@ static void gemm_task(void *p, int task) {
         }
     }
 }
+
+static int head_prefetch = 1;
+/* whether a byte form's LM head GEMV prefetches (above; 1 by default): for A/B measurements */
+void mstar_qgemm_set_head_prefetch(int on) { head_prefetch = on; }
 
 static void quantize_task(void *p, int task) {
     const struct qjob *j = (const struct qjob *)p;
@@ -1176,12 +1188,16 @@ int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, in
     if (ct < least) ct = least;
     if (ct > tiles) ct = tiles;
     j.ct = ct;
+    /* a decode GEMV's one row group (more rows are compute-bound): a nibble form, or an LM head */
+    j.pf = m <= MR && ((form != 8 && form != FORM_Q8S) || (head_prefetch && tiles >= HEAD_TILES));
     chunks = (tiles + ct - 1) / ct;
     mstar_parallel_for_n((int)(chunks * j.nrb), threads, gemm_task, &j);
     return 0;
 }
 
 #else
+void mstar_qgemm_set_head_prefetch(int on) { (void)on; }
+
 int mstar_qlinear(int form, int xbytes, const float *x, int64_t m, int64_t k, int64_t lda, const void *w,
                   const void *d, const void *mn, int64_t n, const float *bias, float *out, int64_t ldc, int threads,
                   void *scratch) {

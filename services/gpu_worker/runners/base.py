@@ -15,6 +15,7 @@ about a kind of model is a few hooks of a subclass, not a second step loop:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from services.gpu_worker.attention import (
 )
 from services.gpu_worker.kv_manager import KVManager
 from services.gpu_worker.layers.prompt_rows import prompt_rows_from
-from services.gpu_worker.modeling.decoder.cpu_stack import CpuDecodeStack
+from services.gpu_worker.modeling.decoder.cpu_stack import MAX_CHUNK_ROWS, CpuDecodeStack
 from services.gpu_worker.request import Request
 from services.gpu_worker.sampler import Row, prompt_logprobs, sample
 from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
@@ -251,7 +252,7 @@ class ModelRunner:
             positions.extend(self.positions(r, r.num_computed, n))
             t += n
         if self.host_stack is not None and not prompt_rows:
-            host = self._run_on_host(rows, ids, positions, sample_rows)
+            host = self._run_on_host_pieces(rows, ids, positions, sample_rows)
             if host is not None:
                 return _split(_sample(host, sample_reqs, extras), counts)
         metas = self._metadata(rows)
@@ -268,6 +269,32 @@ class ModelRunner:
             logits = self.process_logits(logits, sample_reqs)
             toks = _sample(logits, sample_reqs, extras)
         return _split(toks, counts)
+
+    def _run_on_host_pieces(self, rows: dict[str, list[AttnRows]], ids: list[int], positions: list[int],
+                            sample_rows: list[int]) -> np.ndarray | None:
+        """`_run_on_host`, a step longer than the C stack takes (`MAX_CHUNK_ROWS`: a lone
+        prompt's prefill) in pieces of at most that many rows, one call each, in row order:
+        a piece's rows read the K/V (and a hybrid's state) the pieces before it wrote, as a
+        prompt cut into chunks by the scheduler does, and each row is computed as it is in
+        any chunk (layers/prompt_rows.py), so the tokens are the same. Why: the modules'
+        path (the stack's fallback) took 12-17% more time for the same rows (an 896-row
+        prefill of the bench's Q8_0 MoE: ~170 against ~142 ms of CPU, the hybrid's ~272
+        against ~238), the issue 50/51 TTFT; a single call of every row would need
+        attention scratch growing with rows x keys. None where the stack does not take it
+        (the modules run the whole step); a later piece it refuses fails the step, since
+        the pieces before it have moved a hybrid's state."""
+        pieces = host_pieces(rows, len(ids), sample_rows)
+        if pieces is None:
+            return self._run_on_host(rows, ids, positions, sample_rows)
+        out = []
+        for i, (part, lo, hi, sampled) in enumerate(pieces):
+            logits = self._run_on_host(part, ids[lo:hi], positions[lo:hi], sampled)
+            if logits is None:
+                if i == 0:
+                    return None
+                raise RuntimeError("the CPU stack refused a later piece of a long step")
+            out.append(np.array(logits))  # (the stack's logits buffer is the next call's)
+        return np.concatenate(out)
 
     def _run_on_host(self, rows: dict[str, list], ids: list[int], positions: list[int],
                         sample_rows: list[int]) -> np.ndarray | None:
@@ -295,6 +322,42 @@ class ModelRunner:
                                   head_dim=cache.shape[4], page_size=cache.shape[2], window=self.windows[name],
                                   dtype=cache.dtype, sm_scale=cfg.attn_scale, softcap=cfg.attn_softcap)
         return metas
+
+
+def host_pieces(rows: dict[str, list[AttnRows]], t: int, sample_rows: list[int]
+                ) -> list[tuple[dict[str, list[AttnRows]], int, int, list[int]]] | None:
+    """A step of `t` rows cut into pieces of at most `MAX_CHUNK_ROWS` rows, as near equal
+    as whole entries allow: per piece its rows per label (each entry's share of it, an
+    entry cut between pieces as the scheduler cuts a prompt into chunks), its row range
+    [lo, hi) and its sampled rows (piece-local). None for a step that fits one call, or one
+    a piece would not take whole: a decode entry (its row and drafts) or a bidirectional
+    block is never cut."""
+    if t <= MAX_CHUNK_ROWS or not rows:
+        return None
+    entries = next(iter(rows.values()))
+    if any(r.blocks for label in rows.values() for r in label):
+        return None
+    n_pieces = -(-t // MAX_CHUNK_ROWS)
+    bounds = [t * k // n_pieces for k in range(n_pieces + 1)]
+    starts, at = [], 0
+    for r in entries:
+        starts.append(at)
+        at += r.new
+    for r, s in zip(entries, starts):  # a decode entry stays whole
+        if r.decode and any(s < b < s + r.new for b in bounds):
+            return None
+    pieces = []
+    for lo, hi in itertools.pairwise(bounds):
+        part: dict[str, list[AttnRows]] = {name: [] for name in rows}
+        for i, s in enumerate(starts):
+            a, b = max(lo, s), min(hi, s + entries[i].new)
+            if a >= b:
+                continue
+            for name, label in rows.items():
+                r = label[i]
+                part[name].append(r._replace(cached=r.cached + a - s, new=b - a))
+        pieces.append((part, lo, hi, [x - lo for x in sample_rows if lo <= x < hi]))
+    return pieces
 
 
 # -- logprobs and the logits processors' inputs ----------------------------------------

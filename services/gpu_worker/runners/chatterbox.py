@@ -16,6 +16,10 @@ The step loop, admission, footprints and stop checks are the decoder's; what is 
   global CPU generator, which `torch.manual_seed(seed)` seeds the same way). Temperature
   0 is argmax (the package would divide by zero).
 
+- a reference clip (tensor `context_audio`, 24 kHz): its conditionals are made once, with
+  the request's prefix (modeling/speech/chatterbox_clip.py, on the CPU): T3's speaker
+  embedding and prompt tokens in place of conds.pt's, S3Gen's prompt in place of its voice;
+
 - sound: S3Gen (codecs/s3gen.py) in the codec thread (as the other speech runners'), once
   a request's last token is out: its flow matching attends over the whole utterance, so no
   sample is final before; earlier outputs carry no audio. Its noise continues the request's
@@ -32,6 +36,7 @@ import torch
 from services.gpu_worker.attention import AttnRows, cpu_backend
 from services.gpu_worker.codec_thread import CodecThread, HeldSound, sound_bytes
 from services.gpu_worker.codecs.s3gen import S3Gen
+from services.gpu_worker.modeling.speech.chatterbox_clip import ChatterboxClip
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import PlanEntry, StepPlan
@@ -62,8 +67,11 @@ class ChatterboxRunner(HeldSound, ModelRunner):
             raise ValueError(f"the Chatterbox folder has no built-in voice ({spec.conds_path})")
         conds = torch.load(spec.conds_path, map_location="cpu", weights_only=True)["t3"]
         self.voice = (conds["speaker_emb"].float(), conds["cond_prompt_speech_tokens"].long())
-        self.codec = S3Gen(spec.conds_path.parent, self.device)
+        self.folder = spec.conds_path.parent
+        self.codec = S3Gen(self.folder, self.device)
         self.thread = CodecThread()
+        #: the clip encoders, loaded at the first request with a reference clip
+        self.clips: ChatterboxClip | None = None
 
     def _backend(self) -> str:
         """The C kernels where they take the stack's attention, else torch (the step's rows
@@ -82,7 +90,13 @@ class ChatterboxRunner(HeldSound, ModelRunner):
         if guidance is None or guidance.size != 2:
             raise ValueError("a Chatterbox request needs tensor 'guidance' [exaggeration, cfg_weight]")
         exaggeration, cfg_weight = (float(v) for v in guidance.reshape(-1))
-        return prompt, {"exaggeration": exaggeration, "cfg_weight": cfg_weight}
+        inputs: dict[str, object] = {"exaggeration": exaggeration, "cfg_weight": cfg_weight}
+        clip = tensors.get("context_audio")
+        if clip is not None:
+            if clip.ndim != 1 or clip.size == 0:
+                raise ValueError("a Chatterbox clip ('context_audio') is one non-empty row of 24 kHz samples")
+            inputs["clip"] = clip.astype(np.float32, copy=False)
+        return prompt, inputs
 
     # -- the forward -----------------------------------------------------------------------
 
@@ -132,6 +146,12 @@ class ChatterboxRunner(HeldSound, ModelRunner):
         """The request's conditioning prefix rows (made once, kept on the request)."""
         if "prefix" not in r.inputs:
             spk, tokens = self.voice
+            if "clip" in r.inputs:
+                if self.clips is None:
+                    self.clips = ChatterboxClip(self.folder)
+                voice = self.clips.encode(r.inputs.pop("clip"))
+                spk, tokens = voice.speaker_emb, voice.t3_tokens
+                r.inputs["s3gen_voice"] = (voice.prompt_token, voice.prompt_feat, voice.xvector)
             with torch.inference_mode():
                 r.inputs["prefix"] = self.model.cond_rows(spk, tokens, r.inputs["exaggeration"])
         return r.inputs["prefix"]
@@ -180,11 +200,12 @@ class ChatterboxRunner(HeldSound, ModelRunner):
         last = output.finish_reason is not None
         tokens = request.inputs.setdefault("tokens", [])
         tokens.extend(output.token_ids)
-        self.thread.submit(reply_to, output, self._sound, list(tokens) if last else [], request.generator, last)
+        self.thread.submit(reply_to, output, self._sound, list(tokens) if last else [], request.generator,
+                           request.inputs.get("s3gen_voice"), last)
         return True
 
-    def _sound(self, tokens: list[int], generator: torch.Generator, last: bool) -> bytes:
-        return sound_bytes([self.codec.decode(tokens, generator)]) if last else b""
+    def _sound(self, tokens: list[int], generator: torch.Generator, voice, last: bool) -> bytes:
+        return sound_bytes([self.codec.decode(tokens, generator, voice)]) if last else b""
 
 
 def repetition_penalty(scores: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:

@@ -27,6 +27,8 @@ class StepRows:
         #: vectors added to prompt rows (Qwen3-TTS' x-vectors), and their rows
         self.vectors: list[torch.Tensor] = []
         self.vector_rows: list[int] = []
+        #: each frame row's text id (Qwen3-TTS' talker adds its projection; None: the model's own)
+        self.frame_texts: list[int | None] = []
         self.t = 0
 
     def text(self, tokens: list[int]) -> None:
@@ -34,9 +36,10 @@ class StepRows:
         self.text_rows.extend(range(self.t, self.t + len(tokens)))
         self.t += len(tokens)
 
-    def frame(self, codes: list[int]) -> None:
+    def frame(self, codes: list[int], text: int | None = None) -> None:
         self.frames.append(codes)
         self.frame_rows.append(self.t)
+        self.frame_texts.append(text)
         self.t += 1
 
 
@@ -59,7 +62,7 @@ class FrameBackboneRunner(ModelRunner):
             r, n = e.request, e.rows
             rows.append(AttnRows(e.pages[label], r.kv.labels[label].first_page, r.num_computed, n, e.decode))
             if e.decode:
-                step.frame(r.inputs["last_frame"])
+                step.frame(r.inputs["last_frame"], self._decode_text(r))
             else:
                 self._prompt_rows(r, n, step)
             step.positions.extend(range(r.num_computed, r.num_computed + n))
@@ -72,6 +75,8 @@ class FrameBackboneRunner(ModelRunner):
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         extra = {"vectors": torch.stack(step.vectors), "vector_rows": long(step.vector_rows)} if step.vectors else {}
+        if any(t is not None for t in step.frame_texts):
+            extra["frame_texts"] = long(step.frame_texts)
         with torch.inference_mode():
             hidden = self.model.backbone(long(step.text_ids), long(step.text_rows),
                                          long(step.frames).view(-1, self.spec.num_codebooks), long(step.frame_rows),
@@ -79,6 +84,10 @@ class FrameBackboneRunner(ModelRunner):
             made = self._sample_frames(hidden[long(sample_rows)], sampled) if sampled else []
         tokens = {id(e): tok for e, tok in zip(sampled, made)}
         return [[tokens[id(e)]] if id(e) in tokens else [] for e in plan.entries]
+
+    def _decode_text(self, r: Request) -> int | None:
+        """The text id a decoding request's frame row adds (Qwen3-TTS'); None: none."""
+        return None
 
     def _prompt_rows(self, r: Request, n: int, step: StepRows) -> None:
         """A prompt chunk's `n` rows: text ids, except the context's frame rows (kept on

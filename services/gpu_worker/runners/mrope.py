@@ -39,6 +39,8 @@ class MropeVisionRunner(VisionRunner):
     def __init__(self, model, spec, kv, caches: dict[str, list[torch.Tensor]], planner=None) -> None:
         super().__init__(model, spec, kv, caches, planner)
         self.merge = int(spec.merge_size)
+        #: the tokens whose rows come from the vision tower (Qwen3-Omni: its video token too)
+        self.vision_ids = np.asarray([self.image_token_id], dtype=np.int64)
 
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
         """`tensors`: "input_ids" int [P], "mrope_positions" int [3, P], and, when the
@@ -51,7 +53,7 @@ class MropeVisionRunner(VisionRunner):
                              f"{None if mrope is None else mrope.shape}")
         rows = np.array(mrope.T, dtype=np.int64, order="C")  # [P, 3]: a row's three, row-major (a copy)
         inputs: dict = {"mrope": rows, "mrope_delta": int(rows.max()) + 1 - len(prompt) if len(prompt) else 0}
-        where = np.flatnonzero(np.asarray(prompt) == self.image_token_id)
+        where = np.flatnonzero(np.isin(np.asarray(prompt), self.vision_ids))
         pixels, grids = tensors.get("pixel_values"), tensors.get("image_grid_thw")
         grids = np.zeros((0, 3), dtype=np.int64) if grids is None else np.array(grids, dtype=np.int64).reshape(-1, 3)
         patches = int(grids.prod(axis=1).sum())

@@ -1,5 +1,8 @@
 """The runner of Qwen3-Omni's thinker: `MropeVisionRunner` (images at admission, three
-positions a row) plus audio inputs.
+positions a row) plus audio inputs. A video's rows are an image's with t temporal patches:
+its tokens are vision rows beside the image tokens, its patches and grid in "pixel_values"
+and "image_grid_thw" in prompt order (`shared.specs.qwen3_omni`), one tower pass (with
+deepstack) over both, as transformers' thinker encodes `pixel_values_videos`.
 
 At admission (`prepare`) a request's clips go through the audio encoder together (one
 request at a time: the encoder's attention windows follow the longest conv window of the
@@ -37,6 +40,7 @@ class OmniRunner(MropeVisionRunner):
         super().__init__(model, spec, kv, caches, planner)
         self.audio_token_id = int(spec.audio_token_id)
         self.n_window = int(spec.n_window)
+        self.vision_ids = np.asarray([self.image_token_id, spec.video_token_id], dtype=np.int64)
 
     def make_request(self, tensors: dict[str, np.ndarray]) -> tuple[list[int], dict]:
         """`MropeVisionRunner`'s tensors, and "input_features" float [mel bins, frames] with
@@ -51,6 +55,9 @@ class OmniRunner(MropeVisionRunner):
         if len(where) != rows or width != int(counts.sum()):
             raise ValueError(f"the prompt holds {len(where)} audio tokens and {width} feature frames; its clips' "
                              f"frames {counts.tolist()} make {rows} rows and {int(counts.sum())} frames")
+        seconds = tensors.get("video_seconds")
+        if seconds is not None:  # the talker's positions of the prompt's videos (omni_speech.py)
+            inputs["video_seconds"] = [float(v) for v in np.asarray(seconds).reshape(-1)]
         if features is not None and rows:
             inputs.update(features=torch.from_numpy(np.array(features, dtype=np.float32)), frames=counts,
                           audio_where=where)

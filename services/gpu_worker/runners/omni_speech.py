@@ -58,6 +58,7 @@ from services.gpu_worker.runners.omni_talker import (
     talker_prompt,
     text_lead,
 )
+from services.gpu_worker.runners.omni_talker_sampling import TalkerSampling
 from services.gpu_worker.step_types import Emitted, Failure, PlanEntry, StepPlan
 from shared.frames import Output
 from shared.specs.qwen3_omni import CODE_LABEL, FRAME_LOOP, TALKER_LABEL, TALKER_OPENING_ROWS, user_rows
@@ -142,6 +143,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
                 continue
             grids = r.inputs.get("grids")
             r.metadata["talker_grids"] = [] if grids is None else [tuple(int(v) for v in g) for g in grids]
+            if r.inputs.get("video_seconds") is not None:
+                r.metadata["talker_seconds"] = r.inputs["video_seconds"]
             mm = np.flatnonzero(np.isin(np.asarray(r.prompt), self.settings.multimodal))
             if len(mm):
                 r.metadata["talker_rows"] = mm
@@ -203,11 +206,12 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         stage = r.stage
         assert stage is not None
         if stage.state is None:
-            stage.state = TalkerRun(self._prompt(r), closed=stage.earlier_done)
+            stage.state = TalkerRun(self._prompt(r), closed=stage.earlier_done,
+                                    sampling=TalkerSampling.of(r.metadata, r.sampling.seed))
             return stage.state
         run = stage.state
         if not run.closed:
-            eos = (r.output[-1],) if stage.finish == "stop" and r.output else ()
+            eos = _ended_by(r)
             known = known_text_rows(len(r.prompt), r.output, run.p.text_from, stage.earlier_done, eos)
             have = run.p.trailing.shape[0]
             assert known >= have, (known, have)
@@ -222,10 +226,11 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
     def _prompt(self, r: Request) -> TalkerPrompt:
         stage = r.stage
         assert stage is not None
-        eos = (r.output[-1],) if stage.finish == "stop" and r.output else ()
+        eos = _ended_by(r)
         return talker_prompt(self.talker, self.settings, self.model.lm.model.embed_tokens, r.prompt + r.output,
                              len(r.prompt), self.settings.speakers[str(r.metadata["voice"])], eos,
-                             r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"), stage.earlier_done)
+                             r.metadata.get("talker_hidden"), r.metadata.get("talker_grids"), stage.earlier_done,
+                             r.metadata.get("talker_seconds"))
 
     def emit_stage(self, request: Request, tokens: list[int]) -> Emitted:
         """A talker step's output: no token ids (its sound is added by `on_emit`). At
@@ -262,6 +267,17 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         self.thread.submit(reply_to, output, _sound, request.codec, frames,
                            output.finish_reason is not None or stage.done)
         return True
+
+
+def _ended_by(r: Request) -> tuple[int, ...]:
+    """The thinker's last token where it is an end marker the talker does not speak (EOS
+    or a stop token: its text row is `tts_eos`), else none: a text that ended at its length,
+    or at a stop string (`Request.stop_check`), is spoken to its last token, as transformers'
+    talker reads the thinker's sequence that `StopStringCriteria` ended."""
+    stage = r.stage
+    assert stage is not None
+    by_string = r.stop_check is not None and r.stop_check.matched is not None
+    return (r.output[-1],) if stage.finish == "stop" and r.output and not by_string else ()
 
 
 def _no_sound() -> bytes:

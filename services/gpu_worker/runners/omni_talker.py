@@ -20,9 +20,10 @@ Positions are transformers' `get_rope_index` over the talker's ids (the user tur
 grid (`shared.specs.vision_lm.mrope_positions`, the thinker's own); a later row r is at
 r + the offset in all three.
 
-Sampling is the reference's greedy: the first code's logits with the 1024 ids past the
-codes suppressed except `codec_eos`, and transformers' repetition penalty (1.05) over the
-first codes so far; the code predictor's codes greedy. A frame is made for each first code
+Sampling is the reference's (runners/omni_talker_sampling.py): the first code's logits with
+the 1024 ids past the codes suppressed except `codec_eos`, and transformers' repetition
+penalty (1.05) over the first codes so far, then greedy or sampled per request; the code
+predictor's codes greedy. A frame is made for each first code
 but the last (`codec_eos`, or the one sampled at the cap): the reference runs the predictor
 for a code only when it feeds the next step.
 """
@@ -37,6 +38,12 @@ import torch
 
 from services.gpu_worker.attention import AttnMetadata, AttnRows, build_metadata
 from services.gpu_worker.modeling.speech.qwen3_omni_talker import Qwen3OmniTalker
+from services.gpu_worker.runners.omni_talker_sampling import (
+    TalkerSampling,
+    choose,
+    first_code_scores,
+    predictor_codes,
+)
 from shared.specs.qwen3_omni import user_rows
 from shared.specs.vision_lm import mrope_positions
 
@@ -44,9 +51,6 @@ from shared.specs.vision_lm import mrope_positions
 #: newline, then one more); its text rows project the tokens after them
 TEXT_FROM = 4
 
-#: transformers' `generate` defaults for the talker
-REPETITION_PENALTY = 1.05
-SUPPRESSED_TAIL = 1024
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,19 @@ class TalkerSettings:
     multimodal: tuple[int, ...]  # audio, image, video placeholder ids
     accept_hidden_layer: int
     merge: int  # the vision tower's spatial merge
+    #: the talker's positions a second of video (`talker_config.position_id_per_seconds`)
+    position_id_per_seconds: float = 25.0
+
+    def video_steps(self, seconds: list[float] | None) -> list[int] | None:
+        """Each medium's step between temporal positions in the talker's `get_rope_index`
+        (seconds a temporal patch spans times its positions a second; 1 for an image,
+        whose one temporal patch makes it moot). ValueError where it is not whole."""
+        if seconds is None:
+            return None
+        steps = [sec * self.position_id_per_seconds for sec in seconds]
+        if any(step != int(step) for step in steps):
+            raise ValueError(f"video temporal steps {steps} are not whole positions")
+        return [int(step) for step in steps]
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TalkerSettings:
@@ -81,7 +98,8 @@ class TalkerSettings:
             multimodal=(int(th.get("audio_token_id", 151646)), int(th.get("image_token_id", 151655)),
                         int(th.get("video_token_id", 151656))),
             accept_hidden_layer=int(t.get("accept_hidden_layer", 18)),
-            merge=int((th.get("vision_config") or {}).get("spatial_merge_size", 2)))
+            merge=int((th.get("vision_config") or {}).get("spatial_merge_size", 2)),
+            position_id_per_seconds=float(t.get("position_id_per_seconds", 25)))
 
 
 @dataclass
@@ -137,13 +155,16 @@ def assistant_start(ids: list[int], s: TalkerSettings) -> int:
 def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[torch.Tensor], torch.Tensor],
                   sequence: list[int], prompt_len: int, speaker: int, thinker_eos: tuple[int, ...],
                   mm_hidden: torch.Tensor | None = None,
-                  grids: list[tuple[int, int, int]] | None = None, ended: bool = True) -> TalkerPrompt:
+                  grids: list[tuple[int, int, int]] | None = None, ended: bool = True,
+                  video_seconds: list[float] | None = None) -> TalkerPrompt:
     """The talker's prompt rows and text rows for the thinker's `sequence` (its prompt's
     `prompt_len` ids, then what it generated: all of it, or, `ended` False, what it has
     generated so far, at least one token: the text rows then stop before the end, and
     `TalkerRun.extend` adds the rest as it comes); `embed`: the thinker's input embeddings;
     `mm_hidden` [prompt rows, thinker hidden]: its hidden states at `accept_hidden_layer`,
-    read only at image and audio rows of user turns; `grids`: the prompt's images' (t, h, w)."""
+    read only at image and audio rows of user turns; `grids`: the prompt's images' and
+    videos' (t, h, w) in prompt order; `video_seconds`: the seconds each one's temporal
+    patch spans (where the prompt holds a video)."""
     dev = model.codec_head.weight.device
     prompt = sequence[:prompt_len]
     embeds = embed(torch.tensor(sequence, device=dev))
@@ -173,7 +194,8 @@ def talker_prompt(model: Qwen3OmniTalker, s: TalkerSettings, embed: Callable[[to
     else:
         trailing = said[TEXT_FROM:][:len(generated)]
     ids = [prompt[p] for p in users] + [s.tts_ids[2]] * opening.shape[0]
-    positions, offset = mrope_positions(ids, s.multimodal[1], list(grids or []), s.merge)
+    positions, offset = mrope_positions(ids, s.multimodal[1:], list(grids or []), s.merge,
+                                        s.video_steps(video_seconds))
     return TalkerPrompt(torch.cat([user_rows, opening]), trailing, pad, eos, a + TEXT_FROM,
                         torch.from_numpy(positions).to(dev), int(offset))
 
@@ -182,8 +204,10 @@ class TalkerRun:
     """One request's talker stage: its prompt, the first codes sampled so far, the frames
     made, and the talker's last hidden state (what the next frame's code predictor reads)."""
 
-    def __init__(self, prompt: TalkerPrompt, closed: bool = True) -> None:
+    def __init__(self, prompt: TalkerPrompt, closed: bool = True, sampling: TalkerSampling | None = None) -> None:
         self.p = prompt
+        #: how its first codes are picked (greedy unless the request samples)
+        self.sampling = sampling or TalkerSampling()
         #: the text rows are all there (the thinker ended, `tts_eos` after its last)
         self.closed = closed
         self.rows = 0  # talker rows in KV
@@ -244,7 +268,7 @@ class TalkerStep:
         if started:
             hidden = torch.cat([cast(torch.Tensor, runs[i].hidden) for i in started])
             firsts = [runs[i].history[-1] for i in started]
-            frames = self.predict(hidden, firsts, [code_pages[i] for i in started])
+            frames = self.predict(hidden, firsts, [code_pages[i] for i in started], [runs[i].sampling for i in started])
             embeds = self.m.frame_embeds(torch.tensor(frames, device=dev))
             for j, i in enumerate(started):
                 runs[i].frames.append(frames[j])
@@ -263,26 +287,19 @@ class TalkerStep:
         for j, r in enumerate(runs):
             r.rows += xs[j].shape[0]
             r.hidden = hidden[j: j + 1]
-            r.history.append(self._first_code(logits[j], r.history))
+            r.history.append(self._first_code(logits[j], r))
             out.append(r.history[-1])
         return out
 
-    def _first_code(self, logits: torch.Tensor, history: list[int]) -> int:
-        """Greedy over the codes and `codec_eos` (the other 1023 control ids suppressed),
-        after the repetition penalty over the first codes so far."""
-        vocab = logits.shape[0]
-        keep = logits[self.s.codec_eos].clone()
-        logits[max(0, vocab - SUPPRESSED_TAIL):] = float("-inf")
-        logits[self.s.codec_eos] = keep
-        if history:
-            seen = torch.tensor(sorted(set(history)), device=logits.device)
-            vals = logits[seen]
-            logits[seen] = torch.where(vals < 0, vals * REPETITION_PENALTY, vals / REPETITION_PENALTY)
-        return int(torch.argmax(logits))
+    def _first_code(self, logits: torch.Tensor, run: TalkerRun) -> int:
+        """The run's next first code (`omni_talker_sampling`: greedy or sampled)."""
+        return choose(first_code_scores(logits, run.history, self.s.codec_eos, run.sampling.params), run.sampling)
 
-    def predict(self, hidden: torch.Tensor, firsts: list[int], pages: list[list[int]]) -> list[list[int]]:
+    def predict(self, hidden: torch.Tensor, firsts: list[int], pages: list[list[int]],
+                samplings: list[TalkerSampling] | None = None) -> list[list[int]]:
         """Frames [b][groups]: each first code and the code predictor's `groups - 1` codes
-        after it (greedy), from the talker's hidden states `hidden` [b, hidden]."""
+        after it (greedy, or sampled where its run samples: `predictor_codes`), from the
+        talker's hidden states `hidden` [b, hidden]."""
         b, dev = len(firsts), hidden.device
         codes = [torch.tensor(firsts, device=dev)]
         for k in range(self.m.groups - 1):
@@ -293,5 +310,5 @@ class TalkerStep:
                 x, cached, new, rows = self.m.residual_embeds(codes[-1], k), k + 1, 1, torch.arange(b, device=dev)
             meta = self._meta([AttnRows(p, 0, cached, new, k > 0) for p in pages])
             pos = torch.arange(cached, cached + new, device=dev).repeat(b)
-            codes.append(torch.argmax(self.m.predict(x, pos, self.code_caches, meta, rows, k), dim=-1))
+            codes.append(predictor_codes(self.m.predict(x, pos, self.code_caches, meta, rows, k), samplings))
         return torch.stack(codes, dim=1).tolist()

@@ -6,17 +6,23 @@ OpenAI's chat with audio: `modalities: ["text", "audio"]` and `audio: {"voice", 
   24 kHz mono), "expires_at", "transcript": the text}`;
 - streamed: `delta.content` chunks (the text), then `delta.audio` chunks `{"id", "data":
   base64 pcm16}` whose bytes join to the whole clip.
+An extension: `audio.temperature` (>= 0; 0 is greedy), `audio.top_p` (0 < p <= 1) and
+`audio.top_k` (an int; 0 or -1 is off) sample the talker's codes (the thinker's text
+follows the request's own fields); what is left out takes transformers' talker defaults
+(services/gpu_worker/runners/omni_talker_sampling.py), except that a request whose own
+temperature is 0 speaks greedily too. The request's `seed` seeds both.
 Refused with a 400 naming the field: `modalities` that is not a list of "text" and "audio",
 or "audio" without "text" (OpenAI asks for both); `audio` missing when audio is asked (or
 sent without it), not an object, or with other keys; `audio.voice` the model lacks;
-`audio.format` other than wav or pcm16. A model without a talker refuses "audio".
+`audio.format` other than wav or pcm16; a talker sampling field of the wrong type or out of
+its range. A model without a talker refuses "audio".
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.api.errors import invalid
@@ -34,11 +40,31 @@ FORMATS = ("wav", "pcm16")
 EXPIRES_S = 3600
 
 
+#: the talker's sampling fields in `audio`, each with its check and what it must be
+TALKER_FIELDS = {"temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+                 "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+                 "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an int >= -1")}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SpeechOut:
     voice: str
     format: str
     rate: int
+    #: the talker's sampling fields the request set ("temperature", "top_p", "top_k")
+    talker: dict[str, float | int] = field(default_factory=dict)
+
+    def options(self, greedy: bool) -> dict[str, float | int]:
+        """The data worker's options for the talker ("talker_temperature"...): those set,
+        and temperature 0 where the request is `greedy` and left the talker's out."""
+        out = {f"talker_{k}": v for k, v in self.talker.items()}
+        if greedy and "temperature" not in self.talker:
+            out["talker_temperature"] = 0.0
+        return out
 
 
 def speech_out(obj: dict[str, Any], voices: tuple[str, ...], rate: int, model: str) -> SpeechOut | None:
@@ -58,14 +84,18 @@ def speech_out(obj: dict[str, Any], voices: tuple[str, ...], rate: int, model: s
         raise invalid("modalities", f"{model!r} writes text only (it has no talker): send modalities [\"text\"]")
     if audio is None:
         raise invalid("audio", 'modalities with "audio" needs audio: {"voice", "format"}')
-    if not isinstance(audio, dict) or set(audio) - {"voice", "format"}:
-        raise invalid("audio", 'audio must be an object {"voice", "format"}')
+    if not isinstance(audio, dict) or set(audio) - {"voice", "format", *TALKER_FIELDS}:
+        raise invalid("audio", 'audio must be an object {"voice", "format"} (and the talker\'s "temperature", '
+                               '"top_p", "top_k")')
     voice, fmt = audio.get("voice"), audio.get("format", "wav")
     if not isinstance(voice, str) or voice.lower() not in voices:
         raise invalid("audio.voice", f"voice {voice!r} is not one of {model!r}'s voices {list(voices)}")
     if fmt not in FORMATS:
         raise invalid("audio.format", f"audio.format must be one of {list(FORMATS)}")
-    return SpeechOut(voice.lower(), fmt, rate)
+    for name, (ok, what) in TALKER_FIELDS.items():
+        if name in audio and not ok(audio[name]):
+            raise invalid(f"audio.{name}", f"audio.{name} must be {what}")
+    return SpeechOut(voice.lower(), fmt, rate, {k: audio[k] for k in TALKER_FIELDS if k in audio})
 
 
 def audio_message(speech: SpeechOut, request_id: str, samples: bytes, transcript: str | None) -> dict[str, Any]:

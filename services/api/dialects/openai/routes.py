@@ -45,6 +45,8 @@ def _model_card(state: ApiState) -> ModelCard:
         inputs.append("state")
     if settings.audio_placeholder:
         inputs.append("audio")
+    if settings.video_placeholder:
+        inputs.append("video")
     outputs = {"generate": ["text"], "embed": ["embedding"], "speech": ["audio"],
                "act": ["actions"], "rollout": ["embedding"], "image": ["image", "video"]}.get(settings.task, ["score"])
     if settings.voices and settings.task == "generate":  # an omni model's talker: speech out on chat
@@ -53,6 +55,7 @@ def _model_card(state: ApiState) -> ModelCard:
     return ModelCard(settings.model_name, state.created, settings.max_model_len, inputs, outputs,
                      image_placeholder=settings.image_placeholder or None,
                      audio_placeholder=settings.audio_placeholder or None,
+                     video_placeholder=settings.video_placeholder or None,
                      default_sampling={k: v for k, v in defaults.items() if v is not None} or None,
                      parameters=settings.parameters or None, active_parameters=settings.active_parameters or None,
                      task=settings.task)
@@ -102,10 +105,12 @@ def _accept_chat(obj: dict[str, Any], state: ApiState) -> Prepared:
         obj = dict(obj)
         speech = speech_out(obj, settings.voices, settings.sample_rate, settings.model_name)
     req, messages = parse_chat(obj, settings.model_name, vision=bool(settings.image_placeholder),
-                               audio=bool(settings.audio_placeholder))
-    if speech is not None:
+                               audio=bool(settings.audio_placeholder), video=bool(settings.video_placeholder))
+    if speech is not None:  # the worker ends the thinker at a stop string: the talker speaks up to it
+        sampling = msgspec.structs.replace(req.params.sampling, stop=list(req.params.stop))
         req = msgspec.structs.replace(req, params=msgspec.structs.replace(
-            req.params, options={**req.params.options, "voice": speech.voice}))
+            req.params, options={**req.params.options, "voice": speech.voice,
+                                 **speech.options(req.params.sampling.greedy)}, sampling=sampling))
     plan = plan_chat(req, messages, state)
     req = plan.req
     created = int(time.time())

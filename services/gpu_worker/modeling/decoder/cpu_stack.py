@@ -25,7 +25,8 @@ On Gemma 3 270M (18 layers) the modules' path cost ~9 ms of a ~22 ms decode step
 The runner's steps go further (`run_step`): the embedding, the final norm and the head run
 in the same call, from plain ints and into a kept logits buffer, with no torch op on the
 way; and plain causal prompt chunks beside the decode rows (steps of up to
-`MAX_CHUNK_ROWS`) run there too, through the prefill kernel. After the step's weights have
+`MAX_CHUNK_ROWS`, a longer step in pieces of that many) run there too, through the prefill
+kernel. After the step's weights have
 streamed through the caches every torch op costs 20-40 us (10 warm): a SmolLM2 decode step
 spent ~0.6 ms of its ~4.5 ms in a dozen of them, and a step through the modules costs ~3 ms
 more than one call on an 8-layer model, ~8 ms on SmolLM2's 30 layers.
@@ -103,7 +104,9 @@ KINDS = (FULL, SLIDING)
 #: the step structs a call takes: one per kind, and a hybrid's linear layers' (the last)
 STEPS = len(KINDS) + 1
 #: the most rows of a step with prompt chunks `run_step` takes (its workspace grows with the
-#: rows; a longer chunk's Python is a small part of its time, and the modules slice its MLP)
+#: rows, its attention scratch with rows x keys); the runner calls it on a longer step in
+#: pieces of at most this many rows (runners/base.py `host_pieces`), which took 12-17% less
+#: time than the modules' path on an 896-row prefill of the bench's Q8_0 hybrid and MoE
 MAX_CHUNK_ROWS = 256
 
 

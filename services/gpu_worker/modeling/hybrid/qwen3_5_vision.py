@@ -155,7 +155,8 @@ class Qwen35VisionTower(nn.Module):
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         frames = [0]  # attention within each frame of each image
         for t, h, w in grids:
-            frames.extend(frames[-1] + h * w * (i + 1) for i in range(t))
+            start = frames[-1]  # (a generator reading frames[-1] would see it grow)
+            frames.extend(start + h * w * (i + 1) for i in range(t))
         x = self.patch_embed(pixels)
         indices, weights = position_taps(grids, self.merge, self.side)
         device = x.device

@@ -98,29 +98,32 @@ class Qwen3TTSModel(SpeechCodesModel):
             x[has] = x[has] + self.model.codec_embedding(codec[has])
         return x
 
-    def frame_embeds(self, frames: torch.Tensor) -> torch.Tensor:
+    def frame_embeds(self, frames: torch.Tensor, texts: torch.Tensor | None = None) -> torch.Tensor:
         """Frames [F, groups] -> the talker's next rows: the codes' embeddings summed in
-        code order (as the package sums them), plus the projected `tts_pad`."""
+        code order (as the package sums them), plus the projected text id of each (`texts`
+        [F]: the streamed text's; `tts_pad` where absent)."""
         rows = [self.model.codec_embedding(frames[:, 0])] + [self.code_embeds(frames[:, k], k)
                                                                for k in range(1, self.groups)]
-        pad = self.text_rows(torch.tensor([self.tts_pad], device=frames.device))
-        return torch.stack(rows, dim=1).sum(1) + pad
+        if texts is None:
+            texts = torch.tensor([self.tts_pad], device=frames.device)
+        return torch.stack(rows, dim=1).sum(1) + self.text_rows(texts)
 
     def backbone(self, text_ids: torch.Tensor, text_rows: torch.Tensor, frames: torch.Tensor,
                  frame_rows: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
                  meta: AttnMetadata, vectors: torch.Tensor | None = None,
-                 vector_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 vector_rows: torch.Tensor | None = None, frame_texts: torch.Tensor | None = None) -> torch.Tensor:
         """A step's rows (prompt rows at `text_rows`, frame rows at `frame_rows`) through the
         talker; every row's hidden state after the final norm [T, hidden]. `vectors` are
         added at `vector_rows` (prompt rows): a Base checkpoint's x-vectors, each on its
-        speaker row (`tts_pad` alone), as the package sums `tts_pad_embed + speaker_embed`."""
+        speaker row (`tts_pad` alone), as the package sums `tts_pad_embed + speaker_embed`.
+        `frame_texts`: each frame row's text id (streamed text; `frame_embeds`)."""
         table = self.model.codec_embedding.weight
         t = text_rows.numel() + frame_rows.numel()
         x = torch.empty(t, self.cfg.hidden_size, dtype=table.dtype, device=table.device)
         if text_rows.numel():
             x[text_rows] = self.prompt_embeds(text_ids)
         if frame_rows.numel():
-            x[frame_rows] = self.frame_embeds(frames)
+            x[frame_rows] = self.frame_embeds(frames, frame_texts)
         if vectors is not None and vector_rows is not None:
             x[vector_rows] = x[vector_rows] + vectors.to(x.dtype)
         return self.model.run(x, self.rotary.tables(positions, x.dtype), caches, meta)

@@ -11,9 +11,9 @@ its audio encoder.
   over the merged block instead), fed by that block's output. `encode_images` returns each
   image row's main row and its deepstack rows side by side ([rows, hidden * (1 + D)]), so the
   runner keeps and hands them on as one row.
-- Deepstack: after LLM layer i < D, an image row's hidden state gets its i-th deepstack row
-  added (transformers' `_deepstack_process`); which step rows are image rows the model reads
-  from the ids (the image token), so audio rows (whose values are the audio encoder's, their
+- Deepstack: after LLM layer i < D, an image or video row's hidden state gets its i-th
+  deepstack row added (transformers' `_deepstack_process`); which step rows are vision rows
+  the model reads from the ids (the image and video tokens), so audio rows (whose values are the audio encoder's, their
   deepstack columns zero) are left alone.
 - `encode_audio` is `Qwen3OmniAudioEncoder` (modeling/speech/qwen3_omni_audio.py).
 
@@ -41,7 +41,7 @@ from services.gpu_worker.modeling.hybrid.qwen3_5_vision import LN_EPS, Qwen35Vis
 from services.gpu_worker.modeling.speech.qwen3_omni_audio import Qwen3OmniAudioEncoder
 from services.gpu_worker.modeling.vision.base import load_vlm_weights
 from shared.model_config import read_model_config
-from shared.specs.qwen3_omni import IMAGE_TOKEN_ID, omni_text_config
+from shared.specs.qwen3_omni import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, omni_text_config
 
 #: the thinker's parts' prefixes in a release's files
 LM_PREFIX, HEAD_PREFIX, VISION_PREFIX, AUDIO_PREFIX = "thinker.model.", "thinker.lm_head.", "thinker.visual.", \
@@ -80,8 +80,9 @@ class OmniVisionTower(Qwen35VisionTower):
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         frames = [0]
-        for t, h, w in grids:
-            frames.extend(frames[-1] + h * w * (i + 1) for i in range(t))
+        for t, h, w in grids:  # one attention sequence a frame (a video's temporal patches apart)
+            start = frames[-1]
+            frames.extend(start + h * w * (i + 1) for i in range(t))
         x = self.patch_embed(pixels)
         indices, weights = position_taps(grids, self.merge, self.side)
         device = x.device
@@ -114,13 +115,15 @@ class OmniTextLM(DecoderLM):
     #: set by the caller around a forward whose rows the talker reads
     tap: HiddenTap | None = None
 
-    def __init__(self, config: Mapping[str, Any], section: tuple[int, ...], image_token_id: int) -> None:
+    def __init__(self, config: Mapping[str, Any], section: tuple[int, ...], image_token_id: int,
+                 video_token_id: int = VIDEO_TOKEN_ID) -> None:
         cfg = read_model_config(config)
         super().__init__(cfg)
         self.rotaries = nn.ModuleDict({t: InterleavedMRotary(cast("Rotary", r).rope, cfg.head_dim,
                                                              cfg.max_position_embeddings, section)
                                        for t, r in self.rotaries.items()})
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
 
     def prepare(self) -> None:
         super().prepare()
@@ -135,7 +138,8 @@ class OmniTextLM(DecoderLM):
             rows, values = embeds
             x[rows] = values[:, :width].to(x.dtype)
             if values.shape[1] > width:
-                visual = input_ids[rows] == self.image_token_id
+                ids = input_ids[rows]
+                visual = (ids == self.image_token_id) | (ids == self.video_token_id)
                 deep_rows = rows[visual]
                 layers = values.shape[1] // width - 1
                 deep = values[visual, width:].to(x.dtype).view(len(deep_rows), layers, width)
@@ -164,7 +168,8 @@ class Qwen3OmniThinker(TowerAndLM):
         super().__init__()
         thinker = config.get("thinker_config") or {}
         text, section = omni_text_config(config)
-        self.lm = OmniTextLM(text, section, int(thinker.get("image_token_id", IMAGE_TOKEN_ID)))
+        self.lm = OmniTextLM(text, section, int(thinker.get("image_token_id", IMAGE_TOKEN_ID)),
+                             int(thinker.get("video_token_id", VIDEO_TOKEN_ID)))
         self.vision = OmniVisionTower(thinker.get("vision_config") or {})
         self.audio = Qwen3OmniAudioEncoder(thinker.get("audio_config") or {})
 

@@ -1,7 +1,11 @@
 """Stop strings over streamed text: find the first match, never leak part of one.
 
-The engine knows nothing of stop strings (they are text, and text exists only here after
-detokenization), so the api checks them: every text delta goes through `StopMatcher.push`,
+Stop strings are text, so they are checked on detokenized text: by the api on every
+request's deltas (services/api/generation.py), and, for a request whose worker must end a
+stage at the match itself (an omni model's speech out: its talker speaks only the text
+before the match), by the gpu worker too (services/gpu_worker/stop_check.py), with the same
+detokenizer and matcher, so both find the match at the same token. Every text delta goes
+through `StopMatcher.push`,
 which returns only text that can no longer become part of a stop string. Text that ends
 with a proper prefix of some stop string (`"\\n\\nUs"` for stop `"\\n\\nUser:"`) is held
 back until later text settles it: either the stop string completes (the match is found,
@@ -72,6 +76,13 @@ class StopMatcher:
             if i != -1 and (cut == -1 or i < cut):
                 cut, which = i, stop
         return cut, which
+
+    def peek(self, text: str) -> str | None:
+        """The stop string that the held text and `text` (text not released yet, that may
+        still grow) hold, if any; nothing changes."""
+        if self.matched is not None:
+            return self.matched
+        return self._first_match(self._held + text)[1]
 
     def flush(self) -> str:
         """At the end of generation: held text can no longer grow into a match, but it may

@@ -49,6 +49,18 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_ids)
         return self._advance(final=False)
 
+    def pending(self) -> str:
+        """The text of the held tokens up to their first unfinished character: not emitted
+        (a later token may still change what follows it), but what precedes an unfinished
+        character at the end is final. The gpu worker's stop check reads it, so a stop
+        string that ends before such a character ends the text at the token that made it."""
+        ids = self.token_ids
+        if self._read_offset >= len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])
+        return new_text[len(prefix_text) :].rstrip(REPLACEMENT) if len(new_text) > len(prefix_text) else ""
+
     def finish(self) -> str:
         """The text still held back (a character the generation never completed)."""
         return self._advance(final=True)
