@@ -198,6 +198,16 @@ class _Resnet(nn.Module):
         h += shift
         return self.block2(h) + self.res_conv(x)
 
+    def split_forward(self, x: torch.Tensor, shift: torch.Tensor, const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`forward` on the input's first channels `x` only, `const` being what its two
+        convs give on the others (`_Estimator.constants`): convolution is linear in its
+        input channels, so a conv over all = the conv over `x` + the rest's part."""
+        conv, n = cast("nn.Conv1d", self.block1.block[0]), x.shape[1]
+        h = F.conv1d(F.pad(x, (conv.kernel_size[0] - 1, 0)), conv.weight[:, :n]) + const[0]
+        h = self.block1.block[1:](h)
+        h += shift
+        return self.block2(h) + (F.conv1d(x, self.res_conv.weight[:, :n]) + const[1])
+
 
 class _Attention(nn.Module):
     """diffusers' `Attention` (AttnProcessor2_0) without bias on q / k / v."""
@@ -318,12 +328,27 @@ class _Estimator(nn.Module):
             x = block(x)
         return x.transpose(1, 2).contiguous()
 
+    def constants(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first resnet's two convs on the input channels that are the same at every
+        Euler step (mu, the speaker, the prompt's mel: 3/4 of them), with their biases,
+        computed once per utterance instead of once per step (`_Resnet.split_forward`)."""
+        rest = torch.cat([mu, spks.unsqueeze(-1).expand(-1, -1, mu.shape[-1]), cond], dim=1)
+        first = cast("_Resnet", cast("Sequence[Any]", self.down_blocks[0])[0])
+        conv, res = cast("nn.Conv1d", first.block1.block[0]), first.res_conv
+        n = conv.in_channels - rest.shape[1]
+        return (F.conv1d(F.pad(rest, (conv.kernel_size[0] - 1, 0)), conv.weight[:, n:], conv.bias),
+                F.conv1d(rest, res.weight[:, n:], res.bias))
+
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                 cond: torch.Tensor) -> torch.Tensor:
+        return self.step(x, t, self.constants(mu, spks, cond))
+
+    def step(self, x: torch.Tensor, t: torch.Tensor, const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The estimator on the noisy mel `x` at time `t`, the rest of its input being
+        `const` (`constants`)."""
         shifts = self.time_shifts(t)
-        x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
         down = cast("Sequence[Any]", self.down_blocks[0])
-        skip = self._blocks(down[0](x, shifts[0]), down[1])
+        skip = self._blocks(down[0].split_forward(x, shifts[0], const), down[1])
         x = down[2](skip)
         for mid, shift in zip(cast("Iterable[Sequence[Any]]", self.mid_blocks), shifts[1:-1]):
             x = self._blocks(mid[0](x, shift), mid[1])
@@ -372,10 +397,11 @@ class S3GenFlow(nn.Module):
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         zeros = torch.zeros_like(mu)
         mu_in, spks_in = torch.cat([mu, zeros]), torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, zeros])
+        estimator = self.decoder.estimator
+        const = estimator.constants(mu_in, spks_in, torch.cat([cond, zeros]))
         for t, r in itertools.pairwise(t_span):
             x_in, t_in = torch.cat([x, x]), t.unsqueeze(0).expand(2)
-            dxdt = self.decoder.estimator(x_in, mu_in, t_in, spks_in, cond_in)
+            dxdt = estimator.step(x_in, t_in, const)
             dxdt, uncond = torch.split(dxdt, [1, 1], dim=0)
             x = x + (r - t) * ((1.0 + CFG_RATE) * dxdt - CFG_RATE * uncond)
         return x
