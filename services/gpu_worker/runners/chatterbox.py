@@ -189,7 +189,11 @@ class ChatterboxRunner(HeldSound, ModelRunner):
                 continue
             if sp.temperature != 1.0:
                 logits = logits / sp.temperature
-            logits = top_p(min_p(logits, sp.min_p), sp.top_p)
+            logits = min_p(logits, sp.min_p)
+            if not (sp.top_p >= 1 and 0 < sp.min_p <= 1):
+                # top_p at 1 drops only tokens of probability 0, and after min_p those are
+                # its -inf ones already: skipped there (the defaults), a sort of the vocabulary less
+                logits = top_p(logits, sp.top_p)
             probs = torch.softmax(logits, dim=-1)
             out.append(int(torch.multinomial(probs, num_samples=1, generator=r.generator)))
         return out
