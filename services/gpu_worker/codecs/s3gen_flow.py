@@ -22,6 +22,7 @@ The mel after the prompt's frames is the result.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,14 +44,18 @@ STEPS = 10
 # -- the encoder ----------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def rel_positions(t: int, d: int) -> torch.Tensor:
-    """ESPnet's relative position table for `t` rows: [1, 2t - 1, d] (positions t-1 .. -(t-1))."""
-    position = torch.arange(0, t, dtype=torch.float32).unsqueeze(1)
-    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
-    pos, neg = torch.zeros(t, d), torch.zeros(t, d)
-    pos[:, 0::2], pos[:, 1::2] = torch.sin(position * div), torch.cos(position * div)
-    neg[:, 0::2], neg[:, 1::2] = torch.sin(-1 * position * div), torch.cos(-1 * position * div)
-    return torch.cat([torch.flip(pos, [0]).unsqueeze(0), neg[1:].unsqueeze(0)], dim=1)
+    """ESPnet's relative position table for `t` rows: [1, 2t - 1, d] (positions t-1 .. -(t-1));
+    kept per size (two per utterance, ~10 small ops each, the same for every utterance of
+    that length). Read-only; a normal tensor even when first made under inference mode."""
+    with torch.inference_mode(False):
+        position = torch.arange(0, t, dtype=torch.float32).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
+        pos, neg = torch.zeros(t, d), torch.zeros(t, d)
+        pos[:, 0::2], pos[:, 1::2] = torch.sin(position * div), torch.cos(position * div)
+        neg[:, 0::2], neg[:, 1::2] = torch.sin(-1 * position * div), torch.cos(-1 * position * div)
+        return torch.cat([torch.flip(pos, [0]).unsqueeze(0), neg[1:].unsqueeze(0)], dim=1)
 
 
 class _RelAttention(nn.Module):
