@@ -215,7 +215,8 @@ class _Resnet(nn.Module):
 
 
 class _Attention(nn.Module):
-    """diffusers' `Attention` (AttnProcessor2_0) without bias on q / k / v."""
+    """diffusers' `Attention` (AttnProcessor2_0) without bias on q / k / v; the package's mask is
+    all zeros (one unpadded utterance), so none is passed (no mask tensor per call)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -231,7 +232,7 @@ class _Attention(nn.Module):
             return t.view(b, -1, self.heads, t.shape[-1] // self.heads).transpose(1, 2)
 
         h = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
-                                           attn_mask=torch.zeros((b, self.heads, 1, x.shape[1]), dtype=x.dtype))
+                                           attn_mask=None)
         return self.to_out[0](h.transpose(1, 2).reshape(b, -1, h.shape[1] * h.shape[3]))
 
 
