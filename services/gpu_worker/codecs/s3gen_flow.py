@@ -203,7 +203,8 @@ class _Resnet(nn.Module):
         h += shift
         return self.block2(h) + self.res_conv(x)
 
-    def split_forward(self, x: torch.Tensor, shift: torch.Tensor, const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def split_forward(self, x: torch.Tensor, shift: torch.Tensor,
+                      const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`forward` on the input's first channels `x` only, `const` being what its two
         convs give on the others (`_Estimator.constants`): convolution is linear in its
         input channels, so a conv over all = the conv over `x` + the rest's part."""
