@@ -53,6 +53,7 @@ class S3Gen:
             for prefix, module in (("flow.", self.flow), ("mel2wav.", self.hift)):
                 state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
                 module.load_state_dict(state)
+        self.hift.fold_weight_norm()
         self.flow.to(device).eval()
         self.hift.to(device).eval()
         self.device = device

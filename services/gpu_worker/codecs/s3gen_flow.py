@@ -22,6 +22,7 @@ The mel after the prompt's frames is the result.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,14 +44,18 @@ STEPS = 10
 # -- the encoder ----------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def rel_positions(t: int, d: int) -> torch.Tensor:
-    """ESPnet's relative position table for `t` rows: [1, 2t - 1, d] (positions t-1 .. -(t-1))."""
-    position = torch.arange(0, t, dtype=torch.float32).unsqueeze(1)
-    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
-    pos, neg = torch.zeros(t, d), torch.zeros(t, d)
-    pos[:, 0::2], pos[:, 1::2] = torch.sin(position * div), torch.cos(position * div)
-    neg[:, 0::2], neg[:, 1::2] = torch.sin(-1 * position * div), torch.cos(-1 * position * div)
-    return torch.cat([torch.flip(pos, [0]).unsqueeze(0), neg[1:].unsqueeze(0)], dim=1)
+    """ESPnet's relative position table for `t` rows: [1, 2t - 1, d] (positions t-1 .. -(t-1));
+    kept per size (two per utterance, ~10 small ops each, the same for every utterance of
+    that length). Read-only; a normal tensor even when first made under inference mode."""
+    with torch.inference_mode(False):
+        position = torch.arange(0, t, dtype=torch.float32).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
+        pos, neg = torch.zeros(t, d), torch.zeros(t, d)
+        pos[:, 0::2], pos[:, 1::2] = torch.sin(position * div), torch.cos(position * div)
+        neg[:, 0::2], neg[:, 1::2] = torch.sin(-1 * position * div), torch.cos(-1 * position * div)
+        return torch.cat([torch.flip(pos, [0]).unsqueeze(0), neg[1:].unsqueeze(0)], dim=1)
 
 
 class _RelAttention(nn.Module):
@@ -192,14 +197,27 @@ class _Resnet(nn.Module):
         self.block1, self.block2 = _CausalBlock(dim, dim_out), _CausalBlock(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """`shift`: `self.mlp` of the time embedding, unsqueezed (`_Estimator.time_shifts`)."""
         h = self.block1(x)
-        h += self.mlp(t).unsqueeze(-1)
+        h += shift
         return self.block2(h) + self.res_conv(x)
+
+    def split_forward(self, x: torch.Tensor, shift: torch.Tensor,
+                      const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`forward` on the input's first channels `x` only, `const` being what its two
+        convs give on the others (`_Estimator.constants`): convolution is linear in its
+        input channels, so a conv over all = the conv over `x` + the rest's part."""
+        conv, n = cast("nn.Conv1d", self.block1.block[0]), x.shape[1]
+        h = F.conv1d(F.pad(x, (conv.kernel_size[0] - 1, 0)), conv.weight[:, :n]) + const[0]
+        h = self.block1.block[1:](h)
+        h += shift
+        return self.block2(h) + (F.conv1d(x, self.res_conv.weight[:, :n]) + const[1])
 
 
 class _Attention(nn.Module):
-    """diffusers' `Attention` (AttnProcessor2_0) without bias on q / k / v."""
+    """diffusers' `Attention` (AttnProcessor2_0) without bias on q / k / v; the package's mask is
+    all zeros (one unpadded utterance), so none is passed (no mask tensor per call)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -215,7 +233,7 @@ class _Attention(nn.Module):
             return t.view(b, -1, self.heads, t.shape[-1] // self.heads).transpose(1, 2)
 
         h = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
-                                           attn_mask=torch.zeros((b, self.heads, 1, x.shape[1]), dtype=x.dtype))
+                                           attn_mask=None)
         return self.to_out[0](h.transpose(1, 2).reshape(b, -1, h.shape[1] * h.shape[3]))
 
 
@@ -285,12 +303,30 @@ class _Estimator(nn.Module):
         self.up_blocks = nn.ModuleList([_stage(c, ch * 2, ch, time_dim, True)])
         self.final_block = _CausalBlock(ch, ch)
         self.final_proj = nn.Conv1d(ch, int(c["out_channels"]), 1)
+        #: time values -> every resnet's time shift (`time_shifts`)
+        self.shifts: dict[tuple[object, ...], list[torch.Tensor]] = {}
 
     def time_embedding(self, t: torch.Tensor) -> torch.Tensor:
         half = self.in_channels // 2
         emb = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
         emb = 1000 * t.unsqueeze(1) * emb.unsqueeze(0)
         return self.time_mlp(torch.cat((emb.sin(), emb.cos()), dim=-1).to(t.dtype))
+
+    def time_shifts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each resnet's `mlp(time_embedding(t))` (down, middle, up), [B, C, 1]. The Euler
+        steps' times are the same for every utterance (a fixed cosine schedule), so under
+        inference mode they are computed once per time and kept: the same ops on the same
+        values, so the same shifts, without ~2 small linears per resnet per step."""
+        key = (*t.tolist(), str(t.dtype), str(t.device))
+        cached = self.shifts.get(key) if torch.is_inference_mode_enabled() else None
+        if cached is not None:
+            return cached
+        emb = self.time_embedding(t)
+        stages = [*self.down_blocks, *self.mid_blocks, *self.up_blocks]
+        shifts = [cast("Sequence[Any]", stage)[0].mlp(emb).unsqueeze(-1) for stage in stages]
+        if torch.is_inference_mode_enabled():
+            self.shifts[key] = shifts
+        return shifts
 
     @staticmethod
     def _blocks(x: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
@@ -299,18 +335,33 @@ class _Estimator(nn.Module):
             x = block(x)
         return x.transpose(1, 2).contiguous()
 
+    def constants(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first resnet's two convs on the input channels that are the same at every
+        Euler step (mu, the speaker, the prompt's mel: 3/4 of them), with their biases,
+        computed once per utterance instead of once per step (`_Resnet.split_forward`)."""
+        rest = torch.cat([mu, spks.unsqueeze(-1).expand(-1, -1, mu.shape[-1]), cond], dim=1)
+        first = cast("_Resnet", cast("Sequence[Any]", self.down_blocks[0])[0])
+        conv, res = cast("nn.Conv1d", first.block1.block[0]), first.res_conv
+        n = conv.in_channels - rest.shape[1]
+        return (F.conv1d(F.pad(rest, (conv.kernel_size[0] - 1, 0)), conv.weight[:, n:], conv.bias),
+                F.conv1d(rest, res.weight[:, n:], res.bias))
+
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                 cond: torch.Tensor) -> torch.Tensor:
-        t = self.time_embedding(t)
-        x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
+        return self.step(x, t, self.constants(mu, spks, cond))
+
+    def step(self, x: torch.Tensor, t: torch.Tensor, const: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The estimator on the noisy mel `x` at time `t`, the rest of its input being
+        `const` (`constants`)."""
+        shifts = self.time_shifts(t)
         down = cast("Sequence[Any]", self.down_blocks[0])
-        skip = self._blocks(down[0](x, t), down[1])
+        skip = self._blocks(down[0].split_forward(x, shifts[0], const), down[1])
         x = down[2](skip)
-        for mid in cast("Iterable[Sequence[Any]]", self.mid_blocks):
-            x = self._blocks(mid[0](x, t), mid[1])
+        for mid, shift in zip(cast("Iterable[Sequence[Any]]", self.mid_blocks), shifts[1:-1]):
+            x = self._blocks(mid[0](x, shift), mid[1])
         up = cast("Sequence[Any]", self.up_blocks[0])
         x = torch.cat([x[:, :, : skip.shape[-1]], skip], dim=1)
-        x = up[2](self._blocks(up[0](x, t), up[1]))
+        x = up[2](self._blocks(up[0](x, shifts[-1]), up[1]))
         return self.final_proj(self.final_block(x))
 
 
@@ -353,10 +404,11 @@ class S3GenFlow(nn.Module):
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         zeros = torch.zeros_like(mu)
         mu_in, spks_in = torch.cat([mu, zeros]), torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, zeros])
+        estimator = self.decoder.estimator
+        const = estimator.constants(mu_in, spks_in, torch.cat([cond, zeros]))
         for t, r in itertools.pairwise(t_span):
             x_in, t_in = torch.cat([x, x]), t.unsqueeze(0).expand(2)
-            dxdt = self.decoder.estimator(x_in, mu_in, t_in, spks_in, cond_in)
+            dxdt = estimator.step(x_in, t_in, const)
             dxdt, uncond = torch.split(dxdt, [1, 1], dim=0)
             x = x + (r - t) * ((1.0 + CFG_RATE) * dxdt - CFG_RATE * uncond)
         return x

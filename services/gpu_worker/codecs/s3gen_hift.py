@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 #: S3Token2Wav's arguments to HiFTGenerator, then HiFTGenerator's own defaults
@@ -147,6 +148,15 @@ class HiFT(nn.Module):
         self.conv_post = weight_norm(nn.Conv1d(base // 2 ** len(ups), n_fft + 2, 7, 1, padding=3))
         self.f0_predictor = F0Predictor(**{**F0_PREDICTOR, **(f0 or {})})
         self.register_buffer("window", torch.hann_window(n_fft, periodic=True), persistent=False)
+
+    def fold_weight_norm(self) -> None:
+        """Each weight-normed conv's weight computed once, after its weights are loaded:
+        torch's parametrization recomputes `g * v / |v|` at every call (82 convs, a
+        norm, a division and a product each, per utterance) and the weights never change
+        while serving. The same function on the same tensors, so the same weights."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
     def forward(self, mel: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         """Mel [B, 80, T] -> samples [B, T * 480]."""

@@ -40,6 +40,7 @@ from services.gpu_worker.modeling.speech.chatterbox_clip import ChatterboxClip
 from services.gpu_worker.request import Request
 from services.gpu_worker.runners.base import ModelRunner
 from services.gpu_worker.step_types import PlanEntry, StepPlan
+from shared import trace
 from shared.frames import Output
 from shared.specs.base import ChatterboxRunnerSpec
 
@@ -188,7 +189,11 @@ class ChatterboxRunner(HeldSound, ModelRunner):
                 continue
             if sp.temperature != 1.0:
                 logits = logits / sp.temperature
-            logits = top_p(min_p(logits, sp.min_p), sp.top_p)
+            logits = min_p(logits, sp.min_p)
+            if not (sp.top_p >= 1 and 0 < sp.min_p <= 1):
+                # top_p at 1 drops only tokens of probability 0, and after min_p those are
+                # its -inf ones already: skipped there (the defaults), a sort of the vocabulary less
+                logits = top_p(logits, sp.top_p)
             probs = torch.softmax(logits, dim=-1)
             out.append(int(torch.multinomial(probs, num_samples=1, generator=r.generator)))
         return out
@@ -201,11 +206,16 @@ class ChatterboxRunner(HeldSound, ModelRunner):
         tokens = request.inputs.setdefault("tokens", [])
         tokens.extend(output.token_ids)
         self.thread.submit(reply_to, output, self._sound, list(tokens) if last else [], request.generator,
-                           request.inputs.get("s3gen_voice"), last)
+                           request.inputs.get("s3gen_voice"), last, output.request_id)
         return True
 
-    def _sound(self, tokens: list[int], generator: torch.Generator, voice, last: bool) -> bytes:
-        return sound_bytes([self.codec.decode(tokens, generator, voice)]) if last else b""
+    def _sound(self, tokens: list[int], generator: torch.Generator, voice, last: bool, request_id: str) -> bytes:
+        if not last:
+            return b""
+        trace.stamp(request_id, "gpu.codec_start")
+        sound = sound_bytes([self.codec.decode(tokens, generator, voice)])
+        trace.stamp(request_id, "gpu.codec_end")
+        return sound
 
 
 def repetition_penalty(scores: torch.Tensor, ids: list[int], penalty: float) -> torch.Tensor:
@@ -224,6 +234,11 @@ def min_p(scores: torch.Tensor, p: float) -> torch.Tensor:
         return scores
     probs = torch.softmax(scores, dim=-1)
     remove = probs < p * probs.amax(dim=-1, keepdim=True)
+    if p <= 1:
+        # the warper's sort only keeps its top token, which `remove` never holds at p <= 1
+        # (its probability is the max): the same mask without an argsort over the
+        # vocabulary (a third of a T3 step's time, profiled)
+        return scores.masked_fill(remove, float("-inf"))
     order = torch.argsort(scores, descending=True, dim=-1)
     sorted_remove = torch.gather(remove, 1, order)
     sorted_remove[..., :1] = False
