@@ -49,10 +49,27 @@ class Stage:
     earlier_done: bool = True
     #: this stage has ended (it may before the earlier one does)
     done: bool = False
+    #: seconds of sound a step after the first makes (0: the stage is not paced)
+    pace_s: float = 0.0
+    #: sound a paced stage keeps made ahead of playback while the earlier stage decodes
+    ahead_s: float = 0.0
+    #: when (time.monotonic()) its first step after the prompt's was planned: playback's start
+    paced_from: float | None = None
 
-    def ready(self, earlier_outputs: int) -> bool:
-        """Whether this stage's next step has what it reads of the earlier stage."""
-        return not self.done and (self.earlier_done or earlier_outputs >= self.steps + self.lead)
+    def ready(self, earlier_outputs: int, now: float = 0.0) -> bool:
+        """Whether this stage's next step has what it reads of the earlier stage, and (a
+        paced stage, while the earlier one decodes) is due: the earlier stage's rows then
+        run alone, so its text is not slowed to this stage's pace (an omni talker's frame
+        and code predictor cost several thinker steps), while the sound made stays
+        `ahead_s` ahead of its playback from the first frame on (`now`: the step's
+        time.monotonic())."""
+        if self.done or not (self.earlier_done or earlier_outputs >= self.steps + self.lead):
+            return False
+        if self.earlier_done or self.pace_s <= 0 or not self.started:
+            return True
+        if self.paced_from is None:
+            self.paced_from = now
+        return (self.steps - 1) * self.pace_s < self.ahead_s + (now - self.paced_from)
 
 
 @dataclass

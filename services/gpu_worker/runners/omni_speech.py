@@ -67,6 +67,9 @@ log = logging.getLogger("mstar.omni_speech")
 
 #: frames a sound chunk after the first gathers (each Code2Wav call has a fixed cost)
 CHUNK_FRAMES = 4
+#: sound the talker keeps made ahead of its playback while the thinker writes (two chunks):
+#: past it, a step runs the thinker's row alone unless a frame is due (`Stage.ready`)
+AHEAD_S = 0.64
 
 
 def load_talker(folder: Path, config: dict, device: torch.device, dtype: torch.dtype) -> Qwen3OmniTalker:
@@ -112,7 +115,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         the assistant turn's first tokens, and each later step one more (`Stage.lead`)."""
         if request.stage is None and request.output and request.metadata.get("voice") is not None:
             request.stage = Stage(self.talker_labels, FRAME_LOOP, self._talker_rows(request), earlier_done=False,
-                                  lead=text_lead(request.prompt, self.settings))
+                                  lead=text_lead(request.prompt, self.settings), ahead_s=AHEAD_S,
+                                  pace_s=self.codec.samples_per_frame / self.codec.sample_rate)
 
     def next_stage(self, request: Request, output: Output, at_caps: bool) -> bool:
         """A speech request goes on to its talker when its text ends (the talker opened
@@ -128,7 +132,7 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
             return False
         else:
             stage.finish, stage.at_caps, stage.earlier_done = output.finish_reason, at_caps, True
-        output.finish_reason = None
+        output.finish_reason, output.text_end = None, True
         return True
 
     def _talker_rows(self, request: Request) -> int:
