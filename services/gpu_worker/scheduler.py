@@ -52,7 +52,6 @@ them as it cuts prefill.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -320,10 +319,9 @@ class Scheduler:
         """Each decoding request's entries (a row and its drafts; its later stage's rows
         where that stage is ready, beside or after the first's); the batch tokens left."""
         # (a later stage's first step writes its prompt rows: they count as a prefill's)
-        now = time.monotonic()  # (one time for the step: a paced stage is due or not once)
         budget = self.limits.max_batch_tokens - sum(
             (0 if r.stage is not None and r.stage.earlier_done else 1)
-            + (r.stage.rows if r.stage is not None and r.stage.ready(len(r.output), now) else 0) for r in decodes)
+            + (r.stage.rows if r.stage is not None and r.stage.ready(len(r.output)) else 0) for r in decodes)
         for r in decodes:
             stage = r.stage
             if stage is None or not stage.earlier_done:
@@ -331,7 +329,7 @@ class Scheduler:
                 budget -= len(drafts)
                 plan.entries.append(PlanEntry(r, 1 + len(drafts), True, drafts))
                 plan.shape += chunk_shape(r.num_computed, 1 + len(drafts), 1 + len(drafts))
-            if stage is not None and stage.ready(len(r.output), now):  # its prompt rows, then a row an iteration
+            if stage is not None and stage.ready(len(r.output)):  # its prompt rows, then a row an iteration
                 plan.entries.append(PlanEntry(r, stage.rows, stage.started, stage=True))
                 plan.shape += chunk_shape(0, stage.rows, 1)
         return budget
