@@ -326,11 +326,11 @@ async def test_sampled_speech_is_seeded(folder, server):
     assert_clean(server)
 
 
-PACED_TOKENS = 16  # past the talker's FREE_FRAMES + its lead: its last frames are paced to the text
+PACED_TOKENS = 12  # past the talker's FREE_FRAMES + its lead: its last frames are paced to the text
 
 
 async def test_the_text_is_not_paced_by_the_talker(folder, server):
-    """A 16-token text (EOS ignored) with speech, the talker paced to one frame per
+    """A 12-token text (EOS ignored) with speech, the talker paced to one frame per
     `TEXT_PACE` text tokens past its first frames (runners/omni_speech.py): transformers'
     text and waveform (its talker reads each text row at the same frame, whenever mstar
     runs it); streamed, the text is whole before the sound's last chunk (`Output.text_end`)
@@ -338,8 +338,8 @@ async def test_the_text_is_not_paced_by_the_talker(folder, server):
     want_text, want_wave = reference(folder, "ethan", max_tokens=PACED_TOKENS, ignore_eos=True)
     request = body("ethan", "pcm16", max_tokens=PACED_TOKENS, ignore_eos=True)
     events: list[tuple[str, bytes]] = []
-    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        wav = await client.post("/v1/chat/completions", json={**request, "audio": {"voice": "ethan", "format": "wav"}})
+
+    async def stream(client: httpx.AsyncClient) -> None:
         async with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -348,6 +348,11 @@ async def test_the_text_is_not_paced_by_the_talker(folder, server):
                         delta = choice["delta"]
                         audio = delta.get("audio") or {}
                         events.append((delta.get("content") or "", base64.b64decode(audio.get("data") or "")))
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        wav, _ = await asyncio.gather(
+            client.post("/v1/chat/completions", json={**request, "audio": {"voice": "ethan", "format": "wav"}}),
+            stream(client))
     assert wav.status_code == 200, wav.text
     message = wav.json()["choices"][0]["message"]
     assert message["content"] == want_text
