@@ -207,6 +207,10 @@ class Output(msgspec.Struct, **HOT):
     #: job's progress), on the outputs its iterations send before its result
     steps_done: int = 0
     steps_total: int = 0
+    #: the request's text ended on this output though the request goes on (a speech
+    #: request's talker still speaks): the api flushes the text's detokenizer now, so the
+    #: text's last characters do not wait for the sound's end
+    text_end: bool = False
 
 
 class StepOutputs(msgspec.Struct, tag="step_outputs", **HOT):

@@ -249,6 +249,10 @@ class Generation:
                         return
                     if text or ids or self._pending_audio:  # (a speech-out stage's outputs carry sound alone)
                         yield self._delta(text, list(ids))
+                if item.text_end:  # the text is whole: its held characters go now, not at the sound's end
+                    text = stop.push(detok.finish())
+                    if text:
+                        yield self._delta(text, [])
             elif type(item) is Aborted:
                 text = stop.push(detok.finish())
                 text += stop.flush()

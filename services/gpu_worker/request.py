@@ -29,7 +29,8 @@ class Stage:
     It may open while the earlier stage still decodes (DESIGN.md §3 "Stages": the talker
     starts at the thinker's first token, `ModelRunner.open_stage`): then both stages have
     an entry in a step, and the later one's step k waits until the earlier one has made
-    k + `lead` outputs (what it reads of them), unless the earlier one ended. Either may
+    k + `lead` outputs (what it reads of them), and a paced stage more (`pace`, `free`),
+    unless the earlier one ended. Either may
     end first; the request ends when both have. `finish` is the earlier stage's
     finish_reason (sent on the request's last output)."""
 
@@ -49,10 +50,24 @@ class Stage:
     earlier_done: bool = True
     #: this stage has ended (it may before the earlier one does)
     done: bool = False
+    #: while the earlier stage decodes, this stage's steps after its first `free` frames
+    #: wait for `pace` earlier outputs each (1: one each, as its reading needs)
+    pace: int = 1
+    free: int = 0
 
     def ready(self, earlier_outputs: int) -> bool:
-        """Whether this stage's next step has what it reads of the earlier stage."""
-        return not self.done and (self.earlier_done or earlier_outputs >= self.steps + self.lead)
+        """Whether this stage's next step has what it reads of the earlier stage, and (a
+        paced stage, while the earlier one decodes) is due: past its first `free` steps
+        after the prompt's, a step waits for `pace` more earlier outputs than the last, so
+        the earlier stage's rows run alone in between and its text is not slowed to this
+        stage's pace (an omni talker's frame with its code predictor costs several
+        thinker steps, and it needs only one text row a frame)."""
+        if self.done:
+            return False
+        if self.earlier_done:
+            return True
+        paced = max(0, self.steps - 1 - self.free) * (self.pace - 1)
+        return earlier_outputs >= self.steps + self.lead + paced
 
 
 @dataclass

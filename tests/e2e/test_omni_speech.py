@@ -67,9 +67,10 @@ def messages(media: str = "", ours: bool = True) -> list[dict]:
 
 @cache
 def reference(folder: Path, voice: str, media: str = "", stop: tuple[str, ...] = (),
-              max_tokens: int = MAX_TOKENS) -> tuple[str, np.ndarray]:
+              max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> tuple[str, np.ndarray]:
     """(transformers' text, its waveform) for `messages(media)` in `voice`; with `stop`, the
-    thinker ends at the token that completes one (`thinker_stop_strings`: the text holds it)."""
+    thinker ends at the token that completes one (`thinker_stop_strings`: the text holds it);
+    `ignore_eos`: it writes `max_tokens` (an end id no token has), all of them spoken."""
     import soundfile as sf
     import torch
     from PIL import Image
@@ -91,7 +92,7 @@ def reference(folder: Path, voice: str, media: str = "", stop: tuple[str, ...] =
         inputs["input_ids"] = torch.tensor([ids])
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         inputs.update(video)
-    eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = -1 if ignore_eos else proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
     if stop:
         kwargs.update(thinker_stop_strings=list(stop), thinker_tokenizer=proc.tokenizer)
     with torch.no_grad():
@@ -322,4 +323,42 @@ async def test_sampled_speech_is_seeded(folder, server):
     clips = [base64.b64decode(m["audio"]["data"]) for m in messages]
     assert texts[:3] == [reference(folder, "ethan")[0]] * 3 and texts[3] == texts[4]
     assert clips[0] == clips[1] and clips[0] != clips[2] and clips[3] == clips[4] and all(clips)
+    assert_clean(server)
+
+
+PACED_TOKENS = 12  # past the talker's FREE_FRAMES + its lead: its last frames are paced to the text
+
+
+async def test_the_text_is_not_paced_by_the_talker(folder, server):
+    """A 12-token text (EOS ignored) with speech, the talker paced to one frame per
+    `TEXT_PACE` text tokens past its first frames (runners/omni_speech.py): transformers'
+    text and waveform (its talker reads each text row at the same frame, whenever mstar
+    runs it); streamed, the text is whole before the sound's last chunk (`Output.text_end`)
+    and the stream joins to the reply."""
+    want_text, want_wave = reference(folder, "ethan", max_tokens=PACED_TOKENS, ignore_eos=True)
+    request = body("ethan", "pcm16", max_tokens=PACED_TOKENS, ignore_eos=True)
+    events: list[tuple[str, bytes]] = []
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        delta = choice["delta"]
+                        audio = delta.get("audio") or {}
+                        events.append((delta.get("content") or "", base64.b64decode(audio.get("data") or "")))
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        wav, _ = await asyncio.gather(
+            client.post("/v1/chat/completions", json={**request, "audio": {"voice": "ethan", "format": "wav"}}),
+            stream(client))
+    assert wav.status_code == 200, wav.text
+    message = wav.json()["choices"][0]["message"]
+    assert message["content"] == want_text
+    assert_wave(base64.b64decode(message["audio"]["data"]), want_wave)
+    last_text = max(i for i, (text, _) in enumerate(events) if text)
+    assert any(sound for _, sound in events[last_text + 1:]), "the text's end waited for the sound's"
+    assert "".join(t for t, _ in events) == want_text
+    assert b"".join(s for _, s in events) == base64.b64decode(message["audio"]["data"])[44:]
     assert_clean(server)

@@ -10,11 +10,16 @@ predictor's scratch rows. It runs in two stages:
   both the request's thinker row and its talker rows. Its end (EOS, a stop token,
   max_tokens) does not end the request while the talker runs: `next_stage` moves the
   finish_reason onto the `Stage` and clears it on the output ("the text ended, the
-  request goes on"), so the api keeps listening;
+  request goes on"), so the api keeps listening, and sets `text_end` on it, so the api
+  sends the text's held characters then, not at the sound's end;
 - the talker: its first step writes its prompt rows (built by `talker_prompt` from the
   text so far), each later step one frame row and reads one more text row, so it waits
   (`Stage.ready`) until the thinker has made that token (`text_lead`, `known_text_rows`:
   rows past the text's end are `tts_eos` then `tts_pad`, known once the thinker ends).
+  Past its first FREE_FRAMES frames, while the thinker writes, a frame also waits for
+  TEXT_PACE more tokens than the last (`Stage.pace`): the thinker's rows run alone in
+  between, so the text is not written at the talker's pace (issue 52; the sound is the
+  same, each frame reading the same text row whenever it runs).
   The scheduler reserves and commits its rows on the stage's labels (`Stage.labels`,
   `PlanEntry.stage`) and counts `frame_loop`; every step but the first makes a frame
   (the code predictor on the "code" scratch rows, reserved by `step_scratch`, given back
@@ -67,6 +72,12 @@ log = logging.getLogger("mstar.omni_speech")
 
 #: frames a sound chunk after the first gathers (each Code2Wav call has a fixed cost)
 CHUNK_FRAMES = 4
+#: while the thinker writes, the talker's frames after its first FREE_FRAMES (two sound
+#: chunks: the first sound is not delayed) run one per TEXT_PACE text tokens, so the text
+#: comes at about the thinker's own pace: on an H100 a frame with its code predictor costs
+#: ~2 thinker steps, so 3 thinker steps and a frame still make a frame (80 ms of sound)
+#: well within 80 ms; once the text ends, the talker runs every step
+TEXT_PACE, FREE_FRAMES = 3, 2 * CHUNK_FRAMES
 
 
 def load_talker(folder: Path, config: dict, device: torch.device, dtype: torch.dtype) -> Qwen3OmniTalker:
@@ -112,7 +123,8 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
         the assistant turn's first tokens, and each later step one more (`Stage.lead`)."""
         if request.stage is None and request.output and request.metadata.get("voice") is not None:
             request.stage = Stage(self.talker_labels, FRAME_LOOP, self._talker_rows(request), earlier_done=False,
-                                  lead=text_lead(request.prompt, self.settings))
+                                  lead=text_lead(request.prompt, self.settings), pace=TEXT_PACE,
+                                  free=FREE_FRAMES)
 
     def next_stage(self, request: Request, output: Output, at_caps: bool) -> bool:
         """A speech request goes on to its talker when its text ends (the talker opened
@@ -128,7 +140,7 @@ class OmniSpeechRunner(HeldSound, OmniRunner):
             return False
         else:
             stage.finish, stage.at_caps, stage.earlier_done = output.finish_reason, at_caps, True
-        output.finish_reason = None
+        output.finish_reason, output.text_end = None, True
         return True
 
     def _talker_rows(self, request: Request) -> int:
