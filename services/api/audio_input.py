@@ -11,10 +11,9 @@ the features and refuses a clip too short or too long (`shared.specs.qwen3_omni`
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 
+from services.api.base64_input import decode_capped
 from services.api.errors import invalid
 
 #: 25 MiB, OpenAI's limit for an audio file
@@ -29,12 +28,7 @@ def decode_audio_input(data: str, param: str) -> bytes:
         header, sep, data = data[5:].partition(",")
         if not sep or "base64" not in header.lower().split(";")[1:]:
             raise invalid(param, "a data URL must be data:audio/<type>;base64,<base64 data>")
-    if len(data) > 4 * (MAX_AUDIO_BYTES // 3 + 2):
-        raise invalid(param, f"the audio has more bytes than allowed; the limit is {MAX_AUDIO_BYTES} bytes")
-    try:
-        raw = base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise invalid(param, f"{param} is not valid base64") from exc
+    raw = decode_capped(data, MAX_AUDIO_BYTES, param, "audio")
     check_audio(raw, param)
     return raw
 

@@ -13,10 +13,9 @@ every frame, samples and preprocesses them (`shared.specs.qwen3_omni_video`).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 
+from services.api.base64_input import decode_capped
 from services.api.errors import invalid
 
 #: 64 MiB of video file a request part
@@ -35,12 +34,7 @@ def decode_video_input(url: str, param: str) -> bytes:
     fields = header.lower().split(";")
     if not sep or "base64" not in fields[1:] or not fields[0].startswith("video/"):
         raise invalid(param, f"{param} must be data:video/<type>;base64,<base64 data>")
-    if len(data) > 4 * (MAX_VIDEO_BYTES // 3 + 2):
-        raise invalid(param, f"the video has more bytes than allowed; the limit is {MAX_VIDEO_BYTES} bytes")
-    try:
-        raw = base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise invalid(param, f"{param} is not valid base64") from exc
+    raw = decode_capped(data, MAX_VIDEO_BYTES, param, "video")
     check_video(raw, param)
     return raw
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import aclosing
-from typing import cast
+from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
 import zmq
@@ -50,6 +51,15 @@ from shared.specs.image_gen import ImageGenSpec
 from shared.specs.policy import PolicySpec
 from shared.specs.world import WorldSpec
 from shared.zmq_utils import Pushers, bind_pull, cleanup_ipc, recv_frames
+
+
+class _HasText(Protocol):
+    @property
+    def text(self) -> str: ...
+
+
+#: one prepared input (an audio clip, a video): what stands in its placeholder's place
+_Made = TypeVar("_Made", bound=_HasText)
 
 log = logging.getLogger("mstar.data_worker")
 
@@ -283,38 +293,31 @@ class DataWorker:
     def expand_audios(self, req: GenerateRequest) -> tuple[tuple[PreparedClip, ...], str | None]:
         """(the request's audio inputs made into features by the spec's `prepare_audio`; the
         prompt with each one's tokens in place of its placeholder), as `expand_images`."""
-        placeholder = self.spec.audio_placeholder
-        if not req.audios:
-            return (), req.prompt
-        if not placeholder:
-            raise PromptError("audios", "the served model does not take audio inputs")
-        if req.prompt is None:
-            raise PromptError("input_ids", "audio inputs need a text prompt (with the audio placeholder), "
-                                           "not input_ids")
-        parts = req.prompt.split(placeholder)
-        if len(parts) - 1 != len(req.audios):
-            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} audio placeholder(s) "
-                                        f"({placeholder!r}) for {len(req.audios)} audio input(s)")
-        clips = self.spec.prepare_audios(req.audios)
-        return clips, parts[0] + "".join(c.text + part for c, part in zip(clips, parts[1:]))
+        return self._expand(req.audios, req.prompt, "audio", self.spec.audio_placeholder, self.spec.prepare_audios)
 
     def expand_videos(self, req: GenerateRequest) -> tuple[tuple[PreparedVideo, ...], str | None]:
         """(the request's video inputs made into patches by the spec's `prepare_videos`; the
         prompt with each one's tokens in place of its placeholder), as `expand_images`."""
-        placeholder = self.spec.video_placeholder
-        if not req.videos:
-            return (), req.prompt
+        return self._expand(req.videos, req.prompt, "video", self.spec.video_placeholder, self.spec.prepare_videos)
+
+    @staticmethod
+    def _expand(items: Any, prompt: str | None, kind: str, placeholder: str | None,
+                prepare: Callable[[Any], tuple[_Made, ...]]) -> tuple[tuple[_Made, ...], str | None]:
+        """`kind`'s inputs (field `kind + "s"`) paired one to one with `placeholder` in the
+        prompt, prepared all at once; the prompt with each one's text in its placeholder's place."""
+        if not items:
+            return (), prompt
         if not placeholder:
-            raise PromptError("videos", "the served model does not take video inputs")
-        if req.prompt is None:
-            raise PromptError("input_ids", "video inputs need a text prompt (with the video placeholder), "
+            raise PromptError(f"{kind}s", f"the served model does not take {kind} inputs")
+        if prompt is None:
+            raise PromptError("input_ids", f"{kind} inputs need a text prompt (with the {kind} placeholder), "
                                            "not input_ids")
-        parts = req.prompt.split(placeholder)
-        if len(parts) - 1 != len(req.videos):
-            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} video placeholder(s) "
-                                        f"({placeholder!r}) for {len(req.videos)} video input(s)")
-        videos = self.spec.prepare_videos(req.videos)
-        return videos, parts[0] + "".join(v.text + part for v, part in zip(videos, parts[1:]))
+        parts = prompt.split(placeholder)
+        if len(parts) - 1 != len(items):
+            raise PromptError("prompt", f"the prompt holds {len(parts) - 1} {kind} placeholder(s) "
+                                        f"({placeholder!r}) for {len(items)} {kind} input(s)")
+        made = prepare(items)
+        return made, parts[0] + "".join(m.text + part for m, part in zip(made, parts[1:]))
 
     def expand_context(self, req: GenerateRequest) -> tuple[tuple[PreparedAudio, ...], str]:
         """(the request's context audio, decoded by the spec's `prepare_context`; the text
